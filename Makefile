@@ -1,0 +1,66 @@
+# ctxfast — the two commands a newcomer runs:
+#   make run    the main job: `ctxfast info`, then a smoke run of every op on every backend
+#   make test   the whole test suite
+# Both create .venv and install everything on first use; nothing needs installing by hand.
+#
+# On a machine whose python already has a CUDA torch (the GPU machines), the venv reuses
+# it with --system-site-packages and downloads nothing. Elsewhere it installs torch 2.13.0
+# (CPU build), triton, pytest, pytest-benchmark, hypothesis and numpy.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ctxfast-deps
+NVCC   ?= $(shell command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)
+NVCC_FLAGS := -std=c++17 -Icsrc -gencode arch=compute_90,code=sm_90
+CUDA_SRCS  := $(wildcard csrc/cuda/*.cu)
+BUILD_SRCS := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu)
+
+# Without a GPU the Triton kernels run in the interpreter (must be set before import).
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+ifeq ($(HAS_GPU),0)
+export TRITON_INTERPRET := 1
+endif
+
+.PHONY: run test install cuda-check bench clean
+
+run: install
+	$(VENV)/bin/ctxfast info
+	$(VENV)/bin/ctxfast smoke
+
+test: install
+	$(PY) -m pytest tests -q -ra
+
+bench: install
+	$(VENV)/bin/ctxfast bench --quick
+
+install: $(VENV)/.ctxfast-built
+
+$(STAMP):
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+	  echo "ctxfast: reusing the CUDA torch of $(PYTHON) (venv with --system-site-packages)"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV) && \
+	  $(PY) -m pip install -q --upgrade pip setuptools wheel && \
+	  $(PY) -m pip install -q torch==2.13.0 && \
+	  $(PY) -m pip install -q "triton>=3.6" numpy ninja pytest pytest-benchmark hypothesis; \
+	fi
+	@touch $@
+
+$(VENV)/.ctxfast-built: $(STAMP) $(BUILD_SRCS)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+# Compile every CUDA C++ file on its own (they include no torch header), as CI does.
+cuda-check:
+	@test -x "$(NVCC)" || { echo "cuda-check: nvcc not found (looked for $(NVCC))"; exit 1; }
+	@test -n "$(CUDA_SRCS)" || { echo "cuda-check: no csrc/cuda/*.cu files"; exit 1; }
+	@mkdir -p build/cuda-check
+	@for f in $(CUDA_SRCS); do \
+	  echo "nvcc -c $$f"; \
+	  $(NVCC) -c $(NVCC_FLAGS) $$f -o build/cuda-check/$$(basename $$f .cu).o || exit 1; \
+	done
+
+clean:
+	rm -rf build *.egg-info ctxfast/*.so ctxfast/_build_info.json $(VENV)

@@ -1,0 +1,35 @@
+// Shared tensor checks for the bindings. The Python layer (ctxfast/ops) validates user
+// input with precise messages first; these guard the C++ entry points themselves.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+namespace ctxfast {
+
+// View `x` of shape [..., Tq, Tk] as [N, Tq, Tk] without copying when its strides allow.
+inline at::Tensor as_3d(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 2, "ctxfast: x must have rank >= 2 ([..., Tq, Tk]), got shape ",
+              x.sizes());
+  const int64_t Tq = x.size(-2), Tk = x.size(-1);
+  int64_t N = 1;
+  for (int64_t d = 0; d < x.dim() - 2; ++d) N *= x.size(d);
+  return x.reshape({N, Tq, Tk});
+}
+
+inline void check_rel_shift_out(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() >= 2, "rel_shift: x must have rank >= 2 ([..., Tq, Tk]), got shape ",
+              x.sizes());
+  TORCH_CHECK(x.size(-1) >= x.size(-2), "rel_shift: x must have Tk >= Tq, got shape ",
+              x.sizes());
+  TORCH_CHECK(out.sizes() == x.sizes(), "rel_shift: out must have x's shape ", x.sizes(),
+              ", got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "rel_shift: out must have x's dtype ",
+              x.scalar_type(), ", got ", out.scalar_type());
+  TORCH_CHECK(out.device() == x.device(), "rel_shift: out must be on x's device ",
+              x.device(), ", got ", out.device());
+  TORCH_CHECK(out.is_contiguous(), "rel_shift: out must be contiguous");
+}
+
+}  // namespace ctxfast

@@ -1,0 +1,23 @@
+// ctxfast._C: the Python module, and the schemas of every C++ op (one TORCH_LIBRARY
+// block for the namespace). CPU implementations are registered next to their checks in
+// csrc/bindings/<op>_cpu.cpp; CUDA implementations in csrc/bindings/<op>_cuda.cpp, which
+// are built into ctxfast._cuda.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// An empty module: importing it runs the static registrations below.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", "ctxfast C++ CPU kernels (ops under torch.ops.ctxfast)",
+      -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(ctxfast, m) {
+  // Transformer-XL relative shift (see csrc/cpu/rel_shift.h for the formula). The
+  // "native" op runs csrc/cpu on CPU tensors and csrc/cuda on CUDA tensors.
+  m.def("rel_shift_native(Tensor x, bool inverse=False) -> Tensor");
+  m.def("rel_shift_native.out(Tensor x, bool inverse=False, *, Tensor(a!) out) -> Tensor(a!)");
+}

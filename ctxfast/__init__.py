@@ -1,0 +1,16 @@
+"""ctxfast: fused Triton and CUDA C++ kernels for context-based language models.
+
+Ops (each takes ``backend=``; see :func:`ctxfast.backend`):
+
+* :func:`ctxfast.rel_shift` — the Transformer-XL relative shift.
+
+Importing ctxfast loads ``ctxfast._C`` (C++ CPU kernels) and, where it was built,
+``ctxfast._cuda`` (CUDA C++ kernels); their ops live under ``torch.ops.ctxfast``.
+"""
+from ._dispatch import BACKENDS, BackendUnavailable, backend, why_unavailable  # noqa: F401 (loads _C first)
+from .ops import rel_shift
+
+__version__ = "0.1.0"
+
+__all__ = ["BACKENDS", "BackendUnavailable", "backend", "why_unavailable", "rel_shift",
+           "__version__"]

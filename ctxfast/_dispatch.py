@@ -1,0 +1,198 @@
+"""Backend selection for every ctxfast op (DESIGN.md §2).
+
+Four backends can implement an op:
+
+=========  =====================================================================
+``triton`` ``kernels/`` — CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``
+``cuda``   ``csrc/cuda`` through ``ctxfast._cuda`` — CUDA tensors, when it was built
+``cpu``    ``csrc/cpu`` through ``ctxfast._C`` — CPU tensors
+``eager``  ``ctxfast.reference`` — anywhere
+=========  =====================================================================
+
+Which one runs, first match wins:
+
+1. the op's ``backend=`` keyword;
+2. the innermost ``with ctxfast.backend(name):`` block;
+3. the ``CTXFAST_BACKEND`` environment variable (read at each call; ``auto`` or empty
+   means unset);
+4. the op's default for the tensor's device: the fastest measured backend that can run.
+
+A backend asked for in 1–3 that cannot run raises :class:`BackendUnavailable` saying why;
+it is never replaced silently by another one. Only the default (4) picks among those
+that can run.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+BACKENDS: Tuple[str, ...] = ("triton", "cuda", "cpu", "eager")
+
+# name -> (supported backends, default order on CPU tensors, default order on CUDA tensors)
+_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]] = {}
+
+# Stack of names set by `with ctxfast.backend(...)`. A plain list (not a ContextVar) so
+# that torch.compile can trace the lookup without a graph break.
+_stack: List[str] = []
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that was asked for cannot run these inputs (the message says why)."""
+
+
+# --------------------------------------------------------------------------- extensions
+
+def _import_error(module: str) -> Optional[str]:
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def build_info() -> dict:
+    """What setup.py decided (``ctxfast/_build_info.json``), or {} if not recorded."""
+    path = os.path.join(os.path.dirname(__file__), "_build_info.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+_C_ERROR = _import_error("ctxfast._C")
+_CUDA_ERROR: Optional[str] = None
+if _C_ERROR is None:
+    _CUDA_ERROR = _import_error("ctxfast._cuda")  # registers CUDA impls of _C's schemas
+else:
+    _CUDA_ERROR = "ctxfast._C is missing, so ctxfast._cuda cannot load"
+
+
+def c_available() -> bool:
+    return _C_ERROR is None
+
+
+def cuda_ext_available() -> bool:
+    return _CUDA_ERROR is None
+
+
+def _cuda_ext_reason() -> str:
+    info = build_info()
+    if info and not info.get("cuda_built", False):
+        return f"ctxfast._cuda was not built: {info.get('cuda_reason', 'unknown reason')}"
+    return f"ctxfast._cuda failed to import: {_CUDA_ERROR}"
+
+
+def _triton_reason(device: torch.device) -> Optional[str]:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return None
+        return ("Triton kernels need CUDA tensors; CPU tensors run only under the Triton "
+                "interpreter (set TRITON_INTERPRET=1 before importing ctxfast; slow, "
+                "for tests)")
+    return f"Triton kernels do not run on {device.type} tensors"
+
+
+def why_unavailable(name: str, device: torch.device) -> Optional[str]:
+    """None if backend `name` can run on tensors of `device`, else the reason."""
+    device = torch.device(device)
+    if name == "eager":
+        return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"the cpu backend runs on CPU tensors, got tensors on {device}"
+        if _C_ERROR is not None:
+            return (f"ctxfast._C failed to import ({_C_ERROR}); rebuild with "
+                    "`pip install --no-build-isolation -e .`")
+        return None
+    if name == "cuda":
+        if device.type != "cuda":
+            return f"the cuda backend runs on CUDA tensors, got tensors on {device}"
+        if _CUDA_ERROR is not None:
+            return _cuda_ext_reason()
+        return None
+    if name == "triton":
+        return _triton_reason(device)
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+
+
+# --------------------------------------------------------------------------- selection
+
+def register_op(name: str, supported: Sequence[str], cpu_default: Sequence[str],
+                cuda_default: Sequence[str]) -> None:
+    """Declare op `name`: the backends it has and its default order per device type."""
+    for b in (*supported, *cpu_default, *cuda_default):
+        if b not in BACKENDS:
+            raise ValueError(f"unknown backend {b!r}")
+    _OPS[name] = (tuple(supported), tuple(cpu_default), tuple(cuda_default))
+
+
+def registered_ops() -> Dict[str, Tuple[str, ...]]:
+    """{op name: supported backends}."""
+    return {k: v[0] for k, v in _OPS.items()}
+
+
+def _check_name(name: object, source: str) -> str:
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"{source}: unknown backend {name!r}; expected one of "
+                         f"{', '.join(BACKENDS)}")
+    return name
+
+
+def requested_backend(backend: Optional[str] = None) -> Tuple[Optional[str], str]:
+    """(name, where it came from) of the backend asked for, or (None, '') if none."""
+    if backend is not None:
+        return _check_name(backend, "backend="), "the backend= argument"
+    if _stack:
+        return _stack[-1], "ctxfast.backend(...)"
+    env = os.environ.get("CTXFAST_BACKEND", "").strip()
+    if env and env != "auto":
+        return _check_name(env, "CTXFAST_BACKEND"), "CTXFAST_BACKEND"
+    return None, ""
+
+
+def resolve(op: str, device: torch.device, backend: Optional[str] = None) -> str:
+    """The backend that op `op` runs on tensors of `device` (see the module docstring)."""
+    supported, cpu_default, cuda_default = _OPS[op]
+    device = torch.device(device)
+    name, source = requested_backend(backend)
+    if name is not None:
+        if name not in supported:
+            raise BackendUnavailable(
+                f"ctxfast.{op}: backend {name!r} (from {source}) is not implemented for "
+                f"this op; it has {', '.join(supported)}")
+        reason = why_unavailable(name, device)
+        if reason is not None:
+            raise BackendUnavailable(
+                f"ctxfast.{op}: backend {name!r} (from {source}) cannot run: {reason}")
+        return name
+    order = cuda_default if device.type == "cuda" else cpu_default
+    for cand in order:
+        if why_unavailable(cand, device) is None:
+            return cand
+    return "eager"
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Run every ctxfast op inside the block on backend `name` (unless a call says
+    ``backend=`` itself). Blocks nest; the innermost wins.
+
+    >>> with ctxfast.backend("eager"):
+    ...     y = ctxfast.rel_shift(x)
+    """
+    _stack.append(_check_name(name, "ctxfast.backend"))
+    try:
+        yield
+    finally:
+        _stack.pop()

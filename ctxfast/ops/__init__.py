@@ -1,0 +1,5 @@
+"""The public ops of ctxfast: torch.library custom ops with autograd, input checks and
+backend dispatch, one module per op family."""
+from .rel_shift import rel_shift
+
+__all__ = ["rel_shift"]

@@ -1,0 +1,109 @@
+"""Build ctxfast.
+
+* ``ctxfast._C``    C++ CPU kernels (csrc/cpu) + their bindings: always built.
+* ``ctxfast._cuda`` CUDA C++ kernels (csrc/cuda) + their bindings: built only when the
+  installed torch has CUDA and nvcc is found; ``CTXFAST_SKIP_CUDA_BUILD=1`` skips it.
+* ``kernels/``      Triton kernels, installed as the package ``ctxfast.kernels``.
+
+Install against the torch already in the environment (never reinstalls it):
+
+    pip install --no-build-isolation -e .
+
+The outcome of the CUDA decision is written to ``ctxfast/_build_info.json`` so that
+``ctxfast info`` and the backend errors can say why ``ctxfast._cuda`` is missing.
+"""
+import glob
+import json
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pragma: no cover - a build without torch cannot work
+    sys.exit("ctxfast: torch must be installed first; build with "
+             "`pip install --no-build-isolation -e .`")
+
+
+def _rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def _cuda_decision():
+    """Return (build_cuda: bool, reason: str)."""
+    if os.environ.get("CTXFAST_SKIP_CUDA_BUILD", "0") not in ("", "0"):
+        return False, "CTXFAST_SKIP_CUDA_BUILD is set"
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} is a CPU build (torch.version.cuda is None)"
+    nvcc = None
+    if cpp_extension.CUDA_HOME:
+        cand = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+        nvcc = cand if os.path.exists(cand) else None
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        return False, "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    return True, f"torch CUDA {torch.version.cuda}, nvcc at {nvcc}"
+
+
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+NVCC_FLAGS = [
+    "-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+    "-gencode", "arch=compute_80,code=sm_80",
+    "-gencode", "arch=compute_90,code=sm_90",
+]
+
+ext_modules = [
+    cpp_extension.CppExtension(
+        name="ctxfast._C",
+        sources=_rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
+                     + glob.glob(os.path.join(ROOT, "csrc", "bindings", "*_cpu.cpp"))),
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={"cxx": CXX_FLAGS},
+        extra_link_args=["-fopenmp"],
+    )
+]
+
+build_cuda, cuda_reason = _cuda_decision()
+if build_cuda:
+    ext_modules.append(
+        cpp_extension.CUDAExtension(
+            name="ctxfast._cuda",
+            sources=_rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))
+                         + glob.glob(os.path.join(ROOT, "csrc", "bindings", "*_cuda.cpp"))),
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": NVCC_FLAGS},
+        )
+    )
+    print(f"ctxfast: building ctxfast._cuda ({cuda_reason})")
+else:
+    print(f"ctxfast: skipping ctxfast._cuda: {cuda_reason}")
+
+with open(os.path.join(ROOT, "ctxfast", "_build_info.json"), "w") as f:
+    json.dump({"cuda_built": build_cuda, "cuda_reason": cuda_reason,
+               "torch": torch.__version__}, f)
+
+packages = find_packages(include=["ctxfast", "ctxfast.*"]) + ["ctxfast.kernels"]
+
+setup(
+    name="ctxfast",
+    version="0.1.0",
+    description="Fused Triton and CUDA C++ kernels for context-based language models",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir={"ctxfast": "ctxfast", "ctxfast.kernels": "kernels"},
+    package_data={"ctxfast": ["_build_info.json"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    entry_points={"console_scripts": ["ctxfast=ctxfast.cli:main"]},
+    # torch is deliberately not listed: the build uses the torch already installed
+    # (CPU 2.13 on dev/CI machines, CUDA 2.11 on GPU machines) and must never replace it.
+    install_requires=["numpy"],
+    extras_require={"triton": ["triton>=3.6"],
+                    "test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    zip_safe=False,
+)
