@@ -106,6 +106,12 @@ def _triton_reason(device: torch.device) -> Optional[str]:
 def why_unavailable(name: str, device: torch.device) -> Optional[str]:
     """None if backend `name` can run on tensors of `device`, else the reason."""
     device = torch.device(device)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+    if name == "cuda" and device.type == "cuda" and _CUDA_ERROR is not None:
+        return _cuda_ext_reason()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device here (torch.cuda.is_available() is False)"
     if name == "eager":
         return None
     if name == "cpu":
@@ -163,7 +169,7 @@ def requested_backend(backend: Optional[str] = None) -> Tuple[Optional[str], str
 
 def resolve(op: str, device: torch.device, backend: Optional[str] = None) -> str:
     """The backend that op `op` runs on tensors of `device` (see the module docstring)."""
-    supported, cpu_default, cuda_default = _OPS[op]
+    supported = _OPS[op][0]
     device = torch.device(device)
     name, source = requested_backend(backend)
     if name is not None:
@@ -176,6 +182,13 @@ def resolve(op: str, device: torch.device, backend: Optional[str] = None) -> str
             raise BackendUnavailable(
                 f"ctxfast.{op}: backend {name!r} (from {source}) cannot run: {reason}")
         return name
+    return default_backend(op, device)
+
+
+def default_backend(op: str, device: torch.device) -> str:
+    """The backend op `op` picks for tensors of `device` when none is asked for."""
+    _, cpu_default, cuda_default = _OPS[op]
+    device = torch.device(device)
     order = cuda_default if device.type == "cuda" else cpu_default
     for cand in order:
         if why_unavailable(cand, device) is None:

@@ -1,0 +1,171 @@
+"""The ``ctxfast`` command.
+
+    ctxfast info                       versions; which backends are built and usable per op
+    ctxfast smoke                      run every op on every usable backend against the reference
+    ctxfast bench [--quick] [--ops …] [--out DIR]
+                                       benchmarks against eager (needs the source checkout)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import ctxfast
+from ctxfast import _dispatch, reference
+
+
+def _devices() -> List[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _triton_version() -> str:
+    if importlib.util.find_spec("triton") is None:
+        return "not installed"
+    import triton  # noqa: PLC0415 (imported only when asked for)
+    return triton.__version__
+
+
+# --------------------------------------------------------------------------- info
+
+def cmd_info(args: argparse.Namespace) -> int:
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    print(f"ctxfast {ctxfast.__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__} "
+          f"(CUDA {torch.version.cuda or 'none'}), triton {_triton_version()}"
+          f"{' (TRITON_INTERPRET=1)' if interp else ''}")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    print(f"GPU: {gpu}; CPU threads: {torch.get_num_threads()}")
+    print("extensions:")
+    print(f"  ctxfast._C     {'built' if _dispatch.c_available() else 'MISSING: ' + str(_dispatch._C_ERROR)}")
+    cuda_state = "built" if _dispatch.cuda_ext_available() else _dispatch._cuda_ext_reason()
+    print(f"  ctxfast._cuda  {cuda_state}")
+    env = os.environ.get("CTXFAST_BACKEND", "")
+    if env:
+        print(f"CTXFAST_BACKEND={env}")
+
+    devices = ["cpu", "cuda"]
+    print("backends per op (* = default for that device; tensors on cpu | cuda):")
+    notes: Dict[str, int] = {}
+    rows: List[Tuple[str, ...]] = []
+    for op, supported in _dispatch.registered_ops().items():
+        defaults = {dev: _dispatch.default_backend(op, torch.device(dev)) for dev in devices}
+        for b in _dispatch.BACKENDS:
+            cells = []
+            for dev in devices:
+                if b not in supported:
+                    cells.append("-")
+                    continue
+                reason = _dispatch.why_unavailable(b, torch.device(dev))
+                if reason is None:
+                    mark = "*" if defaults[dev] == b else ""
+                    cells.append("yes" + mark + (" (interpreter)" if b == "triton" and dev == "cpu" else ""))
+                else:
+                    n = notes.setdefault(reason, len(notes) + 1)
+                    cells.append(f"no [{n}]")
+            rows.append((op, b, *cells))
+    widths = [max(len(r[c]) for r in rows + [("op", "backend", "cpu", "cuda")]) for c in range(4)]
+    for r in [("op", "backend", "cpu", "cuda")] + rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
+    for reason, n in notes.items():
+        print(f"  [{n}] {reason}")
+    return 0
+
+
+# --------------------------------------------------------------------------- smoke
+
+def _smoke_rel_shift(backend: str, device: str) -> float:
+    """Forward and backward on random input; returns the max abs difference from the
+    reference (0 expected: the op only moves data)."""
+    x = torch.randn(2, 3, 17, 40, device=device, requires_grad=True)
+    out = ctxfast.rel_shift(x, backend=backend)
+    g = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, g)
+    err_fwd = (out - reference.rel_shift(x.detach())).abs().max().item()
+    err_bwd = (dx - reference.rel_unshift(g)).abs().max().item()
+    return max(err_fwd, err_bwd)
+
+
+SMOKE: Dict[str, Tuple[Callable[[str, str], float], float]] = {
+    # op: (function(backend, device) -> max abs error, allowed error)
+    "rel_shift": (_smoke_rel_shift, 0.0),
+}
+
+
+def cmd_smoke(args: argparse.Namespace) -> int:
+    failures = 0
+    print("smoke: every op, every usable backend, forward + backward against ctxfast.reference")
+    for op, supported in _dispatch.registered_ops().items():
+        fn, tol = SMOKE[op]
+        for dev in _devices():
+            for b in supported:
+                reason = _dispatch.why_unavailable(b, torch.device(dev))
+                if reason is not None:
+                    print(f"  {op:<12} {b:<7} {dev:<5} skipped: {reason}")
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    err = fn(b, dev)
+                except Exception as e:  # report every failure, then exit non-zero
+                    failures += 1
+                    print(f"  {op:<12} {b:<7} {dev:<5} FAILED: {type(e).__name__}: {e}")
+                    continue
+                ms = (time.perf_counter() - t0) * 1e3
+                ok = err <= tol
+                failures += not ok
+                print(f"  {op:<12} {b:<7} {dev:<5} {'ok' if ok else 'WRONG'}  "
+                      f"max|err| {err:.1e}  ({ms:.0f} ms incl. first-call compile)")
+    print("smoke: all ok" if failures == 0 else f"smoke: {failures} FAILED")
+    return 1 if failures else 0
+
+
+# --------------------------------------------------------------------------- bench
+
+def _find_report(explicit: Optional[str]) -> Path:
+    candidates = [Path(explicit)] if explicit else [
+        Path(__file__).resolve().parents[1] / "benchmarks",   # editable install: the repo
+        Path.cwd() / "benchmarks",
+    ]
+    for c in candidates:
+        if (c / "report.py").is_file():
+            return c / "report.py"
+    raise SystemExit("ctxfast bench: benchmarks/report.py not found (run from the source "
+                     "checkout, or pass --bench-dir)")
+
+
+def cmd_bench(args: argparse.Namespace, rest: List[str]) -> int:
+    path = _find_report(args.bench_dir)
+    spec = importlib.util.spec_from_file_location("ctxfast_bench_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(rest) or 0)
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ctxfast", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="versions and backends")
+    sub.add_parser("smoke", help="every op on every usable backend vs the reference")
+    bench = sub.add_parser("bench", help="benchmarks against eager PyTorch (see benchmarks/)",
+                           add_help=False)
+    bench.add_argument("--bench-dir", default=None, help="the checkout's benchmarks/ folder")
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return {"info": cmd_info, "smoke": cmd_smoke}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

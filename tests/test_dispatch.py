@@ -1,0 +1,111 @@
+"""Backend selection: backend= > ctxfast.backend(...) > CTXFAST_BACKEND > default; an
+explicit backend that cannot run raises and never falls back silently."""
+import pytest
+import torch
+
+import ctxfast
+from ctxfast import _dispatch
+from utils import TRITON_ON_CPU
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("CTXFAST_BACKEND", raising=False)
+
+
+def test_default_on_cpu_is_the_cpp_kernel():
+    assert _dispatch.resolve("rel_shift", CPU) == "cpu"
+
+
+def test_precedence(monkeypatch):
+    monkeypatch.setenv("CTXFAST_BACKEND", "eager")
+    assert _dispatch.resolve("rel_shift", CPU) == "eager"
+    with ctxfast.backend("cpu"):
+        assert _dispatch.resolve("rel_shift", CPU) == "cpu"              # context beats env
+        assert _dispatch.resolve("rel_shift", CPU, "eager") == "eager"   # argument beats context
+
+
+def test_context_manager_nests_and_restores():
+    with ctxfast.backend("eager"):
+        with ctxfast.backend("cpu"):
+            assert _dispatch.resolve("rel_shift", CPU) == "cpu"
+        assert _dispatch.resolve("rel_shift", CPU) == "eager"
+        with pytest.raises(KeyError):
+            with ctxfast.backend("cpu"):
+                raise KeyError("boom")
+        assert _dispatch.resolve("rel_shift", CPU) == "eager"
+    assert _dispatch.resolve("rel_shift", CPU) == "cpu"
+
+
+def test_env_auto_means_default(monkeypatch):
+    monkeypatch.setenv("CTXFAST_BACKEND", "auto")
+    assert _dispatch.resolve("rel_shift", CPU) == "cpu"
+
+
+def test_backend_is_really_used(monkeypatch):
+    """The name chosen is the implementation that runs."""
+    calls = []
+    real = ctxfast.reference.rel_shift
+    monkeypatch.setattr(ctxfast.reference, "rel_shift", lambda x: calls.append(1) or real(x))
+    x = torch.randn(3, 4)
+    ctxfast.rel_shift(x, backend="cpu")
+    assert calls == []
+    with ctxfast.backend("eager"):
+        ctxfast.rel_shift(x)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("how", ["argument", "context", "env"])
+def test_unknown_backend_names_the_choices(monkeypatch, how):
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="unknown backend 'fast'.*triton, cuda, cpu, eager"):
+        if how == "argument":
+            ctxfast.rel_shift(x, backend="fast")
+        elif how == "context":
+            with ctxfast.backend("fast"):
+                pass
+        else:
+            monkeypatch.setenv("CTXFAST_BACKEND", "fast")
+            ctxfast.rel_shift(x)
+
+
+def test_cuda_backend_on_cpu_tensor_says_why():
+    with pytest.raises(ctxfast.BackendUnavailable, match="backend= argument.*CUDA tensors"):
+        ctxfast.rel_shift(torch.randn(3, 4), backend="cuda")
+
+
+def test_env_backend_that_cannot_run_raises(monkeypatch):
+    monkeypatch.setenv("CTXFAST_BACKEND", "cuda")
+    with pytest.raises(ctxfast.BackendUnavailable, match="CTXFAST_BACKEND"):
+        ctxfast.rel_shift(torch.randn(3, 4))
+
+
+def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ctxfast.BackendUnavailable, match="TRITON_INTERPRET=1"):
+        ctxfast.rel_shift(torch.randn(3, 4), backend="triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_reason_without_gpu():
+    reason = ctxfast.why_unavailable("cuda", "cuda")
+    assert reason is not None
+    if torch.version.cuda is None:
+        assert "not built" in reason and "CPU build" in reason
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="Triton on CPU needs TRITON_INTERPRET=1")
+def test_triton_is_never_the_cpu_default():
+    """The interpreter is for tests: the default on CPU stays the C++ kernel."""
+    assert _dispatch.resolve("rel_shift", CPU) == "cpu"
+
+
+def test_dispatch_traces_under_torch_compile(monkeypatch):
+    """Backend selection (env var, context stack) must not break the graph."""
+    monkeypatch.setenv("CTXFAST_BACKEND", "eager")
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: ctxfast.rel_shift(x) * 2, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 3, 5)
+    assert torch.equal(f(x), ctxfast.reference.rel_shift(x) * 2)
