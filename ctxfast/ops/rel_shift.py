@@ -21,10 +21,13 @@ from .. import reference as _ref
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# Default backends. CPU: the C++ kernel — measured 2026-11-21 on the 2-core dev machine
-# (benchmarks/bench_rel_shift.py, fwd, x [8, 8, 256, 512] fp32): see the README's CPU
-# table for the ratio against the eager pad-and-view trick. CUDA: the CUDA C++ kernel,
-# then Triton — NOT yet measured on a GPU (the GPU round, issue 9, decides).
+# Default backends. CPU: the C++ kernel. Measured 2026-11-21 on the 2-core dev machine
+# (AMD EPYC, torch 2.13; benchmarks/results/amd-epyc-2-threads/2026-11-21*.md, two runs,
+# x [8, 8, 256, 512] fp32): fwd 11.1-13.4 ms against 38.3-42.1 ms for the eager backend
+# (3.1-3.5x) and 20.4-22.0 ms for the original pad-and-view trick (1.6-1.8x, which leaves
+# junk); fwd+bwd 31.1 ms against 73.7-91.1 ms (eager) and 34.3-43.9 ms (pad-and-view).
+# CUDA: the CUDA C++ kernel, then Triton. NOT yet measured on a GPU (the GPU round,
+# issue 9, decides the order).
 _dispatch.register_op(
     "rel_shift",
     supported=("triton", "cuda", "cpu", "eager"),
