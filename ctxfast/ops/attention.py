@@ -1,0 +1,195 @@
+"""``ctxfast.attention``: fused scaled-dot-product attention with causal, padding and XLNet
+permutation masks and Transformer-XL memory, as a drop-in autograd op.
+
+Registered ops (under ``torch.ops.ctxfast``, with fakes and autograd):
+
+* ``attention_fwd_triton(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale)
+  -> (out, lse)``
+* ``attention_bwd_triton(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal,
+  perm_strict, scale) -> (dq, dk, dv)``
+
+The ``eager`` backend is ``ctxfast.reference.attention`` (a materialised mask + softmax).
+Not yet here (issue 3 continues): attention dropout in the Triton kernel,
+``attention_varlen``, the split-key decoding path, ``nn.MultiheadAttention`` and the
+Hugging Face integration.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _dispatch
+from .. import reference as _ref
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+# Defaults: on CUDA the Triton kernel (not yet measured on a GPU: issue 9 decides); on CPU
+# the eager reference (the Triton kernel runs on CPU only in the interpreter, for tests).
+_dispatch.register_op("attention", supported=("triton", "eager"),
+                      cpu_default=("eager",), cuda_default=("triton", "eager"))
+
+
+# --------------------------------------------------------------------------- registration
+
+@torch.library.custom_op("ctxfast::attention_fwd_triton", mutates_args=())
+def _attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+                          perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
+                          scale: float) -> Tuple[Tensor, Tensor]:
+    from ctxfast.kernels.attention import attention_forward  # imports triton
+    return attention_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                             perm_rank=perm_rank, perm_strict=perm_strict, scale=scale)
+
+
+@_attention_fwd_triton.register_fake
+def _(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale):
+    B, H, Tq, D = q.shape
+    return q.new_empty((B, H, Tq, D)), q.new_empty((B, H, Tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("ctxfast::attention_bwd_triton", mutates_args=())
+def _attention_bwd_triton(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                          lse: Tensor, key_padding_mask: Optional[Tensor],
+                          perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
+                          scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    from ctxfast.kernels.attention import attention_backward  # imports triton
+    return attention_backward(do, q, k, v, out, lse, causal=causal,
+                              key_padding_mask=key_padding_mask, perm_rank=perm_rank,
+                              perm_strict=perm_strict, scale=scale)
+
+
+@_attention_bwd_triton.register_fake
+def _(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal, perm_strict, scale):
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    return q.new_empty((B, H, Tq, D)), k.new_empty((B, H, Tk, D)), v.new_empty((B, H, Tk, D))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, kpm, rank, causal, perm_strict, scale = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, kpm, rank)
+    ctx.causal, ctx.perm_strict, ctx.scale = causal, perm_strict, scale
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, kpm, rank = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ctxfast.attention_bwd_triton(
+        grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_fwd_triton.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"attention: {name} must have shape [B, H, T, D] (rank 4), got "
+                             f"shape {_shape(t)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"attention: {name} must be float16, bfloat16, float32 or float64, "
+                            f"got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attention: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention: q, k, v must be on one device, got {q.device}, "
+                         f"{k.device}, {v.device}")
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != D:
+        raise ValueError(f"attention: k must have shape [B, H, Tk, D] = [{B}, {H}, Tk, {D}] "
+                         f"to match q {_shape(q)}, got {_shape(k)}")
+    if v.shape[:3] != k.shape[:3] or v.shape[3] != D:
+        raise ValueError(f"attention: v must have shape [B, H, Tk, D] = {list(k.shape)} to "
+                         f"match k (head dims of q, k, v must agree), got {_shape(v)}")
+    if (causal or perm_rank is not None) and Tk < Tq:
+        raise ValueError(f"attention: with causal or perm_rank the keys are [memory; current], "
+                         f"so Tk >= Tq is needed; got q {_shape(q)}, k {_shape(k)}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("attention: key_padding_mask must be a bool tensor [B, Tk] "
+                            "(True = padding)")
+        if _shape(key_padding_mask) != (B, Tk):
+            raise ValueError(f"attention: key_padding_mask must have shape [B, Tk] = "
+                             f"[{B}, {Tk}], got {_shape(key_padding_mask)}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"attention: key_padding_mask must be on {q.device}, got "
+                             f"{key_padding_mask.device}")
+    if perm_rank is not None:
+        if (not isinstance(perm_rank, Tensor) or perm_rank.dtype.is_floating_point
+                or perm_rank.dtype.is_complex or perm_rank.dtype == torch.bool):
+            raise TypeError("attention: perm_rank must be an integer tensor [B, Tq], got "
+                            f"{getattr(perm_rank, 'dtype', type(perm_rank).__name__)}")
+        if _shape(perm_rank) != (B, Tq):
+            raise ValueError(f"attention: perm_rank must have shape [B, Tq] = [{B}, {Tq}], "
+                             f"got {_shape(perm_rank)}")
+        if perm_rank.device != q.device:
+            raise ValueError(f"attention: perm_rank must be on {q.device}, got {perm_rank.device}")
+    if perm_stream not in ("content", "query"):
+        raise ValueError(f"attention: perm_stream must be 'content' or 'query', got "
+                         f"{perm_stream!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
+
+
+# --------------------------------------------------------------------------- public op
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+              key_padding_mask: Optional[Tensor] = None, perm_rank: Optional[Tensor] = None,
+              perm_stream: str = "content", dropout_p: float = 0.0,
+              scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
+              backend: Optional[str] = None) -> Tensor:
+    """Fused scaled-dot-product attention.
+
+    Args:
+        q: ``[B, H, Tq, D]``. k, v: ``[B, H, Tk, D]`` — keys are ``[memory; current]``
+            and ``mem_len = Tk - Tq`` (0 for plain self-attention). fp16, bf16, fp32
+            (fp64 too, for tests); ``D <= 256``; any strides.
+        causal: query ``i`` sees key ``j`` iff ``j <= i + mem_len`` (bottom-right aligned).
+        key_padding_mask: bool ``[B, Tk]``, True = padding (``nn.MultiheadAttention``'s
+            convention).
+        perm_rank: integer ``[B, Tq]``: the place of each current token in XLNet's
+            factorisation order (ties allowed). Memory keys are always visible; current
+            key ``t`` is visible iff ``rank[t] <= rank[i]`` (``perm_stream="content"``) or
+            ``rank[t] < rank[i]`` (``"query"``).
+        dropout_p: attention dropout. Only the eager backend has it so far; the Triton
+            kernel raises ``NotImplementedError`` for ``dropout_p > 0``.
+        scale: softmax scale, default ``D ** -0.5``.
+        generator: RNG for the dropout mask (eager backend).
+        backend: ``"triton" | "eager"`` or None (see ``ctxfast.backend``).
+
+    Returns:
+        ``[B, H, Tq, D]``. A query that sees no key gets zeros (and passes zero gradient).
+    """
+    _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
+    name = _dispatch.resolve("attention", q.device, backend)
+    sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if name == "eager":
+        mask = None
+        if dropout_p > 0:
+            B, H, Tq, _ = q.shape
+            keep = torch.rand((B, H, Tq, k.shape[2]), generator=generator,
+                              device=q.device) >= dropout_p
+            mask = keep
+        return _ref.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                              perm_rank=perm_rank, perm_stream=perm_stream,
+                              dropout_mask=mask, dropout_p=dropout_p, scale=sm_scale)
+    if dropout_p > 0:
+        raise NotImplementedError("ctxfast.attention: dropout_p > 0 is not implemented in the "
+                                  "Triton kernel yet; use backend='eager' for dropout")
+    out, _ = torch.ops.ctxfast.attention_fwd_triton(
+        q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale)
+    return out

@@ -1,0 +1,385 @@
+"""Fused scaled-dot-product attention (FlashAttention-2 style), Triton, forward and backward,
+with the masks computed in the kernel from O(T) data.
+
+Shapes: ``q [B, H, Tq, D]``, ``k, v [B, H, Tk, D]`` (keys are ``[memory; current]``,
+``mem_len = Tk - Tq``), ``out [B, H, Tq, D]``, ``lse [B, H, Tq]`` (fp32, base 2).
+
+Visibility of key ``j`` to query ``i`` (all that apply):
+  causal ``j <= i + mem_len``; padding ``kpm[b, j] == 0``; permutation: ``j < mem_len`` or
+  ``rank[b, j - mem_len] <= rank[b, i]`` (``<`` for XLNet's query stream).
+No ``[Tq, Tk]`` mask or score tensor is stored. Key blocks past the causal diagonal or
+past the last unpadded key (``kv_end[b]``) are not visited.
+
+Forward, per query row (scores in base 2, ``s_ij = q_i·k_j · scale · log2 e``), online:
+  ``m_i = max_j s_ij``, ``l_i = Σ_j 2^(s_ij − m_i)``, ``o_i = Σ_j 2^(s_ij − m_i) v_j / l_i``,
+  ``lse_i = m_i + log2 l_i``. A row that sees no key has ``l_i = 0``: ``o_i = 0`` and
+  ``lse_i = +inf`` so that the backward's probabilities are exactly 0 there.
+
+Backward, with ``P_ij = 2^(s_ij − lse_i)`` recomputed tile by tile:
+  ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``Δ_i = Σ_d dO_id O_id (= Σ_j P_ij dP_ij)``,
+  ``dS = P ∘ (dP − Δ)``, ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q``.
+One kernel owns a key block and loops over query blocks (dK, dV); another owns a query
+block and loops over key blocks (dQ): no atomics.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # UPCAST: the Triton interpreter multiplies bf16 bit patterns (FIELD_NOTES.md); fp32 is exact.
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _visible(offs_m, offs_n, b, Tq, Tk, mem_len,
+             kpm_ptr, stride_kpm_b, stride_kpm_n,
+             rank_ptr, stride_rank_b, stride_rank_t, rank_q,
+             CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+             PERM_STRICT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: query offs_m may see key offs_n."""
+    vis = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
+    if CAUSAL:
+        vis = vis & (offs_n[None, :] <= offs_m[:, None] + mem_len)
+    if HAS_KPM:
+        pad = tl.load(kpm_ptr + b * stride_kpm_b + offs_n * stride_kpm_n, mask=offs_n < Tk, other=1)
+        vis = vis & (pad == 0)[None, :]
+    if HAS_PERM:
+        t = offs_n - mem_len                      # current-token index of key j (< 0: memory)
+        rank_k = tl.load(rank_ptr + b * stride_rank_b + t * stride_rank_t,
+                         mask=(t >= 0) & (offs_n < Tk), other=0)
+        if PERM_STRICT:
+            sees = rank_k[None, :] < rank_q[:, None]
+        else:
+            sees = rank_k[None, :] <= rank_q[:, None]
+        vis = vis & ((t[None, :] < 0) | sees)
+    return vis
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V,        # q [B, H, Tq, D], k, v [B, H, Tk, D]; any strides
+    O,              # out [B, H, Tq, D], written
+    LSE,            # lse [B, H, Tq] fp32 contiguous, written (base 2; +inf for empty rows)
+    KPM,            # key padding [B, Tk] uint8 (1 = padding); unused unless HAS_KPM
+    RANK,           # permutation ranks [B, Tq] int32; unused unless HAS_PERM
+    KV_END,         # [B] int32: index of the last unpadded key + 1; unused unless HAS_KPM
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    H, Tq, Tk, mem_len, D,
+    qk_scale,       # scale * log2(e)
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=(offs_m[:, None] < Tq) & d_ok, other=0.0)
+    rank_q = offs_m
+    if HAS_PERM:
+        rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
+
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, pid_m * BLOCK_M + BLOCK_M + mem_len)
+    if HAS_KPM:
+        hi = tl.minimum(hi, tl.load(KV_END + b))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < Tk) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale          # [BLOCK_M, BLOCK_N]
+        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                       RANK, stride_rank_b, stride_rank_t, rank_q,
+                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
+        p = tl.exp2(s - m_safe[:, None])                                 # 0 where masked
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < Tq) & d_ok)
+    tl.store(LSE + bh * Tq + offs_m, lse, mask=offs_m < Tq)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
+    LSE, DELTA,     # [B, H, Tq] fp32 contiguous: forward's lse (base 2), rowsum(dO * O)
+    DK, DV,         # dk, dv [B, H, Tk, D] contiguous, written
+    KPM, RANK, KV_END,   # as in the forward
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    H, Tq, Tk, mem_len, D,
+    qk_scale, sm_scale,   # scale * log2(e), scale
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    kv_mask = (offs_n[:, None] < Tk) & d_ok
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+
+    lo = 0
+    if CAUSAL:   # queries i >= j - mem_len see key j: start at the block of the first one
+        lo = tl.maximum(pid_n * BLOCK_N - mem_len, 0) // BLOCK_M * BLOCK_M
+    hi = Tq
+    if HAS_KPM:  # a key block wholly past the last unpadded key gets zero gradient
+        hi = tl.where(pid_n * BLOCK_N < tl.load(KV_END + b), Tq, 0)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_mask = (offs_m[:, None] < Tq) & d_ok
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=q_mask, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                     mask=q_mask, other=0.0)
+        lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
+        delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+        rank_q = offs_m
+        if HAS_PERM:
+            rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
+                             mask=offs_m < Tq, other=0)
+        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale          # [BLOCK_M, BLOCK_N]
+        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                       RANK, stride_rank_b, stride_rank_t, rank_q,
+                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)
+
+    out_off = bh * Tk * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO,    # as in _attn_bwd_dkdv_kernel
+    LSE, DELTA,
+    DQ,             # dq [B, H, Tq, D] contiguous, written
+    KPM, RANK, KV_END,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    H, Tq, Tk, mem_len, D,
+    qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    q_mask = (offs_m[:, None] < Tq) & d_ok
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
+    delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+    rank_q = offs_m
+    if HAS_PERM:
+        rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
+
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, pid_m * BLOCK_M + BLOCK_M + mem_len)
+    if HAS_KPM:
+        hi = tl.minimum(hi, tl.load(KV_END + b))
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < Tk) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale
+        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                       RANK, stride_rank_b, stride_rank_t, rank_q,
+                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+
+    tl.store(DQ + bh * Tq * D + offs_m[:, None] * D + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# --------------------------------------------------------------------------- launchers
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _config(D: int, dtype: torch.dtype, backward: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages). Not yet tuned on a GPU."""
+    block_d = max(16, triton.next_power_of_2(D))
+    if _interpreting():
+        return 16, 16, block_d, 1, 1           # small blocks: multi-block logic at tiny T
+    wide = dtype in (torch.float32, torch.float64)
+    if backward:
+        bm, bn = (64, 64) if block_d <= 64 else (32, 64) if block_d <= 128 else (32, 32)
+    else:
+        bm, bn = (128, 64) if block_d <= 128 else (64, 32)
+    if wide:
+        bm = max(16, bm // 2)
+    warps = 4 if block_d <= 64 else 8
+    return bm, bn, block_d, warps, (3 if block_d <= 64 else 2)
+
+
+def _mask_args(q, key_padding_mask, perm_rank):
+    """(kpm uint8 [B, Tk] | dummy, rank int32 [B, Tq] | dummy, kv_end int32 [B] | dummy, strides)."""
+    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.to(torch.uint8)
+        Tk = kpm.shape[1]
+        pos = torch.arange(1, Tk + 1, device=q.device, dtype=torch.int32)
+        kv_end = torch.where(kpm == 0, pos, torch.zeros_like(pos)).amax(1).to(torch.int32)
+        kpm_strides = (kpm.stride(0), kpm.stride(1))
+    else:
+        kpm, kv_end, kpm_strides = dummy, dummy, (0, 0)
+    if perm_rank is not None:
+        rank = perm_rank.to(torch.int32)
+        rank_strides = (rank.stride(0), rank.stride(1))
+    else:
+        rank, rank_strides = dummy, (0, 0)
+    return kpm, rank, kv_end, (*kpm_strides, *rank_strides)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,
+                      perm_strict=False, scale=None):
+    """q [B, H, Tq, D], k, v [B, H, Tk, D] -> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32).
+
+    key_padding_mask: bool [B, Tk] (True = padding) or None; perm_rank: int [B, Tq] or None;
+    perm_strict: True for XLNet's query stream (rank[t] < rank[i]).
+    """
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("inf"))
+    if Tk == 0:
+        return out.zero_(), lse.fill_(float("inf"))
+    kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
+    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=False)
+    grid = (triton.cdiv(Tq, bm), B * H)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, kpm, rank, kv_end,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstrides,
+        H, Tq, Tk, Tk - Tq, D, scale * LOG2E,
+        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
+        PERM_STRICT=perm_strict, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=None,
+                       perm_rank=None, perm_strict=False, scale=None):
+    """Gradients (dq, dk, dv) of :func:`attention_forward`'s ``out`` for upstream ``do``."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    dq = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, Tk, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, H, Tk, D), dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or Tk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = (do.float() * out.float()).sum(-1).contiguous()     # [B, H, Tq]
+    kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
+    common = dict(
+        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
+        PERM_STRICT=perm_strict, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        PRECISION=_precision(q.dtype),
+    )
+    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=True)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(Tk, bn), B * H)](
+        q, k, v, do, lse, delta, dk, dv, kpm, rank, kv_end, *strides,
+        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages, **common,
+    )
+    _attn_bwd_dq_kernel[(triton.cdiv(Tq, bm), B * H)](
+        q, k, v, do, lse, delta, dq, kpm, rank, kv_end, *strides,
+        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages, **common,
+    )
+    return dq, dk, dv

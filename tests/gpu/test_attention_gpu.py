@@ -1,0 +1,41 @@
+"""ctxfast.attention on a GPU at sizes the interpreter cannot reach. (tests/test_attention.py
+also runs on the GPU when one is present: its tensors go to CUDA.) Skipped without CUDA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import ctxfast  # noqa: E402
+from test_attention import check_against_reference  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Tq, Tk, causal", [(1025, 1025, True), (1025, 1025, False),
+                                            (512, 1536, True), (1, 4096, True)])
+def test_large_against_reference(dtype, D, Tq, Tk, causal):
+    q, k, v = (torch.randn(2, 4, T, D, device="cuda", dtype=dtype) for T in (Tq, Tk, Tk))
+    check_against_reference(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_matches_sdpa(dtype):
+    q, k, v = (torch.randn(2, 8, 777, 64, device="cuda", dtype=dtype) for _ in range(3))
+    ours = ctxfast.attention(q, k, v, causal=True, backend="triton")
+    ref64 = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    err = (ours.double() - ref64).norm() / ref64.norm()
+    err_sdpa = (sdpa.double() - ref64).norm() / ref64.norm()
+    assert err <= 2 * err_sdpa + 1e-3, (err.item(), err_sdpa.item())
+
+
+def test_permutation_and_padding_with_memory_bf16():
+    B, H, Tq, mem, D = 2, 4, 300, 200, 64
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+               for T in (Tq, Tq + mem, Tq + mem))
+    kpm = torch.rand(B, Tq + mem, device="cuda") < 0.2
+    rank = torch.stack([torch.randperm(Tq) for _ in range(B)]).cuda()
+    for stream in ("content", "query"):
+        check_against_reference(q, k, v, key_padding_mask=kpm, perm_rank=rank, perm_stream=stream)

@@ -1,0 +1,302 @@
+"""ctxfast.attention against ctxfast.reference.attention.
+
+Tolerance as flash-attention's tests: the kernel's error against the float64 reference must
+be at most twice the error of the eager reference run in the same dtype (plus a small
+floor), forward and every gradient. On CPU the Triton kernels run in the interpreter, so
+shapes stay small; the block size there is 16, so T = 17, 33, 97 cross block edges.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ctxfast
+from ctxfast import reference
+from utils import TRITON_ON_CPU, rel_err
+
+needs_triton = pytest.mark.skipif(not TRITON_ON_CPU and not torch.cuda.is_available(),
+                                  reason="Triton on CPU needs TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _inputs(B, H, Tq, Tk, D, dtype=torch.float32, layout="bhtd"):
+    def make(T):
+        if layout == "bthd":   # [B, T, H, D] storage, viewed as [B, H, T, D]: non-contiguous
+            return torch.randn(B, T, H, D, dtype=dtype, device=DEVICE).transpose(1, 2)
+        return torch.randn(B, H, T, D, dtype=dtype, device=DEVICE)
+    return make(Tq), make(Tk), make(Tk)
+
+
+def _masks(kind, B, Tq, Tk, gen=None):
+    """Keyword arguments for one mask kind."""
+    kw = {}
+    if "causal" in kind:
+        kw["causal"] = True
+    if "pad" in kind:
+        kpm = torch.rand(B, Tk, device=DEVICE) < 0.3
+        kpm[:, 0] = False                                    # at least one key per row
+        if B > 1:
+            kpm[-1, Tk // 2:] = True                         # a trailing run: block skipping
+        kw["key_padding_mask"] = kpm
+    if "perm" in kind:
+        kw["perm_rank"] = torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE)
+        kw["perm_stream"] = "query" if "query" in kind else "content"
+    if "ties" in kind:                                       # XLNet: non-targets share rank 0
+        r = torch.randint(0, 3, (B, Tq), device=DEVICE)
+        kw["perm_rank"], kw["perm_stream"] = r, "query" if "query" in kind else "content"
+    return kw
+
+
+def check_against_reference(q, k, v, **kw):
+    """Run the Triton kernel, the eager reference in q's dtype and the float64 reference,
+    forward and backward; assert the kernel's error <= 2x eager's + floor."""
+    dtype = q.dtype
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    leaves_same = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    out = ctxfast.attention(*leaves, backend="triton", **kw)
+    out_same = reference.attention(*leaves_same, **kw)
+    out64 = reference.attention(*leaves64, **kw)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    grads_same = torch.autograd.grad(out_same, leaves_same, do)
+    grads64 = torch.autograd.grad(out64, leaves64, do.double())
+    for name, ours, same, ref in [("out", out, out_same, out64)] + list(
+            zip(("dq", "dk", "dv"), grads, grads_same, grads64)):
+        assert not torch.isnan(ours).any(), f"{name}: NaN"
+        err_ours = (ours.double() - ref).norm().item()
+        err_same = (same.double() - ref).norm().item()
+        scale = max(ref.norm().item(), 1.0)
+        bound = 2 * err_same + FLOOR[dtype] * scale
+        assert err_ours <= bound, (
+            f"{name}: ‖ours − ref64‖ = {err_ours:.3e} > 2·‖eager − ref64‖ + floor = {bound:.3e} "
+            f"(eager {err_same:.3e}; relative {rel_err(ours, ref):.3e}); worst element at "
+            f"{tuple(int(i) for i in torch.unravel_index((ours.double() - ref).abs().argmax(), ref.shape))}")
+    return out, grads
+
+
+# --------------------------------------------------------------------------- reference
+
+def test_reference_matches_sdpa_causal_and_padding():
+    q, k, v = (torch.randn(2, 3, 9, 16, dtype=torch.float64) for _ in range(3))
+    assert torch.allclose(reference.attention(q, k, v, causal=True),
+                          F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    kpm = torch.rand(2, 9) < 0.3
+    kpm[:, 0] = False
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=~kpm[:, None, None, :])
+    assert torch.allclose(reference.attention(q, k, v, key_padding_mask=kpm), ref)
+
+
+def test_reference_mask_matches_definition():
+    B, Tq, Tk = 2, 5, 8
+    mem = Tk - Tq
+    rank = torch.randint(0, 3, (B, Tq))
+    kpm = torch.rand(B, Tk) < 0.3
+    for stream in ("content", "query"):
+        m = reference.attention_mask(B, Tq, Tk, causal=True, key_padding_mask=kpm,
+                                     perm_rank=rank, perm_stream=stream)
+        for b in range(B):
+            for i in range(Tq):
+                for j in range(Tk):
+                    sees = j <= i + mem and not kpm[b, j]
+                    if j >= mem:
+                        r_t, r_i = rank[b, j - mem], rank[b, i]
+                        sees = sees and (r_t < r_i if stream == "query" else r_t <= r_i)
+                    assert bool(m[b, i, j]) == sees, (stream, b, i, j)
+
+
+def test_reference_empty_rows_are_zero_with_zero_grad():
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kpm = torch.ones(1, 4, dtype=torch.bool)
+    out = reference.attention(q, k, v, key_padding_mask=kpm)
+    assert (out == 0).all()
+    out.sum().backward()
+    assert all((t.grad == 0).all() for t in (q, k, v))
+
+
+def test_reference_gradcheck():
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    rank = torch.randint(0, 2, (1, 5))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: reference.attention(a, b, c, perm_rank=rank, perm_stream="query"),
+        (q, k, v))
+
+
+# --------------------------------------------------------------------------- Triton kernel
+
+MASK_KINDS = ["none", "causal", "pad", "perm", "perm-query", "ties-query", "causal-pad",
+              "perm-pad", "causal-perm"]
+
+
+@needs_triton
+@pytest.mark.parametrize("mem", [0, 7])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_masks_with_memory(kind, mem):
+    B, H, Tq, D = 2, 2, 17, 32
+    q, k, v = _inputs(B, H, Tq, Tq + mem, D)
+    check_against_reference(q, k, v, **_masks(kind, B, Tq, Tq + mem))
+
+
+@needs_triton
+@pytest.mark.parametrize("D", [16, 32, 64, 96, 128, 256])
+def test_head_dims(D):
+    q, k, v = _inputs(1, 2, 19, 23, D)
+    check_against_reference(q, k, v, causal=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("Tq, Tk, kind", [(1, 1, "none"), (1, 1, "causal"), (1, 40, "causal"),
+                                          (97, 97, "causal"), (17, 5, "none"),
+                                          (33, 64, "causal-pad"), (3, 50, "perm-query")])
+def test_odd_lengths(Tq, Tk, kind):
+    q, k, v = _inputs(1, 2, Tq, Tk, 32)
+    check_against_reference(q, k, v, **_masks(kind, 1, Tq, Tk))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_dtypes(dtype):
+    q, k, v = _inputs(2, 2, 21, 30, 64, dtype=dtype)
+    out, grads = check_against_reference(q, k, v, **_masks("causal-pad", 2, 21, 30))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+
+@needs_triton
+def test_non_contiguous_bthd_layout():
+    q, k, v = _inputs(2, 3, 18, 25, 32, layout="bthd")
+    assert not q.is_contiguous()
+    check_against_reference(q, k, v, causal=True, scale=0.3)
+
+
+@needs_triton
+@pytest.mark.parametrize("how", ["all-padding", "query-stream-lowest-rank"])
+def test_rows_that_see_no_key(how):
+    """Zeros out, zero gradient through them, never NaN."""
+    B, H, T, D = 2, 2, 20, 16
+    q, k, v = _inputs(B, H, T, T, D)
+    if how == "all-padding":
+        kpm = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
+        kpm[0] = True                                   # batch 0: every key is padding
+        kw, empty = {"key_padding_mask": kpm}, (0, slice(None), slice(None))
+    else:
+        rank = torch.stack([torch.randperm(T) for _ in range(B)]).to(DEVICE)
+        kw = {"perm_rank": rank, "perm_stream": "query"}   # rank 0 sees no current key
+        first = (rank == 0).nonzero()
+        empty = (first[0, 0].item(), slice(None), first[0, 1].item())
+    out, (dq, dk, dv) = check_against_reference(q, k, v, **kw)
+    assert (out[empty] == 0).all()
+    assert (dq[empty] == 0).all()
+    if how == "all-padding":
+        assert (dk[0] == 0).all() and (dv[0] == 0).all()
+
+
+@needs_triton
+def test_kernel_writes_every_output():
+    """Poisoned buffers: the launchers allocate with torch.empty; fill the allocator's
+    memory with NaN first is not possible on CPU, so check the outputs are finite at every
+    position including rows past the last full block."""
+    q, k, v = _inputs(1, 1, 33, 33, 16)
+    out = ctxfast.attention(q, k, v, backend="triton", causal=True)
+    assert torch.isfinite(out).all()
+
+
+@needs_triton
+def test_opcheck():
+    q, k, v = _inputs(1, 2, 9, 12, 16)
+    kpm = torch.zeros(1, 12, dtype=torch.bool, device=DEVICE)
+    kpm[0, -3:] = True
+    rank = torch.randperm(9).view(1, 9).to(DEVICE)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), kpm, rank, True, False, 0.25)
+    torch.library.opcheck(torch.ops.ctxfast.attention_fwd_triton.default, args)
+    out, lse = torch.ops.ctxfast.attention_fwd_triton(*args)
+    torch.library.opcheck(torch.ops.ctxfast.attention_bwd_triton.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+                           out.detach(), lse, kpm, rank, True, False, 0.25))
+
+
+@needs_triton
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 17, 20, 16))
+
+    def f(q, k, v):
+        return ctxfast.attention(q * 1.5, k, v, causal=True, backend="triton").sum()
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    out.backward()
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q2 * 1.5, k2, v2, causal=True).sum()
+    ref.backward()
+    assert abs(out.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item()))
+    assert rel_err(q.grad, q2.grad) < 1e-5
+
+
+@needs_triton
+def test_gradcheck_fast_mode():
+    q, k, v = (torch.randn(1, 1, 5, 16, dtype=torch.float64, device=DEVICE, requires_grad=True)
+               for _ in range(3))
+    f = lambda a, b, c: ctxfast.attention(a, b, c, causal=True, backend="triton")  # noqa: E731
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+
+
+@needs_triton
+def test_triton_dropout_is_not_implemented_yet():
+    q, k, v = _inputs(1, 1, 4, 4, 16)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ctxfast.attention(q, k, v, dropout_p=0.1, backend="triton")
+
+
+# --------------------------------------------------------------------------- eager backend, dispatch
+
+def test_eager_dropout_reproducible_from_generator():
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    a = ctxfast.attention(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3),
+                          backend="eager")
+    b = ctxfast.attention(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3),
+                          backend="eager")
+    c = ctxfast.attention(q, k, v, backend="eager")
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_default_on_cpu_is_eager():
+    assert ctxfast._dispatch.resolve("attention", torch.device("cpu")) == "eager"
+
+
+def test_cpu_backend_is_not_implemented_for_attention():
+    q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
+    with pytest.raises(ctxfast.BackendUnavailable, match="not implemented for this op"):
+        ctxfast.attention(q, k, v, backend="cpu")
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _bad_cases():
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    yield "rank", dict(q=q[0], k=k, v=v), ValueError, ["q must have shape [B, H, T, D]", "(2, 5, 8)"]
+    yield "head-dim", dict(q=q, k=torch.randn(2, 2, 5, 4), v=v), ValueError, ["k must have shape", "(2, 2, 5, 4)"]
+    yield "v-len", dict(q=q, k=k, v=torch.randn(2, 2, 6, 8)), ValueError, ["v must have shape"]
+    yield "dtype-mix", dict(q=q, k=k.double(), v=v), TypeError, ["one dtype"]
+    yield "int", dict(q=q.long(), k=k, v=v), TypeError, ["q must be float16"]
+    yield "kpm-len", dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), \
+        ValueError, ["key_padding_mask must have shape [B, Tk] = [2, 5]", "(2, 4)"]
+    yield "kpm-float", dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(2, 5)), TypeError, ["key_padding_mask must be a bool"]
+    yield "rank-float", dict(q=q, k=k, v=v, perm_rank=torch.zeros(2, 5)), TypeError, ["perm_rank must be an integer"]
+    yield "rank-shape", dict(q=q, k=k, v=v, perm_rank=torch.zeros(2, 4, dtype=torch.long)), \
+        ValueError, ["perm_rank must have shape [B, Tq] = [2, 5]"]
+    yield "stream", dict(q=q, k=k, v=v, perm_stream="both"), ValueError, ["perm_stream"]
+    yield "causal-short-keys", dict(q=q, k=k[:, :, :3], v=v[:, :, :3], causal=True), ValueError, ["Tk >= Tq"]
+    yield "dropout", dict(q=q, k=k, v=v, dropout_p=1.0), ValueError, ["dropout_p"]
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[0])
+def test_bad_input_raises_before_dispatch(monkeypatch, case):
+    _, kw, exc, words = case
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("dispatch reached before the input check")
+    monkeypatch.setattr(ctxfast._dispatch, "resolve", no_dispatch)
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    with pytest.raises(exc) as info:
+        ctxfast.attention(q, k, v, **kw)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
