@@ -41,6 +41,15 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
+    """[BLOCK_M, BLOCK_N] bool: dropout keeps (b, h, i, j). Philox counter =
+    (bh * Tq + i) * Tk + j (int64), so the forward and both backward kernels (and
+    :func:`dropout_keep_mask`) draw the same numbers."""
+    offs = (bh.to(tl.int64) * Tq + offs_m[:, None]) * Tk + offs_n[None, :]
+    return tl.rand(seed, offs) >= p_drop
+
+
+@triton.jit
 def _visible(offs_m, offs_n, b, Tq, Tk, mem_len,
              kpm_ptr, stride_kpm_b, stride_kpm_n,
              rank_ptr, stride_rank_b, stride_rank_t, rank_q,
@@ -73,6 +82,7 @@ def _attn_fwd_kernel(
     KPM,            # key padding [B, Tk] uint8 (1 = padding); unused unless HAS_KPM
     RANK,           # permutation ranks [B, Tq] int32; unused unless HAS_PERM
     KV_END,         # [B] int32: index of the last unpadded key + 1; unused unless HAS_KPM
+    SEED,           # [1] int64: Philox seed of the dropout mask; unused unless DROPOUT
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -80,8 +90,9 @@ def _attn_fwd_kernel(
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     H, Tq, Tk, mem_len, D,
     qk_scale,       # scale * log2(e)
+    p_drop,         # dropout probability (DROPOUT only)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr,
+    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -105,6 +116,9 @@ def _attn_fwd_kernel(
     if HAS_KPM:
         hi = tl.minimum(hi, tl.load(KV_END + b))
 
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -126,7 +140,10 @@ def _attn_fwd_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
         p = tl.exp2(s - m_safe[:, None])                                 # 0 where masked
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            p = tl.where(keep, p / (1.0 - p_drop), 0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
 
@@ -144,7 +161,7 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     LSE, DELTA,     # [B, H, Tq] fp32 contiguous: forward's lse (base 2), rowsum(dO * O)
     DK, DV,         # dk, dv [B, H, Tk, D] contiguous, written
-    KPM, RANK, KV_END,   # as in the forward
+    KPM, RANK, KV_END, SEED,   # as in the forward
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -152,8 +169,9 @@ def _attn_bwd_dkdv_kernel(
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     H, Tq, Tk, mem_len, D,
     qk_scale, sm_scale,   # scale * log2(e), scale
+    p_drop,               # dropout probability (DROPOUT only)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr,
+    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -177,6 +195,9 @@ def _attn_bwd_dkdv_kernel(
     if HAS_KPM:  # a key block wholly past the last unpadded key gets zero gradient
         hi = tl.where(pid_n * BLOCK_N < tl.load(KV_END + b), Tq, 0)
 
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     q_base = Q + b * stride_qb + h * stride_qh
@@ -199,8 +220,14 @@ def _attn_bwd_dkdv_kernel(
                        RANK, stride_rank_b, stride_rank_t, rank_q,
                        CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)
-        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                    # dO Vᵀ
+        if DROPOUT:   # out used P_d = P * keep / (1 - p): dV = P_dᵀ dO, dP = dP_d * keep / (1 - p)
+            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            dv += _dot(tl.trans(tl.where(keep, p / (1.0 - p_drop), 0.0)).to(do.dtype), do,
+                       UPCAST, PRECISION)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        else:
+            dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)
         ds = p * (dp - delta[:, None])
         dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)
 
@@ -214,16 +241,16 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO,    # as in _attn_bwd_dkdv_kernel
     LSE, DELTA,
     DQ,             # dq [B, H, Tq, D] contiguous, written
-    KPM, RANK, KV_END,
+    KPM, RANK, KV_END, SEED,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     H, Tq, Tk, mem_len, D,
-    qk_scale, sm_scale,
+    qk_scale, sm_scale, p_drop,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr,
+    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -251,6 +278,9 @@ def _attn_bwd_dq_kernel(
     if HAS_KPM:
         hi = tl.minimum(hi, tl.load(KV_END + b))
 
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
@@ -267,6 +297,9 @@ def _attn_bwd_dq_kernel(
                        CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
 
@@ -315,6 +348,14 @@ def _mask_args(q, key_padding_mask, perm_rank):
     return kpm, rank, kv_end, (*kpm_strides, *rank_strides)
 
 
+def _seed_arg(q, dropout_p, seed):
+    if dropout_p <= 0:
+        return q                                   # never read (DROPOUT is False)
+    if seed is None or seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
+        raise ValueError("dropout needs seed: an int64 tensor of one element on q's device")
+    return seed
+
+
 def _precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
@@ -322,11 +363,12 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,
-                      perm_strict=False, scale=None):
+                      perm_strict=False, scale=None, dropout_p=0.0, seed=None):
     """q [B, H, Tq, D], k, v [B, H, Tk, D] -> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32).
 
     key_padding_mask: bool [B, Tk] (True = padding) or None; perm_rank: int [B, Tq] or None;
-    perm_strict: True for XLNet's query stream (rank[t] < rank[i]).
+    perm_strict: True for XLNet's query stream (rank[t] < rank[i]); dropout_p > 0 needs
+    seed (int64 tensor [1] on q's device): the mask is :func:`dropout_keep_mask` (seed).
     """
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -341,11 +383,11 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
     bm, bn, bd, warps, stages = _config(D, q.dtype, backward=False)
     grid = (triton.cdiv(Tq, bm), B * H)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse, kpm, rank, kv_end,
+        q, k, v, out, lse, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstrides,
-        H, Tq, Tk, Tk - Tq, D, scale * LOG2E,
+        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, float(dropout_p),
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
@@ -353,7 +395,7 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
 
 
 def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=None,
-                       perm_rank=None, perm_strict=False, scale=None):
+                       perm_rank=None, perm_strict=False, scale=None, dropout_p=0.0, seed=None):
     """Gradients (dq, dk, dv) of :func:`attention_forward`'s ``out`` for upstream ``do``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -367,19 +409,45 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     common = dict(
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        PRECISION=_precision(q.dtype),
+        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
     )
+    seed_arg = _seed_arg(q, dropout_p, seed)
     bm, bn, bd, warps, stages = _config(D, q.dtype, backward=True)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Tk, bn), B * H)](
-        q, k, v, do, lse, delta, dk, dv, kpm, rank, kv_end, *strides,
-        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dk, dv, kpm, rank, kv_end, seed_arg, *strides,
+        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale, float(dropout_p),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages, **common,
     )
     _attn_bwd_dq_kernel[(triton.cdiv(Tq, bm), B * H)](
-        q, k, v, do, lse, delta, dq, kpm, rank, kv_end, *strides,
-        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dq, kpm, rank, kv_end, seed_arg, *strides,
+        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale, float(dropout_p),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages, **common,
     )
     return dq, dk, dv
+
+
+@triton.jit
+def _dropout_keep_kernel(
+    SEED,        # [1] int64: the Philox seed
+    KEEP,        # out: [B, H, Tq, Tk] uint8, contiguous (1 = kept)
+    Tq, Tk, p_drop,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    bh = tl.program_id(2)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _keep(tl.load(SEED), bh, offs_m, offs_n, Tq, Tk, p_drop)
+    ptrs = KEEP + (bh.to(tl.int64) * Tq + offs_m[:, None]) * Tk + offs_n[None, :]
+    tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < Tq) & (offs_n[None, :] < Tk))
+
+
+def dropout_keep_mask(seed, B, H, Tq, Tk, dropout_p):
+    """The dropout mask the attention kernels use for `seed`: bool [B, H, Tq, Tk], True = kept.
+    Materialises O(Tq·Tk) memory: for tests and debugging."""
+    keep = torch.empty((B, H, Tq, Tk), dtype=torch.uint8, device=seed.device)
+    if keep.numel():
+        grid = (triton.cdiv(Tq, 16), triton.cdiv(Tk, 16), B * H)
+        _dropout_keep_kernel[grid](seed, keep, Tq, Tk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
+    return keep.bool()

@@ -206,12 +206,16 @@ def test_opcheck():
     kpm = torch.zeros(1, 12, dtype=torch.bool, device=DEVICE)
     kpm[0, -3:] = True
     rank = torch.randperm(9).view(1, 9).to(DEVICE)
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), kpm, rank, True, False, 0.25)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), kpm, rank, True, False,
+            0.25, 0.0, None)
     torch.library.opcheck(torch.ops.ctxfast.attention_fwd_triton.default, args)
     out, lse = torch.ops.ctxfast.attention_fwd_triton(*args)
     torch.library.opcheck(torch.ops.ctxfast.attention_bwd_triton.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
-                           out.detach(), lse, kpm, rank, True, False, 0.25))
+                           out.detach(), lse, kpm, rank, True, False, 0.25, 0.0, None))
+    seed = torch.tensor([123], dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(torch.ops.ctxfast.attention_fwd_triton.default,
+                          args[:-2] + (0.2, seed))
 
 
 @needs_triton
@@ -240,10 +244,30 @@ def test_gradcheck_fast_mode():
 
 
 @needs_triton
-def test_triton_dropout_is_not_implemented_yet():
-    q, k, v = _inputs(1, 1, 4, 4, 16)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ctxfast.attention(q, k, v, dropout_p=0.1, backend="triton")
+@pytest.mark.parametrize("kind", ["none", "causal-pad", "perm-query"])
+def test_dropout_matches_reference_with_the_same_mask(kind):
+    """The kernel's mask is reproducible from the seed, forward and backward agree with the
+    reference given that mask, and about p of the entries are dropped."""
+    from ctxfast.ops.attention import draw_seed, dropout_keep_mask
+    B, H, Tq, Tk, D, p = 2, 2, 19, 26, 32, 0.3
+    q, k, v = (t.requires_grad_() for t in _inputs(B, H, Tq, Tk, D))
+    kw = _masks(kind, B, Tq, Tk)
+    out = ctxfast.attention(q, k, v, dropout_p=p, backend="triton",
+                            generator=torch.Generator(DEVICE).manual_seed(7), **kw)
+    seed = draw_seed(DEVICE, torch.Generator(DEVICE).manual_seed(7))
+    keep = dropout_keep_mask(seed, B, H, Tq, Tk, p)
+    assert abs((~keep).float().mean().item() - p) < 0.05
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q2, k2, v2, dropout_mask=keep, dropout_p=p, **kw)
+    assert rel_err(out, ref) < 1e-5
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, (q2, k2, v2), do.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert rel_err(g, r) < 1e-5, (name, rel_err(g, r))
+    other = ctxfast.attention(q, k, v, dropout_p=p, backend="triton",
+                              generator=torch.Generator(DEVICE).manual_seed(8), **kw)
+    assert not torch.equal(out, other)
 
 
 # --------------------------------------------------------------------------- eager backend, dispatch

@@ -3,14 +3,17 @@ permutation masks and Transformer-XL memory, as a drop-in autograd op.
 
 Registered ops (under ``torch.ops.ctxfast``, with fakes and autograd):
 
-* ``attention_fwd_triton(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale)
-  -> (out, lse)``
+* ``attention_fwd_triton(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale,
+  dropout_p, seed) -> (out, lse)``
 * ``attention_bwd_triton(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal,
-  perm_strict, scale) -> (dq, dk, dv)``
+  perm_strict, scale, dropout_p, seed) -> (dq, dk, dv)``
+
+Dropout: ``seed`` (int64 ``[1]`` on q's device) keys a Philox stream; the kernels draw the
+number of element ``(b, h, i, j)`` at counter ``(bh·Tq + i)·Tk + j``, so the backward
+regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces it.
 
 The ``eager`` backend is ``ctxfast.reference.attention`` (a materialised mask + softmax).
-Not yet here (issue 3 continues): attention dropout in the Triton kernel,
-``attention_varlen``, the split-key decoding path, ``nn.MultiheadAttention`` and the
+Not yet here (issue 3 continues): ``attention_varlen``, the split-key decoding path, ``nn.MultiheadAttention`` and the
 Hugging Face integration.
 """
 from typing import Optional, Tuple
@@ -35,14 +38,16 @@ _dispatch.register_op("attention", supported=("triton", "eager"),
 @torch.library.custom_op("ctxfast::attention_fwd_triton", mutates_args=())
 def _attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
                           perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
-                          scale: float) -> Tuple[Tensor, Tensor]:
+                          scale: float, dropout_p: float,
+                          seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     from ctxfast.kernels.attention import attention_forward  # imports triton
     return attention_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
-                             perm_rank=perm_rank, perm_strict=perm_strict, scale=scale)
+                             perm_rank=perm_rank, perm_strict=perm_strict, scale=scale,
+                             dropout_p=dropout_p, seed=seed)
 
 
 @_attention_fwd_triton.register_fake
-def _(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale):
+def _(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale, dropout_p, seed):
     B, H, Tq, D = q.shape
     return q.new_empty((B, H, Tq, D)), q.new_empty((B, H, Tq), dtype=torch.float32)
 
@@ -51,33 +56,37 @@ def _(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale):
 def _attention_bwd_triton(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           lse: Tensor, key_padding_mask: Optional[Tensor],
                           perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
-                          scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+                          scale: float, dropout_p: float,
+                          seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     from ctxfast.kernels.attention import attention_backward  # imports triton
     return attention_backward(do, q, k, v, out, lse, causal=causal,
                               key_padding_mask=key_padding_mask, perm_rank=perm_rank,
-                              perm_strict=perm_strict, scale=scale)
+                              perm_strict=perm_strict, scale=scale, dropout_p=dropout_p,
+                              seed=seed)
 
 
 @_attention_bwd_triton.register_fake
-def _(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal, perm_strict, scale):
+def _(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal, perm_strict, scale,
+      dropout_p, seed):
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     return q.new_empty((B, H, Tq, D)), k.new_empty((B, H, Tk, D)), v.new_empty((B, H, Tk, D))
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, kpm, rank, causal, perm_strict, scale = inputs
+    q, k, v, kpm, rank, causal, perm_strict, scale, dropout_p, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, kpm, rank)
-    ctx.causal, ctx.perm_strict, ctx.scale = causal, perm_strict, scale
+    ctx.save_for_backward(q, k, v, out, lse, kpm, rank, seed)
+    ctx.causal, ctx.perm_strict, ctx.scale, ctx.dropout_p = causal, perm_strict, scale, dropout_p
 
 
 def _fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, kpm, rank = ctx.saved_tensors
+    q, k, v, out, lse, kpm, rank, seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.ctxfast.attention_bwd_triton(
-        grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+        grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale,
+        ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _attention_fwd_triton.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -165,10 +174,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             factorisation order (ties allowed). Memory keys are always visible; current
             key ``t`` is visible iff ``rank[t] <= rank[i]`` (``perm_stream="content"``) or
             ``rank[t] < rank[i]`` (``"query"``).
-        dropout_p: attention dropout. Only the eager backend has it so far; the Triton
-            kernel raises ``NotImplementedError`` for ``dropout_p > 0``.
+        dropout_p: attention dropout on the probabilities (after the softmax, scaled by
+            ``1 / (1 - p)``). Triton: Philox keyed by a seed drawn from `generator` (see
+            :func:`draw_seed`, :func:`dropout_keep_mask`), regenerated in the backward.
+            Eager: ``torch.rand`` with `generator` (a different stream).
         scale: softmax scale, default ``D ** -0.5``.
-        generator: RNG for the dropout mask (eager backend).
+        generator: RNG for the dropout seed or mask (default: torch's global RNG).
         backend: ``"triton" | "eager"`` or None (see ``ctxfast.backend``).
 
     Returns:
@@ -187,9 +198,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         return _ref.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                               perm_rank=perm_rank, perm_stream=perm_stream,
                               dropout_mask=mask, dropout_p=dropout_p, scale=sm_scale)
-    if dropout_p > 0:
-        raise NotImplementedError("ctxfast.attention: dropout_p > 0 is not implemented in the "
-                                  "Triton kernel yet; use backend='eager' for dropout")
+    seed = draw_seed(q.device, generator) if dropout_p > 0 else None
     out, _ = torch.ops.ctxfast.attention_fwd_triton(
-        q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale)
+        q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale,
+        float(dropout_p), seed)
     return out
+
+
+def draw_seed(device, generator: Optional[torch.Generator] = None) -> Tensor:
+    """The dropout seed the Triton backend draws for one call: int64 ``[1]`` on `device`,
+    from `generator` (or torch's global RNG). Call it with an identically seeded generator
+    to get the seed again and :func:`dropout_keep_mask` to get the mask."""
+    gen_device = generator.device if generator is not None else torch.device(device)
+    seed = torch.randint(0, 2**62, (1,), generator=generator, device=gen_device,
+                         dtype=torch.int64)
+    return seed.to(device)
+
+
+def dropout_keep_mask(seed: Tensor, B: int, H: int, Tq: int, Tk: int, dropout_p: float) -> Tensor:
+    """Bool ``[B, H, Tq, Tk]``, True = kept: the mask the Triton kernels apply for `seed`.
+    Materialises O(Tq·Tk): for tests and debugging."""
+    from ctxfast.kernels.attention import dropout_keep_mask as _keep_mask  # imports triton
+    return _keep_mask(seed, B, H, Tq, Tk, dropout_p)
