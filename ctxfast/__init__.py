@@ -10,6 +10,7 @@ Importing ctxfast loads ``ctxfast._C`` (C++ CPU kernels) and, where it was built
 """
 from ._dispatch import BACKENDS, BackendUnavailable, backend, why_unavailable  # noqa: F401 (loads _C first)
 from .ops import attention, rel_shift
+from . import nn  # noqa: E402 (modules on the ops)
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,9 @@
-"""Drop-in nn.Modules built on ctxfast ops (attention and LSTM layers).
+"""Drop-in nn.Modules built on ctxfast ops.
 
-None yet: the attention (issue 3), relative attention (issue 4) and weight-dropped LSTM
-(issue 5) modules land here.
+* :class:`MultiheadAttention` — ``torch.nn.MultiheadAttention`` on ``ctxfast.attention``.
+
+Still to come: relative attention (issue 4) and the weight-dropped LSTM (issue 5).
 """
-__all__: list = []
+from .attention import MultiheadAttention
+
+__all__ = ["MultiheadAttention"]

@@ -1,0 +1,123 @@
+"""``ctxfast.nn.MultiheadAttention``: a drop-in for ``torch.nn.MultiheadAttention`` whose
+attention runs through ``ctxfast.attention`` (no ``[T, T]`` mask or score tensor).
+
+Same constructor arguments, parameter names and forward signature, so an existing
+``state_dict`` loads as it is. Supported masks: ``key_padding_mask`` (bool, True = padding)
+and ``is_causal=True`` (with ``attn_mask`` None or the causal mask itself). A general
+``attn_mask`` is not expressible from O(T) data and raises ``NotImplementedError``.
+``need_weights=True`` (torch's default) also returns the attention weights, which this
+computes separately in eager PyTorch (O(T²)); pass ``need_weights=False`` for the fast path.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops, reference
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` on ctxfast's fused attention.
+
+    Extra keyword: ``backend`` (``"triton" | "eager" | None``), passed to
+    ``ctxfast.attention``.
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None, *, backend: Optional[str] = None) -> None:
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
+                         add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
+                         vdim=vdim, batch_first=batch_first, device=device, dtype=dtype)
+        self.backend = backend
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """query ``[Tq, B, E]`` (``[B, Tq, E]`` if batch_first), key/value ``[Tk, B, kdim/vdim]``
+        -> (output ``[Tq, B, E]``, weights ``[B, Tq, Tk]`` averaged over heads (or
+        ``[B, H, Tq, Tk]``) if need_weights else None). Unbatched 2-D inputs work too."""
+        unbatched = query.dim() == 2
+        if unbatched:                                        # [T, E] -> [T, 1, E] (or [1, T, E])
+            bdim = 0 if self.batch_first else 1
+            query, key, value = (t.unsqueeze(bdim) for t in (query, key, value))
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if self.batch_first:                                 # [B, T, E] -> [T, B, E]
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        Tq, B, E = query.shape
+        causal = is_causal
+        if attn_mask is not None:
+            if not (is_causal and _is_causal_mask(attn_mask, Tq, key.shape[0])):
+                raise NotImplementedError(
+                    "ctxfast.nn.MultiheadAttention: a general attn_mask is not supported "
+                    "(masks come from O(T) data); use key_padding_mask and/or is_causal=True")
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            raise TypeError("ctxfast.nn.MultiheadAttention: key_padding_mask must be bool "
+                            "(True = padding)")
+
+        q, k, v = self._project(query, key, value)           # [T, B, E] each
+        if self.bias_k is not None:                          # one extra learned key/value
+            k = torch.cat([k, self.bias_k.expand(1, B, E)])
+            v = torch.cat([v, self.bias_v.expand(1, B, E)])
+            key_padding_mask = _pad_mask(key_padding_mask, B, k.shape[0], k.device)
+        if self.add_zero_attn:                               # one extra zero key/value
+            k = torch.cat([k, k.new_zeros(1, B, E)])
+            v = torch.cat([v, v.new_zeros(1, B, E)])
+            key_padding_mask = _pad_mask(key_padding_mask, B, k.shape[0], k.device)
+        H, Dh = self.num_heads, self.head_dim
+        Tk = k.shape[0]
+        # [T, B, E] -> [T, B, H, Dh] -> [B, H, T, Dh]
+        q, k, v = (t.reshape(t.shape[0], B, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
+        if causal and Tk < Tq:
+            raise ValueError(f"ctxfast.nn.MultiheadAttention: is_causal needs at least as many "
+                             f"keys as queries, got Tq={Tq}, Tk={Tk}")
+        out = ops.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                            dropout_p=self.dropout if self.training else 0.0,
+                            backend=self.backend)            # [B, H, Tq, Dh]
+        out = out.permute(2, 0, 1, 3).reshape(Tq, B, E)      # [Tq, B, E]
+        out = self.out_proj(out)
+        weights = None
+        if need_weights:                                     # eager, O(T²): API compatibility
+            mask = reference.attention_mask(B, Tq, Tk, causal=causal,
+                                            key_padding_mask=key_padding_mask, device=q.device)
+            scores = torch.matmul(q, k.transpose(-1, -2)) * Dh ** -0.5
+            scores = scores.masked_fill(~mask[:, None], float("-inf"))
+            weights = torch.softmax(scores, -1)              # [B, H, Tq, Tk]
+            if average_attn_weights:
+                weights = weights.mean(1)                    # [B, Tq, Tk]
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out = out.squeeze(0 if self.batch_first else 1)
+            weights = weights.squeeze(0) if weights is not None else None
+        return out, weights
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor):
+        E = self.embed_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            return (F.linear(query, w[:E], bq), F.linear(key, w[E:2 * E], bk),
+                    F.linear(value, w[2 * E:], bv))
+        return (F.linear(query, self.q_proj_weight, bq), F.linear(key, self.k_proj_weight, bk),
+                F.linear(value, self.v_proj_weight, bv))
+
+
+def _pad_mask(kpm: Optional[Tensor], B: int, Tk: int, device) -> Optional[Tensor]:
+    """Extend a [B, Tk-1] padding mask by one visible key (or None stays None)."""
+    if kpm is None:
+        return None
+    return torch.cat([kpm, torch.zeros(B, 1, dtype=torch.bool, device=device)], 1)
+
+
+def _is_causal_mask(mask: Tensor, Tq: int, Tk: int) -> bool:
+    """True if `mask` ([Tq, Tk], bool True = masked, or float -inf = masked) is the causal mask."""
+    if tuple(mask.shape[-2:]) != (Tq, Tk):
+        return False
+    want = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).triu(1 + Tk - Tq)
+    got = mask if mask.dtype == torch.bool else torch.isinf(mask) & (mask < 0)
+    return bool((got == want).all())

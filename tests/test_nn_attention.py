@@ -1,0 +1,86 @@
+"""ctxfast.nn.MultiheadAttention is a drop-in for torch.nn.MultiheadAttention: the same
+state_dict loads, and outputs, weights and gradients agree."""
+import pytest
+import torch
+from torch import nn
+
+import ctxfast
+from utils import TRITON_ON_CPU, rel_err
+
+BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pair(backend, **kw):
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(**kw).to(DEVICE).eval()
+    ours = ctxfast.nn.MultiheadAttention(**kw, backend=backend).to(DEVICE).eval()
+    missing = ours.load_state_dict(ref.state_dict())
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return ref, ours
+
+
+def _compare(ref, ours, args, kwargs, tol=2e-5):
+    leaves_r = [a.detach().clone().requires_grad_(True) for a in args]
+    leaves_o = [a.detach().clone().requires_grad_(True) for a in args]
+    out_r, w_r = ref(*leaves_r, **kwargs)
+    out_o, w_o = ours(*leaves_o, **kwargs)
+    assert rel_err(out_o, out_r) < tol, rel_err(out_o, out_r)
+    if w_r is None:
+        assert w_o is None
+    else:
+        assert w_o.shape == w_r.shape and rel_err(w_o, w_r) < tol
+    g = torch.randn_like(out_r)
+    grads_r = torch.autograd.grad(out_r, leaves_r + list(ref.parameters()), g, allow_unused=True)
+    grads_o = torch.autograd.grad(out_o, leaves_o + list(ours.parameters()), g, allow_unused=True)
+    for a, b in zip(grads_o, grads_r):
+        if b is None:
+            assert a is None or (a == 0).all()
+        else:
+            assert rel_err(a, b) < tol, rel_err(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_self_attention_with_padding(backend, batch_first, need_weights):
+    ref, ours = _pair(backend, embed_dim=32, num_heads=2, batch_first=batch_first)
+    B, T = 3, 11
+    x = torch.randn((B, T, 32) if batch_first else (T, B, 32), device=DEVICE)
+    kpm = torch.rand(B, T, device=DEVICE) < 0.3
+    kpm[:, 0] = False
+    _compare(ref, ours, (x, x, x), dict(key_padding_mask=kpm, need_weights=need_weights))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal(backend):
+    ref, ours = _pair(backend, embed_dim=32, num_heads=4, batch_first=True)
+    x = torch.randn(2, 13, 32, device=DEVICE)
+    causal = nn.Transformer.generate_square_subsequent_mask(13, device=DEVICE)
+    _compare(ref, ours, (x, x, x), dict(attn_mask=causal, is_causal=True, need_weights=False))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_attention_kdim_vdim_bias_kv_zero_attn(backend):
+    ref, ours = _pair(backend, embed_dim=32, num_heads=2, kdim=24, vdim=20, add_bias_kv=True,
+                      add_zero_attn=True)
+    q = torch.randn(7, 2, 32, device=DEVICE)
+    k = torch.randn(9, 2, 24, device=DEVICE)
+    v = torch.randn(9, 2, 20, device=DEVICE)
+    kpm = torch.zeros(2, 9, dtype=torch.bool, device=DEVICE)
+    kpm[1, 5:] = True
+    _compare(ref, ours, (q, k, v), dict(key_padding_mask=kpm, need_weights=True,
+                                        average_attn_weights=False))
+
+
+def test_unbatched_input():
+    ref, ours = _pair("eager", embed_dim=16, num_heads=2)
+    x = torch.randn(5, 16, device=DEVICE)
+    _compare(ref, ours, (x, x, x), dict(need_weights=False))
+
+
+def test_general_attn_mask_is_refused():
+    _, ours = _pair("eager", embed_dim=16, num_heads=2)
+    x = torch.randn(5, 1, 16, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        ours(x, x, x, attn_mask=torch.rand(5, 5, device=DEVICE) < 0.5)
