@@ -50,6 +50,21 @@ def _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
 
 
 @triton.jit
+def _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN: tl.constexpr):
+    """(q_start, k_start, Tq, Tk, mem_len) of sequence b: the whole dims, or, for packed
+    (varlen) inputs, the slice ``cu_seqlens[b] : cu_seqlens[b + 1]``."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        k_start = tl.load(CU_K + b)
+        Tq = tl.load(CU_Q + b + 1) - q_start
+        Tk = tl.load(CU_K + b + 1) - k_start
+        mem_len = Tk - Tq
+    return q_start, k_start, Tq, Tk, mem_len
+
+
+@triton.jit
 def _visible(offs_m, offs_n, b, Tq, Tk, mem_len,
              kpm_ptr, stride_kpm_b, stride_kpm_n,
              rank_ptr, stride_rank_b, stride_rank_t, rank_q,
@@ -83,16 +98,19 @@ def _attn_fwd_kernel(
     RANK,           # permutation ranks [B, Tq] int32; unused unless HAS_PERM
     KV_END,         # [B] int32: index of the last unpadded key + 1; unused unless HAS_KPM
     SEED,           # [1] int64: Philox seed of the dropout mask; unused unless DROPOUT
+    CU_Q, CU_K,     # [B + 1] int32 cumulative lengths of packed sequences; unused unless VARLEN
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    stride_lb, stride_lh,   # of lse (and delta): element (b, h, i) at b*stride_lb + h*stride_lh + i
     H, Tq, Tk, mem_len, D,
+    max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale,       # scale * log2(e)
     p_drop,         # dropout probability (DROPOUT only)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
+    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -100,6 +118,14 @@ def _attn_fwd_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
+    if pid_m * BLOCK_M >= Tq:       # varlen: past the end of a shorter sequence
+        return
+    Q += q_start * stride_qm
+    O += q_start * stride_om
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    LSE += b * stride_lb + h * stride_lh + q_start
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
@@ -142,7 +168,7 @@ def _attn_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
         if DROPOUT:
-            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
             p = tl.where(keep, p / (1.0 - p_drop), 0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
@@ -153,7 +179,7 @@ def _attn_fwd_kernel(
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
              + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & d_ok)
-    tl.store(LSE + bh * Tq + offs_m, lse, mask=offs_m < Tq)
+    tl.store(LSE + offs_m, lse, mask=offs_m < Tq)
 
 
 @triton.jit
@@ -161,17 +187,20 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     LSE, DELTA,     # [B, H, Tq] fp32 contiguous: forward's lse (base 2), rowsum(dO * O)
     DK, DV,         # dk, dv [B, H, Tk, D] contiguous, written
-    KPM, RANK, KV_END, SEED,   # as in the forward
+    KPM, RANK, KV_END, SEED, CU_Q, CU_K,   # as in the forward
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # of dk and dv (same layout)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    stride_lb, stride_lh,   # of lse (and delta): element (b, h, i) at b*stride_lb + h*stride_lh + i
     H, Tq, Tk, mem_len, D,
+    max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale, sm_scale,   # scale * log2(e), scale
     p_drop,               # dropout probability (DROPOUT only)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
+    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -179,6 +208,17 @@ def _attn_bwd_dkdv_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
+    if pid_n * BLOCK_N >= Tk:       # varlen: past the end of a shorter sequence
+        return
+    Q += q_start * stride_qm
+    DO += q_start * stride_dom
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    DK += b * stride_dkb + h * stride_dkh + k_start * stride_dkn
+    DV += b * stride_dkb + h * stride_dkh + k_start * stride_dkn
+    LSE += b * stride_lb + h * stride_lh + q_start
+    DELTA += b * stride_lb + h * stride_lh + q_start
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
@@ -209,8 +249,8 @@ def _attn_bwd_dkdv_kernel(
                     mask=q_mask, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                      mask=q_mask, other=0.0)
-        lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
-        delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+        lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
         rank_q = offs_m
         if HAS_PERM:
             rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
@@ -222,7 +262,7 @@ def _attn_bwd_dkdv_kernel(
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                    # dO Vᵀ
         if DROPOUT:   # out used P_d = P * keep / (1 - p): dV = P_dᵀ dO, dP = dP_d * keep / (1 - p)
-            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
             dv += _dot(tl.trans(tl.where(keep, p / (1.0 - p_drop), 0.0)).to(do.dtype), do,
                        UPCAST, PRECISION)
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
@@ -231,7 +271,7 @@ def _attn_bwd_dkdv_kernel(
         ds = p * (dp - delta[:, None])
         dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)
 
-    out_off = bh * Tk * D + offs_n[:, None] * D + offs_d[None, :]
+    out_off = offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -241,16 +281,19 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO,    # as in _attn_bwd_dkdv_kernel
     LSE, DELTA,
     DQ,             # dq [B, H, Tq, D] contiguous, written
-    KPM, RANK, KV_END, SEED,
+    KPM, RANK, KV_END, SEED, CU_Q, CU_K,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    stride_lb, stride_lh,   # of lse (and delta): element (b, h, i) at b*stride_lb + h*stride_lh + i
     H, Tq, Tk, mem_len, D,
+    max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale, sm_scale, p_drop,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
+    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -258,6 +301,16 @@ def _attn_bwd_dq_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
+    if pid_m * BLOCK_M >= Tq:       # varlen: past the end of a shorter sequence
+        return
+    Q += q_start * stride_qm
+    DO += q_start * stride_dom
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    DQ += b * stride_dqb + h * stride_dqh + q_start * stride_dqm
+    LSE += b * stride_lb + h * stride_lh + q_start
+    DELTA += b * stride_lb + h * stride_lh + q_start
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
@@ -266,8 +319,8 @@ def _attn_bwd_dq_kernel(
                 + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
-    lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
-    delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+    lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
+    delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
     rank_q = offs_m
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
@@ -298,12 +351,12 @@ def _attn_bwd_dq_kernel(
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
-            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
 
-    tl.store(DQ + bh * Tq * D + offs_m[:, None] * D + offs_d[None, :],
+    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
@@ -362,6 +415,51 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,
+                    perm_rank, perm_strict, scale, dropout_p, seed, cu=None):
+    """Shared by the dense and the packed entry points. q, k, v, out: 4-D views
+    [B|1, H, T, D]; dims = (B, H, Tq, Tk, D, max_q, max_k); cu = (cu_q, cu_k) or None."""
+    B, H, Tq, Tk, D, max_q, max_k = dims
+    kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
+    cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
+    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=False)
+    _attn_fwd_kernel[(triton.cdiv(max_q, bm), B * H)](
+        q, k, v, out, lse, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstrides, *lse_strides,
+        H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, float(dropout_p),
+        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
+        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
+                     key_padding_mask, perm_rank, perm_strict, scale, dropout_p, seed, cu=None):
+    """Backward counterpart of :func:`_launch_forward` (dk and dv share one layout)."""
+    B, H, Tq, Tk, D, max_q, max_k = dims
+    kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
+    cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
+    seed_arg = _seed_arg(q, dropout_p, seed)
+    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=True)
+    flags = dict(
+        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
+        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides, *lse_strides)
+    scalars = (H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, scale, float(dropout_p))
+    _attn_bwd_dkdv_kernel[(triton.cdiv(max_k, bn), B * H)](
+        q, k, v, do, lse, delta, dk, dv, kpm, rank, kv_end, seed_arg, cu_q, cu_k,
+        *dk.stride(), *strides, *scalars, **flags)
+    _attn_bwd_dq_kernel[(triton.cdiv(max_q, bm), B * H)](
+        q, k, v, do, lse, delta, dq, kpm, rank, kv_end, seed_arg, cu_q, cu_k,
+        *dq.stride(), *strides, *scalars, **flags)
+
+
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,
                       perm_strict=False, scale=None, dropout_p=0.0, seed=None):
     """q [B, H, Tq, D], k, v [B, H, Tk, D] -> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32).
@@ -379,18 +477,9 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
         return out, lse.fill_(float("inf"))
     if Tk == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
-    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=False)
-    grid = (triton.cdiv(Tq, bm), B * H)
-    _attn_fwd_kernel[grid](
-        q, k, v, out, lse, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstrides,
-        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, float(dropout_p),
-        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
-    )
+    _launch_forward(q, k, v, out, lse, (H * Tq, Tq), (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
+                    key_padding_mask=key_padding_mask, perm_rank=perm_rank,
+                    perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed)
     return out, lse
 
 
@@ -406,25 +495,59 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     if q.numel() == 0 or Tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = (do.float() * out.float()).sum(-1).contiguous()     # [B, H, Tq]
-    kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
-    common = dict(
-        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-    )
-    seed_arg = _seed_arg(q, dropout_p, seed)
-    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=True)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Tk, bn), B * H)](
-        q, k, v, do, lse, delta, dk, dv, kpm, rank, kv_end, seed_arg, *strides,
-        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale, float(dropout_p),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages, **common,
-    )
-    _attn_bwd_dq_kernel[(triton.cdiv(Tq, bm), B * H)](
-        q, k, v, do, lse, delta, dq, kpm, rank, kv_end, seed_arg, *strides,
-        H, Tq, Tk, Tk - Tq, D, scale * LOG2E, scale, float(dropout_p),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages, **common,
-    )
+    _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, (H * Tq, Tq),
+                     (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
+                     key_padding_mask=key_padding_mask, perm_rank=perm_rank,
+                     perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed)
+    return dq, dk, dv
+
+
+def _packed_view(x, B):
+    """[total, H, D] -> a [B, H, total, D] view with batch stride 0 (no copy): the kernels
+    add ``b * stride_b``, and sequence b's rows come from cu_seqlens instead."""
+    return x.unsqueeze(0).transpose(1, 2).expand(B, -1, -1, -1)
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             *, causal=False, scale=None, dropout_p=0.0, seed=None):
+    """Packed sequences: q [total_q, H, D], k, v [total_k, H, D]; sequence b is rows
+    ``cu_seqlens[b] : cu_seqlens[b + 1]`` (int32 [B + 1]). Causal is bottom-right aligned
+    per sequence. Returns (out [total_q, H, D], lse [H, total_q] fp32)."""
+    total_q, H, D = q.shape
+    B = cu_seqlens_q.shape[0] - 1
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((H, total_q), float("inf"), dtype=torch.float32, device=q.device)
+    if total_q == 0 or B == 0 or max_seqlen_q == 0:
+        return out.zero_(), lse
+    if k.shape[0] == 0 or max_seqlen_k == 0:
+        return out.zero_(), lse
+    out.zero_()   # rows of sequences that have no keys are not visited
+    q4, k4, v4, out4 = (_packed_view(t, B) for t in (q, k, v, out))
+    _launch_forward(q4, k4, v4, out4, lse, (0, total_q),
+                    (B, H, 0, 0, D, max_seqlen_q, max_seqlen_k), causal=causal,
+                    key_padding_mask=None, perm_rank=None, perm_strict=False, scale=scale,
+                    dropout_p=dropout_p, seed=seed, cu=(cu_seqlens_q, cu_seqlens_k))
+    return out, lse
+
+
+def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, *, causal=False, scale=None, dropout_p=0.0, seed=None):
+    """Gradients (dq, dk, dv) of :func:`attention_varlen_forward`'s ``out``."""
+    total_q, H, D = q.shape
+    B = cu_seqlens_q.shape[0] - 1
+    scale = D ** -0.5 if scale is None else scale
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    if total_q == 0 or k.shape[0] == 0 or B == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return dq, dk, dv
+    delta = (do.float() * out.float()).sum(-1).t().contiguous()  # [H, total_q]
+    do4, q4, k4, v4, dq4, dk4, dv4 = (_packed_view(t, B) for t in (do, q, k, v, dq, dk, dv))
+    _launch_backward(do4, q4, k4, v4, lse, delta, dq4, dk4, dv4, (0, total_q),
+                     (B, H, 0, 0, D, max_seqlen_q, max_seqlen_k), causal=causal,
+                     key_padding_mask=None, perm_rank=None, perm_strict=False, scale=scale,
+                     dropout_p=dropout_p, seed=seed, cu=(cu_seqlens_q, cu_seqlens_k))
     return dq, dk, dv
 
 

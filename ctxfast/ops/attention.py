@@ -13,8 +13,9 @@ number of element ``(b, h, i, j)`` at counter ``(bh·Tq + i)·Tk + j``, so the b
 regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces it.
 
 The ``eager`` backend is ``ctxfast.reference.attention`` (a materialised mask + softmax).
-Not yet here (issue 3 continues): ``attention_varlen``, the split-key decoding path, ``nn.MultiheadAttention`` and the
-Hugging Face integration.
+``attention_varlen`` (packed sequences) has its own pair of ops below.
+Not yet here (issue 3 continues): the split-key decoding kernel and the Hugging Face
+integration.
 """
 from typing import Optional, Tuple
 
@@ -220,3 +221,153 @@ def dropout_keep_mask(seed: Tensor, B: int, H: int, Tq: int, Tk: int, dropout_p:
     Materialises O(Tq·Tk): for tests and debugging."""
     from ctxfast.kernels.attention import dropout_keep_mask as _keep_mask  # imports triton
     return _keep_mask(seed, B, H, Tq, Tk, dropout_p)
+
+
+# --------------------------------------------------------------------------- packed (varlen)
+
+_dispatch.register_op("attention_varlen", supported=("triton", "eager"),
+                      cpu_default=("eager",), cuda_default=("triton", "eager"))
+
+
+@torch.library.custom_op("ctxfast::attention_varlen_fwd_triton", mutates_args=())
+def _attention_varlen_fwd_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                 cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                 causal: bool, scale: float, dropout_p: float,
+                                 seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    from ctxfast.kernels.attention import attention_varlen_forward  # imports triton
+    return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal=causal, scale=scale,
+                                    dropout_p=dropout_p, seed=seed)
+
+
+@_attention_varlen_fwd_triton.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+      dropout_p, seed):
+    total_q, H, D = q.shape
+    return q.new_empty((total_q, H, D)), q.new_empty((H, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("ctxfast::attention_varlen_bwd_triton", mutates_args=())
+def _attention_varlen_bwd_triton(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                 lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                 max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                                 scale: float, dropout_p: float,
+                                 seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    from ctxfast.kernels.attention import attention_varlen_backward  # imports triton
+    return attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
+                                     dropout_p=dropout_p, seed=seed)
+
+
+@_attention_varlen_bwd_triton.register_fake
+def _(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      scale, dropout_p, seed):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed)
+    ctx.args = (max_q, max_k, causal, scale, dropout_p)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
+    max_q, max_k, causal, scale, dropout_p = ctx.args
+    dq, dk, dv = torch.ops.ctxfast.attention_varlen_bwd_triton(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
+    return (dq, dk, dv) + (None,) * 8
+
+
+_attention_varlen_fwd_triton.register_autograd(_varlen_backward,
+                                                setup_context=_varlen_setup_context)
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"attention_varlen: {name} must be a torch.Tensor")
+        if t.dim() != 3:
+            raise ValueError(f"attention_varlen: {name} must have shape [total, H, D] (rank 3), "
+                             f"got shape {_shape(t)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"attention_varlen: {name} must be float16, bfloat16, float32 or "
+                            f"float64, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError("attention_varlen: q, k, v must have one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError("attention_varlen: q, k, v must be on one device")
+    if k.shape[1:] != q.shape[1:] or v.shape != k.shape:
+        raise ValueError(f"attention_varlen: k, v must have shape [total_k, H, D] = "
+                         f"[total_k, {q.shape[1]}, {q.shape[2]}], got k {_shape(k)}, v {_shape(v)}")
+    if (isinstance(cu_seqlens_q, Tensor) and isinstance(cu_seqlens_k, Tensor)
+            and cu_seqlens_q.numel() != cu_seqlens_k.numel()):
+        raise ValueError("attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same "
+                         f"length B + 1, got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        if (not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64)
+                or cu.dim() != 1 or cu.numel() < 1):
+            raise TypeError(f"attention_varlen: {name} must be an int32 tensor [B + 1]")
+        if cu.device != q.device:
+            raise ValueError(f"attention_varlen: {name} must be on {q.device}, got {cu.device}")
+        if not isinstance(mx, int) or mx < 0:
+            raise TypeError(f"attention_varlen: max_seqlen for {name} must be an int >= 0")
+        if not torch.compiler.is_compiling():   # one host sync: lengths out of range
+            vals = cu.tolist()
+            lens = [b - a for a, b in zip(vals, vals[1:])]
+            if vals[0] != 0 or any(n < 0 for n in lens) or vals[-1] > total:
+                raise ValueError(f"attention_varlen: {name} must start at 0, not decrease and "
+                                 f"end at most at {total}, got {vals}")
+            if lens and max(lens) > mx:
+                raise ValueError(f"attention_varlen: a sequence of {name} has length "
+                                 f"{max(lens)} > max_seqlen {mx}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention_varlen: dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, dropout_p: float = 0.0,
+                     scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                     backend: Optional[str] = None) -> Tensor:
+    """Attention over packed sequences (FlashAttention's varlen layout): no padding waste.
+
+    Args:
+        q: ``[total_q, H, D]``; k, v: ``[total_k, H, D]``. Sequence ``b`` is rows
+            ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and the same of
+            ``cu_seqlens_k`` for k, v (int32 ``[B + 1]``, starting at 0).
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        causal: per sequence, bottom-right aligned: query i sees key j iff
+            ``j <= i + (len_k - len_q)``.
+        dropout_p, scale, generator, backend: as :func:`attention`.
+
+    Returns:
+        ``[total_q, H, D]``; rows outside every sequence, and queries that see no key, are 0.
+    """
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    name = _dispatch.resolve("attention_varlen", q.device, backend)
+    sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if name == "eager":
+        out = q.new_zeros(q.shape)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            # [T, H, D] -> [1, H, T, D]
+            qb, kb, vb = (t[s:e].transpose(0, 1).unsqueeze(0) for t, s, e in
+                          ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]), (v, ck[b], ck[b + 1])))
+            mask = None
+            if dropout_p > 0:
+                mask = torch.rand((1, q.shape[1], qb.shape[2], kb.shape[2]), generator=generator,
+                                  device=q.device) >= dropout_p
+            ob = _ref.attention(qb, kb, vb, causal=causal, dropout_mask=mask,
+                                dropout_p=dropout_p, scale=sm_scale)
+            out = out.index_copy(0, torch.arange(cq[b], cq[b + 1], device=q.device),
+                                 ob.squeeze(0).transpose(0, 1))
+        return out
+    seed = draw_seed(q.device, generator) if dropout_p > 0 else None
+    out, _ = torch.ops.ctxfast.attention_varlen_fwd_triton(
+        q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q,
+        max_seqlen_k, causal, sm_scale, float(dropout_p), seed)
+    return out

@@ -1,0 +1,101 @@
+"""ctxfast.attention_varlen (packed sequences) against the reference run per sequence."""
+import pytest
+import torch
+
+import ctxfast
+from ctxfast import reference
+from test_attention import DEVICE, needs_triton
+from utils import rel_err
+
+
+def _packed(lens_q, lens_k, H, D, dtype=torch.float32):
+    cu_q = torch.tensor([0] + lens_q, device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device=DEVICE).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), H, D, dtype=dtype, device=DEVICE)
+    k = torch.randn(int(cu_k[-1]), H, D, dtype=dtype, device=DEVICE)
+    v = torch.randn(int(cu_k[-1]), H, D, dtype=dtype, device=DEVICE)
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+def _per_sequence_reference(q, k, v, cu_q, cu_k, causal):
+    """float64, one sequence at a time through the dense reference."""
+    outs = []
+    for b in range(len(cu_q) - 1):
+        sq, eq, sk, ek = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        # [T, H, D] -> [1, H, T, D]
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q[sq:eq], k[sk:ek], v[sk:ek]))
+        outs.append(reference.attention(qb, kb, vb, causal=causal).squeeze(0).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens_q, lens_k", [([5, 17, 1, 33], [5, 17, 1, 33]),
+                                            ([3, 20], [9, 31]),     # memory per sequence
+                                            ([7, 0, 12], [7, 4, 12])])  # an empty query sequence
+def test_varlen_matches_per_sequence_reference(causal, lens_q, lens_k):
+    q, k, v, cu_q, cu_k, mq, mk = _packed(lens_q, lens_k, H=2, D=32)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = ctxfast.attention_varlen(*leaves, cu_q, cu_k, mq, mk, causal=causal, backend="triton")
+    leaves64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = _per_sequence_reference(*leaves64, cu_q, cu_k, causal)
+    assert rel_err(out, ref) < 1e-5
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_grads = torch.autograd.grad(ref, leaves64, do.double(), allow_unused=True)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
+        assert rel_err(g, r) < 1e-5, (name, rel_err(g, r))
+    eager = ctxfast.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal, backend="eager")
+    assert rel_err(eager, ref) < 1e-5
+
+
+@needs_triton
+def test_varlen_equals_dense_with_padding():
+    """Packing [B, T] sequences of lengths L_b equals dense attention with a padding mask
+    (on the valid rows)."""
+    lens = [9, 17, 4]
+    B, H, T, D = 3, 2, 17, 16
+    q, k, v = (torch.randn(B, H, T, D, device=DEVICE) for _ in range(3))
+    kpm = torch.arange(T, device=DEVICE)[None, :] >= torch.tensor(lens, device=DEVICE)[:, None]
+    dense = ctxfast.attention(q, k, v, key_padding_mask=kpm, backend="triton")
+    pack = lambda t: torch.cat([t[b, :, :n].transpose(0, 1) for b, n in enumerate(lens)])  # noqa: E731
+    cu = torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+    out = ctxfast.attention_varlen(pack(q), pack(k), pack(v), cu, cu, max(lens), max(lens),
+                                   backend="triton")
+    assert rel_err(out, pack(dense)) < 1e-5
+
+
+@needs_triton
+def test_varlen_dropout_reproducible():
+    q, k, v, cu_q, cu_k, mq, mk = _packed([6, 11], [6, 11], H=2, D=16)
+    run = lambda s: ctxfast.attention_varlen(  # noqa: E731
+        q, k, v, cu_q, cu_k, mq, mk, dropout_p=0.4, backend="triton",
+        generator=torch.Generator(DEVICE).manual_seed(s))
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+
+
+@needs_triton
+def test_varlen_opcheck():
+    q, k, v, cu_q, cu_k, mq, mk = _packed([3, 7], [5, 7], H=2, D=16)
+    torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_triton.default,
+                          (q.requires_grad_(), k, v, cu_q, cu_k, mq, mk, True, 0.25, 0.0, None))
+
+
+@pytest.mark.parametrize("change, exc, words", [
+    (dict(q=torch.randn(2, 5, 2, 16)), ValueError, ["q must have shape [total, H, D]"]),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "not decrease"]),
+    (dict(cu_seqlens_q=torch.tensor([0, 3.0, 10])), TypeError, ["cu_seqlens_q must be an int32"]),
+    (dict(max_seqlen_q=4), ValueError, ["max_seqlen 4"]),
+    (dict(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32)), ValueError, ["same length B + 1"]),
+])
+def test_varlen_bad_input(change, exc, words):
+    args = dict(q=torch.randn(10, 2, 16), k=torch.randn(10, 2, 16), v=torch.randn(10, 2, 16),
+                cu_seqlens_q=torch.tensor([0, 3, 10], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 3, 10], dtype=torch.int32),
+                max_seqlen_q=7, max_seqlen_k=7)
+    args.update(change)
+    with pytest.raises(exc) as info:
+        ctxfast.attention_varlen(**args)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
