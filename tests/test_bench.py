@@ -112,6 +112,44 @@ def test_records_without_baseline(report):
     assert r["baseline_ms"] is None and r["speedup"] is None
 
 
+def test_records_pair_attention_with_eager(report):
+    # attention's baseline is "eager", which is also a ctxfast backend name: it is the
+    # baseline of attention only; rel_shift's "eager" in the same run stays a record.
+    case = "causal B2 H4 Tq128 Tk128 D64"
+    data = {"benchmarks": [
+        _bench("triton", 0.001, op="attention", case=case),
+        _bench("sdpa", 0.002, op="attention", case=case),
+        _bench("flex", 0.004, op="attention", case=case),
+        _bench("eager", 0.008, op="attention", case=case),
+        _bench("triton", 0.003, op="attention", case=case, mode="fwd+bwd"),  # eager: OOM
+        _bench("eager", 0.012),                                              # rel_shift
+        _bench("eager-pad-view", 0.006),
+    ]}
+    records = report.records_from_pytest_benchmark(data)
+    got = {(r["op"], r["mode"], r["backend"]): r for r in records}
+    assert set(got) == {("attention", "fwd", "triton"), ("attention", "fwd", "sdpa"),
+                        ("attention", "fwd", "flex"), ("attention", "fwd+bwd", "triton"),
+                        ("rel_shift", "fwd", "eager")}
+    for (op, _, _), r in got.items():
+        assert set(r) == KEYS
+        assert r["baseline"] == ("eager" if op == "attention" else "eager-pad-view")
+    for backend, speedup in (("triton", 8.0), ("sdpa", 4.0), ("flex", 2.0)):
+        r = got["attention", "fwd", backend]
+        assert r["case"] == case
+        assert math.isclose(r["baseline_ms"], 8.0)
+        assert math.isclose(r["speedup"], speedup)
+    r = got["attention", "fwd+bwd", "triton"]              # no baseline of that mode
+    assert math.isclose(r["ms"], 3.0) and r["baseline_ms"] is None and r["speedup"] is None
+    r = got["rel_shift", "fwd", "eager"]                   # paired with its own op's baseline
+    assert math.isclose(r["baseline_ms"], 6.0) and math.isclose(r["speedup"], 0.5)
+
+    md = report.markdown(records)
+    assert md.count("| attention |") == 4
+    assert f"| attention | {case} | fwd | triton | 1.000 | eager | 8.000 | 8.00x |" in md
+    assert f"| attention | {case} | fwd+bwd | triton | 3.000 | eager | — | — |" in md
+    assert "| attention | " + case + " | fwd | eager |" not in md
+
+
 def test_write_never_overwrites(report, tmp_path):
     records = report.records_from_pytest_benchmark(
         {"datetime": "2026-11-21T23:59:00+00:00",

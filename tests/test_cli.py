@@ -29,8 +29,8 @@ def test_smoke_passes():
     r = _run("smoke")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "smoke: all ok" in r.stdout
-    assert "rel_shift    cpu     cpu   ok" in r.stdout
-    assert "attention    eager   cpu   ok" in r.stdout
+    assert "rel_shift        cpu     cpu   ok" in r.stdout
+    assert "attention        eager   cpu   ok" in r.stdout
 
 
 def test_unknown_arguments_fail():
