@@ -105,12 +105,15 @@ def _attn_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     stride_lb, stride_lh,   # of lse (and delta): element (b, h, i) at b*stride_lb + h*stride_lh + i
+    stride_os, stride_ls,   # SPLIT_K: split s of out / lse at + s*stride_os / + s*stride_ls
+    keys_per_split,         # SPLIT_K: keys per split (a multiple of BLOCK_N)
     H, Tq, Tk, mem_len, D,
     max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale,       # scale * log2(e)
     p_drop,         # dropout probability (DROPOUT only)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # flash-decoding: program_id(2) owns one range of keys; partial out
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -141,6 +144,13 @@ def _attn_fwd_kernel(
         hi = tl.minimum(hi, pid_m * BLOCK_M + BLOCK_M + mem_len)
     if HAS_KPM:
         hi = tl.minimum(hi, tl.load(KV_END + b))
+    lo = 0
+    if SPLIT_K:
+        split = tl.program_id(2)
+        lo = split * keys_per_split
+        hi = tl.minimum(hi, lo + keys_per_split)
+        O += split * stride_os
+        LSE += split * stride_ls
 
     seed = 0
     if DROPOUT:
@@ -150,7 +160,7 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < Tk) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
@@ -175,11 +185,41 @@ def _attn_fwd_kernel(
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))
+    # Empty row: +inf makes the backward's probabilities 0; a split's partial uses -inf
+    # (weight 0 in the combine).
+    empty_lse = float("-inf") if SPLIT_K else float("inf")
+    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), empty_lse)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
              + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & d_ok)
     tl.store(LSE + offs_m, lse, mask=offs_m < Tq)
+
+
+@triton.jit
+def _attn_combine_kernel(
+    O_PART,      # [B, H, S, Tq, D] fp32: each split's normalised partial output
+    LSE_PART,    # [B, H, S, Tq] fp32: each split's lse (base 2; -inf where it saw no key)
+    O,           # out [B, H, Tq, D] contiguous, written
+    LSE,         # lse [B, H, Tq] fp32 contiguous, written (+inf for empty rows)
+    S, Tq, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out_i = Σ_s 2^(lse_si − m) · out_si / Σ_s 2^(lse_si − m), m = max_s lse_si."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(LSE_PART + (bh * S + offs_s) * Tq + i, mask=offs_s < S, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse_s - m_safe)                                   # 0 for empty splits
+    o_s = tl.load(O_PART + ((bh * S + offs_s[:, None]) * Tq + i) * D + offs_d[None, :],
+                  mask=(offs_s[:, None] < S) & (offs_d[None, :] < D), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o_s, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(O + (bh * Tq + i) * D + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
+    lse = m_safe + tl.log2(tl.where(total > 0, total, 1.0))
+    tl.store(LSE + bh * Tq + i, tl.where(total > 0, lse, float("inf")))
 
 
 @triton.jit
@@ -415,24 +455,58 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def _auto_splits(B, H, Tq, Tk, bm, bn, device) -> int:
+    """Flash-decoding: split the keys when the (b, h, query-block) programs cannot fill the
+    GPU (few queries, long keys). Heuristic, not yet tuned on a GPU."""
+    if device.type != "cuda" or _interpreting():
+        return 1
+    programs = B * H * triton.cdiv(Tq, bm)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms or Tk < 4 * bn:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(Tk, 4 * bn), 64))
+
+
 def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,
-                    perm_rank, perm_strict, scale, dropout_p, seed, cu=None):
+                    perm_rank, perm_strict, scale, dropout_p, seed, cu=None, num_splits=1):
     """Shared by the dense and the packed entry points. q, k, v, out: 4-D views
-    [B|1, H, T, D]; dims = (B, H, Tq, Tk, D, max_q, max_k); cu = (cu_q, cu_k) or None."""
+    [B|1, H, T, D]; dims = (B, H, Tq, Tk, D, max_q, max_k); cu = (cu_q, cu_k) or None.
+    num_splits > 1 (dense only): flash-decoding, keys split over programs, then combined."""
     B, H, Tq, Tk, D, max_q, max_k = dims
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
     bm, bn, bd, warps, stages = _config(D, q.dtype, backward=False)
-    _attn_fwd_kernel[(triton.cdiv(max_q, bm), B * H)](
-        q, k, v, out, lse, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstrides, *lse_strides,
+    split = num_splits > 1
+    if split:
+        assert cu is None, "split-K is for the dense path"
+        keys_per_split = triton.cdiv(triton.cdiv(Tk, num_splits), bn) * bn
+        num_splits = triton.cdiv(Tk, keys_per_split)
+        o_part = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=q.device)
+        o_target, l_target = o_part, l_part
+        o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(3), o_part.stride(4))
+        l_strides = (l_part.stride(0), l_part.stride(1))
+        split_strides = (o_part.stride(2), l_part.stride(2))
+    else:
+        keys_per_split = 0
+        o_target, l_target, o_strides, l_strides = out, lse, out.stride(), lse_strides
+        split_strides = (0, 0)
+    _attn_fwd_kernel[(triton.cdiv(max_q, bm), B * H, num_splits)](
+        q, k, v, o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
+        cu_q, cu_k,
+        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mstrides, *l_strides,
+        *split_strides, keys_per_split,
         H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, float(dropout_p),
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None,
+        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
+    if split:
+        _attn_combine_kernel[(Tq, B * H)](
+            o_part, l_part, out, lse, num_splits, Tq, D,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=bd, num_warps=4)
 
 
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
@@ -461,12 +535,13 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,
-                      perm_strict=False, scale=None, dropout_p=0.0, seed=None):
+                      perm_strict=False, scale=None, dropout_p=0.0, seed=None, num_splits=None):
     """q [B, H, Tq, D], k, v [B, H, Tk, D] -> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32).
 
     key_padding_mask: bool [B, Tk] (True = padding) or None; perm_rank: int [B, Tq] or None;
     perm_strict: True for XLNet's query stream (rank[t] < rank[i]); dropout_p > 0 needs
     seed (int64 tensor [1] on q's device): the mask is :func:`dropout_keep_mask` (seed).
+    num_splits: key splits (flash-decoding); None picks them for few queries and long keys.
     """
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -477,9 +552,13 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
         return out, lse.fill_(float("inf"))
     if Tk == 0:
         return out.zero_(), lse.fill_(float("inf"))
+    if num_splits is None:
+        bm, bn = _config(D, q.dtype, backward=False)[:2]
+        num_splits = _auto_splits(B, H, Tq, Tk, bm, bn, q.device)
     _launch_forward(q, k, v, out, lse, (H * Tq, Tq), (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
                     key_padding_mask=key_padding_mask, perm_rank=perm_rank,
-                    perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed)
+                    perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed,
+                    num_splits=num_splits)
     return out, lse
 
 
