@@ -1,3 +1,6 @@
-"""Bridges to other libraries (e.g. the Hugging Face attention interface). None yet:
-see issue 3."""
-__all__: list = []
+"""Bridges to other libraries.
+
+* :mod:`ctxfast.integrations.hf` — ``register()`` makes ``"ctxfast"`` an attention
+  implementation of Hugging Face transformers (optional dependency).
+"""
+__all__ = ["hf"]

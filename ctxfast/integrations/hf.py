@@ -1,0 +1,85 @@
+"""Hugging Face transformers integration: ``model.set_attn_implementation("ctxfast")``.
+
+    import ctxfast.integrations.hf as ctxfast_hf
+    ctxfast_hf.register()                       # once
+    model.set_attn_implementation("ctxfast")    # BERT, GPT-2, ... built from a config
+
+Two registrations: the attention function (q, k, v ``[B, H, T, D]`` -> ``[B, T, H, D]``)
+and a mask function that hands the attention a 2-D padding mask ``[B, Tk]`` (True = keep)
+instead of a materialised ``[B, 1, Tq, Tk]`` one; causality comes from the module's
+``is_causal``. Decoding with a cache works as is: ctxfast's causal mask is bottom-right
+aligned, so the last ``Tq`` positions see the whole past. Masks that are not plain
+causal or bidirectional (sliding windows, chunks, packed-sequence overlays) and 4-D
+masks passed by the user are refused with an error rather than computed wrong.
+
+transformers is optional: importing this module does not import it; :func:`register` does.
+"""
+from typing import Optional
+
+import torch
+
+from .. import ops
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B, Hkv * n_rep, T, D] (grouped-query attention)."""
+    if n_rep == 1:
+        return x
+    B, Hkv, T, D = x.shape
+    return x[:, :, None].expand(B, Hkv, n_rep, T, D).reshape(B, Hkv * n_rep, T, D)
+
+
+def make_attention_function(backend: Optional[str] = None):
+    """The function registered with transformers' ``AttentionInterface``."""
+
+    def ctxfast_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                                  scaling=None, is_causal=None, **kwargs):
+        if kwargs.get("softcap") is not None:
+            raise ValueError("ctxfast attention does not support softcap")
+        if kwargs.get("position_bias") is not None:
+            raise ValueError("ctxfast attention does not support an additive position_bias")
+        n_rep = query.shape[1] // key.shape[1]
+        key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        kpm = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    "ctxfast attention takes a 2-D padding mask [B, Tk] (from its registered "
+                    f"mask function); got a mask of shape {tuple(attention_mask.shape)}. "
+                    "Custom 4-D masks cannot be expressed from O(T) data.")
+            kpm = ~attention_mask.to(torch.bool)                  # True = padding
+        if causal and query.shape[2] > key.shape[2]:
+            raise ValueError("ctxfast attention: causal with more queries than keys")
+        out = ops.attention(query, key, value, causal=bool(causal), key_padding_mask=kpm,
+                            dropout_p=float(dropout), scale=scaling, backend=backend)
+        return out.transpose(1, 2).contiguous(), None            # [B, Tq, H, D]
+
+    return ctxfast_attention_forward
+
+
+def padding_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                          mask_function=None, attention_mask=None, **kwargs):
+    """The function registered with transformers' ``AttentionMaskInterface``: returns the
+    2-D padding mask ``[B, kv_length]`` (True = keep), or None when nothing is padded."""
+    from transformers import masking_utils as mu
+    plain = (mu.causal_mask_function, mu.bidirectional_mask_function)
+    if mask_function is not None and mask_function not in plain:
+        raise ValueError("ctxfast attention supports causal and bidirectional masks with "
+                         f"padding; this model asked for {getattr(mask_function, '__name__', mask_function)}")
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    if mask.shape[1] != kv_length:
+        raise ValueError(f"ctxfast attention: padding mask covers {mask.shape[1]} keys, "
+                         f"expected {kv_length}")
+    return None if bool(mask.all()) else mask
+
+
+def register(name: str = "ctxfast", backend: Optional[str] = None) -> str:
+    """Register ctxfast's attention with transformers under `name`; returns `name`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(name, make_attention_function(backend))
+    AttentionMaskInterface.register(name, padding_mask_function)
+    return name

@@ -1,0 +1,95 @@
+"""ctxfast.integrations.hf: BERT and GPT-2 built from configs (no downloads) give the same
+hidden states on ctxfast attention as on transformers' "sdpa"."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # optional dependency (installed by make test)
+import ctxfast.integrations.hf as ctxfast_hf  # noqa: E402
+from utils import TRITON_ON_CPU  # noqa: E402
+
+BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    for b in BACKENDS:
+        ctxfast_hf.register(f"ctxfast_{b}", backend=b)
+
+
+def _inputs():
+    ids = torch.randint(0, 100, (3, 13))
+    am = torch.ones(3, 13, dtype=torch.long)
+    am[1, 9:] = 0        # right padding
+    am[2, 4:] = 0
+    return ids, am
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64)
+    return transformers.BertModel(cfg).eval()
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2Model(cfg).eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_matches_sdpa_with_padding(make, backend):
+    model = make()
+    ids, am = _inputs()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids, attention_mask=am).last_hidden_state
+        model.set_attn_implementation(f"ctxfast_{backend}")
+        out = model(input_ids=ids, attention_mask=am).last_hidden_state
+    keep = am.bool()                                   # padded positions are undefined
+    err = (out - ref)[keep].abs().max().item()
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt2_decoding_with_cache(backend):
+    """Prefill 8 tokens, then one token at a time with the key/value cache: the same hidden
+    states as one full pass (bottom-right causal alignment)."""
+    model = _gpt2()
+    model.set_attn_implementation(f"ctxfast_{backend}")
+    ids = torch.randint(0, 100, (2, 11))
+    with torch.no_grad():
+        full = model(input_ids=ids).last_hidden_state
+        step = model(input_ids=ids[:, :8], use_cache=True)
+        past, outs = step.past_key_values, [step.last_hidden_state]
+        for t in range(8, 11):
+            step = model(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            outs.append(step.last_hidden_state)
+    err = (torch.cat(outs, 1) - full).abs().max().item()
+    assert err < 1e-5, err
+
+
+def test_training_backward_matches_sdpa():
+    model = _bert().train()
+    model.config.attention_probs_dropout_prob = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ids, am = _inputs()
+    grads = {}
+    for impl in ("sdpa", "ctxfast_eager"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        hidden = model(input_ids=ids, attention_mask=am).last_hidden_state
+        (hidden * am[..., None]).sum().backward()
+        grads[impl] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    rel = (grads["sdpa"] - grads["ctxfast_eager"]).norm() / grads["sdpa"].norm()
+    assert rel < 1e-5, rel.item()
+
+
+def test_custom_4d_mask_is_refused():
+    fn = ctxfast_hf.make_attention_function("eager")
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        fn(torch.nn.Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
