@@ -128,3 +128,16 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
     iterations = max(1, min(1000, round(2e-4 / est)))
     rounds = int(min(max_rounds, max(min_rounds, budget_s / (est * iterations))))
     return benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=0)
+
+
+def record_peak_memory(benchmark, fn: Callable, args: Sequence, device: torch.device) -> None:
+    """On CUDA, store the peak memory of one ``fn(*args)`` beyond what was already
+    allocated as ``benchmark.extra_info["peak_mem_bytes"]`` (nothing on the CPU)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn(*args)
+    torch.cuda.synchronize(device)
+    benchmark.extra_info["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device) - before

@@ -364,14 +364,7 @@ def _bench(benchmark, device: torch.device, case: Case, mode: str, backend: str)
     _common.measure(benchmark, fn, sets, device,
                     budget_s=0.4 if quick else 2.0, min_rounds=5 if quick else 10)
 
-    if device.type == "cuda":                  # peak memory of one call, beyond the inputs
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn(*sets[0])
-        torch.cuda.synchronize(device)
-        benchmark.extra_info["peak_mem_bytes"] = (
-            torch.cuda.max_memory_allocated(device) - before)
+    _common.record_peak_memory(benchmark, fn, sets[0], device)
 
 
 @pytest.mark.parametrize("case, mode, backend", _params())

@@ -145,11 +145,4 @@ def test_rel_shift(benchmark, bench_device, case: Case, mode: str, backend: str)
     _common.measure(benchmark, fn, sets, bench_device,
                     budget_s=0.4 if quick else 2.0, min_rounds=5 if quick else 10)
 
-    if bench_device.type == "cuda":            # peak memory of one call, beyond the inputs
-        torch.cuda.synchronize(bench_device)
-        torch.cuda.reset_peak_memory_stats(bench_device)
-        before = torch.cuda.memory_allocated(bench_device)
-        fn(*sets[0])
-        torch.cuda.synchronize(bench_device)
-        benchmark.extra_info["peak_mem_bytes"] = (
-            torch.cuda.max_memory_allocated(bench_device) - before)
+    _common.record_peak_memory(benchmark, fn, sets[0], bench_device)
