@@ -450,9 +450,12 @@ def _seed_arg(q, dropout_p, seed):
 
 
 def _precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    """tl.dot's input_precision: exact fp32 products unless torch allows tf32 for fp32
+    matmuls (as a PyTorch user expects); fp16/bf16 operands keep Triton's default."""
+    if dtype == torch.float64 or (dtype == torch.float32
+                                  and not torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"
 
 
 def _auto_splits(B, H, Tq, Tk, bm, bn, device) -> int:
