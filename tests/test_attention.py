@@ -356,3 +356,15 @@ def test_split_k_decoding_matches_reference(Tq, Tk, kind):
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert (g - r).norm() <= 1e-5 * max(r.norm().item(), 1.0), name
+
+
+@pytest.mark.parametrize("backend", ["eager"] + (["triton"] if TRITON_ON_CPU else []))
+def test_autocast_runs_in_the_autocast_dtype(backend):
+    """As F.scaled_dot_product_attention: under autocast the op runs in the lower precision,
+    even for inputs of mixed dtypes."""
+    q, k, v = _inputs(1, 2, 9, 9, 16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = ctxfast.attention(q, k.bfloat16(), v, causal=True, backend=backend)
+    assert out.dtype == torch.bfloat16
+    ref = reference.attention(q.double(), k.bfloat16().double(), v.double(), causal=True)
+    assert rel_err(out, ref) < 1e-2

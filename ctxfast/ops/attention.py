@@ -157,6 +157,18 @@ def _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p,
 
 # --------------------------------------------------------------------------- public op
 
+def _autocast(q, k, v):
+    """Under torch.autocast, run in the autocast dtype, as F.scaled_dot_product_attention
+    does (it is on autocast's lower-precision list)."""
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):
+        return q, k, v
+    dev = q.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if t.is_floating_point() else t for t in (q, k, v))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               key_padding_mask: Optional[Tensor] = None, perm_rank: Optional[Tensor] = None,
               perm_stream: str = "content", dropout_p: float = 0.0,
@@ -186,6 +198,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     Returns:
         ``[B, H, Tq, D]``. A query that sees no key gets zeros (and passes zero gradient).
     """
+    q, k, v = _autocast(q, k, v)
     _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
     name = _dispatch.resolve("attention", q.device, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
@@ -347,6 +360,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     Returns:
         ``[total_q, H, D]``; rows outside every sequence, and queries that see no key, are 0.
     """
+    q, k, v = _autocast(q, k, v)
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
     name = _dispatch.resolve("attention_varlen", q.device, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
