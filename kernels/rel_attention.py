@@ -1,0 +1,187 @@
+"""Transformer-XL / XLNet relative attention, Triton: the position term computed tile by
+tile with the relative shift done by index arithmetic — no ``[Tq, Tk]`` tensor is stored.
+
+Shapes: ``q [B, H, Tq, D]``, ``k, v [B, H, Tk, D]`` (``[memory; current]``,
+``mem_len = Tk - Tq``), ``r [H, R, D]``, ``u = r_w_bias, w = r_r_bias [H, D]``.
+Pair (i, j) uses ``r[m]`` with ``m = pos_start - (mem_len + i - j) = c - i + j``,
+``c = pos_start - mem_len``.
+
+Scores (base 2 inside the kernel): ``s_ij = scale·log2(e)·((q_i+u)·k_j + (q_i+w)·r[c−i+j]
+[+ (q_i + r_s_bias)·seg_embed[seg_q[i] != seg_k[j]]])``, then the same masks, online
+softmax, dropout and lse as ``kernels/attention.py``.
+
+The shift. In a tile of queries ``i = m0 + ii`` (ii < BLOCK_M) and keys ``j = n0 + jj``
+(jj < BLOCK_N), ``m = base + jj + (BLOCK_M − 1 − ii)`` with ``base = c − m0 − BLOCK_M + 1
++ n0``: every pair reads one band of ``BLOCK_M + BLOCK_N − 1`` consecutive rows of r. The
+kernel multiplies ``(q + w)`` by the band on the tensor cores (``[BLOCK_M, BAND]``, BAND =
+BLOCK_M + BLOCK_N) and picks column ``jj + BLOCK_M − 1 − ii`` of row ii with ``tl.gather``:
+the skew the original code does with pad-and-view on a whole ``[Tq, R]`` tensor.
+
+Status: forward only (the backward and the public op are the next step of issue 4).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .attention import LOG2E, _dot, _interpreting, _keep, _precision, _visible
+
+
+@triton.jit
+def _rel_attn_fwd_kernel(
+    Q, K, V,        # q [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
+    R,              # r [H, R, D], any strides
+    U, W,           # r_w_bias, r_r_bias [H, D] contiguous
+    SEG_Q, SEG_K,   # segment ids [B, Tq], [B, Tk] int32; unused unless HAS_SEG
+    SEG_E, RSB,     # seg_embed [2, H, D], r_s_bias [H, D], contiguous; unused unless HAS_SEG
+    O,              # out [B, H, Tq, D] contiguous, written
+    LSE,            # [B, H, Tq] fp32 contiguous, written (base 2; +inf for empty rows)
+    KPM, RANK, KV_END, SEED,   # masks and dropout seed as in kernels/attention.py
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_rh, stride_rm, stride_rd,
+    stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    stride_sq_b, stride_sk_b,
+    H, Tq, Tk, mem_len, D, R_len, pos_start,
+    qk_scale, p_drop,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BAND: tl.constexpr,     # power of two >= BLOCK_M + BLOCK_N - 1
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=(offs_m[:, None] < Tq) & d_ok, other=0.0)
+    q = q.to(tl.float32)
+    u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    qu = (q + u[None, :]).to(K.dtype.element_ty)     # (q + u): content term
+    qw = (q + w[None, :]).to(K.dtype.element_ty)     # (q + v): position term
+    if HAS_SEG:
+        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        qs = q + rsb[None, :]
+        ef_same = tl.sum(qs * se0[None, :], 1)        # [BLOCK_M]: segment term, same segment
+        ef_diff = tl.sum(qs * se1[None, :], 1)        # different segments
+        seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
+    rank_q = offs_m
+    if HAS_PERM:
+        rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
+
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
+    if HAS_KPM:
+        hi = tl.minimum(hi, tl.load(KV_END + b))
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    band = tl.arange(0, BAND)
+    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
+    c = pos_start - mem_len
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    r_base = R + h * stride_rh
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + jj
+        kv_mask = (offs_n[:, None] < Tk) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        rows = c - m0 - BLOCK_M + 1 + start_n + band                      # [BAND] rows of r
+        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                    mask=(rows[:, None] >= 0) & (rows[:, None] < R_len) & d_ok, other=0.0)
+        ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)                     # [BLOCK_M, BLOCK_N]
+        qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
+        bd = tl.gather(qr, skew, 1)                                       # the shift
+        s = ac + bd
+        if HAS_SEG:
+            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
+            same = seg_q[:, None] == seg_k[None, :]
+            s += tl.where(same, ef_same[:, None], ef_diff[:, None])
+        s = s * qk_scale
+        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                       RANK, stride_rank_b, stride_rank_t, rank_q,
+                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            p = tl.where(keep, p / (1.0 - p_drop), 0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))
+    tl.store(O + (bh * Tq + offs_m[:, None]) * D + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < Tq) & d_ok)
+    tl.store(LSE + bh * Tq + offs_m, lse, mask=offs_m < Tq)
+
+
+def _config(D: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BAND, num_warps, num_stages). Square tiles keep the band
+    (BLOCK_M + BLOCK_N - 1 rows of r) a power of two wide. Not yet tuned on a GPU."""
+    block_d = max(16, triton.next_power_of_2(D))
+    if _interpreting():
+        return 16, 16, block_d, 32, 1, 1
+    bm = 64 if block_d <= 128 else 32
+    return bm, bm, block_d, 2 * bm, 4 if block_d <= 64 else 8, 2
+
+
+def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_start=None,
+                          key_padding_mask=None, perm_rank=None, perm_strict=False,
+                          seg_q=None, seg_k=None, seg_embed=None, r_s_bias=None,
+                          scale=None, dropout_p=0.0, seed=None):
+    """-> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32, base 2). See the module docstring."""
+    from .attention import _mask_args, _seed_arg
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    pos_start = Tk - 1 if pos_start is None else pos_start
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, Tq), float("inf"), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or Tk == 0:
+        return out.zero_(), lse
+    kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
+    has_seg = seg_embed is not None
+    if has_seg:
+        sq, sk = seg_q.to(torch.int32), seg_k.to(torch.int32)
+        se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
+    else:
+        sq = sk = se = rsb = kv_end
+    bm, bn, bd, band, warps, stages = _config(D)
+    _rel_attn_fwd_kernel[(triton.cdiv(Tq, bm), B * H)](
+        q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb, out, lse,
+        kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
+        *q.stride(), *k.stride(), *v.stride(), *r.stride(), *mstrides,
+        sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
+        H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, scale * LOG2E, float(dropout_p),
+        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
+        PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return out, lse
