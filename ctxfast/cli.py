@@ -131,11 +131,28 @@ def _smoke_attention_varlen(backend: str, device: str) -> float:
                for a, b in zip((out, *grads), (ref, *ref_grads)))
 
 
+def _smoke_rel_attention(backend: str, device: str) -> float:
+    """Transformer-XL attention with memory, fp32, forward and backward of every input;
+    largest relative error against the float64 reference."""
+    B, H, Tq, Tk, D = 2, 2, 17, 29, 32
+    ts = [torch.randn(*s, device=device, requires_grad=True)
+          for s in ((B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D), (H, Tk, D), (H, D), (H, D))]
+    out = ctxfast.rel_attention(*ts, backend=backend)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, ts, do)
+    ref_in = [t.detach().double().requires_grad_(True) for t in ts]
+    ref = reference.rel_attention(*ref_in)
+    ref_grads = torch.autograd.grad(ref, ref_in, do.double())
+    return max(((a.double() - b).norm() / b.norm()).item()
+               for a, b in zip((out, *grads), (ref, *ref_grads)))
+
+
 SMOKE: Dict[str, Tuple[Callable[[str, str], float], float]] = {
     # op: (function(backend, device) -> error, allowed error)
     "rel_shift": (_smoke_rel_shift, 0.0),    # max abs error: the op only moves data
     "attention": (_smoke_attention, 1e-4),   # relative error, fp32 (tf32 on a GPU if enabled)
     "attention_varlen": (_smoke_attention_varlen, 1e-4),
+    "rel_attention": (_smoke_rel_attention, 1e-4),
 }
 
 

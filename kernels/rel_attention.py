@@ -17,7 +17,13 @@ kernel multiplies ``(q + w)`` by the band on the tensor cores (``[BLOCK_M, BAND]
 BLOCK_M + BLOCK_N) and picks column ``jj + BLOCK_M − 1 − ii`` of row ii with ``tl.gather``:
 the skew the original code does with pad-and-view on a whole ``[Tq, R]`` tensor.
 
-Status: forward only (the backward and the public op are the next step of issue 4).
+Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/attention.py``:
+``dK = scale · dSᵀ (q + u)``, ``dV = Pᵀ dO``; ``d(q + u) = scale · dS K``;
+``d(q + v) = scale · dS_band r_band`` and ``dr_band = scale · dS_bandᵀ (q + v)`` where
+``dS_band[ii, jj + BLOCK_M − 1 − ii] = dS[ii, jj]`` (the skew undone with ``tl.gather``);
+``dr`` sums over batches and query blocks with fp32 atomics. The segment term gives per-row
+sums ``A_same, A_diff = Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms
+the gradients of q, seg_embed and r_s_bias.
 """
 import torch
 import triton
@@ -140,6 +146,232 @@ def _rel_attn_fwd_kernel(
     tl.store(LSE + bh * Tq + offs_m, lse, mask=offs_m < Tq)
 
 
+@triton.jit
+def _rel_attn_bwd_dkdv_kernel(
+    Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
+    R, U, W,        # r [H, R, D]; r_w_bias, r_r_bias [H, D] contiguous
+    SEG_Q, SEG_K, SEG_E, RSB,   # as in the forward
+    LSE, DELTA,     # [B, H, Tq] fp32 contiguous
+    DK, DV,         # [B, H, Tk, D] contiguous, written
+    KPM, RANK, KV_END, SEED,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_rh, stride_rm, stride_rd,
+    stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    stride_sq_b, stride_sk_b,
+    H, Tq, Tk, mem_len, D, R_len, pos_start,
+    qk_scale, sm_scale, p_drop,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    kv_mask = (offs_n[:, None] < Tk) & d_ok
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    if HAS_SEG:
+        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
+
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(n0 - mem_len, 0) // BLOCK_M * BLOCK_M
+    hi = Tq
+    if HAS_KPM:
+        hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    band = tl.arange(0, BAND)
+    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])
+    c = pos_start - mem_len
+    r_base = R + h * stride_rh
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + ii
+        q_mask = (offs_m[:, None] < Tq) & d_ok
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                    + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                     + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+        lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
+        delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+        rank_q = offs_m
+        if HAS_PERM:
+            rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
+                             mask=offs_m < Tq, other=0)
+        qu = (q + u[None, :]).to(K.dtype.element_ty)
+        qw = (q + w[None, :]).to(K.dtype.element_ty)
+        rows = c - m0 - BLOCK_M + 1 + n0 + band
+        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                    mask=(rows[:, None] >= 0) & (rows[:, None] < R_len) & d_ok, other=0.0)
+        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
+        s += tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew, 1)
+        if HAS_SEG:
+            qs = q + rsb[None, :]
+            seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
+            same = seg_q[:, None] == seg_k[None, :]
+            s += tl.where(same, tl.sum(qs * se0[None, :], 1)[:, None],
+                          tl.sum(qs * se1[None, :], 1)[:, None])
+        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                       RANK, stride_rank_b, stride_rank_t, rank_q,
+                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            dv += _dot(tl.trans(tl.where(keep, p / (1.0 - p_drop), 0.0)).to(do.dtype), do,
+                       UPCAST, PRECISION)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        else:
+            dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += _dot(tl.trans(ds).to(qu.dtype), qu, UPCAST, PRECISION)
+
+    out_off = (bh * Tk + offs_n[:, None]) * D + offs_d[None, :]
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _rel_attn_bwd_dq_kernel(
+    Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
+    DQU,            # [B, H, Tq, D] fp32: d(q + u) (content term), written
+    DQW,            # [B, H, Tq, D] fp32: d(q + v) (position term), written
+    DR,             # [H, R, D] fp32, zeroed: dr, accumulated with atomics
+    SEG_A,          # [B, H, Tq, 2] fp32: Σ_j dS_ij over same / different segments (HAS_SEG)
+    KPM, RANK, KV_END, SEED,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_rh, stride_rm, stride_rd,
+    stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    stride_sq_b, stride_sk_b,
+    H, Tq, Tk, mem_len, D, R_len, pos_start,
+    qk_scale, sm_scale, p_drop,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    q_mask = (offs_m[:, None] < Tq) & d_ok
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
+    delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+    u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    qu = (q + u[None, :]).to(K.dtype.element_ty)
+    qw = (q + w[None, :]).to(K.dtype.element_ty)
+    if HAS_SEG:
+        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        qs = q + rsb[None, :]
+        ef_same = tl.sum(qs * se0[None, :], 1)
+        ef_diff = tl.sum(qs * se1[None, :], 1)
+        seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
+        a_same = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a_diff = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rank_q = offs_m
+    if HAS_PERM:
+        rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
+
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
+    if HAS_KPM:
+        hi = tl.minimum(hi, tl.load(KV_END + b))
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    band = tl.arange(0, BAND)
+    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])             # [BLOCK_M, BLOCK_N]
+    unskew = band[None, :] - (BLOCK_M - 1 - ii[:, None])         # [BLOCK_M, BAND]: column jj
+    unskew_ok = (unskew >= 0) & (unskew < BLOCK_N)
+    unskew = tl.minimum(tl.maximum(unskew, 0), BLOCK_N - 1)
+    c = pos_start - mem_len
+    r_base = R + h * stride_rh
+
+    dqu = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dqw = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + jj
+        kv_mask = (offs_n[:, None] < Tk) & d_ok
+        k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        rows = c - m0 - BLOCK_M + 1 + n0 + band
+        rows_ok = (rows >= 0) & (rows < R_len)
+        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                    mask=rows_ok[:, None] & d_ok, other=0.0)
+        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
+        s += tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew, 1)
+        if HAS_SEG:
+            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
+            same = seg_q[:, None] == seg_k[None, :]
+            s += tl.where(same, ef_same[:, None], ef_diff[:, None])
+        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                       RANK, stride_rank_b, stride_rank_t, rank_q,
+                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        ds = p * (dp - delta[:, None])                                # [BLOCK_M, BLOCK_N]
+        dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+        ds_band = tl.where(unskew_ok, tl.gather(ds, unskew, 1), 0.0)  # [BLOCK_M, BAND]
+        dqw += _dot(ds_band.to(r.dtype), r, UPCAST, PRECISION)
+        dr = _dot(tl.trans(ds_band).to(qw.dtype), qw, UPCAST, PRECISION)   # [BAND, BLOCK_D]
+        tl.atomic_add(DR + (h * R_len + rows[:, None]) * D + offs_d[None, :], dr * sm_scale,
+                      mask=rows_ok[:, None] & d_ok)
+        if HAS_SEG:
+            a_same += tl.sum(tl.where(same, ds, 0.0), 1)
+            a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
+
+    out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
+    tl.store(DQU + out_off, dqu * sm_scale, mask=q_mask)
+    tl.store(DQW + out_off, dqw * sm_scale, mask=q_mask)
+    if HAS_SEG:
+        tl.store(SEG_A + (bh * Tq + offs_m) * 2, a_same * sm_scale, mask=offs_m < Tq)
+        tl.store(SEG_A + (bh * Tq + offs_m) * 2 + 1, a_diff * sm_scale, mask=offs_m < Tq)
+
+
 def _config(D: int):
     """(BLOCK_M, BLOCK_N, BLOCK_D, BAND, num_warps, num_stages). Square tiles keep the band
     (BLOCK_M + BLOCK_N - 1 rows of r) a power of two wide. Not yet tuned on a GPU."""
@@ -185,3 +417,61 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         num_warps=warps, num_stages=stages,
     )
     return out, lse
+
+
+def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, causal=True,
+                           pos_start=None, key_padding_mask=None, perm_rank=None,
+                           perm_strict=False, seg_q=None, seg_k=None, seg_embed=None,
+                           r_s_bias=None, scale=None, dropout_p=0.0, seed=None):
+    """Gradients of :func:`rel_attention_forward`'s ``out``: (dq, dk, dv, dr, d_r_w_bias,
+    d_r_r_bias, d_seg_embed, d_r_s_bias); the last two are None without segments."""
+    from .attention import _mask_args, _seed_arg
+    B, H, Tq, D = q.shape
+    Tk, R = k.shape[2], r.shape[1]
+    pos_start = Tk - 1 if pos_start is None else pos_start
+    scale = D ** -0.5 if scale is None else scale
+    has_seg = seg_embed is not None
+    dk = torch.zeros((B, H, Tk, D), dtype=k.dtype, device=k.device)
+    dv = torch.zeros((B, H, Tk, D), dtype=v.dtype, device=v.device)
+    dqu = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device)
+    dqw = torch.zeros_like(dqu)
+    dr = torch.zeros((H, R, D), dtype=torch.float32, device=q.device)
+    seg_a = torch.zeros((B, H, Tq, 2), dtype=torch.float32, device=q.device)
+    if q.numel() and Tk:
+        delta = (do.float() * out.float()).sum(-1).contiguous()            # [B, H, Tq]
+        kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
+        if has_seg:
+            sq, sk = seg_q.to(torch.int32), seg_k.to(torch.int32)
+            se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
+        else:
+            sq = sk = se = rsb = kv_end
+        bm, bn, bd, band, warps, stages = _config(D)
+        common = (
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *r.stride(), *mstrides,
+            sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
+            H, Tq, Tk, Tk - Tq, D, R, pos_start, scale * LOG2E, scale, float(dropout_p))
+        flags = dict(
+            CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
+            PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+            num_warps=warps, num_stages=stages)
+        u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
+        seed_arg = _seed_arg(q, dropout_p, seed)
+        _rel_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, bn), B * H)](
+            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
+            kpm, rank, kv_end, seed_arg, *common, **flags)
+        _rel_attn_bwd_dq_kernel[(triton.cdiv(Tq, bm), B * H)](
+            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, dr, seg_a,
+            kpm, rank, kv_end, seed_arg, *common, **flags)
+    dq = dqu + dqw                                                        # [B, H, Tq, D]
+    d_seg_embed = d_r_s_bias = None
+    if has_seg:
+        se = seg_embed.float()                                            # [2, H, D]
+        qs = q.float() + r_s_bias.float()[None, :, None]                  # [B, H, Tq, D]
+        d_qs = seg_a[..., 0:1] * se[0][None, :, None] + seg_a[..., 1:2] * se[1][None, :, None]
+        dq = dq + d_qs
+        d_seg_embed = torch.einsum("bhis,bhid->shd", seg_a, qs).to(seg_embed.dtype)
+        d_r_s_bias = d_qs.sum((0, 2)).to(r_s_bias.dtype)
+    return (dq.to(q.dtype), dk, dv, dr.to(r.dtype), dqu.sum((0, 2)).to(r_w_bias.dtype),
+            dqw.sum((0, 2)).to(r_r_bias.dtype), d_seg_embed, d_r_s_bias)

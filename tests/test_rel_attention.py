@@ -1,45 +1,69 @@
-"""kernels/rel_attention.py (forward; the backward and the public op are still to come)
-against ctxfast.reference.rel_attention: the shift done in the kernel must equal direct
-indexing by distance."""
+"""ctxfast.rel_attention (Triton, shift inside the kernel) against
+ctxfast.reference.rel_attention (direct indexing by distance), forward and the gradient of
+every tensor input; the flash-attention rule for tolerances (<= 2x the eager error at the
+same dtype against float64, plus a small floor)."""
 import pytest
 import torch
 
+import ctxfast
 from ctxfast import reference
-from test_attention import DEVICE, needs_triton
+from test_attention import DEVICE, FLOOR, needs_triton
 from utils import rel_err
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+NAMES = ["q", "k", "v", "r", "r_w_bias", "r_r_bias", "seg_embed", "r_s_bias"]
 
 
-def _run(B, H, Tq, Tk, D, R=None, dtype=torch.float32, **kw):
-    from ctxfast.kernels.rel_attention import rel_attention_forward
-    R = R or Tk
+def _inputs(B, H, Tq, Tk, D, R, dtype=torch.float32, seg=False):
     mk = lambda *s: torch.randn(*s, dtype=dtype, device=DEVICE)  # noqa: E731
-    q, k, v, r = mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D), mk(H, R, D)
-    u, w = mk(H, D), mk(H, D)
-    stream = kw.pop("perm_stream", "content")
-    out, lse = rel_attention_forward(q, k, v, r, u, w, perm_strict=stream == "query", **kw)
-    f64 = {a: (b.double() if torch.is_tensor(b) and b.is_floating_point() else b)
-           for a, b in kw.items()}
-    ref = reference.rel_attention(*(t.double() for t in (q, k, v, r, u, w)),
-                                  perm_stream=stream, **f64)
-    assert not torch.isnan(out).any()
-    err = rel_err(out, ref)
-    assert err < TOL[dtype], err
-    return out
+    ts = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D), mk(H, R, D), mk(H, D), mk(H, D)]
+    if seg:
+        ts += [mk(2, H, D), mk(H, D)]
+    return ts
+
+
+def check(B, H, Tq, Tk, D, R=None, dtype=torch.float32, seg=False, **kw):
+    R = R or Tk
+    ts = _inputs(B, H, Tq, Tk, D, R, dtype, seg)
+    extra = {}
+    if seg:
+        extra = dict(seg_q=torch.randint(0, 2, (B, Tq), device=DEVICE),
+                     seg_k=torch.randint(0, 2, (B, Tk), device=DEVICE))
+
+    def call(fn, tensors, **more):
+        a = dict(extra, **kw, **more)
+        if seg:
+            a.update(seg_embed=tensors[6], r_s_bias=tensors[7])
+        return fn(*tensors[:6], **a)
+
+    leaves = [t.clone().requires_grad_(True) for t in ts]
+    same = [t.clone().requires_grad_(True) for t in ts]
+    l64 = [t.double().requires_grad_(True) for t in ts]
+    out = call(ctxfast.rel_attention, leaves, backend="triton")
+    out_same = call(reference.rel_attention, same)
+    out64 = call(reference.rel_attention, l64)
+    do = torch.randn_like(out)
+    g = torch.autograd.grad(out, leaves, do)
+    g_same = torch.autograd.grad(out_same, same, do)
+    g64 = torch.autograd.grad(out64, l64, do.double())
+    for name, ours, s, ref in [("out", out, out_same, out64)] + list(zip(NAMES, g, g_same, g64)):
+        assert not torch.isnan(ours).any(), name
+        err, err_same = (ours.double() - ref).norm().item(), (s.double() - ref).norm().item()
+        bound = 2 * err_same + FLOOR[dtype] * max(ref.norm().item(), 1.0)
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (relative {rel_err(ours, ref):.2e})"
+    return out, g
 
 
 @needs_triton
 @pytest.mark.parametrize("Tq, mem", [(17, 0), (17, 5), (17, 17), (9, 40), (1, 9), (33, 31)])
 def test_transformer_xl_memory(Tq, mem):
     """Memory of 0, shorter, equal and longer than Tq; Tq = 1; odd sizes."""
-    _run(2, 2, Tq, Tq + mem, 32)
+    check(2, 2, Tq, Tq + mem, 32)
 
 
 @needs_triton
 @pytest.mark.parametrize("D", [16, 32, 64, 96, 128])
 def test_head_dims(D):
-    _run(1, 2, 19, 27, D)
+    check(1, 2, 19, 27, D)
 
 
 @needs_triton
@@ -47,22 +71,82 @@ def test_head_dims(D):
 def test_xlnet_bidirectional_perm_segments_padding(stream):
     B, Tq, Tk = 2, 19, 30
     kpm = torch.rand(B, Tk, device=DEVICE) < 0.2
-    _run(B, 2, Tq, Tk, 32, R=Tk + Tq, causal=False, pos_start=Tk, key_padding_mask=kpm,
-         perm_rank=torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE),
-         perm_stream=stream, seg_q=torch.randint(0, 2, (B, Tq), device=DEVICE),
-         seg_k=torch.randint(0, 2, (B, Tk), device=DEVICE),
-         seg_embed=torch.randn(2, 2, 32, device=DEVICE), r_s_bias=torch.randn(2, 32, device=DEVICE))
+    rank = torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE)
+    check(B, 2, Tq, Tk, 32, R=Tk + Tq, seg=True, causal=False, pos_start=Tk,
+          key_padding_mask=kpm, perm_rank=rank, perm_stream=stream)
+
+
+@needs_triton
+def test_transformer_xl_with_a_longer_r():
+    """pos_start inside a longer table (clamp_len-style callers): r has spare rows."""
+    check(1, 2, 12, 20, 16, R=31, pos_start=25)
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_dtypes(dtype):
-    _run(1, 2, 17, 40, 64, dtype=dtype)
+    check(1, 2, 17, 40, 64, dtype=dtype)
 
 
 @needs_triton
-def test_rows_that_see_no_key_are_zero():
+def test_rows_that_see_no_key():
     kpm = torch.zeros(2, 12, dtype=torch.bool, device=DEVICE)
     kpm[0] = True
-    out = _run(2, 2, 12, 12, 16, key_padding_mask=kpm)
-    assert (out[0] == 0).all()
+    out, grads = check(2, 2, 12, 12, 16, key_padding_mask=kpm)
+    assert (out[0] == 0).all() and (grads[0][0] == 0).all()
+
+
+@needs_triton
+def test_dropout_matches_reference_with_the_same_mask():
+    from ctxfast.ops.attention import draw_seed, dropout_keep_mask
+    B, H, Tq, Tk, D, p = 2, 2, 13, 21, 16, 0.25
+    ts = [t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk)]
+    out = ctxfast.rel_attention(*ts, dropout_p=p, backend="triton",
+                                generator=torch.Generator(DEVICE).manual_seed(5))
+    keep = dropout_keep_mask(draw_seed(DEVICE, torch.Generator(DEVICE).manual_seed(5)),
+                             B, H, Tq, Tk, p)
+    l64 = [t.detach().double().requires_grad_(True) for t in ts]
+    ref = reference.rel_attention(*l64, dropout_mask=keep, dropout_p=p)
+    assert rel_err(out, ref) < 1e-5
+    do = torch.randn_like(out)
+    for name, a, b in zip(NAMES, torch.autograd.grad(out, ts, do),
+                          torch.autograd.grad(ref, l64, do.double())):
+        assert rel_err(a, b) < 1e-5, name
+
+
+@needs_triton
+def test_opcheck_and_compile():
+    B, H, Tq, Tk, D = 1, 2, 9, 14, 16
+    q, k, v, r, u, w = (t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk))
+    args = (q, k, v, r, u, w, None, None, None, None, None, None, True, Tk - 1, False, 0.25,
+            0.0, None)
+    torch.library.opcheck(torch.ops.ctxfast.rel_attention_fwd_triton.default, args)
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: ctxfast.rel_attention(*a, backend="triton").sum(),
+                      fullgraph=True, backend="aot_eager")
+    f(q, k, v, r, u, w).backward()
+    l64 = [t.detach().double().requires_grad_(True) for t in (q, k, v, r, u, w)]
+    reference.rel_attention(*l64).sum().backward()
+    assert rel_err(r.grad, l64[3].grad) < 1e-5
+
+
+def _bad():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    r, u, w = torch.randn(2, 6, 8), torch.randn(2, 8), torch.randn(2, 8)
+    base = dict(q=q, k=k, v=v, r=r, r_w_bias=u, r_r_bias=w)
+    yield "r-too-short", dict(base, r=torch.randn(2, 5, 8)), ValueError, ["r too short", "R=5"]
+    yield "xlnet-r-too-short", dict(base, causal=False, pos_start=6), ValueError, ["r too short"]
+    yield "heads", dict(base, r=torch.randn(3, 6, 8)), ValueError, ["r must have shape [H, R, D]"]
+    yield "bias", dict(base, r_w_bias=torch.randn(2, 4)), ValueError, ["r_w_bias must have shape"]
+    yield "keys-shorter", dict(base, k=k[:, :, :3], v=v[:, :, :3]), ValueError, ["Tk >= Tq"]
+    yield "seg-partial", dict(base, seg_q=torch.zeros(1, 4, dtype=torch.long)), ValueError, ["go together"]
+    yield "r-dtype", dict(base, r=r.double()), TypeError, ["r must have q's dtype"]
+
+
+@pytest.mark.parametrize("case", list(_bad()), ids=lambda c: c[0])
+def test_bad_input(case):
+    _, kw, exc, words = case
+    with pytest.raises(exc) as info:
+        ctxfast.rel_attention(**kw)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"

@@ -1,6 +1,7 @@
 """The public ops of ctxfast: torch.library custom ops with autograd, input checks and
 backend dispatch, one module per op family."""
 from .attention import attention, attention_varlen
+from .rel_attention import rel_attention
 from .rel_shift import rel_shift
 
-__all__ = ["attention", "attention_varlen", "rel_shift"]
+__all__ = ["attention", "attention_varlen", "rel_attention", "rel_shift"]

@@ -1,0 +1,194 @@
+"""``ctxfast.rel_attention``: Transformer-XL / XLNet relative-position attention with the
+relative shift done inside the kernel (no ``[Tq, Tk]`` position-score tensor, forward or
+backward), as a drop-in autograd op.
+
+Registered ops (under ``torch.ops.ctxfast``, with fakes and autograd):
+
+* ``rel_attention_fwd_triton(...) -> (out, lse)``
+* ``rel_attention_bwd_triton(...) -> (dq, dk, dv, dr, d_r_w_bias, d_r_r_bias, d_seg_embed,
+  d_r_s_bias)`` (the last two are zeros when there are no segments)
+
+The ``eager`` backend is ``ctxfast.reference.rel_attention`` (direct indexing by distance).
+Not yet here (issue 4 continues): ``nn.RelPartialLearnableMultiHeadAttn``, the decoding
+kernel, benchmarks.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _dispatch
+from .. import reference as _ref
+from .attention import _check as _check_attention
+from .attention import _shape, draw_seed
+
+# Defaults: Triton on CUDA (not yet measured on a GPU); the eager reference on CPU.
+_dispatch.register_op("rel_attention", supported=("triton", "eager"),
+                      cpu_default=("eager",), cuda_default=("triton", "eager"))
+
+
+@torch.library.custom_op("ctxfast::rel_attention_fwd_triton", mutates_args=())
+def _rel_fwd(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
+             key_padding_mask: Optional[Tensor], perm_rank: Optional[Tensor],
+             seg_q: Optional[Tensor], seg_k: Optional[Tensor], seg_embed: Optional[Tensor],
+             r_s_bias: Optional[Tensor], causal: bool, pos_start: int, perm_strict: bool,
+             scale: float, dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    from ctxfast.kernels.rel_attention import rel_attention_forward  # imports triton
+    return rel_attention_forward(
+        q, k, v, r, r_w_bias, r_r_bias, causal=causal, pos_start=pos_start,
+        key_padding_mask=key_padding_mask, perm_rank=perm_rank, perm_strict=perm_strict,
+        seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias, scale=scale,
+        dropout_p=dropout_p, seed=seed)
+
+
+@_rel_fwd.register_fake
+def _(q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed,
+      r_s_bias, causal, pos_start, perm_strict, scale, dropout_p, seed):
+    B, H, Tq, D = q.shape
+    return q.new_empty((B, H, Tq, D)), q.new_empty((B, H, Tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("ctxfast::rel_attention_bwd_triton", mutates_args=())
+def _rel_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
+             r_r_bias: Tensor, out: Tensor, lse: Tensor, key_padding_mask: Optional[Tensor],
+             perm_rank: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
+             seg_embed: Optional[Tensor], r_s_bias: Optional[Tensor], causal: bool,
+             pos_start: int, perm_strict: bool, scale: float, dropout_p: float,
+             seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                              Tensor, Tensor]:
+    from ctxfast.kernels.rel_attention import rel_attention_backward  # imports triton
+    grads = rel_attention_backward(
+        do, q, k, v, r, r_w_bias, r_r_bias, out, lse, causal=causal, pos_start=pos_start,
+        key_padding_mask=key_padding_mask, perm_rank=perm_rank, perm_strict=perm_strict,
+        seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias, scale=scale,
+        dropout_p=dropout_p, seed=seed)
+    H, D = r_w_bias.shape
+    d_se = grads[6] if grads[6] is not None else q.new_zeros((2, H, D))
+    d_rsb = grads[7] if grads[7] is not None else q.new_zeros((H, D))
+    return (*grads[:6], d_se, d_rsb)
+
+
+@_rel_bwd.register_fake
+def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, perm_rank, seg_q, seg_k,
+      seg_embed, r_s_bias, causal, pos_start, perm_strict, scale, dropout_p, seed):
+    H, D = r_w_bias.shape
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            r.new_empty(r.shape), r_w_bias.new_empty((H, D)), r_r_bias.new_empty((H, D)),
+            q.new_empty((2, H, D)), q.new_empty((H, D)))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, r, u, w, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias,
+     causal, pos_start, perm_strict, scale, dropout_p, seed) = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed,
+                          r_s_bias, seed)
+    ctx.args = (causal, pos_start, perm_strict, scale, dropout_p)
+    ctx.has_seg = seg_embed is not None
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, se, rsb, seed = ctx.saved_tensors
+    causal, pos_start, perm_strict, scale, dropout_p = ctx.args
+    dq, dk, dv, dr, du, dw, dse, drsb = torch.ops.ctxfast.rel_attention_bwd_triton(
+        grad_out, q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, se, rsb, causal,
+        pos_start, perm_strict, scale, dropout_p, seed)
+    if not ctx.has_seg:
+        dse = drsb = None
+    return (dq, dk, dv, dr, du, dw, None, None, None, None, dse, drsb,
+            None, None, None, None, None, None)
+
+
+_rel_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
+           perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale):
+    _check_attention(q, k, v, True, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    for name, t, shape in (("r_w_bias", r_w_bias, (H, D)), ("r_r_bias", r_r_bias, (H, D))):
+        if not isinstance(t, Tensor) or _shape(t) != shape:
+            raise ValueError(f"rel_attention: {name} must have shape [H, D] = [{H}, {D}], got "
+                             f"{_shape(t) if isinstance(t, Tensor) else type(t).__name__}")
+    if not isinstance(r, Tensor) or r.dim() != 3 or r.shape[0] != H or r.shape[2] != D:
+        raise ValueError(f"rel_attention: r must have shape [H, R, D] = [{H}, R, {D}], got "
+                         f"{_shape(r) if isinstance(r, Tensor) else type(r).__name__}")
+    for name, t in (("r", r), ("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"rel_attention: {name} must have q's dtype and device "
+                            f"({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+    if not isinstance(pos_start, int):
+        raise TypeError(f"rel_attention: pos_start must be an int, got {type(pos_start).__name__}")
+    R = r.shape[1]
+    lowest = pos_start - (Tk - 1)                     # row of the largest distance, Tk - 1
+    highest = pos_start if causal else pos_start + Tq - 1   # distance 0, or 1 - Tq
+    if lowest < 0 or highest >= R:
+        raise ValueError(
+            f"rel_attention: r too short for the distances: rows {lowest}..{highest} of r are "
+            f"needed (pos_start={pos_start}, Tq={Tq}, Tk={Tk}, causal={causal}), r has R={R} "
+            f"rows; Transformer-XL uses pos_start=Tk-1, R=Tk; XLNet pos_start=Tk, R=Tk+Tq")
+    seg = (seg_q, seg_k, seg_embed, r_s_bias)
+    if any(t is not None for t in seg):
+        if any(t is None for t in seg):
+            raise ValueError("rel_attention: seg_q, seg_k, seg_embed and r_s_bias go together")
+        for name, t, shape in (("seg_q", seg_q, (B, Tq)), ("seg_k", seg_k, (B, Tk))):
+            if t.dtype.is_floating_point or _shape(t) != shape:
+                raise ValueError(f"rel_attention: {name} must be an integer tensor of shape "
+                                 f"{list(shape)}, got {t.dtype} {_shape(t)}")
+        if _shape(seg_embed) != (2, H, D) or _shape(r_s_bias) != (H, D):
+            raise ValueError(f"rel_attention: seg_embed must have shape [2, H, D] = [2, {H}, {D}] "
+                             f"and r_s_bias [H, D]; got {_shape(seg_embed)}, {_shape(r_s_bias)}")
+
+
+def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
+                  r_r_bias: Tensor, *, causal: bool = True, pos_start: Optional[int] = None,
+                  key_padding_mask: Optional[Tensor] = None, perm_rank: Optional[Tensor] = None,
+                  perm_stream: str = "content", seg_q: Optional[Tensor] = None,
+                  seg_k: Optional[Tensor] = None, seg_embed: Optional[Tensor] = None,
+                  r_s_bias: Optional[Tensor] = None, dropout_p: float = 0.0,
+                  scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                  backend: Optional[str] = None) -> Tensor:
+    """Relative-position attention ``A = (q + u)·k + (q + v)·r_dist [+ segment term]``.
+
+    Args:
+        q: ``[B, H, Tq, D]``; k, v: ``[B, H, Tk, D]`` = ``[memory; current]``,
+            ``mem_len = Tk - Tq >= 0``.
+        r: ``[H, R, D]``, relative encodings projected per head; row ``m`` encodes distance
+            ``pos_start - m``; the distance of query i to key j is ``mem_len + i - j``.
+        r_w_bias, r_r_bias: ``[H, D]`` (u and v of the paper).
+        causal: Transformer-XL's mask (``j <= i + mem_len``); XLNet uses ``False`` with
+            ``perm_rank``.
+        pos_start: default ``Tk - 1`` (``R = Tk``, the original code's order); XLNet's
+            bidirectional form is ``pos_start = Tk``, ``R = Tk + Tq``.
+        key_padding_mask, perm_rank, perm_stream, dropout_p, scale, generator, backend: as
+            :func:`ctxfast.attention`.
+        seg_q ``[B, Tq]``, seg_k ``[B, Tk]`` (integer segment ids), seg_embed ``[2, H, D]``,
+            r_s_bias ``[H, D]``: XLNet's segment term ``(q + r_s_bias)·seg_embed[s]``,
+            ``s = 0`` for the same segment, 1 otherwise.
+
+    Returns:
+        ``[B, H, Tq, D]``; gradients flow to q, k, v, r, both biases, seg_embed, r_s_bias.
+    """
+    Tk = k.shape[2] if isinstance(k, Tensor) and k.dim() == 4 else 0
+    pos_start = Tk - 1 if pos_start is None else pos_start
+    _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
+           perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale)
+    name = _dispatch.resolve("rel_attention", q.device, backend)
+    sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    seg = dict(seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias)
+    if name == "eager":
+        mask = None
+        if dropout_p > 0:
+            B, H, Tq, _ = q.shape
+            mask = torch.rand((B, H, Tq, Tk), generator=generator, device=q.device) >= dropout_p
+        return _ref.rel_attention(q, k, v, r, r_w_bias, r_r_bias, causal=causal,
+                                  pos_start=pos_start, key_padding_mask=key_padding_mask,
+                                  perm_rank=perm_rank, perm_stream=perm_stream, dropout_mask=mask,
+                                  dropout_p=dropout_p, scale=sm_scale, **seg)
+    seed = draw_seed(q.device, generator) if dropout_p > 0 else None
+    out, _ = torch.ops.ctxfast.rel_attention_fwd_triton(
+        q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed,
+        r_s_bias, causal, pos_start, perm_stream == "query", sm_scale, float(dropout_p), seed)
+    return out
