@@ -2,8 +2,11 @@
 
 * :class:`MultiheadAttention` — ``torch.nn.MultiheadAttention`` on ``ctxfast.attention``.
 
-Still to come: relative attention (issue 4) and the weight-dropped LSTM (issue 5).
+* :class:`RelPartialLearnableMultiHeadAttn` — the Transformer-XL layer on ``ctxfast.rel_attention``.
+
+Still to come: the weight-dropped LSTM (issue 5).
 """
 from .attention import MultiheadAttention
+from .rel_attention import RelPartialLearnableMultiHeadAttn
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "RelPartialLearnableMultiHeadAttn"]

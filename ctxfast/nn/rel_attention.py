@@ -1,0 +1,76 @@
+"""``ctxfast.nn.RelPartialLearnableMultiHeadAttn``: the Transformer-XL attention layer on
+``ctxfast.rel_attention`` — same constructor, parameter names (``qkv_net``, ``r_net``,
+``o_net``, ``layer_norm``, ``r_w_bias``, ``r_r_bias``) and forward
+``(w, r, attn_mask=None, mems=None)`` as the original code's layer (with its own biases,
+as in the ``untie_r`` variant), so its weights load as they are.
+
+Layouts as in the original: ``w [qlen, bsz, d_model]``, ``r [rlen, d_model]`` (or
+``[rlen, 1, d_model]``) with ``rlen = klen = mlen + qlen`` and row m encoding distance
+``klen - 1 - m``, ``mems [mlen, bsz, d_model]``. ``attn_mask`` may be None (no mask) or
+the standard causal mask ``triu(ones(qlen, klen), 1 + mlen)`` (True = masked), which runs
+as ``causal=True``; other masks (``same_length``) raise ``NotImplementedError``.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+
+
+class RelPartialLearnableMultiHeadAttn(nn.Module):
+    def __init__(self, n_head: int, d_model: int, d_head: int, dropout: float,
+                 dropatt: float = 0.0, tgt_len=None, ext_len=None, mem_len=None,
+                 pre_lnorm: bool = False, r_r_bias: Optional[Tensor] = None,
+                 r_w_bias: Optional[Tensor] = None, layer_norm_epsilon: float = 1e-5, *,
+                 backend: Optional[str] = None):
+        super().__init__()
+        self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
+        self.dropout, self.dropatt_p = dropout, dropatt
+        self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
+        self.drop = nn.Dropout(dropout)
+        self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
+        self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_epsilon)
+        self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
+        self.scale = 1 / (d_head ** 0.5)
+        self.pre_lnorm = pre_lnorm
+        self.r_w_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_w_bias is None else r_w_bias)
+        self.r_r_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_r_bias is None else r_r_bias)
+        if r_w_bias is None:
+            nn.init.normal_(self.r_w_bias, std=0.02)
+            nn.init.normal_(self.r_r_bias, std=0.02)
+        self.backend = backend
+
+    def forward(self, w: Tensor, r: Tensor, attn_mask: Optional[Tensor] = None,
+                mems: Optional[Tensor] = None) -> Tensor:
+        qlen, bsz = w.shape[0], w.shape[1]
+        H, Dh = self.n_head, self.d_head
+        cat = w if mems is None else torch.cat([mems, w], 0)           # [klen, bsz, d_model]
+        klen = cat.shape[0]
+        heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)
+        q, k, v = torch.chunk(heads, 3, dim=-1)                         # [klen, bsz, H*Dh] each
+        q = q[-qlen:]
+        r2 = r.reshape(r.shape[0], -1)                                  # [rlen, d_model]
+        if r2.shape[0] != klen:
+            raise ValueError(f"RelPartialLearnableMultiHeadAttn: r must have klen = {klen} rows "
+                             f"(mems + w), got {r2.shape[0]}")
+        r_head = self.r_net(r2).view(klen, H, Dh).transpose(0, 1)      # [H, rlen, Dh]
+        # [T, bsz, H*Dh] -> [T, bsz, H, Dh] -> [bsz, H, T, Dh]
+        q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
+        causal = False
+        if attn_mask is not None:
+            mask = attn_mask if attn_mask.dim() == 2 else attn_mask[..., 0]
+            want = torch.ones(qlen, klen, device=mask.device).triu(1 + klen - qlen).bool()
+            if tuple(mask.shape) != (qlen, klen) or not torch.equal(mask.bool(), want):
+                raise NotImplementedError(
+                    "RelPartialLearnableMultiHeadAttn: only the standard causal attn_mask "
+                    "(triu(ones(qlen, klen), 1 + mlen)) is supported, not same_length masks")
+            causal = True
+        out = ops.rel_attention(q, k, v, r_head.to(q.dtype), self.r_w_bias.to(q.dtype),
+                                self.r_r_bias.to(q.dtype), causal=causal,
+                                pos_start=klen - 1, scale=self.scale,
+                                dropout_p=self.dropatt_p if self.training else 0.0,
+                                backend=self.backend)                   # [bsz, H, qlen, Dh]
+        out = out.permute(2, 0, 1, 3).reshape(qlen, bsz, H * Dh)        # [qlen, bsz, H*Dh]
+        out = self.drop(self.o_net(out))
+        return w + out if self.pre_lnorm else self.layer_norm(w + out)
