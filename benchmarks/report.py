@@ -39,7 +39,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
 #: The baseline backend of each op: what every other backend's speedup is measured against.
-BASELINES: Dict[str, str] = {"rel_shift": "eager-pad-view", "attention": "eager"}
+BASELINES: Dict[str, str] = {"rel_shift": "eager-pad-view", "attention": "eager",
+                              "rel_attention": "eager-original"}
 
 #: Keys of one record, in order.
 RECORD_KEYS: Tuple[str, ...] = ("op", "case", "mode", "backend", "baseline", "ms",
