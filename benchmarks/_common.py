@@ -141,3 +141,16 @@ def record_peak_memory(benchmark, fn: Callable, args: Sequence, device: torch.de
     fn(*args)
     torch.cuda.synchronize(device)
     benchmark.extra_info["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device) - before
+
+
+def params(quick_cases, full_cases, modes, backends) -> list:
+    """``pytest.param(case, mode, backend)`` for the device chosen now (the quick or full
+    cases, those whose ``devices`` include it); parametrisation only, no work."""
+    import pytest
+    device_type = bench_device().type
+    cases = quick_cases if quick() else full_cases
+    return [pytest.param(case, mode, backend,
+                         id=f"{case.name.replace(' ', '-')}-{mode}-{backend}")
+            for case in cases if device_type in case.devices
+            for mode in modes
+            for backend in backends]

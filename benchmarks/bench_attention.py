@@ -116,14 +116,7 @@ FULL_CASES = (
 
 
 def _params():
-    """(case, mode, backend) for the device chosen now; only parametrization, no work."""
-    device_type = _common.bench_device().type
-    cases = QUICK_CASES if _common.quick() else FULL_CASES
-    return [pytest.param(case, mode, backend,
-                         id=f"{case.name.replace(' ', '-')}-{mode}-{backend}")
-            for case in cases if device_type in case.devices
-            for mode in MODES
-            for backend in BACKENDS]
+    return _common.params(QUICK_CASES, FULL_CASES, MODES, BACKENDS)
 
 
 # --------------------------------------------------------------------------- masks, flops

@@ -46,10 +46,7 @@ FULL_CASES = (
 
 
 def _params():
-    device_type = _common.bench_device().type
-    cases = QUICK_CASES if _common.quick() else FULL_CASES
-    return [pytest.param(c, m, b, id=f"{c.name.replace(' ', '-')}-{m}-{b}")
-            for c in cases if device_type in c.devices for m in MODES for b in BACKENDS]
+    return _common.params(QUICK_CASES, FULL_CASES, MODES, BACKENDS)
 
 
 def flops(case: Case, mode: str) -> float:

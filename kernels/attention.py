@@ -50,6 +50,24 @@ def _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
 
 
 @triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, max_k, p_drop,
+                         DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores s [BLOCK_M, BLOCK_N] (-inf where masked) and its values
+    v [BLOCK_N, BLOCK_D] into the running max m_i, normaliser l_i (before dropout) and output
+    acc. Returns (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
+    p = tl.exp2(s - m_safe[:, None])                                 # 0 where masked
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
+    if DROPOUT:
+        keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
+        p = tl.where(keep, p / (1.0 - p_drop), 0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN: tl.constexpr):
     """(q_start, k_start, Tq, Tk, mem_len) of sequence b: the whole dims, or, for packed
     (varlen) inputs, the slice ``cu_seqlens[b] : cu_seqlens[b + 1]``."""
@@ -172,16 +190,8 @@ def _attn_fwd_kernel(
                        RANK, stride_rank_b, stride_rank_t, rank_q,
                        CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
-        p = tl.exp2(s - m_safe[:, None])                                 # 0 where masked
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
-        if DROPOUT:
-            keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
-            p = tl.where(keep, p / (1.0 - p_drop), 0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+                                             max_q, max_k, p_drop, DROPOUT, UPCAST, PRECISION)
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _dot, _interpreting, _keep, _precision, _visible
+from .attention import (LOG2E, _dot, _interpreting, _keep, _online_softmax_step, _precision,
+                        _visible)
 
 
 @triton.jit
@@ -127,16 +128,8 @@ def _rel_attn_fwd_kernel(
                        RANK, stride_rank_b, stride_rank_t, rank_q,
                        CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
-            p = tl.where(keep, p / (1.0 - p_drop), 0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]

@@ -32,7 +32,8 @@ def _per_sequence_reference(q, k, v, cu_q, cu_k, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens_q, lens_k", [([5, 17, 1, 33], [5, 17, 1, 33]),
                                             ([3, 20], [9, 31]),     # memory per sequence
-                                            ([7, 0, 12], [7, 4, 12])])  # an empty query sequence
+                                            ([7, 0, 12], [7, 4, 12]),   # an empty query sequence
+                                            ([9, 5], [4, 5])])  # causal: 5 rows see no key
 def test_varlen_matches_per_sequence_reference(causal, lens_q, lens_k):
     q, k, v, cu_q, cu_k, mq, mk = _packed(lens_q, lens_k, H=2, D=32)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -46,6 +47,8 @@ def test_varlen_matches_per_sequence_reference(causal, lens_q, lens_k):
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
         assert rel_err(g, r) < 1e-5, (name, rel_err(g, r))
+    if causal and lens_q == [9, 5]:       # queries 0..4 of sequence 0 see no key: zeros
+        assert (out[:5] == 0).all() and (grads[0][:5] == 0).all()
     eager = ctxfast.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal, backend="eager")
     assert rel_err(eager, ref) < 1e-5
 

@@ -99,22 +99,28 @@ def _shape(t: Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale):
+def _check_qkv(op: str, q, k, v, layout: str) -> None:
+    """Types, rank (that of `layout`, e.g. "[B, H, T, D]"), dtype and device of q, k, v."""
+    rank = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"attention: {name} must have shape [B, H, T, D] (rank 4), got "
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{op}: {name} must have shape {layout} (rank {rank}), got "
                              f"shape {_shape(t)}")
         if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"attention: {name} must be float16, bfloat16, float32 or float64, "
+            raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, "
                             f"got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"attention: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, "
+        raise TypeError(f"{op}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"attention: q, k, v must be on one device, got {q.device}, "
+        raise ValueError(f"{op}: q, k, v must be on one device, got {q.device}, "
                          f"{k.device}, {v.device}")
+
+
+def _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale):
+    _check_qkv("attention", q, k, v, "[B, H, T, D]")
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     if k.shape[:2] != q.shape[:2] or k.shape[3] != D:
@@ -299,19 +305,7 @@ _attention_varlen_fwd_triton.register_autograd(_varlen_backward,
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"attention_varlen: {name} must be a torch.Tensor")
-        if t.dim() != 3:
-            raise ValueError(f"attention_varlen: {name} must have shape [total, H, D] (rank 3), "
-                             f"got shape {_shape(t)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"attention_varlen: {name} must be float16, bfloat16, float32 or "
-                            f"float64, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError("attention_varlen: q, k, v must have one dtype")
-    if not (q.device == k.device == v.device):
-        raise ValueError("attention_varlen: q, k, v must be on one device")
+    _check_qkv("attention_varlen", q, k, v, "[total, H, D]")
     if k.shape[1:] != q.shape[1:] or v.shape != k.shape:
         raise ValueError(f"attention_varlen: k, v must have shape [total_k, H, D] = "
                          f"[total_k, {q.shape[1]}, {q.shape[2]}], got k {_shape(k)}, v {_shape(v)}")

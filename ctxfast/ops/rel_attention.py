@@ -134,9 +134,10 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
         if any(t is None for t in seg):
             raise ValueError("rel_attention: seg_q, seg_k, seg_embed and r_s_bias go together")
         for name, t, shape in (("seg_q", seg_q, (B, Tq)), ("seg_k", seg_k, (B, Tk))):
-            if t.dtype.is_floating_point or _shape(t) != shape:
+            if not isinstance(t, Tensor) or t.dtype.is_floating_point or _shape(t) != shape:
                 raise ValueError(f"rel_attention: {name} must be an integer tensor of shape "
-                                 f"{list(shape)}, got {t.dtype} {_shape(t)}")
+                                 f"{list(shape)}, got {getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{_shape(t) if isinstance(t, Tensor) else ''}")
         if _shape(seg_embed) != (2, H, D) or _shape(r_s_bias) != (H, D):
             raise ValueError(f"rel_attention: seg_embed must have shape [2, H, D] = [2, {H}, {D}] "
                              f"and r_s_bias [H, D]; got {_shape(seg_embed)}, {_shape(r_s_bias)}")
