@@ -5,8 +5,9 @@
 #
 # On a machine whose python already has a CUDA torch (the GPU machines), the venv reuses
 # it with --system-site-packages and downloads nothing. Elsewhere it installs torch 2.13.0
-# (CPU build), triton, pytest, pytest-benchmark, hypothesis, numpy and transformers (optional
-# test dependency of the Hugging Face integration).
+# (CPU build), triton, pytest, pytest-benchmark, hypothesis, numpy, transformers (optional
+# test dependency of the Hugging Face integration) and matplotlib (PNG plots; optional:
+# without it the reports skip the plots and say so).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -45,7 +46,7 @@ $(STAMP):
 	  $(PYTHON) -m venv $(VENV) && \
 	  $(PY) -m pip install -q --upgrade pip setuptools wheel && \
 	  $(PY) -m pip install -q torch==2.13.0 && \
-	  $(PY) -m pip install -q "triton>=3.6" numpy ninja pytest pytest-benchmark hypothesis transformers; \
+	  $(PY) -m pip install -q "triton>=3.6" numpy ninja pytest pytest-benchmark hypothesis transformers matplotlib; \
 	fi
 	@touch $@
 
