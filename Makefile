@@ -1,5 +1,7 @@
 # ctxfast — the two commands a newcomer runs:
-#   make run    the main job: `ctxfast info`, then a smoke run of every op on every backend
+#   make run    the main job: `ctxfast info`, a smoke run of every op on every backend, a
+#               quick benchmark of every op against eager and `ctxfast xl-eval --quick`,
+#               all written to reports/
 #   make test   the whole test suite
 # Both create .venv and install everything on first use; nothing needs installing by hand.
 #
@@ -26,9 +28,17 @@ endif
 
 .PHONY: run test install cuda-check bench clean
 
+# The demo: versions and backends, a smoke run of every op, a quick benchmark of every op
+# against eager, and Transformer-XL evaluation with memory vs a vanilla sliding window
+# (the paper's lengths on a GPU). Everything lands in $(REPORT)/ (git-ignored).
+REPORT ?= reports
 run: install
-	$(VENV)/bin/ctxfast info
-	$(VENV)/bin/ctxfast smoke
+	@mkdir -p $(REPORT)
+	bash -o pipefail -c '$(VENV)/bin/ctxfast info | tee $(REPORT)/info.txt'
+	bash -o pipefail -c '$(VENV)/bin/ctxfast smoke | tee $(REPORT)/smoke.txt'
+	$(VENV)/bin/ctxfast bench --quick --out $(REPORT)/bench
+	$(VENV)/bin/ctxfast xl-eval --quick --out $(REPORT)/xl-eval
+	@echo "report: $(REPORT)/ (info.txt, smoke.txt, bench/, xl-eval/xl_eval.{md,json,png})"
 
 test: install
 	$(PY) -m pytest tests -q -ra

@@ -1,23 +1,53 @@
-"""Helpers shared by the benchmark files, their conftest and ``report.py``.
+"""Helpers shared by the benchmark suites (``benchmarks/bench_<op>.py``), their conftest
+and ``report.py``.
 
 Plain module with no relative imports: the ``bench_*.py`` files import it as ``_common``
 (pytest puts ``benchmarks/`` on ``sys.path``), ``report.py`` loads it by path.
 
-* :func:`bench_device` — which device the benchmarks run on.
-* :func:`device_name` — a human-readable name of that device (GPU model, or CPU model
-  and thread count), used in results and in the results folder name.
-* :func:`versions` — torch and triton versions.
-* :func:`measure` — time one callable with pytest-benchmark under the project's protocol.
+The suite interface: what a ``benchmarks/bench_<op>.py`` provides
+-----------------------------------------------------------------
+* **The file name is the op family.** ``report.py`` finds the suites by globbing
+  ``bench_*.py`` (``ctxfast bench --ops <op>`` picks ``bench_<op>.py``); no list of ops
+  is kept anywhere else. Add the op's baseline backend to ``report.BASELINES`` (or put
+  ``baseline=`` in :func:`describe`).
+* **One pytest test, parametrised** by :func:`params` over ``(case, mode, backend)``,
+  taking pytest-benchmark's ``benchmark`` fixture and the ``bench_device`` fixture
+  (``conftest.py``). Cases are small objects with ``.name`` and ``.devices``; the quick
+  set (``CTXFAST_BENCH_QUICK=1``) must cover the op on a 2-core CPU in well under a
+  minute. The op's baseline is one of the backends: it is timed in the same run on the
+  same inputs, and ``report.py`` pairs every other backend with it.
+* **Describe the benchmark first**, with :func:`describe` (op, case, mode, backend,
+  dtype, device, and where they mean something ``T`` (the x axis of the speedup plot),
+  ``series`` (one line of that plot), ``flops`` (FLOPs of one call: TFLOP/s in the
+  report) and ``min_bytes`` (least memory traffic of one call: GB/s in the report)).
+  It must come before anything that can run out of memory, so an OOM can be recorded.
+* **Inputs**: fresh ``torch.randn`` (never zeros), made by :func:`input_sets` (several
+  rotated sets where they fit in the GPU's L2). Check the backend against the reference
+  before timing it; put that setup inside ``with oom_guard(benchmark):``.
+* **Time** with :func:`measure` — warm-up, synchronisation, CUDA events on a GPU, two
+  timing passes (the same version timed twice: their difference is the noise), peak
+  memory on CUDA, and an out-of-memory error recorded as a result (``extra_info["oom"]``)
+  instead of a crash. Suites never catch OOM themselves.
+
+What :func:`measure` writes into ``benchmark.extra_info`` (read by ``report.py``):
+``ms`` (median over both passes, milliseconds per call), ``ms_min``, ``ms_max``,
+``ms_pass1``, ``ms_pass2`` (medians of the two passes), ``spread`` (``|pass1 − pass2| /
+min``), ``rounds``, ``iterations``, ``timer`` (``"cuda-events"`` or ``"perf_counter"``),
+``peak_mem_bytes`` (CUDA; None on the CPU, where it is not measured) and, on an
+out-of-memory error, ``oom`` (the first line of the message) with ``ms`` None.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import importlib.metadata
 import itertools
 import math
 import os
+import statistics
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -26,6 +56,12 @@ QUICK_ENV = "CTXFAST_BENCH_QUICK"
 #: Environment variable that forces the device ("cpu", "cuda", "cuda:1"); default: CUDA
 #: when available, else CPU.
 DEVICE_ENV = "CTXFAST_BENCH_DEVICE"
+#: Environment variable with the number of CPU threads to use (set by ``report.py
+#: --threads``, applied by ``conftest.py``); default: torch's.
+THREADS_ENV = "CTXFAST_BENCH_THREADS"
+#: Environment variable that scales every timing budget (e.g. ``0.1`` for the pipeline's
+#: own tests); default 1.
+BUDGET_SCALE_ENV = "CTXFAST_BENCH_BUDGET_SCALE"
 
 
 def quick() -> bool:
@@ -77,6 +113,20 @@ def versions() -> dict:
     return {"torch": torch.__version__, "triton": triton_version}
 
 
+def describe(benchmark, *, op: str, case: str, mode: str, backend: str,
+             dtype: torch.dtype, device: torch.device, **info) -> None:
+    """Fill ``benchmark.extra_info`` with what ``report.py`` needs to pair and label the
+    benchmark: op, case, mode, backend, dtype, device (and its name), torch and triton
+    versions, plus `info` (e.g. ``T=``, ``series=``, ``flops=``, ``min_bytes=``,
+    ``baseline=``, ``shape=``). Sets ``benchmark.group`` to "<op> <case> <mode>"."""
+    ver = versions()
+    benchmark.group = f"{op} {case} {mode}"
+    benchmark.extra_info.update(
+        op=op, case=case, mode=mode, backend=backend,
+        dtype=str(dtype).replace("torch.", ""), device=str(device),
+        device_name=device_name(device), torch=ver["torch"], triton=ver["triton"], **info)
+
+
 def _l2_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
@@ -97,50 +147,171 @@ def input_sets(make: Callable[[], Sequence[torch.Tensor]], device: torch.device,
     return [first] + [tuple(make()) for _ in range(n - 1)]
 
 
+# --------------------------------------------------------------------------- out of memory
+
+def _oom_message(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return first or "out of memory"
+
+
+def _free_memory(device: Optional[torch.device] = None) -> None:
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.empty_cache()
+
+
+def record_oom(benchmark, message: str) -> None:
+    """Record an out-of-memory result: ``extra_info["oom"] = message``, no timing
+    (``ms`` None). pytest-benchmark only writes a benchmark that ran, so where the fixture
+    has not run yet a no-op is run once through it; its time means nothing (``report.py``
+    reads ``extra_info``, never these stats, for an OOM)."""
+    benchmark.extra_info.update(oom=message, ms=None, ms_min=None, ms_max=None,
+                                ms_pass1=None, ms_pass2=None, spread=None,
+                                peak_mem_bytes=None)
+    if not getattr(benchmark, "_mode", None):        # fixture not used yet
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1, warmup_rounds=0)
+
+
+@contextlib.contextmanager
+def oom_guard(benchmark, device: Optional[torch.device] = None) -> Iterator[None]:
+    """Run the body; if it raises ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``
+    is the same class), record the OOM with :func:`record_oom` and go on instead of
+    failing. Memory is freed after the exception (and the frames it holds) is gone."""
+    message = None
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        message = _oom_message(e)
+    if message is not None:                      # outside the except: no frame keeps tensors
+        _free_memory(device)
+        if "oom" not in benchmark.extra_info:    # measure() may have recorded it already
+            record_oom(benchmark, message)
+
+
+# --------------------------------------------------------------------------- timing
+
+def _time_rounds(fn: Callable, nxt: Callable, device: torch.device, rounds: int,
+                 iterations: int) -> List[float]:
+    """Seconds per call of each of `rounds` rounds of `iterations` calls ``fn(*nxt())``.
+
+    CUDA: one pair of CUDA events around each round (kernels only, launch included), one
+    synchronisation at the end. CPU: ``time.perf_counter`` around each round.
+    """
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(rounds)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(rounds)]
+        torch.cuda.synchronize(device)
+        for start, end in zip(starts, ends):
+            start.record()
+            for _ in range(iterations):
+                fn(*nxt())
+            end.record()
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) * 1e-3 / iterations for s, e in zip(starts, ends)]
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            fn(*nxt())
+        out.append((time.perf_counter() - t0) / iterations)
+    return out
+
+
 def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
             budget_s: float, min_rounds: int = 5, max_rounds: int = 2000,
-            warmup: int = 5):
-    """Time ``fn(*s)`` over the input sets `sets` (rotated) with ``benchmark.pedantic``.
+            warmup: int = 5, peak_memory: bool = True):
+    """Time ``fn(*s)`` over the input sets `sets` (rotated) under the project's protocol
+    (DESIGN.md §5) and record the result in ``benchmark.extra_info`` (keys: see the module
+    docstring). Returns what the last call of `fn` returned (None after an OOM).
 
-    Warms up first (compilation, autotuning and allocator growth stay out of the timing);
-    on CUDA each call is followed by ``torch.cuda.synchronize()`` so the time covers the
-    kernels, not just their launch. The number of rounds is chosen from the median of the
-    warm-up calls (the first excluded) so that the benchmark lasts about `budget_s`
-    (between `min_rounds` and `max_rounds`);
-    calls shorter than ~0.2 ms are grouped into iterations of one round.
-    Returns what the last call of `fn` returned.
+    1. Warm-up: `warmup` calls, synchronised (compilation, autotuning and allocator growth
+       stay out of the timing); their median (the first call excluded) sets the number of
+       rounds so that the timing lasts about `budget_s` (between `min_rounds` and
+       `max_rounds`; calls shorter than ~0.2 ms are grouped `iterations` to a round).
+       ``$CTXFAST_BENCH_BUDGET_SCALE`` multiplies `budget_s`.
+    2. Two timing passes of half the rounds each: CUDA events on a GPU, ``perf_counter``
+       on the CPU. ``ms`` is the median over both; ``spread`` the relative difference of
+       the two passes' medians — the same version timed twice, so a speedup closer to 1
+       than that is noise.
+    3. A short ``benchmark.pedantic`` pass (``torch.cuda.synchronize()`` inside the timed
+       call on CUDA) so pytest-benchmark records the benchmark and prints its wall-clock
+       view; ``report.py`` uses ``extra_info["ms"]``, not these stats.
+    4. On CUDA (`peak_memory`), the peak memory of one call beyond what was allocated.
+
+    ``torch.OutOfMemoryError`` anywhere in 1–4 is recorded (:func:`record_oom`) instead
+    of raised.
     """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda"
+            else (lambda: None))
     nxt = itertools.cycle(sets).__next__
+    budget_s *= float(os.environ.get(BUDGET_SCALE_ENV, "1") or 1)
+    result = []
 
     def call():
         r = fn(*nxt())
         sync()
         return r
 
-    times = []
-    for _ in range(max(1, warmup)):             # warm-up calls, timed for the estimate
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    later = sorted(times[1:] or times)            # the first call may compile or allocate
-    est = max(later[len(later) // 2], 1e-7)
-    iterations = max(1, min(1000, round(2e-4 / est)))
-    rounds = int(min(max_rounds, max(min_rounds, budget_s / (est * iterations))))
-    return benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=0)
+    oom = None
+    try:
+        times = []
+        for _ in range(max(1, warmup)):          # warm-up calls, timed for the estimate
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        later = sorted(times[1:] or times)        # the first call may compile or allocate
+        est = max(later[len(later) // 2], 1e-7)
+        iterations = max(1, min(1000, round(2e-4 / est)))
+        rounds = int(min(max_rounds, max(min_rounds, budget_s / (est * iterations))))
+        half = max(1, (rounds + 1) // 2)
+        pass1 = _time_rounds(fn, nxt, device, half, iterations)
+        pass2 = _time_rounds(fn, nxt, device, half, iterations)
+        m1, m2 = statistics.median(pass1), statistics.median(pass2)
+        every = pass1 + pass2
+        benchmark.extra_info.update(
+            ms=statistics.median(every) * 1e3, ms_min=min(every) * 1e3,
+            ms_max=max(every) * 1e3, ms_pass1=m1 * 1e3, ms_pass2=m2 * 1e3,
+            spread=abs(m1 - m2) / min(m1, m2) if min(m1, m2) > 0 else None,
+            rounds=2 * half, iterations=iterations,
+            timer="cuda-events" if device.type == "cuda" else "perf_counter")
+        result.append(benchmark.pedantic(call, rounds=max(1, min(3, min_rounds)),
+                                         iterations=iterations, warmup_rounds=0))
+        if peak_memory:
+            record_peak_memory(benchmark, fn, sets[0], device)
+    except torch.OutOfMemoryError as e:
+        oom = _oom_message(e)
+    if oom is not None:                          # outside the except: no frame keeps tensors
+        result.clear()
+        _free_memory(device)
+        record_oom(benchmark, oom)
+        return None
+    return result[0]
 
 
 def record_peak_memory(benchmark, fn: Callable, args: Sequence, device: torch.device) -> None:
-    """On CUDA, store the peak memory of one ``fn(*args)`` beyond what was already
-    allocated as ``benchmark.extra_info["peak_mem_bytes"]`` (nothing on the CPU)."""
-    if device.type != "cuda":
+    """``benchmark.extra_info["peak_mem_bytes"]``: on CUDA the peak memory of one
+    ``fn(*args)`` beyond what was already allocated; None on the CPU (not measured there)
+    and after an OOM. :func:`measure` calls it; a second call (older suites) measures
+    again. An OOM here leaves the timing alone: ``peak_mem_bytes`` None and
+    ``peak_mem_note`` says why."""
+    if device.type != "cuda" or benchmark.extra_info.get("oom"):
+        benchmark.extra_info["peak_mem_bytes"] = None
         return
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn(*args)
-    torch.cuda.synchronize(device)
-    benchmark.extra_info["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device) - before
+    failed = None
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn(*args)
+        torch.cuda.synchronize(device)
+        benchmark.extra_info["peak_mem_bytes"] = (torch.cuda.max_memory_allocated(device)
+                                                  - before)
+    except torch.OutOfMemoryError as e:
+        failed = _oom_message(e)
+    if failed is not None:                       # the timing stands; only the peak is lost
+        _free_memory(device)
+        benchmark.extra_info["peak_mem_bytes"] = None
+        benchmark.extra_info["peak_mem_note"] = f"OOM while measuring the peak: {failed}"
 
 
 def params(quick_cases, full_cases, modes, backends) -> list:

@@ -7,9 +7,11 @@ on the same inputs in the same run:
 * each backend of ``ctxfast.attention`` that can run on the device (``triton``: CUDA
   tensors only; ``eager``);
 * the baseline ``eager`` (``ctxfast.reference.attention``: materialised mask + softmax);
-* on CUDA, ``sdpa``: ``F.scaled_dot_product_attention``, with ``is_causal=True`` for a
-  plain causal mask without memory, else with the materialised bool mask
-  (``reference.attention_mask``, ``[B, 1, Tq, Tk]``, built once outside the timing);
+* ``sdpa``: ``F.scaled_dot_product_attention`` (on the CPU too: the peer there, since
+  the Triton backend only runs in the interpreter on CPU tensors), with
+  ``is_causal=True`` for a plain causal mask without memory, else with the materialised
+  bool mask (``reference.attention_mask``, ``[B, 1, Tq, Tk]``, built once outside the
+  timing);
 * on CUDA, ``flex``: ``torch.compile(flex_attention)`` with a ``mask_mod`` that computes
   the same mask from O(T) data (causal offset, padding lookup, rank lookup); its block
   mask is built once outside the timing (``block_mask_ms`` in ``extra_info`` says what
@@ -29,19 +31,22 @@ checked against the reference in fp32 before it is timed: relative error
 and heads (attention is independent per (b, h), so a slice checks the same code without
 the reference's O(Tq·Tk) memory). For SDPA, queries that see no key are left out of the
 comparison (it may return NaN there; the reference and ctxfast return 0). A backend that
-runs out of GPU memory is skipped with ``OOM: ...``.
+runs out of GPU memory is recorded as ``OOM`` in the report (``_common.measure`` /
+``oom_guard``), not skipped and not a crash.
 
 ``extra_info["flops"]``: the FlashAttention count, forward ``4·B·H·Tq·Tk·D`` (padding and
 permutation masks count the dense work), halved for causal without memory; causal with
 memory counts the visible (i, j) pairs exactly; ``fwd+bwd`` = 3.5 x forward.
 
-``CTXFAST_BENCH_QUICK=1``: tiny cases (seconds on a CPU). Otherwise: real-model shapes and
-a causal T sweep with ``B·T ≈ 16k`` tokens on CUDA, moderate shapes on the CPU.
+``CTXFAST_BENCH_QUICK=1``: tiny cases and a short T sweep (seconds on a CPU). Otherwise:
+real-model shapes (BERT-base, GPT-2 small, XLNet-base, Transformer-XL enwik8 base and
+WT103 base) and a causal T sweep (``B·T = 16k`` tokens, ``H·D = 2048`` on CUDA; ``B·T =
+4k``, ``H·D = 512`` on the CPU). On the CPU the real-model shapes keep their sequence
+lengths and head counts but a batch of 1–2.
 """
 from __future__ import annotations
 
 import functools
-import gc
 import time
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -81,11 +86,12 @@ class Case(NamedTuple):
         return self.shape[3] - self.shape[2]
 
 
-def _sweep(D: int, tokens: int = 16384, hidden: int = 2048):
+def _sweep(D: int, Ts=(1024, 2048, 4096, 8192, 16384), tokens: int = 16384,
+           hidden: int = 2048, devices=("cuda",)):
     """Causal T sweep at head dim `D`: B·T = `tokens`, H·D = `hidden` (FlashAttention's
     benchmark convention)."""
-    return tuple(Case("causal", (tokens // T, hidden // D, T, T, D), "sweep", ("cuda",))
-                 for T in (1024, 2048, 4096, 8192, 16384))
+    return tuple(Case("causal", (tokens // T, hidden // D, T, T, D), "sweep", devices)
+                 for T in Ts)
 
 
 QUICK_CASES = (
@@ -94,22 +100,26 @@ QUICK_CASES = (
     Case("perm-content", (2, 4, 128, 192, 64)),   # with 64 memory keys
     Case("perm-query", (2, 4, 128, 128, 64)),     # no memory: the first-ranked query sees nothing
     Case("causal-memory", (2, 4, 128, 256, 64)),
+    *_sweep(64, (64, 256, 512), tokens=512, hidden=256, devices=("cpu", "cuda")),
 )
 FULL_CASES = (
-    # CPU (fp32): real sequence lengths, small batch (GPT-2: 4 of 12 heads); a few seconds each
+    # CPU (fp32): real sequence lengths and heads, batch 1-2; a few seconds each
     Case("padding", (1, 12, 512, 512, 64), "BERT-base", ("cpu",)),
-    Case("causal", (1, 4, 1024, 1024, 64), "GPT-2", ("cpu",)),
-    Case("perm-content", (1, 12, 512, 896, 64), "XLNet-base", ("cpu",)),
+    Case("causal", (1, 12, 1024, 1024, 64), "GPT-2", ("cpu",)),
+    Case("perm-content", (1, 12, 512, 896, 64), "XLNet-base", ("cpu",)),    # mem 384
     Case("perm-query", (1, 12, 512, 896, 64), "XLNet-base", ("cpu",)),
-    Case("causal-memory", (2, 8, 256, 512, 64), "TXL", ("cpu",)),
-    # CUDA (bf16): B·Tq ≈ 16k tokens
+    Case("causal-memory", (1, 8, 512, 1024, 64), "TXL-enwik8", ("cpu",)),   # mem 512
+    Case("causal-memory", (4, 10, 150, 300, 41), "TXL-WT103", ("cpu",)),    # mem 150, D 41
+    *_sweep(64, (256, 512, 1024, 2048), tokens=4096, hidden=512, devices=("cpu",)),
+    # CUDA (bf16): the models' training batches (B·Tq ≈ 9k-16k tokens)
     Case("padding", (32, 12, 512, 512, 64), "BERT-base", ("cuda",)),
     Case("causal", (16, 12, 1024, 1024, 64), "GPT-2", ("cuda",)),
     Case("perm-content", (32, 12, 512, 512, 64), "XLNet-base", ("cuda",)),
     Case("perm-query", (32, 12, 512, 512, 64), "XLNet-base", ("cuda",)),
     Case("perm-content", (32, 12, 512, 896, 64), "XLNet-base", ("cuda",)),   # mem 384
     Case("perm-query", (32, 12, 512, 896, 64), "XLNet-base", ("cuda",)),     # mem 384
-    Case("causal-memory", (32, 8, 512, 1024, 64), "TXL-enwik8", ("cuda",)),  # mem 512
+    Case("causal-memory", (22, 8, 512, 1024, 64), "TXL-enwik8", ("cuda",)),  # base: bsz 22, mem 512
+    Case("causal-memory", (60, 10, 150, 300, 41), "TXL-WT103", ("cuda",)),   # base: bsz 60, mem 150
     *_sweep(64),
     *_sweep(128),
 )
@@ -176,7 +186,7 @@ def _skip_reason(backend: str, device: torch.device) -> Optional[str]:
         return ("triton on CPU tensors runs in the Triton interpreter: far too slow to time; "
                 "only timed on CUDA")
     if backend == "sdpa":
-        return None if device.type == "cuda" else "sdpa is a GPU baseline: only timed on CUDA"
+        return None                                  # a peer on every device
     if backend == "flex":
         if device.type != "cuda":
             return "FlexAttention is a GPU baseline: only timed on CUDA"
@@ -313,6 +323,18 @@ def _bench(benchmark, device: torch.device, case: Case, mode: str, backend: str)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     quick = _common.quick()
     B, H, Tq, Tk, D = case.shape
+    elt = torch.tensor([], dtype=dtype).element_size()
+    qo_bytes, kv_bytes = B * H * Tq * D * elt, B * H * Tk * D * elt
+    _common.describe(
+        benchmark, op=OP, case=case.name, mode=mode, backend=backend, dtype=dtype,
+        device=device, baseline=BASELINE, shape=list(case.shape), mask=case.mask,
+        mem_len=case.mem_len, T=Tq,
+        series=" ".join(s for s in (case.model, case.mask, f"D{D}") if s),
+        # least traffic: read q, k, v, write out; backward also reads q, k, v, out, dout
+        # and writes dq, dk, dv
+        min_bytes=(qo_bytes + kv_bytes) * (2 if mode == "fwd" else 6),
+        flops=flops(case, mode),
+    )
     torch.manual_seed(0)
     mask_kw = _mask_kwargs(case, device)
 
@@ -326,6 +348,7 @@ def _bench(benchmark, device: torch.device, case: Case, mode: str, backend: str)
 
     sets = _common.input_sets(make, device)
     op, op_info = _op(backend, case, mask_kw, device)
+    benchmark.extra_info.update(op_info)
     q0, k0, v0 = (t.detach() for t in sets[0][:3])
     _check(op, backend, mode, case, mask_kw, q0, k0, v0,
            sets[0][3] if mode != "fwd" else torch.randn_like(q0))
@@ -338,26 +361,8 @@ def _bench(benchmark, device: torch.device, case: Case, mode: str, backend: str)
         def fn(q, k, v, g):
             return torch.autograd.grad(op(q, k, v), (q, k, v), g)
 
-    elt = q0.element_size()
-    qo_bytes, kv_bytes = B * H * Tq * D * elt, B * H * Tk * D * elt
-    ver = _common.versions()
-    benchmark.group = f"{OP} {case.name} {mode}"
-    benchmark.extra_info.update(
-        op=OP, case=case.name, mode=mode, backend=backend,
-        dtype=str(dtype).replace("torch.", ""), device=str(device),
-        device_name=_common.device_name(device), torch=ver["torch"],
-        triton=ver["triton"], shape=list(case.shape), mask=case.mask, mem_len=case.mem_len,
-        # least traffic: read q, k, v, write out; backward also reads q, k, v, out, dout
-        # and writes dq, dk, dv
-        min_bytes=(qo_bytes + kv_bytes) * (2 if mode == "fwd" else 6),
-        flops=flops(case, mode),
-        **op_info,
-    )
-
     _common.measure(benchmark, fn, sets, device,
                     budget_s=0.4 if quick else 2.0, min_rounds=5 if quick else 10)
-
-    _common.record_peak_memory(benchmark, fn, sets[0], device)
 
 
 @pytest.mark.parametrize("case, mode, backend", _params())
@@ -365,13 +370,5 @@ def test_attention(benchmark, bench_device, case: Case, mode: str, backend: str)
     reason = _skip_reason(backend, bench_device)
     if reason is not None:
         pytest.skip(reason)
-
-    oom = None
-    try:
+    with _common.oom_guard(benchmark, bench_device):    # OOM in the setup or check: a result
         _bench(benchmark, bench_device, case, mode, backend)
-    except torch.cuda.OutOfMemoryError as e:
-        oom = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
-    if oom is not None:                        # outside the except: no frame keeps tensors
-        gc.collect()
-        torch.cuda.empty_cache()
-        pytest.skip(f"OOM: {backend} {case.name} {mode}: {oom}")

@@ -3,18 +3,36 @@ formulation (einsum for AC and the whole ``[Tq, Tk]`` BD, pad-and-view shift, ma
 causal mask, softmax: ``ctxfast.reference.rel_attention_original``), on the same inputs in
 the same run.
 
-Backends timed: ``triton`` (CUDA only: on CPU it runs in the interpreter), ``eager``
-(``ctxfast.reference.rel_attention``, direct indexing by distance) and the baseline
-``eager-original``. Modes ``fwd`` and ``fwd+bwd`` (gradients of q, k, v, r and both biases).
-Inputs: ``torch.randn`` (fp32 on CPU, bf16 on CUDA). ``CTXFAST_BENCH_QUICK=1``: small
-cases. Full: Transformer-XL shapes (H 16, D 64, Tq 512, memory 512–3072 on CUDA).
-FLOPs counted: AC and BD (``4·B·H·(visible pairs)·D`` for the forward, both terms), x3.5
-for fwd+bwd as for attention.
+Backends timed:
+
+* ``triton`` (CUDA only: on CPU it runs in the interpreter);
+* ``eager`` (``ctxfast.reference.rel_attention``, direct indexing by distance);
+* ``flex`` (CUDA only): FlexAttention as far as it can express the op —
+  :func:`flex_rel_attention`: AC through ``q + u`` as flex's query, BD precomputed as
+  ``(q + v) @ rᵀ`` (a ``[B, H, Tq, R]`` buffer, the one the fused kernel never stores) and
+  gathered in ``score_mod`` at row ``pos_start − (mem_len + i − j)``, the causal mask as a
+  ``mask_mod`` block mask (built once, outside the timing). The whole function (the BD
+  matmul and flex) goes through ``torch.compile``, as flex's documentation requires.
+  BD's gradient flows back through the captured buffer (FlexAttention supports
+  gradients of captured ``score_mod`` tensors since torch 2.6, written with atomics in
+  its backward kernel), so ``fwd+bwd`` is timed for flex too;
+* the baseline ``eager-original``.
+
+Modes ``fwd`` and ``fwd+bwd`` (gradients of q, k, v, r and both biases). Inputs:
+``torch.randn`` (fp32 on CPU, bf16 on CUDA). Every backend is checked against the fp32
+reference on the first batch row (output, and in ``fwd+bwd`` every gradient with the
+upstream gradient zero outside that row) before it is timed. ``CTXFAST_BENCH_QUICK=1``:
+small cases. Full: Transformer-XL shapes (H 16, D 64, Tq 512, memory 512–3072) and
+decoding shapes (Tq 1 and 16, memory 3072) on CUDA.
+
+FLOPs counted (``extra_info["flops"]``, TFLOP/s in the report): AC and BD, ``2·D`` each per
+visible (causal) pair, plus ``2·D`` for P·V — ``6·B·H·pairs·D`` for the forward, x3.5 for
+fwd+bwd as for attention. Peak memory: ``_common.measure`` (CUDA).
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
@@ -26,7 +44,8 @@ from ctxfast import reference as ref
 OP = "rel_attention"
 BASELINE = "eager-original"
 MODES = ("fwd", "fwd+bwd")
-BACKENDS = ("triton", "eager", BASELINE)
+BACKENDS = ("triton", "eager", "flex", BASELINE)
+RTOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
 class Case(NamedTuple):
@@ -42,6 +61,9 @@ QUICK_CASES = (Case((2, 4, 64, 64, 32)),)
 FULL_CASES = (
     Case((2, 8, 128, 128, 64), ("cpu",)),
     *(Case((4, 16, 512, mem, 64), ("cuda",)) for mem in (512, 1024, 2048, 3072)),
+    # decoding (Transformer-XL evaluation): a few queries against a long memory
+    Case((16, 16, 1, 3072, 64), ("cuda",)),
+    Case((16, 16, 16, 3072, 64), ("cuda",)),
 )
 
 
@@ -56,19 +78,138 @@ def flops(case: Case, mode: str) -> float:
     return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
+# --------------------------------------------------------------------------- FlexAttention
+
+def flex_score_mod(bd: torch.Tensor, mem_len: int, pos_start: int, scale: float) -> Callable:
+    """FlexAttention ``score_mod`` adding the position term: ``score + scale · bd[b, h, i,
+    pos_start − (mem_len + i − j)]`` where ``bd [B, H, Tq, R] = (q + v) @ rᵀ``. flex's
+    ``score`` is already ``scale · (q + u)·k``. Pairs past the causal edge (masked by
+    :func:`flex_mask_mod`, but evaluated in partial blocks) would index past row R − 1:
+    the row is clamped, so every read stays inside ``bd``."""
+    R = bd.shape[-1]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        row = pos_start - (mem_len + q_idx - kv_idx)          # row of r of pair (i, j)
+        row = torch.clamp(row, 0, R - 1)
+        return score + bd[b, h, q_idx, row] * scale
+
+    return score_mod
+
+
+def flex_mask_mod(mem_len: int) -> Callable:
+    """FlexAttention ``mask_mod`` of Transformer-XL's causal mask: key j is visible to
+    query i iff ``j <= i + mem_len``."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + mem_len
+
+    return mask_mod
+
+
+def flex_rel_attention(q, k, v, r, r_w_bias, r_r_bias, *, block_mask=None,
+                       pos_start: Optional[int] = None, scale: Optional[float] = None):
+    """``ctxfast.rel_attention``'s causal Transformer-XL form written for FlexAttention:
+    q ``[B, H, Tq, D]``, k, v ``[B, H, Tk, D]``, r ``[H, R, D]``, biases ``[H, D]`` ->
+    ``[B, H, Tq, D]``. Builds the ``[B, H, Tq, R]`` BD buffer. `block_mask`: from
+    ``create_block_mask(flex_mask_mod(Tk - Tq), None, None, Tq, Tk)``. Wrap in
+    ``torch.compile`` for the fused kernel (uncompiled, flex runs an unfused reference)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    Tq, D = q.shape[2], q.shape[3]
+    Tk = k.shape[2]
+    pos_start = Tk - 1 if pos_start is None else pos_start
+    scale = D ** -0.5 if scale is None else scale
+    bd = torch.matmul(q + r_r_bias[None, :, None, :], r.transpose(-1, -2)[None])  # [B, H, Tq, R]
+    score_mod = flex_score_mod(bd, Tk - Tq, pos_start, scale)
+    return flex_attention(q + r_w_bias[None, :, None, :], k, v, score_mod=score_mod,
+                          block_mask=block_mask, scale=scale)
+
+
+def _flex_error() -> Optional[str]:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except Exception as e:   # ImportError, or an older torch failing inside the module
+        return f"FlexAttention unavailable: {type(e).__name__}: {e}"
+    return None
+
+
+def _flex_op(case: Case, device: torch.device) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, _, Tq, mem, _ = case.shape
+    block_mask = create_block_mask(flex_mask_mod(mem), None, None, Tq, Tq + mem, device=device)
+    torch._dynamo.reset()                   # a fresh compile per case: no recompile limit hit
+    return functools.partial(torch.compile(flex_rel_attention, dynamic=False),
+                             block_mask=block_mask)
+
+
+# --------------------------------------------------------------------------- benchmark
+
+def _skip_reason(backend: str, device: torch.device) -> Optional[str]:
+    """None if `backend` should be timed on `device`, else why not."""
+    if backend == BASELINE:
+        return None
+    if backend == "triton" and device.type != "cuda":
+        return "triton on CPU tensors runs in the interpreter: only timed on CUDA"
+    if backend == "flex":
+        if device.type != "cuda":
+            return "FlexAttention is a GPU baseline (no CPU backward): only timed on CUDA"
+        return _flex_error()
+    return ctxfast.why_unavailable(backend, device)
+
+
+def _op(backend: str, case: Case, device: torch.device) -> Callable:
+    if backend == BASELINE:
+        return ref.rel_attention_original
+    if backend == "flex":
+        return _flex_op(case, device)
+    return functools.partial(ctxfast.rel_attention, backend=backend)
+
+
+def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    den = y.norm().item()
+    return (x - y).norm().item() / (den if den > 0 else 1.0)
+
+
+def _check(op: Callable, backend: str, mode: str, case: Case, inputs, g) -> None:
+    """`op` computes the fp32 reference's output (and gradients) on the first batch row."""
+    rtol = RTOL[inputs[0].dtype]
+    first = [t.detach()[:1] if t.dim() == 4 else t.detach() for t in inputs]
+    want_in = [t.float().requires_grad_(mode != "fwd") for t in first]
+
+    def compare(what, got, want):
+        err = _rel_err(got, want)                  # NaN fails too
+        assert err <= rtol, (f"{backend} {case.name} {mode}: relative error of {what} "
+                             f"{err:.3g} > {rtol:g} against the reference")
+
+    if mode == "fwd":
+        with torch.no_grad():
+            compare("out", op(*inputs)[:1], ref.rel_attention(*want_in))
+        return
+    g_first = torch.zeros_like(g)
+    g_first[:1] = g[:1]                            # gradients of the first batch row only
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    out = op(*leaves)
+    grads = torch.autograd.grad(out, leaves, g_first)
+    want = ref.rel_attention(*want_in)
+    want_grads = torch.autograd.grad(want, want_in, g_first[:1].float())
+    compare("out", out.detach()[:1], want.detach())
+    for name, got, wnt in zip(("dq", "dk", "dv", "dr", "d_r_w_bias", "d_r_r_bias"),
+                              grads, want_grads):
+        compare(name, got[:1] if got.dim() == 4 else got, wnt)
+
+
 @pytest.mark.parametrize("case, mode, backend", _params())
 def test_rel_attention(benchmark, bench_device, case: Case, mode: str, backend: str):
-    if backend == "triton" and bench_device.type != "cuda":
-        pytest.skip("triton on CPU tensors runs in the interpreter: only timed on CUDA")
-    if backend != BASELINE:
-        reason = ctxfast.why_unavailable(backend, bench_device)
-        if reason is not None:
-            pytest.skip(reason)
+    reason = _skip_reason(backend, bench_device)
+    if reason is not None:
+        pytest.skip(reason)
     B, H, Tq, mem, D = case.shape
     Tk = Tq + mem
     dtype = torch.bfloat16 if bench_device.type == "cuda" else torch.float32
-    op = (ref.rel_attention_original if backend == BASELINE
-          else functools.partial(ctxfast.rel_attention, backend=backend))
+    _common.describe(benchmark, op=OP, case=case.name, mode=mode, backend=backend,
+                     dtype=dtype, device=bench_device, shape=list(case.shape), mem_len=mem,
+                     flops=flops(case, mode), T=Tk, series=f"Tq{Tq}")
 
     def make():
         shapes = ((B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D), (H, Tk, D), (H, D), (H, D))
@@ -78,29 +219,19 @@ def test_rel_attention(benchmark, bench_device, case: Case, mode: str, backend: 
         return tuple(t.requires_grad_(True) for t in ts) + (
             torch.randn(B, H, Tq, D, device=bench_device, dtype=dtype),)
 
-    sets = _common.input_sets(make, bench_device)
-    with torch.no_grad():                    # check against the reference on a slice
-        s0 = [t.detach()[:1] if t.dim() == 4 else t.detach() for t in sets[0][:6]]
-        got = op(*s0).float()
-        want = ref.rel_attention(*(t.float() for t in s0))
-        err = ((got - want).norm() / want.norm()).item()
-        assert err < (2e-2 if dtype == torch.bfloat16 else 1e-4), err
+    with _common.oom_guard(benchmark, bench_device):
+        sets = _common.input_sets(make, bench_device)
+        op = _op(backend, case, bench_device)
+        _check(op, backend, mode, case, sets[0][:6], sets[0][6] if mode != "fwd" else None)
 
-    if mode == "fwd":
-        def fn(*ts):
-            with torch.no_grad():
-                return op(*ts)
-    else:
-        def fn(*ts):
-            return torch.autograd.grad(op(*ts[:6]), ts[:6], ts[6])
+        if mode == "fwd":
+            def fn(*ts):
+                with torch.no_grad():
+                    return op(*ts)
+        else:
+            def fn(*ts):
+                return torch.autograd.grad(op(*ts[:6]), ts[:6], ts[6])
 
-    v = _common.versions()
-    benchmark.group = f"{OP} {case.name} {mode}"
-    benchmark.extra_info.update(
-        op=OP, case=case.name, mode=mode, backend=backend, dtype=str(dtype).replace("torch.", ""),
-        device=str(bench_device), device_name=_common.device_name(bench_device),
-        torch=v["torch"], triton=v["triton"], shape=list(case.shape), flops=flops(case, mode))
-    quick = _common.quick()
-    _common.measure(benchmark, fn, sets, bench_device, budget_s=0.4 if quick else 2.0,
-                    min_rounds=5 if quick else 10)
-    _common.record_peak_memory(benchmark, fn, sets[0], bench_device)
+        quick = _common.quick()
+        _common.measure(benchmark, fn, sets, bench_device, budget_s=0.4 if quick else 2.0,
+                        min_rounds=5 if quick else 10)

@@ -11,8 +11,12 @@ and bf16 on CUDA. Each backend's result is checked against the reference before 
 timed. The Triton backend is only timed on CUDA tensors: on the CPU it runs in the
 interpreter, far too slowly to mean anything.
 
-``CTXFAST_BENCH_QUICK=1``: small cases (seconds on a CPU). Otherwise: Transformer-XL
-shapes (the big ones only on CUDA).
+``CTXFAST_BENCH_QUICK=1``: small cases (seconds on a CPU). Otherwise: a T sweep
+(``x [8, 8, T, 2T]``: Transformer-XL's ``mem_len = tgt_len``) and the Transformer-XL
+shapes (WT103 base and enwik8 base score tensors; the big ones only on CUDA).
+
+``extra_info["min_bytes"]``: the least traffic of one call — read x, write out (twice
+that for ``fwd+bwd``); the report turns it into GB/s. The shift does no arithmetic.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ BACKENDS = (*ctxfast.BACKENDS, BASELINE)   # triton, cuda, cpu, eager, eager-pad
 class Case(NamedTuple):
     shape: Tuple[int, int, int, int]   # B, H, Tq, Tk
     devices: Tuple[str, ...] = ("cpu", "cuda")
+    series: str = "sweep"              # the line of the speedup plot this case belongs to
 
     @property
     def name(self) -> str:   # "B2 H4 Tq64 Tk128"
@@ -46,9 +51,10 @@ QUICK_CASES = (
     Case((4, 8, 128, 256)),
 )
 FULL_CASES = (
-    Case((8, 8, 256, 512)),                    # Transformer-XL-sized, fits a CPU run
-    Case((60, 10, 150, 300), ("cuda",)),       # wt103 base: batch 60, 10 heads, tgt=mem=150
-    Case((22, 8, 512, 1024), ("cuda",)),       # enwik8 base: batch 22, 8 heads, tgt=mem=512
+    # T sweep with mem = tgt (Tk = 2T); 8 x 8 x 512 x 1024 fp32 is 128 MiB: fits a CPU run
+    *(Case((8, 8, T, 2 * T)) for T in (64, 128, 256, 512)),
+    Case((60, 10, 150, 300), ("cuda",), "TXL-WT103-base"),     # batch 60, 10 heads, tgt=mem=150
+    Case((22, 8, 512, 1024), ("cuda",), "TXL-enwik8-base"),    # batch 22, 8 heads, tgt=mem=512
 )
 
 
@@ -103,6 +109,15 @@ def test_rel_shift(benchmark, bench_device, case: Case, mode: str, backend: str)
     dtype = torch.bfloat16 if bench_device.type == "cuda" else torch.float32
     op = _op(backend)
     quick = _common.quick()
+    B, H, Tq, Tk = case.shape
+    nbytes = B * H * Tq * Tk * torch.tensor([], dtype=dtype).element_size()
+    _common.describe(
+        benchmark, op=OP, case=case.name, mode=mode, backend=backend, dtype=dtype,
+        device=bench_device, baseline=BASELINE, shape=list(case.shape), T=Tq,
+        series=case.series,
+        # least traffic the op needs: read x, write out (and the same again for backward)
+        min_bytes=nbytes * (2 if mode == "fwd" else 4),
+    )
     torch.manual_seed(0)
 
     def make():
@@ -111,31 +126,18 @@ def test_rel_shift(benchmark, bench_device, case: Case, mode: str, backend: str)
             return (x,)
         return (x.requires_grad_(True), torch.randn_like(x))
 
-    sets = _common.input_sets(make, bench_device)
-    x0 = sets[0][0].detach()
-    _check(op, backend, mode, x0, sets[0][1] if mode != "fwd" else torch.randn_like(x0))
+    with _common.oom_guard(benchmark, bench_device):
+        sets = _common.input_sets(make, bench_device)
+        x0 = sets[0][0].detach()
+        _check(op, backend, mode, x0, sets[0][1] if mode != "fwd" else torch.randn_like(x0))
 
-    if mode == "fwd":
-        def fn(x):
-            with torch.no_grad():
-                return op(x)
-    else:
-        def fn(x, g):
-            return torch.autograd.grad(op(x), x, g)
+        if mode == "fwd":
+            def fn(x):
+                with torch.no_grad():
+                    return op(x)
+        else:
+            def fn(x, g):
+                return torch.autograd.grad(op(x), x, g)
 
-    nbytes = x0.numel() * x0.element_size()
-    v = _common.versions()
-    benchmark.group = f"{OP} {case.name} {mode}"
-    benchmark.extra_info.update(
-        op=OP, case=case.name, mode=mode, backend=backend,
-        dtype=str(dtype).replace("torch.", ""), device=str(bench_device),
-        device_name=_common.device_name(bench_device), torch=v["torch"],
-        triton=v["triton"], shape=list(case.shape),
-        # least traffic the op needs: read x, write out (and the same again for backward)
-        min_bytes=nbytes * (2 if mode == "fwd" else 4),
-    )
-
-    _common.measure(benchmark, fn, sets, bench_device,
-                    budget_s=0.4 if quick else 2.0, min_rounds=5 if quick else 10)
-
-    _common.record_peak_memory(benchmark, fn, sets[0], bench_device)
+        _common.measure(benchmark, fn, sets, bench_device,
+                        budget_s=0.4 if quick else 2.0, min_rounds=5 if quick else 10)

@@ -10,12 +10,20 @@ Name the files: pytest's default patterns (``test_*.py``) do not match ``bench_*
 root never runs benchmarks).
 
 Environment: ``CTXFAST_BENCH_QUICK=1`` selects the small case set;
-``CTXFAST_BENCH_DEVICE`` forces the device (default: CUDA when available, else CPU).
+``CTXFAST_BENCH_DEVICE`` forces the device (default: CUDA when available, else CPU);
+``CTXFAST_BENCH_THREADS`` sets torch's CPU threads (``ctxfast bench --threads``);
+``CTXFAST_BENCH_BUDGET_SCALE`` scales every timing budget (e.g. 0.1 in the pipeline's own
+tests). What a suite must provide: the top of ``_common.py``.
 """
+import os
+
 import pytest
 import torch
 
 import _common
+
+if os.environ.get(_common.THREADS_ENV, "").strip():
+    torch.set_num_threads(int(os.environ[_common.THREADS_ENV]))
 
 
 @pytest.fixture(scope="session")

@@ -1,24 +1,38 @@
-"""Run the benchmarks and write the report: ``benchmarks/results/<device>/<date>.{json,md}``.
+"""Run the benchmarks and write the report:
+``benchmarks/results/<device>/<date>.json``, ``<date>.md`` and ``<date>-<op>.png``.
 
 Usage (``ctxfast bench`` calls :func:`main`)::
 
-    python benchmarks/report.py --quick                # small cases, seconds on a CPU
+    python benchmarks/report.py --quick                # small cases, minutes on a CPU
     python benchmarks/report.py --ops rel_shift --out /tmp/bench
+    python benchmarks/report.py --list                 # the op families found
 
-Each ``benchmarks/bench_<op>.py`` is a pytest-benchmark suite whose benchmarks carry
-``extra_info`` = {op, case, mode, backend, dtype, device, ...}; every backend of an op is
-timed next to the op's eager baseline (:data:`BASELINES`) on the same inputs in the same
-run. This module runs them in a subprocess, pairs each backend with the baseline of the
-same (op, case, mode) and writes one record per pair::
+The op families are the ``benchmarks/bench_<op>.py`` files present (:func:`available_ops`);
+the suite interface they follow is at the top of ``_common.py``. Each suite is a
+pytest-benchmark suite whose benchmarks carry ``extra_info`` = {op, case, mode, backend,
+dtype, device, ...}; every backend of an op is timed next to the op's baseline
+(:data:`BASELINES`, else the suite's ``extra_info["baseline"]``) on the same inputs in
+the same run. This module runs each suite in its own pytest subprocess (a suite that fails
+to import or run costs its own records only), pairs each backend with the baseline of the
+same (op, case, mode, dtype, device) and writes one record per pair, keys
+:data:`RECORD_KEYS`:
 
-    op, case, mode, backend, baseline, ms, baseline_ms, speedup, dtype, device,
-    torch, triton, date
-
-``ms`` is the median in milliseconds; ``speedup = baseline_ms / ms`` (> 1: faster than the
-baseline).
+* ``ms``: median milliseconds per call (``_common.measure``: CUDA events on a GPU);
+  ``ms_min``, ``ms_max`` over all timed rounds; ``spread``/``baseline_spread``: relative
+  difference of two timing passes of the same code (noise); ``speedup = baseline_ms / ms``
+  (> 1: faster than the baseline).
+* ``tflops`` = suite's ``flops`` / time; ``gbps`` = suite's ``min_bytes`` / time (the
+  least traffic the op needs: for memory-bound ops such as rel_shift). None where the
+  suite gives no count.
+* ``peak_mem_bytes``, ``baseline_peak_mem_bytes``: peak CUDA memory of one call beyond
+  its inputs; None on the CPU (not measured there).
+* ``note``: "OOM: ..." where the backend ran out of memory (``ms`` None), "baseline
+  OOM: ..." where the baseline did (``baseline_ms`` None), "no baseline" where the
+  baseline was not timed.
+* ``T``, ``series``: the x value and line of the speedup plot (``plot.py``).
 
 This file is loaded by path (``benchmarks/`` is not an installed package), so it uses no
-relative import; ``_common.py`` next to it is loaded by path too.
+relative import; ``_common.py`` and ``plot.py`` next to it are loaded by path too.
 """
 from __future__ import annotations
 
@@ -38,29 +52,43 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
-#: The baseline backend of each op: what every other backend's speedup is measured against.
-BASELINES: Dict[str, str] = {"rel_shift": "eager-pad-view", "attention": "eager",
-                              "rel_attention": "eager-original"}
+#: The baseline backend of each op: what every other backend's speedup is measured
+#: against. One line per op; a suite may instead name it in ``extra_info["baseline"]``.
+BASELINES: Dict[str, str] = {
+    "rel_shift": "eager-pad-view",
+    "attention": "eager",
+    "rel_attention": "eager-original",
+    "lstm": "nn.LSTM+WeightDropout",
+}
 
 #: Keys of one record, in order.
-RECORD_KEYS: Tuple[str, ...] = ("op", "case", "mode", "backend", "baseline", "ms",
-                                "baseline_ms", "speedup", "dtype", "device", "torch",
-                                "triton", "date")
+RECORD_KEYS: Tuple[str, ...] = (
+    "op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
+    "tflops", "gbps", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
+    "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
+    "triton", "date")
+
+#: A spread (relative difference of two timings of the same code) above this marks a row
+#: as noise in the markdown.
+NOISY_SPREAD = 0.2
+
+#: Keys of the report's JSON besides "records".
+HEADER_KEYS: Tuple[str, ...] = ("device", "date", "torch", "triton", "notes")
 
 
-def _load_common():
-    """``benchmarks/_common.py``, loaded by path (works however this file was loaded)."""
-    name = "ctxfast_bench_common"
+def _load(name: str, filename: str):
+    """A module next to this file, loaded by path (works however this file was loaded)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "_common.py")
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / filename)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-_common = _load_common()
+_common = _load("ctxfast_bench_common", "_common.py")
+_plot = _load("ctxfast_bench_plot", "plot.py")
 device_name = _common.device_name
 
 
@@ -77,9 +105,16 @@ def default_out_dir(device: Optional[str] = None) -> Path:
     return BENCH_DIR / "results" / slug(device_name(_common.bench_device(device)))
 
 
-def bench_files(ops: Optional[Iterable[str]] = None) -> List[Path]:
-    """The ``benchmarks/bench_<op>.py`` files: all of them, or those of `ops`."""
-    available = {p.stem[len("bench_"):]: p for p in sorted(BENCH_DIR.glob("bench_*.py"))}
+def available_ops(bench_dir: Path = BENCH_DIR) -> Dict[str, Path]:
+    """{op: path} of every ``bench_<op>.py`` in `bench_dir`, sorted by op: the op
+    families are whatever suites are present."""
+    return {p.stem[len("bench_"):]: p for p in sorted(Path(bench_dir).glob("bench_*.py"))}
+
+
+def bench_files(ops: Optional[Iterable[str]] = None, bench_dir: Path = BENCH_DIR) -> List[Path]:
+    """The ``bench_<op>.py`` files: all of them, or those of `ops` (ValueError naming the
+    unknown ones and the available ones)."""
+    available = available_ops(bench_dir)
     if ops is None:
         return list(available.values())
     ops = list(ops)
@@ -103,15 +138,40 @@ def _date_of(data: dict) -> str:
     return _dt.date.today().isoformat()
 
 
+def _timing(bench: dict) -> dict:
+    """ms, ms_min, ms_max, spread, peak_mem_bytes, oom of one pytest-benchmark entry:
+    from ``extra_info`` (``_common.measure``), else from pytest-benchmark's stats."""
+    info = bench.get("extra_info") or {}
+    if info.get("oom"):
+        return {"ms": None, "ms_min": None, "ms_max": None, "spread": None,
+                "peak_mem_bytes": None, "oom": info["oom"]}
+    if info.get("ms") is not None:
+        return {"ms": info["ms"], "ms_min": info.get("ms_min"), "ms_max": info.get("ms_max"),
+                "spread": info.get("spread"), "peak_mem_bytes": info.get("peak_mem_bytes"),
+                "oom": None}
+    stats = bench.get("stats") or {}
+    median = stats.get("median")
+    return {"ms": median * 1e3 if median is not None else None,
+            "ms_min": stats["min"] * 1e3 if stats.get("min") is not None else None,
+            "ms_max": stats["max"] * 1e3 if stats.get("max") is not None else None,
+            "spread": None, "peak_mem_bytes": info.get("peak_mem_bytes"), "oom": None}
+
+
+def _rate(amount, ms: Optional[float], unit: float) -> Optional[float]:
+    if amount is None or ms is None or ms <= 0:
+        return None
+    return float(amount) / (ms * 1e-3) / unit
+
+
 def records_from_pytest_benchmark(data: dict) -> List[dict]:
     """One record per (op, case, mode, backend) that is not the op's baseline.
 
     `data` is pytest-benchmark's JSON (``--benchmark-json``). Benchmarks without
     ``extra_info["op"]`` are ignored. A backend is paired with the baseline benchmark of
-    the same op, case, mode, dtype and device; where that baseline is missing,
-    ``baseline_ms`` and ``speedup`` are None. ``device``, ``torch`` and ``triton`` come from
-    the benchmark's ``extra_info`` (``device_name``, ``torch``, ``triton``) when present,
-    else from this process.
+    the same op, case, mode, dtype and device; where that baseline is missing or ran out
+    of memory, ``baseline_ms`` and ``speedup`` are None and ``note`` says why.
+    ``device``, ``torch`` and ``triton`` come from the benchmark's ``extra_info``
+    (``device_name``, ``torch``, ``triton``) when present, else from this process.
     """
     date = _date_of(data)
     local = _common.versions()
@@ -126,41 +186,69 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
 
     records = []
     for (op, case, mode, dtype, device, backend), bench in by_key.items():
-        baseline = BASELINES.get(op)
+        info = bench["extra_info"]
+        baseline = BASELINES.get(op, info.get("baseline"))
         if backend == baseline:
             continue
-        info = bench["extra_info"]
-        ms = bench["stats"]["median"] * 1e3
-        base = by_key.get((op, case, mode, dtype, device, baseline))
-        baseline_ms = base["stats"]["median"] * 1e3 if base is not None else None
+        mine = _timing(bench)
+        base_bench = by_key.get((op, case, mode, dtype, device, baseline))
+        base = _timing(base_bench) if base_bench is not None else None
+        baseline_ms = base["ms"] if base is not None else None
+        notes = []
+        if mine["oom"]:
+            notes.append(f"OOM: {mine['oom']}")
+        if base is None:
+            notes.append("no baseline" if baseline else "no baseline defined for this op")
+        elif base["oom"]:
+            notes.append(f"baseline OOM: {base['oom']}")
+        ms = mine["ms"]
         name = info.get("device_name")
         if not name:
             name = device_name(device) if device else "unknown"
-        records.append({
+        t = info.get("T")
+        record = {
             "op": op, "case": case, "mode": mode, "backend": backend,
             "baseline": baseline,
             "ms": ms,
             "baseline_ms": baseline_ms,
-            "speedup": baseline_ms / ms if baseline_ms is not None and ms > 0 else None,
+            "speedup": (baseline_ms / ms if baseline_ms is not None and ms is not None
+                        and ms > 0 else None),
+            "tflops": _rate(info.get("flops"), ms, 1e12),
+            "gbps": _rate(info.get("min_bytes"), ms, 1e9),
+            "peak_mem_bytes": mine["peak_mem_bytes"],
+            "baseline_peak_mem_bytes": base["peak_mem_bytes"] if base is not None else None,
+            "ms_min": mine["ms_min"], "ms_max": mine["ms_max"],
+            "spread": mine["spread"],
+            "baseline_spread": base["spread"] if base is not None else None,
+            "T": t,
+            "series": info.get("series"),
+            "note": "; ".join(notes) or None,
             "dtype": dtype,
             "device": name,
             "torch": info.get("torch", local["torch"]),
             "triton": info.get("triton", local["triton"]),
             "date": date,
-        })
+        }
+        if record["T"] is None:
+            record["T"] = _plot.seq_len(record)
+        records.append(record)
     return records
 
 
 # --------------------------------------------------------------------------- writing
 
-def _header(records: Sequence[dict]) -> dict:
-    """device, date, torch, triton of a run (from its first record; this process if none)."""
+def _header(records: Sequence[dict], notes: Sequence[str] = ()) -> dict:
+    """device, date, torch, triton, notes of a run (from its first record; this process
+    if none)."""
     if records:
         first = records[0]
-        return {k: first[k] for k in ("device", "date", "torch", "triton")}
-    v = _common.versions()
-    return {"device": device_name(_common.bench_device()),
-            "date": _dt.date.today().isoformat(), "torch": v["torch"], "triton": v["triton"]}
+        head = {k: first[k] for k in ("device", "date", "torch", "triton")}
+    else:
+        v = _common.versions()
+        head = {"device": device_name(_common.bench_device()),
+                "date": _dt.date.today().isoformat(), "torch": v["torch"],
+                "triton": v["triton"]}
+    return {**head, "notes": list(notes)}
 
 
 def _fmt_ms(x: Optional[float]) -> str:
@@ -169,80 +257,168 @@ def _fmt_ms(x: Optional[float]) -> str:
     return f"{x:.4f}" if x < 0.1 else f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
-def markdown(records: Sequence[dict]) -> str:
-    """The report as markdown: a header line (device, date, versions) and one table."""
+def _fmt_rate(r: dict) -> str:
+    if r.get("tflops") is not None:
+        if r["tflops"] < 1:                      # CPU-sized rates read better in GFLOP/s
+            return f"{r['tflops'] * 1e3:.3g} GFLOP/s"
+        return f"{r['tflops']:.3g} TFLOP/s"
+    if r.get("gbps") is not None:
+        return f"{r['gbps']:.3g} GB/s"
+    return "—"
+
+
+def _fmt_mem(r: dict) -> str:
+    a, b = r.get("peak_mem_bytes"), r.get("baseline_peak_mem_bytes")
+    if a is None and b is None:
+        return "—"
+    mib = lambda x: "—" if x is None else f"{x / 2**20:.0f}"   # noqa: E731
+    return f"{mib(a)} / {mib(b)}"
+
+
+def _fmt_spread(r: dict) -> str:
+    s = [x for x in (r.get("spread"), r.get("baseline_spread")) if x is not None]
+    return f"±{max(s):.0%}" if s else "—"
+
+
+def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
+    """The report as markdown: a header (device, date, versions, how to read it, `notes`)
+    and one table of the records."""
     h = _header(records)
+    on_cpu = not any(r.get("peak_mem_bytes") is not None
+                     or r.get("baseline_peak_mem_bytes") is not None for r in records)
     lines = [
-        f"**{h['device']}** · {h['date']} · torch {h['torch']} · triton {h['triton']}"
-        " · ms = median",
+        f"**{h['device']}** · {h['date']} · torch {h['torch']} · triton {h['triton']}",
         "",
-        "| op | case | mode | backend | ms | baseline | baseline ms | speedup |",
-        "|---|---|---|---|---:|---|---:|---:|",
+        "ms = median per call (CUDA events on a GPU, wall clock on the CPU); min ms = the "
+        "fastest round (less hurt by other work on a shared machine); speedup = "
+        "baseline ms / ms, same inputs, same run. Noise: each benchmark is timed twice "
+        "(two passes of the same code); *spread* is the larger relative difference "
+        "between the two passes of the backend and of its baseline — a speedup within "
+        "1 ± spread of 1.0 is noise. Rate: achieved TFLOP/s (FlashAttention count; "
+        "Transformer-XL's position term included) or GB/s (least bytes the op must "
+        "move). Peak memory: MiB beyond the inputs, ours / baseline"
+        + (" — CUDA only, not measured on the CPU (—)." if on_cpu else "."),
+    ]
+    noisy = sum(1 for r in records
+                if max([x for x in (r.get("spread"), r.get("baseline_spread"))
+                        if x is not None] or [0.0]) > NOISY_SPREAD)
+    notes = list(notes) + ([f"{noisy} of {len(records)} rows have a spread above "
+                            f"{NOISY_SPREAD:.0%}: their speedups are noise, not results "
+                            "(re-run on a quiet machine)"] if noisy else [])
+    for note in notes:
+        lines += ["", f"Note: {note}"]
+    lines += [
+        "",
+        "| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
+        "| rate | peak MiB | spread | note |",
+        "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
         speedup = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {r['op']} | {r['case']} | {r['mode']} | {r['backend']} | "
-                     f"{_fmt_ms(r['ms'])} | {r['baseline']} | {_fmt_ms(r['baseline_ms'])} | "
-                     f"{speedup} |")
+                     f"{_fmt_ms(r['ms'])} | {_fmt_ms(r.get('ms_min'))} | {r['baseline']} | "
+                     f"{_fmt_ms(r['baseline_ms'])} | "
+                     f"{speedup} | {_fmt_rate(r)} | {_fmt_mem(r)} | {_fmt_spread(r)} | "
+                     f"{r.get('note') or ''} |")
     return "\n".join(lines) + "\n"
 
 
-def write(records: Sequence[dict], out_dir) -> Tuple[Path, Path]:
-    """Write ``<out_dir>/<date>.json`` and ``<out_dir>/<date>.md``; returns their paths.
+def write(records: Sequence[dict], out_dir, notes: Sequence[str] = (),
+          plots: bool = True) -> Tuple[Path, Path]:
+    """Write ``<out_dir>/<stem>.json``, ``<stem>.md`` and (with matplotlib, `plots`)
+    ``<stem>-<op>.png``; returns the JSON and markdown paths. ``<stem>`` is the date; an
+    existing report of the same date is never overwritten: ``-2``, ``-3``, ... .
 
-    The JSON is ``{"device", "date", "torch", "triton", "records": [...]}``. An existing
-    report of the same date is never overwritten: the name gets ``-2``, ``-3``, ... .
-    """
+    The JSON is ``{"device", "date", "torch", "triton", "notes", "records": [...]}``;
+    the notes say what was plotted or why not (e.g. matplotlib missing)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    header = _header(records)
+    header = _header(records, notes)
     stem, n = header["date"], 1
     while (out_dir / f"{stem}.json").exists() or (out_dir / f"{stem}.md").exists():
         n += 1
         stem = f"{header['date']}-{n}"
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    notes = list(notes)
+    if plots:
+        pngs, plot_note = _plot.write_plots(records, out_dir, stem)
+        notes.append(plot_note)
+    header["notes"] = notes
     with open(json_path, "w") as f:
         json.dump({**header, "records": list(records)}, f, indent=2)
         f.write("\n")
-    md_path.write_text(markdown(records))
+    md_path.write_text(markdown(records, notes))
     return json_path, md_path
 
 
 # --------------------------------------------------------------------------- running
 
 def run(out_dir, quick: bool = True, ops: Optional[Iterable[str]] = None,
-        device: Optional[str] = None) -> dict:
-    """Run the benchmarks in a subprocess and write the report into `out_dir`.
+        device: Optional[str] = None, plots: bool = True, echo: bool = True,
+        bench_dir: Path = BENCH_DIR, threads: Optional[int] = None) -> dict:
+    """Run the suites and write the report into `out_dir`.
 
-    Runs ``python -m pytest benchmarks/bench_<op>.py ... --benchmark-json=<tmp>`` from the
-    repository root (its output goes to this process's stdout/stderr), with
+    Each ``bench_<op>.py`` of `ops` in `bench_dir` (default: all present) runs in its own
+    ``python -m pytest ... --benchmark-json=<tmp>`` from the repository root, with
     ``CTXFAST_BENCH_QUICK=1`` when `quick` and ``CTXFAST_BENCH_DEVICE=<device>`` when
-    `device` is given. `ops` picks the ``bench_<op>.py`` files (default: all).
+    `device` is given, ``OMP_NUM_THREADS`` and ``CTXFAST_BENCH_THREADS`` = `threads` when
+    given (the CPU thread count; it is part of the device name, so of the results folder);
+    its output goes to this process's stdout/stderr when `echo`.
+    A suite that fails keeps the records it wrote, and the report's notes name it.
 
-    Returns the written report (``{"device", "date", "torch", "triton", "records"}``) with
-    ``json_path`` and ``md_path`` added. Raises RuntimeError if pytest fails.
+    Returns the written report (``{"device", "date", "torch", "triton", "notes",
+    "records"}``) with ``json_path``, ``md_path``, ``failed`` (the suites that failed)
+    and ``wall_s`` added. Raises RuntimeError when no suite wrote anything.
     """
-    files = bench_files(ops)
+    files = bench_files(ops, bench_dir)
     if not files:
-        raise RuntimeError(f"no bench_*.py file in {BENCH_DIR}")
+        raise RuntimeError(f"no bench_*.py file in {bench_dir}")
     env = dict(os.environ)
     env[_common.QUICK_ENV] = "1" if quick else "0"
     if device is not None:
         env[_common.DEVICE_ENV] = device
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env[_common.THREADS_ENV] = str(int(threads))
+    t0 = time.perf_counter()
+    data: dict = {"benchmarks": []}
+    failed: List[str] = []
+    notes: List[str] = []
+    busy = cpu_busy_fraction()
+    if busy is not None and busy > 0.2 and _common.bench_device(device).type == "cpu":
+        # Measured on the 2-core machines: with another job running, multi-threaded CPU
+        # medians snap to multiples of ~4 ms (a 256 KiB copy: 0.036 ms on 1 thread, 12 ms
+        # on 2 threads with one core taken) and the ratios mean nothing.
+        notes.append(f"the CPUs were {busy:.0%} busy with other work when the run "
+                     "started: CPU timings are noisy"
+                     + ("" if threads == 1 else " (with other work running, `--threads 1` "
+                        "avoids the worst of it: threads waiting for a descheduled peer)"))
     with tempfile.TemporaryDirectory(prefix="ctxfast-bench-") as tmp:
-        json_tmp = Path(tmp) / "pytest-benchmark.json"
-        cmd = [sys.executable, "-m", "pytest", *[str(p.relative_to(REPO_ROOT)) for p in files],
-               f"--benchmark-json={json_tmp}", "--benchmark-columns=median,iqr,rounds,iterations",
-               "-q", "-p", "no:cacheprovider"]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"benchmarks failed: `{' '.join(cmd)}` exited with "
-                               f"{proc.returncode} (its output is above)")
-        data = json.loads(json_tmp.read_text())
+        for path in files:
+            json_tmp = Path(tmp) / f"{path.stem}.json"
+            shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+            cmd = [sys.executable, "-m", "pytest", str(shown),
+                   f"--benchmark-json={json_tmp}",
+                   "--benchmark-columns=median,iqr,rounds,iterations",
+                   "-q", "-p", "no:cacheprovider"]
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env,
+                                  stdout=None if echo else subprocess.DEVNULL,
+                                  stderr=None if echo else subprocess.DEVNULL)
+            if proc.returncode != 0:
+                failed.append(path.name)
+                notes.append(f"{path.name} failed (`{' '.join(cmd[2:4])}` exited with "
+                             f"{proc.returncode}); its records are those written before")
+            if json_tmp.exists():
+                part = json.loads(json_tmp.read_text())
+                data["benchmarks"] += part.get("benchmarks", [])
+                data.setdefault("datetime", part.get("datetime"))
+    if not data["benchmarks"] and failed:
+        raise RuntimeError(f"every benchmark suite failed: {', '.join(failed)} "
+                           "(their output is above)")
     records = records_from_pytest_benchmark(data)
-    json_path, md_path = write(records, out_dir)
-    return {**_header(records), "records": records,
-            "json_path": str(json_path), "md_path": str(md_path)}
+    json_path, md_path = write(records, out_dir, notes, plots=plots)
+    report = json.loads(json_path.read_text())
+    return {**report, "json_path": str(json_path), "md_path": str(md_path),
+            "failed": failed, "wall_s": time.perf_counter() - t0}
 
 
 def cpu_busy_fraction(interval_s: float = 0.5) -> Optional[float]:
@@ -264,34 +440,51 @@ def cpu_busy_fraction(interval_s: float = 0.5) -> Optional[float]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command line (also ``ctxfast bench``): run, write, print the markdown table."""
+    """Command line (also ``ctxfast bench``): run, write, print the markdown table.
+    Exit status 1 when a suite failed (the report of the others is still written)."""
     parser = argparse.ArgumentParser(
-        prog="ctxfast bench", description="Benchmark ctxfast ops against eager PyTorch.")
+        prog="ctxfast bench", description="Benchmark ctxfast ops against eager PyTorch "
+        "(and on a GPU against SDPA, FlexAttention, cuDNN).")
     parser.add_argument("--quick", action="store_true",
-                        help="small cases only (seconds on a CPU)")
+                        help="small cases only (minutes on a CPU)")
     parser.add_argument("--ops", nargs="+", metavar="OP",
-                        help="ops to benchmark (bench_<op>.py; comma-separated or several); "
-                             "default: all")
+                        help="op families to benchmark (bench_<op>.py; comma-separated or "
+                             f"several; default: all of {', '.join(available_ops())})")
     parser.add_argument("--device", help="device to run on (default: cuda if available, "
                                          "else cpu)")
     parser.add_argument("--out", type=Path,
                         help="output folder (default: benchmarks/results/<device>/)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads (OMP_NUM_THREADS); on a shared machine 1 keeps "
+                             "timings sane (default: torch's)")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG")
+    parser.add_argument("--list", action="store_true",
+                        help="list the op families (bench_<op>.py) and exit")
     args = parser.parse_args(argv)
+    if args.list:
+        for op, path in available_ops().items():
+            print(f"{op:<16} {path.relative_to(REPO_ROOT)}  baseline: "
+                  f"{BASELINES.get(op, '(from the suite)')}")
+        return 0
     ops = [o for arg in args.ops for o in arg.split(",") if o] if args.ops else None
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)          # names the results folder
     out = args.out if args.out is not None else default_out_dir(args.device)
-    busy = cpu_busy_fraction()
-    if busy is not None and busy > 0.2:
-        # Measured on the 2-core machines: with another job running, CPU medians snap to
-        # multiples of ~8 ms and the ratios mean nothing.
-        print(f"ctxfast bench: warning: the CPUs are {busy:.0%} busy with other work; "
-              "CPU timings will be noisy", file=sys.stderr)
     try:
-        report = run(out, quick=args.quick, ops=ops, device=args.device)
+        report = run(out, quick=args.quick, ops=ops, device=args.device,
+                     plots=not args.no_plots, threads=args.threads)
     except (RuntimeError, ValueError) as e:
         print(f"ctxfast bench: {e}", file=sys.stderr)
         return 1
-    print(f"\nwrote {report['json_path']}\n      {report['md_path']}\n")
+    print(f"\nwrote {report['json_path']}\n      {report['md_path']}  "
+          f"({report['wall_s']:.0f} s)\n")
     print(Path(report["md_path"]).read_text(), end="")
+    if report["failed"]:
+        print(f"ctxfast bench: failed suites: {', '.join(report['failed'])}", file=sys.stderr)
+        return 1
     return 0
 
 

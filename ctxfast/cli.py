@@ -2,8 +2,12 @@
 
     ctxfast info                       versions; which backends are built and usable per op
     ctxfast smoke                      run every op on every usable backend against the reference
-    ctxfast bench [--quick] [--ops …] [--out DIR]
-                                       benchmarks against eager (needs the source checkout)
+    ctxfast bench [--quick] [--ops …] [--out DIR] [--device D] [--list]
+                                       benchmarks against eager (needs the source checkout):
+                                       JSON records, markdown table, PNG plots; `bench --help`
+    ctxfast xl-eval [--quick] [--attn-lens …] [--out DIR] [--json F] [--plot F]
+                                       Transformer-XL with memory vs a vanilla sliding window
+                                       (the paper's Table 9); `xl-eval --help`
 """
 from __future__ import annotations
 
@@ -147,12 +151,37 @@ def _smoke_rel_attention(backend: str, device: str) -> float:
                for a, b in zip((out, *grads), (ref, *ref_grads)))
 
 
+def _smoke_lstm(backend: str, device: str) -> float:
+    """One LSTM layer with a DropConnect mask, projection and both clips, fp32, forward and
+    backward of every input; largest relative error against the float64 reference."""
+    T, B, I, H, P = 5, 3, 7, 20, 12
+    ts = [torch.randn(*s, device=device, requires_grad=True)
+          for s in ((T, B, I), (B, P), (B, H), (4 * H, I), (4 * H, P), (4 * H,), (4 * H,),
+                    (P, H))]
+    mask = (torch.rand(4 * H, P, device=device) > 0.3).float()
+    kw = dict(weight_mask=mask, weight_dropout=0.3, cell_clip=0.5, proj_clip=0.3)
+
+    def run(x, h0, c0, *w, fn, **extra):
+        out, (h, c) = fn(x, (h0, c0), *w, **kw, **extra)
+        return out, h, c
+    outs = run(*ts, fn=ctxfast.lstm, backend=backend)
+    gs = [torch.randn_like(o) for o in outs]
+    grads = torch.autograd.grad(outs, ts, gs)
+    ref_in = [t.detach().double().requires_grad_(True) for t in ts]
+    kw["weight_mask"] = mask.double()
+    refs = run(*ref_in, fn=reference.lstm)
+    ref_grads = torch.autograd.grad(refs, ref_in, [g.double() for g in gs])
+    return max(((a.double() - b).norm() / b.norm()).item()
+               for a, b in zip((*outs, *grads), (*refs, *ref_grads)))
+
+
 SMOKE: Dict[str, Tuple[Callable[[str, str], float], float]] = {
     # op: (function(backend, device) -> error, allowed error)
     "rel_shift": (_smoke_rel_shift, 0.0),    # max abs error: the op only moves data
     "attention": (_smoke_attention, 1e-4),   # relative error, fp32 (tf32 on a GPU if enabled)
     "attention_varlen": (_smoke_attention_varlen, 1e-4),
     "rel_attention": (_smoke_rel_attention, 1e-4),
+    "lstm": (_smoke_lstm, 1e-4),
 }
 
 
@@ -220,9 +249,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks against eager PyTorch (see benchmarks/)",
                            add_help=False)
     bench.add_argument("--bench-dir", default=None, help="the checkout's benchmarks/ folder")
+    sub.add_parser("xl-eval", add_help=False,
+                   help="Transformer-XL evaluation with memory vs vanilla (see xl-eval --help)")
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "bench":
         return cmd_bench(args, rest)
+    if args.cmd == "xl-eval":
+        from .eval import xl_eval  # noqa: PLC0415 (imports the models only when asked for)
+        return xl_eval.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"info": cmd_info, "smoke": cmd_smoke}[args.cmd](args)

@@ -24,13 +24,23 @@ Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/a
 ``dr`` sums over batches and query blocks with fp32 atomics. The segment term gives per-row
 sums ``A_same, A_diff = Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms
 the gradients of q, seg_embed and r_s_bias.
+
+Decoding (a few queries, long memory): the ``B·H·⌈Tq/BLOCK_M⌉`` programs of the forward
+cannot fill a GPU, so the keys are split over a third grid axis (flash-decoding, as
+``kernels/attention.py``): split ``s`` runs the same loop over its own range of key blocks,
+BD still computed from the band of r rows of each tile, and writes a normalised partial
+output and its lse (``-inf`` where it saw no key); ``kernels.attention``'s combine kernel
+merges them into ``out`` and the final lse. The backward is the regular one, driven by the
+combined lse. :func:`decode_splits` picks the split count (CUDA only).
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from .attention import (LOG2E, _dot, _interpreting, _keep, _online_softmax_step, _precision,
-                        _visible)
+from .attention import (LOG2E, _attn_combine_kernel, _auto_splits, _dot, _interpreting, _keep,
+                        _mask_args, _online_softmax_step, _precision, _seed_arg, _visible)
 
 
 @triton.jit
@@ -40,19 +50,25 @@ def _rel_attn_fwd_kernel(
     U, W,           # r_w_bias, r_r_bias [H, D] contiguous
     SEG_Q, SEG_K,   # segment ids [B, Tq], [B, Tk] int32; unused unless HAS_SEG
     SEG_E, RSB,     # seg_embed [2, H, D], r_s_bias [H, D], contiguous; unused unless HAS_SEG
-    O,              # out [B, H, Tq, D] contiguous, written
-    LSE,            # [B, H, Tq] fp32 contiguous, written (base 2; +inf for empty rows)
+    O,              # out [B, H, Tq, D] (SPLIT_K: partials [B, H, S, Tq, D] fp32), written
+    LSE,            # [B, H, Tq] fp32 (SPLIT_K: [B, H, S, Tq]), written (base 2; +inf for
+                    # empty rows, -inf for a split that saw no key)
     KPM, RANK, KV_END, SEED,   # masks and dropout seed as in kernels/attention.py
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_rh, stride_rm, stride_rd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh,   # of lse: element (b, h, i) at b*stride_lb + h*stride_lh + i
+    stride_os, stride_ls,   # SPLIT_K: split s of out / lse at + s*stride_os / + s*stride_ls
+    keys_per_split,         # SPLIT_K: keys per split (a multiple of BLOCK_N)
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     stride_sq_b, stride_sk_b,
     H, Tq, Tk, mem_len, D, R_len, pos_start,
     qk_scale, p_drop,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # decoding: program_id(2) owns one range of keys; partial out
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BAND: tl.constexpr,     # power of two >= BLOCK_M + BLOCK_N - 1
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -89,6 +105,13 @@ def _rel_attn_fwd_kernel(
         hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
     if HAS_KPM:
         hi = tl.minimum(hi, tl.load(KV_END + b))
+    lo = 0
+    if SPLIT_K:
+        split = tl.program_id(2)
+        lo = split * keys_per_split
+        hi = tl.minimum(hi, lo + keys_per_split)
+        O += split * stride_os
+        LSE += split * stride_ls
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -96,6 +119,7 @@ def _rel_attn_fwd_kernel(
     ii = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, BLOCK_N)
     band = tl.arange(0, BAND)
+    band_ok = band < BLOCK_M + BLOCK_N - 1            # rows the skew reads (BAND is wider)
     skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
     c = pos_start - mem_len
 
@@ -105,7 +129,7 @@ def _rel_attn_fwd_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     r_base = R + h * stride_rh
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + jj
         kv_mask = (offs_n[:, None] < Tk) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
@@ -113,8 +137,9 @@ def _rel_attn_fwd_kernel(
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
         rows = c - m0 - BLOCK_M + 1 + start_n + band                      # [BAND] rows of r
+        r_ok = band_ok & (rows >= 0) & (rows < R_len)
         r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
-                    mask=(rows[:, None] >= 0) & (rows[:, None] < R_len) & d_ok, other=0.0)
+                    mask=r_ok[:, None] & d_ok, other=0.0)
         ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)                     # [BLOCK_M, BLOCK_N]
         qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
         bd = tl.gather(qr, skew, 1)                                       # the shift
@@ -133,10 +158,14 @@ def _rel_attn_fwd_kernel(
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))
-    tl.store(O + (bh * Tq + offs_m[:, None]) * D + offs_d[None, :], out.to(O.dtype.element_ty),
+    # Empty row: +inf makes the backward's probabilities 0; a split's partial uses -inf
+    # (weight 0 in the combine).
+    empty_lse = float("-inf") if SPLIT_K else float("inf")
+    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), empty_lse)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Tq) & d_ok)
-    tl.store(LSE + bh * Tq + offs_m, lse, mask=offs_m < Tq)
+    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m, lse, mask=offs_m < Tq)
 
 
 @triton.jit
@@ -365,22 +394,46 @@ def _rel_attn_bwd_dq_kernel(
         tl.store(SEG_A + (bh * Tq + offs_m) * 2 + 1, a_diff * sm_scale, mask=offs_m < Tq)
 
 
-def _config(D: int):
+def _config(D: int, Tq: Optional[int] = None):
     """(BLOCK_M, BLOCK_N, BLOCK_D, BAND, num_warps, num_stages). Square tiles keep the band
-    (BLOCK_M + BLOCK_N - 1 rows of r) a power of two wide. Not yet tuned on a GPU."""
+    (BLOCK_M + BLOCK_N - 1 rows of r) a power of two wide. With a few queries (``Tq <=
+    DECODE_MAX_Q``, forward only) a 16-row query block and 64-key blocks (32 for D > 128),
+    a band of 128 (64) rows of which the first 79 (47) are read: a 64-row query block would
+    be mostly padding. Not yet tuned on a GPU."""
     block_d = max(16, triton.next_power_of_2(D))
     if _interpreting():
         return 16, 16, block_d, 32, 1, 1
+    if Tq is not None and Tq <= DECODE_MAX_Q:
+        bn = 64 if block_d <= 128 else 32
+        return 16, bn, block_d, 2 * bn, 4 if block_d <= 64 else 8, 2
     bm = 64 if block_d <= 128 else 32
     return bm, bm, block_d, 2 * bm, 4 if block_d <= 64 else 8, 2
+
+
+#: Queries up to which the forward takes the decoding tile shape (see :func:`_config`).
+DECODE_MAX_Q = 16
+
+
+def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device) -> int:
+    """The number of key splits the forward picks when none is given: more than 1 only on
+    CUDA (never on CPU or in the interpreter), when the ``B·H·⌈Tq/BLOCK_M⌉`` programs cannot
+    fill the GPU and the keys are long (``kernels.attention._auto_splits``)."""
+    bm, bn = _config(D, Tq)[:2]
+    return _auto_splits(B, H, Tq, Tk, bm, bn, torch.device(device))
 
 
 def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_start=None,
                           key_padding_mask=None, perm_rank=None, perm_strict=False,
                           seg_q=None, seg_k=None, seg_embed=None, r_s_bias=None,
-                          scale=None, dropout_p=0.0, seed=None):
-    """-> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32, base 2). See the module docstring."""
-    from .attention import _mask_args, _seed_arg
+                          scale=None, dropout_p=0.0, seed=None, num_splits=None):
+    """-> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32, base 2). See the module docstring.
+
+    num_splits: key splits (flash-decoding: each split's partial output and lse, then
+    ``kernels.attention``'s combine kernel); None picks them with :func:`decode_splits`
+    (1 except on CUDA with few queries and long keys). Any value gives the same result
+    within fp32 rounding, and the same dropout mask (the counter is a function of
+    (b, h, i, j)); the backward is the same for every split count.
+    """
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     pos_start = Tk - 1 if pos_start is None else pos_start
@@ -396,19 +449,42 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
     else:
         sq = sk = se = rsb = kv_end
-    bm, bn, bd, band, warps, stages = _config(D)
-    _rel_attn_fwd_kernel[(triton.cdiv(Tq, bm), B * H)](
-        q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb, out, lse,
-        kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
-        *q.stride(), *k.stride(), *v.stride(), *r.stride(), *mstrides,
+    bm, bn, bd, band, warps, stages = _config(D, Tq)
+    if num_splits is None:
+        num_splits = decode_splits(B, H, Tq, Tk, D, q.device)
+    if num_splits < 1:
+        raise ValueError(f"rel_attention_forward: num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    if split:   # whole key blocks per split; a count above the key blocks gives one block each
+        keys_per_split = triton.cdiv(triton.cdiv(Tk, num_splits), bn) * bn
+        num_splits = triton.cdiv(Tk, keys_per_split)
+        o_target = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=q.device)
+        l_target = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=q.device)
+        o_strides = (o_target.stride(0), o_target.stride(1), o_target.stride(3),
+                     o_target.stride(4))
+        l_strides = (l_target.stride(0), l_target.stride(1))
+        split_strides = (o_target.stride(2), l_target.stride(2))
+    else:
+        keys_per_split = 0
+        o_target, l_target = out, lse
+        o_strides, l_strides, split_strides = out.stride(), (H * Tq, Tq), (0, 0)
+    _rel_attn_fwd_kernel[(triton.cdiv(Tq, bm), B * H, num_splits)](
+        q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb,
+        o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
+        *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
+        *split_strides, keys_per_split, *mstrides,
         sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
         H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, scale * LOG2E, float(dropout_p),
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
+        PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
+    if split:
+        _attn_combine_kernel[(Tq, B * H)](
+            o_target, l_target, out, lse, num_splits, Tq, D,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=bd, num_warps=4)
     return out, lse
 
 
@@ -418,7 +494,6 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                            r_s_bias=None, scale=None, dropout_p=0.0, seed=None):
     """Gradients of :func:`rel_attention_forward`'s ``out``: (dq, dk, dv, dr, d_r_w_bias,
     d_r_r_bias, d_seg_embed, d_r_s_bias); the last two are None without segments."""
-    from .attention import _mask_args, _seed_arg
     B, H, Tq, D = q.shape
     Tk, R = k.shape[2], r.shape[1]
     pos_start = Tk - 1 if pos_start is None else pos_start

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast import reference
-from utils import TRITON_ON_CPU, rel_err
+from utils import CPU_BACKENDS, TRITON_ON_CPU, rel_err
 
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU and not torch.cuda.is_available(),
                                   reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -112,6 +112,18 @@ def test_reference_empty_rows_are_zero_with_zero_grad():
     assert (out == 0).all()
     out.sum().backward()
     assert all((t.grad == 0).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("Tq, Tk", [(0, 0), (3, 0), (0, 3)])
+def test_empty_sequences_every_backend(Tq, Tk):
+    """Tq = 0 or Tk = 0: an empty output, or zeros (no key to see) with zero gradients."""
+    for name in [b for b in CPU_BACKENDS if b in ("triton", "eager")]:
+        q = torch.randn(1, 2, Tq, 8, requires_grad=True)
+        k, v = (torch.randn(1, 2, Tk, 8, requires_grad=True) for _ in range(2))
+        out = ctxfast.attention(q, k, v, backend=name)
+        assert out.shape == (1, 2, Tq, 8) and (out == 0).all(), name
+        out.sum().backward()
+        assert q.grad.shape == q.shape and (q.grad == 0).all(), name
 
 
 def test_reference_gradcheck():

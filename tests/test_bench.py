@@ -1,53 +1,103 @@
-"""The benchmark report pipeline (benchmarks/report.py): correctness, never speed.
+"""The benchmark infrastructure (benchmarks/_common.py, report.py, plot.py,
+readme_table.py): correctness of the pipeline, never speed.
 
-One test runs the quick rel_shift benchmarks on the CPU for real (~20-30 s on the 2-core
-machines) and checks the files written; the others check the JSON-to-records conversion
-and the writer on hand-made input.
+Two tests run pytest subprocesses for real (the quick rel_shift suite on the CPU, ~10-20 s
+on the 2-core machines; and a hand-made suite that runs out of memory, ~5 s); the others
+check the timing helper, the OOM handling, the JSON-to-records conversion, the writer,
+the plots and the README table on hand-made input.
 """
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-REPORT_PY = Path(__file__).parents[1] / "benchmarks" / "report.py"
-KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup", "dtype",
-        "device", "torch", "triton", "date"}
+BENCH_DIR = Path(__file__).parents[1] / "benchmarks"
+REPORT_PY = BENCH_DIR / "report.py"
+KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
+        "tflops", "gbps", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
+        "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
+        "triton", "date"}
+TABLE_HEAD = ("| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
+              "| rate | peak MiB | spread | note |")
 
 
-@pytest.fixture(scope="module")
-def report():
-    spec = importlib.util.spec_from_file_location("ctxfast_bench_report", REPORT_PY)
+def _load(name, filename):
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / filename)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+@pytest.fixture(scope="module")
+def report():
+    return _load("ctxfast_bench_report", "report.py")
+
+
+@pytest.fixture(scope="module")
+def common(report):
+    return sys.modules["ctxfast_bench_common"]      # the instance report.py loaded
+
+
+@pytest.fixture(scope="module")
+def readme_table():
+    return _load("ctxfast_bench_readme_table", "readme_table.py")
+
+
+class FakeBenchmark:
+    """The part of pytest-benchmark's fixture that _common uses (and its once-only rule)."""
+
+    def __init__(self):
+        self.extra_info, self.group, self._mode, self.pedantic_calls = {}, None, None, []
+
+    def pedantic(self, target, args=(), kwargs=None, rounds=1, iterations=1,
+                 warmup_rounds=0):
+        if self._mode:
+            raise RuntimeError("fixture used twice")
+        self._mode = "pedantic"
+        self.pedantic_calls.append((target, rounds, iterations))
+        result = None
+        for _ in range(rounds * iterations):
+            result = target(*args)
+        return result
+
+
 def _bench(backend, median_s, *, op="rel_shift", case="B1 H1 Tq2 Tk4", mode="fwd",
-           device_name="Test CPU (2 threads)"):
-    """One entry of a pytest-benchmark JSON, as bench_*.py writes it."""
+           device_name="Test CPU (2 threads)", **info):
+    """One entry of a pytest-benchmark JSON, as an old bench_*.py wrote it (stats only)
+    or, with `info` (e.g. ms=, spread=, oom=, flops=), as _common.measure writes it."""
     return {
         "name": f"test_{op}[{case}-{mode}-{backend}]",
         "stats": {"min": median_s * 0.9, "max": median_s * 2, "mean": median_s * 1.1,
                   "median": median_s, "rounds": 10, "iterations": 1},
         "extra_info": {"op": op, "case": case, "mode": mode, "backend": backend,
                        "dtype": "float32", "device": "cpu", "device_name": device_name,
-                       "torch": "9.9.9", "triton": "8.8.8"},
+                       "torch": "9.9.9", "triton": "8.8.8", **info},
     }
 
 
-def test_quick_run_writes_report(report, tmp_path):
-    # Only rel_shift, so the test does not grow with every op's benchmarks; forced onto the
-    # CPU so the "cpu" backend is there on a GPU machine too.
-    result = report.run(tmp_path, quick=True, ops=["rel_shift"], device="cpu")
+# --------------------------------------------------------------------------- end to end
 
+def test_quick_run_writes_report(report, tmp_path, monkeypatch):
+    # Only rel_shift, so the test does not grow with every op's benchmarks; forced onto the
+    # CPU so the "cpu" backend is there on a GPU machine too; a tenth of the timing budget
+    # (the pipeline is under test, not the numbers); one thread (--threads 1: sane timings
+    # on a shared machine, and the thread count must reach the device name).
+    monkeypatch.setenv("CTXFAST_BENCH_BUDGET_SCALE", "0.1")
+    result = report.run(tmp_path, quick=True, ops=["rel_shift"], device="cpu", echo=False,
+                        threads=1)
+
+    assert result["failed"] == []
     json_path, md_path = Path(result["json_path"]), Path(result["md_path"])
     assert json_path.parent == tmp_path and json_path.exists() and md_path.exists()
     data = json.loads(json_path.read_text())
-    assert set(data) == {"device", "date", "torch", "triton", "records"}
-    cpu_name = report.device_name("cpu")
-    assert data["device"] == cpu_name
+    assert set(data) == {"device", "date", "torch", "triton", "notes", "records"}
+    cpu_name = report.device_name("cpu").replace(f"({torch.get_num_threads()} threads)",
+                                                 "(1 threads)")
+    assert data["device"] == cpu_name and cpu_name.endswith("(1 threads)")
     records = data["records"]
     assert records == result["records"]
 
@@ -60,8 +110,13 @@ def test_quick_run_writes_report(report, tmp_path):
         assert r["op"] == "rel_shift" and r["baseline"] == "eager-pad-view"
         assert r["mode"] in ("fwd", "fwd+bwd") and r["dtype"] == "float32"
         assert r["device"] == cpu_name and r["date"] == data["date"]
-        assert r["ms"] > 0 and r["baseline_ms"] > 0
+        assert 0 < r["ms_min"] <= r["ms"] <= r["ms_max"] and r["baseline_ms"] > 0
         assert math.isclose(r["speedup"], r["baseline_ms"] / r["ms"], rel_tol=1e-12)
+        assert r["spread"] >= 0 and r["baseline_spread"] >= 0
+        assert r["peak_mem_bytes"] is None and r["baseline_peak_mem_bytes"] is None  # CPU
+        assert r["tflops"] is None and r["gbps"] > 0        # memory-bound: GB/s
+        assert r["T"] == int(r["case"].split()[2][2:]) and r["series"] == "sweep"
+        assert r["note"] is None
     # every quick case and mode has both backends
     pairs = {(r["case"], r["mode"], r["backend"]) for r in records}
     for case in ("B2 H4 Tq64 Tk128", "B4 H8 Tq128 Tk256"):
@@ -69,10 +124,154 @@ def test_quick_run_writes_report(report, tmp_path):
             assert {(case, mode, "cpu"), (case, mode, "eager")} <= pairs
 
     md = md_path.read_text()
-    assert cpu_name in md
-    assert "| op | case | mode | backend | ms | baseline | baseline ms | speedup |" in md
+    assert cpu_name in md and TABLE_HEAD in md
+    assert "timed twice" in md and "not measured on the CPU" in md
     assert md.count("| rel_shift |") == len(records)
+    pngs = sorted(tmp_path.glob("*.png"))                 # matplotlib is in the venv
+    assert [p.name for p in pngs] == [f"{json_path.stem}-rel_shift.png"]
+    assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+FAKE_SUITE = '''
+import sys
+sys.path.insert(0, {bench_dir!r})
+import pytest
+import torch
+import _common
+
+OOM = "CUDA out of memory. Tried to allocate 64.00 GiB"
+
+
+@pytest.mark.parametrize("case", ["small", "huge"])
+@pytest.mark.parametrize("backend", ["mine", "base"])
+def test_fakeop(benchmark, case, backend):
+    _common.describe(benchmark, op="fakeop", case=case, mode="fwd", backend=backend,
+                     dtype=torch.float32, device=torch.device("cpu"), baseline="base",
+                     T=8 if case == "small" else 64, flops=1e6)
+    x = torch.randn(64)
+    with _common.oom_guard(benchmark):
+        if case == "huge" and backend == "mine":
+            raise torch.cuda.OutOfMemoryError(OOM)    # in the setup: recorded by oom_guard
+
+        def fn(x):
+            if case == "huge":                         # the baseline runs out in measure()
+                raise torch.cuda.OutOfMemoryError(OOM)
+            return x * 2
+
+        _common.measure(benchmark, fn, [(x,)], torch.device("cpu"), budget_s=0.01)
+'''
+
+
+def test_new_suite_and_oom_reach_the_report(report, tmp_path):
+    # A suite the report has never heard of (not in BASELINES: its baseline comes from
+    # extra_info) is discovered from its file name; OOMs in the setup and in measure()
+    # become records, not crashes, through a real pytest-benchmark run.
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "bench_fakeop.py").write_text(FAKE_SUITE.format(bench_dir=str(BENCH_DIR)))
+    assert list(report.available_ops(suites)) == ["fakeop"]
+    result = report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
+                        echo=False, bench_dir=suites)
+    assert result["failed"] == []
+    got = {r["case"]: r for r in result["records"]}
+    assert set(got) == {"small", "huge"}
+    small, huge = got["small"], got["huge"]
+    assert small["baseline"] == "base" and small["ms"] > 0 and small["speedup"] > 0
+    assert small["tflops"] > 0 and small["note"] is None
+    assert huge["ms"] is None and huge["baseline_ms"] is None and huge["speedup"] is None
+    assert huge["note"] == ("OOM: CUDA out of memory. Tried to allocate 64.00 GiB; "
+                            "baseline OOM: CUDA out of memory. Tried to allocate 64.00 GiB")
+    md = Path(result["md_path"]).read_text()
+    assert "| fakeop | huge | fwd | mine | — | — | base | — | — |" in md
+    assert "baseline OOM: CUDA out of memory" in md
+
+
+# --------------------------------------------------------------------------- measure
+
+def test_measure_times_two_passes_and_rotates_inputs(common):
+    sets = [(torch.randn(8),), (torch.randn(8),), (torch.randn(8),)]
+    seen = []
+
+    def fn(x):
+        seen.append(id(x))
+        return x + 1
+
+    bench = FakeBenchmark()
+    out = common.measure(bench, fn, sets, torch.device("cpu"), budget_s=0.02, min_rounds=6)
+    info = bench.extra_info
+    assert torch.is_tensor(out)
+    assert info["timer"] == "perf_counter" and info["peak_mem_bytes"] is None
+    assert info["rounds"] >= 6 and info["iterations"] >= 1
+    assert 0 < info["ms_min"] <= info["ms"] <= info["ms_max"]
+    for m in (info["ms_pass1"], info["ms_pass2"]):
+        assert info["ms_min"] <= m <= info["ms_max"]
+    assert math.isclose(info["spread"], abs(info["ms_pass1"] - info["ms_pass2"])
+                        / min(info["ms_pass1"], info["ms_pass2"]))
+    assert len(bench.pedantic_calls) == 1 and "oom" not in info
+    # every set used, in turn
+    assert set(seen) == {id(s[0]) for s in sets}
+    assert seen[:6] == [id(sets[i % 3][0]) for i in range(6)]
+
+
+@pytest.mark.parametrize("fail_at", [0, 3, 12], ids=["first-call", "warm-up", "timing"])
+def test_measure_records_oom(common, fail_at):
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        if len(calls) > fail_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\n"
+                                              "more detail")
+        return x
+
+    bench = FakeBenchmark()
+    out = common.measure(bench, fn, [(torch.randn(4),)], torch.device("cpu"),
+                         budget_s=0.01, min_rounds=20)
+    assert out is None
+    info = bench.extra_info
+    assert info["oom"] == "CUDA out of memory. Tried to allocate 2 GiB"
+    assert info["ms"] is None and info["spread"] is None and info["peak_mem_bytes"] is None
+    # pytest-benchmark still gets one (meaningless) run, so the entry reaches the JSON
+    assert len(bench.pedantic_calls) == 1 and bench.pedantic_calls[0][1:] == (1, 1)
+
+
+def test_measure_lets_other_errors_through(common):
+    def fn(x):
+        raise ValueError("a real bug")
+
+    with pytest.raises(ValueError, match="a real bug"):
+        common.measure(FakeBenchmark(), fn, [(torch.randn(4),)], torch.device("cpu"),
+                       budget_s=0.01)
+
+
+def test_oom_guard(common):
+    bench = FakeBenchmark()
+    with common.oom_guard(bench):
+        raise torch.OutOfMemoryError("out of memory in the setup")
+    assert bench.extra_info["oom"] == "out of memory in the setup"
+    assert bench.extra_info["ms"] is None and len(bench.pedantic_calls) == 1
+
+    bench = FakeBenchmark()
+    with common.oom_guard(bench):
+        pass
+    assert bench.extra_info == {} and bench.pedantic_calls == []
+    with pytest.raises(RuntimeError, match="not an OOM"):
+        with common.oom_guard(FakeBenchmark()):
+            raise RuntimeError("not an OOM")
+
+
+def test_describe(common):
+    bench = FakeBenchmark()
+    common.describe(bench, op="attention", case="c1", mode="fwd", backend="sdpa",
+                    dtype=torch.bfloat16, device=torch.device("cpu"), T=128, flops=10)
+    info = bench.extra_info
+    assert bench.group == "attention c1 fwd"
+    assert info["dtype"] == "bfloat16" and info["device"] == "cpu"
+    assert info["device_name"] == common.device_name("cpu")
+    assert info["torch"] == torch.__version__ and info["T"] == 128 and info["flops"] == 10
+
+
+# --------------------------------------------------------------------------- records
 
 def test_records_pair_with_baseline(report):
     data = {
@@ -95,6 +294,7 @@ def test_records_pair_with_baseline(report):
         assert r["date"] == "2026-11-21"
         assert r["device"] == "Test CPU (2 threads)"
         assert (r["torch"], r["triton"], r["dtype"]) == ("9.9.9", "8.8.8", "float32")
+        assert r["T"] == 2                          # from "Tq2" in the case name
     assert math.isclose(got["fwd", "cpu"]["ms"], 2.0)
     assert math.isclose(got["fwd", "cpu"]["baseline_ms"], 6.0)
     assert math.isclose(got["fwd", "cpu"]["speedup"], 3.0)
@@ -103,13 +303,54 @@ def test_records_pair_with_baseline(report):
     assert math.isclose(got["fwd+bwd", "cpu"]["speedup"], 2.5)
 
 
+def test_records_from_measure_rates_and_memory(report):
+    # extra_info["ms"] (measure) wins over pytest-benchmark's stats; rates from the counts
+    data = {"benchmarks": [
+        _bench("triton", 1.0, op="attention", case="c", ms=2.0, ms_min=1.9, ms_max=2.5,
+               spread=0.03, flops=4e12, min_bytes=8e9, peak_mem_bytes=3 << 20, T=512,
+               series="GPT-2 causal D64"),
+        _bench("eager", 1.0, op="attention", case="c", ms=8.0, spread=0.05,
+               peak_mem_bytes=40 << 20),
+    ]}
+    (r,) = report.records_from_pytest_benchmark(data)
+    assert r["ms"] == 2.0 and r["baseline_ms"] == 8.0 and r["speedup"] == 4.0
+    assert math.isclose(r["tflops"], 2000.0) and math.isclose(r["gbps"], 4000.0)
+    assert (r["ms_min"], r["ms_max"], r["spread"], r["baseline_spread"]) == (1.9, 2.5, 0.03,
+                                                                             0.05)
+    assert (r["peak_mem_bytes"], r["baseline_peak_mem_bytes"]) == (3 << 20, 40 << 20)
+    assert (r["T"], r["series"]) == (512, "GPT-2 causal D64")
+    md = report.markdown([r])
+    assert "| attention | c | fwd | triton | 2.000 | 1.900 | eager | 8.000 | 4.00x | " \
+           "2e+03 TFLOP/s | 3 / 40 | ±5% |  |" in md
+    assert "not measured on the CPU" not in md        # peak memory is there
+    assert "noise, not results" not in md             # spread 5%: not flagged
+    r["baseline_spread"] = 0.5
+    assert "Note: 1 of 1 rows have a spread above 20%: their speedups are noise" in \
+        report.markdown([r])
+
+
 def test_records_without_baseline(report):
     data = {"benchmarks": [_bench("cpu", 0.001, case="B9 H9 Tq9 Tk9"),
                            _bench("eager-pad-view", 0.005, case="B1 H1 Tq1 Tk1")]}
     (r,) = report.records_from_pytest_benchmark(data)
     assert r["case"] == "B9 H9 Tq9 Tk9"
     assert math.isclose(r["ms"], 1.0)
-    assert r["baseline_ms"] is None and r["speedup"] is None
+    assert r["baseline_ms"] is None and r["speedup"] is None and r["note"] == "no baseline"
+
+
+def test_records_oom(report):
+    data = {"benchmarks": [
+        _bench("triton", 1.0, op="attention", case="a", ms=3.0),
+        _bench("eager", 1.0, op="attention", case="a", oom="CUDA out of memory. X"),
+        _bench("triton", 1.0, op="attention", case="b", oom="CUDA out of memory. Y"),
+        _bench("eager", 1.0, op="attention", case="b", ms=5.0),
+    ]}
+    got = {r["case"]: r for r in report.records_from_pytest_benchmark(data)}
+    a, b = got["a"], got["b"]
+    assert a["ms"] == 3.0 and a["baseline_ms"] is None and a["speedup"] is None
+    assert a["note"] == "baseline OOM: CUDA out of memory. X"
+    assert b["ms"] is None and b["baseline_ms"] == 5.0 and b["speedup"] is None
+    assert b["note"] == "OOM: CUDA out of memory. Y" and b["tflops"] is None
 
 
 def test_records_pair_attention_with_eager(report):
@@ -121,7 +362,7 @@ def test_records_pair_attention_with_eager(report):
         _bench("sdpa", 0.002, op="attention", case=case),
         _bench("flex", 0.004, op="attention", case=case),
         _bench("eager", 0.008, op="attention", case=case),
-        _bench("triton", 0.003, op="attention", case=case, mode="fwd+bwd"),  # eager: OOM
+        _bench("triton", 0.003, op="attention", case=case, mode="fwd+bwd"),  # no eager
         _bench("eager", 0.012),                                              # rel_shift
         _bench("eager-pad-view", 0.006),
     ]}
@@ -145,16 +386,18 @@ def test_records_pair_attention_with_eager(report):
 
     md = report.markdown(records)
     assert md.count("| attention |") == 4
-    assert f"| attention | {case} | fwd | triton | 1.000 | eager | 8.000 | 8.00x |" in md
-    assert f"| attention | {case} | fwd+bwd | triton | 3.000 | eager | — | — |" in md
+    assert f"| attention | {case} | fwd | triton | 1.000 | 0.900 | eager | 8.000 | 8.00x |" in md
+    assert f"| attention | {case} | fwd+bwd | triton | 3.000 | 2.700 | eager | — | — |" in md
     assert "| attention | " + case + " | fwd | eager |" not in md
 
+
+# --------------------------------------------------------------------------- writing
 
 def test_write_never_overwrites(report, tmp_path):
     records = report.records_from_pytest_benchmark(
         {"datetime": "2026-11-21T23:59:00+00:00",
          "benchmarks": [_bench("cpu", 0.002), _bench("eager-pad-view", 0.003)]})
-    paths = [report.write(records, tmp_path) for _ in range(3)]
+    paths = [report.write(records, tmp_path, plots=False) for _ in range(3)]
     assert [p.name for p, _ in paths] == ["2026-11-21.json", "2026-11-21-2.json",
                                           "2026-11-21-3.json"]
     assert [m.name for _, m in paths] == ["2026-11-21.md", "2026-11-21-2.md", "2026-11-21-3.md"]
@@ -162,7 +405,59 @@ def test_write_never_overwrites(report, tmp_path):
     assert data["device"] == "Test CPU (2 threads)" and data["records"] == records
     md = paths[0][1].read_text()
     assert "Test CPU (2 threads)" in md and "torch 9.9.9" in md and "triton 8.8.8" in md
-    assert "| rel_shift | B1 H1 Tq2 Tk4 | fwd | cpu | 2.000 | eager-pad-view | 3.000 | 1.50x |" in md
+    assert ("| rel_shift | B1 H1 Tq2 Tk4 | fwd | cpu | 2.000 | 1.800 | eager-pad-view | "
+            "3.000 | 1.50x | — | — | — |  |") in md
+
+
+def _plottable(report):
+    return report.records_from_pytest_benchmark({"benchmarks": [
+        _bench("cpu", 0.001 * t, case=f"B1 H1 Tq{t} Tk{2 * t}", T=t, ms=t / 2)
+        for t in (64, 128)] + [
+        _bench("eager-pad-view", 0.001 * t, case=f"B1 H1 Tq{t} Tk{2 * t}", T=t, ms=t)
+        for t in (64, 128)]})
+
+
+def test_plots_skipped_without_matplotlib(report, tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # `import matplotlib` fails
+    json_path, md_path = report.write(_plottable(report), tmp_path)
+    assert list(tmp_path.glob("*.png")) == []
+    data = json.loads(json_path.read_text())
+    assert any(n.startswith("plots skipped: matplotlib is not installed") for n in data["notes"])
+    assert "Note: plots skipped: matplotlib is not installed" in md_path.read_text()
+
+
+def test_plots_written(report, tmp_path):
+    pytest.importorskip("matplotlib")                        # installed in .venv
+    json_path, _ = report.write(_plottable(report), tmp_path)
+    png = tmp_path / f"{json_path.stem}-rel_shift.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    assert f"plots: {png.name}" in json.loads(json_path.read_text())["notes"]
+
+
+def test_plot_seq_len():
+    plot = _load("ctxfast_bench_plot_t", "plot.py")
+    assert plot.seq_len({"T": 300, "case": "B1 Tq5"}) == 300
+    assert plot.seq_len({"case": "GPT-2 causal B16 H12 Tq1024 Tk1024 D64"}) == 1024
+    assert plot.seq_len({"case": "ULMFiT T70 B16"}) == 70
+    assert plot.seq_len({"case": "B2 H4 mem64 D32"}) is None
+
+
+# --------------------------------------------------------------------------- discovery
+
+def test_op_discovery(report, tmp_path):
+    found = report.available_ops()
+    assert set(found) == {p.stem[len("bench_"):] for p in BENCH_DIR.glob("bench_*.py")}
+    assert {"rel_shift", "attention", "rel_attention"} <= set(found)
+    assert report.bench_files() == list(found.values())
+    # a suite that appears later (e.g. bench_lstm.py) is picked up with no other change
+    for name in ("bench_lstm.py", "bench_zeta.py", "helper.py"):
+        (tmp_path / name).write_text("")
+    assert list(report.available_ops(tmp_path)) == ["lstm", "zeta"]
+    assert report.bench_files(["zeta"], tmp_path) == [tmp_path / "bench_zeta.py"]
+    with pytest.raises(ValueError, match="no_such_op.*available: lstm, zeta"):
+        report.bench_files(["no_such_op"], tmp_path)
 
 
 def test_slug_and_default_out_dir(report):
@@ -173,8 +468,112 @@ def test_slug_and_default_out_dir(report):
     assert out == REPORT_PY.parent / "results" / report.slug(report.device_name("cpu"))
 
 
-def test_bench_files_filter(report):
-    assert REPORT_PY.parent / "bench_rel_shift.py" in report.bench_files()
-    assert report.bench_files(["rel_shift"]) == [REPORT_PY.parent / "bench_rel_shift.py"]
-    with pytest.raises(ValueError, match="no_such_op"):
-        report.bench_files(["no_such_op"])
+def test_cli_bench_list_and_arguments(report, capsys):
+    from ctxfast import cli
+    assert cli.main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for op in ("rel_shift", "attention", "rel_attention"):
+        assert any(line.split()[0] == op for line in out.splitlines())
+    with pytest.raises(SystemExit):
+        report.main(["--threads", "0"])
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    assert report.main(["--ops", "no_such_op", "--out", "/nonexistent/never-written"]) == 1
+    assert "no benchmark file for op(s) no_such_op" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- README table
+
+def _run_file(folder, stem, device, records):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(
+        {"device": device, "date": stem[:10], "torch": "9.9", "triton": "8.8", "notes": [],
+         "records": records}))
+
+
+def _rec(op, backend, mode, speedup, dtype="float32", **kw):
+    return {"op": op, "backend": backend, "baseline": "base", "mode": mode,
+            "speedup": speedup, "dtype": dtype, **kw}
+
+
+def test_readme_table_newest_run(readme_table, tmp_path):
+    _run_file(tmp_path / "cpu-a", "2026-11-21", "AMD EPYC (2 threads)", [])
+    _run_file(tmp_path / "cpu-a", "2026-11-21-2", "AMD EPYC (2 threads)", [])
+    _run_file(tmp_path / "cpu-a", "2026-11-21-10", "AMD EPYC (2 threads)", [])
+    _run_file(tmp_path / "cpu-a", "2026-11-20-3", "AMD EPYC (2 threads)", [])
+    (tmp_path / "cpu-a" / "notes.json").write_text("{}")           # not a report
+    path, rep = readme_table.newest_run(tmp_path)
+    assert path.name == "2026-11-21-10.json" and not readme_table.is_gpu_run(rep)
+    # a GPU run wins over a newer CPU run
+    _run_file(tmp_path / "nvidia-h100-80gb-hbm3", "2026-11-01", "NVIDIA H100 80GB HBM3", [])
+    path, rep = readme_table.newest_run(tmp_path)
+    assert path.parent.name == "nvidia-h100-80gb-hbm3" and readme_table.is_gpu_run(rep)
+    assert readme_table.newest_run(tmp_path, "cpu-a")[0].name == "2026-11-21-10.json"
+    with pytest.raises(FileNotFoundError):
+        readme_table.newest_run(tmp_path, "no-such-device")
+
+
+def test_readme_table_render_and_update(readme_table, tmp_path):
+    recs = [_rec("attention", "triton", "fwd", 2.0, tflops=300.0),
+            _rec("attention", "triton", "fwd", 4.0, tflops=350.0),
+            _rec("attention", "triton", "fwd", 8.0, tflops=310.0),
+            _rec("attention", "triton", "fwd", None, note="baseline OOM: x"),
+            _rec("rel_shift", "cpu", "fwd+bwd", 1.5, gbps=12.0, case="B8 H8 Tq256 Tk512")]
+    _run_file(tmp_path / "results" / "gpu", "2026-12-01", "NVIDIA H200", recs)
+    path, rep = readme_table.newest_run(tmp_path / "results")
+    block = readme_table.render(rep, "benchmarks/results/gpu/2026-12-01.json")
+    assert "**NVIDIA H200**, 2026-12-01" in block and "2026-12-01.json" in block
+    assert "| attention | triton | base | fwd | 4 | 4.00x (2.00x–8.00x), 1 OOM | 350 TFLOP/s |" \
+        in block
+    assert "| rel_shift | cpu | base | fwd+bwd | B8 H8 Tq256 Tk512 | 1.50x | 12 GB/s |" in block
+    assert "no GPU run" not in block
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{readme_table.BEGIN}\nold table\n{readme_table.END}\n"
+                      "after\n")
+    args = ["--results", str(tmp_path / "results"), "--readme", str(readme)]
+    assert readme_table.main(args + ["--check"]) == 1
+    assert readme_table.main(args) == 0
+    text = readme.read_text()
+    assert "old table" not in text and "| attention | triton |" in text
+    assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{readme_table.END}\nafter\n")
+    assert readme_table.main(args + ["--check"]) == 0               # idempotent
+    readme.write_text("no markers\n")
+    assert readme_table.main(args) == 1 and readme.read_text() == "no markers\n"
+
+
+def test_readme_table_matches_committed_results(readme_table):
+    # README.md's table is the one generated from the newest run under benchmarks/results
+    assert readme_table.main(["--check"]) == 0
+
+
+# --------------------------------------------------------------------------- roofline
+
+def test_roofline_work_formulas():
+    from collections import namedtuple
+    roofline = _load("ctxfast_bench_roofline", "roofline.py")
+    Att = namedtuple("Att", "mask shape")
+    # causal Tq = Tk = 4: query i sees keys 0..i -> 1 + 2 + 3 + 4 = 10 pairs
+    f, b = roofline.work("attention", Att("causal", (1, 1, 4, 4, 2)), "fwd", 4)
+    assert f == 4 * 10 * 2 and b == (2 * 4 * 2 + 2 * 4 * 2) * 4 + 4 * 4
+    f, b = roofline.work("attention", Att("causal", (1, 1, 4, 4, 2)), "bwd", 4)
+    assert f == 10 * 10 * 2 and b == (4 * 4 * 2 + 4 * 4 * 2) * 4 + 4 * 4
+    # with memory 2 (Tk 6): query i sees keys 0..i+2 -> 3 + 4 + 5 + 6 = 18 pairs
+    assert roofline.work("attention", Att("causal-memory", (1, 1, 4, 6, 2)), "fwd", 4)[0] \
+        == 4 * 18 * 2
+    assert roofline.work("attention", Att("padding", (2, 3, 4, 6, 2)), "fwd", 2)[0] \
+        == 4 * 2 * 3 * 4 * 6 * 2                              # dense
+    Rel = namedtuple("Rel", "shape")
+    f, b = roofline.work("rel_attention", Rel((1, 1, 4, 2, 2)), "fwd+bwd", 4)
+    assert f == (6 + 16) * 18 * 2
+    assert roofline.work("rel_shift", Rel((1, 2, 3, 5)), "fwd+bwd", 2) == (0.0, 4 * 30 * 2)
+    Layer = namedtuple("Layer", "input_size hidden_size num_layers bidirectional proj_size")
+    Lstm = namedtuple("Lstm", "layers T B")
+    case = Lstm((Layer(3, 2, 1, False, 0),), T=5, B=1)
+    rec, _ = roofline.lstm_recurrence_work(case, "fwd", 4)
+    assert rec == 2 * 5 * 1 * 8 * 2                           # h @ W_hh^T: [1, 2] x [2, 8]
+    assert roofline.work("lstm", case, "fwd", 4)[0] == rec + 2 * 5 * 1 * 8 * 3  # + x @ W_ih^T
+    assert roofline.work("lstm", case, "fwd+bwd", 4)[0] == 3 * (rec + 2 * 5 * 8 * 3)
+    # the floor: the larger of the two terms
+    assert roofline.floor_s(100.0, 10.0, 10.0, 1.0) == (10.0, "compute")
+    assert roofline.floor_s(100.0, 300.0, 10.0, 1.0) == (300.0, "memory")
+    assert roofline.floor_s(100.0, 3.0, None, 1.0) == (3.0, "memory")

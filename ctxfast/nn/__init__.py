@@ -4,9 +4,15 @@
 
 * :class:`RelPartialLearnableMultiHeadAttn` — the Transformer-XL layer on ``ctxfast.rel_attention``.
 
-Still to come: the weight-dropped LSTM (issue 5).
+* :class:`WeightDropLSTM` — ``torch.nn.LSTM`` on ``ctxfast.lstm``, with DropConnect on ``W_hh``
+  (AWD-LSTM) and ELMo's projection clips; :func:`load_awd_lstm` reads fastai/Salesforce
+  AWD-LSTM checkpoints.
+
+* :class:`LockedDropout`, :class:`EmbeddingDropout` — AWD-LSTM's variational and embedding dropout.
 """
 from .attention import MultiheadAttention
+from .lstm import EmbeddingDropout, LockedDropout, WeightDropLSTM, load_awd_lstm
 from .rel_attention import RelPartialLearnableMultiHeadAttn
 
-__all__ = ["MultiheadAttention", "RelPartialLearnableMultiHeadAttn"]
+__all__ = ["MultiheadAttention", "RelPartialLearnableMultiHeadAttn", "WeightDropLSTM",
+           "LockedDropout", "EmbeddingDropout", "load_awd_lstm"]

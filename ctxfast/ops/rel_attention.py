@@ -9,8 +9,13 @@ Registered ops (under ``torch.ops.ctxfast``, with fakes and autograd):
   d_r_s_bias)`` (the last two are zeros when there are no segments)
 
 The ``eager`` backend is ``ctxfast.reference.rel_attention`` (direct indexing by distance).
-Not yet here (issue 4 continues): ``nn.RelPartialLearnableMultiHeadAttn``, the decoding
-kernel, benchmarks.
+
+Decoding (a few queries, long memory): on CUDA the Triton forward splits the keys over
+programs and combines the partial outputs (``kernels.rel_attention.decode_splits`` picks
+the count: 1 on CPU and in the interpreter). The split count is not an argument of the op
+(as for ``ctxfast.attention``): ``kernels.rel_attention.rel_attention_forward(...,
+num_splits=n)`` forces it, and tests force it through the op by patching
+``decode_splits``. The backward is the same for every split count.
 """
 from typing import Optional, Tuple
 

@@ -57,7 +57,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                              device=q.device).unsqueeze(1)           # [B, 1, Tq, Tk]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale           # [B, H, Tq, Tk]
     scores = scores.masked_fill(~visible, float("-inf"))
-    row_max = scores.amax(-1, keepdim=True)
+    if scores.shape[-1] > 0:
+        row_max = scores.amax(-1, keepdim=True)
+    else:                                                            # Tk = 0: no key at all
+        row_max = scores.new_zeros(*scores.shape[:-1], 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)                                  # 0 where masked
     denom = p.sum(-1, keepdim=True)

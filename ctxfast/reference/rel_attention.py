@@ -65,7 +65,10 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
         diff = (seg_q[:, :, None] != seg_k[:, None, :]).unsqueeze(1)      # [B, 1, Tq, Tk]
         scores = scores + torch.where(diff, ef[..., 1:2], ef[..., 0:1])
     scores = (scores * scale).masked_fill(~visible, float("-inf"))
-    row_max = scores.amax(-1, keepdim=True)
+    if scores.shape[-1] > 0:
+        row_max = scores.amax(-1, keepdim=True)
+    else:                                                                 # Tk = 0: no key
+        row_max = scores.new_zeros(*scores.shape[:-1], 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)
     denom = p.sum(-1, keepdim=True)

@@ -1,0 +1,239 @@
+"""Pieces shared by the GPT and BERT reference models: the backend switch, one multi-head
+self-attention layer (padded or packed), the feed-forward block and input checks.
+
+``backend="ctxfast"`` runs attention through :func:`ctxfast.attention` /
+:func:`ctxfast.attention_varlen` (whichever implementation ctxfast's dispatch picks: the
+``backend=`` keyword of the ops is left unset, so ``with ctxfast.backend("triton"):`` or
+``CTXFAST_BACKEND`` choose it); ``backend="eager"`` runs the same computation on
+:func:`ctxfast.reference.attention`, written out in plain PyTorch. Everything else in the
+models (embeddings, LayerNorm, feed-forward) is ordinary PyTorch in both.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops, reference
+
+MODEL_BACKENDS = ("ctxfast", "eager")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in MODEL_BACKENDS:
+        raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def activation(name: str, x: Tensor) -> Tensor:
+    """``gelu`` (erf, BERT and GPT-1), ``gelu_tanh`` (GPT-2's ``gelu_new``) or ``relu``."""
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+# --------------------------------------------------------------------------- attention
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, backend: str, causal: bool = False,
+           key_padding_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+           scale: Optional[float] = None) -> Tensor:
+    """q ``[B, H, Tq, D]``, k, v ``[B, H, Tk, D]`` -> ``[B, H, Tq, D]``; causal is
+    bottom-right aligned (keys are ``[cache; new]``), ``key_padding_mask`` bool ``[B, Tk]``
+    with True = padding."""
+    if backend == "ctxfast":
+        return ops.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                             dropout_p=dropout_p, scale=scale)
+    # eager: the reference, with a dropout mask drawn here
+    if q.shape[2] == 0 or k.shape[2] == 0:                   # nothing to attend: zeros
+        return q.new_zeros(q.shape[:3] + v.shape[3:])
+    keep = None
+    if dropout_p > 0:
+        B, H, Tq, _ = q.shape
+        keep = torch.rand(B, H, Tq, k.shape[2], device=q.device) >= dropout_p
+    return reference.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                               dropout_mask=keep, dropout_p=dropout_p, scale=scale)
+
+
+def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
+                  backend: str, causal: bool = False, dropout_p: float = 0.0,
+                  scale: Optional[float] = None) -> Tensor:
+    """Packed self-attention: q, k, v ``[total, H, D]``, sequence ``b`` is rows
+    ``cu_seqlens[b]:cu_seqlens[b+1]`` -> ``[total, H, D]``."""
+    if backend == "ctxfast":
+        return ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                    causal=causal, dropout_p=dropout_p, scale=scale)
+    # eager: one reference call per sequence
+    cu = cu_seqlens.tolist()
+    outs = []
+    for s, e in zip(cu, cu[1:]):
+        if e == s:                                       # an empty sequence
+            continue
+        # [T, H, D] -> [1, H, T, D]
+        qb, kb, vb = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        ob = attend(qb, kb, vb, backend="eager", causal=causal, dropout_p=dropout_p,
+                    scale=scale)
+        outs.append(ob.squeeze(0).transpose(0, 1))      # [1, H, T, D] -> [T, H, D]
+    return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, one ``(k, v)`` pair ``[B, H, T, D]`` per
+    layer, for decoding one step at a time. ``length`` is T (0 when empty)."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.layers: List[Optional[Tuple[Tensor, Tensor]]] = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        kv = self.layers[0]
+        return 0 if kv is None else kv[0].shape[2]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Append the new ``k, v [B, H, t, D]``; returns all keys and values ``[B, H, T+t, D]``."""
+        past = self.layers[layer]
+        if past is not None:
+            k = torch.cat([past[0], k], 2)                   # [B, H, T + t, D]
+            v = torch.cat([past[1], v], 2)
+        self.layers[layer] = (k, v)
+        return k, v
+
+    def reset(self) -> None:
+        self.layers = [None] * len(self.layers)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with one fused q/k/v projection.
+
+    ``qkv``: ``Linear(D, 3D)``, output columns ``[q | k | v]``, each split into H heads of
+    ``D / H``; ``proj``: ``Linear(D, D)``. Dropout on the attention probabilities
+    (``attn_dropout``) and on the output (``resid_dropout``).
+    """
+
+    def __init__(self, n_embd: int, n_head: int, *, bias: bool = True, attn_dropout: float = 0.0,
+                 resid_dropout: float = 0.0, scale: Optional[float] = None,
+                 backend: str = "ctxfast") -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        self.n_head, self.head_dim = n_head, n_embd // n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.attn_dropout = attn_dropout
+        self.resid_dropout = nn.Dropout(resid_dropout)
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.backend = check_backend(backend)
+
+    def forward(self, x: Tensor, *, causal: bool = False,
+                key_padding_mask: Optional[Tensor] = None,
+                cache: Optional[KVCache] = None, layer: int = 0) -> Tensor:
+        """x ``[B, T, D]`` -> ``[B, T, D]``. With `cache`, x holds only the new tokens and
+        attends to the cached ones too (causal stays bottom-right aligned)."""
+        B, T, C = x.shape
+        H, Dh = self.n_head, self.head_dim
+        # [B, T, 3D] -> [B, T, 3, H, Dh] -> [3, B, H, T, Dh]
+        q, k, v = self.qkv(x).view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)                 # [B, H, T_cache + T, Dh]
+        p = self.attn_dropout if self.training else 0.0
+        y = attend(q, k, v, backend=self.backend, causal=causal,
+                   key_padding_mask=key_padding_mask, dropout_p=p, scale=self.scale)
+        y = y.transpose(1, 2).reshape(B, T, C)               # [B, H, T, Dh] -> [B, T, D]
+        return self.resid_dropout(self.proj(y))
+
+    def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
+                       causal: bool = False) -> Tensor:
+        """x ``[total, D]`` (packed sequences, see :func:`pack`) -> ``[total, D]``."""
+        N, C = x.shape
+        H, Dh = self.n_head, self.head_dim
+        # [total, 3D] -> [total, 3, H, Dh] -> 3 x [total, H, Dh]
+        q, k, v = self.qkv(x).view(N, 3, H, Dh).unbind(1)
+        p = self.attn_dropout if self.training else 0.0
+        y = attend_varlen(q, k, v, cu_seqlens, max_seqlen, backend=self.backend, causal=causal,
+                          dropout_p=p, scale=self.scale)
+        y = y.reshape(N, C)                                  # [total, H, Dh] -> [total, D]
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """``fc: Linear(D, 4D)`` -> activation -> ``proj: Linear(4D, D)`` -> dropout."""
+
+    def __init__(self, n_embd: int, n_inner: int, *, act: str = "gelu", bias: bool = True,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {act!r}")
+        self.act = act
+        self.fc = nn.Linear(n_embd, n_inner, bias=bias)
+        self.proj = nn.Linear(n_inner, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(activation(self.act, self.fc(x))))
+
+
+# --------------------------------------------------------------------------- packing
+
+def pack(x: Tensor, keep: Tensor) -> Tuple[Tensor, Tensor, Tensor, int]:
+    """Drop the padding of a batch: x ``[B, T, D]``, keep bool ``[B, T]`` (True = token) ->
+    (``x_packed [total, D]``, ``indices [total]`` into ``B*T``, ``cu_seqlens`` int32
+    ``[B + 1]``, ``max_seqlen``). Tokens keep their order; padding may be anywhere."""
+    B, T, C = x.shape
+    indices = keep.reshape(-1).nonzero().squeeze(1)          # [total]
+    seqlens = keep.sum(1, dtype=torch.int32)                 # [B]
+    cu_seqlens = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))  # [B + 1]
+    max_seqlen = int(seqlens.max()) if B > 0 else 0          # one host sync
+    return x.reshape(B * T, C)[indices], indices, cu_seqlens, max_seqlen  # [B*T, D] -> [total, D]
+
+
+def unpack(x: Tensor, indices: Tensor, B: int, T: int) -> Tensor:
+    """Inverse of :func:`pack`: ``[total, D]`` -> ``[B, T, D]`` with zeros at padding."""
+    C = x.shape[-1]
+    out = x.new_zeros(B * T, C).index_copy(0, indices, x)   # [B*T, D]
+    return out.view(B, T, C)                                 # [B*T, D] -> [B, T, D]
+
+
+# --------------------------------------------------------------------------- checks
+
+def check_ids(name: str, ids: Tensor, vocab: int, max_len: Optional[int] = None,
+              what: str = "vocab_size") -> None:
+    """A ``[B, T]`` integer tensor with values in ``[0, vocab)`` and ``T <= max_len``
+    (positions left; None = no limit). Raises before anything runs."""
+    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool \
+            or ids.dtype.is_complex:
+        raise TypeError(f"{name} must be an integer tensor [B, T], got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != 2:
+        raise ValueError(f"{name} must have shape [B, T], got {tuple(ids.shape)}")
+    if max_len is not None and ids.shape[1] > max_len:
+        raise ValueError(f"{name} has length T={ids.shape[1]} but only {max_len} positions "
+                         f"are left (n_positions minus cached tokens)")
+    if ids.numel() and not torch.compiler.is_compiling():  # a host sync: skipped when traced
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name} must be in [0, {vocab}) ({what}), got values in "
+                             f"[{lo}, {hi}]")
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """GPT-2/BERT initialisation: normal(0, std) weights, zero biases, unit LayerNorm."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, 0.0, std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, 0.0, std)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+__all__ = ["MODEL_BACKENDS", "check_backend", "attend", "attend_varlen", "KVCache",
+           "SelfAttention", "MLP", "pack", "unpack", "check_ids", "init_weights"]

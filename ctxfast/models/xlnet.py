@@ -1,0 +1,531 @@
+"""XLNet (Yang et al., 2019) on ``ctxfast.rel_attention``: two-stream relative attention
+(content and query streams), permutation masks from O(T) ranks, partial prediction with
+``target_mapping``, relative segment encoding and memory.
+
+Parameter names and layouts are those of Hugging Face's ``XLNetModel`` /
+``XLNetLMHeadModel`` (``word_embedding``, ``mask_emb``, ``layer.{i}.rel_attn.{q,k,v,o,r}``
+as ``[d_model, n_head, d_head]`` parameters, ``r_w_bias``, ``r_r_bias``, ``r_s_bias``,
+``seg_embed``, ``layer.{i}.ff.layer_{1,2}``, ``lm_loss``), so their state dicts load as
+they are: :func:`from_hf_xlnet`.
+
+Forward, like HF's ``XLNetModel`` but with ``perm_rank [B, T]`` in place of the O(T²)
+``perm_mask [B, T, T]``::
+
+    model = XLNetModel(XLNetConfig(vocab_size=100, d_model=32, n_layer=2, n_head=2,
+                                   d_inner=64), backend="ctxfast")
+    out = model(input_ids,                  # [B, T] long, batch first
+                attention_mask=None,        # [B, T], 1 = token, 0 = padding (as HF)
+                token_type_ids=None,        # [B, T] segment ids (relative segment encoding)
+                mems=None,                  # n_layer x [mlen, B, d_model] (HF's layout)
+                perm_rank=None,             # [B, T] integer: place in the factorisation order
+                target_mapping=None,        # [B, P, T]: query stream for P predictions
+                use_mems=False)
+    out.last_hidden_state   # query stream [B, P, d_model] with target_mapping, else [B, T, d_model]
+    out.mems                # n_layer x [mem, B, d_model] when use_mems, else None
+
+Masks (``ctxfast.attention``'s semantics, computed in the kernel from O(T) data): the
+content stream of token i sees token t iff ``rank[t] <= rank[i]`` (so itself), the query
+stream iff ``rank[t] < rank[i]``; memory is always visible; padding hides a key from every
+query. For a strict permutation this is exactly HF's ``perm_mask[b, i, j] = 1 iff
+rank[j] >= rank[i]`` (HF lets the content stream see itself by subtracting the identity);
+:func:`perm_rank_to_perm_mask` builds that mask. Ties are allowed (tied tokens see each
+other in the content stream, not in the query stream).
+
+Differences from HF, all in rows that carry no information:
+
+* a query that sees no key (the query stream of the first token in the order, without
+  memory) gets zeros where HF's ``-1e30`` mask gives a uniform average of all values;
+* a padded position does not see itself (HF's content stream lets every position see
+  itself), so the hidden states *of padded positions* differ; those of real tokens agree.
+  Memory is always visible, so in HF too padded positions cached in ``mems`` are attended;
+* in training, the dropout mask of the positional encodings is drawn once and shared by
+  the batch (HF's draws one per sequence); the other dropouts are as HF's.
+
+Backends: ``"ctxfast"`` calls :func:`ctxfast.rel_attention` (its backend picked by
+ctxfast's dispatch: ``ctxfast.backend(...)``, ``CTXFAST_BACKEND``, or the device default);
+``"eager"`` calls :func:`ctxfast.reference.rel_attention` directly. With dropout off the
+two agree on outputs and gradients.
+
+The query stream runs at the ``T`` sequence positions as HF does (the P prediction queries
+are scattered to their positions with ``target_mapping``, attended, and gathered back),
+so any ``target_mapping`` (not only one-hot rows) gives HF's result; it costs T query rows
+per layer, not P.
+"""
+from dataclasses import dataclass, fields
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops
+from .. import reference
+
+__all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
+           "from_hf_xlnet", "perm_rank_to_perm_mask"]
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,                                             # erf form (HF "gelu")
+    "gelu_new": _gelu_tanh,                                     # HF "gelu_new"
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass
+class XLNetConfig:
+    vocab_size: int = 32000
+    d_model: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    d_head: Optional[int] = None         # default d_model // n_head
+    d_inner: int = 3072
+    ff_activation: str = "gelu"
+    attn_type: str = "bi"                # "bi" (XLNet) or "uni" (causal, Transformer-XL-like)
+    layer_norm_eps: float = 1e-12
+    dropout: float = 0.1                 # embeddings, positions, attention probs, outputs (as HF)
+    mem_len: Optional[int] = 512         # None or 0: keep all of memory + current (as HF)
+    reuse_len: Optional[int] = None      # cache only the first reuse_len tokens of a segment
+    bi_data: bool = False                # second half of the batch uses negated distances
+    clamp_len: int = -1                  # clamp distances to [-clamp_len, clamp_len] if > 0
+    same_length: bool = False            # only with attn_type="uni"; not supported
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.d_head is None:
+            self.d_head = self.d_model // self.n_head
+        if self.d_model % 2:
+            raise ValueError(f"XLNetConfig: d_model must be even (sin/cos positional "
+                             f"encoding), got {self.d_model}")
+        if self.attn_type not in ("bi", "uni"):
+            raise ValueError(f"XLNetConfig: attn_type must be 'bi' or 'uni', got "
+                             f"{self.attn_type!r}")
+        if self.attn_type == "uni" and self.same_length:
+            raise NotImplementedError("XLNetConfig: same_length=True with attn_type='uni' is "
+                                      "not supported (ctxfast.rel_attention has no same-length "
+                                      "mask)")
+        if self.ff_activation not in _ACTIVATIONS:
+            raise ValueError(f"XLNetConfig: ff_activation must be one of "
+                             f"{sorted(_ACTIVATIONS)}, got {self.ff_activation!r}")
+
+
+@dataclass
+class XLNetOutput:
+    last_hidden_state: Tensor   # [B, P, d] (query stream) with target_mapping, else [B, T, d]
+    mems: Optional[List[Tensor]] = None        # n_layer x [mem, B, d] (when use_mems)
+    content_hidden_state: Optional[Tensor] = None   # [B, T, d], always
+    query_hidden_state: Optional[Tensor] = None     # [B, P, d], with target_mapping
+
+
+@dataclass
+class XLNetLMOutput:
+    logits: Tensor                             # [B, P or T, vocab_size]
+    loss: Optional[Tensor] = None
+    mems: Optional[List[Tensor]] = None
+
+
+def perm_rank_to_perm_mask(perm_rank: Tensor) -> Tensor:
+    """HF's float ``perm_mask [B, T, T]`` for a ``perm_rank [B, T]`` that is a strict
+    permutation of each row: ``perm_mask[b, i, j] = 1`` (i may not attend j) iff
+    ``rank[b, j] >= rank[b, i]``. Materialises ``T²`` values: for tests and interop only."""
+    return (perm_rank[:, None, :] >= perm_rank[:, :, None]).float()   # [B, T(i), T(j)]
+
+
+def _heads(x: Tensor, w: Tensor) -> Tensor:
+    """x ``[B, T, d_model]`` times w ``[d_model, H, D]`` -> ``[B, H, T, D]`` (a strided view)."""
+    B, T, d = x.shape
+    _, H, D = w.shape
+    y = x @ w.reshape(d, H * D)               # [B, T, H*D]
+    return y.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+
+
+class _Masks:
+    """What the attention of every layer needs, built once per forward from O(T) data."""
+
+    def __init__(self, causal, pos_start, key_padding_mask, perm_rank, seg_q, seg_k, r_halves):
+        self.causal = causal                       # attn_type == "uni"
+        self.pos_start = pos_start                 # Tk: row m of r encodes distance Tk - m
+        self.key_padding_mask = key_padding_mask   # bool [B, Tk] (True = padding) or None
+        self.perm_rank = perm_rank                 # [B, T] or None
+        self.seg_q, self.seg_k = seg_q, seg_k      # [B, T], [B, Tk] or None
+        self.r_halves = r_halves                   # 1 (or 2 with bi_data) batch slices
+
+
+class XLNetRelativeAttention(nn.Module):
+    def __init__(self, config: XLNetConfig, backend: str = "ctxfast"):
+        super().__init__()
+        d, H, D = config.d_model, config.n_head, config.d_head
+        self.n_head, self.d_head, self.d_model = H, D, d
+        self.scale = 1 / (D ** 0.5)
+        self.q = nn.Parameter(torch.empty(d, H, D))
+        self.k = nn.Parameter(torch.empty(d, H, D))
+        self.v = nn.Parameter(torch.empty(d, H, D))
+        self.o = nn.Parameter(torch.empty(d, H, D))
+        self.r = nn.Parameter(torch.empty(d, H, D))
+        self.r_r_bias = nn.Parameter(torch.empty(H, D))
+        self.r_s_bias = nn.Parameter(torch.empty(H, D))
+        self.r_w_bias = nn.Parameter(torch.empty(H, D))
+        self.seg_embed = nn.Parameter(torch.empty(2, H, D))
+        self.layer_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        self.backend = backend
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, r: Tensor, m: _Masks,
+                stream: str) -> Tensor:
+        """q ``[B, H, T, D]``, k, v ``[B, H, Tk, D]``, r ``[n, H, R, D]`` (n = 1, or 2 with
+        bi_data: one per half of the batch) -> ``[B, H, T, D]``."""
+        p = self.dropout.p if self.training else 0.0
+        seg = m.seg_q is not None
+        outs = []
+        for half, sl in enumerate(m.r_halves):
+            def pick(t):
+                return None if t is None else t[sl]
+            kw = dict(causal=m.causal, pos_start=m.pos_start,
+                      key_padding_mask=pick(m.key_padding_mask), perm_rank=pick(m.perm_rank),
+                      perm_stream=stream, seg_q=pick(m.seg_q), seg_k=pick(m.seg_k),
+                      seg_embed=self.seg_embed if seg else None,
+                      r_s_bias=self.r_s_bias if seg else None, scale=self.scale)
+            qs, ks, vs = q[sl], k[sl], v[sl]
+            if self.backend == "eager":       # the specification, scores materialised
+                keep = None
+                if p > 0:
+                    keep = torch.rand(qs.shape[:3] + (ks.shape[2],), device=q.device) >= p
+                out = reference.rel_attention(qs, ks, vs, r[half], self.r_w_bias,
+                                              self.r_r_bias, dropout_mask=keep, dropout_p=p,
+                                              **kw)
+            else:                             # fused kernel: no [T, Tk] tensor stored
+                out = ops.rel_attention(qs, ks, vs, r[half], self.r_w_bias, self.r_r_bias,
+                                        dropout_p=p, **kw)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def post_attention(self, h: Tensor, attn: Tensor) -> Tensor:
+        """h ``[B, L, d]`` residual, attn ``[B, H, L, D]`` -> ``[B, L, d]``."""
+        B, H, L, D = attn.shape
+        attn = attn.transpose(1, 2).reshape(B, L, H * D)            # [B, L, H*D]
+        out = attn @ self.o.reshape(self.d_model, H * D).t()        # [B, L, d]
+        return self.layer_norm(self.dropout(out) + h)
+
+    def forward(self, h: Tensor, g: Optional[Tensor], pos_emb: Tensor, m: _Masks,
+                mem: Optional[Tensor] = None, target_mapping: Optional[Tensor] = None):
+        """h ``[B, T, d]`` content stream; g ``[B, P, d]`` query stream or None; pos_emb
+        ``[n, R, d]``; mem ``[B, mlen, d]`` or None; target_mapping ``[B, P, T]``."""
+        H, D = self.n_head, self.d_head
+        cat = h if mem is None else torch.cat([mem, h], 1)          # [B, Tk, d]
+        k = _heads(cat, self.k)                                     # [B, H, Tk, D]
+        v = _heads(cat, self.v)                                     # [B, H, Tk, D]
+        n, R, d = pos_emb.shape
+        r = (pos_emb @ self.r.reshape(d, H * D)).view(n, R, H, D).transpose(1, 2)  # [n, H, R, D]
+        # content stream: token i sees itself and the tokens before it in the order
+        q = _heads(h, self.q)                                       # [B, H, T, D]
+        out_h = self.post_attention(h, self._attend(q, k, v, r, m, "content"))
+        if g is None:
+            return out_h, None
+        # query stream: prediction p queries from position target_mapping[p] without its token
+        qg = _heads(g, self.q)                                      # [B, H, P, D]
+        qg = torch.einsum("bpt,bhpd->bhtd", target_mapping, qg)     # [B, H, T, D]
+        ag = self._attend(qg, k, v, r, m, "query")                  # [B, H, T, D]
+        ag = torch.einsum("bpt,bhtd->bhpd", target_mapping, ag)     # [B, H, P, D]
+        return out_h, self.post_attention(g, ag)
+
+
+class XLNetFeedForward(nn.Module):
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.layer_1 = nn.Linear(config.d_model, config.d_inner)
+        self.layer_2 = nn.Linear(config.d_inner, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.activation = config.ff_activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.dropout(_ACTIVATIONS[self.activation](self.layer_1(x)))
+        y = self.dropout(self.layer_2(y))
+        return self.layer_norm(y + x)
+
+
+class XLNetLayer(nn.Module):
+    def __init__(self, config: XLNetConfig, backend: str = "ctxfast"):
+        super().__init__()
+        self.rel_attn = XLNetRelativeAttention(config, backend)
+        self.ff = XLNetFeedForward(config)
+
+    def forward(self, h, g, pos_emb, m, mem=None, target_mapping=None):
+        h, g = self.rel_attn(h, g, pos_emb, m, mem, target_mapping)
+        return self.ff(h), (None if g is None else self.ff(g))
+
+
+def _shape(t) -> str:
+    return str(list(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _is_int(t: Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+class XLNetModel(nn.Module):
+    """The XLNet encoder (HF ``XLNetModel``'s parameters and forward, ``perm_rank`` in place
+    of ``perm_mask``); see the module docstring."""
+
+    def __init__(self, config: XLNetConfig, backend: str = "ctxfast"):
+        super().__init__()
+        if backend not in ("ctxfast", "eager"):
+            raise ValueError(f"XLNetModel: backend must be 'ctxfast' or 'eager', got {backend!r}")
+        self.config, self.backend = config, backend
+        self.word_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.mask_emb = nn.Parameter(torch.empty(1, 1, config.d_model))
+        self.layer = nn.ModuleList([XLNetLayer(config, backend) for _ in range(config.n_layer)])
+        self.dropout = nn.Dropout(config.dropout)
+        self.apply(self._init_weights)
+
+    def set_backend(self, backend: str) -> "XLNetModel":
+        """Switch every attention layer to ``"ctxfast"`` or ``"eager"`` (weights unchanged)."""
+        if backend not in ("ctxfast", "eager"):
+            raise ValueError(f"XLNetModel: backend must be 'ctxfast' or 'eager', got {backend!r}")
+        self.backend = backend
+        for layer in self.layer:
+            layer.rel_attn.backend = backend
+        return self
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, XLNetRelativeAttention):
+            for p in (module.q, module.k, module.v, module.o, module.r, module.r_r_bias,
+                      module.r_s_bias, module.r_w_bias, module.seg_embed):
+                nn.init.normal_(p, std=std)
+        elif isinstance(module, XLNetModel):
+            nn.init.normal_(module.mask_emb, std=std)
+
+    # ------------------------------------------------------------------ positions, memory
+
+    def relative_positional_encoding(self, qlen: int, klen: int, device, dtype) -> Tensor:
+        """``[n, R, d_model]`` sinusoids, row m for distance ``klen - m`` (clamped):
+        ``R = klen + qlen`` ("bi") or ``klen + 1`` ("uni"); n = 2 with bi_data (the second
+        for the negated distances, used by the second half of the batch), else 1."""
+        c = self.config
+        freq_seq = torch.arange(0, c.d_model, 2, dtype=torch.int64, device=device).float()
+        inv_freq = 1 / torch.pow(10000, (freq_seq / c.d_model))                 # [d/2]
+        end = -qlen if c.attn_type == "bi" else -1
+        fwd = torch.arange(klen, end, -1, dtype=torch.int64, device=device).float()  # [R]
+        seqs = [fwd, -fwd] if c.bi_data else [fwd]
+        embs = []
+        for pos in seqs:
+            if c.clamp_len > 0:
+                pos = pos.clamp(-c.clamp_len, c.clamp_len)
+            sinusoid = pos[:, None] * inv_freq                                  # [R, d/2]
+            embs.append(torch.cat([torch.sin(sinusoid), torch.cos(sinusoid)], -1))  # [R, d]
+        return torch.stack(embs).to(dtype)                                      # [n, R, d]
+
+    def cache_mem(self, cur: Tensor, prev: Optional[Tensor]) -> Tensor:
+        """cur ``[B, T, d]`` (a layer's input), prev ``[mlen, B, d]`` -> the new memory
+        ``[min(mem_len, mlen + T), B, d]`` (HF's layout), detached (stop-gradient)."""
+        c = self.config
+        if c.reuse_len is not None and c.reuse_len > 0:
+            cur = cur[:, :c.reuse_len]
+        cur = cur.transpose(0, 1)                                   # [T, B, d]
+        new = cur if prev is None else torch.cat([prev, cur], 0)   # [mlen + T, B, d]
+        if c.mem_len is not None and c.mem_len > 0:
+            new = new[-c.mem_len:]
+        return new.detach()
+
+    # ------------------------------------------------------------------ input checks
+
+    def _check(self, input_ids, attention_mask, token_type_ids, mems, perm_rank,
+               target_mapping):
+        c = self.config
+        name = type(self).__name__
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or not _is_int(input_ids):
+            raise ValueError(f"{name}: input_ids must be an integer tensor [B, T], got "
+                             f"{getattr(input_ids, 'dtype', '')} {_shape(input_ids)}")
+        B, T = input_ids.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"{name}: input_ids must not be empty, got shape [{B}, {T}]")
+        device = self.word_embedding.weight.device
+        if input_ids.device != device:
+            raise ValueError(f"{name}: input_ids is on {input_ids.device}, the model on {device}")
+        if not torch.compiler.is_compiling():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= c.vocab_size:
+                raise ValueError(f"{name}: input_ids must be in [0, vocab_size) = "
+                                 f"[0, {c.vocab_size}), got values in [{lo}, {hi}]")
+        for arg, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                       ("perm_rank", perm_rank)):
+            if t is None:
+                continue
+            if not isinstance(t, Tensor) or tuple(t.shape) != (B, T):
+                raise ValueError(f"{name}: {arg} must have the shape of input_ids [B, T] = "
+                                 f"[{B}, {T}], got {_shape(t)}")
+            if arg != "attention_mask" and not _is_int(t):
+                raise ValueError(f"{name}: {arg} must be an integer tensor [B, T], got {t.dtype}")
+            if t.device != device:
+                raise ValueError(f"{name}: {arg} is on {t.device}, the model on {device}")
+        if target_mapping is not None:
+            if (not isinstance(target_mapping, Tensor) or target_mapping.dim() != 3
+                    or target_mapping.shape[0] != B or target_mapping.shape[2] != T
+                    or target_mapping.shape[1] == 0):
+                raise ValueError(f"{name}: target_mapping must have shape [B, P, T] = "
+                                 f"[{B}, P, {T}] with P >= 1, got {_shape(target_mapping)}")
+            if target_mapping.device != device:
+                raise ValueError(f"{name}: target_mapping is on {target_mapping.device}, the "
+                                 f"model on {device}")
+        if mems is not None:
+            if not isinstance(mems, (list, tuple)) or len(mems) != c.n_layer:
+                raise ValueError(f"{name}: mems must be a list of n_layer = {c.n_layer} tensors "
+                                 f"[mlen, B, d_model], got {type(mems).__name__} of "
+                                 f"{len(mems) if isinstance(mems, (list, tuple)) else '?'}")
+            mlen = mems[0].shape[0] if isinstance(mems[0], Tensor) else -1
+            for i, mem in enumerate(mems):
+                if (not isinstance(mem, Tensor) or tuple(mem.shape) != (mlen, B, c.d_model)
+                        or not mem.is_floating_point()):
+                    raise ValueError(f"{name}: mems[{i}] must be a float tensor [mlen, B, "
+                                     f"d_model] = [{mlen}, {B}, {c.d_model}] (HF's layout, one "
+                                     f"mlen for all layers), got {_shape(mem)}")
+                if mem.device != device:
+                    raise ValueError(f"{name}: mems[{i}] is on {mem.device}, the model on {device}")
+        if c.bi_data and B % 2:
+            raise ValueError(f"{name}: bi_data needs an even batch (half forward, half "
+                             f"backward distances), got input_ids with B = {B}")
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, mems: Optional[Sequence[Tensor]] = None,
+                perm_rank: Optional[Tensor] = None, target_mapping: Optional[Tensor] = None,
+                use_mems: bool = False) -> XLNetOutput:
+        """Args (batch first, as HF):
+            input_ids: ``[B, T]`` token ids in ``[0, vocab_size)``.
+            attention_mask: ``[B, T]``, 1 for tokens, 0 for padding (HF's convention).
+            token_type_ids: ``[B, T]`` segment ids; memory counts as segment 0 (as HF).
+            mems: ``n_layer`` tensors ``[mlen, B, d_model]`` (HF's layout), from a previous
+                call with ``use_mems=True``; always visible to every query.
+            perm_rank: integer ``[B, T]``, place of each token in the factorisation order.
+            target_mapping: ``[B, P, T]``, row p selects the position of prediction p; runs
+                the query stream.
+            use_mems: return the new memory (each layer's input, last ``mem_len`` steps).
+
+        Returns :class:`XLNetOutput`; ``last_hidden_state`` is ``[B, P, d_model]`` (query
+        stream) with target_mapping, else ``[B, T, d_model]`` (content stream).
+        """
+        self._check(input_ids, attention_mask, token_type_ids, mems, perm_rank, target_mapping)
+        c = self.config
+        B, T = input_ids.shape
+        mlen = mems[0].shape[0] if mems is not None else 0
+        Tk = mlen + T
+        dtype = self.word_embedding.weight.dtype
+        device = input_ids.device
+
+        kpm = None
+        if attention_mask is not None:
+            pad = attention_mask == 0                                      # [B, T] True = pad
+            kpm = torch.cat([pad.new_zeros(B, mlen), pad], 1)              # [B, Tk]
+        seg_q = seg_k = None
+        if token_type_ids is not None:
+            seg_q = token_type_ids
+            seg_k = torch.cat([token_type_ids.new_zeros(B, mlen), token_type_ids], 1)  # [B, Tk]
+        halves = [slice(0, B // 2), slice(B // 2, B)] if c.bi_data else [slice(0, B)]
+        masks = _Masks(c.attn_type == "uni", Tk, kpm, perm_rank, seg_q, seg_k, halves)
+
+        h = self.dropout(self.word_embedding(input_ids))                   # [B, T, d]
+        g = None
+        if target_mapping is not None:
+            target_mapping = target_mapping.to(dtype)
+            P = target_mapping.shape[1]
+            g = self.dropout(self.mask_emb.expand(B, P, c.d_model))        # [B, P, d]
+        pos_emb = self.dropout(self.relative_positional_encoding(T, Tk, device, dtype))
+
+        new_mems = []
+        for i, layer in enumerate(self.layer):
+            prev = None if mems is None else mems[i]
+            if use_mems:
+                new_mems.append(self.cache_mem(h, prev))
+            mem = None if prev is None else prev.transpose(0, 1).to(dtype)  # [B, mlen, d]
+            h, g = layer(h, g, pos_emb, masks, mem, target_mapping)
+
+        h = self.dropout(h)
+        g = None if g is None else self.dropout(g)
+        return XLNetOutput(last_hidden_state=h if g is None else g,
+                           mems=new_mems if use_mems else None,
+                           content_hidden_state=h, query_hidden_state=g)
+
+
+class XLNetLMHeadModel(nn.Module):
+    """XLNet with the LM head (``lm_loss``, weight tied to ``transformer.word_embedding``)."""
+
+    def __init__(self, config: XLNetConfig, backend: str = "ctxfast"):
+        super().__init__()
+        self.config = config
+        self.transformer = XLNetModel(config, backend)
+        self.lm_loss = nn.Linear(config.d_model, config.vocab_size, bias=True)
+        nn.init.zeros_(self.lm_loss.bias)
+        if config.tie_word_embeddings:
+            self.lm_loss.weight = self.transformer.word_embedding.weight
+        else:
+            nn.init.normal_(self.lm_loss.weight, std=config.initializer_range)
+
+    def set_backend(self, backend: str) -> "XLNetLMHeadModel":
+        self.transformer.set_backend(backend)
+        return self
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, mems: Optional[Sequence[Tensor]] = None,
+                perm_rank: Optional[Tensor] = None, target_mapping: Optional[Tensor] = None,
+                use_mems: bool = False, labels: Optional[Tensor] = None) -> XLNetLMOutput:
+        """As :meth:`XLNetModel.forward`; ``labels [B, P]`` (with target_mapping) or
+        ``[B, T]``, -100 = ignored, gives the mean cross-entropy ``loss``.
+        Returns logits ``[B, P or T, vocab_size]``."""
+        if labels is not None and isinstance(input_ids, Tensor) and input_ids.dim() == 2:
+            L = input_ids.shape[1] if target_mapping is None else target_mapping.shape[1]
+            if not isinstance(labels, Tensor) or tuple(labels.shape) != (input_ids.shape[0], L):
+                raise ValueError(f"XLNetLMHeadModel: labels must have shape [B, P or T] = "
+                                 f"[{input_ids.shape[0]}, {L}], got {_shape(labels)}")
+        out = self.transformer(input_ids, attention_mask, token_type_ids, mems, perm_rank,
+                               target_mapping, use_mems)
+        logits = self.lm_loss(out.last_hidden_state)                       # [B, L, V]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),   # [B*L, V]
+                                   labels.reshape(-1), ignore_index=-100)  # [B*L]
+        return XLNetLMOutput(logits=logits, loss=loss, mems=out.mems)
+
+
+# ---------------------------------------------------------------------- Hugging Face
+
+def from_hf_xlnet(hf_model, backend: str = "ctxfast"):
+    """The ctxfast model with the weights of a Hugging Face ``XLNetModel`` (-> our
+    :class:`XLNetModel`) or ``XLNetLMHeadModel`` (-> :class:`XLNetLMHeadModel`), on the
+    same device, dtype and train/eval mode. Outputs agree with HF's (see the module
+    docstring for the rows that differ and for ``perm_rank`` vs ``perm_mask``)."""
+    names = [c.__name__ for c in type(hf_model).__mro__]   # transformers is not imported
+    lm = "XLNetLMHeadModel" in names
+    if not lm and "XLNetModel" not in names:
+        raise TypeError(f"from_hf_xlnet: expected a transformers XLNetModel or "
+                        f"XLNetLMHeadModel, got {type(hf_model).__name__}")
+    hc = hf_model.config
+    if not isinstance(hc.ff_activation, str):
+        raise ValueError(f"from_hf_xlnet: ff_activation must be one of {sorted(_ACTIVATIONS)}, "
+                         f"got {hc.ff_activation!r}")
+    keys = {f.name for f in fields(XLNetConfig)}
+    config = XLNetConfig(**{n: getattr(hc, n) for n in keys if hasattr(hc, n)})
+    model = (XLNetLMHeadModel if lm else XLNetModel)(config, backend)
+    param = next(hf_model.parameters())
+    model.to(device=param.device, dtype=param.dtype)
+    state = hf_model.state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_loss.weight"} if lm and config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"from_hf_xlnet: state dicts do not match: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return model.train(hf_model.training)

@@ -1,0 +1,309 @@
+"""``ctxfast.lstm``: one LSTM layer and direction over all time steps, with DropConnect on
+the recurrent weights (AWD-LSTM), projection and clipping (ELMo), as a drop-in autograd op.
+
+The input projection ``xw = x @ w_ihᵀ + b_ih + b_hh`` of all steps is one GEMM here, in
+PyTorch (ordinary autograd); the recurrence runs in one call of a fused op (math in
+``ctxfast/reference/lstm.py``).
+
+Registered ops (under ``torch.ops.ctxfast``; fakes and autograd here):
+
+* ``lstm_recurrence_triton(xw, h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip,
+  reverse) -> (out [T, B, P], cells [T, B, H], gates [T, B, 4H])`` and
+  ``lstm_recurrence_backward_triton(grad_out, grad_cells, h0, c0, w_hh, w_hr, mask, scale,
+  cell_clip, proj_clip, reverse, out, cells, gates) -> (grad_xw, grad_h0, grad_c0,
+  grad_w_hh, grad_w_hr)``: ``kernels/lstm.py``.
+* ``lstm_recurrence_native`` / ``lstm_recurrence_backward_native``: the same schemas in C++
+  (``csrc/cpu`` through ``ctxfast._C``, ``csrc/cuda`` through ``ctxfast._cuda``), where the
+  extension was built with them.
+
+``grad_w_hh`` is the gradient w.r.t. the *unmasked* ``w_hh`` (``dW * mask * scale``);
+``grad_w_hr`` is an empty ``[0]`` tensor when there is no projection. ``gates`` (the
+post-activation gates, saved for the backward) is not differentiable.
+
+The ``eager`` backend is ``ctxfast.reference.lstm`` (a per-step PyTorch loop).
+"""
+import math
+from numbers import Real
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _dispatch
+from .. import reference as _ref
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# The C++ recurrence exists only once csrc/ has it and the extension was rebuilt.
+_NATIVE = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "lstm_recurrence_native")
+
+# Defaults: on CPU the C++ kernel where built, else the eager loop (Triton runs on CPU only
+# in the interpreter, for tests); on CUDA the CUDA C++ kernel, then Triton. Not yet
+# measured (CPU: benchmarks of issue 5; GPU: the GPU round decides the order).
+_dispatch.register_op(
+    "lstm",
+    supported=("triton", "cuda", "cpu", "eager") if _NATIVE else ("triton", "eager"),
+    cpu_default=("cpu", "eager") if _NATIVE else ("eager",),
+    cuda_default=("cuda", "triton", "eager") if _NATIVE else ("triton", "eager"),
+)
+
+
+# --------------------------------------------------------------------------- autograd (shared)
+
+def _recurrence_fake(xw, h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip, reverse):
+    T, B, G = xw.shape
+    return (xw.new_empty((T, B, h0.shape[1])), xw.new_empty((T, B, G // 4)),
+            xw.new_empty((T, B, G)))
+
+
+def _backward_fake(grad_out, grad_cells, h0, c0, w_hh, w_hr, mask, scale, cell_clip,
+                   proj_clip, reverse, out, cells, gates):
+    gw_hr = w_hr.new_empty(w_hr.shape) if w_hr is not None else grad_out.new_empty((0,))
+    return (gates.new_empty(gates.shape), h0.new_empty(h0.shape), c0.new_empty(c0.shape),
+            w_hh.new_empty(w_hh.shape), gw_hr)
+
+
+def _setup_context(ctx, inputs, output):
+    xw, h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip, reverse = inputs
+    out, cells, gates = output
+    ctx.mark_non_differentiable(gates)
+    ctx.save_for_backward(h0, c0, w_hh, w_hr, mask, out, cells, gates)
+    ctx.args = (scale, cell_clip, proj_clip, reverse)
+
+
+def _make_backward(backward_op):
+    def _backward(ctx, grad_out, grad_cells, grad_gates):
+        h0, c0, w_hh, w_hr, mask, out, cells, gates = ctx.saved_tensors
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+        grad_cells = torch.zeros_like(cells) if grad_cells is None else grad_cells
+        gxw, gh0, gc0, gw_hh, gw_hr = backward_op(
+            grad_out, grad_cells, h0, c0, w_hh, w_hr, mask, *ctx.args, out, cells, gates)
+        return (gxw, gh0, gc0, gw_hh, gw_hr if w_hr is not None else None,
+                None, None, None, None, None)
+    return _backward
+
+
+# --------------------------------------------------------------------------- Triton ops
+
+@torch.library.custom_op("ctxfast::lstm_recurrence_triton", mutates_args=())
+def _lstm_recurrence_triton(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
+                            w_hr: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                            cell_clip: float, proj_clip: float,
+                            reverse: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    from ctxfast.kernels.lstm import lstm_forward  # imports triton
+    return lstm_forward(xw, h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip, reverse)
+
+
+_lstm_recurrence_triton.register_fake(_recurrence_fake)
+
+
+@torch.library.custom_op("ctxfast::lstm_recurrence_backward_triton", mutates_args=())
+def _lstm_recurrence_backward_triton(
+        grad_out: Tensor, grad_cells: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
+        w_hr: Optional[Tensor], mask: Optional[Tensor], scale: float, cell_clip: float,
+        proj_clip: float, reverse: bool, out: Tensor, cells: Tensor,
+        gates: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from ctxfast.kernels.lstm import lstm_backward  # imports triton
+    return lstm_backward(grad_out, grad_cells, h0, c0, w_hh, w_hr, mask, scale, cell_clip,
+                         proj_clip, reverse, out, cells, gates)
+
+
+_lstm_recurrence_backward_triton.register_fake(_backward_fake)
+_lstm_recurrence_triton.register_autograd(
+    _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_triton(*a)),
+    setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- C++ ops
+
+if _NATIVE:
+    torch.library.register_fake("ctxfast::lstm_recurrence_native")(_recurrence_fake)
+    torch.library.register_fake("ctxfast::lstm_recurrence_backward_native")(_backward_fake)
+    torch.library.register_autograd(
+        "ctxfast::lstm_recurrence_native",
+        _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
+        setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _check_tensor(name: str, t: object, rank: int, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"lstm: {name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"lstm: {name} must have shape {layout} (rank {rank}), got shape "
+                         f"{_shape(t)}")
+
+
+def _check_clip(name: str, clip: object) -> float:
+    if clip is None:
+        return math.inf
+    if isinstance(clip, bool) or not isinstance(clip, Real):
+        raise TypeError(f"lstm: {name} must be a float > 0 or None, got {type(clip).__name__}")
+    if not clip > 0:
+        raise ValueError(f"lstm: {name} must be > 0 (None: no clip), got {clip}")
+    return float(clip)
+
+
+def _check(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask, weight_dropout, cell_clip,
+           proj_clip, reverse) -> Tuple[float, float]:
+    """Validate every argument (shapes, dtypes, devices, ranges); returns the clips as
+    floats (``math.inf``: none)."""
+    _check_tensor("x", x, 3, "[T, B, I]")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"lstm: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    T, B, I = x.shape
+    _check_tensor("w_ih", w_ih, 2, "[4H, I]")
+    if w_ih.shape[0] % 4 != 0 or w_ih.shape[0] == 0 or w_ih.shape[1] != I:
+        raise ValueError(f"lstm: w_ih must have shape [4H, I] with I = {I} (x's last dim) and "
+                         f"H >= 1, got {_shape(w_ih)}")
+    H = w_ih.shape[0] // 4
+    _check_tensor("w_hh", w_hh, 2, "[4H, P]")
+    if w_hh.shape[0] != 4 * H or w_hh.shape[1] == 0:
+        raise ValueError(f"lstm: w_hh must have shape [4H, P] = [{4 * H}, P] (4H from w_ih), "
+                         f"got {_shape(w_hh)}")
+    P = w_hh.shape[1]
+    if w_hr is None:
+        if P != H:
+            raise ValueError(f"lstm: without w_hr, w_hh must have shape [4H, H] = [{4 * H}, "
+                             f"{H}], got {_shape(w_hh)}")
+    else:
+        _check_tensor("w_hr", w_hr, 2, "[P, H]")
+        if _shape(w_hr) != (P, H):
+            raise ValueError(f"lstm: w_hr must have shape [P, H] = [{P}, {H}] (P from w_hh, "
+                             f"H from w_ih), got {_shape(w_hr)}")
+    for name, b in (("b_ih", b_ih), ("b_hh", b_hh)):
+        if b is not None:
+            _check_tensor(name, b, 1, f"[4H] = [{4 * H}]")
+            if b.shape[0] != 4 * H:
+                raise ValueError(f"lstm: {name} must have shape [4H] = [{4 * H}], got "
+                                 f"{_shape(b)}")
+    named = [("w_ih", w_ih), ("w_hh", w_hh), ("w_hr", w_hr), ("b_ih", b_ih), ("b_hh", b_hh)]
+    if hx is not None:
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            raise TypeError(f"lstm: hx must be a pair (h0 [B, P], c0 [B, H]) or None, got "
+                            f"{type(hx).__name__}")
+        h0, c0 = hx
+        _check_tensor("h0 (hx[0])", h0, 2, f"[B, P] = [{B}, {P}]")
+        _check_tensor("c0 (hx[1])", c0, 2, f"[B, H] = [{B}, {H}]")
+        if _shape(h0) != (B, P):
+            raise ValueError(f"lstm: h0 (hx[0]) must have shape [B, P] = [{B}, {P}], got "
+                             f"{_shape(h0)}")
+        if _shape(c0) != (B, H):
+            raise ValueError(f"lstm: c0 (hx[1]) must have shape [B, H] = [{B}, {H}], got "
+                             f"{_shape(c0)}")
+        named += [("h0 (hx[0])", h0), ("c0 (hx[1])", c0)]
+    for name, t in named:
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(f"lstm: {name} must have x's dtype {x.dtype}, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"lstm: {name} must be on x's device {x.device}, got {t.device}")
+    if weight_mask is not None:
+        _check_tensor("weight_mask", weight_mask, 2, f"[4H, P] = [{4 * H}, {P}]")
+        if _shape(weight_mask) != (4 * H, P):
+            raise ValueError(f"lstm: weight_mask must have shape [4H, P] = [{4 * H}, {P}] "
+                             f"(w_hh's), got {_shape(weight_mask)}")
+        if weight_mask.dtype not in (torch.bool, w_hh.dtype):
+            raise TypeError(f"lstm: weight_mask must be bool or w_hh's dtype {w_hh.dtype}, "
+                            f"got {weight_mask.dtype}")
+        if weight_mask.device != x.device:
+            raise ValueError(f"lstm: weight_mask must be on x's device {x.device}, got "
+                             f"{weight_mask.device}")
+    if isinstance(weight_dropout, bool) or not isinstance(weight_dropout, Real):
+        raise TypeError(f"lstm: weight_dropout must be a float in [0, 1), got "
+                        f"{type(weight_dropout).__name__}")
+    if not 0.0 <= weight_dropout < 1.0:
+        raise ValueError(f"lstm: weight_dropout must be in [0, 1), got {weight_dropout}")
+    cc = _check_clip("cell_clip", cell_clip)
+    pc = _check_clip("proj_clip", proj_clip)
+    if proj_clip is not None and w_hr is None:
+        raise ValueError("lstm: proj_clip clips the projection h_t = hp_t @ w_hrᵀ; it needs "
+                         "w_hr [P, H] (got w_hr=None)")
+    if not isinstance(reverse, bool):
+        raise TypeError(f"lstm: reverse must be a bool, got {type(reverse).__name__}")
+    return cc, pc
+
+
+# --------------------------------------------------------------------------- public op
+
+def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
+         b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
+         w_hr: Optional[Tensor] = None, *, weight_mask: Optional[Tensor] = None,
+         weight_dropout: float = 0.0, cell_clip: Optional[float] = None,
+         proj_clip: Optional[float] = None, reverse: bool = False,
+         backend: Optional[str] = None) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+    """One LSTM layer, one direction, all time steps in one fused call.
+
+    Per step (gate order i, f, g, o as ``torch.nn.LSTM``)::
+
+        W = w_hh * weight_mask / (1 - weight_dropout)        (w_hh without a mask)
+        z = x_t @ w_ihᵀ + b_ih + b_hh + h_{t-1} @ Wᵀ
+        c_t = clamp(f * c_{t-1} + i * g, ±cell_clip);  hp = o * tanh(c_t)
+        h_t = clamp(hp @ w_hrᵀ, ±proj_clip)  (h_t = hp without w_hr)
+
+    Args:
+        x: ``[T, B, I]``, time-major; any strides. fp16, bf16, fp32 (fp64 for tests).
+        hx: ``(h0 [B, P], c0 [B, H])`` or None (zeros). One layer: no layer dimension.
+        w_ih: ``[4H, I]``; w_hh: ``[4H, P]``; b_ih, b_hh: ``[4H]`` or None;
+            w_hr: ``[P, H]`` or None (then ``P = H``) — ``nn.LSTM``'s parameters of one
+            layer and direction. All of x's dtype and device.
+        weight_mask: ``[4H, P]`` DropConnect mask of 0/1 (bool or w_hh's dtype), shared by
+            all time steps, or None. The op is deterministic given the mask (the module
+            samples it). Without a mask ``weight_dropout`` is not used (evaluation).
+        weight_dropout: the drop probability p in ``[0, 1)`` the mask was drawn with; the
+            kept weights are scaled by ``1 / (1 - p)``.
+        cell_clip, proj_clip: AllenNLP's ``LstmCellWithProjection`` clips (> 0, None: no
+            clip); ``proj_clip`` needs ``w_hr``. Clipped entries pass no gradient.
+        reverse: consume ``t = T-1 .. 0`` (the backward direction of a biLSTM); ``out``
+            stays in time order.
+        backend: ``"triton" | "cuda" | "cpu" | "eager"`` or None (see ``ctxfast.backend``).
+
+    Returns:
+        ``(out [T, B, P], (h_n [B, P], c_n [B, H]))`` in x's dtype: ``h_n = out[T-1]``
+        (``out[0]`` when reversed), ``c_n`` likewise. For ``T = 0``: an empty ``out`` and
+        ``hx`` unchanged (zeros if None). Differentiable w.r.t. x, hx and every weight.
+
+    Raises:
+        TypeError, ValueError: a wrong type, rank, shape, dtype or device (naming the
+            argument and the expected shape), ``weight_dropout`` outside ``[0, 1)``, a clip
+            <= 0 — before any kernel runs.
+        ctxfast.BackendUnavailable: the backend asked for cannot run.
+    """
+    cc, pc = _check(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask, weight_dropout,
+                    cell_clip, proj_clip, reverse)
+    asked, source = _dispatch.requested_backend(backend)
+    if asked in ("cpu", "cuda") and not _NATIVE:
+        raise _dispatch.BackendUnavailable(
+            f"ctxfast.lstm: backend {asked!r} (from {source}) cannot run: ctxfast._C has no "
+            "lstm_recurrence_native op (rebuild the extension with the LSTM kernels: "
+            "`pip install --no-build-isolation -e .`)")
+    name = _dispatch.resolve("lstm", x.device, backend)
+    if name == "eager":
+        return _ref.lstm(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask=weight_mask,
+                         weight_dropout=weight_dropout, cell_clip=cell_clip,
+                         proj_clip=proj_clip, reverse=reverse)
+    T, B, _ = x.shape
+    H, P = w_hh.shape[0] // 4, w_hh.shape[1]
+    if hx is None:
+        hx = (x.new_zeros((B, P)), x.new_zeros((B, H)))
+    h0, c0 = hx
+    if T == 0:
+        return x.new_empty((0, B, P)), (h0, c0)
+    mask, scale = None, 1.0
+    if weight_mask is not None:
+        mask = weight_mask.detach().to(w_hh.dtype)
+        scale = 1.0 / (1.0 - float(weight_dropout))
+    bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
+    xw = F.linear(x, w_ih, bias)                                  # [T, B, 4H]
+    op = (torch.ops.ctxfast.lstm_recurrence_triton if name == "triton"
+          else torch.ops.ctxfast.lstm_recurrence_native)
+    out, cells, _ = op(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
+    last = 0 if reverse else T - 1
+    return out, (out[last], cells[last])

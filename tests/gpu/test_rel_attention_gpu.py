@@ -1,0 +1,72 @@
+"""ctxfast.rel_attention on a GPU at sizes the interpreter cannot reach: the decoding path
+(keys split over programs, chosen automatically on CUDA) in bf16/fp16/fp32 against the
+float64 reference, the split path against the unsplit one, a training shape, and the
+FlexAttention formulation of the benchmarks (compiled, forward and backward). (The CPU
+tests in tests/test_rel_attention*.py also run here: their tensors go to CUDA.) Skipped
+without CUDA."""
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from ctxfast import reference  # noqa: E402
+from test_attention import FLOOR  # noqa: E402
+from test_rel_attention import NAMES, _inputs, check  # noqa: E402
+from test_rel_attention_decode import bench  # noqa: E402,F401  (fixture)
+from utils import rel_err  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("Tq, mem", [(1, 4095), (4, 2047), (16, 3001)])
+def test_decoding_against_reference(dtype, Tq, mem):
+    from ctxfast.kernels.rel_attention import decode_splits
+    B, H, D = 2, 4, 64
+    assert decode_splits(B, H, Tq, Tq + mem, D, "cuda") > 1    # the split path is tested
+    check(B, H, Tq, Tq + mem, D, dtype=dtype)
+
+
+def test_decoding_split_equals_unsplit():
+    from ctxfast.kernels.rel_attention import rel_attention_forward
+    B, H, Tq, Tk, D = 2, 4, 3, 3000, 64
+    ts = _inputs(B, H, Tq, Tk, D, Tk)
+    kpm = torch.rand(B, Tk, device="cuda") < 0.1
+    out1, lse1 = rel_attention_forward(*ts, key_padding_mask=kpm, num_splits=1)
+    out, lse = rel_attention_forward(*ts, key_padding_mask=kpm)        # automatic: split
+    assert torch.allclose(out, out1, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(lse, lse1, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_training_shape(dtype):
+    check(2, 4, 512, 1536, 64, dtype=dtype)
+
+
+def test_flex_formulation_forward_and_backward(bench):  # noqa: F811
+    """The benchmark's ``flex`` backend (compiled FlexAttention, BD gathered in score_mod)
+    against the float64 reference, forward and the gradient of every input (BD's through
+    the captured buffer), within 2x the eager bf16 error."""
+    reason = bench._flex_error()
+    if reason is not None:
+        pytest.skip(reason)
+    B, H, Tq, mem, D = 2, 4, 256, 384, 64
+    case = bench.Case((B, H, Tq, mem, D), ("cuda",))
+    op = bench._flex_op(case, torch.device("cuda"))
+    ts = _inputs(B, H, Tq, Tq + mem, D, Tq + mem, dtype=torch.bfloat16)
+    leaves = [t.clone().requires_grad_(True) for t in ts]
+    same = [t.clone().requires_grad_(True) for t in ts]
+    l64 = [t.double().requires_grad_(True) for t in ts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = op(*leaves)
+    out_same, out64 = reference.rel_attention(*same), reference.rel_attention(*l64)
+    do = torch.randn_like(out)
+    g = torch.autograd.grad(out, leaves, do)
+    g_same = torch.autograd.grad(out_same, same, do)
+    g64 = torch.autograd.grad(out64, l64, do.double())
+    for name, ours, s, ref in [("out", out, out_same, out64)] + list(zip(NAMES, g, g_same, g64)):
+        err, err_same = (ours.double() - ref).norm().item(), (s.double() - ref).norm().item()
+        bound = 2 * err_same + FLOOR[torch.bfloat16] * max(ref.norm().item(), 1.0)
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (relative {rel_err(ours, ref):.2e})"

@@ -1,0 +1,191 @@
+"""ctxfast.locked_dropout and ctxfast.embedding_dropout (and their modules) against
+ctxfast.reference.dropout: given masks (deterministic), sampled masks (structure and keep
+rate), eval mode, gradients, dtypes, bad inputs."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ctxfast
+from ctxfast import reference
+from ctxfast.nn import EmbeddingDropout, LockedDropout
+from utils import assert_close, assert_equal
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _six_sigma(mean: float, p: float, n: int) -> None:
+    """The fraction kept is 1 - p within 6 standard deviations (false alarm ~1 in 5e8)."""
+    assert abs(mean - (1 - p)) < 6 * math.sqrt(p * (1 - p) / n), mean
+
+
+# --------------------------------------------------------------------------- locked dropout
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, batch_first", [((7, 3, 5), False), ((3, 7, 5), True),
+                                                ((1, 2, 3), False), ((6, 4), False),
+                                                ((5, 2, 3, 4), False), ((2, 5, 3, 4), True)],
+                         ids=str)
+def test_locked_dropout_given_mask_matches_reference(shape, batch_first, dtype):
+    p = 0.3
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    tdim = 1 if batch_first else 0
+    mshape = shape[:tdim] + shape[tdim + 1:]
+    mask = torch.rand(mshape) >= p
+    out = ctxfast.locked_dropout(x, p, batch_first=batch_first, mask=mask)
+    ref = reference.locked_dropout(x, mask, 1 / (1 - p), batch_first)
+    assert_equal(out, ref, "forward")
+    g = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, g)
+    (dref,) = torch.autograd.grad(ref, x, g)
+    assert_equal(dx, dref, "grad x")
+
+
+def test_locked_dropout_non_contiguous_and_float_mask():
+    x = torch.randn(5, 8, 6)[:, ::2].transpose(1, 2)          # [5, 6, 4], non-contiguous
+    mask = (torch.rand(6, 4) > 0.5).double()
+    out = ctxfast.locked_dropout(x, 0.5, mask=mask)
+    assert_equal(out, reference.locked_dropout(x, mask, 2.0), "forward")
+
+
+def test_locked_dropout_sampled_mask_is_shared_over_time():
+    p, T = 0.4, 9
+    x = torch.randn(T, 64, 32) + 5.0                          # never zero
+    out = ctxfast.locked_dropout(x, p)
+    kept = out != 0                                           # [T, B, F]
+    assert torch.equal(kept, kept[:1].expand_as(kept)), "one mask for all time steps"
+    assert_close(out[kept], x[kept] / (1 - p), 1e-6, "kept values scaled by 1/(1-p)")
+    _six_sigma(kept[0].float().mean().item(), p, kept[0].numel())
+    out_bf = ctxfast.locked_dropout(x.transpose(0, 1), p, batch_first=True)
+    kept_bf = out_bf != 0                                     # [B, T, F]
+    assert torch.equal(kept_bf, kept_bf[:, :1].expand_as(kept_bf))
+    assert not torch.equal(kept_bf.transpose(0, 1), kept), "a new mask per call"
+
+
+def test_locked_dropout_eval_p0_p1_and_generator():
+    x = torch.randn(4, 3, 2)
+    m = torch.zeros(3, 2)
+    assert ctxfast.locked_dropout(x, 0.5, training=False, mask=m) is x
+    assert ctxfast.locked_dropout(x, 0.0) is x
+    assert torch.equal(ctxfast.locked_dropout(x, 1.0), torch.zeros_like(x))
+    a = ctxfast.locked_dropout(x, 0.5, generator=torch.Generator().manual_seed(1))
+    b = ctxfast.locked_dropout(x, 0.5, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+
+
+def test_locked_dropout_gradcheck():
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(3, 5) > 0.3
+    assert torch.autograd.gradcheck(lambda t: ctxfast.locked_dropout(t, 0.3, mask=mask), (x,))
+
+
+def test_locked_dropout_module():
+    m = LockedDropout(0.25, batch_first=True)
+    x = torch.randn(3, 6, 4)
+    mask = torch.rand(3, 4) > 0.25
+    assert_equal(m(x, mask), reference.locked_dropout(x, mask, 1 / 0.75, True), "module")
+    m.eval()
+    assert m(x) is x
+    assert "p=0.25" in repr(m)
+
+
+def test_locked_dropout_bad_inputs():
+    x = torch.randn(4, 3, 2)
+    with pytest.raises(ValueError, match=r"mask must have shape \[3, 2\]"):
+        ctxfast.locked_dropout(x, 0.5, mask=torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):
+        ctxfast.locked_dropout(x, 1.5)
+    with pytest.raises(TypeError, match="p must be a float"):
+        ctxfast.locked_dropout(x, "0.5")
+    with pytest.raises(ValueError, match="rank >= 2"):
+        ctxfast.locked_dropout(torch.randn(4), 0.5)
+    with pytest.raises(TypeError, match="floating-point"):
+        ctxfast.locked_dropout(torch.ones(4, 3, dtype=torch.long), 0.5)
+    with pytest.raises(TypeError, match="mask must be bool or floating"):
+        ctxfast.locked_dropout(x, 0.5, mask=torch.ones(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="p must be a number"):
+        LockedDropout(-0.1)
+
+
+# --------------------------------------------------------------------------- embedding dropout
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("padding_idx", [None, 2])
+@pytest.mark.parametrize("scale", [None, 0.7])
+def test_embedding_dropout_given_mask_matches_reference(scale, padding_idx, dtype):
+    V, E, p = 11, 6, 0.4
+    weight = torch.randn(V, E, dtype=dtype, requires_grad=True)
+    ids = torch.randint(0, V, (4, 9))
+    ids[0, :3] = 2                                            # the padding row appears
+    mask = torch.rand(V) >= p
+    mask[ids[1, 0]] = False                                   # a dropped word that occurs
+    out = ctxfast.embedding_dropout(weight, ids, p, scale=scale, padding_idx=padding_idx,
+                                    mask=mask)
+    ref = reference.embedding_dropout(weight, ids, mask, 1 / (1 - p), scale, padding_idx)
+    assert out.shape == (4, 9, E) and out.dtype == dtype
+    assert (out[1, 0] == 0).all()
+    assert_close(out, ref, None, "forward")
+    g = torch.randn_like(out)
+    (dw,) = torch.autograd.grad(out, weight, g)
+    (dref,) = torch.autograd.grad(ref, weight, g)
+    assert_close(dw, dref, None, "grad weight")
+    if padding_idx is not None:
+        assert (dw[padding_idx] == 0).all()
+
+
+def test_embedding_dropout_sampled_drops_whole_words():
+    V, E, p = 400, 8, 0.3
+    weight = torch.randn(V, E) + 3.0                          # never zero
+    ids = torch.randint(0, V, (16, 50))
+    out = ctxfast.embedding_dropout(weight, ids, p)           # [16, 50, E]
+    kept_rows = (out != 0).all(-1)
+    assert torch.equal(kept_rows, (out != 0).any(-1)), "a word is dropped as a whole"
+    for v in ids.unique()[:50].tolist():                      # every occurrence alike
+        k = kept_rows[ids == v]
+        assert k.all() or not k.any(), v
+    assert_close(out[kept_rows], weight[ids][kept_rows] / (1 - p), 1e-6, "kept scaled")
+    many = torch.stack([(ctxfast.embedding_dropout(weight, torch.arange(V), p) != 0).all(-1)
+                        for _ in range(20)])                  # 20 draws of V words
+    _six_sigma(many.float().mean().item(), p, many.numel())
+
+
+def test_embedding_dropout_eval_and_gradcheck():
+    weight = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 3, 3, 6]])
+    mask = torch.zeros(7)
+    assert torch.equal(ctxfast.embedding_dropout(weight, ids, 0.5, training=False, mask=mask),
+                       F.embedding(ids, weight))
+    assert torch.equal(ctxfast.embedding_dropout(weight, ids, 0.5, training=False, scale=2.0),
+                       2 * F.embedding(ids, weight))
+    mask = torch.tensor([1., 0, 1, 1, 0, 1, 1], dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda w: ctxfast.embedding_dropout(w, ids, 0.5, mask=mask, scale=0.5), (weight,))
+
+
+def test_embedding_dropout_module_wraps_embedding():
+    emb = torch.nn.Embedding(10, 4, padding_idx=1)
+    m = EmbeddingDropout(emb, 0.2)
+    assert m.emb is emb and list(m.state_dict()) == ["emb.weight"]
+    ids = torch.randint(0, 10, (3, 5))
+    mask = torch.rand(10) > 0.2
+    assert_close(m(ids, mask=mask),
+                 reference.embedding_dropout(emb.weight, ids, mask, 1 / 0.8, None, 1),
+                 None, "module")
+    m.eval()
+    assert torch.equal(m(ids), emb(ids))
+    with pytest.raises(NotImplementedError, match="max_norm"):
+        EmbeddingDropout(torch.nn.Embedding(10, 4, max_norm=1.0), 0.1)
+
+
+def test_embedding_dropout_bad_inputs():
+    w = torch.randn(5, 3)
+    ids = torch.tensor([0, 4])
+    with pytest.raises(ValueError, match=r"mask must have shape \[5\]"):
+        ctxfast.embedding_dropout(w, ids, 0.5, mask=torch.ones(4))
+    with pytest.raises(TypeError, match="input_ids must be an integer"):
+        ctxfast.embedding_dropout(w, ids.float(), 0.5)
+    with pytest.raises(ValueError, match=r"weight must have shape \[V, E\]"):
+        ctxfast.embedding_dropout(torch.randn(5), ids, 0.5)
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):
+        ctxfast.embedding_dropout(w, ids, -0.5)

@@ -1,0 +1,239 @@
+"""ctxfast.models.gpt: backend="ctxfast" against backend="eager" (outputs and every
+parameter's gradient), generation with and without the key/value cache, training, torch.compile
+and input checks. Toy sizes: the Triton kernels run in the interpreter on CPU.
+
+The "ctxfast" model runs its attention under ``ctxfast.backend("triton")`` wherever the Triton
+kernels can run (CPU with TRITON_INTERPRET=1, or CUDA), so the kernels themselves are what
+is compared with the eager reference; elsewhere it runs on the dispatch default.
+"""
+import contextlib
+
+import pytest
+import torch
+
+import ctxfast
+from ctxfast.models import GPT, GPTConfig
+from ctxfast.models._common import KVCache
+from utils import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = ctxfast.why_unavailable("triton", DEVICE) is None
+
+
+def ops_backend():
+    """The op backend the "ctxfast" models run on in these tests."""
+    return ctxfast.backend("triton") if TRITON else contextlib.nullcontext()
+
+
+def _config(**kw):
+    base = dict(vocab_size=37, n_positions=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
+                attn_dropout=0.0)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def _pair(**kw):
+    """The same weights on both backends."""
+    fast = GPT(_config(backend="ctxfast", **kw)).to(DEVICE)
+    eager = GPT(_config(backend="eager", **kw)).to(DEVICE)
+    eager.load_state_dict(fast.state_dict())
+    return fast, eager
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("prenorm", [True, False], ids=["gpt2", "gpt1"])
+def test_ctxfast_matches_eager_outputs_and_every_grad(prenorm):
+    fast, eager = _pair(prenorm=prenorm, activation="gelu_tanh" if prenorm else "gelu")
+    idx = torch.randint(0, 37, (2, 11), device=DEVICE)
+    targets = torch.randint(0, 37, (2, 11), device=DEVICE)
+    targets[0, :3] = -100                                    # ignored positions
+    with ops_backend():
+        logits, loss = fast(idx, targets)
+        loss.backward()
+    logits_e, loss_e = eager(idx, targets)
+    loss_e.backward()
+    assert_close(logits, logits_e, name="logits")
+    assert_close(loss, loss_e, name="loss")
+    g, g_e = _grads(fast), _grads(eager)
+    assert g.keys() == g_e.keys() and len(g) == len(list(fast.parameters()))
+    for name in g:
+        assert g[name].abs().sum() > 0, f"{name}: zero gradient"
+        assert_close(g[name], g_e[name], name=f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_logits_within_twice_eager_error(dtype):
+    """The flash-attention rule: in fp16/bf16, ‖ctxfast − fp64‖ <= 2·‖eager − fp64‖ + floor."""
+    fast, eager = _pair()
+    ref = GPT(_config(backend="eager")).to(DEVICE).double()
+    ref.load_state_dict(fast.state_dict())
+    fast, eager = fast.to(dtype), eager.to(dtype)
+    idx = torch.randint(0, 37, (2, 9), device=DEVICE)
+    with torch.no_grad():
+        with ops_backend():
+            out = fast(idx)[0]
+        same = eager(idx)[0]
+        out64 = ref(idx)[0]
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    err, err_eager = ((t.double() - out64).norm().item() for t in (out, same))
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]   # as tests/test_attention.py
+    bound = 2 * err_eager + floor * max(out64.norm().item(), 1.0)
+    assert err <= bound, f"‖ctxfast − fp64‖ {err:.3e} > bound {bound:.3e} (eager {err_eager:.3e})"
+
+
+def test_length_one_empty_and_non_contiguous_inputs():
+    fast, eager = _pair(n_layer=1)
+    wide = torch.randint(0, 37, (2, 14), device=DEVICE)
+    for idx in (wide[:, :1], wide[:, ::2], wide[:0], wide[:, :0]):   # T=1, strided, B=0, T=0
+        with torch.no_grad(), ops_backend():
+            out = fast(idx)[0]
+        ref = eager(idx)[0]
+        assert out.shape == (*idx.shape, 37)
+        if out.numel():
+            assert_close(out, ref.detach(), name=f"logits for idx {tuple(idx.shape)}")
+
+
+def test_layouts_differ_and_head_is_tied():
+    gpt2, gpt1 = GPT(_config(prenorm=True)), GPT(_config(prenorm=False))
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    assert hasattr(gpt2.transformer, "ln_f") and not hasattr(gpt1.transformer, "ln_f")
+    gpt1.load_state_dict({k: v for k, v in gpt2.state_dict().items() if "ln_f" not in k})
+    idx = torch.randint(0, 37, (1, 5))
+    assert not torch.allclose(gpt2(idx)[0], gpt1(idx)[0])
+    untied = GPT(_config(tie_weights=False))
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+
+
+def test_cached_steps_match_one_full_pass():
+    """Prefill 5 tokens, then one token at a time through the cache: the logits of every
+    position equal those of one pass over the whole sequence."""
+    model = GPT(_config()).to(DEVICE).eval()
+    idx = torch.randint(0, 37, (2, 9), device=DEVICE)
+    with torch.no_grad(), ops_backend():
+        full, _ = model(idx)
+        cache = KVCache(model.config.n_layer)
+        outs = [model(idx[:, :5], cache=cache)[0]]
+        for t in range(5, 9):
+            outs.append(model(idx[:, t:t + 1], cache=cache)[0])
+    assert cache.length == 9
+    assert_close(torch.cat(outs, 1), full, name="cached logits")
+
+
+def test_generate_with_cache_equals_without():
+    """Greedy decoding; 3 + 7 tokens with n_positions 8 also covers the sliding window (the
+    cache is rebuilt once the context is full). A random model soon repeats one token, so
+    the last-position logits of every step are recorded and compared too."""
+    model = GPT(_config(n_positions=8)).to(DEVICE).eval()
+    idx = torch.randint(0, 37, (2, 3), device=DEVICE)
+    steps = []
+    forward = model.forward
+
+    def recording_forward(*args, **kw):
+        logits, loss = forward(*args, **kw)
+        steps[-1].append(logits[:, -1])
+        return logits, loss
+
+    model.forward = recording_forward
+    results = []
+    with ops_backend():
+        for use_cache in (True, False):
+            steps.append([])
+            results.append(model.generate(idx, 7, temperature=0.0, use_cache=use_cache))
+    cached, plain = results
+    assert cached.shape == (2, 10)
+    assert torch.equal(cached[:, :3], idx)
+    assert torch.equal(cached, plain), (cached, plain)
+    assert len(steps[0]) == len(steps[1]) == 7
+    assert_close(torch.stack(steps[0]), torch.stack(steps[1]), name="logits of each step")
+    # the eager backend generates the same tokens
+    model.set_backend("eager")
+    assert torch.equal(model.generate(idx, 7, temperature=0.0), cached)
+
+
+def test_generate_sampling_top_k():
+    model = GPT(_config(backend="eager")).eval()             # sampling is backend-independent
+    idx = torch.randint(0, 37, (3, 2))
+    gen = torch.Generator().manual_seed(0)
+    out = model.generate(idx, 5, temperature=0.8, top_k=1, generator=gen)
+    greedy = model.generate(idx, 5, temperature=0.0)
+    out2 = model.generate(idx, 5, temperature=1.5, top_k=5, generator=gen)
+    assert torch.equal(out, greedy)                          # top_k=1 is greedy
+    assert out2.shape == (3, 7) and int(out2.min()) >= 0 and int(out2.max()) < 37
+    assert torch.equal(model.generate(idx, 0), idx)
+
+
+def test_one_optimizer_step_lowers_the_loss():
+    model = GPT(_config()).to(DEVICE)
+    idx = torch.randint(0, 37, (4, 12), device=DEVICE)
+    x, y = idx[:, :-1], idx[:, 1:]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with ops_backend():
+        _, loss0 = model(x, y)
+        loss0.backward()
+        opt.step()
+        _, loss1 = model(x, y)
+    assert loss1.item() < loss0.item(), (loss0.item(), loss1.item())
+
+
+def test_dropout_on_in_training_and_off_in_eval():
+    model = GPT(_config(n_layer=1, dropout=0.3, attn_dropout=0.3)).to(DEVICE)
+    idx = torch.randint(0, 37, (2, 6), device=DEVICE)
+    with ops_backend():
+        a, b = model(idx)[0], model(idx)[0]
+        model.eval()
+        c, d = model(idx)[0], model(idx)[0]
+    assert not torch.equal(a, b)
+    assert torch.equal(c, d)
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    torch._dynamo.reset()
+    model = GPT(_config(n_layer=1)).to(DEVICE)
+    ref = GPT(_config(n_layer=1, backend="eager")).to(DEVICE)
+    ref.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 37, (2, 7), device=DEVICE)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with ops_backend():
+        _, loss = compiled(idx, idx)
+        loss.backward()
+    _, loss_ref = ref(idx, idx)
+    loss_ref.backward()
+    assert_close(loss.detach(), loss_ref.detach(), name="loss")
+    g, g_ref = _grads(model), _grads(ref)
+    for name in g:
+        assert_close(g[name], g_ref[name], name=f"grad {name}")
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = GPT(_config())
+    with pytest.raises(ValueError, match=r"idx must be in \[0, 37\)"):
+        model(torch.tensor([[1, 37]]))
+    with pytest.raises(ValueError, match=r"idx must be in \[0, 37\)"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="n_positions"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"idx must have shape \[B, T\]"):
+        model(torch.zeros(17, dtype=torch.long))
+    with pytest.raises(TypeError, match="idx must be an integer tensor"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="targets must have the shape of idx"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets must be in"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 37))
+    cache = KVCache(2)
+    model(torch.zeros(1, 10, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="n_positions minus cached tokens"):
+        model(torch.zeros(1, 7, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="backend"):
+        GPT(_config(backend="triton"))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 1, top_k=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="divisible"):
+        GPT(_config(n_embd=30, n_head=4))

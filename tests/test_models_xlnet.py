@@ -1,0 +1,292 @@
+"""ctxfast.models.xlnet: the ctxfast backend (Triton rel_attention) agrees with the eager
+one (ctxfast.reference) on outputs and every gradient; permutation-LM properties; one
+optimizer step; half precision; bad inputs. Agreement with Hugging Face is in
+test_from_hf_xlnet.py."""
+import copy
+
+import pytest
+import torch
+
+import ctxfast
+from ctxfast.models.xlnet import XLNetConfig, XLNetLMHeadModel, XLNetModel
+from utils import REL_TOL, TRITON_ON_CPU, assert_close, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The fast path: Triton kernels (on CPU only under the interpreter).
+FAST = "triton" if (TRITON_ON_CPU or torch.cuda.is_available()) else None
+needs_triton = pytest.mark.skipif(FAST is None, reason="Triton cannot run here "
+                                  "(no GPU and TRITON_INTERPRET != 1)")
+V = 37
+
+
+def _config(**kw):
+    # initializer_range 0.3 (not 0.02): peaked attention, so that every term and mask counts
+    base = dict(vocab_size=V, d_model=32, n_layer=2, n_head=2, d_inner=48, dropout=0.0,
+                mem_len=5, initializer_range=0.3)
+    base.update(kw)
+    return XLNetConfig(**base)
+
+
+def _pair(cls=XLNetModel, dtype=torch.float32, **kw):
+    """Two models with the same weights: backend ctxfast and eager."""
+    fast = cls(_config(**kw), backend="ctxfast").to(DEVICE, dtype)
+    eager = copy.deepcopy(fast).set_backend("eager")
+    return fast, eager
+
+
+def _ranks(B, T, ties=False):
+    if ties:
+        return torch.randint(0, max(T // 2, 1), (B, T), device=DEVICE)
+    return torch.stack([torch.randperm(T) for _ in range(B)]).to(DEVICE)
+
+
+def _targets(rank, P):
+    """target_mapping [B, P, T] on the P last tokens of each order (partial prediction)."""
+    B, T = rank.shape
+    top = rank.argsort(dim=1, stable=True)[:, T - P:]                        # [B, P]
+    return torch.nn.functional.one_hot(top, T).float()                   # [B, P, T]
+
+
+CASES = {
+    # content stream only: padding (left, as XLNet's tokenizer pads) and segments
+    "content_pad_seg": dict(B=2, T=9, mlen=0, pad=True, seg=True, perm=False, P=0, cfg={}),
+    # two streams with permutation ranks, partial prediction, segments and memory
+    "two_stream_mems": dict(B=2, T=7, mlen=4, pad=False, seg=True, perm=True, P=3, cfg={}),
+    # causal attention type, bi_data (two position tables), clamp_len, tied ranks, padding
+    "uni_bidata_clamp_ties": dict(B=2, T=6, mlen=3, pad=True, seg=False, perm="ties", P=2,
+                                  cfg=dict(attn_type="uni", bi_data=True, clamp_len=3)),
+    # one token, with memory (its query stream sees only the memory)
+    "len1_mems": dict(B=2, T=1, mlen=5, pad=False, seg=True, perm=True, P=1, cfg={}),
+}
+
+
+def _inputs(case, d_model=32, dtype=torch.float32):
+    B, T, mlen = case["B"], case["T"], case["mlen"]
+    kw = dict(input_ids=torch.randint(0, V, (B, T), device=DEVICE))
+    if case["pad"]:
+        am = torch.ones(B, T, device=DEVICE)
+        am[0, :2] = 0                                                     # left padding
+        kw["attention_mask"] = am
+    if case["seg"]:
+        kw["token_type_ids"] = torch.randint(0, 3, (B, T), device=DEVICE)
+    if case["perm"]:
+        rank = _ranks(B, T, ties=case["perm"] == "ties")
+        kw["perm_rank"] = rank.t().contiguous().t()                        # non-contiguous
+    if case["P"]:
+        kw["target_mapping"] = _targets(kw.get("perm_rank", _ranks(B, T)), case["P"])
+    if mlen:
+        kw["mems"] = [torch.randn(mlen, B, d_model, device=DEVICE, dtype=dtype)
+                      for _ in range(2)]
+    return kw
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(CASES))
+def test_ctxfast_matches_eager_outputs_and_gradients(name):
+    """fp32 outputs within REL_TOL of eager; every gradient (parameters and mems) within
+    2x eager's own error against the fp64 model + REL_TOL (some gradients, e.g. r_s_bias's,
+    are sums of dS that cancel: fp32 eager itself is ~1e-5 from fp64 there)."""
+    case = CASES[name]
+    fast, eager = _pair(**case["cfg"])
+    ref = copy.deepcopy(eager).double()
+    kw = _inputs(case)
+    outs, grads = [], []
+    for model in (fast, eager, ref):
+        dtype = next(model.parameters()).dtype
+        mems = None
+        if "mems" in kw:
+            mems = [m.clone().to(dtype).requires_grad_(True) for m in kw["mems"]]
+        with ctxfast.backend(FAST if model is fast else "eager"):
+            out = model(**{**kw, "mems": mems}, use_mems=True)
+        streams = [out.content_hidden_state] + ([out.query_hidden_state]
+                                                if case["P"] else [])
+        if not outs:
+            weights = [torch.randn_like(s) for s in streams]
+        loss = sum((s * w.to(dtype)).sum() for s, w in zip(streams, weights))
+        loss.backward()
+        outs.append(streams + list(out.mems))
+        grads.append({n: p.grad for n, p in model.named_parameters()}
+                     | {f"mems[{i}]": m.grad for i, m in enumerate(mems or [])})
+    for i, (a, b) in enumerate(zip(outs[0], outs[1])):
+        assert_close(a, b, name=f"output {i}")
+    for n, g in grads[2].items():
+        if g is None:                       # unused in this case (e.g. seg_embed without segments)
+            assert grads[0][n] is None and grads[1][n] is None, n
+            continue
+        err, err_eager = rel_err(grads[0][n], g), rel_err(grads[1][n], g)
+        assert err <= 2 * err_eager + REL_TOL[torch.float32], (n, err, err_eager)
+    assert grads[0]["layer.0.rel_attn.r_w_bias"] is not None
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_error_within_twice_eager(dtype):
+    """ctxfast in fp16/bf16 is no further from the fp64 model than eager in the same dtype
+    (x2 + a floor), as tests/test_attention.py rules for attention."""
+    case = CASES["two_stream_mems"]
+    fast, eager = _pair()
+    ref = XLNetModel(_config(), backend="eager").to(DEVICE, torch.float64)
+    ref.load_state_dict(fast.state_dict())
+    fast, eager = fast.to(dtype), eager.to(dtype)
+    kw = _inputs(case)
+    with torch.no_grad():
+        want = ref(**{**kw, "mems": [m.double() for m in kw["mems"]]})
+        with ctxfast.backend(FAST):
+            got = fast(**{**kw, "mems": [m.to(dtype) for m in kw["mems"]]})
+        base = eager(**{**kw, "mems": [m.to(dtype) for m in kw["mems"]]})
+    for attr in ("content_hidden_state", "query_hidden_state"):
+        a, b, w = (getattr(o, attr) for o in (got, base, want))
+        assert a.dtype == dtype and not torch.isnan(a).any()
+        assert rel_err(a, w) <= 2 * rel_err(b, w) + REL_TOL[dtype] / 2, attr
+
+
+@needs_triton
+def test_one_optimizer_step_lowers_the_loss():
+    """Permutation LM with partial prediction: predict the last 3 tokens of each order."""
+    model = XLNetLMHeadModel(_config(), backend="ctxfast").to(DEVICE)
+    B, T, P = 2, 8, 3
+    ids = torch.randint(0, V, (B, T), device=DEVICE)
+    rank = _ranks(B, T)
+    tm = _targets(rank, P)                                                 # [B, P, T]
+    labels = (tm @ ids[:, :, None].float()).squeeze(-1).long()             # [B, P]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with ctxfast.backend(FAST):
+        loss0 = model(ids, perm_rank=rank, target_mapping=tm, labels=labels).loss
+        loss0.backward()
+        opt.step()
+        with torch.no_grad():
+            loss1 = model(ids, perm_rank=rank, target_mapping=tm, labels=labels).loss
+    assert torch.isfinite(loss0) and loss1 < loss0 - 1e-3, (loss0.item(), loss1.item())
+
+
+# ------------------------------------------------------------------ semantics (eager, fast)
+
+def test_content_stream_does_not_see_later_tokens_in_the_order():
+    model = XLNetModel(_config(), backend="eager").to(DEVICE).eval()
+    B, T = 2, 8
+    ids = torch.randint(0, V, (B, T), device=DEVICE)
+    rank = _ranks(B, T)
+    later = rank >= T // 2                                    # the second half of each order
+    ids2 = torch.where(later, (ids + 1 + torch.randint(0, V - 1, ids.shape)) % V, ids)
+    with torch.no_grad():
+        a = model(ids, perm_rank=rank).last_hidden_state
+        b = model(ids2, perm_rank=rank).last_hidden_state
+    assert torch.equal(a[~later], b[~later])                  # earlier tokens: unchanged
+    assert not torch.allclose(a[later], b[later])             # the changed ones: changed
+
+
+def test_query_stream_does_not_see_its_own_token():
+    model = XLNetModel(_config(), backend="eager").to(DEVICE).eval()
+    B, T, P = 2, 7, 2
+    ids = torch.randint(0, V, (B, T), device=DEVICE)
+    rank = _ranks(B, T)
+    tm = _targets(rank, P)
+    own = tm[:, 0].bool()                  # the token of prediction 0 (rank T - 2)
+    ids2 = torch.where(own, (ids + 1) % V, ids)
+    with torch.no_grad():
+        a = model(ids, perm_rank=rank, target_mapping=tm)
+        b = model(ids2, perm_rank=rank, target_mapping=tm)
+    assert torch.equal(a.query_hidden_state[:, 0], b.query_hidden_state[:, 0])
+    # prediction 1 (rank T - 1) sees that token
+    assert not torch.allclose(a.query_hidden_state[:, 1], b.query_hidden_state[:, 1])
+    assert a.last_hidden_state.shape == (B, P, 32)
+
+
+def test_padding_is_invisible_to_real_tokens():
+    model = XLNetModel(_config(), backend="eager").to(DEVICE).eval()
+    B, T = 2, 9
+    ids = torch.randint(0, V, (B, T), device=DEVICE)
+    am = torch.ones(B, T, dtype=torch.long, device=DEVICE)
+    am[:, :3] = 0
+    ids2 = ids.clone()
+    ids2[:, :3] = (ids[:, :3] + 5) % V
+    with torch.no_grad():
+        a = model(ids, attention_mask=am).last_hidden_state
+        b = model(ids2, attention_mask=am).last_hidden_state
+    assert torch.equal(a[:, 3:], b[:, 3:])
+
+
+def test_mems_are_the_layer_inputs_clipped_and_detached():
+    model = XLNetModel(_config(mem_len=5, reuse_len=None), backend="eager").to(DEVICE)
+    B, T = 2, 4
+    out1 = model(torch.randint(0, V, (B, T), device=DEVICE), use_mems=True)
+    assert [tuple(m.shape) for m in out1.mems] == [(4, B, 32)] * 2
+    assert not any(m.requires_grad for m in out1.mems)
+    out2 = model(torch.randint(0, V, (B, T), device=DEVICE), mems=out1.mems, use_mems=True)
+    assert [tuple(m.shape) for m in out2.mems] == [(5, B, 32)] * 2      # mem_len clips
+    assert torch.equal(out2.mems[0][:1], out1.mems[0][3:])              # oldest step kept
+    assert model(torch.randint(0, V, (B, T), device=DEVICE)).mems is None
+
+
+# ------------------------------------------------------------------ bad inputs
+
+def _bad(name):
+    B, T = 2, 6
+    ids = torch.randint(0, V, (B, T), device=DEVICE)
+    mems = [torch.randn(3, B, 32, device=DEVICE) for _ in range(2)]
+    return {
+        "perm_rank": dict(input_ids=ids, perm_rank=_ranks(B, T + 1)),
+        "input_ids": dict(input_ids=ids.masked_fill(ids == ids[0, 0], V)),
+        "input_ids ": dict(input_ids=-ids - 1),
+        "input_ids  ": dict(input_ids=ids.float()),
+        "mems": dict(input_ids=ids, mems=mems[:1]),
+        r"mems\[1\]": dict(input_ids=ids, mems=[mems[0], torch.randn(3, B + 1, 32)]),
+        r"mems\[0\]": dict(input_ids=ids, mems=[torch.randn(3, B, 16), mems[1]]),
+        r"mems\[1\] ": dict(input_ids=ids, mems=[mems[0], torch.randn(2, B, 32)]),
+        "target_mapping": dict(input_ids=ids, target_mapping=torch.zeros(B, 2, T - 1)),
+        "token_type_ids": dict(input_ids=ids, token_type_ids=torch.zeros(B, T + 2).long()),
+        "attention_mask": dict(input_ids=ids, attention_mask=torch.ones(B + 1, T)),
+        "labels": dict(input_ids=ids, labels=torch.zeros(B, T + 1).long()),
+    }[name]
+
+
+@pytest.mark.parametrize("backend", ["ctxfast", "eager"])
+@pytest.mark.parametrize("arg", ["perm_rank", "input_ids", "input_ids ", "input_ids  ", "mems",
+                                 r"mems\[1\]", r"mems\[0\]", r"mems\[1\] ", "target_mapping",
+                                 "token_type_ids", "attention_mask", "labels"])
+def test_bad_inputs_raise_value_error_naming_the_argument(backend, arg):
+    model = XLNetLMHeadModel(_config(), backend=backend).to(DEVICE)
+    with pytest.raises(ValueError, match=arg.strip()):
+        model(**_bad(arg))
+
+
+def test_bad_config_and_backend():
+    with pytest.raises(ValueError, match="backend"):
+        XLNetModel(_config(), backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        XLNetLMHeadModel(_config()).set_backend("cuda")
+    with pytest.raises(ValueError, match="B = 3"):
+        XLNetModel(_config(bi_data=True), backend="eager")(torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="same_length"):
+        _config(attn_type="uni", same_length=True)
+    with pytest.raises(ValueError, match="ff_activation"):
+        _config(ff_activation="tanh_nope")
+
+
+def test_backends_route_to_the_op_and_the_reference(monkeypatch):
+    calls = []
+    op, ref = ctxfast.ops.rel_attention, ctxfast.reference.rel_attention
+    monkeypatch.setattr(ctxfast.ops, "rel_attention",
+                        lambda *a, **k: calls.append("op") or op(*a, **k))
+    monkeypatch.setattr(ctxfast.reference, "rel_attention",
+                        lambda *a, **k: calls.append("ref") or ref(*a, **k))
+    model = XLNetModel(_config(), backend="ctxfast").to(DEVICE)
+    ids = torch.randint(0, V, (1, 3), device=DEVICE)
+    with ctxfast.backend("eager"):
+        model(ids, target_mapping=torch.eye(3, device=DEVICE)[None, :1])
+    assert calls.count("op") == 4                # 2 layers x 2 streams
+    calls.clear()
+    model.set_backend("eager")(ids)
+    assert calls == ["ref", "ref"]
+
+
+@needs_triton
+def test_training_mode_applies_dropout_on_the_fast_path():
+    model = XLNetLMHeadModel(_config(dropout=0.3), backend="ctxfast").to(DEVICE)
+    ids = torch.randint(0, V, (2, 5), device=DEVICE)
+    rank = _ranks(2, 5)
+    tm = _targets(rank, 2)
+    with ctxfast.backend(FAST), torch.no_grad():
+        train = model.train()(ids, perm_rank=rank, target_mapping=tm).logits
+        ev = model.eval()(ids, perm_rank=rank, target_mapping=tm).logits
+    assert torch.isfinite(train).all() and not torch.allclose(train, ev)
