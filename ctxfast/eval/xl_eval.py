@@ -98,8 +98,8 @@ def defaults(device: str, quick: bool) -> dict:
         return dict(attn_lens=(800, 1800, 2800, 3800), tgt_len=128, batch=8, xl_segments=16,
                     vanilla_positions=64 if not quick else 32, model="enwik8")
     if quick:
-        return dict(attn_lens=(64, 128, 256, 512), tgt_len=32, batch=4, xl_segments=8,
-                    vanilla_positions=16, model="quick")
+        return dict(attn_lens=(64, 128, 256, 512), tgt_len=32, batch=4, xl_segments=16,
+                    vanilla_positions=32, model="quick")
     return dict(attn_lens=(128, 256, 512, 1024, 2048), tgt_len=64, batch=4, xl_segments=16,
                 vanilla_positions=16, model="quick")
 
@@ -417,7 +417,8 @@ def _chunks(n: int, size: int) -> List[int]:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({n} thread{'s' if n != 1 else ''})"
 
 
 # --------------------------------------------------------------------------- output
@@ -465,6 +466,9 @@ def notes(meta: dict, width: int = 100) -> str:
             f"steps. speedup = vanilla / XL ms per token (same backend): the algorithmic gain; "
             f"kernel gain = eager / ctxfast in the same mode. Paper (Table 9, its own model and "
             f"GPUs): " + ", ".join(f"{s:.0f}x at {L}" for L, s in PAPER_SPEEDUPS) + ".")
+    if m.get("cpu_busy") is not None and m["cpu_busy"] > 0.2 and "cpu" in m["device"]:
+        text += (f" The CPUs were {m['cpu_busy']:.0%} busy with other work when this started: "
+                 f"the timings are noisy.")
     return textwrap.fill(text, width) + "\n"
 
 
@@ -684,12 +688,31 @@ def load_model(s: Settings, vocab_needed: int) -> TransformerXL:
 
 
 def run(argv: Optional[Sequence[str]] = None) -> Tuple[List[dict], dict]:
-    """Parse, measure, write. Returns (rows, meta)."""
+    """Parse, measure, write. Returns (rows, meta). Torch's thread count is restored."""
+    threads = torch.get_num_threads()
+    try:
+        return _run(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(argv: Optional[Sequence[str]]) -> Tuple[List[dict], dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
     s, ids, what = settings_from_args(args, parser)
+    busy = _cpu_busy()
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif s.device == "cpu" and busy is not None and busy > 0.5 and torch.get_num_threads() > 1:
+        # Measured on the 2-core machines: with the cores taken by other work, OpenMP
+        # threads waiting for each other make small ops 10-50x slower; one thread degrades
+        # gracefully.
+        torch.set_num_threads(1)
+        print(f"ctxfast xl-eval: the CPUs are {busy:.0%} busy with other work: running on 1 "
+              "thread (--threads N to choose); timings will be noisy", file=sys.stderr)
+    elif s.device == "cpu" and busy is not None and busy > 0.2:
+        print(f"ctxfast xl-eval: warning: the CPUs are {busy:.0%} busy with other work; "
+              "timings will be noisy", file=sys.stderr)
     try:
         model = load_model(s, int(ids.max()) + 1)
     except (ValueError, RuntimeError, OSError) as e:
@@ -707,11 +730,8 @@ def run(argv: Optional[Sequence[str]] = None) -> Tuple[List[dict], dict]:
         stream=what, tgt_len=s.tgt_len, batch=s.batch, xl_segments=s.xl_segments,
         vanilla_positions=s.vanilla_positions, attn_lens=list(s.attn_lens),
         backends=list(s.backends), quick=s.quick, model_config=asdict(c),
-        cpu_busy=_cpu_busy(),
+        cpu_busy=busy, threads=torch.get_num_threads(),
     )
-    if meta["cpu_busy"] is not None and meta["cpu_busy"] > 0.2 and s.device == "cpu":
-        print(f"ctxfast xl-eval: warning: the CPUs are {meta['cpu_busy']:.0%} busy with other "
-              "work; timings will be noisy", file=sys.stderr)
     progress = Progress(enabled=not args.no_progress)
     t0 = time.perf_counter()
     rows = profile(model, ids, s, progress)

@@ -1,0 +1,144 @@
+"""DistributedDataParallel with ctxfast models: two processes (gloo, CPU) each train on
+one half of every batch for a few steps; the parameters must equal those of one process
+training on the whole batches.
+
+Adding a model is one entry in ``CASES``: a :class:`Case` with a builder, the batches and
+a step function. One spawn of two processes trains every case (see ``ddp_results``). The children get the parent's ``TRITON_INTERPRET`` (set before anything
+imports triton); the models run on ``backend="ctxfast"`` with ctxfast's default dispatch
+(on CPU tensors that is each op's default CPU implementation, see ``ctxfast info``).
+"""
+import datetime
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, List, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[], torch.nn.Module]        # same weights on every call (seeded)
+    batches: Callable[[], List[Sequence[torch.Tensor]]]   # one whole batch per step
+    batch_dim: int                              # the dimension the ranks split
+    step: Callable[[torch.nn.Module, Sequence[torch.Tensor], Any], Any]
+    # step(model, batch, state) -> (mean loss to backpropagate, new state); state starts None
+
+
+# --------------------------------------------------------------------------- Transformer-XL
+
+def _xl_build():
+    from ctxfast.models.transformer_xl import TransformerXL, TransformerXLConfig
+    torch.manual_seed(0)
+    return TransformerXL(TransformerXLConfig(n_token=29, n_layer=2, n_head=2, d_model=32,
+                                             d_head=16, d_inner=48, dropout=0.0, tgt_len=8,
+                                             mem_len=8))
+
+
+def _xl_batches():
+    g = torch.Generator().manual_seed(1)
+    stream = torch.randint(0, 29, (STEPS * 8 + 1, 4), generator=g)     # [T, B], time-major
+    return [(stream[s:s + 8], stream[s + 1:s + 9]) for s in range(0, STEPS * 8, 8)]
+
+
+def _xl_step(model, batch, mems):
+    """One segment; the memory of this rank's half is carried to the next step."""
+    x, y = batch
+    loss, mems = model(x, y, *(mems or ()))
+    return loss.mean(), mems
+
+
+# --------------------------------------------------------------------------- AWD-LSTM
+
+def _awd_build():
+    from ctxfast.models.awd_lstm import AWDLSTMConfig, AWDLSTMLM
+    torch.manual_seed(0)
+    return AWDLSTMLM(AWDLSTMConfig(vocab_size=31, emb_sz=8, n_hid=16, n_layers=3,
+                                   embed_p=0.0, input_p=0.0, hidden_p=0.0, weight_p=0.0,
+                                   output_p=0.0))        # dropout off: ranks draw other masks
+
+
+def _awd_batches():
+    g = torch.Generator().manual_seed(2)
+    stream = torch.randint(0, 31, (4, STEPS * 6 + 1), generator=g)     # [B, T], batch-first
+    return [(stream[:, s:s + 6], stream[:, s + 1:s + 7]) for s in range(0, STEPS * 6, 6)]
+
+
+def _awd_step(model, batch, state):
+    """One BPTT window; the model carries its rows' hidden state (detached) itself."""
+    x, y = batch
+    _, loss = model(x, y)
+    return loss, state
+
+
+CASES = {
+    "transformer_xl": Case(_xl_build, _xl_batches, batch_dim=1, step=_xl_step),
+    "awd_lstm": Case(_awd_build, _awd_batches, batch_dim=0, step=_awd_step),
+}
+
+
+# --------------------------------------------------------------------------- training
+
+def _train(case: Case, model: torch.nn.Module, rank: int, world: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    state = None
+    for batch in case.batches():
+        part = [t.chunk(world, case.batch_dim)[rank] for t in batch]
+        opt.zero_grad()
+        loss, state = case.step(model, part, state)
+        loss.backward()
+        opt.step()
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, triton_interpret: str) -> None:
+    """Train every case under DDP; save each case's parameters, or the error it raised."""
+    if triton_interpret:
+        os.environ["TRITON_INTERPRET"] = triton_interpret
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        for name, case in CASES.items():
+            path = os.path.join(out_dir, f"{name}-rank{rank}.pt")
+            try:
+                ddp = torch.nn.parallel.DistributedDataParallel(case.build())
+                _train(case, ddp, rank, world)
+                torch.save({k: v.detach() for k, v in ddp.module.state_dict().items()}, path)
+            except Exception:  # reported by that case's test; the other cases still run
+                torch.save({"error": traceback.format_exc()}, path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    """One spawn of two processes trains every case (the start-up, mostly importing torch
+    and torch._dynamo for DDP, is paid once). -> the folder of their results."""
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(WORLD, str(out / "store"), str(out),
+                            os.environ.get("TRITON_INTERPRET", "")),
+             nprocs=WORLD, join=True)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ddp_two_processes_equal_one_process(name, ddp_results):
+    case = CASES[name]
+    ranks = [torch.load(ddp_results / f"{name}-rank{r}.pt") for r in range(WORLD)]
+    for r, sd in enumerate(ranks):
+        assert "error" not in sd, f"rank {r} failed:\n{sd.get('error')}"
+    single = case.build()
+    before = {k: v.detach().clone() for k, v in single.named_parameters()}
+    _train(case, single, rank=0, world=1)
+    for k, v in single.state_dict().items():
+        for r, sd in enumerate(ranks):
+            torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k, r=r: f"rank {r}, {k}: {m}")
+    still = [k for k, p in single.named_parameters() if torch.equal(p, before[k])]
+    assert not still, f"training did not change {still}"

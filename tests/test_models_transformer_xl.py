@@ -1,0 +1,462 @@
+"""ctxfast.models.transformer_xl: the original MemTransformerLM computation (written out
+below from the paper's code: [q, k, b, n] einsums, pad-and-view shift, masks) on the same
+state_dict; ctxfast kernels vs eager (outputs and every gradient); memory; checkpoints;
+torch.compile; bad inputs; adaptive softmax; generate."""
+import contextlib
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ctxfast
+from ctxfast.models.transformer_xl import TransformerXL, TransformerXLConfig
+from utils import TRITON_ON_CPU, assert_close
+
+HAS_TRITON = TRITON_ON_CPU or torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def tiny(**kw):
+    base = dict(n_token=37, n_layer=2, n_head=2, d_model=32, d_head=16, d_inner=48,
+                dropout=0.0, dropatt=0.0, tgt_len=8, mem_len=8)
+    return TransformerXLConfig(**{**base, **kw})
+
+
+def ids(T, B, n=37):
+    return torch.randint(0, n, (T, B))
+
+
+# --------------------------------------------------------------------------- the original
+
+def _orig_rel_shift(x):
+    """The original _rel_shift on the [qlen, klen, bsz, n_head] layout."""
+    zero_pad = x.new_zeros((x.size(0), 1, *x.size()[2:]))
+    x_padded = torch.cat([zero_pad, x], 1).view(x.size(1) + 1, x.size(0), *x.size()[2:])
+    return x_padded[1:].view_as(x)
+
+
+def original_forward(sd, c, data, mems):
+    """MemTransformerLM._forward + the softmax head, functional, from the state_dict
+    (attn_type 0, div_val 1, no cutoffs; dropout off). Returns (log-probs [T, B, V], hids)."""
+    d_embed = sd["word_emb.emb_layers.0.weight"].shape[1]
+    emb = sd["word_emb.emb_layers.0.weight"][data]
+    if "word_emb.emb_projs.0" in sd:
+        emb = F.linear(emb, sd["word_emb.emb_projs.0"])
+    emb = emb * c.d_model ** 0.5
+    qlen, bsz = data.shape
+    mlen = mems[0].size(0) if mems else 0
+    klen = mlen + qlen
+    ones = emb.new_ones(qlen, klen)
+    if c.same_length:
+        mask_len = klen - c.mem_len
+        shift = qlen - mask_len if mask_len > 0 else qlen
+        mask = (torch.triu(ones, 1 + mlen) + torch.tril(ones, -shift)).bool()
+    else:
+        mask = torch.triu(ones, 1 + mlen).bool()
+    pos_seq = torch.arange(klen - 1, -1, -1.0)
+    if c.clamp_len > 0:
+        pos_seq.clamp_(max=c.clamp_len)
+    sinus = torch.ger(pos_seq, sd["pos_emb.inv_freq"])
+    pos_emb = torch.cat([sinus.sin(), sinus.cos()], -1)            # [klen, d_model]
+    H, Dh = c.n_head, c.d_head
+    core, hids = emb, [emb]
+    for i in range(c.n_layer):
+        p = f"layers.{i}."
+        ln = lambda x, n: F.layer_norm(  # noqa: E731
+            x, (c.d_model,), sd[p + n + ".weight"], sd[p + n + ".bias"])
+        rwb = sd[p + "dec_attn.r_w_bias"] if c.untie_r else sd["r_w_bias"]
+        rrb = sd[p + "dec_attn.r_r_bias"] if c.untie_r else sd["r_r_bias"]
+        cat = torch.cat([mems[i], core], 0) if mems else core
+        heads = F.linear(ln(cat, "dec_attn.layer_norm") if c.pre_lnorm else cat,
+                         sd[p + "dec_attn.qkv_net.weight"])
+        q, k, v = torch.chunk(heads, 3, -1)
+        q = q[-qlen:].reshape(qlen, bsz, H, Dh)
+        k, v = k.reshape(klen, bsz, H, Dh), v.reshape(klen, bsz, H, Dh)
+        rk = F.linear(pos_emb, sd[p + "dec_attn.r_net.weight"]).view(klen, H, Dh)
+        ac = torch.einsum("ibnd,jbnd->ijbn", q + rwb, k)
+        bd = _orig_rel_shift(torch.einsum("ibnd,jnd->ijbn", q + rrb, rk))
+        score = ((ac + bd) / math.sqrt(Dh)).masked_fill(mask[:, :, None, None], float("-inf"))
+        prob = F.softmax(score, 1)
+        vec = torch.einsum("ijbn,jbnd->ibnd", prob, v).reshape(qlen, bsz, H * Dh)
+        out = F.linear(vec, sd[p + "dec_attn.o_net.weight"])
+        core = core + out if c.pre_lnorm else ln(core + out, "dec_attn.layer_norm")
+        ff_in = ln(core, "pos_ff.layer_norm") if c.pre_lnorm else core
+        ff = F.linear(F.relu(F.linear(ff_in, sd[p + "pos_ff.CoreNet.0.weight"],
+                                      sd[p + "pos_ff.CoreNet.0.bias"])),
+                      sd[p + "pos_ff.CoreNet.3.weight"], sd[p + "pos_ff.CoreNet.3.bias"])
+        core = core + ff if c.pre_lnorm else ln(core + ff, "pos_ff.layer_norm")
+        hids.append(core)
+    h = core
+    if "crit.out_projs.0" in sd:
+        h = F.linear(h, sd["crit.out_projs.0"].t())
+    logits = F.linear(h, sd["crit.out_layers.0.weight"], sd["crit.out_layers.0.bias"])
+    assert logits.shape[-1] == sd["word_emb.emb_layers.0.weight"].shape[0] and d_embed > 0
+    return F.log_softmax(logits, -1), hids
+
+
+def original_names(n_layer, untie_r=False, proj=False):
+    """The keys of MemTransformerLM(attn_type=0, div_val=1, no cutoffs).state_dict()."""
+    names = ["word_emb.emb_layers.0.weight", "pos_emb.inv_freq", "crit.out_layers.0.weight",
+             "crit.out_layers.0.bias"]
+    if proj:
+        names += ["word_emb.emb_projs.0", "crit.out_projs.0"]
+    if not untie_r:
+        names += ["r_w_bias", "r_r_bias"]
+    for i in range(n_layer):
+        p = f"layers.{i}."
+        names += [p + "dec_attn.qkv_net.weight", p + "dec_attn.o_net.weight",
+                  p + "dec_attn.r_net.weight", p + "dec_attn.layer_norm.weight",
+                  p + "dec_attn.layer_norm.bias", p + "pos_ff.CoreNet.0.weight",
+                  p + "pos_ff.CoreNet.0.bias", p + "pos_ff.CoreNet.3.weight",
+                  p + "pos_ff.CoreNet.3.bias", p + "pos_ff.layer_norm.weight",
+                  p + "pos_ff.layer_norm.bias"]
+        if untie_r:
+            names += [p + "dec_attn.r_w_bias", p + "dec_attn.r_r_bias"]
+    return names
+
+
+def synth_original_state_dict(c, d_embed=None):
+    """Random tensors under the original names and shapes (as a checkpoint would hold)."""
+    d_embed = d_embed or c.d_model
+    V, D, H, Dh, F_ = c.n_token, c.d_model, c.n_head, c.d_head, c.d_inner
+    shapes = {"word_emb.emb_layers.0.weight": (V, d_embed), "crit.out_layers.0.bias": (V,),
+              "crit.out_layers.0.weight": (V, d_embed),
+              "word_emb.emb_projs.0": (D, d_embed), "crit.out_projs.0": (D, d_embed),
+              "r_w_bias": (H, Dh), "r_r_bias": (H, Dh)}
+    per_layer = {"dec_attn.qkv_net.weight": (3 * H * Dh, D), "dec_attn.o_net.weight": (D, H * Dh),
+                 "dec_attn.r_net.weight": (H * Dh, D), "dec_attn.layer_norm.weight": (D,),
+                 "dec_attn.layer_norm.bias": (D,), "pos_ff.CoreNet.0.weight": (F_, D),
+                 "pos_ff.CoreNet.0.bias": (F_,), "pos_ff.CoreNet.3.weight": (D, F_),
+                 "pos_ff.CoreNet.3.bias": (D,), "pos_ff.layer_norm.weight": (D,),
+                 "pos_ff.layer_norm.bias": (D,), "dec_attn.r_w_bias": (H, Dh),
+                 "dec_attn.r_r_bias": (H, Dh)}
+    sd = {}
+    for name in original_names(c.n_layer, c.untie_r, d_embed != D):
+        if name == "pos_emb.inv_freq":
+            sd[name] = 1 / (10000 ** (torch.arange(0.0, D, 2.0) / D))
+            continue
+        shape = shapes.get(name) or per_layer[name.split(".", 2)[2]]
+        sd[name] = torch.randn(shape) * (0.3 if len(shape) == 2 else 0.1)
+        if name.endswith("layer_norm.weight"):
+            sd[name] += 1
+    sd["crit.out_layers.0.weight"] = sd["word_emb.emb_layers.0.weight"]     # tie_weight
+    if d_embed != D:
+        sd["crit.out_projs.0"] = sd["word_emb.emb_projs.0"]                 # tie_projs
+    return sd
+
+
+# --------------------------------------------------------------------------- names, loading
+
+@pytest.mark.parametrize("untie_r, d_embed", [(False, None), (True, 24)])
+def test_parameter_names_are_the_originals(untie_r, d_embed):
+    c = tiny(untie_r=untie_r, d_embed=d_embed, tie_projs=(True,))
+    model = TransformerXL(c)
+    assert set(model.state_dict()) == set(original_names(c.n_layer, untie_r, d_embed is not None))
+    if d_embed is not None:
+        assert model.crit.out_projs[0] is model.word_emb.emb_projs[0]
+    assert model.crit.out_layers[0].weight is model.word_emb.emb_layers[0].weight
+
+
+@pytest.mark.parametrize("case", ["post_ln", "pre_ln_untied_r_proj_clamp", "same_length"])
+def test_loads_original_state_dict_and_computes_the_original(case):
+    """A state_dict under the original names loads (strict) and, with memory, the model
+    gives the original computation's log-probabilities, new mems and hidden states."""
+    kw = {"post_ln": {}, "same_length": dict(same_length=True, mem_len=6),
+          "pre_ln_untied_r_proj_clamp": dict(pre_lnorm=True, untie_r=True, clamp_len=5)}[case]
+    c = tiny(**kw)
+    d_embed = 24 if case.startswith("pre_ln") else None
+    sd = synth_original_state_dict(c, d_embed)
+    over = {**dict(backend="eager", dropout=0.0, mem_len=c.mem_len, tgt_len=c.tgt_len), **kw}
+    model = TransformerXL.from_state_dict(sd, **over).eval()
+    assert model.config.untie_r == c.untie_r and model.d_embed == (d_embed or c.d_model)
+    x1, x2 = ids(7, 3), ids(5, 3)
+    with torch.no_grad():
+        lp1, mems = model(x1)
+        ref1, hids1 = original_forward(sd, c, x1, [])
+        lp2, mems2 = model(x2, None, *mems)
+        ref_mems = [h[-c.mem_len:] for h in hids1]
+        ref2, hids2 = original_forward(sd, c, x2, ref_mems)
+    assert_close(lp1, ref1, name="segment 1")
+    assert_close(lp2, ref2, name="segment 2 (with memory)")
+    for i, (m, h, prev) in enumerate(zip(mems2, hids2, ref_mems)):
+        assert_close(m, torch.cat([prev, h], 0)[-c.mem_len:], name=f"mems[{i}]")
+
+
+def test_load_refuses_missing_and_wrong_names():
+    c = tiny()
+    sd = synth_original_state_dict(c)
+    model = TransformerXL(c)
+    bad = dict(sd)
+    bad["layers.0.dec_attn.qkv.weight"] = bad.pop("layers.0.dec_attn.qkv_net.weight")
+    with pytest.raises(RuntimeError, match="qkv_net"):
+        model.load_state_dict(bad)
+    with pytest.raises(ValueError, match="not a Transformer-XL"):
+        TransformerXL.from_state_dict({"foo": torch.zeros(1)})
+
+
+# --------------------------------------------------------------------------- kernels vs eager
+
+def _grads_of(model, x, y, mems):
+    model.zero_grad()
+    loss, new = model(x, y, *mems)
+    g = torch.randn_like(loss, generator=torch.Generator().manual_seed(0))
+    (loss * g).sum().backward()
+    return loss.detach(), new, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(), id="kernels-post_ln", marks=needs_triton),
+    pytest.param(dict(pre_lnorm=True, untie_r=True, clamp_len=4, d_embed=24,
+                      tie_projs=(True,)), id="dispatch-default-pre_ln-untie_r-clamp"),
+])
+def test_ctxfast_matches_eager_outputs_and_every_gradient(case):
+    """With dropout off, backend="ctxfast" (the Triton kernels under the interpreter for
+    the first case; ctxfast's default dispatch for the second) and "eager" give the same
+    loss, new mems and gradient of every parameter, over a segment with memory."""
+    kernels = not case
+    model = TransformerXL(tiny(**case))
+    x, y, mem_x = ids(6, 2), ids(6, 2), ids(5, 2)
+    with torch.no_grad():
+        _, mems = model(mem_x)                    # a memory of 5 steps
+    model.set_backend("eager")
+    ref_loss, ref_mems, ref_grads = _grads_of(model, x, y, mems)
+    model.set_backend("ctxfast")
+    with (ctxfast.backend("triton") if kernels else contextlib.nullcontext()):
+        loss, new, grads = _grads_of(model, x, y, mems)
+    assert_close(loss, ref_loss, name="loss")
+    for i, (a, b) in enumerate(zip(new, ref_mems)):
+        assert_close(a, b, name=f"mems[{i}]")
+    assert set(grads) == set(ref_grads)
+    for name in grads:
+        assert grads[name].abs().sum() > 0, f"{name}: zero gradient (test would be vacuous)"
+        assert_close(grads[name], ref_grads[name], name=f"grad {name}")
+
+
+def test_one_optimizer_step_lowers_the_loss():
+    model = TransformerXL(tiny(dropout=0.1))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    x, y = ids(8, 4), ids(8, 4)
+    model.eval()
+    with torch.no_grad():
+        before = model(x, y)[0].mean().item()
+    model.train()
+    opt.zero_grad()
+    model(x, y)[0].mean().backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        after = model(x, y)[0].mean().item()
+    assert after < before - 1e-3, (before, after)
+
+
+# --------------------------------------------------------------------------- memory
+
+def test_memory_is_the_last_mem_len_hidden_states_detached():
+    model = TransformerXL(tiny(mem_len=6))
+    outs = {}
+    model.word_emb.register_forward_hook(lambda m, i, o: outs.__setitem__(0, o))
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda m, inp, o, i=i: outs.__setitem__(i + 1, o))
+    mems = model.init_mems()
+    assert len(mems) == 3 and all(m.numel() == 0 for m in mems)
+    prev = None
+    for T in (4, 5, 3):                            # memory fills up, then slides
+        x = ids(T, 2)
+        loss, new = model(x, x, *mems)
+        assert len(new) == model.n_layer + 1
+        for i, m in enumerate(new):
+            h = outs[i]
+            full = h if prev is None else torch.cat([prev[i], h], 0)
+            assert_close(m, full[-6:], name=f"mems[{i}]")
+            assert m.shape[0] == min(6, full.shape[0])
+            assert not m.requires_grad and m.grad_fn is None, "mems must be detached"
+        loss.sum().backward()                       # the graph does not reach old segments
+        prev = mems = new
+
+
+def test_segments_with_memory_equal_one_long_segment():
+    """With mem_len covering the whole past, the log-probs of consecutive segments equal
+    one forward of the concatenation (relative positions line up across segments)."""
+    model = TransformerXL(tiny(mem_len=20)).eval()
+    x = ids(15, 2)
+    with torch.no_grad():
+        full, _ = model(x)
+        parts, mems = [], model.init_mems()
+        for s in range(0, 15, 4):
+            lp, mems = model(x[s:s + 4], None, *mems)
+            parts.append(lp)
+    assert_close(torch.cat(parts), full)
+
+
+def test_ext_len_and_mem_len_zero():
+    model = TransformerXL(tiny(mem_len=0))
+    assert model.init_mems() == []
+    assert model(ids(5, 2))[1] == []
+    model.reset_length(tgt_len=4, ext_len=2, mem_len=3)
+    _, mems = model(ids(6, 2))
+    assert [m.shape[0] for m in mems] == [3] * 3                     # steps 1..3 (before ext)
+
+
+def test_same_length_on_ctxfast_says_use_eager():
+    model = TransformerXL(tiny(same_length=True, mem_len=4)).eval()
+    with torch.no_grad():
+        lp, _ = model(ids(4, 1))                   # klen <= mem_len: plain causal, runs
+        model.set_backend("eager")
+        ref, mems = model(ids(4, 1))
+        model.set_backend("ctxfast")
+        with pytest.raises(NotImplementedError, match="backend='eager'"):
+            model(ids(3, 1), None, *mems)
+
+
+# --------------------------------------------------------------------------- compile
+
+@needs_triton
+def test_torch_compile_fullgraph_forward_backward():
+    """torch.compile(model, fullgraph=True) (aot_eager: no C compiler needed) runs the
+    forward and backward with the ctxfast kernels and no graph break; same gradients as
+    eager."""
+    torch._dynamo.reset()
+    model = TransformerXL(tiny(n_layer=1))
+    x, y = ids(4, 1), ids(4, 1)
+    with torch.no_grad():
+        _, mems = model(ids(3, 1))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with ctxfast.backend("triton"):
+        loss, new = compiled(x, y, *mems)
+        loss.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_backend("eager")
+    ref, ref_new = model(x, y, *mems)
+    ref.sum().backward()
+    assert_close(loss.detach(), ref.detach(), name="loss")
+    assert_close(new[-1], ref_new[-1], name="mems[-1]")
+    for n, p in model.named_parameters():
+        assert_close(grads[n], p.grad, name=f"grad {n}")
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+def _bad_calls():
+    c = tiny()
+    m = lambda L, B=2: torch.randn(L, B, c.d_model)  # noqa: E731
+    good = [m(3)] * 3
+    V = ValueError
+    yield "id-too-large", (torch.full((4, 2), 37),), V, "data must hold ids in [0, n_token=37)"
+    yield "negative-id", (torch.full((4, 2), -1),), V, "data must hold ids"
+    yield "target-out-of-range", (ids(4, 2), torch.full((4, 2), 99)), V, "target must hold ids"
+    yield "float-data", (torch.randn(4, 2),), TypeError, "data must be an integer tensor"
+    yield "1-d-data", (ids(4, 2)[:, 0],), V, "data must have shape [T, B]"
+    yield "empty-data", (ids(0, 2),), V, "data must have shape [T, B] (time-major, T, B >= 1)"
+    yield "target-longer", (ids(4, 2), ids(5, 2)), V, "target must have shape [tgt_len, B]"
+    yield "mems-count", (ids(4, 2), None, *good[:2]), V, "mems must be n_layer + 1 = 3"
+    yield "mems-batch", (ids(4, 2), None, m(3), m(3), m(3, B=3)), V, "mems[2] must have shape"
+    yield "mems-width", (ids(4, 2), None, m(3), torch.randn(3, 2, 8), m(3)), ValueError, "mems[1]"
+    yield "mems-lengths-differ", (ids(4, 2), None, m(3), m(4), m(3)), ValueError, "same mlen"
+    yield "mems-too-long", (ids(4, 2), None, m(9), m(9), m(9)), ValueError, "mem_len=8"
+    yield "mems-not-tensor", (ids(4, 2), None, m(3), m(3), [1.0]), ValueError, "mems[2]"
+
+
+@pytest.mark.parametrize("args, exc, msg", [pytest.param(*c[1:], id=c[0]) for c in _bad_calls()])
+def test_bad_inputs_name_the_argument(args, exc, msg):
+    model = TransformerXL(tiny())
+    with pytest.raises(exc, match=re.escape(msg)):
+        model(*args)
+
+
+def test_bad_config_and_arguments():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        TransformerXL(tiny(backend="triton"))
+    with pytest.raises(ValueError, match="cutoffs"):
+        TransformerXL(tiny(cutoffs=(20, 10)))
+    with pytest.raises(ValueError, match="n_head"):
+        TransformerXL(tiny(n_head=0))
+    model = TransformerXL(tiny())
+    with pytest.raises(ValueError, match="last must be"):
+        model.log_probs(ids(4, 1), last=5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(ids(2, 1), -1)
+
+
+# --------------------------------------------------------------------------- adaptive softmax
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_adaptive_embedding_and_softmax(div_val):
+    c = tiny(n_token=60, cutoffs=(10, 30), div_val=div_val, d_embed=32,
+             tie_projs=(False, True, True))
+    model = TransformerXL(c).eval()
+    names = set(model.state_dict())
+    assert {"crit.cluster_weight", "crit.cluster_bias"} <= names
+    if div_val == 2:
+        assert {"word_emb.emb_layers.2.weight", "crit.out_projs.2", "word_emb.emb_projs.1"} <= names
+        assert model.word_emb.emb_layers[2].weight.shape == (30, 8)
+        assert model.crit.out_projs[1] is model.word_emb.emb_projs[1]
+    x = torch.randint(0, 60, (5, 2))
+    with torch.no_grad():
+        lp, _ = model(x)
+        nll, _ = model(x, x)
+    assert_close(lp.logsumexp(-1), torch.zeros(5, 2), tol=1e-5, name="normalised")
+    assert_close(nll, -lp.gather(2, x[..., None])[..., 0], name="nll")
+    # The head's cluster columns are used in reverse order (cluster i: column -i), as in
+    # the original: moving probability into cluster 1 raises tokens 10..29 only.
+    with torch.no_grad():
+        model.crit.cluster_bias[-1] += 5.0
+        lp2, _ = model(x)
+    gain = (lp2 - lp).mean((0, 1))
+    assert gain[10:30].min() > 0 and gain[30:].max() < 0 and gain[:10].max() < 0
+
+
+# --------------------------------------------------------------------------- generate
+
+def test_generate_reuses_memory_greedy_matches_full_recompute():
+    model = TransformerXL(tiny(mem_len=32, tgt_len=3)).eval()
+    prompt = ids(7, 2)
+    out, mems = model.generate(prompt, 5, temperature=0.0)
+    assert out.shape == (12, 2) and torch.equal(out[:7], prompt)
+    assert mems[0].shape[0] == 11                   # every token but the last
+    with torch.no_grad():
+        lp, _ = model(out[:-1])                     # one full forward over the result
+    assert torch.equal(lp[6:].argmax(-1), out[7:])
+    g = torch.Generator().manual_seed(3)
+    s1, _ = model.generate(prompt, 4, temperature=1.0, top_k=5, generator=g)
+    s2, _ = model.generate(prompt, 4, temperature=1.0, top_k=5,
+                           generator=torch.Generator().manual_seed(3))
+    assert torch.equal(s1, s2)
+
+
+# --------------------------------------------------------------------------- dtypes, layouts
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_follows_float32(dtype):
+    """The model cast to fp16/bf16 (eager and ctxfast's default dispatch) runs with
+    memory and stays within the dtype's tolerance of the float32 model."""
+    model = TransformerXL(tiny()).eval()
+    x1, x2 = ids(6, 2), ids(5, 2)
+    with torch.no_grad():
+        ref_mems = model(x1)[1]
+        ref = model(x2, None, *ref_mems)[0]
+        half = TransformerXL(tiny()).to(dtype).eval()
+        half.load_state_dict(model.state_dict())
+        for backend in ("eager", "ctxfast"):
+            half.set_backend(backend)
+            mems = half(x1)[1]
+            assert all(m.dtype == dtype for m in mems)
+            out = half(x2, None, *mems)[0]
+            assert out.dtype == dtype
+            assert_close(out.float(), ref, tol=2e-2, name=f"{backend} {dtype}")
+
+
+def test_non_contiguous_ids_and_mems():
+    model = TransformerXL(tiny()).eval()
+    x = ids(2, 7).t()                                  # [7, 2] view of a [2, 7] tensor
+    assert not x.is_contiguous()
+    with torch.no_grad():
+        lp, mems = model(x)
+        ref, ref_mems = model(x.contiguous())
+        assert_close(lp, ref)
+        strided = [torch.randn(2, 5, 32).transpose(0, 1)[:, :2] for _ in range(3)]  # [5, 2, 32]
+        out = model(x, None, *strided)[0]
+        ref = model(x.contiguous(), None, *[m.contiguous() for m in strided])[0]
+    assert_close(out, ref)

@@ -1,0 +1,186 @@
+"""ctxfast xl-eval: the XL and vanilla modes agree where their contexts coincide, the
+memory is handled across segments, the command line validates its flags, and a tiny run
+writes the table, JSON, markdown and plot."""
+import json
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from ctxfast import cli
+from ctxfast.eval import xl_eval
+from ctxfast.models.transformer_xl import TransformerXL, TransformerXLConfig
+from utils import assert_close
+
+
+def tiny_model(**kw):
+    cfg = dict(n_token=40, n_layer=2, n_head=2, d_model=32, d_head=16, d_inner=48,
+               dropout=0.0, dropatt=0.0)
+    return TransformerXL(TransformerXLConfig(**{**cfg, **kw})).eval()
+
+
+def stream(n, B=2, V=40):
+    return torch.randint(0, V, (n + 1, B))          # [n + 1, B]: position p predicts row p + 1
+
+
+@pytest.mark.parametrize("backend", ["ctxfast", "eager"])
+def test_first_segment_equals_vanilla_where_contexts_coincide(backend):
+    """Positions of the first XL segment (no memory yet) see the same tokens as the
+    vanilla windows there, so their log-probabilities agree; later positions see more
+    through the memory's recurrence and differ."""
+    model = tiny_model(backend=backend)
+    data = stream(20)
+    xl, _, _ = xl_eval.xl_log_probs(model, data, tgt_len=6, mem_len=6)
+    first = [(p, b) for p in range(6) for b in range(2)]
+    van, _ = xl_eval.vanilla_log_probs(model, data, attn_len=12, positions=first, batch=3)
+    assert_close(van, xl[[p for p, _ in first], [b for _, b in first]])
+    # p = L - 1 with an XL memory holding the whole past: the same full context again
+    late = [(11, 0), (11, 1)]
+    van_late, _ = xl_eval.vanilla_log_probs(model, data, attn_len=12, positions=late, batch=2)
+    xl_all, _, _ = xl_eval.xl_log_probs(model, data, tgt_len=6, mem_len=20)
+    assert_close(van_late, xl_all[11])
+    # with 6 steps of memory, position 17's XL context differs from its 12-token window
+    van17, _ = xl_eval.vanilla_log_probs(model, data, attn_len=12, positions=[(17, 0)], batch=1)
+    assert (van17 - xl[17, 0]).abs().max() > 1e-6
+
+
+def test_vanilla_windows_are_full_forwards_of_L_tokens():
+    model = tiny_model()
+    data = stream(30, B=3)
+    pos = xl_eval.sample_positions(9, 29, 7, batch=3)
+    assert len(pos) == 7 and all(9 <= p <= 29 and 0 <= b < 3 for p, b in pos)
+    van, _ = xl_eval.vanilla_log_probs(model, data, attn_len=10, positions=pos, batch=4)
+    for i, (p, b) in enumerate(pos):
+        with torch.no_grad():
+            lp, _ = model(data[p - 9:p + 1, b:b + 1])          # [10, 1, V], no memory
+        assert_close(van[i], lp[-1, 0, data[p + 1, b]], name=f"position {p}, stream {b}")
+
+
+def test_memory_across_segments():
+    """xl_log_probs carries the memory: each segment gets the last mem_len hidden states
+    of the previous ones (detached), and the result equals a hand-written segment loop."""
+    model = tiny_model()
+    data = stream(21)
+    seen = []
+    real = model.log_probs
+
+    def spy(x, *mems, **kw):
+        seen.append([(m.shape[0], m.requires_grad) for m in mems])
+        return real(x, *mems, **kw)
+    model.log_probs = spy
+    xl, ms, tokens = xl_eval.xl_log_probs(model, data, tgt_len=4, mem_len=6, time_from=2)
+    del model.log_probs
+    assert [s[0][0] if s else 0 for s in seen] == [0, 4, 6, 6, 6, 6]
+    assert all(not g for s in seen for _, g in s) and all(len(s) == 3 for s in seen)
+    assert tokens == 4 * 2 and len(ms) == 3 and min(ms) > 0   # segments 2-4 (5 is short)
+    model.reset_length(4, 0, 6)
+    mems, ref = model.init_mems(), []
+    with torch.no_grad():
+        for s in range(0, 21, 4):
+            e = min(s + 4, 21)
+            x, y = data[s:e], data[s + 1:e + 1]
+            nll, mems = model(x, y, *mems)
+            ref.append(-nll)
+    assert_close(xl, torch.cat(ref))
+
+
+def test_builtin_stream_is_deterministic_and_encodes():
+    a, b = xl_eval.builtin_text(500, seed=3), xl_eval.builtin_text(500, seed=3)
+    assert a == b and len(a) == 500 and a != xl_eval.builtin_text(500, seed=4)
+    ids, vocab, _ = xl_eval.encode("héllo", "byte")
+    assert vocab == 256 and ids.tolist() == list("héllo".encode())
+    ids, vocab, _ = xl_eval.encode("abca", "char")
+    assert vocab == 3 and ids.tolist() == [0, 1, 2, 0]
+
+
+# --------------------------------------------------------------------------- command line
+
+TINY = ["--attn-lens", "8,16", "--tgt-len", "4", "--batch", "2", "--xl-segments", "2",
+        "--vanilla-positions", "3", "--model", "tiny", "--n-layer", "1", "--no-progress"]
+
+
+def _bad_args(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    yield ["--attn-lens", "0"], "--attn-lens"
+    yield ["--attn-lens", "8,x"], "--attn-lens"
+    yield ["--attn-lens", "8", "--tgt-len", "16"], "--attn-lens: every L must be >= --tgt-len"
+    yield ["--tgt-len", "0"], "--tgt-len"
+    yield ["--batch", "-2"], "--batch"
+    yield ["--vanilla-positions", "zero"], "--vanilla-positions"
+    yield ["--backends", "triton"], "--backends"
+    yield ["--level", "word"], "--level"
+    yield ["--dtype", "int8"], "--dtype"
+    yield ["--text", str(tmp_path / "missing.txt")], "--text: no such file"
+    yield ["--text", str(empty)], "--text: the file is empty"
+    yield ["--text", str(short)] + TINY, "--text: 3 tokens"
+    yield ["--checkpoint", str(tmp_path / "missing.pt")], "--checkpoint: no such file"
+    yield ["--device", "tpu"], "--device"
+    yield ["--bogus"], "unrecognized arguments"
+    if not torch.cuda.is_available():
+        yield ["--device", "cuda"], "--device cuda: no CUDA device"
+
+
+def test_cli_rejects_bad_flags_naming_them(tmp_path, capsys):
+    for args, msg in _bad_args(tmp_path):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["xl-eval", *args])
+        assert e.value.code == 2, args
+        err = capsys.readouterr().err
+        assert msg in err, f"{args}: {msg!r} not in {err!r}"
+
+
+def test_cli_rejects_a_checkpoint_too_small_for_the_stream(tmp_path, capsys):
+    small = tiny_model(n_token=40)
+    path = tmp_path / "ckpt.pt"
+    torch.save(small.state_dict(), path)
+    with pytest.raises(SystemExit):
+        cli.main(["xl-eval", *TINY, "--checkpoint", str(path)])        # byte ids go to 255
+    assert "n_token=40" in capsys.readouterr().err
+
+
+def test_cli_smoke_tiny_run_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert cli.main(["xl-eval", *TINY, "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "vanilla ms/tok" in printed
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert json.loads((out / "xl_eval.json").read_text())["rows"] == data["rows"]
+    rows = data["rows"]
+    assert [(r["attn_len"], r["backend"]) for r in rows] == \
+        [(8, "ctxfast"), (8, "eager"), (16, "ctxfast"), (16, "eager")]
+    for r in rows:
+        for key in ("attn_len", "vanilla_ms_per_token", "xl_ms_per_token", "speedup", "backend",
+                    "device", "vanilla_bits_per_token", "xl_bits_per_token", "vanilla_positions",
+                    "xl_kernel_speedup", "attention"):
+            assert key in r, key
+        assert r["vanilla_positions"] == 3 and r["mem_len"] == r["attn_len"] - 4
+        assert r["speedup"] == pytest.approx(r["vanilla_ms_per_token"] / r["xl_ms_per_token"])
+        assert 0 < r["vanilla_bits_per_token"] < 16 and 0 < r["xl_bits_per_token"] < 16
+    # same model and weights in both backends: the same bits per token
+    assert rows[0]["xl_bits_per_token"] == pytest.approx(rows[1]["xl_bits_per_token"], rel=1e-4)
+    assert "| L |" in (out / "xl_eval.md").read_text()
+    try:
+        import matplotlib  # noqa: F401
+        assert (out / "xl_eval.png").stat().st_size > 0
+    except ImportError:
+        assert not (out / "xl_eval.png").exists()
+
+
+def test_cli_text_char_level_checkpoint_and_no_matplotlib(tmp_path, capsys, monkeypatch):
+    text = tmp_path / "t.txt"
+    text.write_text(xl_eval.builtin_text(300, seed=1))
+    n_chars = len(set(text.read_text()))
+    model = tiny_model(n_token=n_chars, n_layer=1)
+    ckpt = tmp_path / "m.pt"
+    torch.save({"config": asdict(model.config), "state_dict": model.state_dict()}, ckpt)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import fails
+    assert cli.main(["xl-eval", *TINY, "--text", str(text), "--level", "char",
+                     "--checkpoint", str(ckpt), "--backends", "eager",
+                     "--plot", str(tmp_path / "p.png")]) == 0
+    captured = capsys.readouterr()
+    assert "matplotlib is not installed" in captured.err and not (tmp_path / "p.png").exists()
+    assert "d_model 32" in captured.out and "char-level" in captured.out
