@@ -1,16 +1,22 @@
-"""Reference model definitions (GPT, BERT, ELMo, AWD-LSTM, Transformer-XL, XLNet), each
-taking ``backend="ctxfast" | "eager"``. None yet: see issue 6."""
-__all__: list = []
+"""Reference model definitions, each taking ``backend="ctxfast" | "eager"``:
 
-from .gpt import GPT, GPTConfig  # noqa: E402
-from .bert import Bert, BertConfig, BertOutput  # noqa: E402
-from .hf import from_hf  # noqa: E402
-__all__ += ["GPT", "GPTConfig", "Bert", "BertConfig", "BertOutput", "from_hf"]
-from .xlnet import XLNetConfig, XLNetLMHeadModel, XLNetModel, from_hf_xlnet  # noqa: E402
-__all__ += ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "from_hf_xlnet"]
-from .transformer_xl import TransformerXL, TransformerXLConfig  # noqa: E402
-__all__ += ["TransformerXL", "TransformerXLConfig"]
-from .awd_lstm import AWDLSTM, AWDLSTMClassifier, AWDLSTMConfig, AWDLSTMLM  # noqa: E402
-__all__ += ["AWDLSTM", "AWDLSTMClassifier", "AWDLSTMConfig", "AWDLSTMLM"]
-from .elmo import Elmo, ElmoBiLM, ElmoConfig, ScalarMix, batch_to_ids  # noqa: E402
-__all__ += ["Elmo", "ElmoBiLM", "ElmoConfig", "ScalarMix", "batch_to_ids"]
+* :mod:`gpt` — GPT-1/GPT-2 with a key/value cache; :mod:`bert` — BERT (padded or varlen);
+* :mod:`xlnet` — two-stream XLNet (perm ranks, target mapping, segments, memory);
+* :mod:`transformer_xl` — the original MemTransformerLM (memory, adaptive softmax);
+* :mod:`awd_lstm` — ULMFiT's AWD-LSTM encoder, LM and classifier;
+* :mod:`elmo` — char CNN + highway, projected biLSTM, biLM losses, scalar mix;
+* :func:`from_hf` — the same weights from a Hugging Face BERT, GPT-2 or XLNet model.
+"""
+from .gpt import GPT, GPTConfig
+from .bert import Bert, BertConfig, BertOutput
+from .hf import from_hf
+from .xlnet import XLNetConfig, XLNetLMHeadModel, XLNetModel, from_hf_xlnet
+from .transformer_xl import TransformerXL, TransformerXLConfig
+from .awd_lstm import AWDLSTM, AWDLSTMClassifier, AWDLSTMConfig, AWDLSTMLM
+from .elmo import Elmo, ElmoBiLM, ElmoConfig, ScalarMix, batch_to_ids
+
+__all__ = ["GPT", "GPTConfig", "Bert", "BertConfig", "BertOutput", "from_hf",
+           "XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "from_hf_xlnet",
+           "TransformerXL", "TransformerXLConfig",
+           "AWDLSTM", "AWDLSTMClassifier", "AWDLSTMConfig", "AWDLSTMLM",
+           "Elmo", "ElmoBiLM", "ElmoConfig", "ScalarMix", "batch_to_ids"]
