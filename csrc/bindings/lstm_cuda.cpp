@@ -1,0 +1,287 @@
+// CUDA implementation of ctxfast::lstm_recurrence_native and
+// ctxfast::lstm_recurrence_backward_native: checks, device guard, stream, workspaces, the
+// choice of path, then the plain-CUDA launchers of csrc/cuda/lstm.cu. Built into
+// ctxfast._cuda only.
+//
+// Paths (csrc/cuda/lstm.h):
+//  * persistent: one cooperative kernel for all T steps with the masked w_hh slices held in
+//    shared memory; chosen where lstm_*_persistent_plan says the slices fit on chip and the
+//    grid is co-resident (cudaOccupancy, opt-in shared memory, SM count);
+//  * per step: cuBLAS GEMMs (ATen, float32) + the fused cell kernels, otherwise.
+// CTXFAST_LSTM_CUDA_KERNEL = auto (default) | persistent | per_step forces one; asking
+// for "persistent" where it cannot run is an error, never a silent fallback.
+// Dtypes: float32, float16, bfloat16 (float32 arithmetic and state); float64 is rejected
+// (use the cpu or eager backend). Non-contiguous inputs are made contiguous here.
+// Weight gradients are one GEMM each over all steps (float32), after the recurrence.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "bindings/lstm_checks.h"
+#include "cuda/lstm.h"
+
+namespace ctxfast {
+namespace {
+
+using at::Tensor;
+
+constexpr const char* kFwd = "lstm_recurrence_native (CUDA)";
+constexpr const char* kBwd = "lstm_recurrence_backward_native (CUDA)";
+
+cuda::LstmDtype lstm_dtype(const char* op, at::ScalarType t) {
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
+                   ": the CUDA kernels take float32, float16 or bfloat16, got ", t,
+                   " (float64 runs on the cpu or eager backend)");
+  if (t == at::kFloat) return cuda::LstmDtype::kFloat32;
+  return t == at::kHalf ? cuda::LstmDtype::kFloat16 : cuda::LstmDtype::kBFloat16;
+}
+
+enum class Path { kAuto, kPersistent, kPerStep };
+
+Path requested_path(const char* op) {
+  const char* v = std::getenv("CTXFAST_LSTM_CUDA_KERNEL");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Path::kAuto;
+  if (std::strcmp(v, "persistent") == 0) return Path::kPersistent;
+  TORCH_CHECK_VALUE(std::strcmp(v, "per_step") == 0, op, ": CTXFAST_LSTM_CUDA_KERNEL must "
+                    "be auto, persistent or per_step, got '", v, "'");
+  return Path::kPerStep;
+}
+
+// The persistent plan, or plan.ok == false for the per-step path.
+cuda::LstmPlan choose(const char* op, Path path, const cuda::LstmPlan& plan) {
+  if (path == Path::kPerStep) return cuda::LstmPlan{false, 0, 0, 0, 0, "per_step requested"};
+  TORCH_CHECK(plan.ok || path == Path::kAuto, op, ": CTXFAST_LSTM_CUDA_KERNEL=persistent, but "
+              "the persistent kernel cannot run at these sizes: ", plan.why);
+  return plan;
+}
+
+cuda::LstmDims make_dims(const lstm::Dims& d, at::ScalarType dt, bool has_mask, double scale,
+                         double cell_clip, double proj_clip, bool reverse) {
+  cuda::LstmDims r;
+  r.T = d.T;
+  r.B = d.B;
+  r.H = d.H;
+  r.P = d.P;
+  r.proj = d.proj;
+  r.reverse = reverse;
+  r.scale_eff = has_mask ? static_cast<float>(scale) : 1.0f;  // no mask: W = w_hh
+  const double cs = lstm::storage_clip(cell_clip, dt), ps = lstm::storage_clip(proj_clip, dt);
+  r.cell_clip = static_cast<float>(cell_clip);
+  r.cell_clip_s = static_cast<float>(cs);
+  r.cell_clip_below = static_cast<float>(lstm::clip_below(cs, dt));
+  r.proj_clip = static_cast<float>(proj_clip);
+  r.proj_clip_s = static_cast<float>(ps);
+  r.proj_clip_below = static_cast<float>(lstm::clip_below(ps, dt));
+  return r;
+}
+
+void check_cuda(cudaError_t err, const char* op, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, op, ": ", what, " failed: ", cudaGetErrorString(err));
+}
+
+Tensor contig(const std::optional<Tensor>& t) {
+  return (t.has_value() && t->defined()) ? t->contiguous() : Tensor();
+}
+
+const void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+float* fptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// W = w_hh * mask * scale in float32 for the per-step GEMMs, formed once per call (cuBLAS
+// cannot apply a mask inside its GEMM); the module's parameter is never written.
+Tensor masked_weight_f32(const Tensor& w_hh, const Tensor& mask, double scale) {
+  Tensor w = w_hh.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  if (mask.defined()) {
+    w.mul_(mask);
+    if (scale != 1.0) w.mul_(scale);
+  }
+  return w;
+}
+
+std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
+    const Tensor& xw, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
+    const std::optional<Tensor>& w_hr, const std::optional<Tensor>& mask, double scale,
+    double cell_clip, double proj_clip, bool reverse) {
+  const lstm::Dims d =
+      lstm::check_common(kFwd, xw, "xw", h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip);
+  TORCH_CHECK_VALUE(xw.is_cuda(), kFwd, ": xw must be a CUDA tensor, got ", xw.device());
+  const cuda::LstmDtype cdt = lstm_dtype(kFwd, xw.scalar_type());
+  const Path path = requested_path(kFwd);
+  const c10::cuda::CUDAGuard guard(xw.device());
+  const auto opts = xw.options();
+  Tensor out = at::empty({d.T, d.B, d.P}, opts);
+  Tensor cells = at::empty({d.T, d.B, d.H}, opts);
+  Tensor gates = at::empty({d.T, d.B, 4 * d.H}, opts);
+  if (d.T == 0 || d.B == 0) return {out, cells, gates};
+
+  const Tensor xw_c = xw.contiguous(), w_hh_c = w_hh.contiguous();
+  const Tensor w_hr_c = contig(w_hr), mask_c = contig(mask);
+  const cuda::LstmDims cd =
+      make_dims(d, xw.scalar_type(), mask_c.defined(), scale, cell_clip, proj_clip, reverse);
+  const int dev = xw.device().index();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  const auto f32 = opts.dtype(at::kFloat);
+  Tensor c32 = at::empty({d.B, d.H}, f32);  // c_{t-1}, float32
+  c32.copy_(c0);
+
+  const cuda::LstmPlan plan = choose(
+      kFwd, path,
+      path == Path::kPerStep ? cuda::LstmPlan{} : cuda::lstm_forward_persistent_plan(cd, cdt, dev));
+  if (plan.ok) {
+    Tensor h32 = at::empty({2, d.B, d.P}, f32);  // ping-pong h_{t-1} / h_t
+    h32[0].copy_(h0);
+    Tensor hp32 = d.proj ? at::empty({d.B, d.H}, f32) : Tensor();
+    check_cuda(cuda::lstm_forward_persistent(plan, cd, cdt, xw_c.data_ptr(), w_hh_c.data_ptr(),
+                                             ptr_or_null(mask_c), ptr_or_null(w_hr_c),
+                                             h32.data_ptr<float>(), c32.data_ptr<float>(),
+                                             fptr_or_null(hp32), out.data_ptr(),
+                                             cells.data_ptr(), gates.data_ptr(), stream),
+               kFwd, "the persistent forward kernel launch");
+    return {out, cells, gates};
+  }
+
+  // Per step: z_acc = h_{t-1} @ W^T (cuBLAS, float32), then the fused cell kernel.
+  const Tensor W32 = masked_weight_f32(w_hh_c, mask_c, scale);      // [4H, P]
+  const Tensor Wt = W32.t();                                        // [P, 4H]
+  const Tensor w_hr_t32 = d.proj ? w_hr_c.to(at::kFloat).t() : Tensor();  // [H, P]
+  Tensor h32 = at::empty({d.B, d.P}, f32);
+  h32.copy_(h0);
+  Tensor zacc = at::empty({d.B, 4 * d.H}, f32);
+  Tensor hp32 = d.proj ? at::empty({d.B, d.H}, f32) : Tensor();
+  Tensor y32 = d.proj ? at::empty({d.B, d.P}, f32) : Tensor();
+  for (int64_t s = 0; s < d.T; ++s) {
+    const int64_t t = reverse ? d.T - 1 - s : s;
+    at::mm_out(zacc, h32, Wt);
+    Tensor out_t = out[t];
+    check_cuda(cuda::lstm_cell_forward_step(cd, cdt, xw_c[t].data_ptr(), zacc.data_ptr<float>(),
+                                            c32.data_ptr<float>(), gates[t].data_ptr(),
+                                            cells[t].data_ptr(), fptr_or_null(hp32),
+                                            d.proj ? nullptr : out_t.data_ptr(),
+                                            d.proj ? nullptr : h32.data_ptr<float>(), stream),
+               kFwd, "the cell kernel launch");
+    if (d.proj) {
+      at::mm_out(y32, hp32, w_hr_t32);
+      check_cuda(cuda::lstm_proj_step(cd, cdt, y32.data_ptr<float>(), out_t.data_ptr(),
+                                      h32.data_ptr<float>(), stream),
+                 kFwd, "the projection kernel launch");
+    }
+  }
+  return {out, cells, gates};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda(
+    const Tensor& grad_out, const Tensor& grad_cells, const Tensor& h0, const Tensor& c0,
+    const Tensor& w_hh, const std::optional<Tensor>& w_hr, const std::optional<Tensor>& mask,
+    double scale, double cell_clip, double proj_clip, bool reverse, const Tensor& out,
+    const Tensor& cells, const Tensor& gates) {
+  const lstm::Dims d = lstm::check_common(kBwd, gates, "gates", h0, c0, w_hh, w_hr, mask,
+                                          scale, cell_clip, proj_clip);
+  lstm::check_backward_extra(kBwd, d, gates, grad_out, grad_cells, out, cells);
+  TORCH_CHECK_VALUE(gates.is_cuda(), kBwd, ": gates must be a CUDA tensor, got ",
+                    gates.device());
+  const at::ScalarType dt = gates.scalar_type();
+  const cuda::LstmDtype cdt = lstm_dtype(kBwd, dt);
+  const Path path = requested_path(kBwd);
+  const c10::cuda::CUDAGuard guard(gates.device());
+  const auto opts = gates.options();
+  const auto f32 = opts.dtype(at::kFloat);
+  const Tensor w_hr_c = contig(w_hr), mask_c = contig(mask);
+  if (d.T == 0 || d.B == 0) {
+    return {at::zeros({d.T, d.B, 4 * d.H}, opts), at::zeros({d.B, d.P}, opts),
+            at::zeros({d.B, d.H}, opts), at::zeros({4 * d.H, d.P}, opts),
+            d.proj ? at::zeros({d.P, d.H}, opts) : at::empty({0}, opts)};
+  }
+  const Tensor go = grad_out.contiguous(), gc = grad_cells.contiguous();
+  const Tensor out_c = out.contiguous(), cells_c = cells.contiguous();
+  const Tensor gates_c = gates.contiguous(), c0_c = c0.contiguous(), w_hh_c = w_hh.contiguous();
+  const cuda::LstmDims cd =
+      make_dims(d, dt, mask_c.defined(), scale, cell_clip, proj_clip, reverse);
+  const int dev = gates.device().index();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+
+  Tensor dz = at::empty({d.T, d.B, 4 * d.H}, f32);               // dL/dz_t = grad_xw
+  Tensor dh_in = at::empty({d.T, d.B, d.P}, f32);                // dL/d(projection or hp)
+  Tensor dc = at::zeros({d.B, d.H}, f32);                        // carried dL/dc; grad_c0
+  Tensor hp = d.proj ? at::empty({d.T, d.B, d.H}, f32) : Tensor();  // o tanh(c_t)
+  Tensor gh0;
+
+  const cuda::LstmPlan plan = choose(
+      kBwd, path,
+      path == Path::kPerStep ? cuda::LstmPlan{}
+                             : cuda::lstm_backward_persistent_plan(cd, cdt, dev));
+  if (plan.ok) {
+    const Tensor w_hr_t = d.proj ? w_hr_c.t().contiguous() : Tensor();  // [H, P]
+    Tensor part = at::empty({plan.blocks, d.B, d.P}, f32);  // per-block partial dL/dh
+    gh0 = at::empty({d.B, d.P}, f32);
+    check_cuda(cuda::lstm_backward_persistent(
+                   plan, cd, cdt, go.data_ptr(), gc.data_ptr(), out_c.data_ptr(),
+                   cells_c.data_ptr(), gates_c.data_ptr(), c0_c.data_ptr(), w_hh_c.data_ptr(),
+                   ptr_or_null(mask_c), ptr_or_null(w_hr_t), dh_in.data_ptr<float>(),
+                   dc.data_ptr<float>(), part.data_ptr<float>(), dz.data_ptr<float>(),
+                   fptr_or_null(hp), gh0.data_ptr<float>(), stream),
+               kBwd, "the persistent backward kernel launch");
+  } else {
+    const Tensor W32 = masked_weight_f32(w_hh_c, mask_c, scale);    // [4H, P]
+    const Tensor w_hr32 = d.proj ? w_hr_c.to(at::kFloat) : Tensor();  // [P, H]
+    Tensor carry = at::zeros({d.B, d.P}, f32);                      // dL/dh_t from later steps
+    Tensor dhp = d.proj ? at::empty({d.B, d.H}, f32) : Tensor();
+    for (int64_t s = d.T - 1; s >= 0; --s) {
+      const int64_t t = reverse ? d.T - 1 - s : s;
+      const int64_t tp = reverse ? t + 1 : t - 1;
+      Tensor dh_t = dh_in[t];                                       // [B, P]
+      check_cuda(cuda::lstm_dh_step(cd, cdt, go[t].data_ptr(), carry.data_ptr<float>(),
+                                    out_c[t].data_ptr(), dh_t.data_ptr<float>(), stream),
+                 kBwd, "the dh kernel launch");
+      if (d.proj) at::mm_out(dhp, dh_t, w_hr32);                   // [B, H]
+      Tensor dz_t = dz[t];                                          // [B, 4H]
+      check_cuda(cuda::lstm_cell_backward_step(
+                     cd, cdt, gates_c[t].data_ptr(), cells_c[t].data_ptr(),
+                     s > 0 ? cells_c[tp].data_ptr() : c0_c.data_ptr(), gc[t].data_ptr(),
+                     d.proj ? dhp.data_ptr<float>() : dh_t.data_ptr<float>(),
+                     dc.data_ptr<float>(), dz_t.data_ptr<float>(),
+                     d.proj ? hp[t].data_ptr<float>() : nullptr, stream),
+                 kBwd, "the cell backward kernel launch");
+      at::mm_out(carry, dz_t, W32);                                 // dL/dh_{t-1} [B, P]
+    }
+    gh0 = carry;
+  }
+
+  // dL/dW = sum_t dz_t^T h_{t-1}: one GEMM over the steps whose h_{t-1} is an output, plus
+  // the step that starts from h0 (float32).
+  const int64_t T = d.T, B = d.B;
+  const int64_t first = reverse ? T - 1 : 0;
+  Tensor gw = at::mm(dz[first].t(), h0.to(at::kFloat));           // [4H, P]
+  if (T > 1) {
+    const Tensor out32 = out_c.to(at::kFloat);
+    const Tensor dz_rest = (reverse ? dz.narrow(0, 0, T - 1) : dz.narrow(0, 1, T - 1))
+                               .reshape({(T - 1) * B, 4 * d.H});
+    const Tensor h_rest = (reverse ? out32.narrow(0, 1, T - 1) : out32.narrow(0, 0, T - 1))
+                              .reshape({(T - 1) * B, d.P});
+    gw.addmm_(dz_rest.t(), h_rest);
+  }
+  if (mask_c.defined()) {
+    gw.mul_(mask_c);
+    if (scale != 1.0) gw.mul_(scale);
+  }
+  Tensor gw_hr = d.proj ? at::mm(dh_in.reshape({T * B, d.P}).t(), hp.reshape({T * B, d.H})).to(dt)
+                        : at::empty({0}, opts);
+  return {dz.to(dt), gh0.to(dt), dc.to(dt), gw.to(dt), gw_hr};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ctxfast, CUDA, m) {
+  m.impl("lstm_recurrence_native", &lstm_recurrence_cuda);
+  m.impl("lstm_recurrence_backward_native", &lstm_recurrence_backward_cuda);
+}
+
+}  // namespace ctxfast

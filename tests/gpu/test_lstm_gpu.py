@@ -1,0 +1,156 @@
+"""The CUDA LSTM recurrence ops (torch.ops.ctxfast.lstm_recurrence_native and
+lstm_recurrence_backward_native on CUDA tensors, csrc/cuda/lstm.cu through ctxfast._cuda)
+against ctxfast.reference.lstm_recurrence in float64: forward and every gradient, on both
+paths (the persistent cooperative kernel and the per-step kernels, chosen with
+CTXFAST_LSTM_CUDA_KERNEL), float32 and bfloat16, with and without projection, mask, clips,
+reverse. Skipped where no CUDA device is present.
+
+Tolerance: the FlashAttention rule of tests/test_attention.py — the error of the kernel
+against float64 is at most twice the error of the eager reference run in the same dtype on
+the same GPU, plus a small floor."""
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import ctxfast  # noqa: E402,F401  (fakes and autograd of the native ops)
+from ctxfast import reference  # noqa: E402
+from test_lstm_native import make_inputs, reference_all  # noqa: E402
+from utils import rel_err  # noqa: E402
+
+FLOOR = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}
+PATHS = ["persistent", "per_step"]
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda_op():
+    # On a GPU machine the CUDA kernels must be there: missing is a failure, not a skip.
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("ctxfast::lstm_recurrence_native",
+                                                          "CUDA"):
+        pytest.fail("ctxfast._cuda has no CUDA kernel for lstm_recurrence_native "
+                    f"(build: {ctxfast._dispatch.build_info()})")
+
+
+@pytest.fixture
+def path(request, monkeypatch):
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", request.param)
+    return request.param
+
+
+def _eager_same_dtype(args, grad_out, grad_cells):
+    """The eager reference in the kernels' dtype on the GPU, forward and gradients."""
+    xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse = args
+    leaves = [t.detach().clone().requires_grad_() for t in (xw, h0, c0, w_hh)]
+    w_hr_l = w_hr.detach().clone().requires_grad_() if w_hr is not None else None
+    out, cells, gates = reference.lstm_recurrence(*leaves, w_hr_l, mask, scale, cc, pc, reverse)
+    inputs = leaves + ([w_hr_l] if w_hr_l is not None else [])
+    grads = list(torch.autograd.grad((out, cells), inputs, (grad_out, grad_cells)))
+    if w_hr_l is None:
+        grads.append(None)
+    return (out.detach(), cells.detach(), gates.detach()), grads
+
+
+def check_cuda(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype, scale=1.0 / 0.7):
+    cpu = make_inputs(T, B, H, P, proj, use_mask)
+    args = tuple(None if t is None else t.to("cuda", dtype) for t in cpu) + (scale, cc, pc,
+                                                                              reverse)
+    out, cells, gates = torch.ops.ctxfast.lstm_recurrence_native(*args)
+    grad_out = torch.randn(out.shape, device="cuda").to(dtype)
+    grad_cells = torch.randn(cells.shape, device="cuda").to(dtype)
+    grads = torch.ops.ctxfast.lstm_recurrence_backward_native(
+        grad_out, grad_cells, *args[1:], out, cells, gates)
+    ref64, ref64_grads = reference_all(*(a.cpu() if isinstance(a, torch.Tensor) else a
+                                         for a in args), grad_out.cpu(), grad_cells.cpu())
+    eager, eager_grads = _eager_same_dtype(args, grad_out, grad_cells)
+    names = ("out", "cells", "gates", "grad_xw", "grad_h0", "grad_c0", "grad_w_hh", "grad_w_hr")
+    for name, ours, r64, e in zip(names, (*(out, cells, gates), *grads),
+                                  (*ref64, *ref64_grads), (*eager, *eager_grads)):
+        if r64 is None:
+            assert ours.shape == (0,), f"{name}: expected an empty [0] tensor"
+            continue
+        assert ours.dtype == dtype and ours.is_cuda, name
+        assert not torch.isnan(ours).any(), f"{name}: NaN"
+        err, err_eager = rel_err(ours.cpu(), r64), rel_err(e.cpu(), r64)
+        assert err <= 2 * err_eager + FLOOR[dtype], \
+            f"{name}: error {err:.3e} > 2 x eager's {err_eager:.3e} + {FLOOR[dtype]:.0e}"
+    return out, cells
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("proj, use_mask, cc, pc, reverse", [
+    (False, False, math.inf, math.inf, False),
+    (False, True, 0.9, math.inf, True),
+    (True, True, 0.9, 0.35, False),
+    (True, False, math.inf, math.inf, True),
+], ids=["plain", "mask+cellclip+rev", "proj+mask+clips", "proj+rev"])
+@pytest.mark.parametrize("T, B, H, P", [(1, 3, 13, 5), (9, 37, 61, 27)], ids=["T1", "odd"])
+def test_against_reference(path, dtype, T, B, H, P, proj, use_mask, cc, pc, reverse):
+    check_cuda(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype)
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_ulmfit_size_bf16(path):
+    # ULMFiT's hidden size: the masked w_hh slices (4 x 1152 x 1152 bf16) fit on chip.
+    check_cuda(6, 16, 1152, 0, False, True, math.inf, math.inf, False, torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_elmo_size_bf16(path):
+    # ELMo's cell 4096 with projection 512 and clips 3.
+    check_cuda(4, 8, 4096, 512, True, True, 3.0, 3.0, True, torch.bfloat16)
+
+
+def test_auto_falls_back_to_per_step_where_weights_do_not_fit(monkeypatch):
+    # 4H x P float32 = 64 MiB: more than any GPU's shared memory in total, so "auto" must
+    # take the per-step path (and "persistent" must refuse, never silently fall back).
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "auto")
+    check_cuda(3, 4, 2048, 0, False, True, math.inf, math.inf, False, torch.float32)
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent")
+    args = [t.to("cuda", torch.float32) for t in make_inputs(3, 4, 2048, 0, False, False)[:4]]
+    with pytest.raises(RuntimeError, match="persistent kernel cannot run"):
+        torch.ops.ctxfast.lstm_recurrence_native(*args, None, None, 1.0, math.inf, math.inf,
+                                                 False)
+
+
+def test_paths_agree_float32(monkeypatch):
+    args = [t.to("cuda", torch.float32) for t in make_inputs(7, 19, 150, 40, True, True)]
+    res = {}
+    for p in PATHS:
+        monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", p)
+        res[p] = torch.ops.ctxfast.lstm_recurrence_native(*args, 1.25, 2.0, 1.0, False)
+    for a, b in zip(res["persistent"], res["per_step"]):
+        assert rel_err(a.cpu(), b.cpu()) < 1e-5
+
+
+def test_bad_inputs_cuda(monkeypatch):
+    args = [t.to("cuda") for t in make_inputs(2, 2, 4, 0, False, False)[:4]]  # float64
+    with pytest.raises(TypeError, match="float64 runs on the cpu or eager backend"):
+        torch.ops.ctxfast.lstm_recurrence_native(*args, None, None, 1.0, math.inf, math.inf,
+                                                 False)
+    args = [a.float() for a in args]
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="CTXFAST_LSTM_CUDA_KERNEL must be"):
+        torch.ops.ctxfast.lstm_recurrence_native(*args, None, None, 1.0, math.inf, math.inf,
+                                                 False)
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "auto")
+    with pytest.raises(ValueError, match="h0 must be on xw's device"):
+        torch.ops.ctxfast.lstm_recurrence_native(args[0], args[1].cpu(), *args[2:], None, None,
+                                                 1.0, math.inf, math.inf, False)
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_opcheck_cuda(path):
+    xw, h0, c0, w_hh, w_hr, mask = (t.to("cuda", torch.float32)
+                                    for t in make_inputs(3, 2, 5, 3, True, True))
+    torch.library.opcheck(torch.ops.ctxfast.lstm_recurrence_native.default,
+                          (xw.requires_grad_(), h0, c0, w_hh.requires_grad_(), w_hr, mask, 1.5,
+                           0.9, 0.4, False))
+    out, cells, gates = (t.detach() for t in torch.ops.ctxfast.lstm_recurrence_native(
+        xw, h0, c0, w_hh, w_hr, mask, 1.5, 0.9, 0.4, False))
+    torch.library.opcheck(torch.ops.ctxfast.lstm_recurrence_backward_native.default,
+                          (torch.randn_like(out), torch.randn_like(cells), h0, c0,
+                           w_hh.detach(), w_hr, mask, 1.5, 0.9, 0.4, False, out, cells, gates))
