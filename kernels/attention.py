@@ -108,6 +108,25 @@ def _visible(offs_m, offs_n, b, Tq, Tk, mem_len,
 
 
 @triton.jit
+def _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
+               CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, SPLIT_K: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """[lo, hi): the keys that the query block starting at row m0 of batch b may see —
+    below the causal diagonal (bottom-right aligned), before the first padded key
+    (KV_END[b]), and, with SPLIT_K, inside this program's split (program_id(2))."""
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
+    if HAS_KPM:
+        hi = tl.minimum(hi, tl.load(KV_END + b))
+    lo = 0
+    if SPLIT_K:
+        lo = tl.program_id(2) * keys_per_split
+        hi = tl.minimum(hi, lo + keys_per_split)
+    return lo, hi
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V,        # q [B, H, Tq, D], k, v [B, H, Tk, D]; any strides
     O,              # out [B, H, Tq, D], written
@@ -157,18 +176,11 @@ def _attn_fwd_kernel(
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
 
-    hi = Tk
-    if CAUSAL:
-        hi = tl.minimum(hi, pid_m * BLOCK_M + BLOCK_M + mem_len)
-    if HAS_KPM:
-        hi = tl.minimum(hi, tl.load(KV_END + b))
-    lo = 0
+    lo, hi = _key_range(b, pid_m * BLOCK_M, Tk, mem_len, KV_END, keys_per_split,
+                        CAUSAL, HAS_KPM, SPLIT_K, BLOCK_M)
     if SPLIT_K:
-        split = tl.program_id(2)
-        lo = split * keys_per_split
-        hi = tl.minimum(hi, lo + keys_per_split)
-        O += split * stride_os
-        LSE += split * stride_ls
+        O += tl.program_id(2) * stride_os
+        LSE += tl.program_id(2) * stride_ls
 
     seed = 0
     if DROPOUT:

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from .attention import (LOG2E, _attn_combine_kernel, _auto_splits, _dot, _interpreting, _keep,
-                        _mask_args, _online_softmax_step, _precision, _seed_arg, _visible)
+                        _key_range, _mask_args, _online_softmax_step, _precision, _seed_arg,
+                        _visible)
 
 
 @triton.jit
@@ -100,18 +101,11 @@ def _rel_attn_fwd_kernel(
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
 
-    hi = Tk
-    if CAUSAL:
-        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
-    if HAS_KPM:
-        hi = tl.minimum(hi, tl.load(KV_END + b))
-    lo = 0
+    lo, hi = _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
+                        CAUSAL, HAS_KPM, SPLIT_K, BLOCK_M)
     if SPLIT_K:
-        split = tl.program_id(2)
-        lo = split * keys_per_split
-        hi = tl.minimum(hi, lo + keys_per_split)
-        O += split * stride_os
-        LSE += split * stride_ls
+        O += tl.program_id(2) * stride_os
+        LSE += tl.program_id(2) * stride_ls
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)

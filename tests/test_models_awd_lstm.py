@@ -16,7 +16,7 @@ import ctxfast
 from ctxfast import _dispatch
 from ctxfast.models.awd_lstm import (AWDLSTM, AWDLSTMClassifier, AWDLSTMConfig, AWDLSTMLM,
                                      masked_concat_pool)
-from utils import assert_close
+from utils import assert_close, assert_param_grads_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OP_BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
@@ -40,18 +40,6 @@ def _pair(cls, **kw):
     return fast, eager
 
 
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _compare_grads(fast, eager):
-    g, g_e = _grads(fast), _grads(eager)
-    assert g.keys() == g_e.keys() and len(g) == len(list(fast.parameters()))
-    for name in g:
-        assert g[name].abs().sum() > 0, f"{name}: zero gradient"
-        assert_close(g[name], g_e[name], name=f"grad {name}")
-
-
 @pytest.mark.parametrize("op_backend", OP_BACKENDS)
 def test_lm_ctxfast_matches_eager_outputs_state_and_every_grad(op_backend):
     """Two consecutive batches (the second continues from the carried state, with a
@@ -72,7 +60,7 @@ def test_lm_ctxfast_matches_eager_outputs_state_and_every_grad(op_backend):
         assert h.shape == (1, 2, 16 if k < 2 else 8) and not h.requires_grad
         assert_close(h, h_e, name=f"h of layer {k}")
         assert_close(c, c_e, name=f"c of layer {k}")
-    _compare_grads(fast, eager)
+    assert_param_grads_close(fast, eager)
 
 
 @pytest.mark.parametrize("op_backend", OP_BACKENDS)
@@ -94,7 +82,7 @@ def test_classifier_ctxfast_matches_eager_outputs_and_every_grad(op_backend):
     assert logits.shape == (3, 3)
     assert_close(logits, logits_e, name="logits")
     assert_close(loss, loss_e, name="loss")
-    _compare_grads(fast, eager)
+    assert_param_grads_close(fast, eager)
 
 
 @pytest.mark.parametrize("op_backend", OP_BACKENDS)
@@ -375,7 +363,7 @@ def test_dropout_on_ctxfast_and_eager_agree_under_one_seed():
     assert_close(logits, logits_e, name="logits")
     assert_close(loss, loss_e, name="loss with AR/TAR")
     assert torch.isfinite(loss) and loss.item() > 0
-    _compare_grads(fast, eager)
+    assert_param_grads_close(fast, eager)
 
 
 # --------------------------------------------------------------------------- bad inputs

@@ -96,15 +96,16 @@ def test_rows_that_see_no_key():
     assert (out[0] == 0).all() and (grads[0][0] == 0).all()
 
 
-@needs_triton
-def test_dropout_matches_reference_with_the_same_mask():
+def check_dropout(B, H, Tq, Tk, D, p, seed):
+    """Triton with dropout against the float64 reference given the same keep-mask
+    (``dropout_keep_mask`` regenerates it from the seed), forward and every gradient."""
     from ctxfast.ops.attention import draw_seed, dropout_keep_mask
-    B, H, Tq, Tk, D, p = 2, 2, 13, 21, 16, 0.25
     ts = [t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk)]
     out = ctxfast.rel_attention(*ts, dropout_p=p, backend="triton",
-                                generator=torch.Generator(DEVICE).manual_seed(5))
-    keep = dropout_keep_mask(draw_seed(DEVICE, torch.Generator(DEVICE).manual_seed(5)),
+                                generator=torch.Generator(DEVICE).manual_seed(seed))
+    keep = dropout_keep_mask(draw_seed(DEVICE, torch.Generator(DEVICE).manual_seed(seed)),
                              B, H, Tq, Tk, p)
+    assert 0 < keep.float().mean() < 1
     l64 = [t.detach().double().requires_grad_(True) for t in ts]
     ref = reference.rel_attention(*l64, dropout_mask=keep, dropout_p=p)
     assert rel_err(out, ref) < 1e-5
@@ -112,6 +113,11 @@ def test_dropout_matches_reference_with_the_same_mask():
     for name, a, b in zip(NAMES, torch.autograd.grad(out, ts, do),
                           torch.autograd.grad(ref, l64, do.double())):
         assert rel_err(a, b) < 1e-5, name
+
+
+@needs_triton
+def test_dropout_matches_reference_with_the_same_mask():
+    check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
 
 
 @needs_triton

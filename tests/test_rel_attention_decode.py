@@ -22,7 +22,7 @@ import torch
 import ctxfast
 from ctxfast import reference
 from test_attention import DEVICE, needs_triton
-from test_rel_attention import NAMES, _inputs, check
+from test_rel_attention import NAMES, _inputs, check, check_dropout
 from utils import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,23 +146,10 @@ def test_rows_that_see_no_key_are_zero(force_splits):
 def test_dropout_with_splits_matches_reference_with_the_same_mask(force_splits):
     """The dropout counter is a function of (b, h, i, j), not of the split: the reference
     with ``dropout_keep_mask`` gives the same output and gradients."""
-    from ctxfast.ops.attention import draw_seed, dropout_keep_mask
-    B, H, Tq, Tk, D, p = 2, 2, 2, 47, 16, 0.3
+    B, H, Tq, Tk, D = 2, 2, 2, 47, 16
     seen = force_splits(3)
-    ts = [t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk)]
-    out = ctxfast.rel_attention(*ts, dropout_p=p, backend="triton",
-                                generator=torch.Generator(DEVICE).manual_seed(11))
+    check_dropout(B, H, Tq, Tk, D, 0.3, seed=11)
     assert seen == [expected_splits(Tq, Tk, D, 3)]
-    keep = dropout_keep_mask(draw_seed(DEVICE, torch.Generator(DEVICE).manual_seed(11)),
-                             B, H, Tq, Tk, p)
-    assert 0 < keep.float().mean() < 1
-    l64 = [t.detach().double().requires_grad_(True) for t in ts]
-    ref = reference.rel_attention(*l64, dropout_mask=keep, dropout_p=p)
-    assert rel_err(out, ref) < 1e-5
-    do = torch.randn_like(out)
-    for name, a, b in zip(NAMES, torch.autograd.grad(out, ts, do),
-                          torch.autograd.grad(ref, l64, do.double())):
-        assert rel_err(a, b) < 1e-5, name
 
 
 # --------------------------------------------------------------------------- split == unsplit

@@ -47,3 +47,15 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: Optional[float] = No
     err = rel_err(out, ref)
     if not err <= tol:
         raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.1e}; {_where(out, ref)}")
+
+
+def assert_param_grads_close(fast: "torch.nn.Module", eager: "torch.nn.Module") -> None:
+    """Every parameter of `fast` has a non-zero gradient equal (assert_close) to the one of
+    the same name in `eager` — for models run on two backends after a backward."""
+    g = {n: p.grad for n, p in fast.named_parameters()}
+    g_e = {n: p.grad for n, p in eager.named_parameters()}
+    assert g.keys() == g_e.keys(), f"parameter names differ: {sorted(g.keys() ^ g_e.keys())}"
+    for name in g:
+        assert g[name] is not None and g_e[name] is not None, f"{name}: no gradient"
+        assert g[name].abs().sum() > 0, f"{name}: zero gradient"
+        assert_close(g[name], g_e[name], name=f"grad {name}")

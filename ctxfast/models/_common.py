@@ -219,6 +219,30 @@ def check_ids(name: str, ids: Tensor, vocab: int, max_len: Optional[int] = None,
                              f"[{lo}, {hi}]")
 
 
+def check_sampling(max_new_tokens: object, temperature: float, top_k: object) -> None:
+    """The arguments of a model's ``generate()``; ValueError naming the bad one."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+
+
+def next_token(logits: Tensor, temperature: float, top_k: Optional[int],
+               generator: Optional[torch.Generator] = None) -> Tensor:
+    """Pick the next token from ``logits [B, V]``: argmax when temperature is 0, else a
+    sample from softmax(logits / temperature) restricted to the top_k most likely.
+    Returns ``[B, 1]``."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)                       # [B, 1]
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]   # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # [B, 1]
+
+
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
     """GPT-2/BERT initialisation: normal(0, std) weights, zero biases, unit LayerNorm."""
     if isinstance(module, nn.Linear):

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import MLP, KVCache, SelfAttention, check_backend, check_ids, init_weights
+from ._common import (MLP, KVCache, SelfAttention, check_backend, check_ids, check_sampling,
+                      init_weights, next_token)
 
 
 @dataclass
@@ -157,12 +158,7 @@ class GPT(nn.Module):
         rebuilt for each step). Put the model in ``eval()`` mode first to turn dropout off.
         """
         cfg = self.config
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        check_sampling(max_new_tokens, temperature, top_k)
         check_ids("idx", idx, cfg.vocab_size)                  # longer than n_positions is fine
         if idx.shape[1] == 0:
             raise ValueError("idx must hold at least one token to generate from, got T=0")
@@ -175,16 +171,7 @@ class GPT(nn.Module):
                 if cache is not None:
                     cache.reset()                               # (re)fill with the window
                 logits, _ = self(window, cache=cache)
-            logits = logits[:, -1, :]                           # [B, V]
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)           # [B, 1]
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
+            nxt = next_token(logits[:, -1, :], temperature, top_k, generator)  # [B, 1]
             idx = torch.cat([idx, nxt], 1)
         return idx
 

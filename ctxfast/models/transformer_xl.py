@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from .. import ops, reference
 from ..nn.rel_attention import RelPartialLearnableMultiHeadAttn as _RelAttnLayer
+from ._common import check_sampling, next_token
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 
@@ -602,12 +603,7 @@ class TransformerXL(nn.Module):
         final mems: the memory of every returned token but the last). temperature 0 =
         greedy; top_k restricts sampling to the k most likely tokens. `mems` continues from
         an earlier memory. Put the model in ``eval()`` mode first to turn dropout off."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        check_sampling(max_new_tokens, temperature, top_k)
         self._check_ids("prompt", prompt)
         mems = list(mems) if len(mems) else self.init_mems()
         seg = max(self.tgt_len, 1)
@@ -617,15 +613,7 @@ class TransformerXL(nn.Module):
         nxt = prompt[-1:]                                                # [1, B]
         for _ in range(max_new_tokens):
             logp, mems = self.log_probs(nxt, *mems)                      # [1, B, n_token]
-            logits = logp[0].float()                                     # [B, n_token]
-            if temperature == 0:
-                nxt = logits.argmax(-1)[None]                            # [1, B]
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator).T  # [1, B]
+            nxt = next_token(logp[0].float(), temperature, top_k, generator).T  # [1, B]
             out = torch.cat([out, nxt], 0)
         return out, mems
 
