@@ -19,7 +19,8 @@ The suite interface: what a ``benchmarks/bench_<op>.py`` provides
 * **Describe the benchmark first**, with :func:`describe` (op, case, mode, backend,
   dtype, device, and where they mean something ``T`` (the x axis of the speedup plot),
   ``series`` (one line of that plot), ``flops`` (FLOPs of one call: TFLOP/s in the
-  report) and ``min_bytes`` (least memory traffic of one call: GB/s in the report)).
+  report), ``min_bytes`` (least memory traffic of one call: GB/s in the report) and, for
+  whole models, ``tokens`` (token positions one call processes: tokens/s in the report)).
   It must come before anything that can run out of memory, so an OOM can be recorded.
 * **Inputs**: fresh ``torch.randn`` (never zeros), made by :func:`input_sets` (several
   rotated sets where they fit in the GPU's L2). Check the backend against the reference
@@ -118,7 +119,8 @@ def describe(benchmark, *, op: str, case: str, mode: str, backend: str,
     """Fill ``benchmark.extra_info`` with what ``report.py`` needs to pair and label the
     benchmark: op, case, mode, backend, dtype, device (and its name), torch and triton
     versions, plus `info` (e.g. ``T=``, ``series=``, ``flops=``, ``min_bytes=``,
-    ``baseline=``, ``shape=``). Sets ``benchmark.group`` to "<op> <case> <mode>"."""
+    ``tokens=`` (token positions per call: tokens/s in the report), ``baseline=``,
+    ``shape=``). Sets ``benchmark.group`` to "<op> <case> <mode>"."""
     ver = versions()
     benchmark.group = f"{op} {case} {mode}"
     benchmark.extra_info.update(

@@ -16,9 +16,10 @@ Modes:
 * ``eval``: the same forward and loss under ``torch.no_grad()`` in ``eval()`` mode (what a
   validation loop runs).
 
-``ms`` is one step (or one evaluation batch); ``extra_info["tokens_per_s"]`` = ``B·T /
-ms`` (B·T positions per batch, also in the case name; ``report.py``'s records carry no
-throughput column, so tokens/s is ``B·T / ms`` there).
+``ms`` is one step (or one evaluation batch); ``extra_info["tokens"]`` = ``B·T`` (the
+token positions of a batch, also in the case name), so ``report.py``'s records carry
+``tokens_per_s`` and ``baseline_tokens_per_s`` = ``B·T / ms``: training and evaluation
+throughput, ours and eager's.
 
 Backends:
 
@@ -40,11 +41,9 @@ Backends:
 * the baseline ``eager``: the model with ``backend="eager"`` (``ctxfast/reference``, or for
   Transformer-XL the original formulation).
 
-Precision: fp32 on the CPU. On CUDA, GPT, BERT and Transformer-XL train under
-``torch.autocast(bfloat16)`` with fp32 weights; XLNet in bf16 weights (its ``backend=
-"ctxfast"`` cannot run under autocast: ``XLNetRelativeAttention`` passes the fp32
-``r_w_bias`` with bf16 queries to ``ctxfast.rel_attention``, which refuses mixed dtypes);
-AWD-LSTM and ELMo in fp32.
+Precision: fp32 on the CPU. On CUDA, GPT, BERT, XLNet and Transformer-XL train under
+``torch.autocast(bfloat16)`` with fp32 weights (the attention ops run in bf16, their fp32
+biases cast as SDPA casts its inputs); AWD-LSTM and ELMo in fp32.
 
 Weights: built by the model, then every parameter of two or more dimensions redrawn from
 ``N(0, 1 / fan_in)`` (:func:`lecun_init_`), the same for every backend of a case. At
@@ -181,7 +180,7 @@ FULL_CASES = (
     # CUDA: the real sizes
     Case("gpt", "GPT-2-small", 8, 1024, _GPT2_SMALL, precision="bf16-amp", devices=("cuda",)),
     Case("bert", "BERT-base", 16, 512, _BERT_BASE, precision="bf16-amp", devices=("cuda",)),
-    Case("xlnet", "XLNet-base", 8, 512, _XLNET_BASE, mem=384, P=85, precision="bf16",
+    Case("xlnet", "XLNet-base", 8, 512, _XLNET_BASE, mem=384, P=85, precision="bf16-amp",
          devices=("cuda",)),
     Case("transformer_xl", "enwik8-base", 16, 512, _TXL_ENWIK8, mem=512,
          precision="bf16-amp", devices=("cuda",)),
@@ -622,7 +621,7 @@ def test_models(benchmark, bench_device, case: Case, mode: str, backend: str):
                      dtype=amp or dtype, device=bench_device, baseline=BASELINE, T=case.T,
                      series=case.model, model=case.model, precision=case.precision,
                      batch=case.B, mem=case.mem, predictions=case.P,
-                     tokens_per_step=tokens, config={k: repr(v) for k, v in case.cfg})
+                     tokens=tokens, config={k: repr(v) for k, v in case.cfg})
     with _common.oom_guard(benchmark, bench_device):
         model, ref = _models(case, backend, bench_device)
         torch.manual_seed(1)
@@ -655,6 +654,3 @@ def test_models(benchmark, bench_device, case: Case, mode: str, backend: str):
         quick = _common.quick()
         _common.measure(benchmark, fn, sets, bench_device, budget_s=0.3 if quick else 2.0,
                         min_rounds=5 if quick else 10, warmup=3 if quick else 5)
-    ms = benchmark.extra_info.get("ms")
-    if ms:
-        benchmark.extra_info["tokens_per_s"] = tokens / (ms * 1e-3)

@@ -86,11 +86,15 @@ def _fmt_x(x: float) -> str:
 def _rate(records: Sequence[dict]) -> str:
     tf = [r["tflops"] for r in records if r.get("tflops") is not None]
     gb = [r["gbps"] for r in records if r.get("gbps") is not None]
+    tok = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") is not None]
+    cell = "—"
     if tf:
-        return f"{max(tf):.3g} TFLOP/s"
-    if gb:
-        return f"{max(gb):.3g} GB/s"
-    return "—"
+        cell = f"{max(tf):.3g} TFLOP/s"
+    elif gb:
+        cell = f"{max(gb):.3g} GB/s"
+    if tok:                                  # whole models: throughput too
+        cell = ("" if cell == "—" else cell + ", ") + f"{max(tok):.3g} tokens/s"
+    return cell
 
 
 def render(report: dict, source: str) -> str:

@@ -24,6 +24,10 @@ same (op, case, mode, dtype, device) and writes one record per pair, keys
 * ``tflops`` = suite's ``flops`` / time; ``gbps`` = suite's ``min_bytes`` / time (the
   least traffic the op needs: for memory-bound ops such as rel_shift). None where the
   suite gives no count.
+* ``tokens_per_s`` / ``baseline_tokens_per_s`` = suite's ``tokens`` (token positions one
+  call processes, e.g. B·T of a training step) / time of the backend / of the baseline;
+  None where the suite gives no ``tokens`` (the op suites). The markdown shows them in a
+  "tokens/s" column when any record has them.
 * ``peak_mem_bytes``, ``baseline_peak_mem_bytes``: peak CUDA memory of one call beyond
   its inputs; None on the CPU (not measured there).
 * ``note``: "OOM: ..." where the backend ran out of memory (``ms`` None), "baseline
@@ -64,7 +68,7 @@ BASELINES: Dict[str, str] = {
 #: Keys of one record, in order.
 RECORD_KEYS: Tuple[str, ...] = (
     "op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
-    "tflops", "gbps", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
+    "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
     "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
     "triton", "date")
 
@@ -215,6 +219,8 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
                         and ms > 0 else None),
             "tflops": _rate(info.get("flops"), ms, 1e12),
             "gbps": _rate(info.get("min_bytes"), ms, 1e9),
+            "tokens_per_s": _rate(info.get("tokens"), ms, 1.0),
+            "baseline_tokens_per_s": _rate(info.get("tokens"), baseline_ms, 1.0),
             "peak_mem_bytes": mine["peak_mem_bytes"],
             "baseline_peak_mem_bytes": base["peak_mem_bytes"] if base is not None else None,
             "ms_min": mine["ms_min"], "ms_max": mine["ms_max"],
@@ -267,6 +273,14 @@ def _fmt_rate(r: dict) -> str:
     return "—"
 
 
+def _fmt_tokens(r: dict) -> str:
+    a, b = r.get("tokens_per_s"), r.get("baseline_tokens_per_s")
+    if a is None and b is None:
+        return "—"
+    fmt = lambda x: "—" if x is None else f"{x:.3g}"           # noqa: E731
+    return f"{fmt(a)} / {fmt(b)}"
+
+
 def _fmt_mem(r: dict) -> str:
     a, b = r.get("peak_mem_bytes"), r.get("baseline_peak_mem_bytes")
     if a is None and b is None:
@@ -284,6 +298,8 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     """The report as markdown: a header (device, date, versions, how to read it, `notes`)
     and one table of the records."""
     h = _header(records)
+    tokens = any(r.get("tokens_per_s") is not None
+                 or r.get("baseline_tokens_per_s") is not None for r in records)
     on_cpu = not any(r.get("peak_mem_bytes") is not None
                      or r.get("baseline_peak_mem_bytes") is not None for r in records)
     lines = [
@@ -296,7 +312,9 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
         "between the two passes of the backend and of its baseline — a speedup within "
         "1 ± spread of 1.0 is noise. Rate: achieved TFLOP/s (FlashAttention count; "
         "Transformer-XL's position term included) or GB/s (least bytes the op must "
-        "move). Peak memory: MiB beyond the inputs, ours / baseline"
+        "move)."
+        + (" Tokens/s: token positions per second, ours / baseline." if tokens else "")
+        + " Peak memory: MiB beyond the inputs, ours / baseline"
         + (" — CUDA only, not measured on the CPU (—)." if on_cpu else "."),
     ]
     noisy = sum(1 for r in records
@@ -310,16 +328,18 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     lines += [
         "",
         "| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
-        "| rate | peak MiB | spread | note |",
-        "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        "| rate | " + ("tokens/s | " if tokens else "") + "peak MiB | spread | note |",
+        "|---|---|---|---|---:|---:|---|---:|---:|---:|" + ("---:|" if tokens else "")
+        + "---:|---:|---|",
     ]
     for r in records:
         speedup = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {r['op']} | {r['case']} | {r['mode']} | {r['backend']} | "
                      f"{_fmt_ms(r['ms'])} | {_fmt_ms(r.get('ms_min'))} | {r['baseline']} | "
                      f"{_fmt_ms(r['baseline_ms'])} | "
-                     f"{speedup} | {_fmt_rate(r)} | {_fmt_mem(r)} | {_fmt_spread(r)} | "
-                     f"{r.get('note') or ''} |")
+                     f"{speedup} | {_fmt_rate(r)} | "
+                     + (f"{_fmt_tokens(r)} | " if tokens else "")
+                     + f"{_fmt_mem(r)} | {_fmt_spread(r)} | {r.get('note') or ''} |")
     return "\n".join(lines) + "\n"
 
 

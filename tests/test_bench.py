@@ -18,7 +18,7 @@ import torch
 BENCH_DIR = Path(__file__).parents[1] / "benchmarks"
 REPORT_PY = BENCH_DIR / "report.py"
 KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
-        "tflops", "gbps", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
+        "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
         "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
         "triton", "date"}
 TABLE_HEAD = ("| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
@@ -329,6 +329,27 @@ def test_records_from_measure_rates_and_memory(report):
         report.markdown([r])
 
 
+def test_records_carry_tokens_per_second(report):
+    # a model suite's tokens= (positions per call) gives ours and the baseline's tokens/s
+    data = {"benchmarks": [
+        _bench("ctxfast", 1.0, op="models", case="gpt B2 T32", mode="eval", ms=4.0,
+               tokens=64, flops=1e9, baseline="eager"),
+        _bench("eager", 1.0, op="models", case="gpt B2 T32", mode="eval", ms=16.0,
+               tokens=64, baseline="eager"),
+    ]}
+    (r,) = report.records_from_pytest_benchmark(data)
+    assert math.isclose(r["tokens_per_s"], 16000.0)
+    assert math.isclose(r["baseline_tokens_per_s"], 4000.0)
+    md = report.markdown([r])
+    assert "| rate | tokens/s | peak MiB |" in md
+    assert "| 4.00x | 250 GFLOP/s | 1.6e+04 / 4e+03 | — |" in md
+    # op suites give no tokens: no column, None in the record
+    (o,) = report.records_from_pytest_benchmark({"benchmarks": [
+        _bench("cpu", 0.001), _bench("eager-pad-view", 0.002)]})
+    assert o["tokens_per_s"] is None and o["baseline_tokens_per_s"] is None
+    assert TABLE_HEAD in report.markdown([o])
+
+
 def test_records_without_baseline(report):
     data = {"benchmarks": [_bench("cpu", 0.001, case="B9 H9 Tq9 Tk9"),
                            _bench("eager-pad-view", 0.005, case="B1 H1 Tq1 Tk1")]}
@@ -517,7 +538,9 @@ def test_readme_table_render_and_update(readme_table, tmp_path):
             _rec("attention", "triton", "fwd", 4.0, tflops=350.0),
             _rec("attention", "triton", "fwd", 8.0, tflops=310.0),
             _rec("attention", "triton", "fwd", None, note="baseline OOM: x"),
-            _rec("rel_shift", "cpu", "fwd+bwd", 1.5, gbps=12.0, case="B8 H8 Tq256 Tk512")]
+            _rec("rel_shift", "cpu", "fwd+bwd", 1.5, gbps=12.0, case="B8 H8 Tq256 Tk512"),
+            _rec("models", "ctxfast", "eval", 2.0, tflops=0.5, tokens_per_s=1.2e5,
+                 case="gpt B8 T1024")]
     _run_file(tmp_path / "results" / "gpu", "2026-12-01", "NVIDIA H200", recs)
     path, rep = readme_table.newest_run(tmp_path / "results")
     block = readme_table.render(rep, "benchmarks/results/gpu/2026-12-01.json")
@@ -525,6 +548,8 @@ def test_readme_table_render_and_update(readme_table, tmp_path):
     assert "| attention | triton | base | fwd | 4 | 4.00x (2.00x–8.00x), 1 OOM | 350 TFLOP/s |" \
         in block
     assert "| rel_shift | cpu | base | fwd+bwd | B8 H8 Tq256 Tk512 | 1.50x | 12 GB/s |" in block
+    assert "| models | ctxfast | base | eval | gpt B8 T1024 | 2.00x | 0.5 TFLOP/s, " \
+        "1.2e+05 tokens/s |" in block
     assert "no GPU run" not in block
 
     readme = tmp_path / "README.md"

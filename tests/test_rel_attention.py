@@ -7,7 +7,7 @@ import torch
 
 import ctxfast
 from ctxfast import reference
-from test_attention import DEVICE, FLOOR, needs_triton
+from test_attention import DEVICE, FLOOR, TRITON_ON_CPU, needs_triton
 from utils import rel_err
 
 NAMES = ["q", "k", "v", "r", "r_w_bias", "r_r_bias", "seg_embed", "r_s_bias"]
@@ -136,6 +136,38 @@ def test_opcheck_and_compile():
     assert rel_err(r.grad, l64[3].grad) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["eager"] + (["triton"] if TRITON_ON_CPU else []))
+def test_autocast_casts_every_float_input(backend):
+    """Under autocast, fp32 biases, r and seg_embed meet bf16 queries (what a model's
+    parameters and autocast's matmul outputs are): the op runs in bf16, as
+    ctxfast.attention and SDPA do, and the fp32 leaves get fp32 gradients."""
+    B, H, Tq, Tk, D = 2, 2, 9, 14, 16
+    ts = _inputs(B, H, Tq, Tk, D, Tk + Tq, seg=True)
+    ts[0] = ts[0].bfloat16()                       # q as autocast's matmul returns it
+    leaves = [t.clone().requires_grad_(True) for t in ts]
+    seg = dict(seg_q=torch.randint(0, 2, (B, Tq), device=DEVICE),
+               seg_k=torch.randint(0, 2, (B, Tk), device=DEVICE), causal=False, pos_start=Tk)
+
+    def call(fn, t, **kw):
+        return fn(*t[:6], seg_embed=t[6], r_s_bias=t[7], **seg, **kw)
+
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = call(ctxfast.rel_attention, leaves, backend=backend)
+    assert out.dtype == torch.bfloat16
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    assert [g.dtype for g in grads] == [t.dtype for t in ts]
+    l64 = [t.bfloat16().double().requires_grad_(True) for t in ts]   # what the op saw
+    same = [t.bfloat16().requires_grad_(True) for t in ts]           # reference in bf16
+    out64, out_same = call(reference.rel_attention, l64), call(reference.rel_attention, same)
+    g64 = torch.autograd.grad(out64, l64, do.double())
+    g_same = torch.autograd.grad(out_same, same, do)
+    for name, ours, s, ref in [("out", out, out_same, out64)] + list(zip(NAMES, grads, g_same, g64)):
+        err, err_same = (ours.double() - ref).norm().item(), (s.double() - ref).norm().item()
+        bound = 2 * err_same + FLOOR[torch.bfloat16] * max(ref.norm().item(), 1.0)
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (relative {rel_err(ours, ref):.2e})"
+
+
 def _bad():
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     r, u, w = torch.randn(2, 6, 8), torch.randn(2, 8), torch.randn(2, 8)
@@ -147,6 +179,11 @@ def _bad():
     yield "keys-shorter", dict(base, k=k[:, :, :3], v=v[:, :, :3]), ValueError, ["Tk >= Tq"]
     yield "seg-partial", dict(base, seg_q=torch.zeros(1, 4, dtype=torch.long)), ValueError, ["go together"]
     yield "r-dtype", dict(base, r=r.double()), TypeError, ["r must have q's dtype"]
+    seg = dict(base, seg_q=torch.zeros(1, 4, dtype=torch.long),
+               seg_k=torch.zeros(1, 6, dtype=torch.long), seg_embed=torch.randn(2, 2, 8),
+               r_s_bias=torch.randn(2, 8))
+    yield "seg-embed-dtype", dict(seg, seg_embed=torch.randn(2, 2, 8, dtype=torch.float64)), \
+        TypeError, ["seg_embed must have q's dtype"]
 
 
 @pytest.mark.parametrize("case", list(_bad()), ids=lambda c: c[0])

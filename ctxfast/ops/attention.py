@@ -163,16 +163,21 @@ def _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p,
 
 # --------------------------------------------------------------------------- public op
 
-def _autocast(q, k, v):
+def _autocast(*tensors):
     """Under torch.autocast, run in the autocast dtype, as F.scaled_dot_product_attention
-    does (it is on autocast's lower-precision list)."""
-    if not all(isinstance(t, Tensor) for t in (q, k, v)):
-        return q, k, v
-    dev = q.device.type
+    does (it is on autocast's lower-precision list): every floating-point tensor among
+    `tensors` (the first one's device decides; None and non-tensors pass through) is cast
+    to the autocast dtype, so fp32 parameters (e.g. rel_attention's biases) meet
+    lower-precision activations."""
+    first = tensors[0] if tensors else None
+    if not isinstance(first, Tensor):
+        return tensors
+    dev = first.device.type
     if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
-        return q, k, v
+        return tensors
     dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if t.is_floating_point() else t for t in (q, k, v))
+    return tuple(t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
+                 for t in tensors)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,

@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from .attention import _check as _check_attention
-from .attention import _shape, draw_seed
+from .attention import _autocast, _shape, draw_seed
 
 # Defaults: Triton on CUDA (not yet measured on a GPU); the eager reference on CPU.
 _dispatch.register_op("rel_attention", supported=("triton", "eager"),
@@ -146,6 +146,10 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
         if _shape(seg_embed) != (2, H, D) or _shape(r_s_bias) != (H, D):
             raise ValueError(f"rel_attention: seg_embed must have shape [2, H, D] = [2, {H}, {D}] "
                              f"and r_s_bias [H, D]; got {_shape(seg_embed)}, {_shape(r_s_bias)}")
+        for name, t in (("seg_embed", seg_embed), ("r_s_bias", r_s_bias)):
+            if t.dtype != q.dtype or t.device != q.device:
+                raise TypeError(f"rel_attention: {name} must have q's dtype and device "
+                                f"({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
 
 
 def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
@@ -174,9 +178,15 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
             r_s_bias ``[H, D]``: XLNet's segment term ``(q + r_s_bias)·seg_embed[s]``,
             ``s = 0`` for the same segment, 1 otherwise.
 
+    Under ``torch.autocast`` every floating-point input (the biases and ``seg_embed``
+    included) is cast to the autocast dtype, as :func:`ctxfast.attention` and
+    ``F.scaled_dot_product_attention`` do; otherwise all must have q's dtype.
+
     Returns:
         ``[B, H, Tq, D]``; gradients flow to q, k, v, r, both biases, seg_embed, r_s_bias.
     """
+    q, k, v, r, r_w_bias, r_r_bias, seg_embed, r_s_bias = _autocast(
+        q, k, v, r, r_w_bias, r_r_bias, seg_embed, r_s_bias)
     Tk = k.shape[2] if isinstance(k, Tensor) and k.dim() == 4 else 0
     pos_start = Tk - 1 if pos_start is None else pos_start
     _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
