@@ -25,6 +25,12 @@ Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/a
 sums ``A_same, A_diff = Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms
 the gradients of q, seg_embed and r_s_bias.
 
+Sliding window (``WINDOW``; Transformer-XL's ``same_length``): pair (i, j) is visible only
+if its distance ``mem_len + i − j < window``. The forward and dQ loops start at the first
+key block a query block can see (``m0 + mem_len − window + 1``), the dK/dV loop stops after
+the last query block a key block is seen by (``n0 + BLOCK_N − 1 − mem_len + window``), so a
+window of W keys costs O(Tq·W), not O(Tq·Tk).
+
 Decoding (a few queries, long memory): the ``B·H·⌈Tq/BLOCK_M⌉`` programs of the forward
 cannot fill a GPU, so the keys are split over a third grid axis (flash-decoding, as
 ``kernels/attention.py``): split ``s`` runs the same loop over its own range of key blocks,
@@ -66,9 +72,11 @@ def _rel_attn_fwd_kernel(
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     stride_sq_b, stride_sk_b,
     H, Tq, Tk, mem_len, D, R_len, pos_start,
+    window,         # WINDOW: pairs at distance >= window are masked
     qk_scale, p_drop,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    WINDOW: tl.constexpr,
     SPLIT_K: tl.constexpr,  # decoding: program_id(2) owns one range of keys; partial out
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BAND: tl.constexpr,     # power of two >= BLOCK_M + BLOCK_N - 1
@@ -103,6 +111,8 @@ def _rel_attn_fwd_kernel(
 
     lo, hi = _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
                         CAUSAL, HAS_KPM, SPLIT_K, BLOCK_M)
+    if WINDOW:      # first key block within the window of the block's first query
+        lo = tl.maximum(lo, tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N)
     if SPLIT_K:
         O += tl.program_id(2) * stride_os
         LSE += tl.program_id(2) * stride_ls
@@ -146,6 +156,8 @@ def _rel_attn_fwd_kernel(
         vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
                        RANK, stride_rank_b, stride_rank_t, rank_q,
                        CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        if WINDOW:
+            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
         s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
                                              Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
@@ -178,9 +190,11 @@ def _rel_attn_bwd_dkdv_kernel(
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     stride_sq_b, stride_sk_b,
     H, Tq, Tk, mem_len, D, R_len, pos_start,
+    window,         # WINDOW: pairs at distance >= window are masked
     qk_scale, sm_scale, p_drop,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -211,6 +225,8 @@ def _rel_attn_bwd_dkdv_kernel(
     hi = Tq
     if HAS_KPM:
         hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
+    if WINDOW:      # queries i < j - mem_len + window see key j
+        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - mem_len + window, 0))
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -252,6 +268,8 @@ def _rel_attn_bwd_dkdv_kernel(
         vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
                        RANK, stride_rank_b, stride_rank_t, rank_q,
                        CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        if WINDOW:
+            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
         p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
@@ -285,9 +303,11 @@ def _rel_attn_bwd_dq_kernel(
     stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
     stride_sq_b, stride_sk_b,
     H, Tq, Tk, mem_len, D, R_len, pos_start,
+    window,         # WINDOW: pairs at distance >= window are masked
     qk_scale, sm_scale, p_drop,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -344,7 +364,10 @@ def _rel_attn_bwd_dq_kernel(
 
     dqu = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dqw = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + jj
         kv_mask = (offs_n[:, None] < Tk) & d_ok
         k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
@@ -364,6 +387,8 @@ def _rel_attn_bwd_dq_kernel(
         vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
                        RANK, stride_rank_b, stride_rank_t, rank_q,
                        CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        if WINDOW:
+            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
         p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
@@ -417,10 +442,12 @@ def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device) -> int:
 
 
 def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_start=None,
-                          key_padding_mask=None, perm_rank=None, perm_strict=False,
+                          window=None, key_padding_mask=None, perm_rank=None, perm_strict=False,
                           seg_q=None, seg_k=None, seg_embed=None, r_s_bias=None,
                           scale=None, dropout_p=0.0, seed=None, num_splits=None):
     """-> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32, base 2). See the module docstring.
+
+    window: None, or the sliding window (pairs at distance ``>= window`` masked).
 
     num_splits: key splits (flash-decoding: each split's partial output and lse, then
     ``kernels.attention``'s combine kernel); None picks them with :func:`decode_splits`
@@ -468,9 +495,11 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
         *split_strides, keys_per_split, *mstrides,
         sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
-        H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, scale * LOG2E, float(dropout_p),
+        H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, window or 0, scale * LOG2E,
+        float(dropout_p),
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0, SPLIT_K=split,
+        PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
+        WINDOW=window is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages,
@@ -483,7 +512,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
 
 
 def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, causal=True,
-                           pos_start=None, key_padding_mask=None, perm_rank=None,
+                           pos_start=None, window=None, key_padding_mask=None, perm_rank=None,
                            perm_strict=False, seg_q=None, seg_k=None, seg_embed=None,
                            r_s_bias=None, scale=None, dropout_p=0.0, seed=None):
     """Gradients of :func:`rel_attention_forward`'s ``out``: (dq, dk, dv, dr, d_r_w_bias,
@@ -511,10 +540,12 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         common = (
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *r.stride(), *mstrides,
             sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
-            H, Tq, Tk, Tk - Tq, D, R, pos_start, scale * LOG2E, scale, float(dropout_p))
+            H, Tq, Tk, Tk - Tq, D, R, pos_start, window or 0, scale * LOG2E, scale,
+            float(dropout_p))
         flags = dict(
             CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
             PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
+            WINDOW=window is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
             num_warps=warps, num_stages=stages)

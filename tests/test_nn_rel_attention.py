@@ -34,10 +34,21 @@ def _original_layer(m, w, r, attn_mask, mems):
     return w + out if m.pre_lnorm else m.layer_norm(w + out)
 
 
+def _mask(qlen, mlen, mem_len=None):
+    """The original code's mask: causal, plus the same_length part when mem_len is given."""
+    klen = qlen + mlen
+    ones = torch.ones(qlen, klen, device=DEVICE)
+    mask = ones.triu(1 + mlen)
+    if mem_len is not None and klen > mem_len:
+        mask = mask + ones.tril(-(qlen - (klen - mem_len)))
+    return mask.bool()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pre_lnorm", [False, True])
-@pytest.mark.parametrize("mlen", [0, 6])
-def test_matches_original_layer(backend, pre_lnorm, mlen):
+@pytest.mark.parametrize("mlen, mem_len", [(0, None), (6, None), (6, 7), (0, 4)])
+def test_matches_original_layer(backend, pre_lnorm, mlen, mem_len):
+    """Causal mask, with memory and with the same_length part (mem_len given: a window)."""
     torch.manual_seed(1)
     m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0, pre_lnorm=pre_lnorm,
                                                     backend=backend).to(DEVICE).eval()
@@ -46,7 +57,7 @@ def test_matches_original_layer(backend, pre_lnorm, mlen):
     w = torch.randn(qlen, bsz, 32, device=DEVICE, requires_grad=True)
     mems = torch.randn(mlen, bsz, 32, device=DEVICE) if mlen else None
     r = torch.randn(klen, 1, 32, device=DEVICE)
-    mask = torch.ones(qlen, klen, device=DEVICE).triu(1 + mlen).bool()
+    mask = _mask(qlen, mlen, mem_len)
     out = m(w, r, attn_mask=mask, mems=mems)
     w2 = w.detach().clone().requires_grad_(True)
     ref = _original_layer(m, w2, r, mask, mems)
@@ -65,9 +76,21 @@ def test_parameter_names_are_the_original_ones():
                                    "layer_norm.weight", "layer_norm.bias", "r_w_bias", "r_r_bias"}
 
 
-def test_same_length_mask_is_refused():
+def test_same_length_mask_is_a_window():
+    from ctxfast.nn.rel_attention import _window_of
+    for qlen, mlen, mem_len in [(4, 0, 2), (5, 3, 4), (3, 9, 9), (6, 2, 1)]:
+        assert _window_of(_mask(qlen, mlen, mem_len), qlen, qlen + mlen) == mem_len
+    assert _window_of(_mask(4, 3), 4, 7) is None
+
+
+@pytest.mark.parametrize("mask", ["not-causal", "diagonal-masked", "ragged", "shape"])
+def test_other_masks_are_refused(mask):
     m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 16, 8, dropout=0.0)
     w, r = torch.randn(4, 1, 16), torch.randn(4, 16)
-    mask = torch.ones(4, 4).triu(1).bool() | torch.ones(4, 4).tril(-2).bool()
-    with pytest.raises(NotImplementedError, match="same_length"):
-        m(w, r, attn_mask=mask)
+    causal = torch.ones(4, 4).triu(1)
+    ragged = causal.clone()
+    ragged[2, 0] = 1                          # distance 2 masked in row 2, not in row 3
+    bad = {"not-causal": torch.ones(4, 4).triu(2), "diagonal-masked": causal + torch.eye(4),
+           "ragged": ragged, "shape": torch.ones(4, 5).triu(1)}[mask].bool()
+    with pytest.raises(NotImplementedError, match="same_length part"):
+        m(w, r, attn_mask=bad)

@@ -77,6 +77,62 @@ def test_xlnet_bidirectional_perm_segments_padding(stream):
 
 
 @needs_triton
+@pytest.mark.parametrize("Tq, mem, window", [(17, 23, 23), (40, 10, 12), (17, 5, 2), (9, 40, 3),
+                                             (33, 31, 200)])
+def test_sliding_window(Tq, mem, window):
+    """Transformer-XL's same_length mask (window = its mem_len): distance < window. Every
+    gradient; windows shorter than a key block, one longer than the keys (no effect)."""
+    out, _ = check(2, 2, Tq, Tq + mem, 16, window=window)
+    if window >= Tq + mem:
+        ts = _inputs(2, 2, Tq, Tq + mem, 16, Tq + mem)
+        torch.testing.assert_close(
+            ctxfast.rel_attention(*ts, window=window, backend="triton"),
+            ctxfast.rel_attention(*ts, backend="triton"), rtol=0, atol=0)
+
+
+@needs_triton
+def test_window_of_one_sees_only_its_own_position():
+    # each query's only key is j = mem_len + i: the output is that v row (the gradient of
+    # q is 0 up to rounding: a softmax over one key; checked in value, not relative error)
+    B, H, Tq, Tk, D = 2, 2, 9, 20, 16
+    q, k, v, r, u, w = (t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk))
+    out = ctxfast.rel_attention(q, k, v, r, u, w, window=1, backend="triton")
+    torch.testing.assert_close(out, v[:, :, Tk - Tq:], rtol=1e-6, atol=1e-6)
+    dq, dv = torch.autograd.grad(out, (q, v), torch.randn_like(out))
+    assert dq.abs().max() < 1e-5 * v.abs().max() * k.abs().max()
+    assert torch.all(dv[:, :, :Tk - Tq] == 0)
+
+
+@needs_triton
+def test_sliding_window_with_padding_segments_and_xlnet_order():
+    """The window combined with the other masks (bidirectional XLNet form: it only limits
+    the keys before the query) and the segment term."""
+    kpm = torch.zeros(2, 30, dtype=torch.bool, device=DEVICE)
+    kpm[1, 25:] = True                                                   # padded keys
+    check(2, 2, 13, 30, 16, R=43, causal=False, pos_start=30, window=8, seg=True,
+          key_padding_mask=kpm, perm_rank=torch.randperm(13, device=DEVICE).expand(2, 13))
+
+
+@needs_triton
+def test_sliding_window_matches_the_original_same_length_mask():
+    """window = mem_len is exactly the original code's same_length mask
+    (triu(1 + mlen) + tril(-(qlen - (klen - mem_len))))."""
+    B, H, Tq, mlen, D, mem_len = 1, 2, 11, 14, 16, 14
+    Tk = mlen + Tq
+    q, k, v, r, u, w = _inputs(B, H, Tq, Tk, D, Tk)
+    ones = torch.ones(Tq, Tk, device=DEVICE)
+    masked = (ones.triu(1 + mlen) + ones.tril(-(Tq - (Tk - mem_len)))).bool()
+    s = (torch.einsum("bhid,bhjd->bhij", q + u[:, None], k)
+         + torch.gather(torch.einsum("bhid,hrd->bhir", q + w[:, None], r), -1,
+                        (Tk - 1 - (mlen + torch.arange(Tq, device=DEVICE)[:, None]
+                                   - torch.arange(Tk, device=DEVICE))).clamp(0, Tk - 1)
+                        .expand(B, H, Tq, Tk))) * D ** -0.5
+    want = torch.softmax(s.masked_fill(masked, float("-inf")), -1) @ v
+    got = ctxfast.rel_attention(q, k, v, r, u, w, window=mem_len, backend="triton")
+    assert rel_err(got, want) < 1e-5
+
+
+@needs_triton
 def test_transformer_xl_with_a_longer_r():
     """pos_start inside a longer table (clamp_len-style callers): r has spare rows."""
     check(1, 2, 12, 20, 16, R=31, pos_start=25)
@@ -124,7 +180,7 @@ def test_dropout_matches_reference_with_the_same_mask():
 def test_opcheck_and_compile():
     B, H, Tq, Tk, D = 1, 2, 9, 14, 16
     q, k, v, r, u, w = (t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk))
-    args = (q, k, v, r, u, w, None, None, None, None, None, None, True, Tk - 1, False, 0.25,
+    args = (q, k, v, r, u, w, None, None, None, None, None, None, True, Tk - 1, 0, False, 0.25,
             0.0, None)
     torch.library.opcheck(torch.ops.ctxfast.rel_attention_fwd_triton.default, args)
     torch._dynamo.reset()
@@ -179,6 +235,8 @@ def _bad():
     yield "keys-shorter", dict(base, k=k[:, :, :3], v=v[:, :, :3]), ValueError, ["Tk >= Tq"]
     yield "seg-partial", dict(base, seg_q=torch.zeros(1, 4, dtype=torch.long)), ValueError, ["go together"]
     yield "r-dtype", dict(base, r=r.double()), TypeError, ["r must have q's dtype"]
+    for bad in (0, -3, 2.5, True):
+        yield f"window-{bad}", dict(base, window=bad), ValueError, ["window must be None or an int >= 1"]
     seg = dict(base, seg_q=torch.zeros(1, 4, dtype=torch.long),
                seg_k=torch.zeros(1, 6, dtype=torch.long), seg_embed=torch.randn(2, 2, 8),
                r_s_bias=torch.randn(2, 8))

@@ -81,7 +81,8 @@ def force_splits(monkeypatch, combine_spy):
 @needs_triton
 @pytest.mark.parametrize("Tq, mem, n, kind", [
     (1, 97, 3, "txl"), (2, 61, 2, "txl"), (5, 43, 3, "txl"), (1, 41, 3, "txl-pad"),
-    (5, 77, 3, "xlnet-content"), (2, 59, 2, "xlnet-query"), (5, 47, 2, "txl-fp16")])
+    (5, 77, 3, "xlnet-content"), (2, 59, 2, "xlnet-query"), (5, 47, 2, "txl-fp16"),
+    (3, 90, 3, "txl-window")])
 def test_split_forward_and_every_gradient(force_splits, Tq, mem, n, kind):
     """Tq in {1, 2, 5} with an odd memory of 40-97 keys, 2-3 splits: forward and the
     gradient of every input against the float64 reference."""
@@ -94,6 +95,8 @@ def test_split_forward_and_every_gradient(force_splits, Tq, mem, n, kind):
         kpm[:, -1] = False
         kpm[1, : Tk // 2] = True                 # a leading run: splits that see no key
         kw["key_padding_mask"] = kpm
+    if kind == "txl-window":                     # same_length: the first splits see no key
+        kw["window"] = 40
     if kind.startswith("xlnet"):
         kw = dict(R=Tk + Tq, seg=True, causal=False, pos_start=Tk,
                   key_padding_mask=torch.rand(B, Tk, device=DEVICE) < 0.2,

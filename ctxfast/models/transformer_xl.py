@@ -33,9 +33,10 @@ Backends (``TransformerXLConfig.backend``):
   position scores, the pad-and-view relative shift, a materialised mask, softmax.
 
 Everything else (embeddings, feed-forward, LayerNorm, softmax head) is plain PyTorch in
-both. ``same_length=True`` needs a sliding-window mask once the keys outnumber
-``mem_len``; ``ctxfast.rel_attention`` has no such mask, so that case raises
-``NotImplementedError`` on the ctxfast backend (the eager backend runs it).
+both. ``same_length=True`` (every query sees ``mem_len`` keys once the keys outnumber
+``mem_len``: the paper's evaluation setting) is ``ctxfast.rel_attention``'s
+``window=mem_len`` on the ctxfast backend and the original ``triu + tril`` mask on the eager
+one.
 
     cfg = TransformerXLConfig(n_token=256, n_layer=2, n_head=2, d_model=32, d_head=16,
                               d_inner=64, tgt_len=8, mem_len=8)
@@ -173,7 +174,7 @@ class RelPartialLearnableMultiHeadAttn(_RelAttnLayer):
     """:class:`ctxfast.nn.RelPartialLearnableMultiHeadAttn` (same parameters: ``qkv_net``,
     ``r_net``, ``o_net``, ``layer_norm``) as the model uses it: the biases come from the
     model (shared by all layers) unless ``untie_r``, the position encodings are projected
-    once per call, and the mask may be the ``same_length`` one (eager backend)."""
+    once per call, and the mask may be the ``same_length`` window."""
 
     def __init__(self, n_head: int, d_model: int, d_head: int, dropout: float,
                  dropatt: float = 0.0, pre_lnorm: bool = False, untie_r: bool = False,
@@ -192,8 +193,8 @@ class RelPartialLearnableMultiHeadAttn(_RelAttnLayer):
                 window: Optional[int] = None) -> Tensor:
         """w ``[qlen, B, d_model]``, r ``[klen, 1, d_model]`` (position encodings of the
         distances ``klen-1 … 0``), biases ``[H, d_head]`` (ignored with ``untie_r``), mems
-        ``[mlen, B, d_model]`` or None; ``window``: the ``same_length`` mask's shift
-        (query i also stops seeing keys ``j <= i - window``; None = causal only).
+        ``[mlen, B, d_model]`` or None; ``window``: the ``same_length`` window (query i
+        sees key j only at distance ``mlen + i - j < window``; None = causal only).
         Returns ``[qlen, B, d_model]``."""
         qlen, bsz = w.shape[0], w.shape[1]
         H, Dh = self.n_head, self.d_head
@@ -211,17 +212,12 @@ class RelPartialLearnableMultiHeadAttn(_RelAttnLayer):
         u, b = r_w_bias.to(q.dtype), r_r_bias.to(q.dtype)
         if self.backend == "eager":
             mask = torch.ones(qlen, klen, dtype=torch.bool, device=w.device).triu(1 + klen - qlen)
-            if window is not None:
-                mask = mask | torch.ones_like(mask).tril(-window)
+            if window is not None:                   # the original same_length mask
+                mask = mask | torch.ones_like(mask).tril(klen - qlen - window)
             out = rel_attention_eager(q, k, v, r_head, u, b, mask, self.scale, self.dropatt)
         else:
-            if window is not None:
-                raise NotImplementedError(
-                    "TransformerXL: same_length=True with more keys than mem_len needs a "
-                    "sliding-window mask, which ctxfast.rel_attention does not have; use "
-                    "backend='eager' for this configuration")
             out = ops.rel_attention(q, k, v, r_head, u, b, causal=True, pos_start=klen - 1,
-                                    scale=self.scale,
+                                    window=window, scale=self.scale,
                                     dropout_p=self.dropatt_p if self.training else 0.0)
         out = out.permute(2, 0, 1, 3).reshape(qlen, bsz, H * Dh)        # [qlen, B, H*Dh]
         out = self.drop(self.o_net(out))                                 # [qlen, B, d_model]
@@ -526,7 +522,8 @@ class TransformerXL(nn.Module):
         klen = mlen + qlen
         window = None
         if self.same_length and 0 < self.mem_len < klen:  # query i sees the mem_len keys up to it
-            window = qlen - (klen - self.mem_len)        # mask j <= i - window
+            window = self.mem_len                        # (the original: mask j <= i - shift,
+            #                                              shift = qlen - (klen - mem_len))
         pos_seq = torch.arange(klen - 1, -1, -1.0, device=word_emb.device)  # [klen]
         if self.clamp_len > 0:
             pos_seq = pos_seq.clamp(max=self.clamp_len)

@@ -8,7 +8,9 @@ Layouts as in the original: ``w [qlen, bsz, d_model]``, ``r [rlen, d_model]`` (o
 ``[rlen, 1, d_model]``) with ``rlen = klen = mlen + qlen`` and row m encoding distance
 ``klen - 1 - m``, ``mems [mlen, bsz, d_model]``. ``attn_mask`` may be None (no mask) or
 the standard causal mask ``triu(ones(qlen, klen), 1 + mlen)`` (True = masked), which runs
-as ``causal=True``; other masks (``same_length``) raise ``NotImplementedError``.
+as ``causal=True``, or that mask plus the original code's ``same_length`` part
+``tril(ones(qlen, klen), -mask_shift_len)``, which runs as ``causal=True, window=mlen +
+mask_shift_len`` (= the model's ``mem_len``); other masks raise ``NotImplementedError``.
 """
 from typing import Optional
 
@@ -57,20 +59,39 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         r_head = self.r_net(r2).view(klen, H, Dh).transpose(0, 1)      # [H, rlen, Dh]
         # [T, bsz, H*Dh] -> [T, bsz, H, Dh] -> [bsz, H, T, Dh]
         q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
-        causal = False
+        causal, window = False, None
         if attn_mask is not None:
-            mask = attn_mask if attn_mask.dim() == 2 else attn_mask[..., 0]
-            want = torch.ones(qlen, klen, device=mask.device).triu(1 + klen - qlen).bool()
-            if tuple(mask.shape) != (qlen, klen) or not torch.equal(mask.bool(), want):
-                raise NotImplementedError(
-                    "RelPartialLearnableMultiHeadAttn: only the standard causal attn_mask "
-                    "(triu(ones(qlen, klen), 1 + mlen)) is supported, not same_length masks")
+            window = _window_of(attn_mask, qlen, klen)
             causal = True
         out = ops.rel_attention(q, k, v, r_head.to(q.dtype), self.r_w_bias.to(q.dtype),
-                                self.r_r_bias.to(q.dtype), causal=causal,
+                                self.r_r_bias.to(q.dtype), causal=causal, window=window,
                                 pos_start=klen - 1, scale=self.scale,
                                 dropout_p=self.dropatt_p if self.training else 0.0,
                                 backend=self.backend)                   # [bsz, H, qlen, Dh]
         out = out.permute(2, 0, 1, 3).reshape(qlen, bsz, H * Dh)        # [qlen, bsz, H*Dh]
         out = self.drop(self.o_net(out))
         return w + out if self.pre_lnorm else self.layer_norm(w + out)
+
+
+def _window_of(attn_mask: Tensor, qlen: int, klen: int) -> Optional[int]:
+    """The ``window`` of an original-code mask (True = masked, ``[qlen, klen]`` or
+    ``[qlen, klen, 1]``): None for the causal mask, ``W`` for causal + same_length (masked
+    exactly where the distance ``mlen + i - j`` is ``< 0`` or ``>= W``)."""
+    mask = (attn_mask if attn_mask.dim() == 2 else attn_mask[..., 0]).bool()
+    if tuple(mask.shape) == (qlen, klen):
+        dist = (klen - qlen) + torch.arange(qlen, device=mask.device)[:, None] \
+            - torch.arange(klen, device=mask.device)[None, :]            # [qlen, klen]
+        causal = dist < 0
+        extra = mask & ~causal
+        if not extra.any():
+            if torch.equal(mask, causal):
+                return None
+        else:
+            window = int(dist[extra].min())
+            if window >= 1 and torch.equal(mask, causal | (dist >= window)):
+                return window
+    raise NotImplementedError(
+        "RelPartialLearnableMultiHeadAttn: attn_mask must be the original code's causal mask "
+        "triu(ones(qlen, klen), 1 + mlen), optionally with its same_length part "
+        f"tril(ones(qlen, klen), -mask_shift_len); got another mask of shape "
+        f"{list(attn_mask.shape)} (qlen={qlen}, klen={klen})")

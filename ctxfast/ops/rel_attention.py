@@ -36,19 +36,20 @@ _dispatch.register_op("rel_attention", supported=("triton", "eager"),
 def _rel_fwd(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
              key_padding_mask: Optional[Tensor], perm_rank: Optional[Tensor],
              seg_q: Optional[Tensor], seg_k: Optional[Tensor], seg_embed: Optional[Tensor],
-             r_s_bias: Optional[Tensor], causal: bool, pos_start: int, perm_strict: bool,
-             scale: float, dropout_p: float, seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+             r_s_bias: Optional[Tensor], causal: bool, pos_start: int, window: int,
+             perm_strict: bool, scale: float, dropout_p: float,
+             seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     from ctxfast.kernels.rel_attention import rel_attention_forward  # imports triton
     return rel_attention_forward(
         q, k, v, r, r_w_bias, r_r_bias, causal=causal, pos_start=pos_start,
-        key_padding_mask=key_padding_mask, perm_rank=perm_rank, perm_strict=perm_strict,
-        seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias, scale=scale,
-        dropout_p=dropout_p, seed=seed)
+        window=window or None, key_padding_mask=key_padding_mask, perm_rank=perm_rank,
+        perm_strict=perm_strict, seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed,
+        r_s_bias=r_s_bias, scale=scale, dropout_p=dropout_p, seed=seed)
 
 
 @_rel_fwd.register_fake
 def _(q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed,
-      r_s_bias, causal, pos_start, perm_strict, scale, dropout_p, seed):
+      r_s_bias, causal, pos_start, window, perm_strict, scale, dropout_p, seed):
     B, H, Tq, D = q.shape
     return q.new_empty((B, H, Tq, D)), q.new_empty((B, H, Tq), dtype=torch.float32)
 
@@ -58,15 +59,15 @@ def _rel_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: T
              r_r_bias: Tensor, out: Tensor, lse: Tensor, key_padding_mask: Optional[Tensor],
              perm_rank: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
              seg_embed: Optional[Tensor], r_s_bias: Optional[Tensor], causal: bool,
-             pos_start: int, perm_strict: bool, scale: float, dropout_p: float,
+             pos_start: int, window: int, perm_strict: bool, scale: float, dropout_p: float,
              seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                               Tensor, Tensor]:
     from ctxfast.kernels.rel_attention import rel_attention_backward  # imports triton
     grads = rel_attention_backward(
         do, q, k, v, r, r_w_bias, r_r_bias, out, lse, causal=causal, pos_start=pos_start,
-        key_padding_mask=key_padding_mask, perm_rank=perm_rank, perm_strict=perm_strict,
-        seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias, scale=scale,
-        dropout_p=dropout_p, seed=seed)
+        window=window or None, key_padding_mask=key_padding_mask, perm_rank=perm_rank,
+        perm_strict=perm_strict, seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed,
+        r_s_bias=r_s_bias, scale=scale, dropout_p=dropout_p, seed=seed)
     H, D = r_w_bias.shape
     d_se = grads[6] if grads[6] is not None else q.new_zeros((2, H, D))
     d_rsb = grads[7] if grads[7] is not None else q.new_zeros((H, D))
@@ -75,7 +76,7 @@ def _rel_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: T
 
 @_rel_bwd.register_fake
 def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, perm_rank, seg_q, seg_k,
-      seg_embed, r_s_bias, causal, pos_start, perm_strict, scale, dropout_p, seed):
+      seg_embed, r_s_bias, causal, pos_start, window, perm_strict, scale, dropout_p, seed):
     H, D = r_w_bias.shape
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             r.new_empty(r.shape), r_w_bias.new_empty((H, D)), r_r_bias.new_empty((H, D)),
@@ -84,32 +85,32 @@ def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, perm_rank,
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, r, u, w, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias,
-     causal, pos_start, perm_strict, scale, dropout_p, seed) = inputs
+     causal, pos_start, window, perm_strict, scale, dropout_p, seed) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed,
                           r_s_bias, seed)
-    ctx.args = (causal, pos_start, perm_strict, scale, dropout_p)
+    ctx.args = (causal, pos_start, window, perm_strict, scale, dropout_p)
     ctx.has_seg = seg_embed is not None
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, se, rsb, seed = ctx.saved_tensors
-    causal, pos_start, perm_strict, scale, dropout_p = ctx.args
+    causal, pos_start, window, perm_strict, scale, dropout_p = ctx.args
     dq, dk, dv, dr, du, dw, dse, drsb = torch.ops.ctxfast.rel_attention_bwd_triton(
         grad_out, q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, se, rsb, causal,
-        pos_start, perm_strict, scale, dropout_p, seed)
+        pos_start, window, perm_strict, scale, dropout_p, seed)
     if not ctx.has_seg:
         dse = drsb = None
     return (dq, dk, dv, dr, du, dw, None, None, None, None, dse, drsb,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 _rel_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
-           perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale):
+           perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale, window):
     _check_attention(q, k, v, True, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -126,6 +127,10 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
                             f"({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
     if not isinstance(pos_start, int):
         raise TypeError(f"rel_attention: pos_start must be an int, got {type(pos_start).__name__}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"rel_attention: window must be None or an int >= 1 (the most keys a "
+                         f"query sees: distance < window), got {window!r}")
     R = r.shape[1]
     lowest = pos_start - (Tk - 1)                     # row of the largest distance, Tk - 1
     highest = pos_start if causal else pos_start + Tq - 1   # distance 0, or 1 - Tq
@@ -158,7 +163,8 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                   perm_stream: str = "content", seg_q: Optional[Tensor] = None,
                   seg_k: Optional[Tensor] = None, seg_embed: Optional[Tensor] = None,
                   r_s_bias: Optional[Tensor] = None, dropout_p: float = 0.0,
-                  scale: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                  scale: Optional[float] = None, window: Optional[int] = None,
+                  generator: Optional[torch.Generator] = None,
                   backend: Optional[str] = None) -> Tensor:
     """Relative-position attention ``A = (q + u)·k + (q + v)·r_dist [+ segment term]``.
 
@@ -177,6 +183,10 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
         seg_q ``[B, Tq]``, seg_k ``[B, Tk]`` (integer segment ids), seg_embed ``[2, H, D]``,
             r_s_bias ``[H, D]``: XLNet's segment term ``(q + r_s_bias)·seg_embed[s]``,
             ``s = 0`` for the same segment, 1 otherwise.
+        window: None, or an int >= 1: a sliding window, query i sees key j only if their
+            distance ``mem_len + i - j < window`` (with ``causal``: at most ``window`` keys,
+            its own position and the ones before). Transformer-XL's ``same_length`` mask
+            is ``window = mem_len`` of its config. The kernels skip the key blocks outside.
 
     Under ``torch.autocast`` every floating-point input (the biases and ``seg_embed``
     included) is cast to the autocast dtype, as :func:`ctxfast.attention` and
@@ -190,7 +200,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     Tk = k.shape[2] if isinstance(k, Tensor) and k.dim() == 4 else 0
     pos_start = Tk - 1 if pos_start is None else pos_start
     _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
-           perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale)
+           perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale, window)
     name = _dispatch.resolve("rel_attention", q.device, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     seg = dict(seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias)
@@ -202,9 +212,10 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
         return _ref.rel_attention(q, k, v, r, r_w_bias, r_r_bias, causal=causal,
                                   pos_start=pos_start, key_padding_mask=key_padding_mask,
                                   perm_rank=perm_rank, perm_stream=perm_stream, dropout_mask=mask,
-                                  dropout_p=dropout_p, scale=sm_scale, **seg)
+                                  dropout_p=dropout_p, scale=sm_scale, window=window, **seg)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
     out, _ = torch.ops.ctxfast.rel_attention_fwd_triton(
         q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed,
-        r_s_bias, causal, pos_start, perm_stream == "query", sm_scale, float(dropout_p), seed)
+        r_s_bias, causal, pos_start, window or 0, perm_stream == "query", sm_scale,
+        float(dropout_p), seed)
     return out

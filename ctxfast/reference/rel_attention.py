@@ -19,6 +19,12 @@ Scores, for the visible pairs (masks as in ``reference.attention``)::
 with ``s = 0`` where ``seg_q[b, i] == seg_k[b, j]`` and 1 otherwise (XLNet's relative
 segment encoding). Softmax over j, optional dropout on the probabilities, times v. A
 query that sees no key gets zeros.
+
+``window`` (optional, >= 1) adds a sliding window: pair (i, j) is visible only if
+``dist(i, j) < window``, so with ``causal`` every query sees at most ``window`` keys, its
+own position and the ``window - 1`` before it. Transformer-XL's ``same_length`` mask is
+``window = mem_len`` (the configured memory length; its ``tril(-mask_shift_len)`` masks
+exactly ``dist >= mem_len``).
 """
 from typing import Optional
 
@@ -43,7 +49,8 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                   perm_stream: str = "content", seg_q: Optional[Tensor] = None,
                   seg_k: Optional[Tensor] = None, seg_embed: Optional[Tensor] = None,
                   r_s_bias: Optional[Tensor] = None, dropout_mask: Optional[Tensor] = None,
-                  dropout_p: float = 0.0, scale: Optional[float] = None) -> Tensor:
+                  dropout_p: float = 0.0, scale: Optional[float] = None,
+                  window: Optional[int] = None) -> Tensor:
     """The specification (see the module docstring). Returns ``[B, H, Tq, D]``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -53,6 +60,10 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     visible = attention_mask(B, Tq, Tk, causal=causal, key_padding_mask=key_padding_mask,
                              perm_rank=perm_rank, perm_stream=perm_stream,
                              device=q.device).unsqueeze(1)                # [B, 1, Tq, Tk]
+    if window is not None:                                                # dist < window
+        dist = (Tk - Tq) + torch.arange(Tq, device=q.device)[:, None] \
+            - torch.arange(Tk, device=q.device)[None, :]                  # [Tq, Tk]
+        visible = visible & (dist < window)
     ac = torch.matmul(q + r_w_bias[None, :, None, :], k.transpose(-1, -2))  # [B, H, Tq, Tk]
     rows = distance_rows(Tq, Tk, pos_start, q.device)                     # [Tq, Tk]
     qr = torch.matmul(q + r_r_bias[None, :, None, :], r.transpose(-1, -2)[None])  # [B, H, Tq, R]
