@@ -329,7 +329,7 @@ def test_same_length_runs_on_the_kernels_over_segments():
 
 @needs_triton
 def test_torch_compile_fullgraph_forward_backward():
-    """torch.compile(model, fullgraph=True) (aot_eager: no C compiler needed) runs the
+    """torch.compile(model, fullgraph=True) (the default inductor backend) runs the
     forward and backward with the ctxfast kernels and no graph break; same gradients as
     eager."""
     torch._dynamo.reset()
@@ -337,7 +337,7 @@ def test_torch_compile_fullgraph_forward_backward():
     x, y = ids(4, 1), ids(4, 1)
     with torch.no_grad():
         _, mems = model(ids(3, 1))
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True)
     with ctxfast.backend("triton"):
         loss, new = compiled(x, y, *mems)
         loss.sum().backward()
