@@ -346,6 +346,23 @@ def test_default_backend_on_cpu():
     assert _dispatch.resolve("lstm", torch.device("cpu")) == expected
 
 
+def test_float64_on_cuda_avoids_the_fp32_cuda_kernel(monkeypatch):
+    """The CUDA C++ recurrence computes in fp32: the default sends float64 CUDA inputs to
+    Triton (eager without Triton); asking for cuda with float64 fails before any launch.
+    (Checked on the routing function with a meta tensor: no GPU needed.)"""
+    from ctxfast.ops.lstm import _fp64_route
+    x64 = torch.empty(2, 1, 3, dtype=torch.float64, device="meta")
+    x32 = torch.empty(2, 1, 3, device="meta")
+    monkeypatch.setattr(_dispatch, "why_unavailable", lambda name, dev: None)
+    assert _fp64_route("cuda", None, "default", x64) == "triton"
+    assert _fp64_route("cuda", None, "default", x32) == "cuda"
+    assert _fp64_route("triton", None, "default", x64) == "triton"
+    monkeypatch.setattr(_dispatch, "why_unavailable", lambda name, dev: "no triton")
+    assert _fp64_route("cuda", None, "default", x64) == "eager"
+    with pytest.raises(ctxfast.BackendUnavailable, match="cannot run float64"):
+        _fp64_route("cuda", "cuda", "backend=", x64)
+
+
 @pytest.mark.skipif(_NATIVE, reason="the C++ LSTM is built")
 def test_cpu_backend_without_native_op_says_why():
     args, _ = _inputs(2, 1, 3, 16)

@@ -49,6 +49,19 @@ _dispatch.register_op(
 )
 
 
+def _fp64_route(name: str, asked: Optional[str], source: str, x: Tensor) -> str:
+    """The CUDA C++ recurrence computes in fp32 and refuses float64: by default float64 on
+    CUDA goes to Triton (else eager); asking for ``cuda`` with float64 is an error, said
+    here before anything runs."""
+    if name != "cuda" or x.dtype != torch.float64:
+        return name
+    if asked is not None:
+        raise _dispatch.BackendUnavailable(
+            f"ctxfast.lstm: backend 'cuda' (from {source}) cannot run float64 inputs (its "
+            "kernels compute in float32); use backend='triton' or 'eager' for float64")
+    return "triton" if _dispatch.why_unavailable("triton", x.device) is None else "eager"
+
+
 # --------------------------------------------------------------------------- autograd (shared)
 
 def _recurrence_fake(xw, h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip, reverse):
@@ -284,7 +297,7 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             f"ctxfast.lstm: backend {asked!r} (from {source}) cannot run: ctxfast._C has no "
             "lstm_recurrence_native op (rebuild the extension with the LSTM kernels: "
             "`pip install --no-build-isolation -e .`)")
-    name = _dispatch.resolve("lstm", x.device, backend)
+    name = _fp64_route(_dispatch.resolve("lstm", x.device, backend), asked, source, x)
     if name == "eager":
         return _ref.lstm(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask=weight_mask,
                          weight_dropout=weight_dropout, cell_clip=cell_clip,

@@ -154,3 +154,17 @@ def test_opcheck_cuda(path):
     torch.library.opcheck(torch.ops.ctxfast.lstm_recurrence_backward_native.default,
                           (torch.randn_like(out), torch.randn_like(cells), h0, c0,
                            w_hh.detach(), w_hr, mask, 1.5, 0.9, 0.4, False, out, cells, gates))
+
+
+def test_float64_default_runs_off_the_fp32_cuda_kernel():
+    """ctxfast.lstm on float64 CUDA tensors with the default backend runs (Triton), equal to
+    the float64 reference; backend="cuda" refuses float64 before launching."""
+    T, B, I, H = 5, 3, 7, 11
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float64, generator=g)  # noqa: E731
+    args = (mk(T, B, I), None, mk(4 * H, I), mk(4 * H, H), mk(4 * H), mk(4 * H), None)
+    out, _ = ctxfast.lstm(*args)
+    ref, _ = reference.lstm(*args)
+    assert rel_err(out, ref) < 1e-10
+    with pytest.raises(ctxfast.BackendUnavailable, match="float64"):
+        ctxfast.lstm(*args, backend="cuda")
