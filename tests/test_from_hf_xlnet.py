@@ -160,6 +160,7 @@ def test_generation_pattern_with_tied_ranks():
 
 VARIANTS = {
     "uni": dict(attn_type="uni"),
+    "uni_same_length": dict(attn_type="uni", same_length=True),
     "bi_data_clamp": dict(bi_data=True, clamp_len=3),
     "gelu_new_untied_reuse": dict(ff_activation="gelu_new", tie_word_embeddings=False,
                                   reuse_len=3, mem_len=0),
@@ -169,7 +170,6 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_variants(variant):
     hf = _hf(lm=True, **VARIANTS[variant])
-    ours = _ours(hf, "eager")
     B, T, mlen, P = 2, 6, 3, 2
     ids = torch.randint(0, V, (B, T), device=DEVICE)
     mems = [torch.randn(mlen, B, 32, device=DEVICE) for _ in range(2)]
@@ -177,14 +177,16 @@ def test_config_variants(variant):
     tm = _targets(rank, P)
     # HF's "uni" cannot take a perm_mask (its in-place `attn_mask += data_mask` fails to
     # broadcast over the batch): causal only there, both streams then see j <= i + mlen
-    perm = {} if variant == "uni" else dict(perm_mask=perm_rank_to_perm_mask(rank))
+    uni = variant.startswith("uni")
+    perm = {} if uni else dict(perm_mask=perm_rank_to_perm_mask(rank))
     with torch.no_grad():
         want = hf(ids, mems=mems, target_mapping=tm, use_mems=True, **perm)
-    got = _run(ours, "eager", input_ids=ids, mems=mems, target_mapping=tm, use_mems=True,
-               perm_rank=rank if perm else None)
-    assert_close(got.logits, want.logits)
-    for a, b in zip(got.mems, want.mems):
-        assert_close(a, b, name="mems")
+    for backend in BACKENDS if uni else ["eager"]:   # uni: the kernels' causal / window masks
+        got = _run(_ours(hf, backend), backend, input_ids=ids, mems=mems, target_mapping=tm,
+                   use_mems=True, perm_rank=rank if perm else None)
+        assert_close(got.logits, want.logits, name=backend)
+        for a, b in zip(got.mems, want.mems):
+            assert_close(a, b, name="mems")
 
 
 def test_from_hf_keeps_dtype_and_mode_and_refuses_other_models():
@@ -193,8 +195,6 @@ def test_from_hf_keeps_dtype_and_mode_and_refuses_other_models():
     assert ours.training and ours.word_embedding.weight.dtype == torch.float64
     with pytest.raises(TypeError, match="XLNetModel"):
         from_hf_xlnet(torch.nn.Linear(2, 2))
-    with pytest.raises(NotImplementedError, match="same_length"):
-        from_hf_xlnet(_hf(lm=False, attn_type="uni", same_length=True))
 
 
 def test_from_hf_dispatches_xlnet_here():

@@ -294,8 +294,6 @@ def test_bad_config_and_backend():
         XLNetLMHeadModel(_config()).set_backend("cuda")
     with pytest.raises(ValueError, match="B = 3"):
         XLNetModel(_config(bi_data=True), backend="eager")(torch.zeros(3, 4, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="same_length"):
-        _config(attn_type="uni", same_length=True)
     with pytest.raises(ValueError, match="ff_activation"):
         _config(ff_activation="tanh_nope")
 

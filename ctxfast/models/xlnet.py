@@ -93,7 +93,7 @@ class XLNetConfig:
     reuse_len: Optional[int] = None      # cache only the first reuse_len tokens of a segment
     bi_data: bool = False                # second half of the batch uses negated distances
     clamp_len: int = -1                  # clamp distances to [-clamp_len, clamp_len] if > 0
-    same_length: bool = False            # only with attn_type="uni"; not supported
+    same_length: bool = False            # attn_type="uni": every query sees mlen + 1 keys
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
 
@@ -106,10 +106,6 @@ class XLNetConfig:
         if self.attn_type not in ("bi", "uni"):
             raise ValueError(f"XLNetConfig: attn_type must be 'bi' or 'uni', got "
                              f"{self.attn_type!r}")
-        if self.attn_type == "uni" and self.same_length:
-            raise NotImplementedError("XLNetConfig: same_length=True with attn_type='uni' is "
-                                      "not supported (ctxfast.rel_attention has no same-length "
-                                      "mask)")
         if self.ff_activation not in _ACTIVATIONS:
             raise ValueError(f"XLNetConfig: ff_activation must be one of "
                              f"{sorted(_ACTIVATIONS)}, got {self.ff_activation!r}")
@@ -148,8 +144,10 @@ def _heads(x: Tensor, w: Tensor) -> Tensor:
 class _Masks:
     """What the attention of every layer needs, built once per forward from O(T) data."""
 
-    def __init__(self, causal, pos_start, key_padding_mask, perm_rank, seg_q, seg_k, r_halves):
+    def __init__(self, causal, pos_start, key_padding_mask, perm_rank, seg_q, seg_k, r_halves,
+                 window=None):
         self.causal = causal                       # attn_type == "uni"
+        self.window = window                       # same_length: distance < mlen + 1 (as HF)
         self.pos_start = pos_start                 # Tk: row m of r encodes distance Tk - m
         self.key_padding_mask = key_padding_mask   # bool [B, Tk] (True = padding) or None
         self.perm_rank = perm_rank                 # [B, T] or None
@@ -190,7 +188,8 @@ class XLNetRelativeAttention(nn.Module):
                       key_padding_mask=pick(m.key_padding_mask), perm_rank=pick(m.perm_rank),
                       perm_stream=stream, seg_q=pick(m.seg_q), seg_k=pick(m.seg_k),
                       seg_embed=self.seg_embed if seg else None,
-                      r_s_bias=self.r_s_bias if seg else None, scale=self.scale)
+                      r_s_bias=self.r_s_bias if seg else None, scale=self.scale,
+                      window=m.window)
             qs, ks, vs = q[sl], k[sl], v[sl]
             if self.backend == "eager":       # the specification, scores materialised
                 keep = None
@@ -436,7 +435,10 @@ class XLNetModel(nn.Module):
             seg_q = token_type_ids
             seg_k = torch.cat([token_type_ids.new_zeros(B, mlen), token_type_ids], 1)  # [B, Tk]
         halves = [slice(0, B // 2), slice(B // 2, B)] if c.bi_data else [slice(0, B)]
-        masks = _Masks(c.attn_type == "uni", Tk, kpm, perm_rank, seg_q, seg_k, halves)
+        # same_length (attn_type "uni", as HF's create_mask): key j < qlen is also masked
+        # for queries i > j, i.e. distance mlen + i - j > mlen: a window of mlen + 1 keys
+        window = mlen + 1 if c.attn_type == "uni" and c.same_length else None
+        masks = _Masks(c.attn_type == "uni", Tk, kpm, perm_rank, seg_q, seg_k, halves, window)
 
         h = self.dropout(self.word_embedding(input_ids))                   # [B, T, d]
         g = None
