@@ -413,31 +413,49 @@ def _rel_attn_bwd_dq_kernel(
         tl.store(SEG_A + (bh * Tq + offs_m) * 2 + 1, a_diff * sm_scale, mask=offs_m < Tq)
 
 
-def _config(D: int, Tq: Optional[int] = None):
+def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16):
     """(BLOCK_M, BLOCK_N, BLOCK_D, BAND, num_warps, num_stages). Square tiles keep the band
-    (BLOCK_M + BLOCK_N - 1 rows of r) a power of two wide. With a few queries (``Tq <=
-    DECODE_MAX_Q``, forward only) a 16-row query block and 64-key blocks (32 for D > 128),
-    a band of 128 (64) rows of which the first 79 (47) are read: a 64-row query block would
-    be mostly padding. Not yet tuned on a GPU."""
+    (BLOCK_M + BLOCK_N - 1 rows of r) a power of two wide. The tile shrinks with the head
+    dim and the element size so that every kernel fits in an A100's shared memory (166912
+    bytes per block; H100/H200: 232448), measured by compiling for sm_80 and sm_90
+    (tests/test_triton_compile.py) with every flag on:
+
+    =========  ==========  ===================  ==================================
+    dtype      D           tile (M = N, band)   largest kernel (dQ), sm_90 / sm_80
+    =========  ==========  ===================  ==================================
+    16-bit     <= 64       64, 128              132 / 91 KB (D 64)
+    16-bit     <= 256      32, 64               197 / 148 KB (D 256)
+    fp32       <= 32       64, 128              115 / 123 KB (D 32)
+    fp32       <= 128      32, 64               148 / 148 KB (D 128, tf32)
+    fp32       <= 256      16, 32               164 / 164 KB (D 256, tf32)
+    =========  ==========  ===================  ==================================
+
+    (64-row tiles at fp32 D 64 need 181 KB on sm_80; at 16-bit D 128, 263 KB on sm_90.)
+    With a few queries (``Tq <= DECODE_MAX_Q``, forward only) a 16-row query block and
+    key blocks of 64 (16-bit D <= 128, fp32 D <= 64), 32 (16-bit D 256, fp32 D <= 128) or
+    16: a 64-row query block would be mostly padding. Not yet tuned on a GPU."""
     block_d = max(16, triton.next_power_of_2(D))
     if _interpreting():
         return 16, 16, block_d, 32, 1, 1
+    warps = 4 if block_d <= 64 else 8
+    wide = torch.empty((), dtype=dtype).element_size() >= 4
     if Tq is not None and Tq <= DECODE_MAX_Q:
-        bn = 64 if block_d <= 128 else 32
-        return 16, bn, block_d, 2 * bn, 4 if block_d <= 64 else 8, 2
-    bm = 64 if block_d <= 128 else 32
-    return bm, bm, block_d, 2 * bm, 4 if block_d <= 64 else 8, 2
+        bn = 64 if block_d <= (64 if wide else 128) else 32 if block_d <= (128 if wide else 256) else 16
+        return 16, bn, block_d, max(32, 2 * bn), warps, 2
+    bm = 64 if block_d <= (32 if wide else 64) else 32 if block_d <= 128 or not wide else 16
+    return bm, bm, block_d, 2 * bm, warps, 2
 
 
 #: Queries up to which the forward takes the decoding tile shape (see :func:`_config`).
 DECODE_MAX_Q = 16
 
 
-def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device) -> int:
+def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device,
+                  dtype: torch.dtype = torch.float16) -> int:
     """The number of key splits the forward picks when none is given: more than 1 only on
     CUDA (never on CPU or in the interpreter), when the ``B·H·⌈Tq/BLOCK_M⌉`` programs cannot
     fill the GPU and the keys are long (``kernels.attention._auto_splits``)."""
-    bm, bn = _config(D, Tq)[:2]
+    bm, bn = _config(D, Tq, dtype)[:2]
     return _auto_splits(B, H, Tq, Tk, bm, bn, torch.device(device))
 
 
@@ -470,9 +488,9 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
     else:
         sq = sk = se = rsb = kv_end
-    bm, bn, bd, band, warps, stages = _config(D, Tq)
+    bm, bn, bd, band, warps, stages = _config(D, Tq, q.dtype)
     if num_splits is None:
-        num_splits = decode_splits(B, H, Tq, Tk, D, q.device)
+        num_splits = decode_splits(B, H, Tq, Tk, D, q.device, q.dtype)
     if num_splits < 1:
         raise ValueError(f"rel_attention_forward: num_splits must be >= 1, got {num_splits}")
     split = num_splits > 1
@@ -536,7 +554,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
         else:
             sq = sk = se = rsb = kv_end
-        bm, bn, bd, band, warps, stages = _config(D)
+        bm, bn, bd, band, warps, stages = _config(D, None, q.dtype)
         common = (
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *r.stride(), *mstrides,
             sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,

@@ -109,3 +109,23 @@ def test_dispatch_traces_under_torch_compile(monkeypatch):
     f = torch.compile(lambda x: ctxfast.rel_shift(x) * 2, fullgraph=True, backend="aot_eager")
     x = torch.randn(2, 3, 5)
     assert torch.equal(f(x), ctxfast.reference.rel_shift(x) * 2)
+
+
+@pytest.mark.parametrize("op", ["attention", "attention_varlen", "rel_attention"])
+def test_float64_on_cuda_never_reaches_the_triton_attention_kernels(monkeypatch, op):
+    """They do not compile for float64 on a GPU (tests/test_triton_compile.py found it):
+    the default runs float64 CUDA inputs on eager, asking for triton fails before any
+    launch; other dtypes and CPU tensors (the interpreter) keep triton. Checked on the
+    routing with a stand-in for a CUDA tensor: no GPU needed."""
+    from types import SimpleNamespace
+
+    from ctxfast.ops.attention import _resolve
+    monkeypatch.setattr(_dispatch, "resolve", lambda *args, **kwargs: "triton")
+    cuda = torch.device("cuda")
+    assert _resolve(op, SimpleNamespace(device=cuda, dtype=torch.float64), None) == "eager"
+    assert _resolve(op, SimpleNamespace(device=cuda, dtype=torch.float32), None) == "triton"
+    assert _resolve(op, SimpleNamespace(device=CPU, dtype=torch.float64), None) == "triton"
+    with pytest.raises(ctxfast.BackendUnavailable, match="cannot run float64 on CUDA"):
+        _resolve(op, SimpleNamespace(device=cuda, dtype=torch.float64), "triton")
+    with ctxfast.backend("triton"), pytest.raises(ctxfast.BackendUnavailable, match=op):
+        _resolve(op, SimpleNamespace(device=cuda, dtype=torch.float64), None)

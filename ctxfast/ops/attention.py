@@ -163,6 +163,24 @@ def _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p,
 
 # --------------------------------------------------------------------------- public op
 
+def _resolve(op: str, q: Tensor, backend: Optional[str]) -> str:
+    """``_dispatch.resolve``, except that float64 on CUDA never reaches the Triton attention
+    kernels (they keep fp32 softmax statistics and do not compile for float64 on a GPU;
+    the interpreter runs them, for the CPU tests): by default it runs on eager, and asking
+    for triton is an error, before anything runs. Shared by attention, attention_varlen
+    and rel_attention."""
+    name = _dispatch.resolve(op, q.device, backend)
+    if name != "triton" or q.dtype != torch.float64 or q.device.type != "cuda":
+        return name
+    asked, source = _dispatch.requested_backend(backend)
+    if asked is not None:
+        raise _dispatch.BackendUnavailable(
+            f"ctxfast.{op}: backend 'triton' (from {source}) cannot run float64 on CUDA (the "
+            "kernels keep float32 statistics and are not compiled for float64); use "
+            "backend='eager' for float64")
+    return "eager"
+
+
 def _autocast(*tensors):
     """Under torch.autocast, run in the autocast dtype, as F.scaled_dot_product_attention
     does (it is on autocast's lower-precision list): every floating-point tensor among
@@ -211,7 +229,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     q, k, v = _autocast(q, k, v)
     _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
-    name = _dispatch.resolve("attention", q.device, backend)
+    name = _resolve("attention", q, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if name == "eager":
         mask = None
@@ -361,7 +379,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     """
     q, k, v = _autocast(q, k, v)
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
-    name = _dispatch.resolve("attention_varlen", q.device, backend)
+    name = _resolve("attention_varlen", q, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if name == "eager":
         out = q.new_zeros(q.shape)

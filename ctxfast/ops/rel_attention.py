@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from .attention import _check as _check_attention
-from .attention import _autocast, _shape, draw_seed
+from .attention import _autocast, _resolve, _shape, draw_seed
 
 # Defaults: Triton on CUDA (not yet measured on a GPU); the eager reference on CPU.
 _dispatch.register_op("rel_attention", supported=("triton", "eager"),
@@ -201,7 +201,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     pos_start = Tk - 1 if pos_start is None else pos_start
     _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
            perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale, window)
-    name = _dispatch.resolve("rel_attention", q.device, backend)
+    name = _resolve("rel_attention", q, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     seg = dict(seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias)
     if name == "eager":

@@ -39,3 +39,13 @@ def test_permutation_and_padding_with_memory_bf16():
     rank = torch.stack([torch.randperm(Tq) for _ in range(B)]).cuda()
     for stream in ("content", "query"):
         check_against_reference(q, k, v, key_padding_mask=kpm, perm_rank=rank, perm_stream=stream)
+
+
+def test_float64_default_runs_on_eager():
+    """The Triton attention kernels do not compile for float64 on a GPU: the default runs
+    float64 on the eager reference (equal to it), asking for triton is refused."""
+    q, k, v = (torch.randn(2, 2, 33, 16, device="cuda", dtype=torch.float64) for _ in range(3))
+    out = ctxfast.attention(q, k, v, causal=True)
+    assert torch.equal(out, ctxfast.attention(q, k, v, causal=True, backend="eager"))
+    with pytest.raises(ctxfast.BackendUnavailable, match="float64"):
+        ctxfast.attention(q, k, v, causal=True, backend="triton")

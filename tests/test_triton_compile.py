@@ -1,0 +1,442 @@
+"""Every Triton kernel compiles for the GPUs we target and fits in their shared memory.
+
+The suite runs the Triton kernels under ``TRITON_INTERPRET=1``, and the interpreter never
+compiles them: a kernel that cannot be lowered for a GPU (an op or layout conversion the
+backend lacks, PTX that ptxas rejects) or whose tiles need more shared memory than a block
+may have (the launch fails with "out of resources") passes every CPU test and breaks on
+the first GPU. This file compiles the kernels all the way to cubin with Triton's own
+compiler, which needs no GPU (triton ships ptxas), for sm_90 (H100/H200: at most 232448
+bytes of shared memory per block) and sm_80 (A100: 166912), and checks that each compiles
+and that its ``metadata.shared`` fits.
+
+What is compiled is what the launchers launch on CUDA: each case of :func:`_cases` calls
+launchers of ``kernels/*.py`` on small CPU tensors with the modules' ``*_kernel`` objects
+swapped for recorders, in a process without ``TRITON_INTERPRET``, so the launchers pick
+their CUDA tile configs (``_config``), ``num_warps`` and ``num_stages``. Each recorded
+launch is specialised as Triton's JIT does it (argument types; ints equal to 1 become
+constants; ints divisible by 16 and 16-byte aligned pointers are marked so), then compiled
+for sm_90, and for sm_80 where the case says so (the heaviest case of each kernel).
+
+The cases cover every kernel the launchers launch, fp16, bf16 and fp32, and each constexpr
+flag on in at least one case; not the full cross product (a cold compile takes seconds per
+kernel). fp32 attention is compiled with ``input_precision="tf32"`` (torch's allow_tf32
+on; in the heavy variants measured it needs more shared memory on sm_90 than exact fp32);
+exact-fp32 ("ieee", torch's default) dots are compiled for the LSTM only: lowered to FMA
+loops they take 10-100 s per attention kernel to compile.
+
+The compiles run in subprocesses (this file run as a script, one per CPU core, at most 4,
+sharing the work), started once by a module-scoped fixture; each test checks one kernel
+and a failure names the kernel, the case, the target and the compiler's error.
+"""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import pytest
+
+#: Shared memory a block may use (the opt-in maximum), bytes, per target.
+SMEM_LIMIT = {90: 232448, 80: 166912}
+
+KERNELS = [
+    "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+    "_dropout_keep_kernel",
+    "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
+    "_lstm_fwd_kernel", "_lstm_gemm_kernel", "_lstm_bwd_kernel",
+    "_rel_shift_kernel",
+]
+
+
+# =========================================================================== the cases
+
+def _cases():
+    """[(name, targets, function calling launchers)], heaviest first (so that the shards
+    finish together). Runs in the script only (imports the kernels)."""
+    import math
+
+    import torch
+
+    from ctxfast.kernels import attention, lstm, rel_attention, rel_shift
+
+    def randn(*shape, dtype):
+        return torch.randn(shape).to(dtype)
+
+    def masks(B, Tq, Tk, *, kpm=False, perm=False, dropout=0.0, **flags):
+        return dict(
+            flags, dropout_p=dropout,
+            seed=torch.tensor([7], dtype=torch.int64) if dropout else None,
+            key_padding_mask=torch.arange(Tk).expand(B, Tk) >= Tk - 3 if kpm else None,
+            perm_rank=torch.stack([torch.randperm(Tq) for _ in range(B)]) if perm else None)
+
+    def attn(dtype, D, *, B=2, H=2, Tq=128, Tk=256, backward=True, num_splits=1, **flags):
+        q, k, v = (randn(B, H, T, D, dtype=dtype) for T in (Tq, Tk, Tk))
+        kw = masks(B, Tq, Tk, **flags)
+        out, lse = attention.attention_forward(q, k, v, num_splits=num_splits, **kw)
+        if backward:
+            attention.attention_backward(torch.randn_like(out), q, k, v, out, lse, **kw)
+
+    def attn_varlen(dtype, D, *, H=2, causal=False, dropout=0.0):
+        lens_q, lens_k = [100, 28, 128], [100, 60, 256]
+        cu_q, cu_k = (torch.tensor([0] + n).cumsum(0).to(torch.int32) for n in (lens_q, lens_k))
+        q, k, v = (randn(sum(n), H, D, dtype=dtype) for n in (lens_q, lens_k, lens_k))
+        kw = dict(causal=causal, dropout_p=dropout,
+                  seed=torch.tensor([7], dtype=torch.int64) if dropout else None)
+        sizes = (cu_q, cu_k, max(lens_q), max(lens_k))
+        out, lse = attention.attention_varlen_forward(q, k, v, *sizes, **kw)
+        attention.attention_varlen_backward(torch.randn_like(out), q, k, v, out, lse, *sizes, **kw)
+
+    def rel(dtype, D, *, B=2, H=2, Tq=128, Tk=256, seg=False, backward=True, num_splits=1,
+            **flags):
+        q, k, v = (randn(B, H, T, D, dtype=dtype) for T in (Tq, Tk, Tk))
+        r = randn(H, Tk + Tq, D, dtype=dtype)
+        u, w = randn(H, D, dtype=dtype), randn(H, D, dtype=dtype)
+        kw = masks(B, Tq, Tk, **flags)
+        if seg:
+            kw.update(seg_q=torch.randint(0, 2, (B, Tq)), seg_k=torch.randint(0, 2, (B, Tk)),
+                      seg_embed=randn(2, H, D, dtype=dtype), r_s_bias=randn(H, D, dtype=dtype))
+        out, lse = rel_attention.rel_attention_forward(q, k, v, r, u, w, num_splits=num_splits,
+                                                       **kw)
+        if backward:
+            rel_attention.rel_attention_backward(torch.randn_like(out), q, k, v, r, u, w, out,
+                                                 lse, **kw)
+
+    def lstm_fwd_bwd(dtype, *, B, H, proj=False, mask=False, clip=False, reverse=False, T=3):
+        P = H // 2 if proj else H
+        xw, h0, c0 = (randn(*shape, dtype=dtype) for shape in ((T, B, 4 * H), (B, P), (B, H)))
+        w_hh, w_hr = randn(4 * H, P, dtype=dtype), randn(P, H, dtype=dtype) if proj else None
+        m = (torch.rand(4 * H, P) > 0.3).to(dtype) if mask else None
+        clips = (3.0, 2.0) if clip else (math.inf, math.inf)
+        args = (w_hh, w_hr, m, 1 / 0.7 if mask else 1.0, *clips, reverse)
+        out, cells, gates = lstm.lstm_forward(xw, h0, c0, *args)
+        lstm.lstm_backward(torch.randn_like(out), torch.randn_like(cells), h0, c0, *args, out,
+                           cells, gates)
+
+    def shift(Tq, Tk, *, transposed=False):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            x = randn(2, 3, Tk, Tq, dtype=dtype).transpose(-1, -2) if transposed else \
+                randn(2, 3, Tq, Tk, dtype=dtype)
+            rel_shift.rel_shift_forward(x)
+            rel_shift.rel_shift_backward(x)
+
+    def tf32(fn):
+        """fn with torch's allow_tf32 on (fp32 dots with input_precision="tf32")."""
+        def run():
+            old, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
+            try:
+                fn()
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = old
+        return run
+
+    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    sm90, both = (90,), (90, 80)
+    every_mask = dict(causal=True, kpm=True, perm=True, perm_strict=True, dropout=0.1)
+    return [
+        # rel_attention: forward, dK/dV and dQ; decoding: split-K forward + combine. The
+        # heaviest tile of each row of kernels/rel_attention._config's table, both targets
+        ("rel_attention fp32/tf32 D=128 causal+kpm+perm_strict+seg+dropout+window", both,
+         tf32(lambda: rel(f32, 128, **every_mask, seg=True, window=100))),
+        ("rel_attention fp32/tf32 D=64 causal+kpm+perm_strict+seg+dropout+window", both,
+         tf32(lambda: rel(f32, 64, **every_mask, seg=True, window=100))),
+        ("rel_attention fp32/tf32 D=256 causal+seg", both,
+         tf32(lambda: rel(f32, 256, causal=True, seg=True, Tq=64, Tk=128))),
+        ("rel_attention bf16 D=128 kpm+perm_strict+seg+dropout+window", both,
+         lambda: rel(bf16, 128, **dict(every_mask, causal=False), seg=True, window=100)),
+        ("rel_attention fp16 D=64 causal+kpm+perm_strict+seg+dropout+window", both,
+         lambda: rel(f16, 64, **every_mask, seg=True, window=100)),
+        ("rel_attention decode split-K fp32/tf32 D=256 causal", both,
+         tf32(lambda: rel(f32, 256, causal=True, Tq=1, Tk=1024, num_splits=8,
+                          backward=False))),
+        ("rel_attention decode split-K fp16 D=128 causal+kpm+seg+dropout+window", both,
+         lambda: rel(f16, 128, causal=True, kpm=True, seg=True, dropout=0.1, window=500,
+                     Tq=4, Tk=1024, num_splits=8, backward=False)),
+        # attention: forward, dK/dV and dQ; split-K forward + combine; varlen; dropout mask
+        ("attention fp32/tf32 D=128 causal+kpm+perm_strict+dropout", both,
+         tf32(lambda: attn(f32, 128, **every_mask))),
+        ("attention fp32/tf32 D=256 causal+kpm+perm_strict+dropout", both,
+         tf32(lambda: attn(f32, 256, **every_mask))),
+        ("attention varlen bf16 D=128 causal+dropout", sm90,
+         lambda: attn_varlen(bf16, 128, causal=True, dropout=0.1)),
+        ("attention fp16 D=64 kpm", sm90, lambda: attn(f16, 64, kpm=True)),
+        ("attention split-K fp16 D=128 causal+kpm+dropout", sm90,
+         lambda: attn(f16, 128, causal=True, kpm=True, dropout=0.1, Tq=4, Tk=1024,
+                      num_splits=8, backward=False)),
+        ("attention dropout_keep_mask", both,
+         lambda: attention.dropout_keep_mask(torch.tensor([7], dtype=torch.int64), 2, 2, 100,
+                                             100, 0.1)),
+        # lstm: step forward, projection / recurrence GEMM, step backward
+        ("lstm fp32/tf32 B=64 proj+mask+clip", both,
+         tf32(lambda: lstm_fwd_bwd(f32, B=64, H=128, proj=True, mask=True, clip=True))),
+        ("lstm fp16 B=64 proj+mask+clip", sm90,
+         lambda: lstm_fwd_bwd(f16, B=64, H=128, proj=True, mask=True, clip=True)),
+        ("lstm bf16 B=64 mask+clip reverse", sm90,
+         lambda: lstm_fwd_bwd(bf16, B=64, H=128, mask=True, clip=True, reverse=True)),
+        ("lstm fp32/ieee B=8", sm90, lambda: lstm_fwd_bwd(f32, B=8, H=64)),
+        # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
+        ("rel_shift fp16/bf16/fp32 Tk=1024", both, lambda: shift(64, 1024)),
+        ("rel_shift fp16/bf16/fp32 Tk=40 transposed", sm90, lambda: shift(20, 40, transposed=True)),
+    ]
+
+
+# =========================================================================== the script
+
+def _kernel_modules():
+    from ctxfast.kernels import attention, lstm, rel_attention, rel_shift
+    return attention, lstm, rel_attention, rel_shift
+
+
+def _kernel_names():
+    """Names of every ``*_kernel`` JIT function of the kernel modules."""
+    from triton.runtime.jit import JITFunction
+    return sorted({name for mod in _kernel_modules() for name, obj in vars(mod).items()
+                   if name.endswith("_kernel") and isinstance(obj, JITFunction)})
+
+
+def _record(case_fn):
+    """Run case_fn with the modules' ``*_kernel`` replaced by recorders: [(kernel, args,
+    kwargs)] of the launches it made (``kernel[grid](*args, **kwargs)``)."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
+
+    names = _kernel_names()
+    saved = [(mod, name, getattr(mod, name)) for mod in _kernel_modules() for name in names
+             if hasattr(mod, name)]
+    for mod, name, fn in saved:
+        setattr(mod, name, Recorder(fn))
+    try:
+        case_fn()
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+    return launches
+
+
+_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64",
+          "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64",
+          "bool": "i1"}
+
+
+def _specialise(fn, args, kwargs):
+    """(signature, constexprs, attrs, options) of a launch, as Triton's JIT makes them:
+    tensors are pointers to their dtype, marked divisible by 16 when 16-byte aligned; ints
+    equal to 1 become the constant 1, others are i32 (i64 if large), marked divisible by 16
+    when they are; floats are fp32; what is not an argument (num_warps, ...) is an option."""
+    import torch
+
+    options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+    bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in fn.arg_names})
+    bound.apply_defaults()
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        value = bound.arguments[name]
+        if param.is_constexpr or value is None or (type(value) is int and value == 1):
+            signature[name], constexprs[(i,)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[str(value.dtype).removeprefix("torch.")]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "u1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} is a {type(value).__name__}")
+    return signature, constexprs, attrs, options
+
+
+def _jobs():
+    """[(kernel, case, arch, signature, constexprs, attrs, options)]: one per distinct
+    compile, in the order of the cases (the same list in every shard)."""
+    import torch
+
+    jobs, seen = [], set()
+    for case, archs, fn in _cases():
+        torch.manual_seed(0)
+        for kernel, args, kwargs in _record(fn):
+            spec = _specialise(kernel, args, kwargs)
+            for arch in archs:
+                key = (kernel.__name__, arch, repr(spec))
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((kernel, case, arch, *spec))
+    return jobs
+
+
+def _describe(kernel, signature, constexprs, attrs, options):
+    """The launch in a line: pointer types, constexpr arguments, options."""
+    pointers = sorted({t for t in signature.values() if t.startswith("*")})
+    flags = [f"{name}={constexprs[(i,)]}" for i, (name, param)
+             in enumerate(zip(kernel.arg_names, kernel.params)) if param.is_constexpr]
+    return " ".join(pointers + flags + [f"{k}={v}" for k, v in options.items()])
+
+
+def _compile(kernel, signature, constexprs, attrs, options, arch):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _probe():
+    """None if Triton can compile a trivial kernel for every target here (each has its
+    own ptxas), else why it cannot."""
+    arch = None
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def probe_kernel(X):
+            tl.store(X, 1.0)
+
+        for arch in SMEM_LIMIT:
+            _compile(probe_kernel, {"X": "*fp32"}, {}, {}, {}, arch)
+    except Exception as e:  # noqa: BLE001 - any failure here means "cannot compile at all"
+        return f"{'' if arch is None else f'sm_{arch}: '}{type(e).__name__}: {e}"[:2000]
+    return None
+
+
+@contextlib.contextmanager
+def _stderr_into(file):
+    """Send file descriptor 2 into `file`: MLIR writes a failed pass's diagnostics there,
+    not into the exception."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def main(claims: str, out_path: str):
+    """Compile every job that no other shard has claimed (a file in the directory `claims`
+    per job) and write {"kernels": [...], "rows": [...]} to out_path, or {"unavailable":
+    reason} where Triton cannot compile for a GPU at all."""
+    import time
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION is unset")  # triton 3.9
+    reason = _probe()
+    if reason is not None:
+        result = {"unavailable": reason}
+    else:
+        result = {"kernels": _kernel_names(), "rows": []}
+        for n, (kernel, case, arch, *spec) in enumerate(_jobs()):
+            try:
+                os.close(os.open(os.path.join(claims, str(n)), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue                                  # another shard compiles it
+            row = dict(kernel=kernel.__name__, variant=case, target=f"sm_{arch}", arch=arch,
+                       launch=_describe(kernel, *spec), shared=None, ok=False, error=None)
+            t0 = time.time()
+            with tempfile.TemporaryFile("w+") as log:
+                try:
+                    with _stderr_into(log):
+                        row["shared"] = _compile(kernel, *spec, arch).metadata.shared
+                    row["ok"] = True
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    log.seek(0)
+                    row["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + log.read()[-3000:]
+            row["seconds"] = round(time.time() - t0, 1)
+            result["rows"].append(row)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+# =========================================================================== the tests
+
+def _run_shards():
+    """Run this file as a script in one process per core (at most 4), without
+    TRITON_INTERPRET; returns {"kernels": [...], "rows": [...]} merged, or skips."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shards = max(1, min(4, os.cpu_count() or 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        claims = os.path.join(tmp, "claims")
+        os.mkdir(claims)
+        outs = [os.path.join(tmp, f"shard{i}.json") for i in range(shards)]
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), claims, out],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for out in outs]
+        try:
+            logs = [proc.communicate(timeout=900)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()                               # if one is still running
+        merged = {"kernels": [], "rows": []}
+        for out, proc, log in zip(outs, procs, logs):
+            if proc.returncode != 0 or not os.path.exists(out):
+                pytest.fail(f"compile shard exited with {proc.returncode}:\n{log[-6000:]}")
+            with open(out) as f:
+                result = json.load(f)
+            if "unavailable" in result:
+                pytest.skip(f"Triton cannot compile for a GPU here: {result['unavailable']}")
+            merged["kernels"] = result["kernels"]
+            merged["rows"] += result["rows"]
+    return merged
+
+
+def _table(rows):
+    lines = [f"{'kernel':26} {'target':6} {'shared':>7} {'s':>5}  case"]
+    for r in sorted(rows, key=lambda r: (r["kernel"], -r["arch"], -(r["shared"] or 0))):
+        shared = r["shared"] if r["ok"] else "FAILED"
+        over = " OVER" if r["ok"] and r["shared"] > SMEM_LIMIT[r["arch"]] else ""
+        lines.append(f"{r['kernel']:26} {r['target']:6} {shared:>7} {r['seconds']:5.1f}  "
+                     f"{r['variant']}{over}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    result = _run_shards()
+    print("\n" + _table(result["rows"]))      # shown with -s
+    return result
+
+
+def _problem(row):
+    """None if the row's compile succeeded within the target's shared memory, else a line
+    naming the kernel, the case and the target, with the compiler's error."""
+    where = f"{row['kernel']} [{row['variant']}] for {row['target']} ({row['launch']})"
+    if not row["ok"]:
+        return f"{where} does not compile:\n{row['error']}"
+    limit = SMEM_LIMIT[row["arch"]]
+    if row["shared"] > limit:
+        return (f"{where} needs {row['shared']} bytes of shared memory; a block may use "
+                f"{limit} on {row['target']}")
+    return None
+
+
+def test_every_kernel_has_a_case(compiled):
+    """A new ``*_kernel`` in kernels/ needs a case (and a place in KERNELS)."""
+    assert sorted(KERNELS) == compiled["kernels"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_compiles_and_fits(compiled, kernel):
+    rows = [r for r in compiled["rows"] if r["kernel"] == kernel]
+    assert {r["arch"] for r in rows} == set(SMEM_LIMIT), \
+        f"{kernel} is not compiled for every target: {sorted({r['target'] for r in rows})}"
+    problems = [p for p in map(_problem, sorted(rows, key=lambda r: -r["arch"])) if p]
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
