@@ -7,7 +7,8 @@
 The run is the newest ``benchmarks/results/<device>/<date>[-<n>].json`` (written by
 ``ctxfast bench``): the newest GPU run where there is one (the project's performance
 record), else the newest CPU run; ``--device <folder>`` picks a device folder. Newest =
-latest date, then highest ``-<n>``. The table has one row per (op, backend, mode): the
+latest date, then latest ``written`` time (reports without one are the earliest of their
+date), then highest ``-<n>``. The table has one row per (op, backend, mode): the
 speedup over the op's baseline (the median over the run's cases and its range) and the
 best achieved rate (the case itself where there is one), under a line naming the device, date, versions and source file.
 
@@ -48,7 +49,9 @@ def is_gpu_run(report: dict) -> bool:
 
 def runs(results_dir: Path = RESULTS_DIR) -> List[Tuple[Path, dict]]:
     """Every ``<device>/<date>[-<n>].json`` report under `results_dir`, oldest first (by
-    date, then n); files with other names are ignored."""
+    date, then the time it was written where the report says (``written``; older reports
+    do not and count as the earliest of their date), then n); files with other names are
+    ignored."""
     found = []
     for path in Path(results_dir).glob("*/*.json"):
         m = _STEM.match(path.stem)
@@ -60,7 +63,8 @@ def runs(results_dir: Path = RESULTS_DIR) -> List[Tuple[Path, dict]]:
             continue
         if not isinstance(report, dict) or "records" not in report:
             continue
-        found.append(((m.group(1), int(m.group(2) or 1), path.parent.name), path, report))
+        found.append(((m.group(1), str(report.get("written") or ""), int(m.group(2) or 1),
+                       path.parent.name), path, report))
     found.sort(key=lambda x: x[0])
     return [(path, report) for _, path, report in found]
 

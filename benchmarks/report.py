@@ -77,7 +77,7 @@ RECORD_KEYS: Tuple[str, ...] = (
 NOISY_SPREAD = 0.2
 
 #: Keys of the report's JSON besides "records".
-HEADER_KEYS: Tuple[str, ...] = ("device", "date", "torch", "triton", "notes")
+HEADER_KEYS: Tuple[str, ...] = ("device", "date", "written", "torch", "triton", "notes")
 
 
 def _load(name: str, filename: str):
@@ -349,11 +349,16 @@ def write(records: Sequence[dict], out_dir, notes: Sequence[str] = (),
     ``<stem>-<op>.png``; returns the JSON and markdown paths. ``<stem>`` is the date; an
     existing report of the same date is never overwritten: ``-2``, ``-3``, ... .
 
-    The JSON is ``{"device", "date", "torch", "triton", "notes", "records": [...]}``;
-    the notes say what was plotted or why not (e.g. matplotlib missing)."""
+    The JSON is ``{"device", "date", "written", "torch", "triton", "notes", "records":
+    [...]}`` (``written``: UTC time the report was written, ISO 8601: orders runs of the
+    same date in different device folders); the notes say what was plotted or why not
+    (e.g. matplotlib missing)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = _header(records, notes)
+    header = {"device": header["device"], "date": header["date"],
+              "written": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              **{k: header[k] for k in ("torch", "triton", "notes")}}
     stem, n = header["date"], 1
     while (out_dir / f"{stem}.json").exists() or (out_dir / f"{stem}.md").exists():
         n += 1

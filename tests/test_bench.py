@@ -94,7 +94,7 @@ def test_quick_run_writes_report(report, tmp_path, monkeypatch):
     json_path, md_path = Path(result["json_path"]), Path(result["md_path"])
     assert json_path.parent == tmp_path and json_path.exists() and md_path.exists()
     data = json.loads(json_path.read_text())
-    assert set(data) == {"device", "date", "torch", "triton", "notes", "records"}
+    assert set(data) == {"device", "date", "written", "torch", "triton", "notes", "records"}
     cpu_name = report.device_name("cpu").replace(f"({torch.get_num_threads()} threads)",
                                                  "(1 threads)")
     assert data["device"] == cpu_name and cpu_name.endswith("(1 threads)")
@@ -504,11 +504,11 @@ def test_cli_bench_list_and_arguments(report, capsys):
 
 # --------------------------------------------------------------------------- README table
 
-def _run_file(folder, stem, device, records):
+def _run_file(folder, stem, device, records, written=None):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{stem}.json").write_text(json.dumps(
         {"device": device, "date": stem[:10], "torch": "9.9", "triton": "8.8", "notes": [],
-         "records": records}))
+         "records": records, **({"written": written} if written else {})}))
 
 
 def _rec(op, backend, mode, speedup, dtype="float32", **kw):
@@ -524,6 +524,13 @@ def test_readme_table_newest_run(readme_table, tmp_path):
     (tmp_path / "cpu-a" / "notes.json").write_text("{}")           # not a report
     path, rep = readme_table.newest_run(tmp_path)
     assert path.name == "2026-11-21-10.json" and not readme_table.is_gpu_run(rep)
+    # same date, another device folder: the time written decides, not the -<n> suffix
+    _run_file(tmp_path / "cpu-b", "2026-11-21", "AMD EPYC (1 threads)", [],
+              written="2026-11-21T15:00:00+00:00")
+    assert readme_table.newest_run(tmp_path)[0].parent.name == "cpu-b"
+    _run_file(tmp_path / "cpu-a", "2026-11-21-11", "AMD EPYC (2 threads)", [],
+              written="2026-11-21T16:00:00+00:00")
+    assert readme_table.newest_run(tmp_path)[0].name == "2026-11-21-11.json"
     # a GPU run wins over a newer CPU run
     _run_file(tmp_path / "nvidia-h100-80gb-hbm3", "2026-11-01", "NVIDIA H100 80GB HBM3", [])
     path, rep = readme_table.newest_run(tmp_path)
