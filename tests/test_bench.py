@@ -535,7 +535,7 @@ def test_readme_table_newest_run(readme_table, tmp_path):
     _run_file(tmp_path / "nvidia-h100-80gb-hbm3", "2026-11-01", "NVIDIA H100 80GB HBM3", [])
     path, rep = readme_table.newest_run(tmp_path)
     assert path.parent.name == "nvidia-h100-80gb-hbm3" and readme_table.is_gpu_run(rep)
-    assert readme_table.newest_run(tmp_path, "cpu-a")[0].name == "2026-11-21-10.json"
+    assert readme_table.newest_run(tmp_path, "cpu-a")[0].name == "2026-11-21-11.json"
     with pytest.raises(FileNotFoundError):
         readme_table.newest_run(tmp_path, "no-such-device")
 
