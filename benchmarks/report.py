@@ -273,20 +273,20 @@ def _fmt_rate(r: dict) -> str:
     return "—"
 
 
-def _fmt_tokens(r: dict) -> str:
-    a, b = r.get("tokens_per_s"), r.get("baseline_tokens_per_s")
+def _fmt_pair(r: dict, key: str, fmt) -> str:
+    """"ours / baseline" of ``r[key]`` and ``r["baseline_" + key]`` (— where missing)."""
+    a, b = r.get(key), r.get("baseline_" + key)
     if a is None and b is None:
         return "—"
-    fmt = lambda x: "—" if x is None else f"{x:.3g}"           # noqa: E731
-    return f"{fmt(a)} / {fmt(b)}"
+    return " / ".join("—" if x is None else fmt(x) for x in (a, b))
+
+
+def _fmt_tokens(r: dict) -> str:
+    return _fmt_pair(r, "tokens_per_s", lambda x: f"{x:.3g}")
 
 
 def _fmt_mem(r: dict) -> str:
-    a, b = r.get("peak_mem_bytes"), r.get("baseline_peak_mem_bytes")
-    if a is None and b is None:
-        return "—"
-    mib = lambda x: "—" if x is None else f"{x / 2**20:.0f}"   # noqa: E731
-    return f"{mib(a)} / {mib(b)}"
+    return _fmt_pair(r, "peak_mem_bytes", lambda x: f"{x / 2**20:.0f}")
 
 
 def _fmt_spread(r: dict) -> str:
