@@ -22,11 +22,14 @@ Modes ``fwd`` and ``fwd+bwd`` (gradients of q, k, v, r and both biases). Inputs:
 ``torch.randn`` (fp32 on CPU, bf16 on CUDA). Every backend is checked against the fp32
 reference on the first batch row (output, and in ``fwd+bwd`` every gradient with the
 upstream gradient zero outside that row) before it is timed. ``CTXFAST_BENCH_QUICK=1``:
-small cases. Full: Transformer-XL shapes (H 16, D 64, Tq 512, memory 512–3072) and
-decoding shapes (Tq 1 and 16, memory 3072) on CUDA.
+small cases. Full: Transformer-XL shapes (H 16, D 64, Tq 512, memory 512–3072),
+decoding shapes (Tq 1 and 16, memory 3072) and the paper's WikiText-103 evaluation
+(``same_length``: Tq 128, memory 1600, ``window=1600``; the baseline with the original
+code's same_length mask, flex with the window in its mask_mod) on CUDA; a small window
+case in the quick set.
 
 FLOPs counted (``extra_info["flops"]``, TFLOP/s in the report): AC and BD, ``2·D`` each per
-visible (causal) pair, plus ``2·D`` for P·V — ``6·B·H·pairs·D`` for the forward, x3.5 for
+visible (causal, and within the window) pair, plus ``2·D`` for P·V — ``6·B·H·pairs·D`` for the forward, x3.5 for
 fwd+bwd as for attention. Peak memory: ``_common.measure`` (CUDA).
 """
 from __future__ import annotations
@@ -51,19 +54,23 @@ RTOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 class Case(NamedTuple):
     shape: Tuple[int, int, int, int, int]   # B, H, Tq, mem, D
     devices: Tuple[str, ...] = ("cpu", "cuda")
+    window: Optional[int] = None            # same_length: keys at distance < window
 
     @property
-    def name(self) -> str:                  # "B2 H4 Tq64 mem64 D32"
-        return " ".join(f"{k}{v}" for k, v in zip(("B", "H", "Tq", "mem", "D"), self.shape))
+    def name(self) -> str:                  # "B2 H4 Tq64 mem64 D32", "... window48"
+        name = " ".join(f"{k}{v}" for k, v in zip(("B", "H", "Tq", "mem", "D"), self.shape))
+        return name if self.window is None else f"{name} window{self.window}"
 
 
-QUICK_CASES = (Case((2, 4, 64, 64, 32)),)
+QUICK_CASES = (Case((2, 4, 64, 64, 32)), Case((2, 4, 64, 64, 32), window=48))
 FULL_CASES = (
     Case((2, 8, 128, 128, 64), ("cpu",)),
     *(Case((4, 16, 512, mem, 64), ("cuda",)) for mem in (512, 1024, 2048, 3072)),
     # decoding (Transformer-XL evaluation): a few queries against a long memory
     Case((16, 16, 1, 3072, 64), ("cuda",)),
     Case((16, 16, 16, 3072, 64), ("cuda",)),
+    # the paper's WikiText-103 evaluation: tgt_len 128, mem_len 1600, same_length
+    Case((8, 16, 128, 1600, 64), ("cuda",), window=1600),
 )
 
 
@@ -73,7 +80,8 @@ def _params():
 
 def flops(case: Case, mode: str) -> float:
     B, H, Tq, mem, D = case.shape
-    visible = Tq * mem + Tq * (Tq + 1) / 2            # causal pairs with memory
+    W = case.window or Tq + mem                       # query i sees min(W, mem + i + 1) keys
+    visible = sum(min(W, mem + i + 1) for i in range(Tq))
     fwd = 2 * 2 * B * H * visible * D + 2 * B * H * visible * D   # AC + BD, then P·V
     return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
 
@@ -96,13 +104,16 @@ def flex_score_mod(bd: torch.Tensor, mem_len: int, pos_start: int, scale: float)
     return score_mod
 
 
-def flex_mask_mod(mem_len: int) -> Callable:
+def flex_mask_mod(mem_len: int, window: Optional[int] = None) -> Callable:
     """FlexAttention ``mask_mod`` of Transformer-XL's causal mask: key j is visible to
-    query i iff ``j <= i + mem_len``."""
+    query i iff ``j <= i + mem_len`` (and, with `window`, ``mem_len + i - j < window``)."""
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + mem_len
 
-    return mask_mod
+    def window_mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + mem_len) & (mem_len + q_idx - kv_idx < window)
+
+    return mask_mod if window is None else window_mask_mod
 
 
 def flex_rel_attention(q, k, v, r, r_w_bias, r_r_bias, *, block_mask=None,
@@ -136,7 +147,8 @@ def _flex_op(case: Case, device: torch.device) -> Callable:
     from torch.nn.attention.flex_attention import create_block_mask
 
     _, _, Tq, mem, _ = case.shape
-    block_mask = create_block_mask(flex_mask_mod(mem), None, None, Tq, Tq + mem, device=device)
+    block_mask = create_block_mask(flex_mask_mod(mem, case.window), None, None, Tq, Tq + mem,
+                                   device=device)
     torch._dynamo.reset()                   # a fresh compile per case: no recompile limit hit
     return functools.partial(torch.compile(flex_rel_attention, dynamic=False),
                              block_mask=block_mask)
@@ -159,10 +171,10 @@ def _skip_reason(backend: str, device: torch.device) -> Optional[str]:
 
 def _op(backend: str, case: Case, device: torch.device) -> Callable:
     if backend == BASELINE:
-        return ref.rel_attention_original
+        return functools.partial(ref.rel_attention_original, window=case.window)
     if backend == "flex":
         return _flex_op(case, device)
-    return functools.partial(ctxfast.rel_attention, backend=backend)
+    return functools.partial(ctxfast.rel_attention, backend=backend, window=case.window)
 
 
 def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -182,16 +194,17 @@ def _check(op: Callable, backend: str, mode: str, case: Case, inputs, g) -> None
         assert err <= rtol, (f"{backend} {case.name} {mode}: relative error of {what} "
                              f"{err:.3g} > {rtol:g} against the reference")
 
+    spec = functools.partial(ref.rel_attention, window=case.window)
     if mode == "fwd":
         with torch.no_grad():
-            compare("out", op(*inputs)[:1], ref.rel_attention(*want_in))
+            compare("out", op(*inputs)[:1], spec(*want_in))
         return
     g_first = torch.zeros_like(g)
     g_first[:1] = g[:1]                            # gradients of the first batch row only
     leaves = [t.detach().requires_grad_(True) for t in inputs]
     out = op(*leaves)
     grads = torch.autograd.grad(out, leaves, g_first)
-    want = ref.rel_attention(*want_in)
+    want = spec(*want_in)
     want_grads = torch.autograd.grad(want, want_in, g_first[:1].float())
     compare("out", out.detach()[:1], want.detach())
     for name, got, wnt in zip(("dq", "dk", "dv", "dr", "d_r_w_bias", "d_r_r_bias"),

@@ -276,6 +276,11 @@ def test_flex_score_mod_reproduces_the_scores(bench, Tq, mem, R, pos_start):
     out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
     ref = reference.rel_attention(q, k, v, r, u, w, pos_start=pos_start)
     assert rel_err(out, ref) < 1e-12
+    # the same_length case's mask_mod: the reference's visibility with a window
+    dist = mem + i - j
+    for window in (1, 9):
+        assert torch.equal(bench.flex_mask_mod(mem, window)(b, h, i, j),
+                           (dist >= 0) & (dist < window))
 
 
 def test_flex_rel_attention_runs_uncompiled_on_cpu(bench):

@@ -24,6 +24,10 @@ def test_matches_original_transformer_xl(Tq, mem):
     ours = reference.rel_attention(q, k, v, r, u, w)
     orig = reference.rel_attention_original(q, k, v, r, u, w)
     assert torch.allclose(ours, orig, rtol=1e-12, atol=1e-12)
+    for window in (1, 4, Tk):                 # same_length: the original's tril part
+        ours = reference.rel_attention(q, k, v, r, u, w, window=window)
+        orig = reference.rel_attention_original(q, k, v, r, u, w, window=window)
+        assert torch.allclose(ours, orig, rtol=1e-12, atol=1e-12), window
 
 
 def _loop(q, k, v, r, u, w, *, causal, pos_start, seg=None, rank=None, stream="content"):

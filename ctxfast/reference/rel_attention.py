@@ -90,10 +90,12 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
 
 
 def rel_attention_original(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
-                           r_r_bias: Tensor, *, scale: Optional[float] = None) -> Tensor:
+                           r_r_bias: Tensor, *, scale: Optional[float] = None,
+                           window: Optional[int] = None) -> Tensor:
     """The original Transformer-XL formulation (causal, ``pos_start = Tk - 1``, ``R = Tk``):
     einsum for AC and for the full ``[Tq, R]`` BD, the pad-and-view shift, a materialised
-    causal mask, softmax. The eager baseline of the benchmarks and a cross-check of
+    causal mask (plus, with `window`, its ``same_length`` part ``tril(mem_len − window)``),
+    softmax. The eager baseline of the benchmarks and a cross-check of
     :func:`rel_attention`."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -103,5 +105,7 @@ def rel_attention_original(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias:
     bd = rel_shift_pad_view(bd)                                             # [B, H, Tq, Tk]
     scores = (ac + bd) * scale
     future = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(1 + Tk - Tq)
+    if window is not None:                                                  # same_length
+        future = future | torch.ones_like(future).tril(Tk - Tq - window)
     scores = scores.masked_fill(future, float("-inf"))
     return torch.matmul(torch.softmax(scores, -1), v)
