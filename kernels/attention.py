@@ -387,11 +387,8 @@ def _attn_bwd_dq_kernel(
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
 
-    hi = Tk
-    if CAUSAL:
-        hi = tl.minimum(hi, pid_m * BLOCK_M + BLOCK_M + mem_len)
-    if HAS_KPM:
-        hi = tl.minimum(hi, tl.load(KV_END + b))
+    _, hi = _key_range(b, pid_m * BLOCK_M, Tk, mem_len, KV_END, 0,
+                       CAUSAL, HAS_KPM, False, BLOCK_M)
 
     seed = 0
     if DROPOUT:

@@ -344,11 +344,7 @@ def _rel_attn_bwd_dq_kernel(
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
 
-    hi = Tk
-    if CAUSAL:
-        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
-    if HAS_KPM:
-        hi = tl.minimum(hi, tl.load(KV_END + b))
+    lo, hi = _key_range(b, m0, Tk, mem_len, KV_END, 0, CAUSAL, HAS_KPM, False, BLOCK_M)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -364,9 +360,8 @@ def _rel_attn_bwd_dq_kernel(
 
     dqu = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dqw = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N
+    if WINDOW:      # first key block within the window of the block's first query
+        lo = tl.maximum(lo, tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + jj
         kv_mask = (offs_n[:, None] < Tk) & d_ok

@@ -20,3 +20,14 @@ if not torch.cuda.is_available():
 def _seed_per_test(request):
     # CTXFAST_TEST_SEED shifts every seed: run the suite under other inputs.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("CTXFAST_TEST_SEED", "0")))
+
+
+@pytest.fixture
+def no_dispatch(monkeypatch):
+    """Makes backend dispatch fail: a bad-input test using it proves the op raised its
+    error from the input check, before choosing (let alone launching) any kernel."""
+    import ctxfast
+
+    def resolve(*args, **kwargs):
+        raise AssertionError("dispatch reached before the input check")
+    monkeypatch.setattr(ctxfast._dispatch, "resolve", resolve)
