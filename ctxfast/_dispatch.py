@@ -13,13 +13,19 @@ Which one runs, first match wins:
 
 1. the op's ``backend=`` keyword;
 2. the innermost ``with ctxfast.backend(name):`` block;
-3. the ``CTXFAST_BACKEND`` environment variable (read at each call; ``auto`` or empty
-   means unset);
+3. the ``CTXFAST_BACKEND`` environment variable (read at each call, a plain
+   ``os.environ`` lookup that ``torch.compile`` traces; ``auto`` or empty means unset);
 4. the op's default for the tensor's device: the fastest measured backend that can run.
 
 A backend asked for in 1–3 that cannot run raises :class:`BackendUnavailable` saying why;
 it is never replaced silently by another one. Only the default (4) picks among those
 that can run.
+
+What can only change between processes (is triton installed, is Triton's interpreter on,
+did the extensions import) is decided once, when this module is imported: the per-call
+path touches no importlib, file or import machinery, which ``torch.compile`` refuses to
+trace (torch 2.11's dynamo breaks the graph on ``importlib.util.find_spec``).
+``tests/test_dispatch.py`` guards this on a CPU machine.
 """
 from __future__ import annotations
 
@@ -66,6 +72,11 @@ def build_info() -> dict:
         return {}
 
 
+# Decided once, at import (see the module docstring). Triton's interpreter is switched on
+# or off when triton is imported, so reading TRITON_INTERPRET later could only disagree.
+_TRITON_INSTALLED: bool = importlib.util.find_spec("triton") is not None
+_TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 _C_ERROR = _import_error("ctxfast._C")
 _CUDA_ERROR: Optional[str] = None
 if _C_ERROR is None:
@@ -82,20 +93,34 @@ def cuda_ext_available() -> bool:
     return _CUDA_ERROR is None
 
 
-def _cuda_ext_reason() -> str:
+def _compute_cuda_ext_reason() -> str:
     info = build_info()
     if info and not info.get("cuda_built", False):
         return f"ctxfast._cuda was not built: {info.get('cuda_reason', 'unknown reason')}"
     return f"ctxfast._cuda failed to import: {_CUDA_ERROR}"
 
 
+# Read once (it opens _build_info.json): the per-call path must not touch files.
+_CUDA_EXT_REASON: Optional[str] = None if _CUDA_ERROR is None else _compute_cuda_ext_reason()
+
+
+def _cuda_ext_reason() -> str:
+    return _CUDA_EXT_REASON or ""
+
+
+def _cuda_present() -> bool:
+    """torch.cuda.is_available(), which dynamo traces (a seam for the CPU tests that make
+    the decision a GPU machine makes)."""
+    return torch.cuda.is_available()
+
+
 def _triton_reason(device: torch.device) -> Optional[str]:
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return "triton is not installed (pip install triton)"
     if device.type == "cuda":
         return None
     if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        if _TRITON_INTERPRET:
             return None
         return ("Triton kernels need CUDA tensors; CPU tensors run only under the Triton "
                 "interpreter (set TRITON_INTERPRET=1 before importing ctxfast; slow, "
@@ -110,7 +135,7 @@ def why_unavailable(name: str, device: torch.device) -> Optional[str]:
         raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
     if name == "cuda" and device.type == "cuda" and _CUDA_ERROR is not None:
         return _cuda_ext_reason()
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not _cuda_present():
         return "no CUDA device here (torch.cuda.is_available() is False)"
     if name == "eager":
         return None

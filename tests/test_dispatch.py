@@ -83,7 +83,8 @@ def test_env_backend_that_cannot_run_raises(monkeypatch):
 
 
 def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # Triton's interpreter is fixed when triton is imported: dispatch records it at import.
+    monkeypatch.setattr(_dispatch, "_TRITON_INTERPRET", False)
     with pytest.raises(ctxfast.BackendUnavailable, match="TRITON_INTERPRET=1"):
         ctxfast.rel_shift(torch.randn(3, 4), backend="triton")
 
@@ -129,3 +130,74 @@ def test_float64_on_cuda_never_reaches_the_triton_attention_kernels(monkeypatch,
         _resolve(op, SimpleNamespace(device=cuda, dtype=torch.float64), "triton")
     with ctxfast.backend("triton"), pytest.raises(ctxfast.BackendUnavailable, match=op):
         _resolve(op, SimpleNamespace(device=cuda, dtype=torch.float64), None)
+
+
+# ------------------------------------------------------------------ the per-call path on CUDA
+# On the first H100 run, torch.compile broke on every op with CUDA tensors because the
+# dispatch called importlib.util.find_spec per call (torch 2.11's dynamo refuses to trace
+# it; 2.13 traces it, so a CPU-only compile test did not see it). These tests make the
+# CUDA decision run on a CPU machine and fail if it touches the import machinery or files.
+
+def _pretend_cuda(monkeypatch):
+    """A CUDA device is present and ctxfast._cuda imported: the decision a GPU
+    machine makes, on this machine."""
+    monkeypatch.setattr(_dispatch, "_cuda_present", lambda: True)
+    monkeypatch.setattr(_dispatch, "_CUDA_ERROR", None)
+    monkeypatch.setattr(_dispatch, "_CUDA_EXT_REASON", None)
+
+
+def _forbid_imports_and_files(monkeypatch, files=True):
+    import builtins
+    import importlib
+    import importlib.util
+
+    def forbidden(name):
+        def f(*args, **kwargs):
+            raise AssertionError(f"{name} called on the per-call dispatch path")
+        return f
+    monkeypatch.setattr(importlib.util, "find_spec", forbidden("importlib.util.find_spec"))
+    if files:   # dynamo itself imports modules and reads source files while tracing
+        monkeypatch.setattr(importlib, "import_module", forbidden("importlib.import_module"))
+        monkeypatch.setattr(builtins, "open", forbidden("open"))
+
+
+@pytest.mark.parametrize("op", sorted(_dispatch.registered_ops()))
+def test_cuda_dispatch_touches_no_import_machinery_or_files(monkeypatch, op):
+    _pretend_cuda(monkeypatch)
+    cuda = torch.device("cuda")
+    expected = {b: _dispatch.why_unavailable(b, cuda) is None
+                for b in _dispatch.registered_ops()[op]}   # computed before the patches
+    _forbid_imports_and_files(monkeypatch)
+    name = _dispatch.resolve(op, cuda)
+    assert name != "eager" or not any(v for b, v in expected.items() if b != "eager"), \
+        f"{op}: default on CUDA fell back to eager although {expected} can run"
+    for b, ok in expected.items():
+        if ok:
+            assert _dispatch.resolve(op, cuda, b) == b
+
+
+def test_cuda_dispatch_decision_compiles_fullgraph(monkeypatch):
+    """The decision for a CUDA device, traced by dynamo with fullgraph=True: a graph break
+    (an untraceable call on the per-call path) fails here."""
+    torch._dynamo.reset()   # imports dynamo (which uses find_spec itself) before the patch
+    _pretend_cuda(monkeypatch)
+    _forbid_imports_and_files(monkeypatch, files=False)
+    cuda = torch.device("cuda")
+    ops = sorted(_dispatch.registered_ops())
+
+    def f(x):
+        names = [_dispatch.resolve(op, cuda) for op in ops]
+        return x + len("".join(names))   # the decision feeds the graph
+
+    try:
+        out = torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2))
+    finally:
+        torch._dynamo.reset()
+    monkeypatch.undo()
+    assert out.tolist() == [float(len("".join(_resolve_all_cuda(ops)))) ] * 2
+
+
+def _resolve_all_cuda(ops):
+    with pytest.MonkeyPatch.context() as mp:
+        _pretend_cuda(mp)
+        return [_dispatch.resolve(op, torch.device("cuda")) for op in ops]
