@@ -60,8 +60,10 @@ $(STAMP):
 	fi
 	@touch $@
 
-$(VENV)/.ctxfast-built: $(STAMP) $(BUILD_SRCS)
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+# PIP_NO_INDEX=1: the README's install command must work on an offline machine (the GPU
+# machines have no network); building with the index switched off guards that on every run.
+$(VENV)/.ctxfast-built: $(STAMP) $(BUILD_SRCS) pyproject.toml
+	PIP_NO_INDEX=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
 
 # Compile every CUDA C++ file on its own (they include no torch header), as CI does.
