@@ -73,7 +73,15 @@ __device__ __forceinline__ void store_clipped(T* dst, float v, float clip, float
   *dst = r;
 }
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + __expf(-x)); }
+// Accurate activations (the extension is built without --use_fast_math: __expf, approximate
+// division and tanh.approx put the first GPU run 10-100x further from the float64 reference
+// than eager). sigmoid from exp of a non-positive argument only: no overflow, full relative
+// accuracy for large |x| on both sides.
+__device__ __forceinline__ float sigmoid_f(float x) {
+  const float e = expf(-fabsf(x));             // in (0, 1]
+  const float s = 1.0f / (1.0f + e);           // sigmoid(|x|)
+  return x >= 0.0f ? s : e * s;                // sigmoid(-|x|) = e / (1 + e)
+}
 __device__ __forceinline__ float clamp_f(float x, float c) { return fminf(fmaxf(x, -c), c); }
 
 __host__ __device__ __forceinline__ size_t align16(size_t n) { return (n + 15) & ~size_t(15); }

@@ -1,0 +1,59 @@
+"""The CUDA C++ extension's build flags keep the kernels' float32 math accurate.
+
+The first H100 run (2026-11-22) found the CUDA LSTM 10-100x further from the float64
+reference than eager: setup.py built with ``--use_fast_math``, which turns ``tanhf`` into
+``tanh.approx.f32`` (relative error up to ~5e-4), division into approximate reciprocals and
+flushes denormals. This test compiles csrc/cuda with the flags setup.py really uses (read
+from setup.py, not copied here) to PTX with nvcc, no GPU needed, and fails if approximate
+transcendentals or fast-math switches come back."""
+import ast
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAST_MATH_FLAGS = ("--use_fast_math", "-use_fast_math", "--ftz=true", "--prec-div=false",
+                   "--prec-sqrt=false")
+
+
+def _setup_nvcc_flags():
+    """NVCC_FLAGS as assigned in setup.py (a literal list)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "NVCC_FLAGS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py no longer assigns NVCC_FLAGS as a literal list")
+
+
+def test_setup_builds_cuda_without_fast_math():
+    flags = _setup_nvcc_flags()
+    bad = [f for f in flags if f in FAST_MATH_FLAGS]
+    assert not bad, f"setup.py's NVCC_FLAGS has {bad}: approximate math in the CUDA kernels"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+@pytest.mark.parametrize("source", sorted(p.name for p in (ROOT / "csrc" / "cuda").glob("*.cu")))
+def test_cuda_kernels_have_no_approximate_transcendentals(tmp_path, source):
+    # The -gencode pairs of setup.py are replaced by one PTX target (PTX is what we read).
+    flags, skip = [], False
+    for f in _setup_nvcc_flags():
+        if skip:
+            skip = False
+            continue
+        if f == "-gencode":
+            skip = True
+            continue
+        flags.append(f)
+    ptx = tmp_path / (source + ".ptx")
+    cmd = ["nvcc", "-ptx", *flags, f"-I{ROOT / 'csrc'}", "-arch=compute_90",
+           str(ROOT / "csrc" / "cuda" / source), "-o", str(ptx)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}"
+    text = ptx.read_text()
+    found = sorted(set(re.findall(r"\b(tanh\.approx\.f32|div\.approx\.f32|div\.full\.f32|"
+                                  r"sin\.approx\.f32|cos\.approx\.f32|lg2\.approx\.f32)", text)))
+    assert not found, f"{source}: approximate float32 math in the PTX: {found}"
