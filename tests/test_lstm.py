@@ -276,9 +276,9 @@ def _op_args(dtype=torch.float64, proj=True, mask=True, T=3, B=2, H=16, P=20):
             0.6, 0.4 if proj else math.inf, False)
 
 
-def _opcheck(fwd, bwd):
+def _opcheck(fwd, bwd, dtype=torch.float64):
     for proj, mask, reverse in ((True, True, False), (False, False, True)):
-        args = list(_op_args(proj=proj, mask=mask, T=2, B=2, H=16, P=20))
+        args = list(_op_args(dtype, proj=proj, mask=mask, T=2, B=2, H=16, P=20))
         args[-1] = reverse
         grad_args = [a.requires_grad_() if isinstance(a, torch.Tensor) and i != 5 else a
                      for i, a in enumerate(args)]
@@ -299,8 +299,11 @@ def test_opcheck_triton():
 
 @needs_native
 def test_opcheck_native():
+    # The CUDA C++ kernels take float32/float16/bfloat16 and refuse float64 with a TypeError
+    # (tests/gpu/test_lstm_gpu.py); the CPU kernels take float64 too.
     _opcheck(torch.ops.ctxfast.lstm_recurrence_native.default,
-             torch.ops.ctxfast.lstm_recurrence_backward_native.default)
+             torch.ops.ctxfast.lstm_recurrence_backward_native.default,
+             torch.float32 if DEVICE == "cuda" else torch.float64)
 
 
 @needs_triton
