@@ -210,20 +210,29 @@ def _skip_reason(backend: str, device: torch.device) -> Optional[str]:
 
 
 def _check(case: Case, backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Eval mode (no mask), first two sequences: `backend` against ctxfast's eager fp32."""
+    """Eval mode (no mask), first two sequences: `backend` at `dtype` against ctxfast's
+    eager backend in float64, within 2x the error of eager at the same dtype plus a floor
+    (the project's rule: fp16 inputs alone put every backend, cuDNN included, ~3e-2 from
+    float64, which a fixed fp16 tolerance of 3e-2 failed on the first H100 run)."""
     if backend == "eager" or (backend in (BASELINE, NO_DROP) and case.clipped):
         return
-    mods = _stack(case, backend, device, dtype)
-    want_mods = _stack(case, "eager", device, torch.float32)
-    for m in mods + want_mods:
-        m.eval()
     torch.manual_seed(7)
-    x = torch.randn(case.T, 2, case.layers[0].input_size, device=device)
-    with torch.no_grad():
-        got, want = _run(mods, x.to(dtype)).float(), _run(want_mods, x)
-    err = ((got - want).norm() / want.norm()).item()
-    tol = 1e-4 if device.type == "cpu" else (5e-3 if dtype == torch.float32 else 3e-2)
-    assert err <= tol, f"{backend} {case.name}: relative error {err:.3g} > {tol:g}"
+    x = torch.randn(case.T, 2, case.layers[0].input_size, device=device, dtype=torch.float64)
+    errs = {}
+    for name, be, dt in (("ours", backend, dtype), ("eager", "eager", dtype),
+                         ("ref", "eager", torch.float64)):
+        # Same weights for all three: built in float32 (the seeded init draws differ by
+        # dtype), then cast.
+        mods = [m.to(dt).eval() for m in _stack(case, be, device, torch.float32)]
+        with torch.no_grad():
+            errs[name] = _run(mods, x.to(dt)).double()
+    want = errs.pop("ref")
+    err, eager_err = ((errs[k] - want).norm().item() / want.norm().item() for k in ("ours", "eager"))
+    # Floor: float32 GEMMs on CUDA may run in TF32 (cuDNN's default), ~1e-3 relative.
+    floor = 1e-5 if device.type == "cpu" else (5e-3 if dtype == torch.float32 else 1e-3)
+    tol = 2 * eager_err + floor
+    assert err <= tol, (f"{backend} {case.name} {dtype}: relative error {err:.3g} > "
+                        f"2 x eager's {eager_err:.3g} + {floor:g}")
 
 
 # --------------------------------------------------------------------------- benchmark
