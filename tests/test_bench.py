@@ -20,7 +20,7 @@ REPORT_PY = BENCH_DIR / "report.py"
 KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
         "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
         "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
-        "triton", "date"}
+        "triton", "date", "timer", "reps", "op_backends", "profiler_ms"}
 TABLE_HEAD = ("| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
               "| rate | peak MiB | spread | note |")
 
