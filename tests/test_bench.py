@@ -609,3 +609,108 @@ def test_roofline_work_formulas():
     assert roofline.floor_s(100.0, 10.0, 10.0, 1.0) == (10.0, "compute")
     assert roofline.floor_s(100.0, 300.0, 10.0, 1.0) == (300.0, "memory")
     assert roofline.floor_s(100.0, 3.0, None, 1.0) == (3.0, "memory")
+
+
+# --------------------------------------------------------------------------- the timed loop
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event on the CPU: logs record() and times nothing."""
+    log: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+
+    def record(self, stream=None):
+        _FakeEvent.log.append("record")
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+def test_timed_loop_holds_the_op_and_nothing_else(common, monkeypatch):
+    # The CUDA branch of measure(), run on the CPU with fake events: between the first and
+    # the last event of the timed loop there must be the op's calls and event records
+    # only — no synchronisation, no check, no hook, no dispatch mode, no other Python call
+    # made by the harness (every call made from the timed loop's own frame is logged).
+    log = _FakeEvent.log
+    log.clear()
+    monkeypatch.setattr(common, "_cuda_events", lambda rounds: (
+        [_FakeEvent(True) for _ in range(rounds)], [_FakeEvent(True) for _ in range(rounds)]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    import torch.nn.modules.module as mod
+    import ctxfast._dispatch as dispatch
+    real_resolve = dispatch.resolve
+
+    clean = []
+
+    def fn(x):
+        log.append("fn")
+        # nothing of the harness is active while the op runs (the untimed call after the
+        # timing may watch the dispatch: checked below that only that one does)
+        clean.append(not _get_current_dispatch_mode_stack()
+                     and not _get_current_function_mode_stack()
+                     and not (mod._global_forward_hooks or mod._global_forward_pre_hooks
+                              or mod._global_backward_hooks)
+                     and dispatch.resolve is real_resolve)
+        return x + 1
+
+    loop = common._time_rounds.__code__
+    allowed = (fn.__code__, _FakeEvent.record.__code__)
+
+    def tracer(frame, event, arg):
+        # every call the timed loop's own frame makes is logged unless it is the op or an
+        # event record (builtins: only the loop's own bookkeeping)
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code is loop \
+                and frame.f_code not in allowed:
+            log.append(f"call {frame.f_code.co_name}")
+        elif event == "c_call" and frame.f_code is loop \
+                and getattr(arg, "__name__", "") not in ("len", "range", "append"):
+            log.append(f"call {getattr(arg, '__name__', arg)}")
+
+    bench = FakeBenchmark()
+    sets = [(torch.randn(4),), (torch.randn(4),)]
+    sys.setprofile(tracer)
+    try:
+        common.measure(bench, fn, sets, torch.device("cuda"), budget_s=0.0, min_rounds=1,
+                       warmup=3, peak_memory=False)
+    finally:
+        sys.setprofile(None)
+    info = bench.extra_info
+    first, last = log.index("record"), len(log) - 1 - log[::-1].index("record")
+    timed = log[first:last + 1]
+    assert set(timed) == {"record", "fn"}                      # no sync inside
+    assert timed.count("fn") == info["reps"] >= common.MIN_REPS >= 10
+    assert info["rounds"] * info["iterations"] == info["reps"]
+    assert log[:first].count("fn") == 3                          # warm-up before the loop
+    assert log[first - 2:first] == ["call _sync", "sync"]        # one sync before it
+    assert log[last + 1:last + 3] == ["call _sync", "sync"]      # and one after it
+    assert all(clean[:-1]) and not clean[-1] and len(clean) == 3 + info["reps"] + 1
+    assert info["timer"] == "cuda-events" and info["ms"] == 1.0 / info["iterations"]
+    # pytest-benchmark gets no timing pass of its own (a no-op on the fake fixture)
+    assert len(bench.pedantic_calls) == 1 and bench.pedantic_calls[0][1:] == (1, 1)
+
+
+def test_measure_feeds_pytest_benchmark_its_own_rounds(common):
+    # With pytest-benchmark's stats API, its table shows the rounds measure() timed, and
+    # the op is not run again for it.
+    stats = []
+
+    class StatsBench(FakeBenchmark):
+        def _make_stats(self, iterations):
+            class S:
+                def update(self, duration):
+                    stats.append(duration / iterations)
+            return S()
+
+    calls = []
+    bench = StatsBench()
+    common.measure(bench, lambda x: calls.append(1), [(1,)], torch.device("cpu"),
+                   budget_s=0.0, warmup=2, peak_memory=False)
+    info = bench.extra_info
+    assert bench.pedantic_calls == [] and bench._mode
+    assert len(stats) == info["rounds"] >= 10
+    assert math.isclose(sorted(stats)[len(stats) // 2] * 1e3, info["ms"], rel_tol=0.5)
+    # warm-up + timed calls + one untimed call after the timing
+    assert len(calls) == 2 + info["reps"] + 1
