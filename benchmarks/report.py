@@ -420,6 +420,13 @@ RECORDS_ENV = "CTXFAST_BENCH_RECORDS"
 DEADLINE_ENV = "CTXFAST_BENCH_DEADLINE"
 PROGRESS_ENV = "CTXFAST_BENCH_PROGRESS"
 
+#: Share of a run's time budget (``--time-budget``) each suite gets, relative to the others
+#: (from the first H100 round: attention 6.8 min, rel_attention 3.8, models 4.1, lstm 1.9,
+#: rel_shift 0.8); a suite not listed weighs 1. Time a suite leaves unused goes to the
+#: suites after it.
+SUITE_WEIGHTS: Dict[str, float] = {"attention": 3.0, "rel_attention": 2.0, "models": 2.0,
+                                   "lstm": 1.0, "rel_shift": 0.5}
+
 #: What to install for ``ctxfast bench`` (setup.py's ``bench`` extra).
 INSTALL_HINT = ("pip install pytest pytest-benchmark  (or, from the checkout: "
                 "pip install -e '.[bench]')")
@@ -549,8 +556,8 @@ def run(out_dir, quick: bool = True, ops: Optional[Iterable[str]] = None,
     Every benchmark reaches the report the moment it ends (``_bench_plugin.py`` appends it to
     a JSON-lines file; this process rewrites ``<stem>.json`` and ``.md`` as they come),
     so a run that is killed keeps everything it finished. `time_budget_s`: the whole
-    run's budget; each suite gets the time left divided by the suites left, and a case
-    that would start after its suite's share is skipped and named in the notes.
+    run's budget; each suite gets its share (:data:`SUITE_WEIGHTS`) of the time left, and
+    a case that would start after its suite's share is skipped and named in the notes.
 
     Output: with `verbose` (or `echo` and not `progress`) the suites' pytest output goes
     to this process's stdout; otherwise it is kept and the tail of a failed suite's
@@ -618,7 +625,9 @@ def run(out_dir, quick: bool = True, ops: Optional[Iterable[str]] = None,
             suite_env = dict(env, **{RECORDS_ENV: str(rec_file), PROGRESS_ENV: str(prog_file)})
             if time_budget_s is not None:
                 left = time_budget_s - (time.time() - wall0)
-                suite_env[DEADLINE_ENV] = repr(time.time() + max(0.0, left) / (len(files) - k))
+                weights = [SUITE_WEIGHTS.get(p.stem[len("bench_"):], 1.0) for p in files[k:]]
+                share = max(0.0, left) * weights[0] / sum(weights)
+                suite_env[DEADLINE_ENV] = repr(time.time() + share)
             cmd = suite_command(path)
             bar.start(op)
             with open(log_file, "w") as log:

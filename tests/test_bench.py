@@ -714,3 +714,65 @@ def test_measure_feeds_pytest_benchmark_its_own_rounds(common):
     assert math.isclose(sorted(stats)[len(stats) // 2] * 1e3, info["ms"], rel_tol=0.5)
     # warm-up + timed calls + one untimed call after the timing
     assert len(calls) == 2 + info["reps"] + 1
+
+
+# --------------------------------------------------------------------------- the GPU round
+
+GPU_ROUND = BENCH_DIR / "gpu_round.sh"
+
+
+def _dry_run(stage, tmp_path):
+    import subprocess
+    out = tmp_path / "round"
+    proc = subprocess.run(["bash", str(GPU_ROUND), "--stage", stage, "--dry-run"],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out)})
+    return proc, out
+
+
+def test_gpu_round_dry_run_prints_every_command(tmp_path):
+    # The CPU check of the GPU round: each stage prints its commands and runs nothing.
+    stages = {}
+    for stage in ("build-test", "sanitize", "bench"):
+        proc, out = _dry_run(stage, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert not out.exists()                                 # nothing was run or written
+        cmds = [l.split("] ", 1)[1] for l in proc.stdout.splitlines()
+                if l.startswith(f"[{stage}] ")]
+        stages[stage] = cmds
+        # every stage builds offline (a fresh machine) and ends with its archive
+        assert any("pip install --no-build-isolation --no-deps --use-pep517 -e ." in c
+                   for c in cmds)
+        assert cmds[-1].startswith("tar czf ") and f"gpu_round-{stage}.tgz" in cmds[-1]
+        for c in cmds[:-1]:                                     # each step under a timeout
+            assert c.startswith("timeout "), c
+            assert int(c.split()[1]) <= 570, c                  # < 10 min a command
+    bt = stages["build-test"]
+    assert any("-m pytest tests " in c and "-n 12" in c for c in bt)
+    assert any("ctxfast.cli xl-eval" in c and "--quick" not in c for c in bt)
+    assert any("ctxfast.cli smoke" in c for c in bt)
+    # compute-sanitizer: both tools over every test file of the CUDA C++ kernels, one run
+    # each (no -x: an unrelated failure does not stop the others)
+    san = [c for c in stages["sanitize"] if "compute-sanitizer" in c]
+    files = {c.split(" -m pytest ")[1].split()[0] for c in san}
+    assert {"tests/gpu/test_lstm_gpu.py", "tests/gpu/test_rel_shift_gpu.py",
+            "tests/test_cuda_bindings.py", "tests/test_lstm_native.py"} <= files
+    for f in files:
+        assert (BENCH_DIR.parent / f).is_file(), f
+        for tool in ("memcheck", "racecheck"):
+            assert sum(f"--tool {tool}" in c and f" {f} " in c for c in san) == 1
+    assert not any(" -x" in c for c in san)
+    assert any("--profile-check" in c for c in stages["sanitize"])
+    bench = [c for c in stages["bench"] if "ctxfast.cli bench" in c]
+    assert len(bench) == 1 and "--quick" not in bench[0]
+    budget = float(bench[0].split("--time-budget ")[1].split()[0])
+    assert budget <= 9 * 60 - 30                                 # the full set in < 9 min
+    assert int(bench[0].split()[1]) <= 9 * 60
+
+
+def test_gpu_round_refuses_a_bad_stage(tmp_path):
+    for args in (["--stage", "everything"], [], ["--frobnicate"]):
+        import subprocess
+        proc = subprocess.run(["bash", str(GPU_ROUND), *args, "--dry-run"],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and "gpu_round:" in proc.stderr
