@@ -776,3 +776,41 @@ def test_gpu_round_refuses_a_bad_stage(tmp_path):
         proc = subprocess.run(["bash", str(GPU_ROUND), *args, "--dry-run"],
                               capture_output=True, text=True, timeout=30)
         assert proc.returncode == 2 and "gpu_round:" in proc.stderr
+
+
+KILLED_SUITE = '''
+import os
+import sys
+sys.path.insert(0, {bench_dir!r})
+import pytest
+import torch
+import _common
+
+
+@pytest.mark.parametrize("case, backend", [("a", "mine"), ("a", "base"), ("b", "mine"),
+                                           ("b", "base"), ("c", "mine"), ("c", "base")])
+def test_dies(benchmark, case, backend):
+    if case == "c":
+        os._exit(3)                     # the process dies (a timeout kill, a crash)
+    _common.describe(benchmark, op="dies", case=case, mode="fwd", backend=backend,
+                     dtype=torch.float32, device=torch.device("cpu"), baseline="base")
+    _common.measure(benchmark, lambda x: x * 2, [(torch.randn(8),)], torch.device("cpu"),
+                    budget_s=0.001, warmup=1)
+'''
+
+
+def test_records_survive_a_killed_suite_and_the_time_budget(report, tmp_path):
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "bench_dies.py").write_text(KILLED_SUITE.format(bench_dir=str(BENCH_DIR)))
+    result = report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
+                        echo=False, bench_dir=suites)
+    # everything finished before the process died is in the report
+    assert result["failed"] == ["bench_dies.py"]
+    assert sorted(r["case"] for r in result["records"]) == ["a", "b"]
+    assert all(r["speedup"] > 0 for r in result["records"])
+    # a budget already spent: no case starts, each is named, nothing is made up
+    result = report.run(tmp_path / "out2", quick=True, device="cpu", plots=False,
+                        echo=False, bench_dir=suites, time_budget_s=1e-6)
+    assert result["records"] == [] and len(result["skipped_budget"]) == 6
+    assert any("not run: the time budget" in n for n in result["notes"])
