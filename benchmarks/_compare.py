@@ -39,7 +39,7 @@ def times(records: Sequence[dict]) -> Dict[Tuple[str, str, str, str], Dict[str, 
     included (from ``baseline_ms``)."""
     out: Dict[Tuple[str, str, str, str], Dict[str, float]] = {}
     for r in records:
-        key = (r["op"], r["case"], r["mode"], str(r.get("dtype")))
+        key = (r["op"], str(r.get("case", "")), r["mode"], str(r.get("dtype")))
         got = out.setdefault(key, {})
         if r.get("ms") is not None:
             got[r["backend"]] = float(r["ms"])

@@ -322,6 +322,19 @@ def _fmt_spread(r: dict) -> str:
     return f"±{max(s):.0%}" if s else "—"
 
 
+def _timer_label(timer: Optional[str]) -> str:
+    """Short name of a record's timer for the markdown's timer column."""
+    if not timer:
+        return ""
+    if timer == "cuda-events":
+        return "events"
+    if timer == "perf_counter":
+        return "wall"
+    if timer.startswith("wall-clock, 3 rounds"):
+        return "3 synced rounds"
+    return timer
+
+
 def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     """The report as markdown: a header (device, date, versions, how to read it, `notes`)
     and one table of the records."""
@@ -333,11 +346,12 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     lines = [
         f"**{h['device']}** · {h['date']} · torch {h['torch']} · triton {h['triton']}",
         "",
-        "ms = median per call (CUDA events on a GPU, wall clock on the CPU); min ms = the "
-        "fastest round (less hurt by other work on a shared machine); speedup = "
-        "baseline ms / ms, same inputs, same run. Noise: each benchmark is timed twice "
-        "(two passes of the same code); *spread* is the larger relative difference "
-        "between the two passes of the backend and of its baseline — a speedup within "
+        "ms = median per call over at least 10 timed calls after a warm-up (CUDA events "
+        "on a GPU, wall clock on the CPU; nothing but the op inside the timed loop); min "
+        "ms = the fastest round (less hurt by other work on a shared machine); speedup = "
+        "baseline ms / ms, same inputs, same run. Noise: *spread* is the larger relative "
+        "difference between the medians of the first and second half of the rounds (the "
+        "same code timed twice) of the backend and of its baseline — a speedup within "
         "1 ± spread of 1.0 is noise. Rate: achieved TFLOP/s (FlashAttention count; "
         "Transformer-XL's position term included) or GB/s (least bytes the op must "
         "move)."
@@ -353,12 +367,15 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
                             "(re-run on a quiet machine)"] if noisy else [])
     for note in notes:
         lines += ["", f"Note: {note}"]
+    timers = {_timer_label(r.get("timer")) for r in records} - {""}
+    show_timer = len(timers) > 1 or bool(timers - {"events", "wall"})
     lines += [
         "",
         "| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
-        "| rate | " + ("tokens/s | " if tokens else "") + "peak MiB | spread | note |",
+        "| rate | " + ("tokens/s | " if tokens else "") + "peak MiB | spread | "
+        + ("timer | " if show_timer else "") + "note |",
         "|---|---|---|---|---:|---:|---|---:|---:|---:|" + ("---:|" if tokens else "")
-        + "---:|---:|---|",
+        + "---:|---:|" + ("---|" if show_timer else "") + "---|",
     ]
     for r in records:
         speedup = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x"
@@ -367,7 +384,9 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
                      f"{_fmt_ms(r['baseline_ms'])} | "
                      f"{speedup} | {_fmt_rate(r)} | "
                      + (f"{_fmt_tokens(r)} | " if tokens else "")
-                     + f"{_fmt_mem(r)} | {_fmt_spread(r)} | {r.get('note') or ''} |")
+                     + f"{_fmt_mem(r)} | {_fmt_spread(r)} | "
+                     + (f"{_timer_label(r.get('timer')) or '—'} | " if show_timer else "")
+                     + f"{r.get('note') or ''} |")
     return "\n".join(lines) + "\n"
 
 
