@@ -837,8 +837,8 @@ def device_problem(device: str) -> Optional[str]:
     import torch
     try:
         dev = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        return f"not a device name ({e}); use cpu, cuda or cuda:<index>"
+    except (RuntimeError, ValueError):
+        return "not a device name; use cpu, cuda or cuda:<index>"
     if dev.type == "cpu":
         return None
     if dev.type != "cuda":
