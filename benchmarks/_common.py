@@ -199,6 +199,9 @@ def oom_guard(benchmark, device: Optional[torch.device] = None) -> Iterator[None
 
 #: Least number of timed calls per benchmark (DESIGN.md §5: at least 10 repetitions).
 MIN_REPS = 10
+#: Warm-up stops early once the calls after the first have taken this long (seconds): a
+#: 250 ms eager baseline needs no five warm-up calls to be compiled and allocated.
+WARMUP_ENOUGH_S = 0.3
 #: Environment variable: when "1", :func:`measure` runs one extra call of each benchmark
 #: under ``torch.profiler`` after the timing (CUDA only) and records the GPU kernel time
 #: it saw (``profiler_ms``), so the timed median can be checked against a profiler trace
@@ -331,8 +334,9 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
     (DESIGN.md §5) and record the result in ``benchmark.extra_info`` (keys: see the module
     docstring). Returns what `fn` returned in the untimed call of step 4 (None after an OOM).
 
-    1. Warm-up: `warmup` calls, each synchronised (compilation, autotuning and allocator
-       growth stay out of the timing); their median (the first call excluded) sets the
+    1. Warm-up: `warmup` calls (fewer, at least two, once the calls after the first have
+       taken :data:`WARMUP_ENOUGH_S`), each synchronised (compilation, autotuning and
+       allocator growth stay out of the timing); their median (the first call excluded) sets the
        number of rounds so that the timing lasts about `budget_s` (between
        ``max(min_rounds, MIN_REPS)`` and `max_rounds`; calls shorter than ~0.2 ms are
        grouped `iterations` to a round). ``$CTXFAST_BENCH_BUDGET_SCALE`` multiplies
@@ -364,6 +368,8 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
             fn(*next(cyc))
             _sync(device)
             times.append(time.perf_counter() - t0)
+            if len(times) >= 2 and sum(times[1:]) > WARMUP_ENOUGH_S:
+                break                            # long calls: compiled and allocated already
         later = sorted(times[1:] or times)        # the first call may compile or allocate
         est = max(later[len(later) // 2], 1e-7)
         iterations = max(1, min(1000, round(2e-4 / est)))

@@ -157,7 +157,10 @@ class FastaiWeightDropLSTM(nn.Module):
 
     def forward(self, x: torch.Tensor, hx=None):
         for n in self.names:
-            setattr(self.module, n, F.dropout(getattr(self, f"{n}_raw"), self.p, self.training))
+            raw = getattr(self, f"{n}_raw")
+            # as fastai: a clone in eval mode (assigning the Parameter itself would register
+            # it with the LSTM, and the next training call could not replace it)
+            setattr(self.module, n, F.dropout(raw, self.p) if self.training else raw.clone())
         with warnings.catch_warnings():   # "weights are not part of single contiguous chunk"
             warnings.simplefilter("ignore", UserWarning)
             return self.module(x, hx)

@@ -115,6 +115,7 @@ WHO: Dict[str, str] = {
     "hf-sdpa": "Hugging Face model on SDPA, not ctxfast",
     "nn.LSTM+WeightDropout": "nn.LSTM (cuDNN on a GPU) + fastai WeightDropout",
     "nn.LSTM-no-drop": "nn.LSTM (cuDNN on a GPU), no DropConnect, not ctxfast",
+    "fastai": "fastai AWD-LSTM: nn.LSTM (cuDNN on a GPU) + WeightDropout, not ctxfast",
     "eager": "eager PyTorch reference",
     "eager-original": "the original eager formulation",
     "eager-pad-view": "eager pad-and-view trick",
