@@ -319,10 +319,12 @@ def profile_call(fn: Callable, args: Sequence, device: torch.device) -> Optional
         _sync(device)
         wall = time.perf_counter() - t0
     gpu_us, kernels = 0.0, 0
-    for ev in prof.events():
-        dev_type = getattr(ev, "device_type", None)
-        if dev_type is not None and "CUDA" in str(dev_type):
-            gpu_us += getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0) or 0.0
+    for ev in prof.events():                     # device-side events: kernels, memcpy, memset
+        if "CUDA" not in str(getattr(ev, "device_type", "")):
+            continue
+        span = getattr(ev, "time_range", None)
+        if span is not None:
+            gpu_us += max(0.0, float(span.end - span.start))
             kernels += 1
     return {"gpu_ms": gpu_us * 1e-3, "wall_ms": wall * 1e3, "kernels": kernels}
 
