@@ -841,3 +841,40 @@ def test_readme_table_says_where_we_are_slower_and_whose_rows_are_whose(readme_t
     cpu_part = block.split("CPU run:")[1]
     assert "not GPU performance" in cpu_part and "not ctxfast" in cpu_part
     assert "**" not in cpu_part.split("|", 1)[1].replace("**AMD", "")  # no row marked ours
+
+
+# --------------------------------------------------------------------------- importing old logs
+
+OLD_LOG = """
+---------- benchmark 'attention sweep causal B2 H16 Tq8192 Tk8192 D128 fwd': 4 tests ----------
+Name (time in ms)                                                        Median               IQR            Rounds  Iterations
+test_attention[sweep-causal-B2-H16-Tq8192-Tk8192-D128-fwd-sdpa]        1.1498 (1.0)      0.1848 (6.94)          3           1
+test_attention[sweep-causal-B2-H16-Tq8192-Tk8192-D128-fwd-eager]      35.8517 (31.18)    0.0266 (1.0)           3           1
+---------- benchmark 'attention sweep causal B2 H32 Tq8192 Tk8192 D64 fwd+bwd': 4 tests ----------
+Name (time in us)                                                              Median                 IQR            Rounds  Iterations
+test_attention[sweep-causal-B2-H32-Tq8192-Tk8192-D64-fwd+bwd-eager]          2.4860 (1.0)        0.0000 (1.0)           1           1
+test_attention[sweep-causal-B2-H32-Tq8192-Tk8192-D64-fwd+bwd-sdpa]       4,921.7000 (>1000.0)  195.7357 (inf)           3           1
+FAILED benchmarks/bench_lstm.py::test_lstm[ULMFiT-T70-B64-fp16-fwd-cuda] - AssertionError
+"""
+
+
+def test_import_logs_reads_only_what_the_log_says(report):
+    imp = _load("ctxfast_bench_import_logs", "import_logs.py")
+    rows = imp.parse_log(OLD_LOG)
+    assert rows[0] == {"op": "attention", "case": "sweep causal B2 H16 Tq8192 Tk8192 D128",
+                       "mode": "fwd", "backend": "sdpa", "ms": 1.1498,
+                       "iqr_ms": 0.1848, "rounds": 3, "iterations": 1}
+    assert math.isclose(rows[3]["ms"], 4.9217) and rows[3]["backend"] == "sdpa"   # us -> ms
+    assert rows[2]["rounds"] == 1                              # the old OOM marker
+    assert rows[4] == {"op": "lstm", "id": "ULMFiT-T70-B64-fp16-fwd-cuda", "failed": True}
+    header = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6"}
+    recs = {(r["case"], r["mode"], r["backend"]): r for r in
+            report.records_from_pytest_benchmark({"benchmarks": imp.entries(rows, header)})}
+    sdpa = recs[("sweep causal B2 H16 Tq8192 Tk8192 D128", "fwd", "sdpa")]
+    assert sdpa["ms"] == 1.1498 and sdpa["baseline_ms"] == 35.8517
+    assert round(sdpa["tflops"]) == 478                        # the figure of issue 14
+    assert sdpa["timer"] == imp.LOG_TIMER
+    oom = recs[("sweep causal B2 H32 Tq8192 Tk8192 D64", "fwd+bwd", "sdpa")]
+    assert oom["speedup"] is None and oom["note"].startswith("baseline OOM")
+    failed = recs[("ULMFiT T70 B64 fp16", "fwd", "cuda")]
+    assert failed["ms"] is None and failed["note"].startswith("failed:")
