@@ -878,3 +878,24 @@ def test_import_logs_reads_only_what_the_log_says(report):
     assert oom["speedup"] is None and oom["note"].startswith("baseline OOM")
     failed = recs[("ULMFiT T70 B64 fp16", "fwd", "cuda")]
     assert failed["ms"] is None and failed["note"].startswith("failed:")
+
+
+def test_gpu_round_records_each_step_and_packs_one_archive(tmp_path):
+    # The real (not dry) path with a stand-in python that does nothing: every step's exit
+    # status reaches the summary, a failing step (no compute-sanitizer here) does not stop
+    # the round, and the stage ends in one archive holding the summary and the logs.
+    import subprocess
+    import tarfile
+    out = tmp_path / "round"
+    proc = subprocess.run(["bash", str(GPU_ROUND), "--stage", "sanitize"], capture_output=True,
+                          text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": "true"})
+    assert proc.returncode == 0, proc.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "build: ctxfast._cuda already imports" in summary
+    assert "profile check (lstm, models) rc=0" in summary
+    ran = [l for l in summary.splitlines() if l.startswith("compute-sanitizer ")]
+    assert len(ran) == 12 and all(" rc=" in l for l in ran)        # all ran, none stopped it
+    with tarfile.open(out / "gpu_round-sanitize.tgz") as tar:
+        names = tar.getnames()
+    assert "summary.txt" in names and "r/profile_check.log" in names
