@@ -483,6 +483,12 @@ def _models(case: Case, backend: str, device: torch.device) -> Tuple[nn.Module, 
     wl = WORKLOADS[case.model]
     dtype, _ = PRECISIONS[case.precision]
     torch.manual_seed(0)
+    with torch.device(device):      # built and initialised where they run: no CPU init + copy
+        return _build_pair(case, backend, device, wl, dtype)
+
+
+def _build_pair(case: Case, backend: str, device: torch.device, wl: "Workload",
+                dtype: torch.dtype) -> Tuple[nn.Module, nn.Module]:
     if backend == HF_SDPA:
         hf = lecun_init_(wl.hf_build(case))
         if getattr(hf.config, "_attn_implementation", None) != "sdpa":
