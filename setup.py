@@ -107,6 +107,7 @@ setup(
     # (CPU 2.13 on dev/CI machines, CUDA 2.11 on GPU machines) and must never replace it.
     install_requires=["numpy"],
     extras_require={"triton": ["triton>=3.6"],
-                    "test": ["pytest", "pytest-benchmark", "hypothesis"]},
+                    "test": ["pytest", "pytest-benchmark", "hypothesis"],
+                    "bench": ["pytest", "pytest-benchmark", "tqdm", "matplotlib"]},
     zip_safe=False,
 )

@@ -25,17 +25,22 @@ The suite interface: what a ``benchmarks/bench_<op>.py`` provides
 * **Inputs**: fresh ``torch.randn`` (never zeros), made by :func:`input_sets` (several
   rotated sets where they fit in the GPU's L2). Check the backend against the reference
   before timing it; put that setup inside ``with oom_guard(benchmark):``.
-* **Time** with :func:`measure` — warm-up, synchronisation, CUDA events on a GPU, two
-  timing passes (the same version timed twice: their difference is the noise), peak
-  memory on CUDA, and an out-of-memory error recorded as a result (``extra_info["oom"]``)
-  instead of a crash. Suites never catch OOM themselves.
+* **Time** with :func:`measure` — warm-up, then one timed loop that holds the op and
+  nothing else (CUDA events on a GPU, at least :data:`MIN_REPS` repetitions, median),
+  peak memory on CUDA, and an out-of-memory error recorded as a result
+  (``extra_info["oom"]``) instead of a crash. Suites never catch OOM themselves, and
+  never time anything themselves.
 
 What :func:`measure` writes into ``benchmark.extra_info`` (read by ``report.py``):
-``ms`` (median over both passes, milliseconds per call), ``ms_min``, ``ms_max``,
-``ms_pass1``, ``ms_pass2`` (medians of the two passes), ``spread`` (``|pass1 − pass2| /
-min``), ``rounds``, ``iterations``, ``timer`` (``"cuda-events"`` or ``"perf_counter"``),
-``peak_mem_bytes`` (CUDA; None on the CPU, where it is not measured) and, on an
-out-of-memory error, ``oom`` (the first line of the message) with ``ms`` None.
+``ms`` (median over all timed rounds, milliseconds per call), ``ms_min``, ``ms_max``,
+``ms_pass1``, ``ms_pass2`` (medians of the first and second half of the rounds),
+``spread`` (``|pass1 − pass2| / min``), ``rounds``, ``iterations``, ``reps`` (timed
+calls), ``warmup``, ``timer`` (``"cuda-events"`` or ``"perf_counter"``),
+``peak_mem_bytes`` (CUDA; None on the CPU, where it is not measured), ``op_backends``
+({op: [backends]} that ctxfast's dispatch resolved in an untimed call after the timing),
+with ``$CTXFAST_BENCH_PROFILE=1`` ``profiler_ms`` / ``profiler_wall_ms`` (one call under
+``torch.profiler``) and, on an out-of-memory error, ``oom`` (the first line of the
+message) with ``ms`` None.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ import math
 import os
 import statistics
 import time
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -192,94 +197,216 @@ def oom_guard(benchmark, device: Optional[torch.device] = None) -> Iterator[None
 
 # --------------------------------------------------------------------------- timing
 
-def _time_rounds(fn: Callable, nxt: Callable, device: torch.device, rounds: int,
-                 iterations: int) -> List[float]:
-    """Seconds per call of each of `rounds` rounds of `iterations` calls ``fn(*nxt())``.
+#: Least number of timed calls per benchmark (DESIGN.md §5: at least 10 repetitions).
+MIN_REPS = 10
+#: Warm-up stops early once the calls after the first have taken this long (seconds): a
+#: 250 ms eager baseline needs no five warm-up calls to be compiled and allocated.
+WARMUP_ENOUGH_S = 0.3
+#: Environment variable: when "1", :func:`measure` runs one extra call of each benchmark
+#: under ``torch.profiler`` after the timing (CUDA only) and records the GPU kernel time
+#: it saw (``profiler_ms``), so the timed median can be checked against a profiler trace
+#: of the same call (``ctxfast bench --profile-check``; the GPU round sets it).
+PROFILE_ENV = "CTXFAST_BENCH_PROFILE"
 
-    CUDA: one pair of CUDA events around each round (kernels only, launch included), one
-    synchronisation at the end. CPU: ``time.perf_counter`` around each round.
-    """
+
+def _cuda_events(rounds: int):
+    """`rounds` pairs of timing CUDA events (a seam: the tests replace it on the CPU)."""
+    return ([torch.cuda.Event(enable_timing=True) for _ in range(rounds)],
+            [torch.cuda.Event(enable_timing=True) for _ in range(rounds)])
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for `device` (a no-op on the CPU). Never called inside the timed loop."""
     if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(rounds)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(rounds)]
         torch.cuda.synchronize(device)
-        for start, end in zip(starts, ends):
-            start.record()
+
+
+def _time_rounds(fn: Callable, args: Sequence[tuple], device: torch.device,
+                 iterations: int) -> List[float]:
+    """Seconds per call of each round: round ``r`` calls ``fn(*a)`` for the
+    `iterations` argument tuples ``args[r * iterations:(r + 1) * iterations]``.
+
+    The timed region holds the calls of `fn` and nothing else: the argument tuples are
+    picked before it, no check, hook, allocation or host synchronisation runs between
+    the calls (``tests/test_bench.py`` holds this). CUDA: one pair of CUDA events around
+    each round (GPU time of the kernels, their launches included where they keep the
+    GPU waiting), one synchronisation before the first and after the last round only.
+    CPU: ``time.perf_counter`` around each round.
+    """
+    rounds = len(args) // iterations
+    if device.type == "cuda":
+        starts, ends = _cuda_events(rounds)
+        _sync(device)
+        i = 0
+        for r in range(rounds):
+            starts[r].record()
             for _ in range(iterations):
-                fn(*nxt())
-            end.record()
-        torch.cuda.synchronize(device)
+                fn(*args[i])
+                i += 1
+            ends[r].record()
+        _sync(device)
         return [s.elapsed_time(e) * 1e-3 / iterations for s, e in zip(starts, ends)]
     out = []
+    i = 0
+    clock = time.perf_counter
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(iterations):
-            fn(*nxt())
-        out.append((time.perf_counter() - t0) / iterations)
+            fn(*args[i])
+            i += 1
+        out.append((clock() - t0) / iterations)
     return out
 
 
+def _feed_pytest_benchmark(benchmark, per_call_s: Sequence[float], iterations: int) -> None:
+    """Give pytest-benchmark the rounds that :func:`measure` timed, so its table (``ctxfast
+    bench --verbose``) and JSON show the same CUDA-event (or perf_counter) times as the
+    report, without running the op again. Uses the fixture's stats API (pytest-benchmark
+    3-5: ``_make_stats`` / ``Metadata.update``); where that is missing or the fixture is
+    disabled, one no-op is run through ``pedantic`` so the benchmark is still recorded
+    (its time means nothing: the report reads ``extra_info``)."""
+    make = getattr(benchmark, "_make_stats", None)
+    if make is not None and not getattr(benchmark, "_mode", None) \
+            and getattr(benchmark, "enabled", True) is not False:
+        try:
+            stats = make(iterations)
+        except (TypeError, AttributeError):
+            stats = None
+        if stats is not None:
+            for t in per_call_s:
+                stats.update(t * iterations)       # pytest-benchmark divides by iterations
+            benchmark._mode = "ctxfast _common.measure"
+            return
+    if not getattr(benchmark, "_mode", None):
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1, warmup_rounds=0)
+
+
+@contextlib.contextmanager
+def _op_backend_spy(seen: Dict[str, List[str]]) -> Iterator[None]:
+    """Record {op: [backends]} that ctxfast's dispatch resolves inside the block (nothing
+    when ctxfast is not imported). Used around an untimed call only."""
+    import sys
+    dispatch = sys.modules.get("ctxfast._dispatch")
+    if dispatch is None:
+        yield
+        return
+    real = dispatch.resolve
+
+    def resolve(op, device, backend=None):
+        name = real(op, device, backend)
+        if name not in seen.setdefault(op, []):
+            seen[op].append(name)
+        return name
+
+    dispatch.resolve = resolve
+    try:
+        yield
+    finally:
+        dispatch.resolve = real
+
+
+def profile_call(fn: Callable, args: Sequence, device: torch.device) -> Optional[dict]:
+    """One ``fn(*args)`` under ``torch.profiler`` (CUDA only; None on the CPU): ``{"gpu_ms":
+    sum of the device time of the kernels it ran, "wall_ms": its wall time with a
+    synchronisation, "kernels": launches}``."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn(*args)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    gpu_us, kernels = 0.0, 0
+    for ev in prof.events():                     # device-side events: kernels, memcpy, memset
+        if "CUDA" not in str(getattr(ev, "device_type", "")):
+            continue
+        span = getattr(ev, "time_range", None)
+        if span is not None:
+            gpu_us += max(0.0, float(span.end - span.start))
+            kernels += 1
+    return {"gpu_ms": gpu_us * 1e-3, "wall_ms": wall * 1e3, "kernels": kernels}
+
+
 def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
-            budget_s: float, min_rounds: int = 5, max_rounds: int = 2000,
+            budget_s: float, min_rounds: int = MIN_REPS, max_rounds: int = 2000,
             warmup: int = 5, peak_memory: bool = True):
     """Time ``fn(*s)`` over the input sets `sets` (rotated) under the project's protocol
     (DESIGN.md §5) and record the result in ``benchmark.extra_info`` (keys: see the module
-    docstring). Returns what the last call of `fn` returned (None after an OOM).
+    docstring). Returns what `fn` returned in the untimed call of step 4 (None after an OOM).
 
-    1. Warm-up: `warmup` calls, synchronised (compilation, autotuning and allocator growth
-       stay out of the timing); their median (the first call excluded) sets the number of
-       rounds so that the timing lasts about `budget_s` (between `min_rounds` and
-       `max_rounds`; calls shorter than ~0.2 ms are grouped `iterations` to a round).
-       ``$CTXFAST_BENCH_BUDGET_SCALE`` multiplies `budget_s`.
-    2. Two timing passes of half the rounds each: CUDA events on a GPU, ``perf_counter``
-       on the CPU. ``ms`` is the median over both; ``spread`` the relative difference of
-       the two passes' medians — the same version timed twice, so a speedup closer to 1
-       than that is noise.
-    3. A short ``benchmark.pedantic`` pass (``torch.cuda.synchronize()`` inside the timed
-       call on CUDA) so pytest-benchmark records the benchmark and prints its wall-clock
-       view; ``report.py`` uses ``extra_info["ms"]``, not these stats.
-    4. On CUDA (`peak_memory`), the peak memory of one call beyond what was allocated.
+    1. Warm-up: `warmup` calls (fewer, at least two, once the calls after the first have
+       taken :data:`WARMUP_ENOUGH_S`), each synchronised (compilation, autotuning and
+       allocator growth stay out of the timing); their median (the first call excluded) sets the
+       number of rounds so that the timing lasts about `budget_s` (between
+       ``max(min_rounds, MIN_REPS)`` and `max_rounds`; calls shorter than ~0.2 ms are
+       grouped `iterations` to a round). ``$CTXFAST_BENCH_BUDGET_SCALE`` multiplies
+       `budget_s`.
+    2. One timed loop (:func:`_time_rounds`): CUDA events on a GPU, ``perf_counter`` on
+       the CPU; nothing but `fn` inside. ``ms`` is the median over the rounds; the rounds
+       are split into two halves (first, second) whose medians are ``ms_pass1`` and
+       ``ms_pass2``: ``spread`` is their relative difference — the same code timed twice,
+       so a speedup closer to 1 than that is noise.
+    3. pytest-benchmark is given those same rounds (:func:`_feed_pytest_benchmark`): no
+       extra timing pass of its own.
+    4. After the timing, untimed: on CUDA (`peak_memory`) the peak memory of one call
+       beyond what was allocated; the ctxfast op backends that call resolved
+       (``op_backends``); with ``$CTXFAST_BENCH_PROFILE=1`` one call under
+       ``torch.profiler`` (``profiler_ms``, ``profiler_wall_ms``).
 
     ``torch.OutOfMemoryError`` anywhere in 1–4 is recorded (:func:`record_oom`) instead
     of raised.
     """
-    sync = ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda"
-            else (lambda: None))
-    nxt = itertools.cycle(sets).__next__
     budget_s *= float(os.environ.get(BUDGET_SCALE_ENV, "1") or 1)
+    min_rounds = max(int(min_rounds), MIN_REPS)
     result = []
-
-    def call():
-        r = fn(*nxt())
-        sync()
-        return r
-
     oom = None
     try:
         times = []
+        cyc = itertools.cycle(sets)
         for _ in range(max(1, warmup)):          # warm-up calls, timed for the estimate
             t0 = time.perf_counter()
-            call()
+            fn(*next(cyc))
+            _sync(device)
             times.append(time.perf_counter() - t0)
+            if len(times) >= 2 and sum(times[1:]) > WARMUP_ENOUGH_S:
+                break                            # long calls: compiled and allocated already
         later = sorted(times[1:] or times)        # the first call may compile or allocate
         est = max(later[len(later) // 2], 1e-7)
         iterations = max(1, min(1000, round(2e-4 / est)))
         rounds = int(min(max_rounds, max(min_rounds, budget_s / (est * iterations))))
-        half = max(1, (rounds + 1) // 2)
-        pass1 = _time_rounds(fn, nxt, device, half, iterations)
-        pass2 = _time_rounds(fn, nxt, device, half, iterations)
-        m1, m2 = statistics.median(pass1), statistics.median(pass2)
-        every = pass1 + pass2
+        rounds += rounds % 2                      # two equal halves
+        args = [next(cyc) for _ in range(rounds * iterations)]   # picked before the timing
+        per_call = _time_rounds(fn, args, device, iterations)
+        del args
+        half = len(per_call) // 2
+        m1, m2 = statistics.median(per_call[:half]), statistics.median(per_call[half:])
         benchmark.extra_info.update(
-            ms=statistics.median(every) * 1e3, ms_min=min(every) * 1e3,
-            ms_max=max(every) * 1e3, ms_pass1=m1 * 1e3, ms_pass2=m2 * 1e3,
+            ms=statistics.median(per_call) * 1e3, ms_min=min(per_call) * 1e3,
+            ms_max=max(per_call) * 1e3, ms_pass1=m1 * 1e3, ms_pass2=m2 * 1e3,
             spread=abs(m1 - m2) / min(m1, m2) if min(m1, m2) > 0 else None,
-            rounds=2 * half, iterations=iterations,
+            rounds=len(per_call), iterations=iterations, reps=len(per_call) * iterations,
+            warmup=max(1, warmup),
             timer="cuda-events" if device.type == "cuda" else "perf_counter")
-        result.append(benchmark.pedantic(call, rounds=max(1, min(3, min_rounds)),
-                                         iterations=iterations, warmup_rounds=0))
-        if peak_memory:
-            record_peak_memory(benchmark, fn, sets[0], device)
+        _feed_pytest_benchmark(benchmark, per_call, iterations)
+        seen: Dict[str, List[str]] = {}
+        with _op_backend_spy(seen):
+            if peak_memory:
+                result.append(record_peak_memory(benchmark, fn, sets[0], device))
+            else:
+                result.append(fn(*sets[0]))
+        if seen:
+            before = benchmark.extra_info.get("op_backends")
+            if before and before != seen:          # the suite's check saw other backends
+                benchmark.extra_info["check_op_backends"] = before
+            benchmark.extra_info["op_backends"] = seen
+        if os.environ.get(PROFILE_ENV, "0").strip() == "1":
+            prof = profile_call(fn, sets[0], device)
+            if prof is not None:
+                benchmark.extra_info.update(profiler_ms=prof["gpu_ms"],
+                                            profiler_wall_ms=prof["wall_ms"],
+                                            profiler_kernels=prof["kernels"])
     except torch.OutOfMemoryError as e:
         oom = _oom_message(e)
     if oom is not None:                          # outside the except: no frame keeps tensors
@@ -287,7 +414,7 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
         _free_memory(device)
         record_oom(benchmark, oom)
         return None
-    return result[0]
+    return result[0] if result else None
 
 
 def record_peak_memory(benchmark, fn: Callable, args: Sequence, device: torch.device) -> None:
@@ -295,16 +422,17 @@ def record_peak_memory(benchmark, fn: Callable, args: Sequence, device: torch.de
     ``fn(*args)`` beyond what was already allocated; None on the CPU (not measured there)
     and after an OOM. :func:`measure` calls it; a second call (older suites) measures
     again. An OOM here leaves the timing alone: ``peak_mem_bytes`` None and
-    ``peak_mem_note`` says why."""
+    ``peak_mem_note`` says why. Returns what `fn` returned (None after an OOM)."""
     if device.type != "cuda" or benchmark.extra_info.get("oom"):
         benchmark.extra_info["peak_mem_bytes"] = None
-        return
+        return None if benchmark.extra_info.get("oom") else fn(*args)
     failed = None
+    out = None
     try:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        fn(*args)
+        out = fn(*args)
         torch.cuda.synchronize(device)
         benchmark.extra_info["peak_mem_bytes"] = (torch.cuda.max_memory_allocated(device)
                                                   - before)
@@ -314,6 +442,7 @@ def record_peak_memory(benchmark, fn: Callable, args: Sequence, device: torch.de
         _free_memory(device)
         benchmark.extra_info["peak_mem_bytes"] = None
         benchmark.extra_info["peak_mem_note"] = f"OOM while measuring the peak: {failed}"
+    return out
 
 
 def params(quick_cases, full_cases, modes, backends) -> list:

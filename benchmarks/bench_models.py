@@ -38,8 +38,15 @@ Backends:
   no SDPA path of their own, so this is the "same model on SDPA": same architecture,
   configuration and loss, its weights checked against ours through
   ``ctxfast.models.from_hf``.
-* the baseline ``eager``: the model with ``backend="eager"`` (``ctxfast/reference``, or for
-  Transformer-XL the original formulation).
+* ``fastai`` (AWD-LSTM only): the model as fastai's users run it — every LSTM layer
+  an ``nn.LSTM`` (cuDNN on a GPU) wrapped in fastai's ``WeightDropout``, which writes a
+  dropped copy of ``weight_hh_l0`` into the LSTM before each forward
+  (``bench_lstm.FastaiWeightDropLSTM``); the other dropouts as the eager backend. It is the
+  report's baseline for AWD-LSTM (:func:`report_baseline`): the eager backend's Python
+  loop over time steps is no baseline anyone uses.
+* ``eager``: the model with ``backend="eager"`` (``ctxfast/reference``, or for
+  Transformer-XL the original formulation): the reference of the check, and the report's
+  baseline for every model but AWD-LSTM.
 
 Precision: fp32 on the CPU. On CUDA, GPT, BERT, XLNet and Transformer-XL train under
 ``torch.autocast(bfloat16)`` with fp32 weights (the attention ops run in bf16, their fp32
@@ -91,8 +98,9 @@ from ctxfast.models import elmo as _elmo
 OP = "models"
 BASELINE = "eager"
 HF_SDPA = "hf-sdpa"
+FASTAI = "fastai"
 MODES = ("train-step", "eval")
-BACKENDS = ("ctxfast", HF_SDPA, BASELINE)
+BACKENDS = ("ctxfast", HF_SDPA, FASTAI, BASELINE)
 HF_MODELS = ("gpt", "bert")
 
 #: precision -> (parameter dtype, autocast dtype or None)
@@ -392,7 +400,38 @@ WORKLOADS: Dict[str, Workload] = {
 
 def _params():
     return [p for p in _common.params(QUICK_CASES, FULL_CASES, MODES, BACKENDS)
-            if not (p.values[2] == HF_SDPA and p.values[0].model not in HF_MODELS)]
+            if not (p.values[2] == HF_SDPA and p.values[0].model not in HF_MODELS)
+            and not (p.values[2] == FASTAI and p.values[0].model != "awd_lstm")]
+
+
+def report_baseline(case: Case) -> str:
+    """The backend the report pairs the others with: for AWD-LSTM the model as fastai's
+    users run it (:data:`FASTAI`), for the others the model's eager backend."""
+    return FASTAI if case.model == "awd_lstm" else BASELINE
+
+
+def to_fastai(model: nn.Module, weight_p: float) -> nn.Module:
+    """An AWD-LSTM language model (eager backend) with every ``WeightDropLSTM`` replaced by
+    what fastai runs: ``nn.LSTM`` (cuDNN on a GPU) wrapped in fastai's ``WeightDropout``,
+    which writes a dropped copy of ``weight_hh_l0`` into the LSTM before every forward
+    (``bench_lstm.FastaiWeightDropLSTM``). Same weights; parameter names as fastai's
+    (``rnns.{k}.weight_hh_l0_raw``, ``rnns.{k}.module.weight_ih_l0``, ...)."""
+    from bench_lstm import FastaiWeightDropLSTM
+    for k, rnn in enumerate(model.encoder.rnns):
+        lstm = nn.LSTM(rnn.input_size, rnn.hidden_size, 1, batch_first=True)
+        lstm.load_state_dict({n: t for n, t in rnn.state_dict().items()})
+        model.encoder.rnns[k] = FastaiWeightDropLSTM(lstm, weight_p)
+    return model
+
+
+def fastai_name(name: str) -> str:
+    """Our AWD-LSTM parameter name -> the :func:`to_fastai` model's."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[:2] == ["encoder", "rnns"]:
+        if parts[3].startswith("weight_hh"):
+            return ".".join(parts[:3] + [parts[3] + "_raw"])
+        return ".".join(parts[:3] + ["module", parts[3]])
+    return name
 
 
 # --------------------------------------------------------------------------- helpers
@@ -444,6 +483,12 @@ def _models(case: Case, backend: str, device: torch.device) -> Tuple[nn.Module, 
     wl = WORKLOADS[case.model]
     dtype, _ = PRECISIONS[case.precision]
     torch.manual_seed(0)
+    with torch.device(device):      # built and initialised where they run: no CPU init + copy
+        return _build_pair(case, backend, device, wl, dtype)
+
+
+def _build_pair(case: Case, backend: str, device: torch.device, wl: "Workload",
+                dtype: torch.dtype) -> Tuple[nn.Module, nn.Module]:
     if backend == HF_SDPA:
         hf = lecun_init_(wl.hf_build(case))
         if getattr(hf.config, "_attn_implementation", None) != "sdpa":
@@ -454,8 +499,10 @@ def _models(case: Case, backend: str, device: torch.device) -> Tuple[nn.Module, 
         model = hf
     else:
         ref = lecun_init_(wl.build(case, "eager"))
-        model = wl.build(case, backend)
+        model = wl.build(case, "eager" if backend == FASTAI else backend)
         model.load_state_dict(ref.state_dict())
+        if backend == FASTAI:
+            model = to_fastai(model, case.config.get("weight_p", M.AWDLSTMConfig.weight_p))
     return model.to(device=device, dtype=dtype), ref.to(device)
 
 
@@ -550,6 +597,12 @@ def _errors(res, ref, pairs) -> Dict[str, float]:
     return errs
 
 
+#: FLOPs of (case, mode, device): the same count for every backend, so the eager fp32
+#: reference runs under the counting mode once per case and mode, not once per backend
+#: (and not at all for the fp32 eager baseline once counted: its check is the reference).
+_FLOPS: Dict[tuple, int] = {}
+
+
 def _check(case: Case, mode: str, backend: str, model: nn.Module, ref: nn.Module,
            batch: tuple, device: torch.device) -> dict:
     """Compare `model` with the eager fp32 `ref` on `batch` (module docstring); returns
@@ -557,18 +610,28 @@ def _check(case: Case, mode: str, backend: str, model: nn.Module, ref: nn.Module
     wl = WORKLOADS[case.model]
     train = mode == "train-step"
     dtype, amp = PRECISIONS[case.precision]
+    low = case.precision != "fp32"
+    key = (case, mode, str(device))
+    if backend == BASELINE and not low and key in _FLOPS:
+        return {"flops": _FLOPS[key]}                # nothing to compare: no reference run
     ref_ops: Dict[str, List[str]] = {}
-    with FlopCount() as counter, _record_op_backends(ref_ops):
-        want = _evaluate(wl.run, wl.view, ref, batch, train, device, None)
-    info = {"flops": counter.total, "op_backends": ref_ops}
+    if key in _FLOPS:                                # counted once per case and mode
+        with _record_op_backends(ref_ops):
+            want = _evaluate(wl.run, wl.view, ref, batch, train, device, None)
+    else:
+        with FlopCount() as counter, _record_op_backends(ref_ops):
+            want = _evaluate(wl.run, wl.view, ref, batch, train, device, None)
+        _FLOPS[key] = counter.total
+    info = {"flops": _FLOPS[key], "op_backends": ref_ops}
     assert torch.isfinite(want[0]) and torch.isfinite(want[1]).all(), \
         f"{case.name} {mode}: the eager fp32 model gives a non-finite loss or output"
-    low = case.precision != "fp32"
     if backend == BASELINE and not low:
         return info                                  # the timed model is the reference
 
     if backend == HF_SDPA:
         run, pairs = wl.hf_run, list(wl.hf_grads)     # (our name, theirs)
+    elif backend == FASTAI:
+        run, pairs = wl.run, ([(n, fastai_name(n)) for n in want[2]] if train else [])
     else:
         run, pairs = wl.run, ([(n, n) for n in want[2]] if train else [])
     seen: Dict[str, List[str]] = {}
@@ -618,7 +681,8 @@ def test_models(benchmark, bench_device, case: Case, mode: str, backend: str):
     dtype, amp = PRECISIONS[case.precision]
     tokens = case.B * case.T
     _common.describe(benchmark, op=OP, case=case.name, mode=mode, backend=backend,
-                     dtype=amp or dtype, device=bench_device, baseline=BASELINE, T=case.T,
+                     dtype=amp or dtype, device=bench_device, baseline=report_baseline(case),
+                     T=case.T,
                      series=case.model, model=case.model, precision=case.precision,
                      batch=case.B, mem=case.mem, predictions=case.P,
                      tokens=tokens, config={k: repr(v) for k, v in case.cfg})

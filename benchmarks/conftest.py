@@ -14,6 +14,9 @@ Environment: ``CTXFAST_BENCH_QUICK=1`` selects the small case set;
 ``CTXFAST_BENCH_THREADS`` sets torch's CPU threads (``ctxfast bench --threads``);
 ``CTXFAST_BENCH_BUDGET_SCALE`` scales every timing budget (e.g. 0.1 in the pipeline's own
 tests). What a suite must provide: the top of ``_common.py``.
+
+What ``report.py`` (``ctxfast bench``) adds to a suite's run (records written as each
+benchmark ends, a time budget, progress): ``_bench_plugin.py``, loaded with ``-p``.
 """
 import os
 
@@ -38,3 +41,4 @@ def pytest_report_header(config):
     return (f"ctxfast bench: device {dev} ({_common.device_name(dev)}), "
             f"{'quick' if _common.quick() else 'full'} cases, "
             f"torch {v['torch']}, triton {v['triton']}")
+

@@ -8,9 +8,17 @@ The run is the newest ``benchmarks/results/<device>/<date>[-<n>].json`` (written
 ``ctxfast bench``): the newest GPU run where there is one (the project's performance
 record), else the newest CPU run; ``--device <folder>`` picks a device folder. Newest =
 latest date, then latest ``written`` time (reports without one are the earliest of their
-date), then highest ``-<n>``. The table has one row per (op, backend, mode): the
-speedup over the op's baseline (the median over the run's cases and its range) and the
-best achieved rate (the case itself where there is one), under a line naming the device, date, versions and source file.
+date), then highest ``-<n>``. The block names the run (device, date, versions, source
+file) and quotes its notes (e.g. how it was measured), then:
+
+* "Where ctxfast is slower today": every (op, mode, our backend, peer) where a ctxfast
+  backend is slower than another backend timed on the same case (SDPA, FlexAttention,
+  cuDNN's ``nn.LSTM``, eager, ...), with the number of such cases and the speedups;
+* one row per (op, backend, mode) against the op's baseline (median speedup over the
+  run's cases and its range, best achieved rate), each backend labelled ctxfast or
+  the library it is, so a peer's speed (e.g. torch's SDPA on the CPU) never reads as
+  ours;
+* under a GPU run, the newest CPU run's table too, labelled as CPU ratios.
 
 README.md keeps the table between the markers :data:`BEGIN` and :data:`END`; nothing else
 in the file is touched. Loaded by path or run as a script (no relative imports).
@@ -18,6 +26,7 @@ in the file is touched. Loaded by path or run as a script (no relative imports).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import statistics
@@ -87,6 +96,38 @@ def _fmt_x(x: float) -> str:
     return f"{x:.2f}x"
 
 
+def _load(name: str, filename: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_compare = _load("ctxfast_bench_compare", "_compare.py")
+
+#: Who each non-ctxfast backend is, for the tables (so no peer's speed reads as ours).
+WHO: Dict[str, str] = {
+    "sdpa": "PyTorch SDPA, not ctxfast",
+    "flex": "PyTorch FlexAttention, not ctxfast",
+    "hf-sdpa": "Hugging Face model on SDPA, not ctxfast",
+    "nn.LSTM+WeightDropout": "nn.LSTM (cuDNN on a GPU) + fastai WeightDropout",
+    "nn.LSTM-no-drop": "nn.LSTM (cuDNN on a GPU), no DropConnect, not ctxfast",
+    "fastai": "fastai AWD-LSTM: nn.LSTM (cuDNN on a GPU) + WeightDropout, not ctxfast",
+    "eager": "eager PyTorch reference",
+    "eager-original": "the original eager formulation",
+    "eager-pad-view": "eager pad-and-view trick",
+}
+
+
+def _whose(backend: str) -> str:
+    if backend in _compare.OURS:
+        return f"**{backend}** (ctxfast)"
+    return f"{backend} ({WHO.get(backend, 'not ctxfast')})"
+
+
 def _rate(records: Sequence[dict]) -> str:
     tf = [r["tflops"] for r in records if r.get("tflops") is not None]
     gb = [r["gbps"] for r in records if r.get("gbps") is not None]
@@ -101,43 +142,91 @@ def _rate(records: Sequence[dict]) -> str:
     return cell
 
 
-def render(report: dict, source: str) -> str:
-    """The markdown block (without markers) for `report`, read from `source` (a path
-    shown in the table's header line)."""
-    gpu = is_gpu_run(report)
+def _spread(values: Sequence[float]) -> str:
+    if len(values) == 1:
+        return _fmt_x(values[0])
+    return (f"{_fmt_x(statistics.median(values))} "
+            f"({_fmt_x(min(values))}–{_fmt_x(max(values))})")
+
+
+def slower_rows(records: Sequence[dict]) -> List[str]:
+    """Markdown rows: every (op, mode, our backend, peer) where we are slower than the
+    peer in at least one case (same inputs, same run)."""
+    groups: Dict[Tuple[str, str, str, str], List[float]] = {}
+    for p in _compare.pairs(records):
+        groups.setdefault((p.op, p.mode, p.ours, p.other), []).append(p.speedup)
+    rows = []
+    for (op, mode, ours, other), sp in groups.items():
+        slower = sum(1 for x in sp if x < 1.0)
+        if slower:
+            rows.append(f"| {op} | {mode} | **{ours}** | {other} | {slower} of {len(sp)} | "
+                        f"{_spread(sp)} |")
+    return rows
+
+
+def _baseline_table(report: dict) -> List[str]:
     groups: Dict[Tuple[str, str, str, str], List[dict]] = {}
     for r in report.get("records", []):
         key = (r["op"], r["backend"], r.get("baseline") or "—", r["mode"])
         groups.setdefault(key, []).append(r)
+    lines = ["| op | backend (whose) | baseline | mode | cases | speedup | best rate |",
+             "|---|---|---|---|---:|---:|---:|"]
+    for (op, backend, baseline, mode), recs in groups.items():
+        speedups = [r["speedup"] for r in recs if r.get("speedup") is not None]
+        ooms = sum(1 for r in recs if "OOM" in (r.get("note") or ""))
+        failed = sum(1 for r in recs if "failed" in (r.get("note") or ""))
+        cell = _spread(speedups) if speedups else "—"
+        cell += f", {ooms} OOM" if ooms else ""
+        cell += f", {failed} failed" if failed else ""
+        cases = recs[0].get("case", "1") if len(recs) == 1 else str(len(recs))
+        lines.append(f"| {op} | {_whose(backend)} | {baseline} | {mode} | {cases} | {cell} | "
+                     f"{_rate(recs)} |")
+    return lines
+
+
+def render(report: dict, source: str, cpu: Optional[Tuple[dict, str]] = None) -> str:
+    """The markdown block (without markers) for `report`, read from `source` (a path
+    shown in the block). A GPU run gets a "where ctxfast is slower" table (ours against
+    every peer timed on the same cases) and the table against each op's baseline;
+    `cpu` = (a CPU run, its source) adds that run's table, labelled as CPU ratios."""
+    gpu = is_gpu_run(report)
     lines = [
-        f"Newest run: **{report.get('device', 'unknown device')}**, "
+        f"{'GPU' if gpu else 'CPU'} run: **{report.get('device', 'unknown device')}**, "
         f"{report.get('date', 'unknown date')}, torch {report.get('torch')}, "
         f"triton {report.get('triton')} — `{source}`"
         + ("" if gpu else " (CPU: ratios against eager in the same run, not GPU "
                           "performance; no GPU run has been recorded yet)") + ".",
-        "Speedup = baseline time / our time on the same inputs; median over the run's "
-        "cases (range in brackets). Per case (with noise and peak memory where recorded): "
-        "the source file's `.md`.",
-        "",
-        "| op | backend | baseline | mode | cases | speedup | best rate |",
-        "|---|---|---|---|---:|---:|---:|",
     ]
-    for (op, backend, baseline, mode), recs in groups.items():
-        speedups = [r["speedup"] for r in recs if r.get("speedup") is not None]
-        ooms = sum(1 for r in recs if "OOM" in (r.get("note") or ""))
-        if not speedups:
-            cell = "—"
-        elif len(speedups) == 1:
-            cell = _fmt_x(speedups[0])
-        else:
-            cell = (f"{_fmt_x(statistics.median(speedups))} "
-                    f"({_fmt_x(min(speedups))}–{_fmt_x(max(speedups))})")
-        if ooms:
-            cell += f", {ooms} OOM"
-        cases = recs[0].get("case", "1") if len(recs) == 1 else str(len(recs))
-        lines.append(f"| {op} | {backend} | {baseline} | {mode} | {cases} | {cell} | "
-                     f"{_rate(recs)} |")
+    notes = [n for n in report.get("notes", []) if not str(n).startswith("plots")]
+    for n in notes:
+        lines += ["", f"> {n}"]
+    slower = slower_rows(report.get("records", []))
+    lines += ["", "**Where ctxfast is slower today** — each of our backends against every "
+              "other backend timed on the same cases in this run (speedup = their time / "
+              "ours; below 1x we are slower):", ""]
+    if slower:
+        lines += ["| op | mode | ours | slower than | cases | speedup median (range) |",
+                  "|---|---|---|---|---:|---:|"] + slower
+    else:
+        lines += ["(no case where a ctxfast backend is slower than another backend of the run)"]
+    lines += ["", "**Every backend against the op's baseline** (speedup = baseline time / "
+              "backend time, median over the cases, range in brackets; rows not marked "
+              "ctxfast are other libraries, timed as peers):", ""] + _baseline_table(report)
+    if cpu is not None:
+        cpu_report, cpu_source = cpu
+        lines += ["", f"CPU run: **{cpu_report.get('device')}**, {cpu_report.get('date')}, "
+                  f"torch {cpu_report.get('torch')} — `{cpu_source}`. Ratios on a CPU, not "
+                  "GPU performance; on the CPU the Triton kernels do not run, so "
+                  "`attention`/`rel_attention` rows are PyTorch's own backends, not ctxfast:",
+                  ""] + _baseline_table(cpu_report)
+    lines += ["", "Per case (noise, peak memory, notes): the `.md` next to each source file."]
     return "\n".join(lines) + "\n"
+
+
+def newest_cpu_run(results_dir: Path = RESULTS_DIR) -> Optional[Tuple[Path, dict]]:
+    """(path, report) of the newest CPU run, or None."""
+    cpu = [(p, r) for p, r in runs(results_dir) if not is_gpu_run(r)]
+    return cpu[-1] if cpu else None
 
 
 def replace_block(text: str, block: str) -> str:
@@ -167,11 +256,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FileNotFoundError as e:
         print(f"readme_table: {e}", file=sys.stderr)
         return 1
-    try:
-        source = str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        source = str(path)
-    block = render(report, source)
+    def shown(p: Path) -> str:
+        try:
+            return str(p.resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            return str(p)
+
+    source = shown(path)
+    cpu = None
+    if args.device is None and is_gpu_run(report):
+        found = newest_cpu_run(args.results)
+        cpu = (found[1], shown(found[0])) if found else None
+    block = render(report, source, cpu)
     if args.print_only:
         print(block, end="")
         return 0

@@ -70,7 +70,11 @@ RECORD_KEYS: Tuple[str, ...] = (
     "op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
     "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
     "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
-    "triton", "date")
+    "triton", "date", "timer", "reps", "op_backends", "profiler_ms")
+
+#: Timed median / profiler kernel time above this is named in a record's note: the timed
+#: region held more than the op's kernels (or the GPU waited on the host).
+PROFILER_GAP = 1.5
 
 #: A spread (relative difference of two timings of the same code) above this marks a row
 #: as noise in the markdown.
@@ -93,6 +97,7 @@ def _load(name: str, filename: str):
 
 _common = _load("ctxfast_bench_common", "_common.py")
 _plot = _load("ctxfast_bench_plot", "plot.py")
+_compare = _load("ctxfast_bench_compare", "_compare.py")
 device_name = _common.device_name
 
 
@@ -146,6 +151,9 @@ def _timing(bench: dict) -> dict:
     """ms, ms_min, ms_max, spread, peak_mem_bytes, oom of one pytest-benchmark entry:
     from ``extra_info`` (``_common.measure``), else from pytest-benchmark's stats."""
     info = bench.get("extra_info") or {}
+    if bench.get("error") and info.get("ms") is None and not info.get("oom"):
+        return {"ms": None, "ms_min": None, "ms_max": None, "spread": None,
+                "peak_mem_bytes": None, "oom": None, "error": bench["error"]}
     if info.get("oom"):
         return {"ms": None, "ms_min": None, "ms_max": None, "spread": None,
                 "peak_mem_bytes": None, "oom": info["oom"]}
@@ -159,6 +167,12 @@ def _timing(bench: dict) -> dict:
             "ms_min": stats["min"] * 1e3 if stats.get("min") is not None else None,
             "ms_max": stats["max"] * 1e3 if stats.get("max") is not None else None,
             "spread": None, "peak_mem_bytes": info.get("peak_mem_bytes"), "oom": None}
+
+
+def _backends_text(seen) -> str:
+    if not isinstance(seen, dict) or not seen:
+        return "no ctxfast op"
+    return ", ".join(f"{op} on {'/'.join(map(str, b))}" for op, b in seen.items())
 
 
 def _rate(amount, ms: Optional[float], unit: float) -> Optional[float]:
@@ -201,11 +215,21 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
         notes = []
         if mine["oom"]:
             notes.append(f"OOM: {mine['oom']}")
+        if mine.get("error"):
+            notes.append(f"failed: {mine['error']}")
         if base is None:
             notes.append("no baseline" if baseline else "no baseline defined for this op")
         elif base["oom"]:
             notes.append(f"baseline OOM: {base['oom']}")
+        elif base.get("error"):
+            notes.append(f"baseline failed: {base['error']}")
         ms = mine["ms"]
+        prof = info.get("profiler_ms")
+        if ms is not None and prof and ms / prof > PROFILER_GAP:
+            notes.append(f"timed {ms:.3g} ms but the profiler saw {prof:.3g} ms of kernels")
+        if info.get("check_op_backends"):
+            notes.append(f"timed call ran {_backends_text(info.get('op_backends'))}, the "
+                         f"check {_backends_text(info['check_op_backends'])}")
         name = info.get("device_name")
         if not name:
             name = device_name(device) if device else "unknown"
@@ -234,6 +258,10 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
             "torch": info.get("torch", local["torch"]),
             "triton": info.get("triton", local["triton"]),
             "date": date,
+            "timer": info.get("timer"),
+            "reps": info.get("reps"),
+            "op_backends": info.get("op_backends"),
+            "profiler_ms": prof,
         }
         if record["T"] is None:
             record["T"] = _plot.seq_len(record)
@@ -294,6 +322,19 @@ def _fmt_spread(r: dict) -> str:
     return f"±{max(s):.0%}" if s else "—"
 
 
+def _timer_label(timer: Optional[str]) -> str:
+    """Short name of a record's timer for the markdown's timer column."""
+    if not timer:
+        return ""
+    if timer == "cuda-events":
+        return "events"
+    if timer == "perf_counter":
+        return "wall"
+    if timer.startswith("wall-clock, 3 rounds"):
+        return "3 synced rounds"
+    return timer
+
+
 def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     """The report as markdown: a header (device, date, versions, how to read it, `notes`)
     and one table of the records."""
@@ -305,11 +346,12 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
     lines = [
         f"**{h['device']}** · {h['date']} · torch {h['torch']} · triton {h['triton']}",
         "",
-        "ms = median per call (CUDA events on a GPU, wall clock on the CPU); min ms = the "
-        "fastest round (less hurt by other work on a shared machine); speedup = "
-        "baseline ms / ms, same inputs, same run. Noise: each benchmark is timed twice "
-        "(two passes of the same code); *spread* is the larger relative difference "
-        "between the two passes of the backend and of its baseline — a speedup within "
+        "ms = median per call over at least 10 timed calls after a warm-up (CUDA events "
+        "on a GPU, wall clock on the CPU; nothing but the op inside the timed loop); min "
+        "ms = the fastest round (less hurt by other work on a shared machine); speedup = "
+        "baseline ms / ms, same inputs, same run. Noise: *spread* is the larger relative "
+        "difference between the medians of the first and second half of the rounds (the "
+        "same code timed twice) of the backend and of its baseline — a speedup within "
         "1 ± spread of 1.0 is noise. Rate: achieved TFLOP/s (FlashAttention count; "
         "Transformer-XL's position term included) or GB/s (least bytes the op must "
         "move)."
@@ -325,12 +367,15 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
                             "(re-run on a quiet machine)"] if noisy else [])
     for note in notes:
         lines += ["", f"Note: {note}"]
+    timers = {_timer_label(r.get("timer")) for r in records} - {""}
+    show_timer = len(timers) > 1 or bool(timers - {"events", "wall"})
     lines += [
         "",
         "| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
-        "| rate | " + ("tokens/s | " if tokens else "") + "peak MiB | spread | note |",
+        "| rate | " + ("tokens/s | " if tokens else "") + "peak MiB | spread | "
+        + ("timer | " if show_timer else "") + "note |",
         "|---|---|---|---|---:|---:|---|---:|---:|---:|" + ("---:|" if tokens else "")
-        + "---:|---:|---|",
+        + "---:|---:|" + ("---|" if show_timer else "") + "---|",
     ]
     for r in records:
         speedup = "—" if r["speedup"] is None else f"{r['speedup']:.2f}x"
@@ -339,12 +384,23 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
                      f"{_fmt_ms(r['baseline_ms'])} | "
                      f"{speedup} | {_fmt_rate(r)} | "
                      + (f"{_fmt_tokens(r)} | " if tokens else "")
-                     + f"{_fmt_mem(r)} | {_fmt_spread(r)} | {r.get('note') or ''} |")
+                     + f"{_fmt_mem(r)} | {_fmt_spread(r)} | "
+                     + (f"{_timer_label(r.get('timer')) or '—'} | " if show_timer else "")
+                     + f"{r.get('note') or ''} |")
     return "\n".join(lines) + "\n"
 
 
+def free_stem(out_dir, date: str) -> str:
+    """``<date>``, else ``<date>-2``, ``-3``, ...: the first with no report in `out_dir`."""
+    stem, n = date, 1
+    while (Path(out_dir) / f"{stem}.json").exists() or (Path(out_dir) / f"{stem}.md").exists():
+        n += 1
+        stem = f"{date}-{n}"
+    return stem
+
+
 def write(records: Sequence[dict], out_dir, notes: Sequence[str] = (),
-          plots: bool = True) -> Tuple[Path, Path]:
+          plots: bool = True, stem: Optional[str] = None) -> Tuple[Path, Path]:
     """Write ``<out_dir>/<stem>.json``, ``<stem>.md`` and (with matplotlib, `plots`)
     ``<stem>-<op>.png``; returns the JSON and markdown paths. ``<stem>`` is the date; an
     existing report of the same date is never overwritten: ``-2``, ``-3``, ... .
@@ -352,17 +408,16 @@ def write(records: Sequence[dict], out_dir, notes: Sequence[str] = (),
     The JSON is ``{"device", "date", "written", "torch", "triton", "notes", "records":
     [...]}`` (``written``: UTC time the report was written, ISO 8601: orders runs of the
     same date in different device folders); the notes say what was plotted or why not
-    (e.g. matplotlib missing)."""
+    (e.g. matplotlib missing). With `stem`, that report is (re)written in place: the
+    runner rewrites its own report after every benchmark."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = _header(records, notes)
     header = {"device": header["device"], "date": header["date"],
               "written": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               **{k: header[k] for k in ("torch", "triton", "notes")}}
-    stem, n = header["date"], 1
-    while (out_dir / f"{stem}.json").exists() or (out_dir / f"{stem}.md").exists():
-        n += 1
-        stem = f"{header['date']}-{n}"
+    if stem is None:
+        stem = free_stem(out_dir, header["date"])
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     notes = list(notes)
     if plots:
@@ -376,38 +431,183 @@ def write(records: Sequence[dict], out_dir, notes: Sequence[str] = (),
     return json_path, md_path
 
 
+
 # --------------------------------------------------------------------------- running
+
+#: Environment variables the runner sets for the suites (read by ``_bench_plugin.py``).
+RECORDS_ENV = "CTXFAST_BENCH_RECORDS"
+DEADLINE_ENV = "CTXFAST_BENCH_DEADLINE"
+PROGRESS_ENV = "CTXFAST_BENCH_PROGRESS"
+
+#: Share of a run's time budget (``--time-budget``) each suite gets, relative to the others:
+#: the seconds each is expected to take on an H100 with the GPU round's settings (the
+#: first round took attention 6.8 min, rel_attention 3.8, models 4.1, lstm 1.9, rel_shift
+#: 0.8 with 2 s of timing and 3 extra synchronised calls per case; estimated from those,
+#: not measured). A suite not listed weighs 60. Time a suite leaves unused goes to the
+#: suites after it.
+SUITE_WEIGHTS: Dict[str, float] = {"attention": 190.0, "rel_attention": 140.0,
+                                   "models": 150.0, "lstm": 40.0, "rel_shift": 25.0}
+
+#: What to install for ``ctxfast bench`` (setup.py's ``bench`` extra).
+INSTALL_HINT = ("pip install pytest pytest-benchmark  (or, from the checkout: "
+                "pip install -e '.[bench]')")
+
+
+def missing_requirements() -> List[str]:
+    """The Python packages ``ctxfast bench`` needs that are not installed."""
+    return [name for name, mod in (("pytest", "pytest"), ("pytest-benchmark", "pytest_benchmark"))
+            if importlib.util.find_spec(mod) is None]
+
+
+def entries_from_lines(lines: Iterable[str]) -> List[dict]:
+    """The benchmark entries of ``_bench_plugin.py``'s JSON lines (a torn last line, from a
+    suite killed while writing, is ignored)."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _entries_to_data(entries: Sequence[dict]) -> dict:
+    """pytest-benchmark-JSON-shaped ``{"benchmarks": [...]}`` of the timed entries."""
+    return {"benchmarks": [e for e in entries if "extra_info" in e]}
+
+
+class _Progress:
+    """A progress bar over the cases of the suites: tqdm when installed, else one line
+    rewritten in place (a TTY) or printed every 10% (a log)."""
+
+    def __init__(self, enabled: bool, stream=None):
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.bar = None
+        self.label, self.total, self.done, self._last = "", 0, 0, -1
+
+    def start(self, label: str) -> None:
+        self.close()
+        self.label, self.total, self.done, self._last = label, 0, 0, -1
+
+    def update(self, total: int, done: int, last: str = "") -> None:
+        if not self.enabled or (total == self.total and done == self.done):
+            return
+        self.total, self.done = total, done
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            if self.bar is None and total:
+                self.bar = tqdm(total=total, desc=self.label, unit="case", file=self.stream,
+                                leave=True, dynamic_ncols=True)
+            if self.bar is not None:
+                self.bar.total = total
+                self.bar.n = done
+                self.bar.set_postfix_str(last[-40:], refresh=False)
+                self.bar.refresh()
+            return
+        if not total:
+            return
+        width = 30
+        fill = int(width * done / total)
+        line = f"{self.label:<14} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
+        if self.stream.isatty():
+            self.stream.write("\r" + line)
+            self.stream.flush()
+        elif done * 10 // total != self._last or done == total:
+            self._last = done * 10 // total
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif self.enabled and self.total and self.stream.isatty():
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _read_progress(path: Path) -> Tuple[int, int, str]:
+    """(total cases, finished, last test id) from the suite's progress file."""
+    total = done = 0
+    last = ""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0, 0, ""
+    for line in lines:
+        word, _, rest = line.partition(" ")
+        if word == "total":
+            total = int(rest or 0)
+        elif word:
+            done += 1
+            last = rest.rsplit("[", 1)[-1].rstrip("]")
+    return total, done, last
+
+
+def suite_command(path: Path) -> List[str]:
+    """The pytest command that runs one suite (its entries reach the runner through
+    ``_bench_plugin.py``'s JSON lines, not through ``--benchmark-json``)."""
+    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    return [sys.executable, "-m", "pytest", str(shown), "-q", "-p", "no:cacheprovider",
+            "-p", "no:xdist", "-p", "_bench_plugin", "-rfE",
+            "--benchmark-columns=median,iqr,min,max,rounds,iterations"]
+
 
 def run(out_dir, quick: bool = True, ops: Optional[Iterable[str]] = None,
         device: Optional[str] = None, plots: bool = True, echo: bool = True,
-        bench_dir: Path = BENCH_DIR, threads: Optional[int] = None) -> dict:
+        bench_dir: Path = BENCH_DIR, threads: Optional[int] = None,
+        time_budget_s: Optional[float] = None, verbose: bool = False,
+        progress: bool = False, profile_check: bool = False) -> dict:
     """Run the suites and write the report into `out_dir`.
 
     Each ``bench_<op>.py`` of `ops` in `bench_dir` (default: all present) runs in its own
-    ``python -m pytest ... --benchmark-json=<tmp>`` from the repository root, with
-    ``CTXFAST_BENCH_QUICK=1`` when `quick` and ``CTXFAST_BENCH_DEVICE=<device>`` when
-    `device` is given, ``OMP_NUM_THREADS`` and ``CTXFAST_BENCH_THREADS`` = `threads` when
-    given (the CPU thread count; it is part of the device name, so of the results folder);
-    its output goes to this process's stdout/stderr when `echo`.
-    A suite that fails keeps the records it wrote, and the report's notes name it.
+    ``python -m pytest`` from the repository root, with ``CTXFAST_BENCH_QUICK=1`` when
+    `quick`, ``CTXFAST_BENCH_DEVICE=<device>`` when `device` is given, ``OMP_NUM_THREADS``
+    and ``CTXFAST_BENCH_THREADS`` = `threads` when given (the CPU thread count; it is part
+    of the device name, so of the results folder), ``CTXFAST_BENCH_PROFILE=1`` with
+    `profile_check`.
+
+    Every benchmark reaches the report the moment it ends (``_bench_plugin.py`` appends it to
+    a JSON-lines file; this process rewrites ``<stem>.json`` and ``.md`` as they come),
+    so a run that is killed keeps everything it finished. `time_budget_s`: the whole
+    run's budget; each suite gets its share (:data:`SUITE_WEIGHTS`) of the time left, and
+    a case that would start after its suite's share is skipped and named in the notes.
+
+    Output: with `verbose` (or `echo` and not `progress`) the suites' pytest output goes
+    to this process's stdout; otherwise it is kept and the tail of a failed suite's
+    output is printed. `progress`: a progress bar over the cases on stderr.
 
     Returns the written report (``{"device", "date", "torch", "triton", "notes",
-    "records"}``) with ``json_path``, ``md_path``, ``failed`` (the suites that failed)
-    and ``wall_s`` added. Raises RuntimeError when no suite wrote anything.
+    "records"}``) with ``json_path``, ``md_path``, ``failed`` (the suites that failed),
+    ``skipped_budget`` (cases not run for lack of time) and ``wall_s`` added. Raises
+    RuntimeError when no suite wrote anything.
     """
     files = bench_files(ops, bench_dir)
     if not files:
         raise RuntimeError(f"no bench_*.py file in {bench_dir}")
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env[_common.QUICK_ENV] = "1" if quick else "0"
     if device is not None:
         env[_common.DEVICE_ENV] = device
     if threads is not None:
         env["OMP_NUM_THREADS"] = env[_common.THREADS_ENV] = str(int(threads))
+    if profile_check:
+        env[_common.PROFILE_ENV] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR)] + [p for p in env.get(
+        "PYTHONPATH", "").split(os.pathsep) if p])      # for -p _bench_plugin
     t0 = time.perf_counter()
-    data: dict = {"benchmarks": []}
+    wall0 = time.time()
+    entries: List[dict] = []
     failed: List[str] = []
     notes: List[str] = []
+    skipped_budget: List[str] = []
     busy = cpu_busy_fraction()
     if busy is not None and busy > 0.2 and _common.bench_device(device).type == "cpu":
         # Measured on the 2-core machines: with another job running, multi-threaded CPU
@@ -417,33 +617,78 @@ def run(out_dir, quick: bool = True, ops: Optional[Iterable[str]] = None,
                      "started: CPU timings are noisy"
                      + ("" if threads == 1 else " (with other work running, `--threads 1` "
                         "avoids the worst of it: threads waiting for a descheduled peer)"))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = free_stem(out_dir, _dt.date.today().isoformat())
+    show = verbose or (echo and not progress)
+    bar = _Progress(progress)
+    written: Dict[str, Path] = {}
+
+    def rewrite(final: bool) -> None:
+        records = records_from_pytest_benchmark(_entries_to_data(entries))
+        run_notes = list(notes)
+        if skipped_budget:
+            run_notes.append(f"{len(skipped_budget)} case(s) not run: the time budget "
+                             f"({time_budget_s:.0f} s) was spent: "
+                             + ", ".join(skipped_budget[:8])
+                             + (", ..." if len(skipped_budget) > 8 else ""))
+        if not final:
+            run_notes.append("partial report: the run is still going (or was stopped)")
+        j, m = write(records, out_dir, run_notes, plots=plots and final, stem=stem)
+        written["json"], written["md"] = j, m
+
     with tempfile.TemporaryDirectory(prefix="ctxfast-bench-") as tmp:
-        for path in files:
-            json_tmp = Path(tmp) / f"{path.stem}.json"
-            shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-            cmd = [sys.executable, "-m", "pytest", str(shown),
-                   f"--benchmark-json={json_tmp}",
-                   "--benchmark-columns=median,iqr,rounds,iterations",
-                   "-q", "-p", "no:cacheprovider"]
-            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env,
-                                  stdout=None if echo else subprocess.DEVNULL,
-                                  stderr=None if echo else subprocess.DEVNULL)
-            if proc.returncode != 0:
+        for k, path in enumerate(files):
+            op = path.stem[len("bench_"):]
+            rec_file = Path(tmp) / f"{op}.jsonl"
+            prog_file = Path(tmp) / f"{op}.progress"
+            log_file = Path(tmp) / f"{op}.log"
+            suite_env = dict(env, **{RECORDS_ENV: str(rec_file), PROGRESS_ENV: str(prog_file)})
+            if time_budget_s is not None:
+                left = time_budget_s - (time.time() - wall0)
+                weights = [SUITE_WEIGHTS.get(p.stem[len("bench_"):], 60.0) for p in files[k:]]
+                share = max(0.0, left) * weights[0] / sum(weights)
+                suite_env[DEADLINE_ENV] = repr(time.time() + share)
+            cmd = suite_command(path)
+            bar.start(op)
+            with open(log_file, "w") as log:
+                proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=suite_env,
+                                        stdout=None if show else log,
+                                        stderr=None if show else subprocess.STDOUT)
+                seen = 0
+                while True:
+                    code = proc.poll()
+                    lines = rec_file.read_text().splitlines() if rec_file.exists() else []
+                    if len(lines) != seen:
+                        new = entries_from_lines(lines[seen:])
+                        seen = len(lines)
+                        for e in new:
+                            if e.get("budget_skipped"):
+                                skipped_budget.append(e["name"].split("::")[-1])
+                            else:
+                                entries.append(e)
+                        rewrite(final=False)
+                    bar.update(*_read_progress(prog_file))
+                    if code is not None:
+                        break
+                    time.sleep(0.5)
+            bar.close()
+            if code not in (0, 5):                  # 5: pytest collected nothing
                 failed.append(path.name)
-                notes.append(f"{path.name} failed (`{' '.join(cmd[2:4])}` exited with "
-                             f"{proc.returncode}); its records are those written before")
-            if json_tmp.exists():
-                part = json.loads(json_tmp.read_text())
-                data["benchmarks"] += part.get("benchmarks", [])
-                data.setdefault("datetime", part.get("datetime"))
-    if not data["benchmarks"] and failed:
-        raise RuntimeError(f"every benchmark suite failed: {', '.join(failed)} "
-                           "(their output is above)")
-    records = records_from_pytest_benchmark(data)
-    json_path, md_path = write(records, out_dir, notes, plots=plots)
-    report = json.loads(json_path.read_text())
-    return {**report, "json_path": str(json_path), "md_path": str(md_path),
-            "failed": failed, "wall_s": time.perf_counter() - t0}
+                notes.append(f"{path.name} failed (`pytest {cmd[3]}` exited with {code}); "
+                             "its records are those written before")
+                if not show and echo:
+                    tail = log_file.read_text().splitlines()[-25:]
+                    print(f"--- {path.name} failed (exit {code}); the end of its output:",
+                          *tail, sep="\n", file=sys.stderr)
+    if not entries and failed:
+        raise RuntimeError(f"every benchmark suite failed: {', '.join(failed)}"
+                           + (" (their output is above)" if show else ""))
+    rewrite(final=True)
+    report = json.loads(written["json"].read_text())
+    return {**report, "json_path": str(written["json"]), "md_path": str(written["md"]),
+            "failed": failed, "skipped_budget": skipped_budget,
+            "wall_s": time.perf_counter() - t0}
 
 
 def cpu_busy_fraction(interval_s: float = 0.5) -> Optional[float]:
@@ -464,9 +709,51 @@ def cpu_busy_fraction(interval_s: float = 0.5) -> Optional[float]:
     return 1.0 - (idle1 - idle0) / (total1 - total0)
 
 
+# --------------------------------------------------------------------------- compact output
+
+def compact_tables(records: Sequence[dict]) -> str:
+    """One plain-text table per op: each of our backends per case and mode, its time, its
+    rate, and its speedup over every other backend timed on the same case (``>1x``: we
+    are faster; ``<1x``: slower). What ``ctxfast bench`` prints."""
+    out: List[str] = []
+    ops = list(dict.fromkeys(r["op"] for r in records))
+    all_times = _compare.times(records)
+    rate = {(r["op"], r["case"], r["mode"], str(r.get("dtype")), r["backend"]): _fmt_rate(r)
+            for r in records}
+    for op in ops:
+        peers = _compare.peers(records, op)
+        rows = []
+        for (o, case, mode, dtype), ms in all_times.items():
+            if o != op:
+                continue
+            ours = [b for b in ms if b in _compare.OURS]
+            for b in ours or ["—"]:
+                mine = ms.get(b)
+                cells = [case, mode, b, _compare.fmt_ms(mine), rate.get((o, case, mode, dtype, b), "—")]
+                for p in peers:
+                    if p not in ms:
+                        cells.append("—")
+                    elif mine is None:
+                        cells.append(_compare.fmt_ms(ms[p]) + " ms")
+                    else:
+                        cells.append(f"{ms[p] / mine:.2f}x")
+                rows.append(cells)
+        head = ["case", "mode", "ours", "ms", "rate"] + [f"vs {p}" for p in peers]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if rows else []
+        note = ("" if any(r[2] != "—" for r in rows) else
+                "  (no ctxfast backend timed on this device: the peers' times are shown)")
+        out.append(f"{op}: speedup = peer's time / ours (>1x: ctxfast is faster)" + note)
+        for cells in [head] + rows:
+            out.append("  " + "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w)
+                                        for i, (c, w) in enumerate(zip(cells, widths))))
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command line (also ``ctxfast bench``): run, write, print the markdown table.
-    Exit status 1 when a suite failed (the report of the others is still written)."""
+    """Command line (also ``ctxfast bench``): run, write, print one compact table per op
+    and where the report is. Exit status 1 when a suite failed (the report of the others
+    is still written), 2 on a bad argument."""
     parser = argparse.ArgumentParser(
         prog="ctxfast bench", description="Benchmark ctxfast ops against eager PyTorch "
         "(and on a GPU against SDPA, FlexAttention, cuDNN).")
@@ -482,6 +769,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--threads", type=int, metavar="N",
                         help="CPU threads (OMP_NUM_THREADS); on a shared machine 1 keeps "
                              "timings sane (default: torch's)")
+    parser.add_argument("--time-budget", type=float, metavar="S",
+                        help="seconds for the whole run: a case that would start after its "
+                             "suite's share is skipped and named in the report")
+    parser.add_argument("--profile-check", action="store_true",
+                        help="CUDA: also run each case once under torch.profiler and record "
+                             "its kernel time next to the timed median")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show pytest's output and pytest-benchmark's tables")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG")
     parser.add_argument("--list", action="store_true",
                         help="list the op families (bench_<op>.py) and exit")
@@ -491,26 +787,71 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{op:<16} {path.relative_to(REPO_ROOT)}  baseline: "
                   f"{BASELINES.get(op, '(from the suite)')}")
         return 0
+    missing = missing_requirements()
+    if missing:
+        print(f"ctxfast bench: {' and '.join(missing)} not installed; install with: "
+              f"{INSTALL_HINT}", file=sys.stderr)
+        return 1
     ops = [o for arg in args.ops for o in arg.split(",") if o] if args.ops else None
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.time_budget is not None and not args.time_budget > 0:
+        parser.error(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    if args.device is not None:
+        reason = device_problem(args.device)
+        if reason is not None:
+            print(f"ctxfast bench: --device {args.device}: {reason}", file=sys.stderr)
+            return 2
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be >= 1, got {args.threads}")
         import torch
         torch.set_num_threads(args.threads)          # names the results folder
-    out = args.out if args.out is not None else default_out_dir(args.device)
     try:
+        out = args.out if args.out is not None else default_out_dir(args.device)
         report = run(out, quick=args.quick, ops=ops, device=args.device,
-                     plots=not args.no_plots, threads=args.threads)
+                     plots=not args.no_plots, threads=args.threads,
+                     time_budget_s=args.time_budget, verbose=args.verbose,
+                     progress=not args.no_progress and not args.verbose,
+                     profile_check=args.profile_check)
     except (RuntimeError, ValueError) as e:
         print(f"ctxfast bench: {e}", file=sys.stderr)
         return 1
-    print(f"\nwrote {report['json_path']}\n      {report['md_path']}  "
-          f"({report['wall_s']:.0f} s)\n")
-    print(Path(report["md_path"]).read_text(), end="")
+    print()
+    if args.verbose:
+        print(Path(report["md_path"]).read_text(), end="")
+    else:
+        print(compact_tables(report["records"]), end="")
+    for note in report["notes"]:
+        if not note.startswith("plots:"):
+            print(f"note: {note}")
+    pngs = sorted(Path(report["json_path"]).parent.glob(Path(report["json_path"]).stem + "-*.png"))
+    print(f"\nreport ({report['wall_s']:.0f} s, {len(report['records'])} records): "
+          f"{report['md_path']}\n  also {Path(report['json_path']).name}"
+          + "".join(f", {p.name}" for p in pngs)
+          + f" in {Path(report['json_path']).parent}")
     if report["failed"]:
         print(f"ctxfast bench: failed suites: {', '.join(report['failed'])}", file=sys.stderr)
         return 1
     return 0
+
+
+def device_problem(device: str) -> Optional[str]:
+    """Why `device` cannot run the benchmarks here (one line), or None."""
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return "not a device name; use cpu, cuda or cuda:<index>"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"benchmarks run on cpu or cuda, not {dev.type}"
+    if not torch.cuda.is_available():
+        return ("CUDA is not available here (torch " + torch.__version__
+                + ("" if torch.version.cuda else ", a CPU-only build")
+                + "); use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} CUDA device(s) here"
+    return None
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
     ctxfast info                       versions; which backends are built and usable per op
     ctxfast smoke                      run every op on every usable backend against the reference
-    ctxfast bench [--quick] [--ops …] [--out DIR] [--device D] [--list]
-                                       benchmarks against eager (needs the source checkout):
-                                       JSON records, markdown table, PNG plots; `bench --help`
+    ctxfast bench [--quick] [--ops …] [--out DIR] [--device D] [--verbose] [--list]
+                                       benchmarks against eager and the GPU peers (needs the
+                                       source checkout and `pip install -e '.[bench]'`): one
+                                       compact table per op, a report (JSON, markdown, PNG
+                                       plots) in --out; `bench --help`
     ctxfast xl-eval [--quick] [--attn-lens …] [--out DIR] [--json F] [--plot F]
                                        Transformer-XL with memory vs a vanilla sliding window
                                        (the paper's Table 9); `xl-eval --help`

@@ -20,7 +20,7 @@ REPORT_PY = BENCH_DIR / "report.py"
 KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
         "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
         "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
-        "triton", "date"}
+        "triton", "date", "timer", "reps", "op_backends", "profiler_ms"}
 TABLE_HEAD = ("| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
               "| rate | peak MiB | spread | note |")
 
@@ -552,12 +552,14 @@ def test_readme_table_render_and_update(readme_table, tmp_path):
     path, rep = readme_table.newest_run(tmp_path / "results")
     block = readme_table.render(rep, "benchmarks/results/gpu/2026-12-01.json")
     assert "**NVIDIA H200**, 2026-12-01" in block and "2026-12-01.json" in block
-    assert "| attention | triton | base | fwd | 4 | 4.00x (2.00x–8.00x), 1 OOM | 350 TFLOP/s |" \
-        in block
-    assert "| rel_shift | cpu | base | fwd+bwd | B8 H8 Tq256 Tk512 | 1.50x | 12 GB/s |" in block
-    assert "| models | ctxfast | base | eval | gpt B8 T1024 | 2.00x | 0.5 TFLOP/s, " \
+    assert ("| attention | **triton** (ctxfast) | base | fwd | 4 | 4.00x (2.00x–8.00x), 1 OOM "
+            "| 350 TFLOP/s |") in block
+    assert ("| rel_shift | **cpu** (ctxfast) | base | fwd+bwd | B8 H8 Tq256 Tk512 | 1.50x "
+            "| 12 GB/s |") in block
+    assert "| models | **ctxfast** (ctxfast) | base | eval | gpt B8 T1024 | 2.00x | 0.5 TFLOP/s, " \
         "1.2e+05 tokens/s |" in block
     assert "no GPU run" not in block
+    assert "(no case where a ctxfast backend is slower" in block    # no peer has a time here
 
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{readme_table.BEGIN}\nold table\n{readme_table.END}\n"
@@ -566,7 +568,7 @@ def test_readme_table_render_and_update(readme_table, tmp_path):
     assert readme_table.main(args + ["--check"]) == 1
     assert readme_table.main(args) == 0
     text = readme.read_text()
-    assert "old table" not in text and "| attention | triton |" in text
+    assert "old table" not in text and "| attention | **triton** (ctxfast) |" in text
     assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{readme_table.END}\nafter\n")
     assert readme_table.main(args + ["--check"]) == 0               # idempotent
     readme.write_text("no markers\n")
@@ -609,3 +611,291 @@ def test_roofline_work_formulas():
     assert roofline.floor_s(100.0, 10.0, 10.0, 1.0) == (10.0, "compute")
     assert roofline.floor_s(100.0, 300.0, 10.0, 1.0) == (300.0, "memory")
     assert roofline.floor_s(100.0, 3.0, None, 1.0) == (3.0, "memory")
+
+
+# --------------------------------------------------------------------------- the timed loop
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event on the CPU: logs record() and times nothing."""
+    log: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+
+    def record(self, stream=None):
+        _FakeEvent.log.append("record")
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+def test_timed_loop_holds_the_op_and_nothing_else(common, monkeypatch):
+    # The CUDA branch of measure(), run on the CPU with fake events: between the first and
+    # the last event of the timed loop there must be the op's calls and event records
+    # only — no synchronisation, no check, no hook, no dispatch mode, no other Python call
+    # made by the harness (every call made from the timed loop's own frame is logged).
+    log = _FakeEvent.log
+    log.clear()
+    monkeypatch.setattr(common, "_cuda_events", lambda rounds: (
+        [_FakeEvent(True) for _ in range(rounds)], [_FakeEvent(True) for _ in range(rounds)]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    import torch.nn.modules.module as mod
+    import ctxfast._dispatch as dispatch
+    real_resolve = dispatch.resolve
+
+    clean = []
+
+    def fn(x):
+        log.append("fn")
+        # nothing of the harness is active while the op runs (the untimed call after the
+        # timing may watch the dispatch: checked below that only that one does)
+        clean.append(not _get_current_dispatch_mode_stack()
+                     and not _get_current_function_mode_stack()
+                     and not (mod._global_forward_hooks or mod._global_forward_pre_hooks
+                              or mod._global_backward_hooks)
+                     and dispatch.resolve is real_resolve)
+        return x + 1
+
+    loop = common._time_rounds.__code__
+    allowed = (fn.__code__, _FakeEvent.record.__code__)
+
+    def tracer(frame, event, arg):
+        # every call the timed loop's own frame makes is logged unless it is the op or an
+        # event record (builtins: only the loop's own bookkeeping)
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code is loop \
+                and frame.f_code not in allowed:
+            log.append(f"call {frame.f_code.co_name}")
+        elif event == "c_call" and frame.f_code is loop \
+                and getattr(arg, "__name__", "") not in ("len", "range", "append"):
+            log.append(f"call {getattr(arg, '__name__', arg)}")
+
+    bench = FakeBenchmark()
+    sets = [(torch.randn(4),), (torch.randn(4),)]
+    sys.setprofile(tracer)
+    try:
+        common.measure(bench, fn, sets, torch.device("cuda"), budget_s=0.0, min_rounds=1,
+                       warmup=3, peak_memory=False)
+    finally:
+        sys.setprofile(None)
+    info = bench.extra_info
+    first, last = log.index("record"), len(log) - 1 - log[::-1].index("record")
+    timed = log[first:last + 1]
+    assert set(timed) == {"record", "fn"}                      # no sync inside
+    assert timed.count("fn") == info["reps"] >= common.MIN_REPS >= 10
+    assert info["rounds"] * info["iterations"] == info["reps"]
+    assert log[:first].count("fn") == 3                          # warm-up before the loop
+    assert log[first - 2:first] == ["call _sync", "sync"]        # one sync before it
+    assert log[last + 1:last + 3] == ["call _sync", "sync"]      # and one after it
+    assert all(clean[:-1]) and not clean[-1] and len(clean) == 3 + info["reps"] + 1
+    assert info["timer"] == "cuda-events"
+    assert math.isclose(info["ms"], 1.0 / info["iterations"])
+    # pytest-benchmark gets no timing pass of its own (a no-op on the fake fixture)
+    assert len(bench.pedantic_calls) == 1 and bench.pedantic_calls[0][1:] == (1, 1)
+
+
+def test_measure_feeds_pytest_benchmark_its_own_rounds(common):
+    # With pytest-benchmark's stats API, its table shows the rounds measure() timed, and
+    # the op is not run again for it.
+    stats = []
+
+    class StatsBench(FakeBenchmark):
+        def _make_stats(self, iterations):
+            class S:
+                def update(self, duration):
+                    stats.append(duration / iterations)
+            return S()
+
+    calls = []
+    bench = StatsBench()
+    common.measure(bench, lambda x: calls.append(1), [(1,)], torch.device("cpu"),
+                   budget_s=0.0, warmup=2, peak_memory=False)
+    info = bench.extra_info
+    assert bench.pedantic_calls == [] and bench._mode
+    assert len(stats) == info["rounds"] >= 10
+    assert math.isclose(sorted(stats)[len(stats) // 2] * 1e3, info["ms"], rel_tol=0.5)
+    # warm-up + timed calls + one untimed call after the timing
+    assert len(calls) == 2 + info["reps"] + 1
+
+
+# --------------------------------------------------------------------------- the GPU round
+
+GPU_ROUND = BENCH_DIR / "gpu_round.sh"
+
+
+def _dry_run(stage, tmp_path):
+    import subprocess
+    out = tmp_path / "round"
+    proc = subprocess.run(["bash", str(GPU_ROUND), "--stage", stage, "--dry-run"],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out)})
+    return proc, out
+
+
+def test_gpu_round_dry_run_prints_every_command(tmp_path):
+    # The CPU check of the GPU round: each stage prints its commands and runs nothing.
+    stages = {}
+    for stage in ("build-test", "sanitize", "bench"):
+        proc, out = _dry_run(stage, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert not out.exists()                                 # nothing was run or written
+        cmds = [l.split("] ", 1)[1] for l in proc.stdout.splitlines()
+                if l.startswith(f"[{stage}] ")]
+        stages[stage] = cmds
+        # every stage builds offline (a fresh machine) and ends with its archive
+        assert any("pip install --no-build-isolation --no-deps --use-pep517 -e ." in c
+                   for c in cmds)
+        assert cmds[-1].startswith("tar czf ") and f"gpu_round-{stage}.tgz" in cmds[-1]
+        for c in cmds[:-1]:                                     # each step under a timeout
+            assert c.startswith("timeout "), c
+            assert int(c.split()[1]) <= 570, c                  # < 10 min a command
+    bt = stages["build-test"]
+    assert any("-m pytest tests " in c and "-n 12" in c for c in bt)
+    assert any("ctxfast.cli xl-eval" in c and "--quick" not in c for c in bt)
+    assert any("ctxfast.cli smoke" in c for c in bt)
+    # compute-sanitizer: both tools over every test file of the CUDA C++ kernels, one run
+    # each (no -x: an unrelated failure does not stop the others)
+    san = [c for c in stages["sanitize"] if "compute-sanitizer" in c]
+    files = {c.split(" -m pytest ")[1].split()[0] for c in san}
+    assert {"tests/gpu/test_lstm_gpu.py", "tests/gpu/test_rel_shift_gpu.py",
+            "tests/test_cuda_bindings.py", "tests/test_lstm_native.py"} <= files
+    for f in files:
+        assert (BENCH_DIR.parent / f).is_file(), f
+        for tool in ("memcheck", "racecheck"):
+            assert sum(f"--tool {tool}" in c and f" {f} " in c for c in san) == 1
+    assert not any(" -x" in c for c in san)
+    assert any("--profile-check" in c for c in stages["sanitize"])
+    bench = [c for c in stages["bench"] if "ctxfast.cli bench" in c]
+    assert len(bench) == 1 and "--quick" not in bench[0]
+    budget = float(bench[0].split("--time-budget ")[1].split()[0])
+    assert budget <= 9 * 60 - 30                                 # the full set in < 9 min
+    assert int(bench[0].split()[1]) <= 9 * 60
+
+
+def test_gpu_round_refuses_a_bad_stage(tmp_path):
+    for args in (["--stage", "everything"], [], ["--frobnicate"]):
+        import subprocess
+        proc = subprocess.run(["bash", str(GPU_ROUND), *args, "--dry-run"],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and "gpu_round:" in proc.stderr
+
+
+KILLED_SUITE = '''
+import os
+import sys
+sys.path.insert(0, {bench_dir!r})
+import pytest
+import torch
+import _common
+
+
+@pytest.mark.parametrize("case, backend", [("a", "mine"), ("a", "base"), ("b", "mine"),
+                                           ("b", "base"), ("c", "mine"), ("c", "base")])
+def test_dies(benchmark, case, backend):
+    if case == "c":
+        os._exit(3)                     # the process dies (a timeout kill, a crash)
+    _common.describe(benchmark, op="dies", case=case, mode="fwd", backend=backend,
+                     dtype=torch.float32, device=torch.device("cpu"), baseline="base")
+    _common.measure(benchmark, lambda x: x * 2, [(torch.randn(8),)], torch.device("cpu"),
+                    budget_s=0.001, warmup=1)
+'''
+
+
+def test_records_survive_a_killed_suite_and_the_time_budget(report, tmp_path):
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "bench_dies.py").write_text(KILLED_SUITE.format(bench_dir=str(BENCH_DIR)))
+    result = report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
+                        echo=False, bench_dir=suites)
+    # everything finished before the process died is in the report
+    assert result["failed"] == ["bench_dies.py"]
+    assert sorted(r["case"] for r in result["records"]) == ["a", "b"]
+    assert all(r["speedup"] > 0 for r in result["records"])
+    # a budget already spent: no case starts, each is named, nothing is made up
+    result = report.run(tmp_path / "out2", quick=True, device="cpu", plots=False,
+                        echo=False, bench_dir=suites, time_budget_s=1e-6)
+    assert result["records"] == [] and len(result["skipped_budget"]) == 6
+    assert any("not run: the time budget" in n for n in result["notes"])
+
+
+def test_readme_table_says_where_we_are_slower_and_whose_rows_are_whose(readme_table):
+    # GPU: ours against every peer of the same case, the slower cases counted; CPU rows
+    # of torch's SDPA are labelled as PyTorch's, never as ctxfast's.
+    def rec(case, backend, ms, base_ms, op="attention"):
+        return {"op": op, "case": case, "mode": "fwd", "backend": backend, "baseline": "eager",
+                "ms": ms, "baseline_ms": base_ms, "speedup": base_ms / ms,
+                "dtype": "bfloat16"}
+    gpu = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-22", "torch": "2.11",
+           "triton": "3.6", "notes": ["measured with the old harness", "plots: x.png"],
+           "records": [rec("a", "triton", 2.0, 10.0), rec("a", "sdpa", 1.0, 10.0),
+                       rec("b", "triton", 1.0, 10.0), rec("b", "sdpa", 4.0, 10.0),
+                       rec("a", "flex", 4.0, 10.0)]}
+    cpu = {"device": "AMD EPYC (1 threads)", "date": "2026-11-21", "torch": "2.13",
+           "notes": [], "records": [rec("a", "sdpa", 1.0, 2.0)]}
+    block = readme_table.render(gpu, "g.json", (cpu, "c.json"))
+    assert "> measured with the old harness" in block and "plots: x.png" not in block
+    assert "| attention | fwd | **triton** | sdpa | 1 of 2 | 2.25x (0.50x–4.00x) |" in block
+    assert "| attention | fwd | **triton** | flex |" not in block        # never slower there
+    assert "| attention | sdpa (PyTorch SDPA, not ctxfast) | eager | fwd |" in block
+    cpu_part = block.split("CPU run:")[1]
+    assert "not GPU performance" in cpu_part and "not ctxfast" in cpu_part
+    assert "**" not in cpu_part.split("|", 1)[1].replace("**AMD", "")  # no row marked ours
+
+
+# --------------------------------------------------------------------------- importing old logs
+
+OLD_LOG = """
+---------- benchmark 'attention sweep causal B2 H16 Tq8192 Tk8192 D128 fwd': 4 tests ----------
+Name (time in ms)                                                        Median               IQR            Rounds  Iterations
+test_attention[sweep-causal-B2-H16-Tq8192-Tk8192-D128-fwd-sdpa]        1.1498 (1.0)      0.1848 (6.94)          3           1
+test_attention[sweep-causal-B2-H16-Tq8192-Tk8192-D128-fwd-eager]      35.8517 (31.18)    0.0266 (1.0)           3           1
+---------- benchmark 'attention sweep causal B2 H32 Tq8192 Tk8192 D64 fwd+bwd': 4 tests ----------
+Name (time in us)                                                              Median                 IQR            Rounds  Iterations
+test_attention[sweep-causal-B2-H32-Tq8192-Tk8192-D64-fwd+bwd-eager]          2.4860 (1.0)        0.0000 (1.0)           1           1
+test_attention[sweep-causal-B2-H32-Tq8192-Tk8192-D64-fwd+bwd-sdpa]       4,921.7000 (>1000.0)  195.7357 (inf)           3           1
+FAILED benchmarks/bench_lstm.py::test_lstm[ULMFiT-T70-B64-fp16-fwd-cuda] - AssertionError
+"""
+
+
+def test_import_logs_reads_only_what_the_log_says(report):
+    imp = _load("ctxfast_bench_import_logs", "import_logs.py")
+    rows = imp.parse_log(OLD_LOG)
+    assert rows[0] == {"op": "attention", "case": "sweep causal B2 H16 Tq8192 Tk8192 D128",
+                       "mode": "fwd", "backend": "sdpa", "ms": 1.1498,
+                       "iqr_ms": 0.1848, "rounds": 3, "iterations": 1}
+    assert math.isclose(rows[3]["ms"], 4.9217) and rows[3]["backend"] == "sdpa"   # us -> ms
+    assert rows[2]["rounds"] == 1                              # the old OOM marker
+    assert rows[4] == {"op": "lstm", "id": "ULMFiT-T70-B64-fp16-fwd-cuda", "failed": True}
+    header = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6"}
+    recs = {(r["case"], r["mode"], r["backend"]): r for r in
+            report.records_from_pytest_benchmark({"benchmarks": imp.entries(rows, header)})}
+    sdpa = recs[("sweep causal B2 H16 Tq8192 Tk8192 D128", "fwd", "sdpa")]
+    assert sdpa["ms"] == 1.1498 and sdpa["baseline_ms"] == 35.8517
+    assert round(sdpa["tflops"]) == 478                        # the figure of issue 14
+    assert sdpa["timer"] == imp.LOG_TIMER
+    oom = recs[("sweep causal B2 H32 Tq8192 Tk8192 D64", "fwd+bwd", "sdpa")]
+    assert oom["speedup"] is None and oom["note"].startswith("baseline OOM")
+    failed = recs[("ULMFiT T70 B64 fp16", "fwd", "cuda")]
+    assert failed["ms"] is None and failed["note"].startswith("failed:")
+
+
+def test_gpu_round_records_each_step_and_packs_one_archive(tmp_path):
+    # The real (not dry) path with a stand-in python that does nothing: every step's exit
+    # status reaches the summary, a failing step (no compute-sanitizer here) does not stop
+    # the round, and the stage ends in one archive holding the summary and the logs.
+    import subprocess
+    import tarfile
+    out = tmp_path / "round"
+    proc = subprocess.run(["bash", str(GPU_ROUND), "--stage", "sanitize"], capture_output=True,
+                          text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": "true"})
+    assert proc.returncode == 0, proc.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "build: ctxfast._cuda already imports" in summary
+    assert "profile check (lstm, models) rc=0" in summary
+    ran = [l for l in summary.splitlines() if l.startswith("compute-sanitizer ")]
+    assert len(ran) == 12 and all(" rc=" in l for l in ran)        # all ran, none stopped it
+    with tarfile.open(out / "gpu_round-sanitize.tgz") as tar:
+        names = tar.getnames()
+    assert "summary.txt" in names and "r/profile_check.log" in names

@@ -36,3 +36,51 @@ def test_smoke_passes():
 def test_unknown_arguments_fail():
     r = _run("info", "--bogus")
     assert r.returncode != 0 and "unrecognized arguments" in r.stderr
+
+
+# --------------------------------------------------------------------------- ctxfast bench
+
+def test_bench_refuses_an_unusable_device_in_one_line():
+    import torch
+    bad = [("meta", "benchmarks run on cpu or cuda"), ("nonsense", "not a device name"),
+           ("cuda:99", "CUDA device(s) here" if torch.cuda.is_available()
+            else "CUDA is not available here")]
+    for device, words in bad:
+        r = _run("bench", "--quick", "--device", device)
+        assert r.returncode == 2, r.stdout + r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"ctxfast bench: --device {device}: ")
+        assert words in lines[0] and "Traceback" not in r.stderr
+
+
+def test_bench_says_what_to_install_without_pytest_benchmark(monkeypatch, capsys):
+    import importlib.util
+    from ctxfast import cli
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pytest_benchmark" else real(name, *a))
+    assert cli.main(["bench", "--quick", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "pytest-benchmark not installed" in err and "pip install" in err
+    assert "'.[bench]'" in err
+
+
+def test_bench_prints_compact_tables_and_where_the_report_is(tmp_path):
+    # The default output: one table per op (ours against each peer), the report's path;
+    # pytest-benchmark's raw tables only with --verbose.
+    env = dict(os.environ, CTXFAST_BENCH_BUDGET_SCALE="0.05")
+    r = subprocess.run([sys.executable, "-m", "ctxfast.cli", "bench", "--quick", "--ops",
+                        "rel_shift", "--device", "cpu", "--threads", "1", "--no-plots",
+                        "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "rel_shift: speedup = peer's time / ours" in out
+    head = next(l for l in out.splitlines() if l.strip().startswith("case"))
+    assert head.split() == ["case", "mode", "ours", "ms", "rate", "vs", "eager-pad-view",
+                            "vs", "eager"]
+    rows = [l for l in out.splitlines() if l.strip().startswith("B2 H4 Tq64 Tk128")]
+    assert len(rows) == 2 and all(" cpu " in l and l.rstrip().endswith("x") for l in rows)
+    assert f"report (" in out and str(tmp_path) in out and ".md" in out
+    assert "benchmark '" not in out and "Name (time in" not in out    # no raw tables
+    assert "rel_shift" in r.stderr                                    # the progress bar
