@@ -743,8 +743,9 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
         cmds = [l.split("] ", 1)[1] for l in proc.stdout.splitlines()
                 if l.startswith(f"[{stage}] ")]
         stages[stage] = cmds
-        # every stage builds offline (a fresh machine) and ends with its archive
-        assert any("pip install --no-build-isolation --no-deps --use-pep517 -e ." in c
+        # every stage builds offline (a fresh machine: the README's command with the index
+        # switched off) and ends with its archive
+        assert any("PIP_NO_INDEX=1" in c and "pip install --no-build-isolation --no-deps -e ." in c
                    for c in cmds)
         assert cmds[-1].startswith("tar czf ") and f"gpu_round-{stage}.tgz" in cmds[-1]
         for c in cmds[:-1]:                                     # each step under a timeout
