@@ -63,7 +63,9 @@ cannot fill a GPU, so the keys are split over a third grid axis (flash-decoding,
 BD still computed from the band of r rows of each tile, and writes a normalised partial
 output and its lse (``-inf`` where it saw no key); ``kernels.attention``'s combine kernel
 merges them into ``out`` and the final lse. The backward is the regular one, driven by the
-combined lse. :func:`decode_splits` picks the split count (CUDA only).
+combined lse. :func:`decode_splits` picks the split count (CUDA only) whenever the grid
+is smaller than the GPU, for any number of queries (XL evaluation: 128 queries against
+3,000+ keys in a few streams), with :func:`key_splits`.
 """
 from typing import Optional
 
@@ -71,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (LOG2E, _attn_combine_kernel, _auto_splits, _dot, _interpreting, _keep,
+from .attention import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep,
                         _key_range, _mask_args, _online_softmax_step, _seed_arg, _visible)
 
 
@@ -604,13 +606,46 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
 DECODE_MAX_Q = 16
 
 
+#: SM count the split decision assumes where no GPU is present (an H100 SXM).
+DEFAULT_SMS = 132
+
+
+def key_splits(programs: int, Tk: int, block_n: int, num_warps: int,
+               sms: int = DEFAULT_SMS) -> int:
+    """Key splits for a forward grid of ``programs`` (b, h, query block) programs, each
+    walking ``Tk`` keys ``block_n`` at a time, on a GPU of ``sms`` SMs. Pure: the decision
+    logic, testable anywhere.
+
+    The GPU holds ``sms · max(1, 16 // num_warps)`` programs at once (16 resident warps
+    per SM, a quarter of Hopper's 64: what two to four of these tiles leave room for in
+    registers and shared memory; a guess, not measured). A grid at least that large is
+    not split. A smaller one (XL evaluation: 8 streams × 8 heads × 4 blocks of 32 queries
+    = 256 programs against 528 slots; decoding) is split into the smallest count whose
+    last wave is within 85% of the best wave efficiency (``waves / ⌈waves⌉``) reachable
+    with at most 64 splits of at least 4 key blocks each."""
+    slots = sms * max(1, 16 // num_warps)
+    most = min(Tk // (4 * block_n), 64)
+    if programs >= slots or most < 2:
+        return 1
+
+    def efficiency(s):
+        waves = programs * s / slots
+        return waves / -(-waves // 1)
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
+
+
 def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device,
                   dtype: torch.dtype = torch.float16) -> int:
-    """The number of key splits the forward picks when none is given: more than 1 only on
-    CUDA (never on CPU or in the interpreter), when the ``B·H·⌈Tq/BLOCK_M⌉`` programs cannot
-    fill the GPU and the keys are long (``kernels.attention._auto_splits``)."""
-    bm, bn = _config(D, Tq, dtype)[:2]
-    return _auto_splits(B, H, Tq, Tk, bm, bn, torch.device(device))
+    """The number of key splits the forward picks when none is given: :func:`key_splits`
+    with the device's SM count on CUDA; 1 on CPU and in the interpreter (a split costs
+    time there and gains nothing)."""
+    device = torch.device(device)
+    if device.type != "cuda" or _interpreting():
+        return 1
+    bm, bn, _, _, warps, _ = _config(D, Tq, dtype)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return key_splits(B * H * triton.cdiv(Tq, bm), Tk, bn, warps, sms)
 
 
 def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_start=None,
