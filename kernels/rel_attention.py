@@ -57,6 +57,16 @@ key block a query block can see (``m0 + mem_len − window + 1``), the dK/dV loo
 the last query block a key block is seen by (``n0 + BLOCK_N − 1 − mem_len + window``), so a
 window of W keys costs O(Tq·W), not O(Tq·Tk).
 
+Tile pieces (written once, called by every kernel): :func:`_rel_scores` (the scores of a
+tile, content term plus the shifted position term), :func:`_seg_term`, :func:`_rel_visible`
+(the masks and the window), ``kernels.attention._online_softmax_step``. Interior and
+boundary tiles: a tile whose every pair is visible (inside the keys, below the causal
+diagonal, within the window; never with padding or a permutation, which are per element)
+skips the visibility work. :func:`_interior_keys` gives the forward and dQ kernels the key
+blocks ``[a, b)`` interior to their query block, :func:`_interior_queries` the dK/dV
+kernel the query blocks interior to its key block; the loops test one scalar per tile.
+The dR kernel's band tiles are never interior (half of each band is another program's).
+
 Decoding (a few queries, long memory): the ``B·H·⌈Tq/BLOCK_M⌉`` programs of the forward
 cannot fill a GPU, so the keys are split over a third grid axis (flash-decoding, as
 ``kernels/attention.py``): split ``s`` runs the same loop over its own range of key blocks,
@@ -75,6 +85,79 @@ import triton.language as tl
 
 from .attention import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep,
                         _key_range, _mask_args, _online_softmax_step, _seed_arg, _visible)
+
+
+@triton.jit
+def _rel_scores(qu, qw, k, r, skew, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] unscaled scores of a tile: ``(q + u)·kᵀ`` plus the position term,
+    ``(q + v)`` times the band of r rows ``[BAND, BLOCK_D]``, shifted into place with a
+    gather (skew ``[BLOCK_M, BLOCK_N]``: column of the band that pair (ii, jj) reads)."""
+    ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
+    qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
+    return ac + tl.gather(qr, skew, 1)
+
+
+@triton.jit
+def _seg_term(seg_q, seg_k, ef_same, ef_diff):
+    """(segment term [BLOCK_M, BLOCK_N], same [BLOCK_M, BLOCK_N] bool): XLNet's relative
+    segment encoding, ``(q + r_s_bias)·seg_embed[same ? 0 : 1]`` from its per-row values."""
+    same = seg_q[:, None] == seg_k[None, :]
+    return tl.where(same, ef_same[:, None], ef_diff[:, None]), same
+
+
+@triton.jit
+def _rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+                 PERM_STRICT: tl.constexpr, WINDOW: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: the visibility of a tile, ``kernels.attention._visible``
+    and the sliding window (distance ``mem_len + i − j < window``)."""
+    vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                   RANK, stride_rank_b, stride_rank_t, rank_q,
+                   CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+    if WINDOW:
+        vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
+    return vis
+
+
+@triton.jit
+def _interior_keys(m0, Tk, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+                   HAS_PERM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """(a, b): the key blocks ``[a, b)`` that every query of the block at m0 sees, inside
+    the keys (``n + BLOCK_N <= Tk``), below the causal diagonal of its first row
+    (``n + BLOCK_N − 1 <= m0 + mem_len``) and within the window of its last row
+    (``n >= mem_len + m0 + BLOCK_M − window``). Padding and permutations are per element:
+    no interior then. Rows past Tq need no mask (never stored; lse +inf in the backward)."""
+    a = 0
+    b = Tk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        b = tl.minimum(b, tl.maximum(m0 + mem_len + 1, 0) // BLOCK_N * BLOCK_N)
+    if WINDOW:
+        a = tl.cdiv(tl.maximum(mem_len + m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+    if HAS_KPM or HAS_PERM:
+        b = 0
+    return a, b
+
+
+@triton.jit
+def _interior_queries(n0, Tq, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+                      HAS_PERM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """(a, b): the query blocks ``[a, b)`` that see every key of the block at n0: past the
+    causal diagonal of its last key (``m >= n0 + BLOCK_N − 1 − mem_len``) and with its last
+    row within the window of its first key (``m + BLOCK_M − 1 < n0 − mem_len + window``).
+    Keys past Tk need no mask (their dK, dV rows are not stored; the dQ and dR kernels mask
+    them themselves)."""
+    a = 0
+    b = Tq + BLOCK_M
+    if CAUSAL:
+        a = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - mem_len, 0), BLOCK_M) * BLOCK_M
+    if WINDOW:
+        b = tl.cdiv(tl.maximum(window + n0 - mem_len - BLOCK_M + 1, 0), BLOCK_M) * BLOCK_M
+    if HAS_KPM or HAS_PERM:
+        b = 0
+    return a, b
 
 
 @triton.jit
@@ -154,6 +237,8 @@ def _rel_attn_fwd_kernel(
     skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
     c = pos_start - mem_len
 
+    in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
+                                  BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -171,21 +256,17 @@ def _rel_attn_fwd_kernel(
         r_ok = band_ok & (rows >= 0) & (rows < R_len)
         r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                     mask=r_ok[:, None] & d_ok, other=0.0)
-        ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)                     # [BLOCK_M, BLOCK_N]
-        qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
-        bd = tl.gather(qr, skew, 1)                                       # the shift
-        s = ac + bd
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)           # [BLOCK_M, BLOCK_N]
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
-            same = seg_q[:, None] == seg_k[None, :]
-            s += tl.where(same, ef_same[:, None], ef_diff[:, None])
+            s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
         s = s * qk_scale
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        if WINDOW:
-            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
-        s = tl.where(vis, s, float("-inf"))
+        if (start_n < in_lo) | (start_n >= in_hi):                       # boundary tile
+            s = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
                                              Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
 
@@ -264,6 +345,8 @@ def _rel_attn_bwd_dkdv_kernel(
     c = pos_start - mem_len
     r_base = R + h * stride_rh
 
+    in_lo, in_hi = _interior_queries(n0, Tq, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM,
+                                     WINDOW, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
@@ -284,20 +367,19 @@ def _rel_attn_bwd_dkdv_kernel(
         rows = c - m0 - BLOCK_M + 1 + n0 + band
         r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                     mask=(rows[:, None] >= 0) & (rows[:, None] < R_len) & d_ok, other=0.0)
-        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-        s += tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew, 1)
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
         if HAS_SEG:
             qs = q + rsb[None, :]
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
-            same = seg_q[:, None] == seg_k[None, :]
-            s += tl.where(same, tl.sum(qs * se0[None, :], 1)[:, None],
-                          tl.sum(qs * se1[None, :], 1)[:, None])
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        if WINDOW:
-            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            s += _seg_term(seg_q, seg_k, tl.sum(qs * se0[None, :], 1),
+                           tl.sum(qs * se1[None, :], 1))[0]
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if (m0 < in_lo) | (m0 >= in_hi):                                 # boundary tile
+            p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
             keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
@@ -388,6 +470,8 @@ def _rel_attn_bwd_dq_kernel(
     dqw = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW:      # first key block within the window of the block's first query
         lo = tl.maximum(lo, tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N)
+    in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
+                                  BLOCK_M, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + jj
         kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -399,18 +483,18 @@ def _rel_attn_bwd_dq_kernel(
         rows_ok = (rows >= 0) & (rows < R_len)
         r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                     mask=rows_ok[:, None] & d_ok, other=0.0)
-        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-        s += tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew, 1)
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
-            same = seg_q[:, None] == seg_k[None, :]
-            s += tl.where(same, ef_same[:, None], ef_diff[:, None])
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        if WINDOW:
-            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
+            s += seg_s
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if (n0 < in_lo) | (n0 >= in_hi):                                 # boundary tile
+            p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
             keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
@@ -530,14 +614,11 @@ def _rel_attn_bwd_dr_kernel(
             qs = q + rsb[None, :]
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
-            same = seg_q[:, None] == seg_k[None, :]
-            s += tl.where(same, tl.sum(qs * se0[None, :], 1)[:, None],
-                          tl.sum(qs * se1[None, :], 1)[:, None])
-        vis = _visible(offs_m, offs_k, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT) & owned
-        if WINDOW:
-            vis = vis & ((mem_len + offs_m[:, None] - offs_k[None, :]) < window)
+            s += _seg_term(seg_q, seg_k, tl.sum(qs * se0[None, :], 1),
+                           tl.sum(qs * se1[None, :], 1))[0]
+        vis = _rel_visible(offs_m, offs_k, b, Tq, Tk, mem_len, window,
+                           KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                           rank_q, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW) & owned
         p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                       # [BLOCK_M, BAND]
         if DROPOUT:

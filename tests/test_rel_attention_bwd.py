@@ -35,6 +35,18 @@ def test_dr_bidirectional_with_every_mask():
 
 
 @needs_triton
+@pytest.mark.parametrize("causal, window", [(False, 35), (False, 51), (True, 52)])
+def test_interior_tiles_at_the_window_edge(causal, window):
+    """Tiles that every pair of sees skip the mask work (kernels/rel_attention.py:
+    _interior_keys, _interior_queries). Long windows over several blocks, both directions,
+    with windows that put the edge of the interior exactly on a block boundary (the CPU
+    tests run 16-row blocks): forward and every gradient against float64."""
+    Tq, mem = 64, 20
+    kw = dict(causal=False, R=2 * Tq + mem, pos_start=Tq + mem) if not causal else {}
+    check(1, 2, Tq, Tq + mem, 16, window=window, **kw)
+
+
+@needs_triton
 def test_backward_is_bitwise_deterministic():
     """Two backward runs on the same inputs (dropout with the same seed, segments, padding,
     window): every gradient bitwise equal."""
