@@ -161,6 +161,55 @@ def _interior_queries(n0, Tq, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl
 
 
 @triton.jit
+def _rel_fwd_inner(
+    m_i, l_i, acc, start, end,      # running max, normaliser, output; key range [start, end)
+    qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
+    row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+    seed, qk_scale, p_drop,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,           # False: interior tiles, every pair visible, no mask work
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
+    fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc)."""
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    band = tl.arange(0, BAND)
+    band_ok = band < BLOCK_M + BLOCK_N - 1            # rows the skew reads (BAND is wider)
+    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + jj
+        kv_mask = (offs_n[:, None] < Tk) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        rows = row0 + start_n + band                                       # [BAND] rows of r
+        r_ok = band_ok & (rows >= 0) & (rows < R_len)
+        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                    mask=r_ok[:, None] & d_ok, other=0.0)
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)           # [BLOCK_M, BLOCK_N]
+        if HAS_SEG:
+            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
+            s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
+        s = s * qk_scale
+        if MASKED:
+            s = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _rel_attn_fwd_kernel(
     Q, K, V,        # q [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     R,              # r [H, R, D], any strides
@@ -207,6 +256,9 @@ def _rel_attn_fwd_kernel(
     w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     qu = (q + u[None, :]).to(K.dtype.element_ty)     # (q + u): content term
     qw = (q + w[None, :]).to(K.dtype.element_ty)     # (q + v): position term
+    seg_q = offs_m                                    # placeholders unless HAS_SEG
+    ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ef_diff = ef_same
     if HAS_SEG:
         rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
         se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
@@ -230,13 +282,7 @@ def _rel_attn_fwd_kernel(
     if DROPOUT:
         seed = tl.load(SEED)
 
-    ii = tl.arange(0, BLOCK_M)
-    jj = tl.arange(0, BLOCK_N)
-    band = tl.arange(0, BAND)
-    band_ok = band < BLOCK_M + BLOCK_N - 1            # rows the skew reads (BAND is wider)
-    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
     c = pos_start - mem_len
-
     in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
                                   BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -245,30 +291,39 @@ def _rel_attn_fwd_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     r_base = R + h * stride_rh
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + jj
-        kv_mask = (offs_n[:, None] < Tk) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        rows = c - m0 - BLOCK_M + 1 + start_n + band                      # [BAND] rows of r
-        r_ok = band_ok & (rows >= 0) & (rows < R_len)
-        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
-                    mask=r_ok[:, None] & d_ok, other=0.0)
-        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)           # [BLOCK_M, BLOCK_N]
-        if HAS_SEG:
-            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
-            s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
-        s = s * qk_scale
-        if (start_n < in_lo) | (start_n >= in_hi):                       # boundary tile
-            s = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
-                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
-                                      stride_rank_t, rank_q,
-                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
-                         s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
-                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
+    row0 = c - m0 - BLOCK_M + 1          # first row of r in the band of key block 0
+    if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, lo, hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+    else:   # boundary tiles before the interior, the interior (no mask work), the rest
+        in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
+        in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, lo, in_lo, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, in_lo, in_hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, in_hi, hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
