@@ -690,9 +690,9 @@ def _rel_attn_bwd_dr_kernel(
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision`` (a constexpr), decided once per call by the launcher
     (inside the custom op, so torch.compile never traces it). fp32 runs on the tensor
-    cores: ``"tf32"`` when torch allows TF32 for fp32 matmuls
-    (``torch.backends.cuda.matmul.allow_tf32``, which ``torch.set_float32_matmul_precision
-    ("high")`` also sets), else ``"tf32x3"``: each operand split into a TF32 head and a TF32
+    cores: ``"tf32"`` when torch allows TF32 for fp32 matmuls (:func:`_tf32_allowed`:
+    ``allow_tf32``, ``set_float32_matmul_precision("high")`` or the ``fp32_precision``
+    API), else ``"tf32x3"``: each operand split into a TF32 head and a TF32
     tail, three products (tail·tail dropped), ~fp32 error at a third of the TF32 rate —
     instead of exact fp32 products on the CUDA cores (``"ieee"``; H100 SXM datasheet, dense:
     67 TFLOP/s fp32 FMA against 495 TF32, so tf32x3 has ~2.5x ieee's peak; not measured).
@@ -700,9 +700,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     fp32 dot exactly whatever the string. fp64 keeps ``"ieee"``; 16-bit operands ignore it."""
     if dtype == torch.float64:
         return "ieee"
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and not _tf32_allowed():
         return "tf32x3"
     return "tf32"
+
+
+def _tf32_allowed() -> bool:
+    """torch allows TF32 for fp32 matmuls. ``torch.backends.cuda.matmul.fp32_precision``
+    (torch >= 2.9; reflects ``allow_tf32`` and ``set_float32_matmul_precision`` too) where it
+    exists: reading ``allow_tf32`` raises a RuntimeError in torch 2.13 once the new API has
+    set the precision. ``"none"`` defers to ``torch.backends.fp32_precision``."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
 
 
 def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16):

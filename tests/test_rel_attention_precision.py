@@ -71,6 +71,24 @@ def test_dot_precision(tf32_flag, allow_tf32, dtype, want):
 
 
 @needs_triton
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+                    reason="torch without the fp32_precision API")
+def test_dot_precision_follows_the_new_tf32_api():
+    """torch >= 2.9's ``fp32_precision``: after it is set, reading ``allow_tf32`` raises in
+    torch 2.13; the choice still follows it."""
+    from ctxfast.kernels.rel_attention import dot_precision
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        assert dot_precision(torch.float32) == "tf32"
+        matmul.fp32_precision = "ieee"
+        assert dot_precision(torch.float32) == "tf32x3"
+    finally:
+        matmul.fp32_precision = old
+
+
+@needs_triton
 @pytest.mark.parametrize("allow_tf32", [False, True])
 def test_every_kernel_gets_the_precision(monkeypatch, tf32_flag, allow_tf32):
     """The launchers pass the decided precision to all of their kernels (a constexpr)."""
