@@ -19,11 +19,37 @@ the skew the original code does with pad-and-view on a whole ``[Tq, R]`` tensor.
 
 Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/attention.py``:
 ``dK = scale · dSᵀ (q + u)``, ``dV = Pᵀ dO``; ``d(q + u) = scale · dS K``;
-``d(q + v) = scale · dS_band r_band`` and ``dr_band = scale · dS_bandᵀ (q + v)`` where
-``dS_band[ii, jj + BLOCK_M − 1 − ii] = dS[ii, jj]`` (the skew undone with ``tl.gather``);
-``dr`` sums over batches and query blocks with fp32 atomics. The segment term gives per-row
-sums ``A_same, A_diff = Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms
-the gradients of q, seg_embed and r_s_bias.
+``d(q + v) = scale · dS_band r_band`` where ``dS_band[ii, jj + BLOCK_M − 1 − ii] = dS[ii, jj]``
+(the skew undone with ``tl.gather``). The segment term gives per-row sums ``A_same, A_diff =
+Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms the gradients of q,
+seg_embed and r_s_bias. Three kernels, none with atomics: dK/dV (a program per key block),
+dQ (a program per query block) and dR.
+
+dR. Row ``m`` of r is used by the pairs on one diagonal of the score matrix,
+``j − i = m − c``, so
+
+    ``dr[h, m] = scale · Σ_b Σ_i dS[b, h, i, i + m − c] · (q + v)[b, h, i]``,
+
+a GEMM along diagonals. ``_rel_attn_bwd_dr_kernel`` gives a program BLOCK_N rows of r
+(diagonals ``d0 + [0, BLOCK_N)``) of one (b, h) and walks down them a query block at a time:
+the block's rows meet those diagonals at the keys ``m0 + d0 + [0, BAND)``, so it recomputes
+``S`` and ``dP`` on that ``[BLOCK_M, BAND]`` band of keys (``(q + u) K_bandᵀ``,
+``dO V_bandᵀ``; the position term of the owned pairs is the plain product
+``(q + v) r_blockᵀ``, placed with a gather), keeps the owned pairs (``0 <= jj' − ii <
+BLOCK_N``), gathers ``dS`` into diagonal order ``[BLOCK_M, BLOCK_N]`` and accumulates
+``dS_diagᵀ (q + v)`` in registers; one store per program into ``[B, H, R, D]``, summed over
+b by the launcher. Deterministic: every sum has a fixed order.
+
+Why this and not per-program partials of the dQ kernel's ``dS_bandᵀ (q + v)`` plus a
+reduction pass: those partials are ``B·H·⌈Tq/BLOCK_M⌉·(Tk + BLOCK_M)·D`` fp32, i.e.
+``4·D/BLOCK_M`` bytes per score pair written and read again (8 bytes per pair at D 64,
+BLOCK_M 64; at Tq 512, mem 3,072 that is ~7.5 MB per (b, h), close to the original code's
+whole score memory). The H100 does ~330 bf16 FLOP per byte of HBM traffic (990 TFLOP/s
+dense, 3 TB/s), so 8 bytes per pair cost what ~2,600 FLOP per pair cost, against the
+~4·2·D = 512 FLOP per pair that the dR kernel adds (two band products of width 2·BLOCK_N
+for one owned pair in two, the ``[BLOCK_M, BLOCK_N]`` position product and dr's own
+product, minus dr's band product that leaves the dQ kernel). The recompute is the cheaper
+of the two on an H100 and needs no memory beyond ``B·H·R·D`` (not measured on a GPU yet).
 
 Sliding window (``WINDOW``; Transformer-XL's ``same_length``): pair (i, j) is visible only
 if its distance ``mem_len + i − j < window``. The forward and dQ loops start at the first
@@ -31,13 +57,25 @@ key block a query block can see (``m0 + mem_len − window + 1``), the dK/dV loo
 the last query block a key block is seen by (``n0 + BLOCK_N − 1 − mem_len + window``), so a
 window of W keys costs O(Tq·W), not O(Tq·Tk).
 
+Tile pieces (written once, called by every kernel): :func:`_rel_scores` (the scores of a
+tile, content term plus the shifted position term), :func:`_seg_term`, :func:`_rel_visible`
+(the masks and the window), ``kernels.attention._online_softmax_step``. Interior and
+boundary tiles: a tile whose every pair is visible (inside the keys, below the causal
+diagonal, within the window; never with padding or a permutation, which are per element)
+skips the visibility work. :func:`_interior_keys` gives the forward and dQ kernels the key
+blocks ``[a, b)`` interior to their query block, :func:`_interior_queries` the dK/dV
+kernel the query blocks interior to its key block; the loops test one scalar per tile.
+The dR kernel's band tiles are never interior (half of each band is another program's).
+
 Decoding (a few queries, long memory): the ``B·H·⌈Tq/BLOCK_M⌉`` programs of the forward
 cannot fill a GPU, so the keys are split over a third grid axis (flash-decoding, as
 ``kernels/attention.py``): split ``s`` runs the same loop over its own range of key blocks,
 BD still computed from the band of r rows of each tile, and writes a normalised partial
 output and its lse (``-inf`` where it saw no key); ``kernels.attention``'s combine kernel
 merges them into ``out`` and the final lse. The backward is the regular one, driven by the
-combined lse. :func:`decode_splits` picks the split count (CUDA only).
+combined lse. :func:`decode_splits` picks the split count (CUDA only) whenever the grid
+is smaller than the GPU, for any number of queries (XL evaluation: 128 queries against
+3,000+ keys in a few streams), with :func:`key_splits`.
 """
 from typing import Optional
 
@@ -45,9 +83,130 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (LOG2E, _attn_combine_kernel, _auto_splits, _dot, _interpreting, _keep,
-                        _key_range, _mask_args, _online_softmax_step, _precision, _seed_arg,
-                        _visible)
+from .attention import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep,
+                        _key_range, _mask_args, _online_softmax_step, _seed_arg, _visible)
+
+
+@triton.jit
+def _rel_scores(qu, qw, k, r, skew, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] unscaled scores of a tile: ``(q + u)·kᵀ`` plus the position term,
+    ``(q + v)`` times the band of r rows ``[BAND, BLOCK_D]``, shifted into place with a
+    gather (skew ``[BLOCK_M, BLOCK_N]``: column of the band that pair (ii, jj) reads)."""
+    ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
+    qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
+    return ac + tl.gather(qr, skew, 1)
+
+
+@triton.jit
+def _seg_term(seg_q, seg_k, ef_same, ef_diff):
+    """(segment term [BLOCK_M, BLOCK_N], same [BLOCK_M, BLOCK_N] bool): XLNet's relative
+    segment encoding, ``(q + r_s_bias)·seg_embed[same ? 0 : 1]`` from its per-row values."""
+    same = seg_q[:, None] == seg_k[None, :]
+    return tl.where(same, ef_same[:, None], ef_diff[:, None]), same
+
+
+@triton.jit
+def _rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+                 PERM_STRICT: tl.constexpr, WINDOW: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: the visibility of a tile, ``kernels.attention._visible``
+    and the sliding window (distance ``mem_len + i − j < window``)."""
+    vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                   RANK, stride_rank_b, stride_rank_t, rank_q,
+                   CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+    if WINDOW:
+        vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
+    return vis
+
+
+@triton.jit
+def _interior_keys(m0, Tk, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+                   HAS_PERM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """(a, b): the key blocks ``[a, b)`` that every query of the block at m0 sees, inside
+    the keys (``n + BLOCK_N <= Tk``), below the causal diagonal of its first row
+    (``n + BLOCK_N − 1 <= m0 + mem_len``) and within the window of its last row
+    (``n >= mem_len + m0 + BLOCK_M − window``). Padding and permutations are per element:
+    no interior then. Rows past Tq need no mask (never stored; lse +inf in the backward)."""
+    a = 0
+    b = Tk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        b = tl.minimum(b, tl.maximum(m0 + mem_len + 1, 0) // BLOCK_N * BLOCK_N)
+    if WINDOW:
+        a = tl.cdiv(tl.maximum(mem_len + m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+    if HAS_KPM or HAS_PERM:
+        b = 0
+    return a, b
+
+
+@triton.jit
+def _interior_queries(n0, Tq, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+                      HAS_PERM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """(a, b): the query blocks ``[a, b)`` that see every key of the block at n0: past the
+    causal diagonal of its last key (``m >= n0 + BLOCK_N − 1 − mem_len``) and with its last
+    row within the window of its first key (``m + BLOCK_M − 1 < n0 − mem_len + window``).
+    Keys past Tk need no mask (their dK, dV rows are not stored; the dQ and dR kernels mask
+    them themselves)."""
+    a = 0
+    b = Tq + BLOCK_M
+    if CAUSAL:
+        a = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - mem_len, 0), BLOCK_M) * BLOCK_M
+    if WINDOW:
+        b = tl.cdiv(tl.maximum(window + n0 - mem_len - BLOCK_M + 1, 0), BLOCK_M) * BLOCK_M
+    if HAS_KPM or HAS_PERM:
+        b = 0
+    return a, b
+
+
+@triton.jit
+def _rel_fwd_inner(
+    m_i, l_i, acc, start, end,      # running max, normaliser, output; key range [start, end)
+    qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
+    row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+    seed, qk_scale, p_drop,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,           # False: interior tiles, every pair visible, no mask work
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
+    fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc)."""
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    band = tl.arange(0, BAND)
+    band_ok = band < BLOCK_M + BLOCK_N - 1            # rows the skew reads (BAND is wider)
+    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + jj
+        kv_mask = (offs_n[:, None] < Tk) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        rows = row0 + start_n + band                                       # [BAND] rows of r
+        r_ok = band_ok & (rows >= 0) & (rows < R_len)
+        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                    mask=r_ok[:, None] & d_ok, other=0.0)
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)           # [BLOCK_M, BLOCK_N]
+        if HAS_SEG:
+            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
+            s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
+        s = s * qk_scale
+        if MASKED:
+            s = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -97,6 +256,9 @@ def _rel_attn_fwd_kernel(
     w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     qu = (q + u[None, :]).to(K.dtype.element_ty)     # (q + u): content term
     qw = (q + w[None, :]).to(K.dtype.element_ty)     # (q + v): position term
+    seg_q = offs_m                                    # placeholders unless HAS_SEG
+    ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ef_diff = ef_same
     if HAS_SEG:
         rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
         se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
@@ -120,47 +282,48 @@ def _rel_attn_fwd_kernel(
     if DROPOUT:
         seed = tl.load(SEED)
 
-    ii = tl.arange(0, BLOCK_M)
-    jj = tl.arange(0, BLOCK_N)
-    band = tl.arange(0, BAND)
-    band_ok = band < BLOCK_M + BLOCK_N - 1            # rows the skew reads (BAND is wider)
-    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
     c = pos_start - mem_len
-
+    in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
+                                  BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     r_base = R + h * stride_rh
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + jj
-        kv_mask = (offs_n[:, None] < Tk) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        rows = c - m0 - BLOCK_M + 1 + start_n + band                      # [BAND] rows of r
-        r_ok = band_ok & (rows >= 0) & (rows < R_len)
-        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
-                    mask=r_ok[:, None] & d_ok, other=0.0)
-        ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)                     # [BLOCK_M, BLOCK_N]
-        qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
-        bd = tl.gather(qr, skew, 1)                                       # the shift
-        s = ac + bd
-        if HAS_SEG:
-            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
-            same = seg_q[:, None] == seg_k[None, :]
-            s += tl.where(same, ef_same[:, None], ef_diff[:, None])
-        s = s * qk_scale
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        if WINDOW:
-            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
-        s = tl.where(vis, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
-                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
+    row0 = c - m0 - BLOCK_M + 1          # first row of r in the band of key block 0
+    if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, lo, hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+    else:   # boundary tiles before the interior, the interior (no mask work), the rest
+        in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
+        in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, lo, in_lo, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, in_lo, in_hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+        m_i, l_i, acc = _rel_fwd_inner(
+            m_i, l_i, acc, in_hi, hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+            k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
+            stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+            KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+            seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -237,6 +400,8 @@ def _rel_attn_bwd_dkdv_kernel(
     c = pos_start - mem_len
     r_base = R + h * stride_rh
 
+    in_lo, in_hi = _interior_queries(n0, Tq, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM,
+                                     WINDOW, BLOCK_M, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
@@ -257,20 +422,19 @@ def _rel_attn_bwd_dkdv_kernel(
         rows = c - m0 - BLOCK_M + 1 + n0 + band
         r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                     mask=(rows[:, None] >= 0) & (rows[:, None] < R_len) & d_ok, other=0.0)
-        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-        s += tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew, 1)
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
         if HAS_SEG:
             qs = q + rsb[None, :]
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
-            same = seg_q[:, None] == seg_k[None, :]
-            s += tl.where(same, tl.sum(qs * se0[None, :], 1)[:, None],
-                          tl.sum(qs * se1[None, :], 1)[:, None])
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        if WINDOW:
-            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            s += _seg_term(seg_q, seg_k, tl.sum(qs * se0[None, :], 1),
+                           tl.sum(qs * se1[None, :], 1))[0]
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if (m0 < in_lo) | (m0 >= in_hi):                                 # boundary tile
+            p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
             keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
@@ -292,7 +456,6 @@ def _rel_attn_bwd_dq_kernel(
     Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
     DQU,            # [B, H, Tq, D] fp32: d(q + u) (content term), written
     DQW,            # [B, H, Tq, D] fp32: d(q + v) (position term), written
-    DR,             # [H, R, D] fp32, zeroed: dr, accumulated with atomics
     SEG_A,          # [B, H, Tq, 2] fp32: Σ_j dS_ij over same / different segments (HAS_SEG)
     KPM, RANK, KV_END, SEED,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -362,6 +525,8 @@ def _rel_attn_bwd_dq_kernel(
     dqw = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW:      # first key block within the window of the block's first query
         lo = tl.maximum(lo, tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N)
+    in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
+                                  BLOCK_M, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + jj
         kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -373,18 +538,18 @@ def _rel_attn_bwd_dq_kernel(
         rows_ok = (rows >= 0) & (rows < R_len)
         r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                     mask=rows_ok[:, None] & d_ok, other=0.0)
-        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-        s += tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew, 1)
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
-            same = seg_q[:, None] == seg_k[None, :]
-            s += tl.where(same, ef_same[:, None], ef_diff[:, None])
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        if WINDOW:
-            vis = vis & ((mem_len + offs_m[:, None] - offs_n[None, :]) < window)
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+            seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
+            s += seg_s
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if (n0 < in_lo) | (n0 >= in_hi):                                 # boundary tile
+            p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
             keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
@@ -393,9 +558,6 @@ def _rel_attn_bwd_dq_kernel(
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
         ds_band = tl.where(unskew_ok, tl.gather(ds, unskew, 1), 0.0)  # [BLOCK_M, BAND]
         dqw += _dot(ds_band.to(r.dtype), r, UPCAST, PRECISION)
-        dr = _dot(tl.trans(ds_band).to(qw.dtype), qw, UPCAST, PRECISION)   # [BAND, BLOCK_D]
-        tl.atomic_add(DR + (h * R_len + rows[:, None]) * D + offs_d[None, :], dr * sm_scale,
-                      mask=rows_ok[:, None] & d_ok)
         if HAS_SEG:
             a_same += tl.sum(tl.where(same, ds, 0.0), 1)
             a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
@@ -406,6 +568,155 @@ def _rel_attn_bwd_dq_kernel(
     if HAS_SEG:
         tl.store(SEG_A + (bh * Tq + offs_m) * 2, a_same * sm_scale, mask=offs_m < Tq)
         tl.store(SEG_A + (bh * Tq + offs_m) * 2 + 1, a_diff * sm_scale, mask=offs_m < Tq)
+
+
+
+@triton.jit
+def _rel_attn_bwd_dr_kernel(
+    Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
+    DR,             # [B, H, R, D] fp32: batch b's dr, every element written (summed over b
+                    # by the launcher, in a fixed order)
+    KPM, RANK, KV_END, SEED,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_rh, stride_rm, stride_rd,
+    stride_kpm_b, stride_kpm_n, stride_rank_b, stride_rank_t,
+    stride_sq_b, stride_sk_b,
+    H, Tq, Tk, mem_len, D, R_len, pos_start,
+    window,         # WINDOW: pairs at distance >= window are masked
+    qk_scale, sm_scale, p_drop,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program owns BLOCK_N rows of r (the diagonals j - i = m - c of the score matrix)
+    of one (b, h) and walks down those diagonals, one query block at a time."""
+    pid_r = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    c = pos_start - mem_len
+    mr0 = pid_r * BLOCK_N                     # first row of r owned
+    d0 = mr0 - c                              # its diagonal j - i
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    band = tl.arange(0, BAND)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    offs_r = mr0 + jj
+    r = tl.load(R + h * stride_rh + offs_r[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                mask=(offs_r[:, None] < R_len) & d_ok, other=0.0)          # [BLOCK_N, BLOCK_D]
+    u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    if HAS_SEG:
+        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    # Query i meets the owned diagonals at keys j = i + d0 + [0, BLOCK_N): only queries with
+    # -d0 - BLOCK_N < i < Tk - d0 (and, causal, only if d0 <= mem_len; window: only if the
+    # last owned diagonal is within it).
+    lo = tl.maximum(1 - d0 - BLOCK_N, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(Tq, Tk - d0)
+    if CAUSAL:
+        hi = tl.where(d0 <= mem_len, hi, 0)
+    if WINDOW:
+        hi = tl.where(d0 + BLOCK_N - 1 > mem_len - window, hi, 0)
+    if HAS_KPM:
+        hi = tl.minimum(hi, tl.load(KV_END + b) - d0)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+    own = band[None, :] - ii[:, None]                   # [BLOCK_M, BAND]: diagonal in the block
+    owned = (own >= 0) & (own < BLOCK_N)
+    own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
+    diag = ii[:, None] + jj[None, :]                    # [BLOCK_M, BLOCK_N]: column in the band
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    dr = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + ii
+        q_mask = (offs_m[:, None] < Tq) & d_ok
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                    + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                     + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+        lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
+        delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)
+        rank_q = offs_m
+        if HAS_PERM:
+            rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
+                             mask=offs_m < Tq, other=0)
+        qu = (q + u[None, :]).to(K.dtype.element_ty)
+        qw = (q + w[None, :]).to(K.dtype.element_ty)
+        # the band of keys the block's rows meet: j = m0 + d0 + [0, BAND); negative ones
+        # become Tk (invisible, never loaded)
+        offs_k = m0 + d0 + band
+        offs_k = tl.where(offs_k >= 0, offs_k, Tk)
+        kv_mask = (offs_k[:, None] < Tk) & d_ok
+        k = tl.load(k_base + offs_k[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)                                # [BAND, BLOCK_D]
+        v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)                        # [BLOCK_M, BAND]
+        qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                       # [BLOCK_M, BLOCK_N]
+        s += tl.where(owned, tl.gather(qr, own, 1), 0.0)
+        if HAS_SEG:
+            qs = q + rsb[None, :]
+            seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
+            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
+            s += _seg_term(seg_q, seg_k, tl.sum(qs * se0[None, :], 1),
+                           tl.sum(qs * se1[None, :], 1))[0]
+        vis = _rel_visible(offs_m, offs_k, b, Tq, Tk, mem_len, window,
+                           KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                           rank_q, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW) & owned
+        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                       # [BLOCK_M, BAND]
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, offs_k, Tq, Tk, p_drop)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        ds = p * (dp - delta[:, None])
+        ds_diag = tl.gather(ds, diag, 1)            # [BLOCK_M, BLOCK_N]: dS along the diagonals
+        dr += _dot(tl.trans(ds_diag).to(qw.dtype), qw, UPCAST, PRECISION)
+
+    tl.store(DR + (bh * R_len + offs_r[:, None]) * D + offs_d[None, :], dr * sm_scale,
+             mask=(offs_r[:, None] < R_len) & d_ok)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` (a constexpr), decided once per call by the launcher
+    (inside the custom op, so torch.compile never traces it). fp32 runs on the tensor
+    cores: ``"tf32"`` when torch allows TF32 for fp32 matmuls (:func:`_tf32_allowed`:
+    ``allow_tf32``, ``set_float32_matmul_precision("high")`` or the ``fp32_precision``
+    API), else ``"tf32x3"``: each operand split into a TF32 head and a TF32
+    tail, three products (tail·tail dropped), ~fp32 error at a third of the TF32 rate —
+    instead of exact fp32 products on the CUDA cores (``"ieee"``; H100 SXM datasheet, dense:
+    67 TFLOP/s fp32 FMA against 495 TF32, so tf32x3 has ~2.5x ieee's peak; not measured).
+    Both strings are accepted by Triton 3.6-3.9 on NVIDIA; the interpreter computes every
+    fp32 dot exactly whatever the string. fp64 keeps ``"ieee"``; 16-bit operands ignore it."""
+    if dtype == torch.float64:
+        return "ieee"
+    if dtype == torch.float32 and not _tf32_allowed():
+        return "tf32x3"
+    return "tf32"
+
+
+def _tf32_allowed() -> bool:
+    """torch allows TF32 for fp32 matmuls. ``torch.backends.cuda.matmul.fp32_precision``
+    (torch >= 2.9; reflects ``allow_tf32`` and ``set_float32_matmul_precision`` too) where it
+    exists: reading ``allow_tf32`` raises a RuntimeError in torch 2.13 once the new API has
+    set the precision. ``"none"`` defers to ``torch.backends.fp32_precision``."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
 
 
 def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16):
@@ -445,13 +756,46 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
 DECODE_MAX_Q = 16
 
 
+#: SM count the split decision assumes where no GPU is present (an H100 SXM).
+DEFAULT_SMS = 132
+
+
+def key_splits(programs: int, Tk: int, block_n: int, num_warps: int,
+               sms: int = DEFAULT_SMS) -> int:
+    """Key splits for a forward grid of ``programs`` (b, h, query block) programs, each
+    walking ``Tk`` keys ``block_n`` at a time, on a GPU of ``sms`` SMs. Pure: the decision
+    logic, testable anywhere.
+
+    The GPU holds ``sms · max(1, 16 // num_warps)`` programs at once (16 resident warps
+    per SM, a quarter of Hopper's 64: what two to four of these tiles leave room for in
+    registers and shared memory; a guess, not measured). A grid at least that large is
+    not split. A smaller one (XL evaluation: 8 streams × 8 heads × 4 blocks of 32 queries
+    = 256 programs against 528 slots; decoding) is split into the smallest count whose
+    last wave is within 85% of the best wave efficiency (``waves / ⌈waves⌉``) reachable
+    with at most 64 splits of at least 4 key blocks each."""
+    slots = sms * max(1, 16 // num_warps)
+    most = min(Tk // (4 * block_n), 64)
+    if programs >= slots or most < 2:
+        return 1
+
+    def efficiency(s):
+        waves = programs * s / slots
+        return waves / -(-waves // 1)
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.85 * best)
+
+
 def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device,
                   dtype: torch.dtype = torch.float16) -> int:
-    """The number of key splits the forward picks when none is given: more than 1 only on
-    CUDA (never on CPU or in the interpreter), when the ``B·H·⌈Tq/BLOCK_M⌉`` programs cannot
-    fill the GPU and the keys are long (``kernels.attention._auto_splits``)."""
-    bm, bn = _config(D, Tq, dtype)[:2]
-    return _auto_splits(B, H, Tq, Tk, bm, bn, torch.device(device))
+    """The number of key splits the forward picks when none is given: :func:`key_splits`
+    with the device's SM count on CUDA; 1 on CPU and in the interpreter (a split costs
+    time there and gains nothing)."""
+    device = torch.device(device)
+    if device.type != "cuda" or _interpreting():
+        return 1
+    bm, bn, _, _, warps, _ = _config(D, Tq, dtype)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return key_splits(B * H * triton.cdiv(Tq, bm), Tk, bn, warps, sms)
 
 
 def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_start=None,
@@ -514,7 +858,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
         WINDOW=window is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
     if split:
@@ -560,7 +904,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
             WINDOW=window is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
-            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype),
             num_warps=warps, num_stages=stages)
         u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         seed_arg = _seed_arg(q, dropout_p, seed)
@@ -568,8 +912,13 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
             kpm, rank, kv_end, seed_arg, *common, **flags)
         _rel_attn_bwd_dq_kernel[(triton.cdiv(Tq, bm), B * H)](
-            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, dr, seg_a,
+            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a,
             kpm, rank, kv_end, seed_arg, *common, **flags)
+        dr_b = torch.empty((B, H, R, D), dtype=torch.float32, device=q.device)
+        _rel_attn_bwd_dr_kernel[(triton.cdiv(R, bn), B * H)](
+            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
+            kpm, rank, kv_end, seed_arg, *common, **flags)
+        dr = dr_b.sum(0) if B > 1 else dr_b[0]
     dq = dqu + dqw                                                        # [B, H, Tq, D]
     d_seg_embed = d_r_s_bias = None
     if has_seg:

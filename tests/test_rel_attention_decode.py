@@ -82,10 +82,12 @@ def force_splits(monkeypatch, combine_spy):
 @pytest.mark.parametrize("Tq, mem, n, kind", [
     (1, 97, 3, "txl"), (2, 61, 2, "txl"), (5, 43, 3, "txl"), (1, 41, 3, "txl-pad"),
     (5, 77, 3, "xlnet-content"), (2, 59, 2, "xlnet-query"), (5, 47, 2, "txl-fp16"),
-    (3, 90, 3, "txl-window")])
+    (3, 90, 3, "txl-window"), (37, 90, 4, "txl"), (21, 70, 3, "txl-window")])
 def test_split_forward_and_every_gradient(force_splits, Tq, mem, n, kind):
-    """Tq in {1, 2, 5} with an odd memory of 40-97 keys, 2-3 splits: forward and the
-    gradient of every input against the float64 reference."""
+    """Tq in {1, 2, 5} with an odd memory of 40-97 keys, 2-3 splits, and XL evaluation's
+    shape in small (several query blocks against a long memory, the split that
+    :func:`key_splits` now also makes for Tq > 16): forward and the gradient of every
+    input against the float64 reference."""
     B, H, D = 2, 2, 32
     Tk = Tq + mem
     seen = force_splits(n)
@@ -211,9 +213,42 @@ def test_automatic_split_only_on_cuda(monkeypatch):
     assert rel.decode_splits(*decode, "cpu") == 1
     assert rel.decode_splits(*decode, "cuda") > 1
     assert rel.decode_splits(2, 16, 16, 3072, 64, "cuda") > 1    # 32 programs of 16 rows
-    assert rel.decode_splits(16, 16, 1, 3072, 64, "cuda") == 1   # 256 programs fill 132 SMs
+    assert rel.decode_splits(16, 16, 1, 3072, 64, "cuda") == 2   # 256 programs, 528 slots
     assert rel.decode_splits(4, 16, 512, 1024, 64, "cuda") == 1  # 512 programs fill 132 SMs
     assert rel.decode_splits(1, 16, 1, 100, 64, "cuda") == 1     # short keys
+
+
+@needs_triton
+@pytest.mark.parametrize("programs, Tk, bn, warps, want", [
+    (256, 3928, 32, 4, 2),     # XL eval, fp32: 8 streams x 8 heads x 4 blocks of 32 queries
+    (32, 3928, 32, 4, 14),     # one stream: 14 x 32 = 448 of 528 slots (85% of 16 x 32)
+    (128, 3928, 64, 4, 4),     # 8 streams, bf16 (blocks of 64): 512 of 528
+    (528, 3928, 32, 4, 1),     # a full wave of slots: no split
+    (4096, 1024, 64, 4, 1),    # training shapes
+    (64, 3928, 32, 8, 4),      # 8 warps a program: 2 per SM, 264 slots
+    (16, 200, 64, 4, 1),       # fewer than 8 key blocks: no split worth its combine
+    (1, 1 << 20, 64, 4, 55),   # at most 64 splits; 55 is within 85% of them
+])
+def test_key_splits_decision(programs, Tk, bn, warps, want):
+    """The decision logic with the H100's 132 SMs (the default where no GPU is present)."""
+    rel, _ = _kernels()
+    assert rel.DEFAULT_SMS == 132
+    assert rel.key_splits(programs, Tk, bn, warps) == want
+    assert rel.key_splits(programs, Tk, bn, warps, sms=rel.DEFAULT_SMS) == want
+
+
+@needs_triton
+def test_xl_eval_shape_splits_on_an_h100(monkeypatch):
+    """decode_splits as on an H100 (132 SMs) for XL evaluation (8 streams, 8 heads, 128
+    queries, 3,800 keys, D 64): fp32 and bf16 split, the training shape does not."""
+    rel, attn = _kernels()
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(rel, "_interpreting", lambda: False)
+    assert rel.decode_splits(8, 8, 128, 3800, 64, "cuda", torch.float32) == 2
+    assert rel.decode_splits(8, 8, 128, 3800, 64, "cuda", torch.bfloat16) == 4
+    assert rel.decode_splits(1, 8, 128, 3800, 64, "cuda", torch.float32) > 8
+    assert rel.decode_splits(16, 8, 512, 1024, 64, "cuda", torch.bfloat16) == 1
 
 
 @needs_triton
