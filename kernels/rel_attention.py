@@ -45,9 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (LOG2E, _attn_combine_kernel, _auto_splits, _dot, _interpreting, _keep,
-                        _key_range, _mask_args, _online_softmax_step, _precision, _seed_arg,
-                        _visible)
+from ._common import (LOG2E, _attn_combine_kernel, _auto_splits, _dot, _interpreting, _keep,
+                      _key_range, _mask_args, _online_softmax_step, _precision, _seed_arg,
+                      _visible)
 
 
 @triton.jit

@@ -184,8 +184,8 @@ def _cases():
 # =========================================================================== the script
 
 def _kernel_modules():
-    from ctxfast.kernels import attention, lstm, rel_attention, rel_shift
-    return attention, lstm, rel_attention, rel_shift
+    from ctxfast.kernels import _common, attention, lstm, rel_attention, rel_shift
+    return _common, attention, lstm, rel_attention, rel_shift
 
 
 def _kernel_names():
