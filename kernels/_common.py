@@ -35,6 +35,14 @@ def _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
 
 
 @triton.jit
+def _keep_t(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
+    """[BLOCK_N, BLOCK_M]: :func:`_keep` transposed (the same numbers), for kernels that
+    work on transposed score tiles."""
+    offs = (bh.to(tl.int64) * Tq + offs_m[None, :]) * Tk + offs_n[:, None]
+    return tl.rand(seed, offs) >= p_drop
+
+
+@triton.jit
 def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, max_k, p_drop,
                          DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores s [BLOCK_M, BLOCK_N] (-inf where masked) and its values

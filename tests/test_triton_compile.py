@@ -165,6 +165,7 @@ def _cases():
         ("attention varlen bf16 D=128 causal+dropout", sm90,
          lambda: attn_varlen(bf16, 128, causal=True, dropout=0.1)),
         ("attention fp16 D=64 kpm", sm90, lambda: attn(f16, 64, kpm=True)),
+        ("attention fp16 D=64 perm+dropout", sm90, lambda: attn(f16, 64, perm=True, dropout=0.1)),
         # the H100 benchmark's headline cases (bench_attention.py: bf16, causal, D 64 / 128)
         ("attention bf16 D=128 causal", sm90, lambda: attn(bf16, 128, causal=True)),
         ("attention bf16 D=64 causal", sm90, lambda: attn(bf16, 64, causal=True)),
