@@ -24,6 +24,12 @@ on; in the heavy variants measured it needs more shared memory on sm_90 than exa
 exact-fp32 ("ieee", torch's default) dots are compiled for the LSTM only: lowered to FMA
 loops they take 10-100 s per attention kernel to compile.
 
+For the attention kernels (FACT_KERNELS) the sm_90 compile also records registers and
+spills (Triton's bundled ``ptxas-blackwell -v`` on the PTX: Triton leaves them unset without a
+GPU) and counts wgmma / mma.sync instructions in the PTX; ``test_attention_kernel_compile_facts``
+asserts no spills and wgmma-only fp16/bf16 dots. ``-s`` prints the table that
+benchmarks/NOTES.md's "Compile facts (sm_90)" records.
+
 The compiles run in subprocesses (this file run as a script, one per CPU core, at most 4,
 sharing the work), started once by a module-scoped fixture; each test checks one kernel
 and a failure names the kernel, the case, the target and the compiler's error.
