@@ -10,6 +10,17 @@ Visibility of key ``j`` to query ``i`` (all that apply):
 No ``[Tq, Tk]`` mask or score tensor is stored. Key blocks past the causal diagonal or
 past the last unpadded key (``kv_end[b]``) are not visited.
 
+Interior and boundary tiles: each loop over tiles runs twice, first over the interior tiles
+(which neither the causal diagonal nor a sequence end can cut: loaded without masks, no
+element test), then over the few boundary tiles (the full ``_visible`` test). For a query
+block starting at row ``m0`` the keys ``j <= m0 + mem_len`` are causally visible to every row;
+for a key block ending at ``n1`` every query ``i >= n1 - 1 - mem_len`` sees all of it. With a
+padding or permutation mask an interior tile is first classed from bounds: a key tile with no
+unpadded key, or whose smallest rank is above the query block's largest (``>=`` for the query
+stream), is skipped; one with no padded key and largest rank below the query block's
+smallest (``<=``) is all visible (no element mask); only the rest take an element mask.
+Causal grids hand the last query blocks (the longest rows) to the first programs.
+
 Forward, per query row (scores in base 2, ``s_ij = q_i·k_j · scale · log2 e``), online:
   ``m_i = max_j s_ij``, ``l_i = Σ_j 2^(s_ij − m_i)``, ``o_i = Σ_j 2^(s_ij − m_i) v_j / l_i``,
   ``lse_i = m_i + log2 l_i``. A row that sees no key has ``l_i = 0``: ``o_i = 0`` and
@@ -18,112 +29,191 @@ Forward, per query row (scores in base 2, ``s_ij = q_i·k_j · scale · log2 e``
 Backward, with ``P_ij = 2^(s_ij − lse_i)`` recomputed tile by tile:
   ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``Δ_i = Σ_d dO_id O_id (= Σ_j P_ij dP_ij)``,
   ``dS = P ∘ (dP − Δ)``, ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q``.
-One kernel owns a key block and loops over query blocks (dK, dV); another owns a query
-block and loops over key blocks (dQ): no atomics.
+FlashAttention-2's schedule: ``Δ`` is computed before the kernels; one kernel owns a key
+block and loops over query blocks (dK, dV), working on transposed tiles (``Sᵀ = K Qᵀ``,
+``dPᵀ = V dOᵀ``) so that every dot has the key block's rows as its M dimension; another owns a
+query block and loops over key blocks (dQ): no atomics. fp16/bf16 operands go to ``tl.dot``
+as they are (``UPCAST`` only for bf16 under the interpreter, whose bf16 dot is wrong).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ._common import (LOG2E, _auto_splits, _combine_splits, _dot, _interpreting, _keep,
+                      _keep_t,
+                      _key_range, _mask_args, _online_softmax_step, _precision, _seed_arg,
+                      _seq_bounds, _split_targets, _visible)
+
+
+# --------------------------------------------------------------------------- tile-level pieces
+#
+# Every key loop is split in two: interior tiles, which the causal diagonal, the sequence
+# ends (Tq, Tk) and the last unpadded key (KV_END) cannot cut, are loaded without masks and
+# scored without an element mask; boundary tiles (the few on the diagonal or at an end) take
+# the full `_visible` test. With a padding or permutation mask an interior tile is classed
+# from its block bounds first (`_interior_keys`): none visible -> skipped, all visible -> no
+# element mask, else the element mask of that kind only.
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # UPCAST: the Triton interpreter multiplies bf16 bit patterns (FIELD_NOTES.md); fp32 is exact.
-    if UPCAST:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+def _load_rows(ptrs, offs_r, lim_r, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile; rows offs_r >= lim_r read as 0 when ROW_MASK, columns past D
+    as 0 unless EVEN_D (BLOCK_D == D)."""
+    if ROW_MASK:
+        x = tl.load(ptrs, mask=(offs_r[:, None] < lim_r) & d_ok, other=0.0)
+    elif EVEN_D:
+        x = tl.load(ptrs)
     else:
-        c = tl.dot(a, b, input_precision=PRECISION)
-    return c
+        x = tl.load(ptrs, mask=d_ok, other=0.0)
+    return x
 
 
 @triton.jit
-def _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
-    """[BLOCK_M, BLOCK_N] bool: dropout keeps (b, h, i, j). Philox counter =
-    (bh * Tq + i) * Tk + j (int64), so the forward and both backward kernels (and
-    :func:`dropout_keep_mask`) draw the same numbers."""
-    offs = (bh.to(tl.int64) * Tq + offs_m[:, None]) * Tk + offs_n[None, :]
-    return tl.rand(seed, offs) >= p_drop
+def _rank_bounds(rank_q, offs_m, Tq):
+    """(min, max) permutation rank of a query block's valid rows."""
+    qmin = tl.min(tl.where(offs_m < Tq, rank_q, 2147483647), 0)
+    qmax = tl.max(tl.where(offs_m < Tq, rank_q, -2147483648), 0)
+    return qmin, qmax
 
 
 @triton.jit
-def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, max_k, p_drop,
-                         DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold one tile of base-2 scores s [BLOCK_M, BLOCK_N] (-inf where masked) and its values
-    v [BLOCK_N, BLOCK_D] into the running max m_i, normaliser l_i (before dropout) and output
-    acc. Returns (m_i, l_i, acc)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
-    p = tl.exp2(s - m_safe[:, None])                                 # 0 where masked
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
-    if DROPOUT:
-        keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
-        p = tl.where(keep, p / (1.0 - p_drop), 0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
-    return m_new, l_i, acc
+def _key_ranks(offs_n, b, mem_len, RANK, stride_rank_b, stride_rank_t):
+    """[BLOCK_N] rank of each key (interior tile: offs_n < Tk); memory keys, which every
+    query sees, get the smallest int32 (their visibility is also tested apart)."""
+    t = offs_n - mem_len
+    return tl.load(RANK + b * stride_rank_b + t * stride_rank_t, mask=t >= 0,
+                   other=-2147483648)
 
 
 @triton.jit
-def _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN: tl.constexpr):
-    """(q_start, k_start, Tq, Tk, mem_len) of sequence b: the whole dims, or, for packed
-    (varlen) inputs, the slice ``cu_seqlens[b] : cu_seqlens[b + 1]``."""
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        k_start = tl.load(CU_K + b)
-        Tq = tl.load(CU_Q + b + 1) - q_start
-        Tk = tl.load(CU_K + b + 1) - k_start
-        mem_len = Tk - Tq
-    return q_start, k_start, Tq, Tk, mem_len
-
-
-@triton.jit
-def _visible(offs_m, offs_n, b, Tq, Tk, mem_len,
-             kpm_ptr, stride_kpm_b, stride_kpm_n,
-             rank_ptr, stride_rank_b, stride_rank_t, rank_q,
-             CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-             PERM_STRICT: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] bool: query offs_m may see key offs_n."""
-    vis = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
-    if CAUSAL:
-        vis = vis & (offs_n[None, :] <= offs_m[:, None] + mem_len)
+def _interior_keys(offs_n, b, mem_len, qmin, qmax,
+                   KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                   HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr):
+    """Class of an interior key tile for a query block with ranks in [qmin, qmax], from
+    block bounds: (key_ok [BLOCK_N] (unpadded), rank_k [BLOCK_N], any_visible, all_visible).
+    Permutation: all visible when max rank_k < qmin (<= without PERM_STRICT), none when
+    min rank_k >= qmax (> without)."""
+    key_ok = offs_n >= 0
+    rank_k = offs_n
+    any_vis = tl.min(offs_n, 0) >= 0           # True (a scalar tensor)
+    all_vis = any_vis
     if HAS_KPM:
-        pad = tl.load(kpm_ptr + b * stride_kpm_b + offs_n * stride_kpm_n, mask=offs_n < Tk, other=1)
-        vis = vis & (pad == 0)[None, :]
+        pad = tl.load(KPM + b * stride_kpm_b + offs_n * stride_kpm_n)
+        key_ok = pad == 0
+        n_ok = tl.sum(key_ok.to(tl.int32), 0)
+        any_vis = n_ok > 0
+        all_vis = n_ok == offs_n.shape[0]
     if HAS_PERM:
-        t = offs_n - mem_len                      # current-token index of key j (< 0: memory)
-        rank_k = tl.load(rank_ptr + b * stride_rank_b + t * stride_rank_t,
-                         mask=(t >= 0) & (offs_n < Tk), other=0)
+        rank_k = _key_ranks(offs_n, b, mem_len, RANK, stride_rank_b, stride_rank_t)
+        kmin = tl.min(rank_k, 0)
+        kmax = tl.max(rank_k, 0)
+        if PERM_STRICT:
+            any_vis = any_vis & (kmin < qmax)
+            all_vis = all_vis & (kmax < qmin)
+        else:
+            any_vis = any_vis & (kmin <= qmax)
+            all_vis = all_vis & (kmax <= qmin)
+    return key_ok, rank_k, any_vis, all_vis
+
+
+@triton.jit
+def _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM: tl.constexpr,
+                   HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] element visibility of an interior tile (padding / permutation only:
+    the tile is inside the causal diagonal and the sequence ends)."""
+    vis = key_ok[None, :] & (rank_q[:, None] == rank_q[:, None])
+    if HAS_PERM:
         if PERM_STRICT:
             sees = rank_k[None, :] < rank_q[:, None]
         else:
             sees = rank_k[None, :] <= rank_q[:, None]
-        vis = vis & ((t[None, :] < 0) | sees)
+        vis = vis & (sees | (offs_n < mem_len)[None, :])
     return vis
 
 
 @triton.jit
-def _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
-               CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, SPLIT_K: tl.constexpr,
-               BLOCK_M: tl.constexpr):
-    """[lo, hi): the keys that the query block starting at row m0 of batch b may see —
-    below the causal diagonal (bottom-right aligned), before the first padded key
-    (KV_END[b]), and, with SPLIT_K, inside this program's split (program_id(2))."""
-    hi = Tk
+def _scores(q, k, qk_scale, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] base-2 scores q kᵀ · scale · log2 e of a tile."""
+    return _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale
+
+
+@triton.jit
+def _interior_end(lo, hi, full_end, BLOCK: tl.constexpr):
+    """End of the interior tiles [lo, mid) of a loop over [lo, hi): whole tiles below
+    full_end (the first position a tile may not pass without a mask)."""
+    return lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK * BLOCK
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+               k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
+               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+               BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+               HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
+               EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Fold the key tiles [lo, hi) into (acc, l_i, m_i): boundary tiles with the full
+    visibility test, interior ones classed from block bounds."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if BOUNDARY:
+            k = _load_rows(k_ptrs, offs_n, Tk, d_ok, True, EVEN_D)
+            v = _load_rows(v_ptrs, offs_n, Tk, d_ok, True, EVEN_D)
+            s = _scores(q, k, qk_scale, UPCAST, PRECISION)
+            vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
+                           RANK, stride_rank_b, stride_rank_t, rank_q,
+                           CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+            s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+                                                 max_q, max_k, p_drop, DROPOUT, UPCAST,
+                                                 PRECISION)
+        elif HAS_KPM or HAS_PERM:
+            key_ok, rank_k, any_vis, all_vis = _interior_keys(
+                offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
+                RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
+            if any_vis:
+                k = _load_rows(k_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
+                v = _load_rows(v_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
+                s = _scores(q, k, qk_scale, UPCAST, PRECISION)
+                if all_vis == 0:
+                    vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
+                                         PERM_STRICT)
+                    s = tl.where(vis, s, float("-inf"))
+                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m,
+                                                     offs_n, max_q, max_k, p_drop, DROPOUT,
+                                                     UPCAST, PRECISION)
+        else:
+            k = _load_rows(k_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
+            v = _load_rows(v_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
+            s = _scores(q, k, qk_scale, UPCAST, PRECISION)
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+                                                 max_q, max_k, p_drop, DROPOUT, UPCAST,
+                                                 PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_epilogue(acc, l_i, m_i, o_ptrs, lse_ptrs, offs_m, Tq, d_ok, SPLIT_K: tl.constexpr):
+    """out = acc / l and lse = m + log2 l of a query block. Empty row: out 0 and lse +inf
+    (the backward's probabilities are 0), or -inf for a split's partial (weight 0 in the
+    combine)."""
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    empty_lse = float("-inf") if SPLIT_K else float("inf")
+    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), empty_lse)
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_ok)
+    tl.store(lse_ptrs, lse, mask=offs_m < Tq)
+
+
+@triton.jit
+def _query_block(pid, CAUSAL: tl.constexpr):
+    """Program pid's query block: causal grids run the last (longest) rows first."""
     if CAUSAL:
-        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
-    if HAS_KPM:
-        hi = tl.minimum(hi, tl.load(KV_END + b))
-    lo = 0
-    if SPLIT_K:
-        lo = tl.program_id(2) * keys_per_split
-        hi = tl.minimum(hi, lo + keys_per_split)
-    return lo, hi
+        pid = tl.num_programs(0) - 1 - pid
+    return pid
 
 
 @triton.jit
@@ -152,9 +242,10 @@ def _attn_fwd_kernel(
     PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     SPLIT_K: tl.constexpr,  # flash-decoding: program_id(2) owns one range of keys; partial out
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,   # BLOCK_D == D: no column masks
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -166,18 +257,26 @@ def _attn_fwd_kernel(
     K += k_start * stride_kn
     V += k_start * stride_vn
     LSE += b * stride_lb + h * stride_lh + q_start
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
-                + offs_d[None, :] * stride_qd, mask=(offs_m[:, None] < Tq) & d_ok, other=0.0)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                   + offs_d[None, :] * stride_qd, offs_m, Tq, d_ok, True, EVEN_D)
     rank_q = offs_m
+    qmin = 0
+    qmax = 0
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
+        qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
 
-    lo, hi = _key_range(b, pid_m * BLOCK_M, Tk, mem_len, KV_END, keys_per_split,
+    lo, hi = _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
                         CAUSAL, HAS_KPM, SPLIT_K, BLOCK_M)
+    full_end = Tk                   # interior keys: before the diagonal of the block's first row
+    if CAUSAL:
+        full_end = m0 + mem_len + 1
+    mid = _interior_end(lo, hi, full_end, BLOCK_N)
     if SPLIT_K:
         O += tl.program_id(2) * stride_os
         LSE += tl.program_id(2) * stride_ls
@@ -190,58 +289,86 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < Tk) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale          # [BLOCK_M, BLOCK_N]
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        s = tl.where(vis, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
-                                             max_q, max_k, p_drop, DROPOUT, UPCAST, PRECISION)
-
-    has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    # Empty row: +inf makes the backward's probabilities 0; a split's partial uses -inf
-    # (weight 0 in the combine).
-    empty_lse = float("-inf") if SPLIT_K else float("inf")
-    lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), empty_lse)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
-             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
-             mask=(offs_m[:, None] < Tq) & d_ok)
-    tl.store(LSE + offs_m, lse, mask=offs_m < Tq)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+                               k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, lo, mid,
+                               b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
+                               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                               stride_rank_t, False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT,
+                               DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+                               k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, mid, hi,
+                               b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
+                               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                               stride_rank_t, True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT,
+                               DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
+    _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+                  + offs_d[None, :] * stride_od, LSE + offs_m, offs_m, Tq, d_ok, SPLIT_K)
 
 
 @triton.jit
-def _attn_combine_kernel(
-    O_PART,      # [B, H, S, Tq, D] fp32: each split's normalised partial output
-    LSE_PART,    # [B, H, S, Tq] fp32: each split's lse (base 2; -inf where it saw no key)
-    O,           # out [B, H, Tq, D] contiguous, written
-    LSE,         # lse [B, H, Tq] fp32 contiguous, written (+inf for empty rows)
-    S, Tq, D,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """out_i = Σ_s 2^(lse_si − m) · out_si / Σ_s 2^(lse_si − m), m = max_s lse_si."""
-    i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    lse_s = tl.load(LSE_PART + (bh * S + offs_s) * Tq + i, mask=offs_s < S, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse_s - m_safe)                                   # 0 for empty splits
-    o_s = tl.load(O_PART + ((bh * S + offs_s[:, None]) * Tq + i) * D + offs_d[None, :],
-                  mask=(offs_s[:, None] < S) & (offs_d[None, :] < D), other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o_s, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + (bh * Tq + i) * D + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
-    lse = m_safe + tl.log2(tl.where(total > 0, total, 1.0))
-    tl.store(LSE + bh * Tq + i, tl.where(total > 0, lse, float("inf")))
+def _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
+                q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
+                lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
+                KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+                HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
+                EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate the query tiles [lo, hi) into one key block's (dk, dv) [BLOCK_N, BLOCK_D],
+    transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                       offs_m, Tq, d_ok, BOUNDARY, EVEN_D)
+        rank_q = offs_m
+        if HAS_PERM:
+            rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
+                             mask=offs_m < Tq, other=0)
+        any_vis = tl.min(offs_m, 0) >= 0          # True (a scalar tensor)
+        all_vis = any_vis
+        if not BOUNDARY:
+            if HAS_KPM:
+                any_vis = n_ok > 0
+                all_vis = n_ok == BLOCK_N
+            if HAS_PERM:
+                qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
+                if PERM_STRICT:
+                    any_vis = any_vis & (kmin < qmax)
+                    all_vis = all_vis & (kmax < qmin)
+                else:
+                    any_vis = any_vis & (kmin <= qmax)
+                    all_vis = all_vis & (kmax <= qmin)
+        if any_vis:
+            do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                            offs_m, Tq, d_ok, BOUNDARY, EVEN_D)
+            if BOUNDARY:
+                lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
+                delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
+            else:
+                lse = tl.load(LSE + offs_m)
+                delta = tl.load(DELTA + offs_m)
+            p_t = tl.exp2(_scores(k, q, qk_scale, UPCAST, PRECISION) - lse[None, :])  # [N, M]
+            if BOUNDARY:
+                vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
+                               stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                               CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+                p_t = tl.where(tl.trans(vis), p_t, 0.0)
+            elif HAS_KPM or HAS_PERM:
+                if all_vis == 0:
+                    vis_t = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM,
+                                           HAS_PERM, PERM_STRICT)
+                    p_t = tl.where(tl.trans(vis_t), p_t, 0.0)
+            dp_t = _dot(v, tl.trans(do), UPCAST, PRECISION)                  # (dO Vᵀ)ᵀ
+            if DROPOUT:   # out used P_d = P * keep / (1 - p): dV = P_dᵀ dO, dP = dP_d * keep / (1 - p)
+                keep_t = _keep_t(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
+                dv += _dot(tl.where(keep_t, p_t / (1.0 - p_drop), 0.0).to(do.dtype), do,
+                           UPCAST, PRECISION)
+                dp_t = tl.where(keep_t, dp_t / (1.0 - p_drop), 0.0)
+            else:
+                dv += _dot(p_t.to(do.dtype), do, UPCAST, PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -264,7 +391,7 @@ def _attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -281,21 +408,42 @@ def _attn_bwd_dkdv_kernel(
     DV += b * stride_dkb + h * stride_dkh + k_start * stride_dkn
     LSE += b * stride_lb + h * stride_lh + q_start
     DELTA += b * stride_lb + h * stride_lh + q_start
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    kv_mask = (offs_n[:, None] < Tk) & d_ok
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k = _load_rows(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
+                   + offs_d[None, :] * stride_kd, offs_n, Tk, d_ok, True, EVEN_D)
+    v = _load_rows(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
+                   + offs_d[None, :] * stride_vd, offs_n, Tk, d_ok, True, EVEN_D)
+    # The key block's bounds for classing interior query tiles (keys past Tk: their rows of
+    # dk/dv are not stored, so they count as visible).
+    key_ok = offs_n >= 0
+    n_ok = BLOCK_N
+    if HAS_KPM:
+        pad = tl.load(KPM + b * stride_kpm_b + offs_n * stride_kpm_n, mask=offs_n < Tk, other=0)
+        key_ok = pad == 0
+        n_ok = tl.sum(key_ok.to(tl.int32), 0)
+    rank_k = offs_n
+    kmin = 0
+    kmax = 0
+    if HAS_PERM:
+        t = offs_n - mem_len
+        rank_k = tl.load(RANK + b * stride_rank_b + t * stride_rank_t,
+                         mask=(t >= 0) & (offs_n < Tk), other=-2147483648)
+        kmin = tl.min(rank_k, 0)
+        kmax = tl.max(rank_k, 0)
 
     lo = 0
-    if CAUSAL:   # queries i >= j - mem_len see key j: start at the block of the first one
-        lo = tl.maximum(pid_n * BLOCK_N - mem_len, 0) // BLOCK_M * BLOCK_M
+    q_int = 0       # first query block that the causal diagonal does not cut
+    if CAUSAL:      # queries i >= j - mem_len see key j: start at the block of the first one
+        lo = tl.maximum(n0 - mem_len, 0) // BLOCK_M * BLOCK_M
+        q_int = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - mem_len, 0), BLOCK_M) * BLOCK_M
     hi = Tq
-    if HAS_KPM:  # a key block wholly past the last unpadded key gets zero gradient
-        hi = tl.where(pid_n * BLOCK_N < tl.load(KV_END + b), Tq, 0)
+    if HAS_KPM:     # a key block wholly past the last unpadded key gets zero gradient
+        hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
+    q_int = tl.minimum(tl.maximum(q_int, lo), hi)
+    a_end = tl.maximum(tl.minimum(Tq // BLOCK_M * BLOCK_M, hi), q_int)
 
     seed = 0
     if DROPOUT:
@@ -304,38 +452,76 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_mask = (offs_m[:, None] < Tq) & d_ok
-        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                    mask=q_mask, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                     mask=q_mask, other=0.0)
-        lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
-        delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
-        rank_q = offs_m
-        if HAS_PERM:
-            rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
-                             mask=offs_m < Tq, other=0)
-        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale          # [BLOCK_M, BLOCK_N]
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                    # dO Vᵀ
-        if DROPOUT:   # out used P_d = P * keep / (1 - p): dV = P_dᵀ dO, dP = dP_d * keep / (1 - p)
-            keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
-            dv += _dot(tl.trans(tl.where(keep, p / (1.0 - p_drop), 0.0)).to(do.dtype), do,
-                       UPCAST, PRECISION)
-            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
-        else:
-            dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)
+    # diagonal tiles, interior tiles, the last partial query block
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
+                         q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod,
+                         LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
+                         qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
+                         stride_rank_b, stride_rank_t, True, CAUSAL, HAS_KPM, HAS_PERM,
+                         PERM_STRICT, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
+                         q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod,
+                         LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
+                         qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
+                         stride_rank_b, stride_rank_t, False, CAUSAL, HAS_KPM, HAS_PERM,
+                         PERM_STRICT, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
+                         q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod,
+                         LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
+                         qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
+                         stride_rank_b, stride_rank_t, True, CAUSAL, HAS_KPM, HAS_PERM,
+                         PERM_STRICT, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
 
     out_off = offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    kv_mask = (offs_n[:, None] < Tk) & d_ok
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+              k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+              lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
+              KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+              BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+              HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
+              EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """Accumulate the key tiles [lo, hi) into a query block's dq [BLOCK_M, BLOCK_D]."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        any_vis = tl.min(offs_n, 0) >= 0          # True (a scalar tensor)
+        all_vis = any_vis
+        key_ok = offs_n >= 0
+        rank_k = offs_n
+        if not BOUNDARY:
+            if HAS_KPM or HAS_PERM:
+                key_ok, rank_k, any_vis, all_vis = _interior_keys(
+                    offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
+                    RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
+        if any_vis:
+            k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                           offs_n, Tk, d_ok, BOUNDARY, EVEN_D)
+            v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                           offs_n, Tk, d_ok, BOUNDARY, EVEN_D)
+            p = tl.exp2(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None])
+            if BOUNDARY:
+                vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
+                               stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                               CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+                p = tl.where(vis, p, 0.0)
+            elif HAS_KPM or HAS_PERM:
+                if all_vis == 0:
+                    vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
+                                         PERM_STRICT)
+                    p = tl.where(vis, p, 0.0)
+            dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+            if DROPOUT:
+                keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
+                dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+            ds = p * (dp - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+    return dq
 
 
 @triton.jit
@@ -357,9 +543,9 @@ def _attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -373,22 +559,28 @@ def _attn_bwd_dq_kernel(
     DQ += b * stride_dqb + h * stride_dqh + q_start * stride_dqm
     LSE += b * stride_lb + h * stride_lh + q_start
     DELTA += b * stride_lb + h * stride_lh + q_start
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    q_mask = (offs_m[:, None] < Tq) & d_ok
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
-                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                   + offs_d[None, :] * stride_qd, offs_m, Tq, d_ok, True, EVEN_D)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                    + offs_d[None, :] * stride_dod, offs_m, Tq, d_ok, True, EVEN_D)
     lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
     delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
     rank_q = offs_m
+    qmin = 0
+    qmax = 0
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
+        qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
 
-    _, hi = _key_range(b, pid_m * BLOCK_M, Tk, mem_len, KV_END, 0,
-                       CAUSAL, HAS_KPM, False, BLOCK_M)
+    _, hi = _key_range(b, m0, Tk, mem_len, KV_END, 0, CAUSAL, HAS_KPM, False, BLOCK_M)
+    full_end = Tk
+    if CAUSAL:
+        full_end = m0 + mem_len + 1
+    mid = _interior_end(0, hi, full_end, BLOCK_N)
 
     seed = 0
     if DROPOUT:
@@ -396,97 +588,80 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < Tk) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * qk_scale
-        vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
-                       RANK, stride_rank_b, stride_rank_t, rank_q,
-                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
-        if DROPOUT:
-            keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
-            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
-
+    dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+                   k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, mid,
+                   b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
+                   KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                   False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, DROPOUT, EVEN_D, BLOCK_N,
+                   UPCAST, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+                   k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, mid, hi,
+                   b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
+                   KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                   True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, DROPOUT, EVEN_D, BLOCK_N,
+                   UPCAST, PRECISION)
     tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_ok)
 
 
 # --------------------------------------------------------------------------- launchers
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: (kernel, head-dim bucket, 16-bit?) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) on sm_90.
+#: "fwd" D 128 16-bit is the best of the H100 sweep of the previous forward
+#: (gpu-runs/2026-11-22-h100/attention_config_sweep.txt: 418 TFLOP/s, causal T 8k), "fwd" D 64
+#: the best there at T 1024 (218); the backward rows follow the FA2 schedule (dK/dV: the key
+#: block is the MMA's 128 rows; dQ: the query block is), chosen so that every 16-bit dot is a
+#: wgmma and nothing spills (tests/test_triton_compile.py, benchmarks/NOTES.md); not timed.
+#: fp32 (tf32) rows are sized to fit in registers without spills.
+#: Loads are pointer tiles, not tensor descriptors (TMA): ``tl.make_tensor_descriptor`` works
+#: under Triton 3.9's interpreter (checked: out-of-bounds rows read as 0, needs
+#: ``triton.set_allocator``), but it is not verified on Triton 3.6-3.8 nor timed on an H100,
+#: and the interior tiles already load without masks; left for a GPU round.
+_CONFIGS = {
+    ("fwd", 64, True): (128, 64, 8, 3), ("fwd", 128, True): (64, 64, 4, 3),
+    ("fwd", 256, True): (64, 32, 8, 2),
+    ("fwd", 64, False): (64, 64, 4, 2), ("fwd", 128, False): (32, 32, 4, 2),
+    ("fwd", 256, False): (32, 32, 8, 2),
+    ("dkdv", 64, True): (64, 128, 8, 3), ("dkdv", 128, True): (32, 128, 8, 2),
+    ("dkdv", 256, True): (32, 64, 8, 2),
+    ("dkdv", 64, False): (32, 64, 4, 2), ("dkdv", 128, False): (16, 64, 8, 2),
+    ("dkdv", 256, False): (16, 32, 8, 2),
+    ("dq", 64, True): (128, 64, 8, 3), ("dq", 128, True): (128, 64, 8, 2),
+    ("dq", 256, True): (64, 32, 8, 2),
+    ("dq", 64, False): (64, 32, 4, 2), ("dq", 128, False): (64, 32, 4, 2),
+    ("dq", 256, False): (32, 16, 8, 2),
+}
+
+#: Rows replacing :data:`_CONFIGS`' with dropout: the in-kernel Philox draw needs registers
+#: (with the rows above the dropout variants spilled).
+_DROPOUT_CONFIGS = {
+    ("fwd", 128, True): (64, 32, 4, 3), ("dq", 128, True): (64, 32, 4, 2),
+    ("dkdv", 128, True): (16, 128, 8, 2), ("dkdv", 128, False): (16, 32, 4, 2),
+    ("dkdv", 64, True): (32, 128, 8, 2),
+}
 
 
-def _config(D: int, dtype: torch.dtype, backward: bool):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages). Not yet tuned on a GPU."""
+def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask: str = "none",
+            dropout: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of kernel "fwd", "dkdv" or "dq".
+
+    Keyed on head dim and dtype from :data:`_CONFIGS`; ``causal`` and ``mask`` (the mask
+    kind: "none", "kpm", "perm") are part of the key so that measured rows per kind can be
+    added, but no H100 measurement separates them yet, so they pick the same row. A table
+    rather than ``triton.autotune``: one compile per kernel on a first call, and the
+    launchers stay plain ``kernel[grid]`` calls (the compile test records them)."""
     block_d = max(16, triton.next_power_of_2(D))
     if _interpreting():
         return 16, 16, block_d, 1, 1           # small blocks: multi-block logic at tiny T
-    wide = dtype in (torch.float32, torch.float64)
-    if backward:
-        bm, bn = (64, 64) if block_d <= 64 else (32, 64) if block_d <= 128 else (32, 32)
-    else:
-        bm, bn = (128, 64) if block_d <= 128 else (64, 32)
-    if wide:
-        bm = max(16, bm // 2)
-    warps = 4 if block_d <= 64 else 8
-    return bm, bn, block_d, warps, (3 if block_d <= 64 else 2)
+    bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    narrow = dtype in (torch.float16, torch.bfloat16)
+    key = (kernel, bucket, narrow)
+    bm, bn, warps, stages = (_DROPOUT_CONFIGS.get(key) if dropout else None) or _CONFIGS[key]
+    return bm, bn, block_d, warps, stages
 
 
-def _mask_args(q, key_padding_mask, perm_rank):
-    """(kpm uint8 [B, Tk] | dummy, rank int32 [B, Tq] | dummy, kv_end int32 [B] | dummy, strides)."""
-    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
-    if key_padding_mask is not None:
-        kpm = key_padding_mask.to(torch.uint8)
-        Tk = kpm.shape[1]
-        pos = torch.arange(1, Tk + 1, device=q.device, dtype=torch.int32)
-        kv_end = torch.where(kpm == 0, pos, torch.zeros_like(pos)).amax(1).to(torch.int32)
-        kpm_strides = (kpm.stride(0), kpm.stride(1))
-    else:
-        kpm, kv_end, kpm_strides = dummy, dummy, (0, 0)
-    if perm_rank is not None:
-        rank = perm_rank.to(torch.int32)
-        rank_strides = (rank.stride(0), rank.stride(1))
-    else:
-        rank, rank_strides = dummy, (0, 0)
-    return kpm, rank, kv_end, (*kpm_strides, *rank_strides)
-
-
-def _seed_arg(q, dropout_p, seed):
-    if dropout_p <= 0:
-        return q                                   # never read (DROPOUT is False)
-    if seed is None or seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
-        raise ValueError("dropout needs seed: an int64 tensor of one element on q's device")
-    return seed
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: exact fp32 products unless torch allows tf32 for fp32
-    matmuls (as a PyTorch user expects); fp16/bf16 operands keep Triton's default."""
-    if dtype == torch.float64 or (dtype == torch.float32
-                                  and not torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"
-
-
-def _auto_splits(B, H, Tq, Tk, bm, bn, device) -> int:
-    """Flash-decoding: split the keys when the (b, h, query-block) programs cannot fill the
-    GPU (few queries, long keys). Heuristic, not yet tuned on a GPU."""
-    if device.type != "cuda" or _interpreting():
-        return 1
-    programs = B * H * triton.cdiv(Tq, bm)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= sms or Tk < 4 * bn:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(Tk, 4 * bn), 64))
+def _mask_kind(key_padding_mask, perm_rank) -> str:
+    return "perm" if perm_rank is not None else "kpm" if key_padding_mask is not None else "none"
 
 
 def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,
@@ -497,22 +672,14 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     B, H, Tq, Tk, D, max_q, max_k = dims
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
-    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=False)
+    bm, bn, bd, warps, stages = _config("fwd", D, q.dtype, causal,
+                                        _mask_kind(key_padding_mask, perm_rank), dropout_p > 0)
+    assert cu is None or num_splits == 1, "split-K is for the dense path"
+    num_splits, keys_per_split, o_target, l_target, o_strides, l_strides, split_strides = \
+        _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
+    if num_splits == 1:
+        l_strides = lse_strides
     split = num_splits > 1
-    if split:
-        assert cu is None, "split-K is for the dense path"
-        keys_per_split = triton.cdiv(triton.cdiv(Tk, num_splits), bn) * bn
-        num_splits = triton.cdiv(Tk, keys_per_split)
-        o_part = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=q.device)
-        l_part = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=q.device)
-        o_target, l_target = o_part, l_part
-        o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(3), o_part.stride(4))
-        l_strides = (l_part.stride(0), l_part.stride(1))
-        split_strides = (o_part.stride(2), l_part.stride(2))
-    else:
-        keys_per_split = 0
-        o_target, l_target, o_strides, l_strides = out, lse, out.stride(), lse_strides
-        split_strides = (0, 0)
     _attn_fwd_kernel[(triton.cdiv(max_q, bm), B * H, num_splits)](
         q, k, v, o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
         cu_q, cu_k,
@@ -521,14 +688,12 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, float(dropout_p),
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
         PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None, SPLIT_K=split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
     if split:
-        _attn_combine_kernel[(Tq, B * H)](
-            o_part, l_part, out, lse, num_splits, Tq, D,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=bd, num_warps=4)
+        _combine_splits(o_target, l_target, out, lse)
 
 
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
@@ -538,22 +703,24 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
     seed_arg = _seed_arg(q, dropout_p, seed)
-    bm, bn, bd, warps, stages = _config(D, q.dtype, backward=True)
     flags = dict(
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
         PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
     )
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides, *lse_strides)
     scalars = (H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, scale, float(dropout_p))
+    kind = _mask_kind(key_padding_mask, perm_rank)
+    bm, bn, bd, warps, stages = _config("dkdv", D, q.dtype, causal, kind, dropout_p > 0)
     _attn_bwd_dkdv_kernel[(triton.cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, kpm, rank, kv_end, seed_arg, cu_q, cu_k,
-        *dk.stride(), *strides, *scalars, **flags)
+        *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        EVEN_D=bd == D, num_warps=warps, num_stages=stages)
+    bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
     _attn_bwd_dq_kernel[(triton.cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, kv_end, seed_arg, cu_q, cu_k,
-        *dq.stride(), *strides, *scalars, **flags)
+        *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        EVEN_D=bd == D, num_warps=warps, num_stages=stages)
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,
@@ -575,7 +742,8 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
     if Tk == 0:
         return out.zero_(), lse.fill_(float("inf"))
     if num_splits is None:
-        bm, bn = _config(D, q.dtype, backward=False)[:2]
+        bm, bn = _config("fwd", D, q.dtype, causal, _mask_kind(key_padding_mask, perm_rank),
+                         dropout_p > 0)[:2]
         num_splits = _auto_splits(B, H, Tq, Tk, bm, bn, q.device)
     _launch_forward(q, k, v, out, lse, (H * Tq, Tq), (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
                     key_padding_mask=key_padding_mask, perm_rank=perm_rank,

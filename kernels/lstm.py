@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _dot, _interpreting, _precision
+from ._common import _dot, _interpreting, _precision
 
 
 @triton.jit

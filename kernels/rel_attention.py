@@ -59,7 +59,7 @@ window of W keys costs O(Tq·W), not O(Tq·Tk).
 
 Tile pieces (written once, called by every kernel): :func:`_rel_scores` (the scores of a
 tile, content term plus the shifted position term), :func:`_seg_term`, :func:`_rel_visible`
-(the masks and the window), ``kernels.attention._online_softmax_step``. Interior and
+(the masks and the window), ``kernels._common._online_softmax_step``. Interior and
 boundary tiles: a tile whose every pair is visible (inside the keys, below the causal
 diagonal, within the window; never with padding or a permutation, which are per element)
 skips the visibility work. :func:`_interior_keys` gives the forward and dQ kernels the key
@@ -83,8 +83,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep,
-                        _key_range, _mask_args, _online_softmax_step, _seed_arg, _visible)
+from ._common import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep, _key_range,
+                      _mask_args, _online_softmax_step, _seed_arg, _visible)
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
                  KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
                  CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
                  PERM_STRICT: tl.constexpr, WINDOW: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] bool: the visibility of a tile, ``kernels.attention._visible``
+    """[BLOCK_M, BLOCK_N] bool: the visibility of a tile, ``kernels._common._visible``
     and the sliding window (distance ``mem_len + i − j < window``)."""
     vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
                    RANK, stride_rank_b, stride_rank_t, rank_q,

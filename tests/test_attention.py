@@ -338,6 +338,45 @@ def test_bad_input_raises_before_dispatch(no_dispatch, case):
         assert w in str(info.value), f"{w!r} not in {info.value}"
 
 
+# --------------------------------------------------------------------------- interior / boundary tiles
+# The kernels split each key loop into interior tiles (no mask work; for padding and
+# permutation masks classed all / none / partly visible from the tile's bounds) and
+# boundary tiles (full element test). The interpreter's tiles are 16 x 16: these cases put
+# the causal diagonal, the sequence ends and the padding end mid-tile and on tile edges,
+# and make permutation tiles wholly visible, wholly hidden and mixed.
+
+def _block_ranks(Tq, order):
+    """[1, Tq] ranks in 16-row blocks: query block i gets the ranks of block order[i]
+    (increasing inside), so whole interpreter tiles are all / none visible."""
+    return torch.cat([torch.arange(16 * o, 16 * o + min(16, Tq - 16 * i))
+                      for i, o in enumerate(order)])[None].to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("Tq, Tk, kind", [
+    (20, 45, "causal"), (33, 40, "causal"), (32, 32, "causal"), (48, 80, "causal"),
+    (40, 40, "pad-end-21"), (48, 48, "pad-block"), (32, 32, "pad-none"),
+    (48, 48, "perm-blocks-content"), (48, 48, "perm-blocks-query"),
+    (48, 55, "perm-blocks-query-causal"), (47, 47, "perm-blocks-pad"), (1, 1, "perm-blocks")])
+def test_interior_and_boundary_tiles(Tq, Tk, kind):
+    B = 1
+    q, k, v = _inputs(B, 2, Tq, Tk, 16)
+    kw = {"causal": True} if "causal" in kind else {}
+    if "pad" in kind:
+        kpm = torch.zeros(B, Tk, dtype=torch.bool, device=DEVICE)
+        if kind == "pad-end-21":
+            kpm[:, 21:] = True                   # padding ends mid-tile
+        elif "block" in kind:
+            kpm[:, 16:32] = True                 # one whole tile padded: skipped
+            kpm[:, 40] = True                    # and one tile partly padded
+        kw["key_padding_mask"] = kpm
+    if "perm" in kind:
+        order = [2, 0, 1] if Tq > 32 else [0]
+        kw["perm_rank"] = _block_ranks(Tq, order)
+        kw["perm_stream"] = "query" if "query" in kind else "content"
+    check_against_reference(q, k, v, **kw)
+
+
 # --------------------------------------------------------------------------- decoding (split-K)
 
 @needs_triton

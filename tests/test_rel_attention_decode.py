@@ -208,7 +208,8 @@ def test_automatic_split_only_on_cuda(monkeypatch):
                         lambda device: SimpleNamespace(multi_processor_count=132))
     if attn._interpreting():
         assert rel.decode_splits(*decode, "cuda") == 1       # interpreter: CPU tensors
-    for mod in (rel, attn):                                   # as on a GPU machine
+    import ctxfast.kernels._common as common                  # _auto_splits lives there
+    for mod in (rel, attn, common):                           # as on a GPU machine
         monkeypatch.setattr(mod, "_interpreting", lambda: False)
     assert rel.decode_splits(*decode, "cpu") == 1
     assert rel.decode_splits(*decode, "cuda") > 1

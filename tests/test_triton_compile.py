@@ -24,6 +24,12 @@ on; in the heavy variants measured it needs more shared memory on sm_90 than exa
 exact-fp32 ("ieee", torch's default) dots are compiled for the LSTM only: lowered to FMA
 loops they take 10-100 s per attention kernel to compile.
 
+For the attention kernels (FACT_KERNELS) the sm_90 compile also records registers and
+spills (Triton's bundled ``ptxas-blackwell -v`` on the PTX: Triton leaves them unset without a
+GPU) and counts wgmma / mma.sync instructions in the PTX; ``test_attention_kernel_compile_facts``
+asserts no spills and wgmma-only fp16/bf16 dots. ``-s`` prints the table that
+benchmarks/NOTES.md's "Compile facts (sm_90)" records.
+
 The compiles run in subprocesses (this file run as a script, one per CPU core, at most 4,
 sharing the work), started once by a module-scoped fixture; each test checks one kernel
 and a failure names the kernel, the case, the target and the compiler's error.
@@ -40,6 +46,10 @@ import pytest
 
 #: Shared memory a block may use (the opt-in maximum), bytes, per target.
 SMEM_LIMIT = {90: 232448, 80: 166912}
+
+#: Kernels whose registers, spills and MMA instructions are recorded (sm_90) and checked:
+#: no spills, and their 16-bit dots lower to Hopper's wgmma.
+FACT_KERNELS = ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"]
 
 KERNELS = [
     "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
@@ -162,6 +172,10 @@ def _cases():
         ("attention varlen bf16 D=128 causal+dropout", sm90,
          lambda: attn_varlen(bf16, 128, causal=True, dropout=0.1)),
         ("attention fp16 D=64 kpm", sm90, lambda: attn(f16, 64, kpm=True)),
+        ("attention fp16 D=64 perm+dropout", sm90, lambda: attn(f16, 64, perm=True, dropout=0.1)),
+        # the H100 benchmark's headline cases (bench_attention.py: bf16, causal, D 64 / 128)
+        ("attention bf16 D=128 causal", sm90, lambda: attn(bf16, 128, causal=True)),
+        ("attention bf16 D=64 causal", sm90, lambda: attn(bf16, 64, causal=True)),
         ("attention split-K fp16 D=128 causal+kpm+dropout", sm90,
          lambda: attn(f16, 128, causal=True, kpm=True, dropout=0.1, Tq=4, Tk=1024,
                       num_splits=8, backward=False)),
@@ -185,8 +199,8 @@ def _cases():
 # =========================================================================== the script
 
 def _kernel_modules():
-    from ctxfast.kernels import attention, lstm, rel_attention, rel_shift
-    return attention, lstm, rel_attention, rel_shift
+    from ctxfast.kernels import _common, attention, lstm, rel_attention, rel_shift
+    return _common, attention, lstm, rel_attention, rel_shift
 
 
 def _kernel_names():
@@ -293,6 +307,42 @@ def _compile(kernel, signature, constexprs, attrs, options, arch):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def _ptxas_facts(ptx, arch):
+    """{"regs", "spill_stores", "spill_loads", "wgmma", "mma_sync"} of a compiled kernel's
+    PTX. Triton leaves n_regs/n_spills unset without a GPU, so the PTX goes through the
+    ptxas Triton bundles for its newest PTX (``ptxas-blackwell``; its plain ``ptxas`` and
+    nvcc 13.0's reject Triton 3.9's ``.version``) with ``-v``; ``wgmma``/``mma_sync`` count
+    the tensor-core MMA instructions (Hopper's asynchronous warpgroup MMA against the
+    Ampere-style synchronous one) in the PTX."""
+    import re
+
+    import triton
+
+    facts = {"wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
+             "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+             "regs": None, "spill_stores": None, "spill_loads": None}
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
+                  if os.path.exists(os.path.join(bindir, n))), None)
+    if ptxas is None:
+        return facts
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch_flag = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        proc = subprocess.run([ptxas, "-v", f"-arch={arch_flag}", src, "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs:
+        facts["regs"] = int(regs.group(1))
+    if spills:
+        facts["spill_stores"], facts["spill_loads"] = map(int, spills.groups())
+    return facts
+
+
 def _probe():
     """None if Triton can compile a trivial kernel for every target here (each has its
     own ptxas), else why it cannot."""
@@ -351,8 +401,11 @@ def main(claims: str, out_path: str):
             with tempfile.TemporaryFile("w+") as log:
                 try:
                     with _stderr_into(log):
-                        row["shared"] = _compile(kernel, *spec, arch).metadata.shared
+                        compiled = _compile(kernel, *spec, arch)
+                    row["shared"] = compiled.metadata.shared
                     row["ok"] = True
+                    if arch == 90 and kernel.__name__ in FACT_KERNELS:
+                        row.update(_ptxas_facts(compiled.asm["ptx"], arch))
                 except Exception as e:  # noqa: BLE001 - reported by the test
                     log.seek(0)
                     row["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + log.read()[-3000:]
@@ -404,10 +457,33 @@ def _table(rows):
     return "\n".join(lines)
 
 
+def _sixteen_bit(row):
+    """The launch's q/k/v are fp16 or bf16 (their dots should run on wgmma on sm_90)."""
+    return "*fp16" in row["launch"] or "*bf16" in row["launch"]
+
+
+def facts_table(rows):
+    """Markdown table of the FACT_KERNELS' sm_90 compiles (benchmarks/NOTES.md's
+    "Compile facts (sm_90)" comes from it: ``python tests/test_triton_compile.py --facts``)."""
+    lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma | mma.sync |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r.get("regs") is not None or
+                     (r["kernel"] in FACT_KERNELS and r["arch"] == 90)),
+                    key=lambda r: (FACT_KERNELS.index(r["kernel"]), r["variant"])):
+        opts = dict(kv.split("=", 1) for kv in r["launch"].split() if "=" in kv)
+        blocks = "x".join(opts.get(k, "?") for k in ("BLOCK_M", "BLOCK_N"))
+        lines.append(f"| {r['kernel']} | {r['variant']} ({blocks}) | {opts.get('num_warps')}/"
+                     f"{opts.get('num_stages')} | {r.get('regs')} | {r.get('spill_stores')}/"
+                     f"{r.get('spill_loads')} | {r['shared']} | {r.get('wgmma')} | "
+                     f"{r.get('mma_sync')} |")
+    return "\n".join(lines)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     result = _run_shards()
     print("\n" + _table(result["rows"]))      # shown with -s
+    print("\n" + facts_table(result["rows"]))
     return result
 
 
@@ -437,6 +513,29 @@ def test_kernel_compiles_and_fits(compiled, kernel):
     problems = [p for p in map(_problem, sorted(rows, key=lambda r: -r["arch"])) if p]
     if problems:
         pytest.fail("\n\n".join(problems), pytrace=False)
+
+
+@pytest.mark.parametrize("kernel", FACT_KERNELS)
+def test_attention_kernel_compile_facts(compiled, kernel):
+    """On sm_90 the attention kernels spill no registers in any case, and every dot of
+    their fp16/bf16 cases is a wgmma (none falls back to mma.sync): a kernel that spills or
+    runs Ampere's MMA on an H100 cannot reach FlashAttention-3's speed."""
+    rows = [r for r in compiled["rows"] if r["kernel"] == kernel and r["arch"] == 90 and r["ok"]]
+    assert rows, f"{kernel}: no sm_90 compile"
+    if all(r["regs"] is None for r in rows):
+        pytest.skip("no ptxas for sm_90a in this Triton: registers and spills unknown")
+    problems = []
+    for r in rows:
+        where = f"{kernel} [{r['variant']}] ({r['launch']})"
+        if r["regs"] is None:
+            problems.append(f"{where}: ptxas -v reported no register count")
+        elif r["spill_stores"] or r["spill_loads"]:
+            problems.append(f"{where}: spills {r['spill_stores']} B stores, "
+                            f"{r['spill_loads']} B loads ({r['regs']} registers)")
+        if _sixteen_bit(r) and (r["wgmma"] == 0 or r["mma_sync"] > 0):
+            problems.append(f"{where}: {r['wgmma']} wgmma, {r['mma_sync']} mma.sync in the PTX")
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,226 @@
+"""Pieces shared by the Triton kernel files (``attention.py``, ``rel_attention.py``,
+``lstm.py``): the dot with the interpreter's bf16 workaround, the dropout mask, the
+online-softmax step, the visibility test of a tile and the key range of a query block, the
+split-K (flash-decoding) combine kernel and its buffers, and the host-side helpers
+(interpreter check, tl.dot precision, mask and seed arguments, split count).
+
+Shapes and the visibility rules are those of ``kernels/attention.py``'s docstring.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # UPCAST: the Triton interpreter multiplies bf16 bit patterns (FIELD_NOTES.md); fp32 is exact.
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
+    """[BLOCK_M, BLOCK_N] bool: dropout keeps (b, h, i, j). Philox counter =
+    (bh * Tq + i) * Tk + j (int64), so the forward and both backward kernels (and
+    :func:`dropout_keep_mask`) draw the same numbers."""
+    offs = (bh.to(tl.int64) * Tq + offs_m[:, None]) * Tk + offs_n[None, :]
+    return tl.rand(seed, offs) >= p_drop
+
+
+@triton.jit
+def _keep_t(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
+    """[BLOCK_N, BLOCK_M]: :func:`_keep` transposed (the same numbers), for kernels that
+    work on transposed score tiles."""
+    offs = (bh.to(tl.int64) * Tq + offs_m[None, :]) * Tk + offs_n[:, None]
+    return tl.rand(seed, offs) >= p_drop
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, max_k, p_drop,
+                         DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores s [BLOCK_M, BLOCK_N] (-inf where masked) and its values
+    v [BLOCK_N, BLOCK_D] into the running max m_i, normaliser l_i (before dropout) and output
+    acc. Returns (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
+    p = tl.exp2(s - m_safe[:, None])                                 # 0 where masked
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
+    if DROPOUT:
+        keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
+        p = tl.where(keep, p / (1.0 - p_drop), 0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN: tl.constexpr):
+    """(q_start, k_start, Tq, Tk, mem_len) of sequence b: the whole dims, or, for packed
+    (varlen) inputs, the slice ``cu_seqlens[b] : cu_seqlens[b + 1]``."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        k_start = tl.load(CU_K + b)
+        Tq = tl.load(CU_Q + b + 1) - q_start
+        Tk = tl.load(CU_K + b + 1) - k_start
+        mem_len = Tk - Tq
+    return q_start, k_start, Tq, Tk, mem_len
+
+
+@triton.jit
+def _visible(offs_m, offs_n, b, Tq, Tk, mem_len,
+             kpm_ptr, stride_kpm_b, stride_kpm_n,
+             rank_ptr, stride_rank_b, stride_rank_t, rank_q,
+             CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+             PERM_STRICT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: query offs_m may see key offs_n."""
+    vis = (offs_m[:, None] < Tq) & (offs_n[None, :] < Tk)
+    if CAUSAL:
+        vis = vis & (offs_n[None, :] <= offs_m[:, None] + mem_len)
+    if HAS_KPM:
+        pad = tl.load(kpm_ptr + b * stride_kpm_b + offs_n * stride_kpm_n, mask=offs_n < Tk, other=1)
+        vis = vis & (pad == 0)[None, :]
+    if HAS_PERM:
+        t = offs_n - mem_len                      # current-token index of key j (< 0: memory)
+        rank_k = tl.load(rank_ptr + b * stride_rank_b + t * stride_rank_t,
+                         mask=(t >= 0) & (offs_n < Tk), other=0)
+        if PERM_STRICT:
+            sees = rank_k[None, :] < rank_q[:, None]
+        else:
+            sees = rank_k[None, :] <= rank_q[:, None]
+        vis = vis & ((t[None, :] < 0) | sees)
+    return vis
+
+
+@triton.jit
+def _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
+               CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, SPLIT_K: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """[lo, hi): the keys that the query block starting at row m0 of batch b may see —
+    below the causal diagonal (bottom-right aligned), before the first padded key
+    (KV_END[b]), and, with SPLIT_K, inside this program's split (program_id(2))."""
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
+    if HAS_KPM:
+        hi = tl.minimum(hi, tl.load(KV_END + b))
+    lo = 0
+    if SPLIT_K:
+        lo = tl.program_id(2) * keys_per_split
+        hi = tl.minimum(hi, lo + keys_per_split)
+    return lo, hi
+
+
+@triton.jit
+def _attn_combine_kernel(
+    O_PART,      # [B, H, S, Tq, D] fp32: each split's normalised partial output
+    LSE_PART,    # [B, H, S, Tq] fp32: each split's lse (base 2; -inf where it saw no key)
+    O,           # out [B, H, Tq, D] contiguous, written
+    LSE,         # lse [B, H, Tq] fp32 contiguous, written (+inf for empty rows)
+    S, Tq, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out_i = Σ_s 2^(lse_si − m) · out_si / Σ_s 2^(lse_si − m), m = max_s lse_si."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(LSE_PART + (bh * S + offs_s) * Tq + i, mask=offs_s < S, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse_s - m_safe)                                   # 0 for empty splits
+    o_s = tl.load(O_PART + ((bh * S + offs_s[:, None]) * Tq + i) * D + offs_d[None, :],
+                  mask=(offs_s[:, None] < S) & (offs_d[None, :] < D), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o_s, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(O + (bh * Tq + i) * D + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
+    lse = m_safe + tl.log2(tl.where(total > 0, total, 1.0))
+    tl.store(LSE + bh * Tq + i, tl.where(total > 0, lse, float("inf")))
+
+
+# --------------------------------------------------------------------------- host helpers
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _mask_args(q, key_padding_mask, perm_rank):
+    """(kpm uint8 [B, Tk] | dummy, rank int32 [B, Tq] | dummy, kv_end int32 [B] | dummy, strides)."""
+    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.to(torch.uint8)
+        Tk = kpm.shape[1]
+        pos = torch.arange(1, Tk + 1, device=q.device, dtype=torch.int32)
+        kv_end = torch.where(kpm == 0, pos, torch.zeros_like(pos)).amax(1).to(torch.int32)
+        kpm_strides = (kpm.stride(0), kpm.stride(1))
+    else:
+        kpm, kv_end, kpm_strides = dummy, dummy, (0, 0)
+    if perm_rank is not None:
+        rank = perm_rank.to(torch.int32)
+        rank_strides = (rank.stride(0), rank.stride(1))
+    else:
+        rank, rank_strides = dummy, (0, 0)
+    return kpm, rank, kv_end, (*kpm_strides, *rank_strides)
+
+
+def _seed_arg(q, dropout_p, seed):
+    if dropout_p <= 0:
+        return q                                   # never read (DROPOUT is False)
+    if seed is None or seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
+        raise ValueError("dropout needs seed: an int64 tensor of one element on q's device")
+    return seed
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: exact fp32 products unless torch allows tf32 for fp32
+    matmuls (as a PyTorch user expects); fp16/bf16 operands keep Triton's default."""
+    if dtype == torch.float64 or (dtype == torch.float32
+                                  and not torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"
+
+
+def _auto_splits(B, H, Tq, Tk, bm, bn, device) -> int:
+    """Flash-decoding: split the keys when the (b, h, query-block) programs cannot fill the
+    GPU (few queries, long keys). Heuristic, not yet tuned on a GPU."""
+    if device.type != "cuda" or _interpreting():
+        return 1
+    programs = B * H * triton.cdiv(Tq, bm)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms or Tk < 4 * bn:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(Tk, 4 * bn), 64))
+
+
+def _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits):
+    """Where a forward writes (flash-decoding when num_splits > 1): (num_splits,
+    keys_per_split, o_target, l_target, o_strides, l_strides, split_strides). With splits,
+    o_target [B, H, S, Tq, D] and l_target [B, H, S, Tq] are fp32 partials for
+    :func:`_combine_splits`, each split whole key blocks (a count above the key blocks
+    gives one block each); without, out [B, H, Tq, D] and lse [B, H, Tq] themselves."""
+    if num_splits <= 1:
+        return 1, 0, out, lse, out.stride(), (H * Tq, Tq), (0, 0)
+    keys_per_split = triton.cdiv(triton.cdiv(Tk, num_splits), bn) * bn
+    num_splits = triton.cdiv(Tk, keys_per_split)
+    o_part = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=out.device)
+    l_part = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=out.device)
+    return (num_splits, keys_per_split, o_part, l_part,
+            (o_part.stride(0), o_part.stride(1), o_part.stride(3), o_part.stride(4)),
+            (l_part.stride(0), l_part.stride(1)), (o_part.stride(2), l_part.stride(2)))
+
+
+def _combine_splits(o_part, l_part, out, lse):
+    """out [B, H, Tq, D], lse [B, H, Tq] (contiguous) from :func:`_split_targets`' partials."""
+    B, H, S, Tq, D = o_part.shape
+    _attn_combine_kernel[(Tq, B * H)](
+        o_part, l_part, out, lse, S, Tq, D,
+        BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        num_warps=4)
