@@ -306,6 +306,21 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
+def _bwd_bases(Q, K, V, DO, LSE, DELTA, b, h, q_start, k_start,
+               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+               stride_lb, stride_lh):
+    """Pointers to row 0 of sequence (b, h) in q, k, v, do, lse and delta (both backward
+    kernels)."""
+    return (Q + b * stride_qb + h * stride_qh + q_start * stride_qm,
+            K + b * stride_kb + h * stride_kh + k_start * stride_kn,
+            V + b * stride_vb + h * stride_vh + k_start * stride_vn,
+            DO + b * stride_dob + h * stride_doh + q_start * stride_dom,
+            LSE + b * stride_lb + h * stride_lh + q_start,
+            DELTA + b * stride_lb + h * stride_lh + q_start)
+
+
+@triton.jit
 def _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
                 q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
                 lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
@@ -400,22 +415,20 @@ def _attn_bwd_dkdv_kernel(
     q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
     if pid_n * BLOCK_N >= Tk:       # varlen: past the end of a shorter sequence
         return
-    Q += q_start * stride_qm
-    DO += q_start * stride_dom
-    K += k_start * stride_kn
-    V += k_start * stride_vn
+    q_base, k_base, v_base, do_base, LSE, DELTA = _bwd_bases(
+        Q, K, V, DO, LSE, DELTA, b, h, q_start, k_start, stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_dob, stride_doh, stride_dom, stride_lb, stride_lh)
     DK += b * stride_dkb + h * stride_dkh + k_start * stride_dkn
     DV += b * stride_dkb + h * stride_dkh + k_start * stride_dkn
-    LSE += b * stride_lb + h * stride_lh + q_start
-    DELTA += b * stride_lb + h * stride_lh + q_start
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    k = _load_rows(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
-                   + offs_d[None, :] * stride_kd, offs_n, Tk, d_ok, True, EVEN_D)
-    v = _load_rows(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
-                   + offs_d[None, :] * stride_vd, offs_n, Tk, d_ok, True, EVEN_D)
+    k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, Tk, d_ok, True, EVEN_D)
+    v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, Tk, d_ok, True, EVEN_D)
     # The key block's bounds for classing interior query tiles (keys past Tk: their rows of
     # dk/dv are not stored, so they count as visible).
     key_ok = offs_n >= 0
@@ -450,8 +463,6 @@ def _attn_bwd_dkdv_kernel(
         seed = tl.load(SEED)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    q_base = Q + b * stride_qb + h * stride_qh
-    do_base = DO + b * stride_dob + h * stride_doh
     # diagonal tiles, interior tiles, the last partial query block
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
                          q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -552,21 +563,19 @@ def _attn_bwd_dq_kernel(
     q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
     if pid_m * BLOCK_M >= Tq:       # varlen: past the end of a shorter sequence
         return
-    Q += q_start * stride_qm
-    DO += q_start * stride_dom
-    K += k_start * stride_kn
-    V += k_start * stride_vn
+    q_base, k_base, v_base, do_base, LSE, DELTA = _bwd_bases(
+        Q, K, V, DO, LSE, DELTA, b, h, q_start, k_start, stride_qb, stride_qh, stride_qm,
+        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_dob, stride_doh, stride_dom, stride_lb, stride_lh)
     DQ += b * stride_dqb + h * stride_dqh + q_start * stride_dqm
-    LSE += b * stride_lb + h * stride_lh + q_start
-    DELTA += b * stride_lb + h * stride_lh + q_start
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    q = _load_rows(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
-                   + offs_d[None, :] * stride_qd, offs_m, Tq, d_ok, True, EVEN_D)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
-                    + offs_d[None, :] * stride_dod, offs_m, Tq, d_ok, True, EVEN_D)
+    q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, Tq, d_ok, True, EVEN_D)
+    do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, Tq, d_ok, True, EVEN_D)
     lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
     delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
     rank_q = offs_m
@@ -586,8 +595,6 @@ def _attn_bwd_dq_kernel(
     if DROPOUT:
         seed = tl.load(SEED)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
     dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
                    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, mid,
                    b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
