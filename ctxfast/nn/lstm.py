@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops._common import FLOAT_DTYPES as _FLOAT_DTYPES
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUFFIXES = ("", "_reverse")
 
 

@@ -32,8 +32,8 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
+from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The C++ recurrence exists only once csrc/ has it and the extension was rebuilt.
 _NATIVE = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "lstm_recurrence_native")

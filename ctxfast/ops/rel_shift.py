@@ -18,8 +18,8 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
+from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Default backends. CPU: the C++ kernel. Measured 2026-11-21 on the 2-core dev machine
 # (AMD EPYC, torch 2.13; benchmarks/results/amd-epyc-2-threads/2026-11-21*.md, two runs,
