@@ -5,7 +5,7 @@ import torch
 
 import ctxfast
 from ctxfast import _dispatch
-from utils import TRITON_ON_CPU
+from utils import needs_interpreter
 
 CPU = torch.device("cpu")
 
@@ -96,7 +96,7 @@ def test_cuda_reason_without_gpu():
         assert "not built" in reason and "CPU build" in reason
 
 
-@pytest.mark.skipif(not TRITON_ON_CPU, reason="Triton on CPU needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_triton_is_never_the_cpu_default():
     """The interpreter is for tests: the default on CPU stays the C++ kernel."""
     assert _dispatch.resolve("rel_shift", CPU) == "cpu"

@@ -8,11 +8,10 @@ import torch
 import ctxfast
 from ctxfast.models.xlnet import (XLNetLMHeadModel, XLNetModel, from_hf_xlnet,
                                   perm_rank_to_perm_mask)
-from utils import TRITON_ON_CPU, assert_close
+from utils import DEVICE, TRITON_ON_CPU, assert_close
 
 transformers = pytest.importorskip("transformers")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAST = "triton" if (TRITON_ON_CPU or torch.cuda.is_available()) else None
 BACKENDS = ["eager"] + (["ctxfast"] if FAST else [])
 V = 41

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast.models.transformer_xl import TransformerXL, TransformerXLConfig
-from utils import TRITON_ON_CPU, assert_close, rel_err
+from utils import DEVICE, TRITON_ON_CPU, assert_close, rel_err
 
 HAS_TRITON = TRITON_ON_CPU or torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
@@ -24,8 +24,8 @@ def tiny(**kw):
     return TransformerXLConfig(**{**base, **kw})
 
 
-def ids(T, B, n=37):
-    return torch.randint(0, n, (T, B))
+def ids(T, B, n=37, device="cpu"):
+    return torch.randint(0, n, (T, B), device=device)
 
 
 # --------------------------------------------------------------------------- the original
@@ -201,7 +201,7 @@ def test_load_refuses_missing_and_wrong_names():
 def _grads_of(model, x, y, mems):
     model.zero_grad()
     loss, new = model(x, y, *mems)
-    g = torch.randn_like(loss, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(loss.shape, generator=torch.Generator().manual_seed(0)).to(loss.device)
     (loss * g).sum().backward()
     return loss.detach(), new, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -217,8 +217,8 @@ def test_ctxfast_matches_eager_outputs_and_every_gradient(case, kernels):
     """With dropout off, backend="ctxfast" (the Triton kernels under the interpreter, or
     ctxfast's default dispatch) and "eager" give the same loss, new mems and gradient of
     every parameter, over a segment with memory (same_length: 11 keys, a window of 7)."""
-    model = TransformerXL(tiny(**case))
-    x, y, mem_x = ids(6, 2), ids(6, 2), ids(5, 2)
+    model = TransformerXL(tiny(**case)).to(DEVICE)
+    x, y, mem_x = (ids(t, 2, device=DEVICE) for t in (6, 6, 5))
     with torch.no_grad():
         _, mems = model(mem_x)                    # a memory of 5 steps
     model.set_backend("eager")
@@ -304,12 +304,12 @@ def test_ext_len_and_mem_len_zero():
 def test_same_length_runs_on_the_kernels_over_segments():
     """same_length (the paper's evaluation setting) on the Triton kernels equals eager over
     three segments, and the window matters (the output differs from same_length=False)."""
-    model = TransformerXL(tiny(same_length=True, mem_len=4)).eval()
+    model = TransformerXL(tiny(same_length=True, mem_len=4)).to(DEVICE).eval()
     with torch.no_grad():               # unit-variance scores: at std 0.02 attention is ~uniform
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, p.shape[-1] ** -0.5)
-    xs = [ids(3, 2) for _ in range(3)]
+    xs = [ids(3, 2, device=DEVICE) for _ in range(3)]
     outs = {}
     with torch.no_grad():
         for name in ("ctxfast", "eager", "no-window"):

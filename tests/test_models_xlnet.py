@@ -9,9 +9,8 @@ import torch
 
 import ctxfast
 from ctxfast.models.xlnet import XLNetConfig, XLNetLMHeadModel, XLNetModel
-from utils import REL_TOL, TRITON_ON_CPU, assert_close, rel_err
+from utils import DEVICE, REL_TOL, TRITON_ON_CPU, assert_close, assert_within_2x_eager
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The fast path: Triton kernels (on CPU only under the interpreter).
 FAST = "triton" if (TRITON_ON_CPU or torch.cuda.is_available()) else None
 needs_triton = pytest.mark.skipif(FAST is None, reason="Triton cannot run here "
@@ -113,8 +112,8 @@ def test_ctxfast_matches_eager_outputs_and_gradients(name):
         if g is None:                       # unused in this case (e.g. seg_embed without segments)
             assert grads[0][n] is None and grads[1][n] is None, n
             continue
-        err, err_eager = rel_err(grads[0][n], g), rel_err(grads[1][n], g)
-        assert err <= 2 * err_eager + REL_TOL[torch.float32], (n, err, err_eager)
+        assert_within_2x_eager(grads[0][n], grads[1][n], g, REL_TOL[torch.float32],
+                               name=f"grad {n}", min_scale=0.0)
     assert grads[0]["layer.0.rel_attn.r_w_bias"] is not None
 
 
@@ -136,8 +135,8 @@ def test_half_precision_error_within_twice_eager(dtype):
         base = eager(**{**kw, "mems": [m.to(dtype) for m in kw["mems"]]})
     for attr in ("content_hidden_state", "query_hidden_state"):
         a, b, w = (getattr(o, attr) for o in (got, base, want))
-        assert a.dtype == dtype and not torch.isnan(a).any()
-        assert rel_err(a, w) <= 2 * rel_err(b, w) + REL_TOL[dtype] / 2, attr
+        assert a.dtype == dtype
+        assert_within_2x_eager(a, b, w, REL_TOL[dtype] / 2, name=attr, min_scale=0.0)
 
 
 @needs_triton
@@ -167,14 +166,14 @@ def test_autocast_bf16_trains_within_twice_eager():
         res.append((streams, {n: p.grad for n, p in model.named_parameters()}))
     (outs, grads), (outs_e, grads_e), (outs_r, grads_r) = res
     for i, (a, b, w) in enumerate(zip(outs, outs_e, outs_r)):
-        assert not torch.isnan(a).any()
-        assert rel_err(a, w) <= 2 * rel_err(b, w) + REL_TOL[torch.bfloat16] / 2, f"stream {i}"
+        assert_within_2x_eager(a, b, w, REL_TOL[torch.bfloat16] / 2, name=f"stream {i}",
+                               min_scale=0.0)
     for n, g in grads_r.items():
         if g is None:
             continue
         assert grads[n].dtype == torch.float32, n
-        err, err_eager = rel_err(grads[n], g), rel_err(grads_e[n], g)
-        assert err <= 2 * err_eager + REL_TOL[torch.bfloat16], (n, err, err_eager)
+        assert_within_2x_eager(grads[n], grads_e[n], g, REL_TOL[torch.bfloat16],
+                               name=f"grad {n}", min_scale=0.0)
 
 
 @needs_triton
@@ -204,7 +203,7 @@ def test_content_stream_does_not_see_later_tokens_in_the_order():
     ids = torch.randint(0, V, (B, T), device=DEVICE)
     rank = _ranks(B, T)
     later = rank >= T // 2                                    # the second half of each order
-    ids2 = torch.where(later, (ids + 1 + torch.randint(0, V - 1, ids.shape)) % V, ids)
+    ids2 = torch.where(later, (ids + 1 + torch.randint(0, V - 1, ids.shape, device=DEVICE)) % V, ids)
     with torch.no_grad():
         a = model(ids, perm_rank=rank).last_hidden_state
         b = model(ids2, perm_rank=rank).last_hidden_state

@@ -7,10 +7,9 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast import reference
-from utils import TRITON_ON_CPU, rel_err
+from utils import DEVICE, TRITON_ON_CPU, rel_err
 
 BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _original_layer(m, w, r, attn_mask, mems):
