@@ -203,15 +203,17 @@ def test_empty_sequence_returns_hx_unchanged(backend, given_hx):
 
 
 @needs_triton
-def test_bool_mask_equals_float_mask_and_no_mask_ignores_weight_dropout():
+def test_bool_mask_equals_float_mask_and_weight_dropout_needs_a_mask():
     args, kw = _inputs(2, 3, 5, 16, 0, mask=True)
     a, _, _ = _call(ctxfast.lstm, args, kw, backend="triton")
     kw_bool = dict(kw, weight_mask=kw["weight_mask"].bool())
     b, _, _ = _call(ctxfast.lstm, args, kw_bool, backend="triton")
     assert torch.equal(a, b)
     plain, _, _ = _call(ctxfast.lstm, args, {}, backend="triton")
-    no_mask, _, _ = _call(ctxfast.lstm, args, {"weight_dropout": 0.4}, backend="triton")
-    assert torch.equal(plain, no_mask) and not torch.equal(plain, a)
+    assert not torch.equal(plain, a)
+    # a rate without a mask would silently drop nothing: refused, saying what to pass
+    with pytest.raises(ValueError, match="weight_dropout=0.4 without weight_mask.*pass weight_mask"):
+        _call(ctxfast.lstm, args, {"weight_dropout": 0.4}, backend="triton")
 
 
 @needs_triton
@@ -406,6 +408,8 @@ def _bad_cases():
                weight_mask=torch.ones(4 * H, P, dtype=torch.int64))
     yield case("dropout-1", ValueError, ["weight_dropout must be in [0, 1)"], weight_dropout=1.0)
     yield case("dropout-neg", ValueError, ["weight_dropout must be in [0, 1)"], weight_dropout=-0.1)
+    yield case("dropout-no-mask", ValueError, ["weight_dropout=0.5 without weight_mask",
+                                               "pass weight_mask"], weight_dropout=0.5)
     yield case("cell-clip-0", ValueError, ["cell_clip must be > 0"], cell_clip=0.0)
     yield case("proj-clip-neg", ValueError, ["proj_clip must be > 0"], proj_clip=-1.0)
     yield case("proj-clip-type", TypeError, ["proj_clip must be a float"], proj_clip="1")

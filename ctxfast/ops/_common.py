@@ -78,21 +78,37 @@ def check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, d
         raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
 
 
+# The Triton kernels keep a whole head-dim row of q, k, v and the output accumulator in one
+# program (BLOCK_D = next power of two >= D): beyond 256 they exceed a GPU's registers and
+# shared memory. The eager backend has no such limit.
+MAX_HEAD_DIM = 256
+
+
 def resolve(op: str, q: Tensor, backend: Optional[str]) -> str:
-    """``_dispatch.resolve``, except that float64 on CUDA never reaches the Triton attention
-    kernels (they keep fp32 softmax statistics and do not compile for float64 on a GPU;
-    the interpreter runs them, for the CPU tests): by default it runs on eager, and asking
-    for triton is an error, before anything runs. Shared by attention, attention_varlen
-    and rel_attention."""
+    """``_dispatch.resolve``, except where the Triton kernels cannot run what was asked:
+
+    * float64 on CUDA (the kernels keep fp32 softmax statistics and do not compile for
+      float64 on a GPU; the interpreter runs them, for the CPU tests);
+    * a head dim ``D = q.shape[-1]`` above ``MAX_HEAD_DIM``.
+
+    By default these run on eager; asking for triton explicitly is an error, raised before
+    anything runs. Shared by attention, attention_varlen and rel_attention."""
     name = _dispatch.resolve(op, q.device, backend)
-    if name != "triton" or q.dtype != torch.float64 or q.device.type != "cuda":
+    if name != "triton":
+        return name
+    shape_ = getattr(q, "shape", None)
+    D = shape_[-1] if shape_ is not None and len(shape_) else None
+    if q.dtype == torch.float64 and q.device.type == "cuda":
+        why = ("cannot run float64 on CUDA (the kernels keep float32 statistics and are not "
+               "compiled for float64); use backend='eager' for float64")
+    elif D is not None and D > MAX_HEAD_DIM:
+        why = (f"supports head dims D <= {MAX_HEAD_DIM} (a whole row of q, k, v is held per "
+               f"program), got D = {D}; use backend='eager' for larger heads")
+    else:
         return name
     asked, source = _dispatch.requested_backend(backend)
     if asked is not None:
-        raise _dispatch.BackendUnavailable(
-            f"ctxfast.{op}: backend 'triton' (from {source}) cannot run float64 on CUDA (the "
-            "kernels keep float32 statistics and are not compiled for float64); use "
-            "backend='eager' for float64")
+        raise _dispatch.BackendUnavailable(f"ctxfast.{op}: backend 'triton' (from {source}) {why}")
     return "eager"
 
 

@@ -28,8 +28,7 @@ from ._common import autocast as _autocast
 from ._common import check_attention as _check
 from ._common import resolve as _resolve
 from ._common import shape as _shape
-
-MAX_HEAD_DIM = 256
+from ._common import MAX_HEAD_DIM  # noqa: F401  (re-exported: the Triton kernels' limit)
 
 # Defaults: on CUDA the Triton kernel (not yet measured on a GPU: issue 9 decides); on CPU
 # the eager reference (the Triton kernel runs on CPU only in the interpreter, for tests).
@@ -108,7 +107,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     Args:
         q: ``[B, H, Tq, D]``. k, v: ``[B, H, Tk, D]`` — keys are ``[memory; current]``
             and ``mem_len = Tk - Tq`` (0 for plain self-attention). fp16, bf16, fp32
-            (fp64 too, for tests); ``D <= 256``; any strides.
+            (fp64 too, for tests); any strides. The triton backend takes ``D <= 256``
+            (``MAX_HEAD_DIM``; by default larger heads run on eager, asking for triton raises).
         causal: query ``i`` sees key ``j`` iff ``j <= i + mem_len`` (bottom-right aligned).
         key_padding_mask: bool ``[B, Tk]``, True = padding (``nn.MultiheadAttention``'s
             convention).
