@@ -223,7 +223,7 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
             budget_s: float, min_rounds: int = 5, max_rounds: int = 2000,
             warmup: int = 5, peak_memory: bool = True):
     """Time ``fn(*s)`` over the input sets `sets` (rotated) under the project's protocol
-    (DESIGN.md §5) and record the result in ``benchmark.extra_info`` (keys: see the module
+    (docs/ARCHITECTURE.md, "Benchmark protocol") and record the result in ``benchmark.extra_info`` (keys: see the module
     docstring). Returns what the last call of `fn` returned (None after an OOM).
 
     1. Warm-up: `warmup` calls, synchronised (compilation, autotuning and allocator growth

@@ -178,7 +178,7 @@ def test_small_activations_keep_full_precision(backend):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tl.dot is wrong in the Triton interpreter "
-                    "(FIELD_NOTES.md); bf16 runs in tests/gpu on a GPU")
+                    "(docs/ARCHITECTURE.md); bf16 runs in tests/gpu on a GPU")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_against_reference(backend):
     _run_case(backend, "T5-B3-H20-P12-mask-clips", torch.bfloat16)

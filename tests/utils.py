@@ -18,7 +18,7 @@ needs_interpreter = pytest.mark.skipif(
     not TRITON_ON_CPU, reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 "
     "(set on machines without CUDA; on a CUDA machine the same kernels are tested on GPU)")
 
-# Relative-error bounds from DESIGN.md §4 (‖out − ref‖ / ‖ref‖).
+# Relative-error bounds (docs/ARCHITECTURE.md, "Test tolerances") (‖out − ref‖ / ‖ref‖).
 REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 

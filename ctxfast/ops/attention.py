@@ -13,9 +13,9 @@ number of element ``(b, h, i, j)`` at counter ``(bh·Tq + i)·Tk + j``, so the b
 regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces it.
 
 The ``eager`` backend is ``ctxfast.reference.attention`` (a materialised mask + softmax).
-``attention_varlen`` (packed sequences) has its own pair of ops below.
-Not yet here (issue 3 continues): the split-key decoding kernel and the Hugging Face
-integration.
+``attention_varlen`` (packed sequences) has its own pair of ops below. On CUDA the Triton
+forward splits the keys over programs for decoding (few queries, long memory); the Hugging
+Face attention interface is ``ctxfast.integrations.hf``.
 """
 from typing import Optional, Tuple
 
@@ -26,11 +26,12 @@ from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import check_attention as _check
+from ._common import check_qkv as _check_qkv
 from ._common import resolve as _resolve
 from ._common import shape as _shape
 from ._common import MAX_HEAD_DIM  # noqa: F401  (re-exported: the Triton kernels' limit)
 
-# Defaults: on CUDA the Triton kernel (not yet measured on a GPU: issue 9 decides); on CPU
+# Defaults: on CUDA the Triton kernel (not yet measured on a GPU: the GPU round decides); on CPU
 # the eager reference (the Triton kernel runs on CPU only in the interpreter, for tests).
 _dispatch.register_op("attention", supported=("triton", "eager"),
                       cpu_default=("eager",), cuda_default=("triton", "eager"))

@@ -40,7 +40,7 @@ _NATIVE = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "lstm_recurrenc
 
 # Defaults: on CPU the C++ kernel where built, else the eager loop (Triton runs on CPU only
 # in the interpreter, for tests); on CUDA the CUDA C++ kernel, then Triton. Not yet
-# measured (CPU: benchmarks of issue 5; GPU: the GPU round decides the order).
+# measured (CPU: benchmarks/bench_lstm.py; GPU: the GPU round decides the order).
 _dispatch.register_op(
     "lstm",
     supported=("triton", "cuda", "cpu", "eager") if _NATIVE else ("triton", "eager"),

@@ -27,7 +27,7 @@ from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 # (3.1-3.5x) and 20.4-22.0 ms for the original pad-and-view trick (1.6-1.8x, which leaves
 # junk); fwd+bwd 31.1 ms against 73.7-91.1 ms (eager) and 34.3-43.9 ms (pad-and-view).
 # CUDA: the CUDA C++ kernel, then Triton. NOT yet measured on a GPU (the GPU round,
-# issue 9, decides the order).
+# benchmarks/gpu_round.sh, decides the order).
 _dispatch.register_op(
     "rel_shift",
     supported=("triton", "cuda", "cpu", "eager"),
