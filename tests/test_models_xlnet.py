@@ -83,8 +83,17 @@ def _inputs(case, d_model=32, dtype=torch.float32):
 @pytest.mark.parametrize("name", list(CASES))
 def test_ctxfast_matches_eager_outputs_and_gradients(name):
     """fp32 outputs within REL_TOL of eager; every gradient (parameters and mems) within
-    2x eager's own error against the fp64 model + REL_TOL (some gradients, e.g. r_s_bias's,
-    are sums of dS that cancel: fp32 eager itself is ~1e-5 from fp64 there)."""
+    2x eager's own error against the fp64 model + REL_TOL relative to the gradient's size.
+
+    The segment term's gradients (r_s_bias, seg_embed) are sums over a softmax row of dS
+    times one of two vectors, and every row of dS sums to zero: they cancel, down to ~0
+    (e.g. 5e-17 when a layer's tokens share a segment). Their rounding error scales with
+    the terms, not with the sum, and how large it is depends on the accumulation order,
+    which differs between machines (the Triton interpreter's tl.dot is numpy's BLAS,
+    eager's is torch's; their kernels and vector widths follow the CPU): a bound relative
+    to the cancelled sum failed on some machines (3.8e-5 against 1.6e-5) and passed on
+    others. Their floor is taken relative to the size of the terms instead, measured by
+    the same layer's r_w_bias gradient (the same dS times the keys, which do not cancel)."""
     case = CASES[name]
     fast, eager = _pair(**case["cfg"])
     ref = copy.deepcopy(eager).double()
@@ -112,8 +121,11 @@ def test_ctxfast_matches_eager_outputs_and_gradients(name):
         if g is None:                       # unused in this case (e.g. seg_embed without segments)
             assert grads[0][n] is None and grads[1][n] is None, n
             continue
+        scale = 0.0
+        if n.endswith(("rel_attn.r_s_bias", "rel_attn.seg_embed")):
+            scale = grads[2][n.rsplit(".", 1)[0] + ".r_w_bias"].double().norm().item()
         assert_within_2x_eager(grads[0][n], grads[1][n], g, REL_TOL[torch.float32],
-                               name=f"grad {n}", min_scale=0.0)
+                               name=f"grad {n}", min_scale=scale)
     assert grads[0]["layer.0.rel_attn.r_w_bias"] is not None
 
 
