@@ -336,3 +336,50 @@ def test_training_mode_applies_dropout_on_the_fast_path():
         train = model.train()(ids, perm_rank=rank, target_mapping=tm).logits
         ev = model.eval()(ids, perm_rank=rank, target_mapping=tm).logits
     assert torch.isfinite(train).all() and not torch.allclose(train, ev)
+
+
+# ------------------------------------------------------------------ HF perm_mask, use_mems
+
+def test_perm_mask_round_trips_to_perm_rank():
+    from ctxfast.models.xlnet import perm_mask_to_perm_rank, perm_rank_to_perm_mask
+    rank = _ranks(3, 7)
+    mask = perm_rank_to_perm_mask(rank)
+    assert mask.shape == (3, 7, 7) and torch.equal(mask.diagonal(dim1=1, dim2=2), torch.ones_like(mask[:, 0]))
+    assert torch.equal(perm_mask_to_perm_rank(mask), rank.long())
+    # HF's documented use: every token sees the others, none sees the last one (to predict)
+    hf = torch.zeros(2, 5, 5, device=DEVICE)
+    hf[:, :, -1] = 1
+    tm = torch.zeros(2, 1, 5, device=DEVICE)
+    tm[:, 0, -1] = 1
+    got = perm_mask_to_perm_rank(hf, tm)
+    assert got.tolist() == [[3, 3, 3, 3, 4]] * 2     # four tied, the target after them
+
+
+def test_perm_mask_no_rank_order_expresses_is_refused_with_the_reason():
+    from ctxfast.models.xlnet import perm_mask_to_perm_rank, perm_rank_to_perm_mask
+    m = perm_rank_to_perm_mask(torch.tensor([[0, 1, 2]], device=DEVICE))
+    m[0, 2, 0] = 1                                   # 2 sees 1, 1 sees 0, 2 not 0: not transitive
+    with pytest.raises(ValueError, match=r"no rank order gives perm_mask\[0\].*transitive"):
+        perm_mask_to_perm_rank(m)
+    m = perm_rank_to_perm_mask(torch.tensor([[0, 1, 2]], device=DEVICE))
+    m[0, 1, 1] = 0                                   # a prediction sees its own token
+    with pytest.raises(ValueError, match="prediction 1 of row 0 sees its own token"):
+        perm_mask_to_perm_rank(m, torch.eye(3, device=DEVICE)[None, 1:2])
+    hf = torch.zeros(1, 3, 3, device=DEVICE)        # all see all: ties, and the query row 0
+    hf[0, 0, 0] = 1                                  # (declared by its diagonal) sees a tie
+    with pytest.raises(ValueError, match="sees a token of the same place"):
+        perm_mask_to_perm_rank(hf)
+    with pytest.raises(ValueError, match="0 \\(may attend\\) and 1"):
+        perm_mask_to_perm_rank(torch.full((1, 2, 2), 0.5))
+    with pytest.raises(ValueError, match="ties"):
+        perm_rank_to_perm_mask(torch.tensor([[0, 0, 1]]))
+
+
+def test_use_mems_defaults_from_the_config_as_hf():
+    model = XLNetModel(_config(), backend="eager").to(DEVICE)
+    ids = torch.randint(0, V, (2, 3), device=DEVICE)
+    assert model.train()(ids).mems is None                         # use_mems_train=False
+    assert len(model.eval()(ids).mems) == model.config.n_layer     # use_mems_eval=True
+    assert model.eval()(ids, use_mems=False).mems is None
+    model.config.use_mems_train = True
+    assert model.train()(ids).mems is not None
