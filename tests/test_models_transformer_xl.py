@@ -168,7 +168,8 @@ def test_loads_original_state_dict_and_computes_the_original(case):
     c = tiny(**kw)
     d_embed = 24 if case.startswith("pre_ln") else None
     sd = synth_original_state_dict(c, d_embed)
-    over = {**dict(backend="eager", dropout=0.0, mem_len=c.mem_len, tgt_len=c.tgt_len), **kw}
+    over = {**dict(backend="eager", dropout=0.0, mem_len=c.mem_len, tgt_len=c.tgt_len,
+                   pre_lnorm=c.pre_lnorm), **kw}
     model = TransformerXL.from_state_dict(sd, **over).eval()
     assert model.config.untie_r == c.untie_r and model.d_embed == (d_embed or c.d_model)
     x1, x2 = ids(7, 3), ids(5, 3)
@@ -475,3 +476,30 @@ def test_non_contiguous_ids_and_mems():
         out = model(x, None, *strided)[0]
         ref = model(x.contiguous(), None, *[m.contiguous() for m in strided])[0]
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_from_state_dict_infers_adaptive_shapes_and_requires_what_it_cannot(div_val):
+    """cutoffs (div_val > 1: from the cluster sizes), div_val, d_embed and the tied weights
+    and projections come from the state_dict; pre_lnorm and mem_len must be given (a wrong
+    pre_lnorm changes the outputs silently), and so must cutoffs for div_val 1."""
+    c = tiny(n_token=60, cutoffs=(10, 30), div_val=div_val, d_embed=24 if div_val == 1 else 48,
+             tie_projs=(True, False, True), pre_lnorm=True, mem_len=6)
+    src = TransformerXL(c).eval()
+    sd = src.state_dict()
+    with pytest.raises(ValueError, match="pre_lnorm and mem_len cannot be read"):
+        TransformerXL.from_state_dict(sd)
+    with pytest.raises(ValueError, match="mem_len cannot be read"):
+        TransformerXL.from_state_dict(sd, pre_lnorm=True)
+    need = dict(pre_lnorm=True, mem_len=6)
+    if div_val == 1:
+        with pytest.raises(ValueError, match=r"2 tail cluster\(s\).*pass cutoffs"):
+            TransformerXL.from_state_dict(sd, **need)
+        need["cutoffs"] = (10, 30)
+    model = TransformerXL.from_state_dict(sd, **need).eval()
+    got = model.config
+    assert (tuple(got.cutoffs), got.div_val, got.d_embed, got.n_token) == ((10, 30), div_val, c.d_embed, 60)
+    assert got.tie_weight and tuple(got.tie_projs) == (True, False, True)
+    x = ids(5, 2, n=60)
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], src(x)[0])
