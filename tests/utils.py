@@ -94,3 +94,21 @@ def assert_within_2x_eager(ours: torch.Tensor, same: torch.Tensor, ref64: torch.
             f"{name}: ‖ours − ref64‖ = {err:.3e} > 2·‖eager − ref64‖ + floor = {bound:.3e} "
             f"(eager {err_same:.3e}; relative: ours {rel(err):.3e}, eager {rel(err_same):.3e}, "
             f"floor {floor:.1e}, {err / bound:.2f}x the bound); {_where(ours, ref64)}")
+
+
+def assert_param_grads_within_2x_eager(fast: "torch.nn.Module", eager: "torch.nn.Module",
+                                       ref64: "torch.nn.Module", floor: float) -> None:
+    """Every parameter of `fast` has a non-zero gradient within the 2x-eager rule
+    (assert_within_2x_eager, relative floor) of the float64 model `ref64`'s, `eager` being
+    the same computation on the eager backend in `fast`'s dtype. For gradients that are
+    small sums of larger terms (e.g. a bias whose gradient sums over the batch), where a
+    fixed tolerance against eager depends on the machine's accumulation order."""
+    g = {n: p.grad for n, p in fast.named_parameters()}
+    g_e = {n: p.grad for n, p in eager.named_parameters()}
+    g64 = {n: p.grad for n, p in ref64.named_parameters()}
+    assert g.keys() == g_e.keys() == g64.keys(), "parameter names differ"
+    for name in g:
+        assert g[name] is not None and g_e[name] is not None, f"{name}: no gradient"
+        assert g[name].abs().sum() > 0, f"{name}: zero gradient"
+        assert_within_2x_eager(g[name], g_e[name], g64[name], floor, name=f"grad {name}",
+                               min_scale=0.0)
