@@ -503,3 +503,14 @@ def test_from_state_dict_infers_adaptive_shapes_and_requires_what_it_cannot(div_
     x = ids(5, 2, n=60)
     with torch.no_grad():
         assert torch.equal(model(x)[0], src(x)[0])
+
+
+def test_one_class_per_name_old_model_layer_name_deprecated():
+    """The model's attention layer is TransformerXLAttention; the old name (shared with the
+    public ctxfast.nn layer) still imports, with a DeprecationWarning."""
+    import ctxfast.models.transformer_xl as txl
+    with pytest.warns(DeprecationWarning, match="TransformerXLAttention"):
+        old = txl.RelPartialLearnableMultiHeadAttn
+    assert old is txl.TransformerXLAttention
+    assert txl.TransformerXLAttention.__name__ != ctxfast.nn.RelPartialLearnableMultiHeadAttn.__name__
+    assert isinstance(TransformerXL(tiny()).layers[0].dec_attn, txl.TransformerXLAttention)

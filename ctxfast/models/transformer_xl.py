@@ -170,8 +170,12 @@ def rel_attention_eager(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Te
     return torch.matmul(prob, v)                                            # [B, H, Tq, D]
 
 
-class RelPartialLearnableMultiHeadAttn(_RelAttnLayer):
-    """:class:`ctxfast.nn.RelPartialLearnableMultiHeadAttn` (same parameters: ``qkv_net``,
+class TransformerXLAttention(_RelAttnLayer):
+    """The model's attention layer (``layers.i.dec_attn``; named
+    ``RelPartialLearnableMultiHeadAttn`` here before, which is the name of the public layer
+    :class:`ctxfast.nn.RelPartialLearnableMultiHeadAttn` alone now; the old name still
+    imports, with a DeprecationWarning).
+    :class:`ctxfast.nn.RelPartialLearnableMultiHeadAttn` (same parameters: ``qkv_net``,
     ``r_net``, ``o_net``, ``layer_norm``) as the model uses it: the biases come from the
     model (shared by all layers) unless ``untie_r``, the position encodings are projected
     once per call, and the mask may be the ``same_length`` window."""
@@ -227,7 +231,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
     def __init__(self, c: TransformerXLConfig) -> None:
         super().__init__()
-        self.dec_attn = RelPartialLearnableMultiHeadAttn(
+        self.dec_attn = TransformerXLAttention(
             c.n_head, c.d_model, c.d_head, c.dropout, c.dropatt, pre_lnorm=c.pre_lnorm,
             untie_r=c.untie_r, layer_norm_epsilon=c.layer_norm_epsilon, backend=c.backend)
         self.pos_ff = PositionwiseFF(c.d_model, c.d_inner, c.dropout, pre_lnorm=c.pre_lnorm,
@@ -689,6 +693,17 @@ class TransformerXL(nn.Module):
         return model
 
 
-__all__ = ["TransformerXLConfig", "TransformerXL", "RelPartialLearnableMultiHeadAttn",
+def __getattr__(name: str):
+    if name == "RelPartialLearnableMultiHeadAttn":
+        import warnings
+        warnings.warn("ctxfast.models.transformer_xl.RelPartialLearnableMultiHeadAttn is now "
+                      "TransformerXLAttention (the public layer of that name is "
+                      "ctxfast.nn.RelPartialLearnableMultiHeadAttn)", DeprecationWarning,
+                      stacklevel=2)
+        return TransformerXLAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["TransformerXLConfig", "TransformerXL", "TransformerXLAttention",
            "RelPartialLearnableDecoderLayer", "PositionwiseFF", "PositionalEmbedding",
            "AdaptiveEmbedding", "ProjectedAdaptiveLogSoftmax", "rel_attention_eager"]
