@@ -4,8 +4,9 @@ self-attention layer (padded or packed), the feed-forward block and input checks
 ``backend="ctxfast"`` runs attention through :func:`ctxfast.attention` /
 :func:`ctxfast.attention_varlen` (whichever implementation ctxfast's dispatch picks: the
 ``backend=`` keyword of the ops is left unset, so ``with ctxfast.backend("triton"):`` or
-``CTXFAST_BACKEND`` choose it); ``backend="eager"`` runs the same computation on
-:func:`ctxfast.reference.attention`, written out in plain PyTorch. Everything else in the
+``CTXFAST_BACKEND`` choose it); ``backend="eager"`` runs the same computation on the
+ops' eager backend (:func:`ctxfast.reference.attention`, plain PyTorch): "eager" means
+plain PyTorch, no ctxfast kernel, for ops and models alike (docs/ARCHITECTURE.md). Everything else in the
 models (embeddings, LayerNorm, feed-forward) is ordinary PyTorch in both.
 """
 from typing import List, Optional, Tuple
