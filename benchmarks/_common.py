@@ -197,7 +197,7 @@ def oom_guard(benchmark, device: Optional[torch.device] = None) -> Iterator[None
 
 # --------------------------------------------------------------------------- timing
 
-#: Least number of timed calls per benchmark (DESIGN.md §5: at least 10 repetitions).
+#: Least number of timed calls per benchmark (docs/ARCHITECTURE.md, "Benchmark protocol": at least 10 repetitions).
 MIN_REPS = 10
 #: Warm-up stops early once the calls after the first have taken this long (seconds): a
 #: 250 ms eager baseline needs no five warm-up calls to be compiled and allocated.
@@ -333,7 +333,7 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
             budget_s: float, min_rounds: int = MIN_REPS, max_rounds: int = 2000,
             warmup: int = 5, peak_memory: bool = True):
     """Time ``fn(*s)`` over the input sets `sets` (rotated) under the project's protocol
-    (DESIGN.md §5) and record the result in ``benchmark.extra_info`` (keys: see the module
+    (docs/ARCHITECTURE.md, "Benchmark protocol") and record the result in ``benchmark.extra_info`` (keys: see the module
     docstring). Returns what `fn` returned in the untimed call of step 4 (None after an OOM).
 
     1. Warm-up: `warmup` calls (fewer, at least two, once the calls after the first have

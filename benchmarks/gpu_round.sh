@@ -126,7 +126,7 @@ stage_build_test() {
 stage_sanitize() {
   build
   # The timed medians against torch.profiler, once per case, for the suites where the
-  # first GPU round disagreed with a profile (issue 14 item 7).
+  # first GPU round disagreed with a profile (the AWD-LSTM train step, 2026-11-22).
   step "profile check (lstm, models)" 150 profile_check.log "$PY" -m ctxfast.cli bench \
     --ops lstm models --profile-check --time-budget 120 --no-plots --no-progress \
     --out "$R/profile-check"

@@ -5,7 +5,7 @@ make on CUDA, specialised as Triton's JIT does) plus fp32 with torch's default p
 (``tf32x3``, not in that test), compiles each kernel for sm_90 and reports: shared memory
 (``metadata.shared``, limit 232448 bytes a block), registers and spill bytes (Triton's
 bundled ``ptxas-blackwell -v -arch=sm_90a`` on the PTX: Triton 3.9's PTX is too new for
-nvcc 13.0's ptxas, FIELD_NOTES.md) and whether the PTX uses ``wgmma.mma_async`` (Hopper's
+nvcc 13.0's ptxas, see docs/ARCHITECTURE.md) and whether the PTX uses ``wgmma.mma_async`` (Hopper's
 tensor-core instruction) or only ``mma.sync``.
 
     .venv/bin/python benchmarks/rel_attention_compile_facts.py [--out table.md] [-k substring]

@@ -10,7 +10,7 @@ one call — FLOPs and bytes moved to and from memory (formulas in :func:`work` 
 NOTES.md) — and turns them into a time floor ``max(FLOPs / peak, bytes / bandwidth)``
 against a ceiling:
 
-* GPU: the ceilings measured on the project's GPU machines (``/work/shared/FIELD_NOTES.md``):
+* GPU: the ceilings measured on the project's GPU machines (``docs/ARCHITECTURE.md``, measured facts):
   bf16 dense matmul ≈ 790 TFLOP/s on H100 and H200; device copy ≈ 3.0 TB/s (H100) and
   ≈ 4.3 TB/s (H200). No fp32 matmul ceiling was measured: fp32 cases get a byte floor only.
 * CPU (``--measure-cpu``): fp32 ``torch.mm`` of 2048² and a 256 MiB tensor copy measured
@@ -34,7 +34,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
-GPU_CEILINGS = {   # name: (bf16 FLOP/s, bytes/s), FIELD_NOTES.md
+GPU_CEILINGS = {   # name: (bf16 FLOP/s, bytes/s), docs/ARCHITECTURE.md
     "H100": (790e12, 3.0e12),
     "H200": (790e12, 4.3e12),
 }
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
                         help="CPU ceilings to use instead of measuring")
     args = parser.parse_args(argv)
     mods = suites()
-    print("## GPU floors (ceilings: FIELD_NOTES.md)\n")
+    print("## GPU floors (ceilings: docs/ARCHITECTURE.md)\n")
     print(gpu_tables(mods))
     if args.results:
         if args.cpu_ceilings:

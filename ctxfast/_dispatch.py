@@ -1,4 +1,4 @@
-"""Backend selection for every ctxfast op (DESIGN.md §2).
+"""Backend selection for every ctxfast op (docs/ARCHITECTURE.md, "Backends and dispatch").
 
 Four backends can implement an op:
 

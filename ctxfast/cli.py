@@ -261,7 +261,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return xl_eval.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"info": cmd_info, "smoke": cmd_smoke}[args.cmd](args)
+    try:
+        rc = {"info": cmd_info, "smoke": cmd_smoke}[args.cmd](args)
+        sys.stdout.flush()                 # a closed pipe raises here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # The reader closed the pipe (`ctxfast info | head -3`): stop quietly, as Unix tools
+        # do; point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

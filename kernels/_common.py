@@ -17,7 +17,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # UPCAST: the Triton interpreter multiplies bf16 bit patterns (FIELD_NOTES.md); fp32 is exact.
+    # UPCAST: the Triton interpreter multiplies bf16 bit patterns (docs/ARCHITECTURE.md, measured facts); fp32 is exact.
     if UPCAST:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
     else:

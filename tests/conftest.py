@@ -23,6 +23,14 @@ def _seed_per_test(request):
 
 
 @pytest.fixture
+def device():
+    """The device a test runs on: CUDA when present, else CPU (``utils.DEVICE``, for tests
+    that need it at collection time, is the same)."""
+    from utils import DEVICE
+    return torch.device(DEVICE)
+
+
+@pytest.fixture
 def no_dispatch(monkeypatch):
     """Makes backend dispatch fail: a bad-input test using it proves the op raised its
     error from the input check, before choosing (let alone launching) any kernel."""

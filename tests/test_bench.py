@@ -873,7 +873,7 @@ def test_import_logs_reads_only_what_the_log_says(report):
             report.records_from_pytest_benchmark({"benchmarks": imp.entries(rows, header)})}
     sdpa = recs[("sweep causal B2 H16 Tq8192 Tk8192 D128", "fwd", "sdpa")]
     assert sdpa["ms"] == 1.1498 and sdpa["baseline_ms"] == 35.8517
-    assert round(sdpa["tflops"]) == 478                        # the figure of issue 14
+    assert round(sdpa["tflops"]) == 478     # the figure the first H100 round reported
     assert sdpa["timer"] == imp.LOG_TIMER
     oom = recs[("sweep causal B2 H32 Tq8192 Tk8192 D64", "fwd+bwd", "sdpa")]
     assert oom["speedup"] is None and oom["note"].startswith("baseline OOM")

@@ -25,6 +25,19 @@ def test_info_lists_versions_extensions_and_backends():
     assert cpu_row[2] == "yes*"  # the default on CPU tensors
 
 
+def test_info_into_a_closed_pipe_ends_quietly():
+    """`ctxfast info | head -3`: the reader goes away before the output is written; no
+    BrokenPipeError traceback (the read end is closed before the child writes anything)."""
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "ctxfast.cli", "info"], stdout=w,
+                            stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    os.close(r)
+    _, err = proc.communicate(timeout=300)
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err
+    assert proc.returncode == 0, err
+
+
 def test_smoke_passes():
     r = _run("smoke")
     assert r.returncode == 0, r.stdout + r.stderr

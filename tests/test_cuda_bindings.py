@@ -3,7 +3,7 @@ but they can be syntax-checked against torch's headers and the CUDA toolkit's, s
 mistake in them shows up in CI rather than on the next GPU machine.
 
 The CPU wheel of torch lacks one generated header (c10/cuda/impl/cuda_cmake_macros.h;
-see FIELD_NOTES.md); the test writes a stand-in for it.
+see docs/ARCHITECTURE.md, measured facts); the test writes a stand-in for it.
 """
 import shutil
 import subprocess

@@ -5,7 +5,7 @@ import torch
 
 import ctxfast
 from ctxfast import _dispatch
-from utils import TRITON_ON_CPU
+from utils import DEVICE, needs_interpreter
 
 CPU = torch.device("cpu")
 
@@ -97,7 +97,7 @@ def test_cuda_reason_without_gpu():
         assert "not built" in reason and "CPU build" in reason
 
 
-@pytest.mark.skipif(not TRITON_ON_CPU, reason="Triton on CPU needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_triton_is_never_the_cpu_default():
     """The interpreter is for tests: the default on CPU stays the C++ kernel."""
     assert _dispatch.resolve("rel_shift", CPU) == "cpu"
@@ -201,3 +201,32 @@ def _resolve_all_cuda(ops):
     with pytest.MonkeyPatch.context() as mp:
         _pretend_cuda(mp)
         return [_dispatch.resolve(op, torch.device("cuda")) for op in ops]
+
+@pytest.mark.parametrize("op", ["attention", "attention_varlen", "rel_attention"])
+def test_head_dims_above_the_triton_limit_never_reach_the_kernels(monkeypatch, op):
+    """The Triton kernels take D <= MAX_HEAD_DIM (256): by default larger heads run on
+    eager; asking for triton raises, naming the limit and the D passed, before any launch.
+    D = 256 itself keeps triton."""
+    from types import SimpleNamespace
+
+    from ctxfast.ops._common import MAX_HEAD_DIM, resolve
+    monkeypatch.setattr(_dispatch, "resolve", lambda *args, **kwargs: "triton")
+    cuda = torch.device("cuda")
+
+    def q(D, device=cuda):
+        return SimpleNamespace(device=device, dtype=torch.float16, shape=(2, 3, 5, D))
+    assert MAX_HEAD_DIM == 256
+    assert resolve(op, q(256), None) == "triton"
+    assert resolve(op, q(257), None) == "eager"
+    for device in (cuda, CPU):
+        with pytest.raises(ctxfast.BackendUnavailable, match=r"D <= 256.*got D = 320"):
+            resolve(op, q(320, device), "triton")
+
+
+def test_attention_refuses_a_head_dim_above_256_on_triton_before_launch():
+    """Through the public op (on this machine's device)."""
+    q = torch.randn(1, 1, 2, 264, device=DEVICE)
+    with pytest.raises(ctxfast.BackendUnavailable, match=r"D <= 256.*got D = 264"):
+        ctxfast.attention(q, q, q, backend="triton")
+    out = ctxfast.attention(q, q, q, backend="eager")             # eager has no limit
+    assert out.shape == q.shape

@@ -189,3 +189,8 @@ def test_embedding_dropout_bad_inputs():
         ctxfast.embedding_dropout(torch.randn(5), ids, 0.5)
     with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):
         ctxfast.embedding_dropout(w, ids, -0.5)
+    for bad in (5, -1):                                         # out of the vocabulary
+        with pytest.raises(ValueError, match=rf"input_ids must be in \[0, V\) with V = 5.*got id {bad}"):
+            ctxfast.embedding_dropout(w, torch.tensor([0, bad]), 0.5)
+        with pytest.raises(ValueError, match=r"EmbeddingDropout: words must be in .* V = 5"):
+            ctxfast.nn.EmbeddingDropout(torch.nn.Embedding(5, 3), 0.1)(torch.tensor([[bad]]))

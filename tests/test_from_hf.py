@@ -14,9 +14,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is an op
                                    "test dependency (pip install transformers)")
 import ctxfast  # noqa: E402
 from ctxfast.models import GPT, Bert, from_hf  # noqa: E402
-from utils import assert_close  # noqa: E402
+from utils import DEVICE, assert_close  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = ctxfast.why_unavailable("triton", DEVICE) is None
 V = 53
 

@@ -7,12 +7,11 @@ import torch
 
 import ctxfast
 from ctxfast.models.xlnet import (XLNetLMHeadModel, XLNetModel, from_hf_xlnet,
-                                  perm_rank_to_perm_mask)
-from utils import TRITON_ON_CPU, assert_close
+                                  perm_mask_to_perm_rank, perm_rank_to_perm_mask)
+from utils import DEVICE, TRITON_ON_CPU, assert_close
 
 transformers = pytest.importorskip("transformers")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAST = "triton" if (TRITON_ON_CPU or torch.cuda.is_available()) else None
 BACKENDS = ["eager"] + (["ctxfast"] if FAST else [])
 V = 41
@@ -205,3 +204,25 @@ def test_from_hf_dispatches_xlnet_here():
     ids = torch.randint(0, V, (2, 5), device=DEVICE)
     with torch.no_grad():
         assert_close(ours(ids).logits, hf(ids).logits)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_perm_mask_converted_to_perm_rank_gives_hf_outputs(backend):
+    """HF's documented use (every token sees the context, no token sees the last two,
+    which are predicted, and the last sees the one before it): HF with that perm_mask
+    equals ours with perm_mask_to_perm_rank(perm_mask, target_mapping), both streams."""
+    hf = _hf(lm=True)
+    ours = _ours(hf, backend)
+    B, T = 2, 7
+    ids = torch.randint(0, V, (B, T), device=DEVICE)
+    perm_mask = torch.zeros(B, T, T, device=DEVICE)
+    perm_mask[:, :, -2:] = 1                      # the two targets are hidden from all...
+    perm_mask[:, -1, -2] = 0                      # ...but the last sees the one before it
+    tm = torch.zeros(B, 2, T, device=DEVICE)
+    tm[:, 0, -2] = tm[:, 1, -1] = 1
+    rank = perm_mask_to_perm_rank(perm_mask, tm)
+    assert rank.tolist() == [[4, 4, 4, 4, 4, 5, 6]] * B
+    with torch.no_grad():
+        want = hf(ids, perm_mask=perm_mask, target_mapping=tm)
+    got = _run(ours, backend, input_ids=ids, perm_rank=rank, target_mapping=tm)
+    assert_close(got.logits, want.logits)

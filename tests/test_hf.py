@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # optional dependency (installed by make test)
 import ctxfast.integrations.hf as ctxfast_hf  # noqa: E402
-from utils import TRITON_ON_CPU  # noqa: E402
+from utils import DEVICE, TRITON_ON_CPU  # noqa: E402
 
 BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
 
@@ -17,8 +17,8 @@ def _registered():
 
 
 def _inputs():
-    ids = torch.randint(0, 100, (3, 13))
-    am = torch.ones(3, 13, dtype=torch.long)
+    ids = torch.randint(0, 100, (3, 13), device=DEVICE)
+    am = torch.ones(3, 13, dtype=torch.long, device=DEVICE)
     am[1, 9:] = 0        # right padding
     am[2, 4:] = 0
     return ids, am
@@ -27,13 +27,13 @@ def _inputs():
 def _bert():
     cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=2, intermediate_size=64)
-    return transformers.BertModel(cfg).eval()
+    return transformers.BertModel(cfg).to(DEVICE).eval()
 
 
 def _gpt2():
     cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64,
                                   bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2Model(cfg).eval()
+    return transformers.GPT2Model(cfg).to(DEVICE).eval()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -57,7 +57,7 @@ def test_gpt2_decoding_with_cache(backend):
     states as one full pass (bottom-right causal alignment)."""
     model = _gpt2()
     model.set_attn_implementation(f"ctxfast_{backend}")
-    ids = torch.randint(0, 100, (2, 11))
+    ids = torch.randint(0, 100, (2, 11), device=DEVICE)
     with torch.no_grad():
         full = model(input_ids=ids).last_hidden_state
         step = model(input_ids=ids[:, :8], use_cache=True)

@@ -1,4 +1,4 @@
-"""The structure DESIGN.md §1 promises: build products, and the one-way imports."""
+"""The structure docs/ARCHITECTURE.md ("Layers") promises: build products, and the one-way imports."""
 import ast
 import json
 from pathlib import Path

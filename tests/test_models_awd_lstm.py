@@ -8,6 +8,8 @@ kernel once built; CUDA/Triton on a GPU), so the kernels themselves are compared
 eager reference. The other tests use ctxfast's default dispatch. Toy sizes: hidden sizes
 <= 16 keep the interpreted Triton LSTM at one program per step.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,9 +18,9 @@ import ctxfast
 from ctxfast import _dispatch
 from ctxfast.models.awd_lstm import (AWDLSTM, AWDLSTMClassifier, AWDLSTMConfig, AWDLSTMLM,
                                      masked_concat_pool)
-from utils import assert_close, assert_param_grads_close
+from utils import (DEVICE, REL_TOL, assert_close, assert_param_grads_close,
+                   assert_param_grads_within_2x_eager, assert_within_2x_eager)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OP_BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
                if b != "eager" and ctxfast.why_unavailable(b, DEVICE) is None]
 V = 23
@@ -68,8 +70,12 @@ def test_classifier_ctxfast_matches_eager_outputs_and_every_grad(op_backend):
     """Padding first (fastai's batches), T = 6 over bptt = 4 (two chunks), the padding
     row of the embedding unused. Eval mode: BatchNorm's batch statistics over B = 3
     amplify fp32 rounding (measured: eager fp32 itself is 5e-5 from fp64 in training
-    mode, 2e-6 in eval mode); dropout is off either way."""
+    mode, 2e-6 in eval mode); dropout is off either way. Gradients: the 2x-eager rule
+    against a float64 copy (the head's first BatchNorm bias gets a sum over the batch of
+    terms ~1e3 times larger, and a fixed tolerance against eager failed at
+    CTXFAST_TEST_SEED=3: 2.3e-5 relative)."""
     fast, eager = (m.eval() for m in _pair(AWDLSTMClassifier))
+    ref = copy.deepcopy(eager).double()
     ids = torch.randint(2, V, (3, 6), device=DEVICE)
     ids[1, :2] = 1
     ids[2, :5] = 1
@@ -79,10 +85,11 @@ def test_classifier_ctxfast_matches_eager_outputs_and_every_grad(op_backend):
         loss.backward()
     logits_e, loss_e = eager(ids, y)
     loss_e.backward()
+    ref(ids, y)[1].backward()
     assert logits.shape == (3, 3)
     assert_close(logits, logits_e, name="logits")
     assert_close(loss, loss_e, name="loss")
-    assert_param_grads_close(fast, eager)
+    assert_param_grads_within_2x_eager(fast, eager, ref, REL_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("op_backend", OP_BACKENDS)
@@ -98,11 +105,9 @@ def test_half_precision_logits_within_twice_eager_error(dtype, op_backend):
         with ctxfast.backend(op_backend):
             out = fast(idx)[0]
         same, out64 = eager(idx)[0], ref.eval()(idx)[0]
-    assert out.dtype == dtype and not torch.isnan(out).any()
-    err, err_eager = ((t.double() - out64).norm().item() for t in (out, same))
+    assert out.dtype == dtype
     floor = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    bound = 2 * err_eager + floor * max(out64.norm().item(), 1.0)
-    assert err <= bound, f"‖ctxfast − fp64‖ {err:.3e} > {bound:.3e} (eager {err_eager:.3e})"
+    assert_within_2x_eager(out, same, out64, floor, name="logits")
 
 
 def test_length_one_empty_batch_and_non_contiguous_ids():

@@ -12,9 +12,8 @@ import torch
 
 import ctxfast
 from ctxfast.models import Bert, BertConfig
-from utils import assert_close
+from utils import DEVICE, assert_close
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = ctxfast.why_unavailable("triton", DEVICE) is None
 V = 41
 

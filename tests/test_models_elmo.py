@@ -9,6 +9,7 @@ use ctxfast's default dispatch. Toy sizes (cell 16, projection 8) keep the inter
 Triton LSTM at one program per step.
 """
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -18,9 +19,9 @@ import ctxfast
 from ctxfast import _dispatch
 from ctxfast.models.elmo import (Elmo, ElmoBiLM, ElmoConfig, Highway, ScalarMix,
                                  batch_to_ids, word_to_char_ids)
-from utils import assert_close, assert_param_grads_close
+from utils import (DEVICE, REL_TOL, assert_close,
+                   assert_param_grads_within_2x_eager, assert_within_2x_eager)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OP_BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
                if b != "eager" and ctxfast.why_unavailable(b, DEVICE) is None]
 C, V = 8, 19
@@ -53,23 +54,27 @@ def test_ctxfast_matches_eager_outputs_and_every_grad(op_backend):
         for m in (fast, eager):
             for i, p in enumerate(m.scalar_mixes[0].scalar_parameters):
                 p.fill_(0.3 * i - 0.2)
+    ref = copy.deepcopy(eager).double()
     char_ids, word_ids = _inputs()
     probes = [torch.randn(3, 3, 16, device=DEVICE) for _ in range(2)]
     results = []
-    for model, ctx in ((fast, ctxfast.backend(op_backend)), (eager, contextlib.nullcontext())):
+    for model, ctx in ((fast, ctxfast.backend(op_backend)), (eager, contextlib.nullcontext()),
+                       (ref, contextlib.nullcontext())):
         with ctx:
             out = model(char_ids, word_ids)
-            total = out.loss + sum((r * w).sum() for r, w in zip(out.elmo_representations,
-                                                                 probes))
+            total = out.loss + sum((r * w.to(r.dtype)).sum()
+                                   for r, w in zip(out.elmo_representations, probes))
             total.backward()
         results.append(out)
-    out, out_e = results
+    out, out_e, _ = results
     for i, (r, r_e) in enumerate(zip(out.elmo_representations, out_e.elmo_representations)):
         assert r.shape == (3, 3, 16)
         assert_close(r, r_e, name=f"representation {i}")
     assert torch.equal(out.mask, out_e.mask)
     assert_close(out.loss, out_e.loss, name="biLM loss")
-    assert_param_grads_close(fast, eager)
+    # gradients: the 2x-eager rule against float64 (scalar_mixes.0.gamma's gradient is a
+    # sum over every element of the mix: a fixed 1e-5 against eager failed on CUDA, 3.1e-5)
+    assert_param_grads_within_2x_eager(fast, eager, ref, REL_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("op_backend", OP_BACKENDS)
@@ -90,11 +95,8 @@ def test_half_precision_within_twice_eager_error(dtype, op_backend):
     for name, get in (("representation", lambda o: o.elmo_representations[0]),
                       ("loss", lambda o: o.loss)):
         t, t_e, t64 = get(out), get(same), get(out64)
-        assert t.dtype == dtype and not torch.isnan(t).any()
-        err, err_eager = ((x.double() - t64).norm().item() for x in (t, t_e))
-        bound = 2 * err_eager + floor * max(t64.norm().item(), 1.0)
-        assert err <= bound, f"{name}: ‖ctxfast − fp64‖ {err:.3e} > {bound:.3e} " \
-                             f"(eager {err_eager:.3e})"
+        assert t.dtype == dtype
+        assert_within_2x_eager(t, t_e, t64, floor, name=name)
 
 
 def test_length_one_empty_batch_and_non_contiguous_ids():
@@ -225,7 +227,7 @@ def test_highway_and_scalar_mix_formulas():
 def test_bilm_losses_are_the_next_and_previous_token_nll(boundaries, share):
     """Forward: the state at a position predicts the next real token; backward: the
     previous one; each loss is the mean over its targets; loss = their average."""
-    model = ElmoBiLM(_config(add_sentence_boundaries=boundaries, share_softmax=share))
+    model = ElmoBiLM(_config(add_sentence_boundaries=boundaries, share_softmax=share)).to(DEVICE)
     char_ids, word_ids = _inputs()
     word_ids[0, 1] = -100                                        # ignored target
     out = model(char_ids, word_ids)

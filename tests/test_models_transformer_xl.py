@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast.models.transformer_xl import TransformerXL, TransformerXLConfig
-from utils import TRITON_ON_CPU, assert_close, rel_err
+from utils import DEVICE, TRITON_ON_CPU, assert_close, rel_err
 
 HAS_TRITON = TRITON_ON_CPU or torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
@@ -24,8 +24,8 @@ def tiny(**kw):
     return TransformerXLConfig(**{**base, **kw})
 
 
-def ids(T, B, n=37):
-    return torch.randint(0, n, (T, B))
+def ids(T, B, n=37, device="cpu"):
+    return torch.randint(0, n, (T, B), device=device)
 
 
 # --------------------------------------------------------------------------- the original
@@ -168,7 +168,8 @@ def test_loads_original_state_dict_and_computes_the_original(case):
     c = tiny(**kw)
     d_embed = 24 if case.startswith("pre_ln") else None
     sd = synth_original_state_dict(c, d_embed)
-    over = {**dict(backend="eager", dropout=0.0, mem_len=c.mem_len, tgt_len=c.tgt_len), **kw}
+    over = {**dict(backend="eager", dropout=0.0, mem_len=c.mem_len, tgt_len=c.tgt_len,
+                   pre_lnorm=c.pre_lnorm), **kw}
     model = TransformerXL.from_state_dict(sd, **over).eval()
     assert model.config.untie_r == c.untie_r and model.d_embed == (d_embed or c.d_model)
     x1, x2 = ids(7, 3), ids(5, 3)
@@ -201,7 +202,7 @@ def test_load_refuses_missing_and_wrong_names():
 def _grads_of(model, x, y, mems):
     model.zero_grad()
     loss, new = model(x, y, *mems)
-    g = torch.randn_like(loss, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(loss.shape, generator=torch.Generator().manual_seed(0)).to(loss.device)
     (loss * g).sum().backward()
     return loss.detach(), new, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -217,8 +218,8 @@ def test_ctxfast_matches_eager_outputs_and_every_gradient(case, kernels):
     """With dropout off, backend="ctxfast" (the Triton kernels under the interpreter, or
     ctxfast's default dispatch) and "eager" give the same loss, new mems and gradient of
     every parameter, over a segment with memory (same_length: 11 keys, a window of 7)."""
-    model = TransformerXL(tiny(**case))
-    x, y, mem_x = ids(6, 2), ids(6, 2), ids(5, 2)
+    model = TransformerXL(tiny(**case)).to(DEVICE)
+    x, y, mem_x = (ids(t, 2, device=DEVICE) for t in (6, 6, 5))
     with torch.no_grad():
         _, mems = model(mem_x)                    # a memory of 5 steps
     model.set_backend("eager")
@@ -304,12 +305,12 @@ def test_ext_len_and_mem_len_zero():
 def test_same_length_runs_on_the_kernels_over_segments():
     """same_length (the paper's evaluation setting) on the Triton kernels equals eager over
     three segments, and the window matters (the output differs from same_length=False)."""
-    model = TransformerXL(tiny(same_length=True, mem_len=4)).eval()
+    model = TransformerXL(tiny(same_length=True, mem_len=4)).to(DEVICE).eval()
     with torch.no_grad():               # unit-variance scores: at std 0.02 attention is ~uniform
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, p.shape[-1] ** -0.5)
-    xs = [ids(3, 2) for _ in range(3)]
+    xs = [ids(3, 2, device=DEVICE) for _ in range(3)]
     outs = {}
     with torch.no_grad():
         for name in ("ctxfast", "eager", "no-window"):
@@ -475,3 +476,41 @@ def test_non_contiguous_ids_and_mems():
         out = model(x, None, *strided)[0]
         ref = model(x.contiguous(), None, *[m.contiguous() for m in strided])[0]
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_from_state_dict_infers_adaptive_shapes_and_requires_what_it_cannot(div_val):
+    """cutoffs (div_val > 1: from the cluster sizes), div_val, d_embed and the tied weights
+    and projections come from the state_dict; pre_lnorm and mem_len must be given (a wrong
+    pre_lnorm changes the outputs silently), and so must cutoffs for div_val 1."""
+    c = tiny(n_token=60, cutoffs=(10, 30), div_val=div_val, d_embed=24 if div_val == 1 else 48,
+             tie_projs=(True, False, True), pre_lnorm=True, mem_len=6)
+    src = TransformerXL(c).eval()
+    sd = src.state_dict()
+    with pytest.raises(ValueError, match="pre_lnorm and mem_len cannot be read"):
+        TransformerXL.from_state_dict(sd)
+    with pytest.raises(ValueError, match="mem_len cannot be read"):
+        TransformerXL.from_state_dict(sd, pre_lnorm=True)
+    need = dict(pre_lnorm=True, mem_len=6)
+    if div_val == 1:
+        with pytest.raises(ValueError, match=r"2 tail cluster\(s\).*pass cutoffs"):
+            TransformerXL.from_state_dict(sd, **need)
+        need["cutoffs"] = (10, 30)
+    model = TransformerXL.from_state_dict(sd, **need).eval()
+    got = model.config
+    assert (tuple(got.cutoffs), got.div_val, got.d_embed, got.n_token) == ((10, 30), div_val, c.d_embed, 60)
+    assert got.tie_weight and tuple(got.tie_projs) == (True, False, True)
+    x = ids(5, 2, n=60)
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], src(x)[0])
+
+
+def test_one_class_per_name_old_model_layer_name_deprecated():
+    """The model's attention layer is TransformerXLAttention; the old name (shared with the
+    public ctxfast.nn layer) still imports, with a DeprecationWarning."""
+    import ctxfast.models.transformer_xl as txl
+    with pytest.warns(DeprecationWarning, match="TransformerXLAttention"):
+        old = txl.RelPartialLearnableMultiHeadAttn
+    assert old is txl.TransformerXLAttention
+    assert txl.TransformerXLAttention.__name__ != ctxfast.nn.RelPartialLearnableMultiHeadAttn.__name__
+    assert isinstance(TransformerXL(tiny()).layers[0].dec_attn, txl.TransformerXLAttention)

@@ -9,9 +9,8 @@ import torch
 
 import ctxfast
 from ctxfast.models.xlnet import XLNetConfig, XLNetLMHeadModel, XLNetModel
-from utils import REL_TOL, TRITON_ON_CPU, assert_close, rel_err
+from utils import DEVICE, REL_TOL, TRITON_ON_CPU, assert_close, assert_within_2x_eager
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The fast path: Triton kernels (on CPU only under the interpreter).
 FAST = "triton" if (TRITON_ON_CPU or torch.cuda.is_available()) else None
 needs_triton = pytest.mark.skipif(FAST is None, reason="Triton cannot run here "
@@ -84,8 +83,17 @@ def _inputs(case, d_model=32, dtype=torch.float32):
 @pytest.mark.parametrize("name", list(CASES))
 def test_ctxfast_matches_eager_outputs_and_gradients(name):
     """fp32 outputs within REL_TOL of eager; every gradient (parameters and mems) within
-    2x eager's own error against the fp64 model + REL_TOL (some gradients, e.g. r_s_bias's,
-    are sums of dS that cancel: fp32 eager itself is ~1e-5 from fp64 there)."""
+    2x eager's own error against the fp64 model + REL_TOL relative to the gradient's size.
+
+    The segment term's gradients (r_s_bias, seg_embed) are sums over a softmax row of dS
+    times one of two vectors, and every row of dS sums to zero: they cancel, down to ~0
+    (e.g. 5e-17 when a layer's tokens share a segment). Their rounding error scales with
+    the terms, not with the sum, and how large it is depends on the accumulation order,
+    which differs between machines (the Triton interpreter's tl.dot is numpy's BLAS,
+    eager's is torch's; their kernels and vector widths follow the CPU): a bound relative
+    to the cancelled sum failed on some machines (3.8e-5 against 1.6e-5) and passed on
+    others. Their floor is taken relative to the size of the terms instead, measured by
+    the same layer's r_w_bias gradient (the same dS times the keys, which do not cancel)."""
     case = CASES[name]
     fast, eager = _pair(**case["cfg"])
     ref = copy.deepcopy(eager).double()
@@ -113,8 +121,11 @@ def test_ctxfast_matches_eager_outputs_and_gradients(name):
         if g is None:                       # unused in this case (e.g. seg_embed without segments)
             assert grads[0][n] is None and grads[1][n] is None, n
             continue
-        err, err_eager = rel_err(grads[0][n], g), rel_err(grads[1][n], g)
-        assert err <= 2 * err_eager + REL_TOL[torch.float32], (n, err, err_eager)
+        scale = 0.0
+        if n.endswith(("rel_attn.r_s_bias", "rel_attn.seg_embed")):
+            scale = grads[2][n.rsplit(".", 1)[0] + ".r_w_bias"].double().norm().item()
+        assert_within_2x_eager(grads[0][n], grads[1][n], g, REL_TOL[torch.float32],
+                               name=f"grad {n}", min_scale=scale)
     assert grads[0]["layer.0.rel_attn.r_w_bias"] is not None
 
 
@@ -136,8 +147,8 @@ def test_half_precision_error_within_twice_eager(dtype):
         base = eager(**{**kw, "mems": [m.to(dtype) for m in kw["mems"]]})
     for attr in ("content_hidden_state", "query_hidden_state"):
         a, b, w = (getattr(o, attr) for o in (got, base, want))
-        assert a.dtype == dtype and not torch.isnan(a).any()
-        assert rel_err(a, w) <= 2 * rel_err(b, w) + REL_TOL[dtype] / 2, attr
+        assert a.dtype == dtype
+        assert_within_2x_eager(a, b, w, REL_TOL[dtype] / 2, name=attr, min_scale=0.0)
 
 
 @needs_triton
@@ -167,14 +178,14 @@ def test_autocast_bf16_trains_within_twice_eager():
         res.append((streams, {n: p.grad for n, p in model.named_parameters()}))
     (outs, grads), (outs_e, grads_e), (outs_r, grads_r) = res
     for i, (a, b, w) in enumerate(zip(outs, outs_e, outs_r)):
-        assert not torch.isnan(a).any()
-        assert rel_err(a, w) <= 2 * rel_err(b, w) + REL_TOL[torch.bfloat16] / 2, f"stream {i}"
+        assert_within_2x_eager(a, b, w, REL_TOL[torch.bfloat16] / 2, name=f"stream {i}",
+                               min_scale=0.0)
     for n, g in grads_r.items():
         if g is None:
             continue
         assert grads[n].dtype == torch.float32, n
-        err, err_eager = rel_err(grads[n], g), rel_err(grads_e[n], g)
-        assert err <= 2 * err_eager + REL_TOL[torch.bfloat16], (n, err, err_eager)
+        assert_within_2x_eager(grads[n], grads_e[n], g, REL_TOL[torch.bfloat16],
+                               name=f"grad {n}", min_scale=0.0)
 
 
 @needs_triton
@@ -204,7 +215,7 @@ def test_content_stream_does_not_see_later_tokens_in_the_order():
     ids = torch.randint(0, V, (B, T), device=DEVICE)
     rank = _ranks(B, T)
     later = rank >= T // 2                                    # the second half of each order
-    ids2 = torch.where(later, (ids + 1 + torch.randint(0, V - 1, ids.shape)) % V, ids)
+    ids2 = torch.where(later, (ids + 1 + torch.randint(0, V - 1, ids.shape, device=DEVICE)) % V, ids)
     with torch.no_grad():
         a = model(ids, perm_rank=rank).last_hidden_state
         b = model(ids2, perm_rank=rank).last_hidden_state
@@ -325,3 +336,50 @@ def test_training_mode_applies_dropout_on_the_fast_path():
         train = model.train()(ids, perm_rank=rank, target_mapping=tm).logits
         ev = model.eval()(ids, perm_rank=rank, target_mapping=tm).logits
     assert torch.isfinite(train).all() and not torch.allclose(train, ev)
+
+
+# ------------------------------------------------------------------ HF perm_mask, use_mems
+
+def test_perm_mask_round_trips_to_perm_rank():
+    from ctxfast.models.xlnet import perm_mask_to_perm_rank, perm_rank_to_perm_mask
+    rank = _ranks(3, 7)
+    mask = perm_rank_to_perm_mask(rank)
+    assert mask.shape == (3, 7, 7) and torch.equal(mask.diagonal(dim1=1, dim2=2), torch.ones_like(mask[:, 0]))
+    assert torch.equal(perm_mask_to_perm_rank(mask), rank.long())
+    # HF's documented use: every token sees the others, none sees the last one (to predict)
+    hf = torch.zeros(2, 5, 5, device=DEVICE)
+    hf[:, :, -1] = 1
+    tm = torch.zeros(2, 1, 5, device=DEVICE)
+    tm[:, 0, -1] = 1
+    got = perm_mask_to_perm_rank(hf, tm)
+    assert got.tolist() == [[3, 3, 3, 3, 4]] * 2     # four tied, the target after them
+
+
+def test_perm_mask_no_rank_order_expresses_is_refused_with_the_reason():
+    from ctxfast.models.xlnet import perm_mask_to_perm_rank, perm_rank_to_perm_mask
+    m = perm_rank_to_perm_mask(torch.tensor([[0, 1, 2]], device=DEVICE))
+    m[0, 2, 0] = 1                                   # 2 sees 1, 1 sees 0, 2 not 0: not transitive
+    with pytest.raises(ValueError, match=r"no rank order gives perm_mask\[0\].*transitive"):
+        perm_mask_to_perm_rank(m)
+    m = perm_rank_to_perm_mask(torch.tensor([[0, 1, 2]], device=DEVICE))
+    m[0, 1, 1] = 0                                   # a prediction sees its own token
+    with pytest.raises(ValueError, match="prediction 1 of row 0 sees its own token"):
+        perm_mask_to_perm_rank(m, torch.eye(3, device=DEVICE)[None, 1:2])
+    hf = torch.zeros(1, 3, 3, device=DEVICE)        # all see all: ties, and the query row 0
+    hf[0, 0, 0] = 1                                  # (declared by its diagonal) sees a tie
+    with pytest.raises(ValueError, match="sees a token of the same place"):
+        perm_mask_to_perm_rank(hf)
+    with pytest.raises(ValueError, match="0 \\(may attend\\) and 1"):
+        perm_mask_to_perm_rank(torch.full((1, 2, 2), 0.5))
+    with pytest.raises(ValueError, match="ties"):
+        perm_rank_to_perm_mask(torch.tensor([[0, 0, 1]]))
+
+
+def test_use_mems_defaults_from_the_config_as_hf():
+    model = XLNetModel(_config(), backend="eager").to(DEVICE)
+    ids = torch.randint(0, V, (2, 3), device=DEVICE)
+    assert model.train()(ids).mems is None                         # use_mems_train=False
+    assert len(model.eval()(ids).mems) == model.config.n_layer     # use_mems_eval=True
+    assert model.eval()(ids, use_mems=False).mems is None
+    model.config.use_mems_train = True
+    assert model.train()(ids).mems is not None

@@ -5,10 +5,9 @@ import torch
 from torch import nn
 
 import ctxfast
-from utils import TRITON_ON_CPU, rel_err
+from utils import DEVICE, TRITON_ON_CPU, rel_err
 
 BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _pair(backend, **kw):

@@ -7,10 +7,9 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast import reference
-from utils import TRITON_ON_CPU, rel_err
+from utils import DEVICE, TRITON_ON_CPU, rel_err
 
 BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _original_layer(m, w, r, attn_mask, mems):
@@ -94,3 +93,31 @@ def test_other_masks_are_refused(mask):
            "ragged": ragged, "shape": torch.ones(4, 5).triu(1)}[mask].bool()
     with pytest.raises(NotImplementedError, match="same_length part"):
         m(w, r, attn_mask=bad)
+
+
+def test_original_calling_convention_and_strict_load_of_an_original_layer():
+    """The original layer owns no biases (the model passes them to forward): built with
+    own_biases=False, an original layer's state_dict loads with strict=True and
+    forward(w, r, r_w_bias, r_r_bias, attn_mask, mems) equals the original computation."""
+    own = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0).to(DEVICE).eval()
+    sd = {k: v for k, v in own.state_dict().items() if k not in ("r_w_bias", "r_r_bias")}
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0, own_biases=False)
+    m = m.to(DEVICE).eval()
+    m.load_state_dict(sd, strict=True)                   # the original layer's parameters
+    assert "r_w_bias" not in m.state_dict()
+    qlen, mlen, bsz = 5, 3, 2
+    w = torch.randn(qlen, bsz, 32, device=DEVICE)
+    mems = torch.randn(mlen, bsz, 32, device=DEVICE)
+    r = torch.randn(qlen + mlen, 1, 32, device=DEVICE)
+    mask = _mask(qlen, mlen)
+    out = m(w, r, own.r_w_bias, own.r_r_bias, mask, mems)          # positional, as the original
+    kw = m(w, r, r_w_bias=own.r_w_bias, r_r_bias=own.r_r_bias, attn_mask=mask, mems=mems)
+    ref = _original_layer(own, w, r, mask, mems)
+    assert rel_err(out, ref) < 1e-5 and torch.equal(out, kw)
+    assert torch.equal(out, own(w, r, mask, mems))                # own biases, same numbers
+    with pytest.raises(ValueError, match="own_biases=False, so forward needs r_w_bias"):
+        m(w, r, mask, mems)
+    with pytest.raises(ValueError, match="has its own r_w_bias"):
+        own(w, r, own.r_w_bias, own.r_r_bias, mask, mems)
+    with pytest.raises(ValueError, match=r"r_r_bias must have shape \[n_head, d_head\] = \[2, 16\]"):
+        m(w, r, own.r_w_bias, own.r_r_bias[:1], mask, mems)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import ctxfast
 from ctxfast import reference
-from utils import CPU_BACKENDS, TRITON_ON_CPU, assert_close, assert_equal
+from utils import CPU_BACKENDS, assert_close, assert_equal, needs_interpreter
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # [..., Tq, Tk]: Tq = Tk = 1; one row; Tq not a multiple of any block; Tk over one
@@ -114,7 +114,7 @@ def test_native_kernel_writes_every_element():
         assert_equal(out, ref, f"inverse={inverse}")
 
 
-@pytest.mark.skipif(not TRITON_ON_CPU, reason="Triton on CPU needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_triton_kernel_writes_every_element():
     from ctxfast.kernels.rel_shift import rel_shift_backward, rel_shift_forward
     x = torch.randn(3, 7, 1030)  # two column blocks, the second one partial
@@ -142,7 +142,7 @@ def test_opcheck_native():
             torch.library.opcheck(torch.ops.ctxfast.rel_shift_native.default, (x, inverse))
 
 
-@pytest.mark.skipif(not TRITON_ON_CPU, reason="Triton on CPU needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_opcheck_triton():
     for inverse in (False, True):
         for x in (torch.randn(2, 3, 5), torch.randn(2, 3, 5, requires_grad=True)):

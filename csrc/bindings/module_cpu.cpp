@@ -20,7 +20,7 @@ TORCH_LIBRARY(ctxfast, m) {
   // "native" op runs csrc/cpu on CPU tensors and csrc/cuda on CUDA tensors.
   m.def("rel_shift_native(Tensor x, bool inverse=False) -> Tensor");
   m.def("rel_shift_native.out(Tensor x, bool inverse=False, *, Tensor(a!) out) -> Tensor(a!)");
-  // LSTM recurrence, one layer and direction, all T steps (contract of issue 5; math in
+  // LSTM recurrence, one layer and direction, all T steps (contract: ctxfast/ops/lstm.py; math in
   // csrc/cpu/lstm.h): returns out [T,B,P], cells [T,B,H], gates [T,B,4H]; the backward
   // returns grad_xw, grad_h0, grad_c0, grad_w_hh (unmasked), grad_w_hr ([0] without w_hr).
   m.def("lstm_recurrence_native(Tensor xw, Tensor h0, Tensor c0, Tensor w_hh, Tensor? w_hr, "

@@ -660,6 +660,12 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     return s, ids, what
 
 
+def _unreadable(s: Settings) -> dict:
+    """What a bare state_dict cannot say, from the --model preset (the paper's models are
+    post-LN; mem_len is set per attention length by the evaluation itself)."""
+    return dict(dropout=0.0, dropatt=0.0, pre_lnorm=s.model.pre_lnorm, mem_len=s.model.mem_len)
+
+
 def load_model(s: Settings, vocab_needed: int) -> TransformerXL:
     """Random weights (seeded) of ``s.model``, or the checkpoint's."""
     if s.checkpoint is None:
@@ -674,9 +680,9 @@ def load_model(s: Settings, vocab_needed: int) -> TransformerXL:
                                                              "dropatt": 0.0}))
                 model.load_state_dict(obj["state_dict"])
             else:
-                model = TransformerXL.from_state_dict(obj["state_dict"], dropout=0.0, dropatt=0.0)
+                model = TransformerXL.from_state_dict(obj["state_dict"], **_unreadable(s))
         elif isinstance(obj, dict):
-            model = TransformerXL.from_state_dict(obj, dropout=0.0, dropatt=0.0)
+            model = TransformerXL.from_state_dict(obj, **_unreadable(s))
         else:
             raise ValueError(f"--checkpoint: expected a state_dict or {{'config', 'state_dict'}}, "
                              f"got {type(obj).__name__}")

@@ -4,8 +4,9 @@ self-attention layer (padded or packed), the feed-forward block and input checks
 ``backend="ctxfast"`` runs attention through :func:`ctxfast.attention` /
 :func:`ctxfast.attention_varlen` (whichever implementation ctxfast's dispatch picks: the
 ``backend=`` keyword of the ops is left unset, so ``with ctxfast.backend("triton"):`` or
-``CTXFAST_BACKEND`` choose it); ``backend="eager"`` runs the same computation on
-:func:`ctxfast.reference.attention`, written out in plain PyTorch. Everything else in the
+``CTXFAST_BACKEND`` choose it); ``backend="eager"`` runs the same computation on the
+ops' eager backend (:func:`ctxfast.reference.attention`, plain PyTorch): "eager" means
+plain PyTorch, no ctxfast kernel, for ops and models alike (docs/ARCHITECTURE.md). Everything else in the
 models (embeddings, LayerNorm, feed-forward) is ordinary PyTorch in both.
 """
 from typing import List, Optional, Tuple
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import ops, reference
+from .. import ops
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -44,41 +45,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, backend: str, causal: bool = Fals
            scale: Optional[float] = None) -> Tensor:
     """q ``[B, H, Tq, D]``, k, v ``[B, H, Tk, D]`` -> ``[B, H, Tq, D]``; causal is
     bottom-right aligned (keys are ``[cache; new]``), ``key_padding_mask`` bool ``[B, Tk]``
-    with True = padding."""
-    if backend == "ctxfast":
-        return ops.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
-                             dropout_p=dropout_p, scale=scale)
-    # eager: the reference, with a dropout mask drawn here
-    if q.shape[2] == 0 or k.shape[2] == 0:                   # nothing to attend: zeros
-        return q.new_zeros(q.shape[:3] + v.shape[3:])
-    keep = None
-    if dropout_p > 0:
-        B, H, Tq, _ = q.shape
-        keep = torch.rand(B, H, Tq, k.shape[2], device=q.device) >= dropout_p
-    return reference.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
-                               dropout_mask=keep, dropout_p=dropout_p, scale=scale)
+    with True = padding. ``backend="eager"`` is the op's eager backend (the reference,
+    with its dropout), so the models carry no copy of it."""
+    return ops.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                         dropout_p=dropout_p, scale=scale,
+                         backend="eager" if backend == "eager" else None)
 
 
 def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
                   backend: str, causal: bool = False, dropout_p: float = 0.0,
                   scale: Optional[float] = None) -> Tensor:
     """Packed self-attention: q, k, v ``[total, H, D]``, sequence ``b`` is rows
-    ``cu_seqlens[b]:cu_seqlens[b+1]`` -> ``[total, H, D]``."""
-    if backend == "ctxfast":
-        return ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                    causal=causal, dropout_p=dropout_p, scale=scale)
-    # eager: one reference call per sequence
-    cu = cu_seqlens.tolist()
-    outs = []
-    for s, e in zip(cu, cu[1:]):
-        if e == s:                                       # an empty sequence
-            continue
-        # [T, H, D] -> [1, H, T, D]
-        qb, kb, vb = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        ob = attend(qb, kb, vb, backend="eager", causal=causal, dropout_p=dropout_p,
-                    scale=scale)
-        outs.append(ob.squeeze(0).transpose(0, 1))      # [1, H, T, D] -> [T, H, D]
-    return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+    ``cu_seqlens[b]:cu_seqlens[b+1]`` -> ``[total, H, D]`` (eager: the op's eager backend,
+    one reference call per sequence)."""
+    return ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                causal=causal, dropout_p=dropout_p, scale=scale,
+                                backend="eager" if backend == "eager" else None)
 
 
 class KVCache:

@@ -170,8 +170,12 @@ def rel_attention_eager(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Te
     return torch.matmul(prob, v)                                            # [B, H, Tq, D]
 
 
-class RelPartialLearnableMultiHeadAttn(_RelAttnLayer):
-    """:class:`ctxfast.nn.RelPartialLearnableMultiHeadAttn` (same parameters: ``qkv_net``,
+class TransformerXLAttention(_RelAttnLayer):
+    """The model's attention layer (``layers.i.dec_attn``; named
+    ``RelPartialLearnableMultiHeadAttn`` here before, which is the name of the public layer
+    :class:`ctxfast.nn.RelPartialLearnableMultiHeadAttn` alone now; the old name still
+    imports, with a DeprecationWarning).
+    :class:`ctxfast.nn.RelPartialLearnableMultiHeadAttn` (same parameters: ``qkv_net``,
     ``r_net``, ``o_net``, ``layer_norm``) as the model uses it: the biases come from the
     model (shared by all layers) unless ``untie_r``, the position encodings are projected
     once per call, and the mask may be the ``same_length`` window."""
@@ -180,10 +184,8 @@ class RelPartialLearnableMultiHeadAttn(_RelAttnLayer):
                  dropatt: float = 0.0, pre_lnorm: bool = False, untie_r: bool = False,
                  layer_norm_epsilon: float = 1e-5, backend: str = "ctxfast") -> None:
         super().__init__(n_head, d_model, d_head, dropout, dropatt, pre_lnorm=pre_lnorm,
-                         layer_norm_epsilon=layer_norm_epsilon)
-        if not untie_r:                       # the model's r_w_bias / r_r_bias are used
-            del self.r_w_bias
-            del self.r_r_bias
+                         layer_norm_epsilon=layer_norm_epsilon,
+                         own_biases=untie_r)  # else the model's r_w_bias / r_r_bias are used
         self.untie_r = untie_r
         self.dropatt = nn.Dropout(dropatt)
         self.backend = backend
@@ -229,7 +231,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
     def __init__(self, c: TransformerXLConfig) -> None:
         super().__init__()
-        self.dec_attn = RelPartialLearnableMultiHeadAttn(
+        self.dec_attn = TransformerXLAttention(
             c.n_head, c.d_model, c.d_head, c.dropout, c.dropatt, pre_lnorm=c.pre_lnorm,
             untie_r=c.untie_r, layer_norm_epsilon=c.layer_norm_epsilon, backend=c.backend)
         self.pos_ff = PositionwiseFF(c.d_model, c.d_inner, c.dropout, pre_lnorm=c.pre_lnorm,
@@ -618,41 +620,90 @@ class TransformerXL(nn.Module):
 
     @classmethod
     def config_from_state_dict(cls, state_dict: dict, **overrides) -> TransformerXLConfig:
-        """Infer the shape of a div_val = 1, no-cutoff model from an original-style
-        ``state_dict`` (n_token, n_layer, n_head, d_head, d_model, d_embed, d_inner,
-        untie_r, tie_weight). What shapes cannot say (pre_lnorm, mem_len, clamp_len,
-        same_length, dropout) comes from `overrides` or the defaults."""
+        """The config of an original-style (``MemTransformerLM``) ``state_dict``.
+
+        Read from the shapes: n_token, n_layer, n_head, d_head, d_model, d_embed, d_inner,
+        untie_r, the adaptive embedding and softmax (``div_val`` and, for ``div_val > 1``,
+        ``cutoffs`` from the cluster sizes), and which weights and projections are tied.
+        Required in `overrides`, because no shape says them: ``pre_lnorm`` (a wrong value
+        gives wrong outputs silently) and ``mem_len``; and ``cutoffs`` for an adaptive
+        softmax with ``div_val == 1`` (its clusters share one output layer). Everything
+        else (dropout, clamp_len, same_length, ...) is the config's default unless given.
+        """
         sd = state_dict
         if "word_emb.emb_layers.0.weight" not in sd:
             raise ValueError("config_from_state_dict: no 'word_emb.emb_layers.0.weight': not a "
                              "Transformer-XL (MemTransformerLM) state_dict")
-        if "word_emb.emb_layers.1.weight" in sd or "crit.cluster_weight" in sd:
-            raise ValueError("config_from_state_dict: adaptive embeddings (cutoffs/div_val) "
-                             "cannot be inferred from shapes alone; build the config by hand")
-        n_token, d_embed = sd["word_emb.emb_layers.0.weight"].shape
+        missing = [n for n in ("pre_lnorm", "mem_len") if n not in overrides]
+        if missing:
+            raise ValueError(f"config_from_state_dict: {' and '.join(missing)} cannot be read from "
+                             f"a state_dict (pre_lnorm changes the outputs); pass them, e.g. "
+                             f"from_state_dict(sd, pre_lnorm=False, mem_len=512)")
+        n_emb = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("word_emb.emb_layers."))
+        widths = [sd[f"word_emb.emb_layers.{i}.weight"].shape[1] for i in range(n_emb)]
+        sizes = [sd[f"word_emb.emb_layers.{i}.weight"].shape[0] for i in range(n_emb)]
+        d_embed, n_token = int(widths[0]), int(sum(sizes))
+        if n_emb == 1:
+            div_val = 1
+            cutoffs = list(overrides.get("cutoffs", ()))
+            if "crit.cluster_weight" in sd:
+                n_clusters = sd["crit.cluster_weight"].shape[0]
+                if len(cutoffs) != n_clusters:
+                    raise ValueError(
+                        f"config_from_state_dict: the adaptive softmax has {n_clusters} tail "
+                        f"cluster(s) on one output layer (div_val 1), whose boundaries no shape "
+                        f"gives; pass cutoffs=[...] ({n_clusters} values), got {cutoffs}")
+        else:
+            div_val = int(widths[0] // widths[1])
+            expect = [d_embed // div_val ** i for i in range(n_emb)]
+            if [int(w) for w in widths] != expect:
+                raise ValueError(f"config_from_state_dict: embedding widths {widths} are not "
+                                 f"d_embed // div_val**i for one div_val")
+            cutoffs = [int(sum(sizes[:i + 1])) for i in range(n_emb - 1)]
         n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
         untie_r = "r_w_bias" not in sd
         H, Dh = (sd["layers.0.dec_attn.r_w_bias"] if untie_r else sd["r_w_bias"]).shape
         d_model = sd["layers.0.dec_attn.o_net.weight"].shape[0]
         d_inner = sd["layers.0.pos_ff.CoreNet.0.weight"].shape[0]
-        tie = "crit.out_layers.0.weight" in sd and torch.equal(
-            sd["crit.out_layers.0.weight"], sd["word_emb.emb_layers.0.weight"])
-        tie_projs = ("crit.out_projs.0" in sd and "word_emb.emb_projs.0" in sd and torch.equal(
-            sd["crit.out_projs.0"], sd["word_emb.emb_projs.0"]),)
-        kw = dict(n_token=int(n_token), n_layer=n_layer, n_head=int(H), d_head=int(Dh),
-                  d_model=int(d_model), d_embed=int(d_embed), d_inner=int(d_inner),
-                  untie_r=untie_r, tie_weight=bool(tie), tie_projs=tie_projs)
+
+        def same(a, b):
+            return a in sd and b in sd and sd[a].shape == sd[b].shape and torch.equal(sd[a], sd[b])
+        tie = all(same(f"crit.out_layers.{i}.weight", f"word_emb.emb_layers.{i}.weight")
+                  for i in range(n_emb))
+        n_proj = len(cutoffs) + 1
+        if div_val == 1:
+            tie_projs = tuple(same(f"crit.out_projs.{i}", "word_emb.emb_projs.0")
+                              for i in range(n_proj))
+        else:
+            tie_projs = tuple(same(f"crit.out_projs.{i}", f"word_emb.emb_projs.{i}")
+                              for i in range(n_proj))
+        kw = dict(n_token=n_token, n_layer=n_layer, n_head=int(H), d_head=int(Dh),
+                  d_model=int(d_model), d_embed=d_embed, d_inner=int(d_inner), div_val=div_val,
+                  cutoffs=tuple(cutoffs), untie_r=untie_r, tie_weight=bool(tie),
+                  tie_projs=tie_projs)
         return TransformerXLConfig(**{**kw, **overrides})
 
     @classmethod
     def from_state_dict(cls, state_dict: dict, **overrides) -> "TransformerXL":
         """Build the model from an original-style ``state_dict`` (see
-        :meth:`config_from_state_dict`) and load it (strict)."""
+        :meth:`config_from_state_dict`: ``pre_lnorm`` and ``mem_len`` are required) and
+        load it (strict)."""
         model = cls(cls.config_from_state_dict(state_dict, **overrides))
         model.load_state_dict(state_dict)
         return model
 
 
-__all__ = ["TransformerXLConfig", "TransformerXL", "RelPartialLearnableMultiHeadAttn",
+def __getattr__(name: str):
+    if name == "RelPartialLearnableMultiHeadAttn":
+        import warnings
+        warnings.warn("ctxfast.models.transformer_xl.RelPartialLearnableMultiHeadAttn is now "
+                      "TransformerXLAttention (the public layer of that name is "
+                      "ctxfast.nn.RelPartialLearnableMultiHeadAttn)", DeprecationWarning,
+                      stacklevel=2)
+        return TransformerXLAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["TransformerXLConfig", "TransformerXL", "TransformerXLAttention",
            "RelPartialLearnableDecoderLayer", "PositionwiseFF", "PositionalEmbedding",
            "AdaptiveEmbedding", "ProjectedAdaptiveLogSoftmax", "rel_attention_eager"]

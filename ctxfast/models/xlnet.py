@@ -62,7 +62,7 @@ from .. import ops
 from .. import reference
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
-           "from_hf_xlnet", "perm_rank_to_perm_mask"]
+           "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
 
 def _gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
@@ -96,6 +96,8 @@ class XLNetConfig:
     same_length: bool = False            # attn_type="uni": every query sees mlen + 1 keys
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
+    use_mems_eval: bool = True           # forward's use_mems=None default in eval (as HF)
+    use_mems_train: bool = False         # ... and in training (as HF)
 
     def __post_init__(self):
         if self.d_head is None:
@@ -129,8 +131,75 @@ class XLNetLMOutput:
 def perm_rank_to_perm_mask(perm_rank: Tensor) -> Tensor:
     """HF's float ``perm_mask [B, T, T]`` for a ``perm_rank [B, T]`` that is a strict
     permutation of each row: ``perm_mask[b, i, j] = 1`` (i may not attend j) iff
-    ``rank[b, j] >= rank[b, i]``. Materialises ``T²`` values: for tests and interop only."""
+    ``rank[b, j] >= rank[b, i]``. Materialises ``T²`` values: for interop and tests.
+
+    Ties are refused: HF's content stream does not let tied tokens see each other, and
+    its query stream would let them, so no perm_mask means what tied ranks mean here."""
+    if not isinstance(perm_rank, Tensor) or perm_rank.dim() != 2 or perm_rank.is_floating_point():
+        raise TypeError(f"perm_rank_to_perm_mask: perm_rank must be an integer tensor [B, T], "
+                        f"got {_shape(perm_rank)}")
+    srt = perm_rank.sort(dim=1).values
+    if (srt[:, 1:] == srt[:, :-1]).any():
+        raise ValueError("perm_rank_to_perm_mask: perm_rank has ties; HF's perm_mask expresses "
+                         "only a strict order (each row of perm_rank a permutation)")
     return (perm_rank[:, None, :] >= perm_rank[:, :, None]).float()   # [B, T(i), T(j)]
+
+
+def perm_mask_to_perm_rank(perm_mask: Tensor, target_mapping: Optional[Tensor] = None) -> Tensor:
+    """The ``perm_rank [B, T]`` (int64) that gives the same attention as HF's
+    ``perm_mask [B, T, T]`` (``perm_mask[b, i, j] = 1``: i may not attend j).
+
+    HF's content stream lets i see j (j != i) iff ``perm_mask[b, i, j] = 0``; ctxfast's sees
+    j iff ``rank[j] <= rank[i]``. So the mask must be a total order with ties on each
+    batch row: whenever i sees j, everything j sees i sees too, and of any two tokens at
+    least one sees the other (tied tokens see each other). The rank of i is then the number
+    of other tokens it sees. The query stream (rows that are predictions: those selected
+    by ``target_mapping [B, P, T]``, or without it the rows with ``perm_mask[b, i, i] = 1``)
+    sees ``rank[j] < rank[i]``: such a row must not see itself nor a tied token.
+
+    Raises ValueError, naming a (b, i, j) and the reason, for a mask no rank order can
+    express, e.g. one where i sees j and j sees k but i does not see k. Materialises ``T²``
+    values, as perm_mask does."""
+    if not isinstance(perm_mask, Tensor) or perm_mask.dim() != 3 or \
+            perm_mask.shape[1] != perm_mask.shape[2]:
+        raise ValueError(f"perm_mask_to_perm_rank: perm_mask must have shape [B, T, T], got "
+                         f"{_shape(perm_mask)}")
+    if not ((perm_mask == 0) | (perm_mask == 1)).all():
+        raise ValueError("perm_mask_to_perm_rank: perm_mask must hold 0 (may attend) and 1 "
+                         "(may not attend) only")
+    B, T, _ = perm_mask.shape
+    blocked = perm_mask.bool()
+    off = ~torch.eye(T, dtype=torch.bool, device=perm_mask.device)
+    sees = ~blocked & off                                               # [B, i, j], j != i
+    rank = sees.sum(-1)                                                 # [B, T]
+    want = (rank[:, None, :] <= rank[:, :, None]) & off
+    bad = (want != sees).nonzero()
+    if len(bad):
+        b, i, j = (int(v) for v in bad[0])
+        raise ValueError(
+            f"perm_mask_to_perm_rank: no rank order gives perm_mask[{b}] (at i={i}, j={j}: "
+            f"{'i sees j' if sees[b, i, j] else 'i does not see j'}, but {i} sees "
+            f"{int(rank[b, i])} tokens and {j} sees {int(rank[b, j])}): the tokens a token "
+            f"sees must be all tokens of lower or equal place in one order (transitive, every "
+            f"pair ordered or tied)")
+    if target_mapping is not None:
+        if not isinstance(target_mapping, Tensor) or target_mapping.dim() != 3 or \
+                tuple(target_mapping.shape[::2]) != (B, T):
+            raise ValueError(f"perm_mask_to_perm_rank: target_mapping must have shape "
+                             f"[B, P, T] = [{B}, P, {T}], got {_shape(target_mapping)}")
+        query = (target_mapping != 0).any(1)                               # [B, T]
+    else:
+        query = blocked.diagonal(dim1=1, dim2=2)                           # [B, T]
+    own = ~blocked.diagonal(dim1=1, dim2=2) & query
+    tied = ((rank[:, None, :] == rank[:, :, None]) & off).any(-1) & query
+    for what, where in (("sees its own token", own), ("sees a token of the same place",
+                                                      tied)):
+        if where.any():
+            b, i = (int(v) for v in where.nonzero()[0])
+            raise ValueError(f"perm_mask_to_perm_rank: prediction {i} of row {b} {what} in "
+                             f"perm_mask; the query stream sees only earlier places "
+                             f"(rank[j] < rank[i])")
+    return rank.long()
 
 
 def _heads(x: Tensor, w: Tensor) -> Tensor:
@@ -403,7 +472,7 @@ class XLNetModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, mems: Optional[Sequence[Tensor]] = None,
                 perm_rank: Optional[Tensor] = None, target_mapping: Optional[Tensor] = None,
-                use_mems: bool = False) -> XLNetOutput:
+                use_mems: Optional[bool] = None) -> XLNetOutput:
         """Args (batch first, as HF):
             input_ids: ``[B, T]`` token ids in ``[0, vocab_size)``.
             attention_mask: ``[B, T]``, 1 for tokens, 0 for padding (HF's convention).
@@ -414,12 +483,16 @@ class XLNetModel(nn.Module):
             target_mapping: ``[B, P, T]``, row p selects the position of prediction p; runs
                 the query stream.
             use_mems: return the new memory (each layer's input, last ``mem_len`` steps).
+                None (default): ``config.use_mems_train`` in training, else
+                ``config.use_mems_eval`` (False and True by default, as HF).
 
         Returns :class:`XLNetOutput`; ``last_hidden_state`` is ``[B, P, d_model]`` (query
         stream) with target_mapping, else ``[B, T, d_model]`` (content stream).
         """
         self._check(input_ids, attention_mask, token_type_ids, mems, perm_rank, target_mapping)
         c = self.config
+        if use_mems is None:
+            use_mems = c.use_mems_train if self.training else c.use_mems_eval
         B, T = input_ids.shape
         mlen = mems[0].shape[0] if mems is not None else 0
         Tk = mlen + T
@@ -484,7 +557,7 @@ class XLNetLMHeadModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, mems: Optional[Sequence[Tensor]] = None,
                 perm_rank: Optional[Tensor] = None, target_mapping: Optional[Tensor] = None,
-                use_mems: bool = False, labels: Optional[Tensor] = None) -> XLNetLMOutput:
+                use_mems: Optional[bool] = None, labels: Optional[Tensor] = None) -> XLNetLMOutput:
         """As :meth:`XLNetModel.forward`; ``labels [B, P]`` (with target_mapping) or
         ``[B, T]``, -100 = ignored, gives the mean cross-entropy ``loss``.
         Returns logits ``[B, P or T, vocab_size]``."""

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops._common import FLOAT_DTYPES as _FLOAT_DTYPES
+from ..ops.dropout import check_ids_in_vocab
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUFFIXES = ("", "_reverse")
 
 
@@ -421,6 +422,7 @@ class EmbeddingDropout(nn.Module):
     def forward(self, words: Tensor, scale: Optional[float] = None,
                 mask: Optional[Tensor] = None) -> Tensor:
         e = self.emb
+        check_ids_in_vocab("EmbeddingDropout", "words", words, e.weight.shape[0])
         return ops.embedding_dropout(e.weight, words, self.embed_p, scale=scale,
                                      padding_idx=e.padding_idx, training=self.training,
                                      mask=mask, scale_grad_by_freq=e.scale_grad_by_freq,

@@ -1,8 +1,11 @@
 """``ctxfast.nn.RelPartialLearnableMultiHeadAttn``: the Transformer-XL attention layer on
 ``ctxfast.rel_attention`` — same constructor, parameter names (``qkv_net``, ``r_net``,
 ``o_net``, ``layer_norm``, ``r_w_bias``, ``r_r_bias``) and forward
-``(w, r, attn_mask=None, mems=None)`` as the original code's layer (with its own biases,
-as in the ``untie_r`` variant), so its weights load as they are.
+``(w, r, attn_mask=None, mems=None)`` (with its own biases, as in the ``untie_r``
+variant). The original code's calling convention, where the model owns the biases and
+passes them, works too: ``forward(w, r, r_w_bias, r_r_bias, attn_mask=None, mems=None)``;
+built with ``own_biases=False`` the layer has exactly the original layer's parameters,
+so an original layer's ``state_dict`` loads with ``strict=True``.
 
 Layouts as in the original: ``w [qlen, bsz, d_model]``, ``r [rlen, d_model]`` (or
 ``[rlen, 1, d_model]``) with ``rlen = klen = mlen + qlen`` and row m encoding distance
@@ -25,7 +28,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                  dropatt: float = 0.0, tgt_len=None, ext_len=None, mem_len=None,
                  pre_lnorm: bool = False, r_r_bias: Optional[Tensor] = None,
                  r_w_bias: Optional[Tensor] = None, layer_norm_epsilon: float = 1e-5, *,
-                 backend: Optional[str] = None):
+                 own_biases: bool = True, backend: Optional[str] = None):
         super().__init__()
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
         self.dropout, self.dropatt_p = dropout, dropatt
@@ -36,17 +39,62 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
         self.scale = 1 / (d_head ** 0.5)
         self.pre_lnorm = pre_lnorm
-        self.r_w_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_w_bias is None else r_w_bias)
-        self.r_r_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_r_bias is None else r_r_bias)
-        if r_w_bias is None:
-            nn.init.normal_(self.r_w_bias, std=0.02)
-            nn.init.normal_(self.r_r_bias, std=0.02)
+        self.own_biases = own_biases
+        if own_biases:
+            self.r_w_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_w_bias is None
+                                         else r_w_bias)
+            self.r_r_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_r_bias is None
+                                         else r_r_bias)
+            if r_w_bias is None:
+                nn.init.normal_(self.r_w_bias, std=0.02)
+                nn.init.normal_(self.r_r_bias, std=0.02)
+        elif r_w_bias is not None or r_r_bias is not None:
+            raise ValueError("RelPartialLearnableMultiHeadAttn: with own_biases=False the "
+                             "biases are passed to forward, not to the constructor")
         self.backend = backend
 
-    def forward(self, w: Tensor, r: Tensor, attn_mask: Optional[Tensor] = None,
-                mems: Optional[Tensor] = None) -> Tensor:
-        qlen, bsz = w.shape[0], w.shape[1]
+    def forward(self, w: Tensor, r: Tensor, *args, attn_mask: Optional[Tensor] = None,
+                mems: Optional[Tensor] = None, r_w_bias: Optional[Tensor] = None,
+                r_r_bias: Optional[Tensor] = None) -> Tensor:
+        """``forward(w, r, attn_mask=None, mems=None)`` with the layer's own biases, or the
+        original code's ``forward(w, r, r_w_bias, r_r_bias, attn_mask=None, mems=None)``
+        (biases ``[n_head, d_head]``, floating point; the model's, shared by all layers).
+        Returns ``[qlen, bsz, d_model]``."""
+        if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            if len(args) < 2 or len(args) > 4:
+                raise TypeError("RelPartialLearnableMultiHeadAttn: the original calling "
+                                "convention is forward(w, r, r_w_bias, r_r_bias, attn_mask, "
+                                f"mems); got {len(args) + 2} positional arguments")
+            r_w_bias, r_r_bias, *rest = args
+        else:
+            rest = list(args)
+        if len(rest) > 2:
+            raise TypeError(f"RelPartialLearnableMultiHeadAttn: too many positional arguments "
+                            f"({len(args) + 2})")
+        if rest:
+            attn_mask = rest[0]
+        if len(rest) > 1:
+            mems = rest[1]
         H, Dh = self.n_head, self.d_head
+        if (r_w_bias is None) != (r_r_bias is None):
+            raise ValueError("RelPartialLearnableMultiHeadAttn: pass both r_w_bias and r_r_bias "
+                             "or neither")
+        if r_w_bias is None:
+            if not self.own_biases:
+                raise ValueError("RelPartialLearnableMultiHeadAttn: built with own_biases=False, "
+                                 "so forward needs r_w_bias and r_r_bias [n_head, d_head] "
+                                 "(the original code's forward(w, r, r_w_bias, r_r_bias, ...))")
+            r_w_bias, r_r_bias = self.r_w_bias, self.r_r_bias
+        elif self.own_biases:
+            raise ValueError("RelPartialLearnableMultiHeadAttn: this layer has its own "
+                             "r_w_bias/r_r_bias parameters; build it with own_biases=False to "
+                             "take the biases from forward (the original code's convention)")
+        for name, t in (("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias)):
+            if not isinstance(t, Tensor) or tuple(t.shape) != (H, Dh):
+                raise ValueError(f"RelPartialLearnableMultiHeadAttn: {name} must have shape "
+                                 f"[n_head, d_head] = [{H}, {Dh}], got "
+                                 f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        qlen, bsz = w.shape[0], w.shape[1]
         cat = w if mems is None else torch.cat([mems, w], 0)           # [klen, bsz, d_model]
         klen = cat.shape[0]
         heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)
@@ -63,8 +111,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         if attn_mask is not None:
             window = _window_of(attn_mask, qlen, klen)
             causal = True
-        out = ops.rel_attention(q, k, v, r_head.to(q.dtype), self.r_w_bias.to(q.dtype),
-                                self.r_r_bias.to(q.dtype), causal=causal, window=window,
+        out = ops.rel_attention(q, k, v, r_head.to(q.dtype), r_w_bias.to(q.dtype),
+                                r_r_bias.to(q.dtype), causal=causal, window=window,
                                 pos_start=klen - 1, scale=self.scale,
                                 dropout_p=self.dropatt_p if self.training else 0.0,
                                 backend=self.backend)                   # [bsz, H, qlen, Dh]

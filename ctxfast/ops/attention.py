@@ -13,9 +13,9 @@ number of element ``(b, h, i, j)`` at counter ``(bh·Tq + i)·Tk + j``, so the b
 regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces it.
 
 The ``eager`` backend is ``ctxfast.reference.attention`` (a materialised mask + softmax).
-``attention_varlen`` (packed sequences) has its own pair of ops below.
-Not yet here (issue 3 continues): the split-key decoding kernel and the Hugging Face
-integration.
+``attention_varlen`` (packed sequences) has its own pair of ops below. On CUDA the Triton
+forward splits the keys over programs for decoding (few queries, long memory); the Hugging
+Face attention interface is ``ctxfast.integrations.hf``.
 """
 from typing import Optional, Tuple
 
@@ -24,11 +24,14 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
+from ._common import autocast as _autocast
+from ._common import check_attention as _check
+from ._common import check_qkv as _check_qkv
+from ._common import resolve as _resolve
+from ._common import shape as _shape
+from ._common import MAX_HEAD_DIM  # noqa: F401  (re-exported: the Triton kernels' limit)
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_HEAD_DIM = 256
-
-# Defaults: on CUDA the Triton kernel (not yet measured on a GPU: issue 9 decides); on CPU
+# Defaults: on CUDA the Triton kernel (not yet measured on a GPU: the GPU round decides); on CPU
 # the eager reference (the Triton kernel runs on CPU only in the interpreter, for tests).
 _dispatch.register_op("attention", supported=("triton", "eager"),
                       cpu_default=("eager",), cuda_default=("triton", "eager"))
@@ -93,110 +96,7 @@ def _fwd_backward(ctx, grad_out, grad_lse):
 _attention_fwd_triton.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-# --------------------------------------------------------------------------- checks
-
-def _shape(t: Tensor) -> tuple:
-    return tuple(t.shape)
-
-
-def _check_qkv(op: str, q, k, v, layout: str) -> None:
-    """Types, rank (that of `layout`, e.g. "[B, H, T, D]"), dtype and device of q, k, v."""
-    rank = layout.count(",") + 1
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{op}: {name} must have shape {layout} (rank {rank}), got "
-                             f"shape {_shape(t)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, "
-                            f"got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{op}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{op}: q, k, v must be on one device, got {q.device}, "
-                         f"{k.device}, {v.device}")
-
-
-def _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale):
-    _check_qkv("attention", q, k, v, "[B, H, T, D]")
-    B, H, Tq, D = q.shape
-    Tk = k.shape[2]
-    if k.shape[:2] != q.shape[:2] or k.shape[3] != D:
-        raise ValueError(f"attention: k must have shape [B, H, Tk, D] = [{B}, {H}, Tk, {D}] "
-                         f"to match q {_shape(q)}, got {_shape(k)}")
-    if v.shape[:3] != k.shape[:3] or v.shape[3] != D:
-        raise ValueError(f"attention: v must have shape [B, H, Tk, D] = {list(k.shape)} to "
-                         f"match k (head dims of q, k, v must agree), got {_shape(v)}")
-    if (causal or perm_rank is not None) and Tk < Tq:
-        raise ValueError(f"attention: with causal or perm_rank the keys are [memory; current], "
-                         f"so Tk >= Tq is needed; got q {_shape(q)}, k {_shape(k)}")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("attention: key_padding_mask must be a bool tensor [B, Tk] "
-                            "(True = padding)")
-        if _shape(key_padding_mask) != (B, Tk):
-            raise ValueError(f"attention: key_padding_mask must have shape [B, Tk] = "
-                             f"[{B}, {Tk}], got {_shape(key_padding_mask)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"attention: key_padding_mask must be on {q.device}, got "
-                             f"{key_padding_mask.device}")
-    if perm_rank is not None:
-        if (not isinstance(perm_rank, Tensor) or perm_rank.dtype.is_floating_point
-                or perm_rank.dtype.is_complex or perm_rank.dtype == torch.bool):
-            raise TypeError("attention: perm_rank must be an integer tensor [B, Tq], got "
-                            f"{getattr(perm_rank, 'dtype', type(perm_rank).__name__)}")
-        if _shape(perm_rank) != (B, Tq):
-            raise ValueError(f"attention: perm_rank must have shape [B, Tq] = [{B}, {Tq}], "
-                             f"got {_shape(perm_rank)}")
-        if perm_rank.device != q.device:
-            raise ValueError(f"attention: perm_rank must be on {q.device}, got {perm_rank.device}")
-    if perm_stream not in ("content", "query"):
-        raise ValueError(f"attention: perm_stream must be 'content' or 'query', got "
-                         f"{perm_stream!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
-
-
 # --------------------------------------------------------------------------- public op
-
-def _resolve(op: str, q: Tensor, backend: Optional[str]) -> str:
-    """``_dispatch.resolve``, except that float64 on CUDA never reaches the Triton attention
-    kernels (they keep fp32 softmax statistics and do not compile for float64 on a GPU;
-    the interpreter runs them, for the CPU tests): by default it runs on eager, and asking
-    for triton is an error, before anything runs. Shared by attention, attention_varlen
-    and rel_attention."""
-    name = _dispatch.resolve(op, q.device, backend)
-    if name != "triton" or q.dtype != torch.float64 or q.device.type != "cuda":
-        return name
-    asked, source = _dispatch.requested_backend(backend)
-    if asked is not None:
-        raise _dispatch.BackendUnavailable(
-            f"ctxfast.{op}: backend 'triton' (from {source}) cannot run float64 on CUDA (the "
-            "kernels keep float32 statistics and are not compiled for float64); use "
-            "backend='eager' for float64")
-    return "eager"
-
-
-def _autocast(*tensors):
-    """Under torch.autocast, run in the autocast dtype, as F.scaled_dot_product_attention
-    does (it is on autocast's lower-precision list): every floating-point tensor among
-    `tensors` (the first one's device decides; None and non-tensors pass through) is cast
-    to the autocast dtype, so fp32 parameters (e.g. rel_attention's biases) meet
-    lower-precision activations."""
-    first = tensors[0] if tensors else None
-    if not isinstance(first, Tensor):
-        return tensors
-    dev = first.device.type
-    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
-        return tensors
-    dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
-                 for t in tensors)
-
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               key_padding_mask: Optional[Tensor] = None, perm_rank: Optional[Tensor] = None,
@@ -208,7 +108,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     Args:
         q: ``[B, H, Tq, D]``. k, v: ``[B, H, Tk, D]`` — keys are ``[memory; current]``
             and ``mem_len = Tk - Tq`` (0 for plain self-attention). fp16, bf16, fp32
-            (fp64 too, for tests); ``D <= 256``; any strides.
+            (fp64 too, for tests); any strides. The triton backend takes ``D <= 256``
+            (``MAX_HEAD_DIM``; by default larger heads run on eager, asking for triton raises).
         causal: query ``i`` sees key ``j`` iff ``j <= i + mem_len`` (bottom-right aligned).
         key_padding_mask: bool ``[B, Tk]``, True = padding (``nn.MultiheadAttention``'s
             convention).

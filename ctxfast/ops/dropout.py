@@ -93,6 +93,20 @@ def locked_dropout(x: Tensor, p: float, *, batch_first: bool = False, training: 
     return x * m
 
 
+def check_ids_in_vocab(op: str, name: str, ids: Tensor, V: int) -> None:
+    """ids out of ``[0, V)`` raise a ValueError naming the argument and the vocabulary size
+    (F.embedding says only "index out of range in self"). Checked where it costs no device
+    sync and no graph break: on CPU, outside torch.compile (on CUDA an id out of range is
+    a device-side assert)."""
+    if (not isinstance(ids, Tensor) or ids.device.type != "cpu" or not ids.numel()
+            or torch.compiler.is_compiling()):
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= V:
+        raise ValueError(f"{op}: {name} must be in [0, V) with V = {V} (the vocabulary size: "
+                         f"rows of the embedding weight), got id {lo if lo < 0 else hi}")
+
+
 def embedding_dropout(weight: Tensor, input_ids: Tensor, p: float, *,
                       scale: Optional[float] = None, padding_idx: Optional[int] = None,
                       training: bool = True, mask: Optional[Tensor] = None,
@@ -122,7 +136,8 @@ def embedding_dropout(weight: Tensor, input_ids: Tensor, p: float, *,
 
     Raises:
         TypeError: bad dtypes (weight not floating point, input_ids not integer, mask).
-        ValueError: weight not 2-D, p outside [0, 1], a mask of the wrong shape/device.
+        ValueError: weight not 2-D, p outside [0, 1], a mask of the wrong shape/device,
+            an id of input_ids outside ``[0, V)`` (checked on CPU).
     """
     op = "embedding_dropout"
     if not isinstance(weight, Tensor) or not weight.is_floating_point():
@@ -135,6 +150,7 @@ def embedding_dropout(weight: Tensor, input_ids: Tensor, p: float, *,
         raise TypeError(f"{op}: input_ids must be an integer torch.Tensor, got {got}")
     p = _check_p(p, op)
     V = weight.shape[0]
+    check_ids_in_vocab(op, "input_ids", input_ids, V)
     out = F.embedding(input_ids, weight, padding_idx, None, 2.0, scale_grad_by_freq,
                       sparse)                                               # [*S, E]
     factor: Optional[Tensor] = None

@@ -32,15 +32,15 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
+from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The C++ recurrence exists only once csrc/ has it and the extension was rebuilt.
 _NATIVE = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "lstm_recurrence_native")
 
 # Defaults: on CPU the C++ kernel where built, else the eager loop (Triton runs on CPU only
 # in the interpreter, for tests); on CUDA the CUDA C++ kernel, then Triton. Not yet
-# measured (CPU: benchmarks of issue 5; GPU: the GPU round decides the order).
+# measured (CPU: benchmarks/bench_lstm.py; GPU: the GPU round decides the order).
 _dispatch.register_op(
     "lstm",
     supported=("triton", "cuda", "cpu", "eager") if _NATIVE else ("triton", "eager"),
@@ -234,6 +234,12 @@ def _check(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask, weight_dropout, cel
                         f"{type(weight_dropout).__name__}")
     if not 0.0 <= weight_dropout < 1.0:
         raise ValueError(f"lstm: weight_dropout must be in [0, 1), got {weight_dropout}")
+    if weight_dropout > 0 and weight_mask is None:
+        raise ValueError(f"lstm: weight_dropout={weight_dropout} without weight_mask would "
+                         "drop nothing; pass weight_mask (a 0/1 [4H, P] tensor, e.g. "
+                         "torch.rand_like(w_hh) >= weight_dropout) with it, use "
+                         "ctxfast.nn.WeightDropLSTM (it draws the mask in training), or "
+                         "pass weight_dropout=0 for evaluation")
     cc = _check_clip("cell_clip", cell_clip)
     pc = _check_clip("proj_clip", proj_clip)
     if proj_clip is not None and w_hr is None:
@@ -269,7 +275,7 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             layer and direction. All of x's dtype and device.
         weight_mask: ``[4H, P]`` DropConnect mask of 0/1 (bool or w_hh's dtype), shared by
             all time steps, or None. The op is deterministic given the mask (the module
-            samples it). Without a mask ``weight_dropout`` is not used (evaluation).
+            samples it). ``weight_dropout > 0`` without a mask is refused (ValueError).
         weight_dropout: the drop probability p in ``[0, 1)`` the mask was drawn with; the
             kept weights are scaled by ``1 / (1 - p)``.
         cell_clip, proj_clip: AllenNLP's ``LstmCellWithProjection`` clips (> 0, None: no

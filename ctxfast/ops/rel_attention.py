@@ -24,8 +24,11 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
-from .attention import _check as _check_attention
-from .attention import _autocast, _resolve, _shape, draw_seed
+from ._common import autocast as _autocast
+from ._common import check_attention as _check_attention
+from ._common import resolve as _resolve
+from ._common import shape as _shape
+from .attention import draw_seed
 
 # Defaults: Triton on CUDA (not yet measured on a GPU); the eager reference on CPU.
 _dispatch.register_op("rel_attention", supported=("triton", "eager"),

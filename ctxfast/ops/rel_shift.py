@@ -18,8 +18,8 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
+from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Default backends. CPU: the C++ kernel. Measured 2026-11-21 on the 2-core dev machine
 # (AMD EPYC, torch 2.13; benchmarks/results/amd-epyc-2-threads/2026-11-21*.md, two runs,
@@ -27,7 +27,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # (3.1-3.5x) and 20.4-22.0 ms for the original pad-and-view trick (1.6-1.8x, which leaves
 # junk); fwd+bwd 31.1 ms against 73.7-91.1 ms (eager) and 34.3-43.9 ms (pad-and-view).
 # CUDA: the CUDA C++ kernel, then Triton. NOT yet measured on a GPU (the GPU round,
-# issue 9, decides the order).
+# benchmarks/gpu_round.sh, decides the order).
 _dispatch.register_op(
     "rel_shift",
     supported=("triton", "cuda", "cpu", "eager"),
