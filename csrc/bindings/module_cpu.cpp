@@ -30,4 +30,16 @@ TORCH_LIBRARY(ctxfast, m) {
         "Tensor c0, Tensor w_hh, Tensor? w_hr, Tensor? mask, float scale, float cell_clip, "
         "float proj_clip, bool reverse, Tensor out, Tensor cells, Tensor gates) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Fused attention (math in csrc/cpu/attention.h): the `cpu` backend of ctxfast.attention
+  // and ctxfast.attention_varlen. lse is float64 for float64 inputs, else float32.
+  m.def("attention_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
+        "Tensor? perm_rank, bool causal, bool perm_strict, float scale) -> (Tensor, Tensor)");
+  m.def("attention_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, Tensor? key_padding_mask, Tensor? perm_rank, bool causal, "
+        "bool perm_strict, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_varlen_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("attention_varlen_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float scale) "
+        "-> (Tensor, Tensor, Tensor)");
 }
