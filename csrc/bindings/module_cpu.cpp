@@ -42,4 +42,14 @@ TORCH_LIBRARY(ctxfast, m) {
   m.def("attention_varlen_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float scale) "
         "-> (Tensor, Tensor, Tensor)");
+  // Transformer-XL relative attention without segments (csrc/bindings/rel_attention_cpu.cpp):
+  // the `cpu` backend of ctxfast.rel_attention; window 0 = none. The backward returns
+  // dq, dk, dv, dr, d_r_w_bias, d_r_r_bias.
+  m.def("rel_attention_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+        "Tensor r_r_bias, Tensor? key_padding_mask, Tensor? perm_rank, bool causal, "
+        "int pos_start, int window, bool perm_strict, float scale) -> (Tensor, Tensor)");
+  m.def("rel_attention_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor r, "
+        "Tensor r_w_bias, Tensor r_r_bias, Tensor out, Tensor lse, Tensor? key_padding_mask, "
+        "Tensor? perm_rank, bool causal, int pos_start, int window, bool perm_strict, "
+        "float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

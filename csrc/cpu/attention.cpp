@@ -12,6 +12,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -236,6 +237,13 @@ struct Head {
   const bool* kpm;            // [Tk] or nullptr (true = padding)
   const int64_t* rank;        // [Tq] or nullptr
   bool causal, strict;
+  int64_t window;             // > 0: pair (i, j) visible only if mem + i - j < window
+  // rel_attention only (r == nullptr otherwise): the position term scale * qw_i . r[row],
+  // row = pos_start - (mem + i - j), of r [R, D]; q above is then q + r_w_bias.
+  const T* r; int64_t ldr; int64_t R; int64_t pos_start;
+  const T* qw; int64_t ldqw;  // q + r_r_bias [Tq, D]
+  T* dqw; int64_t lddqw;      // backward: grad of qw (accumulated)
+  T* dr;                      // backward: grad of r [R, D], row stride D (accumulated)
 };
 
 // Set to -inf the entries of tile s [bq, bk] (row stride bk; rows i0.., keys j0..) that
@@ -244,12 +252,17 @@ template <typename T>
 void mask_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk, T* s) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const bool causal_cut = h.causal && j0 + bk - 1 > i0 + h.mem;  // some row is cut
-  if (!causal_cut && h.kpm == nullptr && h.rank == nullptr) return;
+  const bool window_cut = h.window > 0 && h.mem + i0 + bq - 1 - j0 >= h.window;
+  if (!causal_cut && !window_cut && h.kpm == nullptr && h.rank == nullptr) return;
   for (int64_t r = 0; r < bq; ++r) {
     const int64_t i = i0 + r;
     T* row = s + r * bk;
     if (causal_cut) {
       for (int64_t c = std::max<int64_t>(i + h.mem - j0 + 1, 0); c < bk; ++c) row[c] = ninf;
+    }
+    if (window_cut) {  // keys j <= mem + i - window are too far
+      const int64_t lim = std::min<int64_t>(h.mem + i - h.window - j0 + 1, bk);
+      for (int64_t c = 0; c < lim; ++c) row[c] = ninf;
     }
     if (h.kpm != nullptr) {
       for (int64_t c = 0; c < bk; ++c)
@@ -272,10 +285,61 @@ int64_t key_end(const Head<T>& h, int64_t i0, int64_t bq) {
   return std::min(h.Tk, std::max<int64_t>(i0 + bq + h.mem, 0));
 }
 
+// First key that queries [i0, ...) may see (the window cuts the far ones).
+template <typename T>
+int64_t key_begin(const Head<T>& h, int64_t i0) {
+  if (h.window <= 0) return 0;
+  return std::min(h.Tk, std::max<int64_t>(h.mem + i0 - h.window + 1, 0));
+}
+
+// rel_attention's position term on a tile: s[rr, c] += scale qw_{i0+rr} . r[row] with
+// row = pos_start - mem - (i0 + rr) + (j0 + c). The rows of one tile form a band of
+// nb = bq + bk - 1 consecutive rows of r starting at base = pos_start - mem - (i0+bq-1) + j0,
+// so one GEMM gives band[rr, t] = scale qw_rr . r[base + t] and the entry is
+// band[rr, (bq - 1 - rr) + c]. Rows of r outside [0, R) only serve pairs that are never
+// visible (rel_attention's check): they count as 0. `band` holds bq * nb.
+template <typename T>
+void add_position_term(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
+                       T scale, T* s, T* band) {
+  const int64_t nb = bq + bk - 1;
+  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + j0;
+  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + nb, h.R);
+  if (lo >= hi) return;
+  std::fill(band, band + bq * nb, T(0));
+  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
+             h.r + lo * h.ldr, h.ldr, T(0), band + (lo - base), nb);
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    const T* b = band + rr * nb + (bq - 1 - rr);
+    T* row = s + rr * bk;
+    for (int64_t c = 0; c < bk; ++c) row[c] += b[c];
+  }
+}
+
+// Backward of the position term: from ds [bq, bk] (already P (dP - Delta)), scatter into
+// the band layout and accumulate dqw += scale dband r_band, dr_band += scale dbandᵀ qw.
+template <typename T>
+void position_term_backward(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
+                            T scale, const T* ds, T* band) {
+  const int64_t nb = bq + bk - 1;
+  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + j0;
+  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + nb, h.R);
+  if (lo >= hi) return;
+  std::fill(band, band + bq * nb, T(0));
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    T* b = band + rr * nb + (bq - 1 - rr);
+    const T* row = ds + rr * bk;
+    for (int64_t c = 0; c < bk; ++c) b[c] = row[c];
+  }
+  gemm_rm<T>(false, false, bq, h.D, hi - lo, scale, band + (lo - base), nb, h.r + lo * h.ldr,
+             h.ldr, T(1), h.dqw + i0 * h.lddqw, h.lddqw);
+  gemm_rm<T>(true, false, hi - lo, h.D, bq, scale, band + (lo - base), nb,
+             h.qw + i0 * h.ldqw, h.ldqw, T(1), h.dr + lo * h.D, h.D);
+}
+
 // Forward of queries [i0, i0 + bq): out rows and lse. `s` holds kBlockQ * kBlockK,
 // m and l kBlockQ.
 template <typename T>
-void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l) {
+void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l, T* band) {
   const int64_t bq = std::min(kBlockQ, h.Tq - i0), D = h.D;
   const T ninf = -std::numeric_limits<T>::infinity();
   T* o = h.o + i0 * h.ldo;
@@ -285,10 +349,11 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l) {
     std::fill(o + r * h.ldo, o + r * h.ldo + D, T(0));
   }
   const int64_t end = key_end(h, i0, bq);
-  for (int64_t j0 = 0; j0 < end; j0 += kBlockK) {
+  for (int64_t j0 = key_begin(h, i0); j0 < end; j0 += kBlockK) {
     const int64_t bk = std::min(kBlockK, end - j0);
     gemm_rm<T>(false, true, bq, bk, D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
                h.ldk, T(0), s, bk);
+    if (h.r != nullptr) add_position_term(h, i0, bq, j0, bk, scale, s, band);
     mask_tile(h, i0, bq, j0, bk, s);
     for (int64_t r = 0; r < bq; ++r) {
       T* row = s + r * bk;
@@ -323,7 +388,7 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l) {
 // Backward of one head: dq, dk, dv accumulated (they are zero on entry).
 template <typename T>
 void backward_head(const Head<T>& h, T scale, std::vector<T>& p, std::vector<T>& dp,
-                   std::vector<T>& delta) {
+                   std::vector<T>& delta, std::vector<T>& band) {
   const int64_t D = h.D;
   delta.resize(std::max<int64_t>(h.Tq, 1));
   for (int64_t i = 0; i < h.Tq; ++i) {
@@ -337,12 +402,17 @@ void backward_head(const Head<T>& h, T scale, std::vector<T>& p, std::vector<T>&
   for (int64_t j0 = 0; j0 < h.Tk; j0 += kBlockK) {
     const int64_t bk = std::min(kBlockK, h.Tk - j0);
     const int64_t i_start = h.causal ? std::max<int64_t>(0, j0 - h.mem) : 0;
-    for (int64_t i0 = i_start; i0 < h.Tq; i0 += kBlockQ) {
+    // window: query i sees key j only if i < j - mem + window
+    const int64_t i_end = h.window > 0
+        ? std::min<int64_t>(h.Tq, std::max<int64_t>(j0 + bk - 1 - h.mem + h.window, 0))
+        : h.Tq;
+    for (int64_t i0 = i_start; i0 < i_end; i0 += kBlockQ) {
       const int64_t bq = std::min(kBlockQ, h.Tq - i0);
       T* s = p.data();
       T* ds = dp.data();
       gemm_rm<T>(false, true, bq, bk, D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
                  h.ldk, T(0), s, bk);
+      if (h.r != nullptr) add_position_term(h, i0, bq, j0, bk, scale, s, band.data());
       mask_tile(h, i0, bq, j0, bk, s);
       for (int64_t r = 0; r < bq; ++r) {
         T* row = s + r * bk;
@@ -362,6 +432,7 @@ void backward_head(const Head<T>& h, T scale, std::vector<T>& p, std::vector<T>&
                  h.dk + j0 * h.lddk, h.lddk);
       gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
                  h.dq + i0 * h.lddq, h.lddq);
+      if (h.r != nullptr) position_term_backward(h, i0, bq, j0, bk, scale, ds, band.data());
     }
   }
 }
@@ -376,10 +447,11 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   if (n_heads == 0 || nqb == 0) return;
   at::parallel_for(0, n_heads * nqb, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
+    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK));
     for (int64_t t = begin; t < end; ++t) {
       const Head<T> h = make(t / nqb);
       const int64_t i0 = (t % nqb) * kBlockQ;
-      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data());
+      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band.data());
     }
   });
 }
@@ -389,7 +461,8 @@ void run_backward(int64_t n_heads, T scale, const MakeHead& make) {
   if (n_heads == 0) return;
   at::parallel_for(0, n_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK), delta;
-    for (int64_t t = begin; t < end; ++t) backward_head(make(t), scale, p, dp, delta);
+    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK));
+    for (int64_t t = begin; t < end; ++t) backward_head(make(t), scale, p, dp, delta, band);
   });
 }
 
@@ -398,6 +471,11 @@ Head<T> empty_head() {
   Head<T> h{};
   h.kpm = nullptr;
   h.rank = nullptr;
+  h.window = 0;
+  h.r = nullptr;
+  h.qw = nullptr;
+  h.dqw = nullptr;
+  h.dr = nullptr;
   return h;
 }
 
@@ -504,6 +582,117 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     run_backward<T>(B * H, static_cast<T>(scale), make);
   });
   return {dq, dk, dv};
+}
+
+// ---------------------------------------------------------------- rel_attention [B, H, T, D]
+
+std::tuple<Tensor, Tensor> rel_attention_forward(
+    const Tensor& qu, const Tensor& qw, const Tensor& k, const Tensor& v, const Tensor& r,
+    const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
+    int64_t pos_start, int64_t window, double scale) {
+  const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
+  const int64_t Tk = k.size(2), R = r.size(1);
+  Tensor out = at::empty({B, H, Tq, D}, qu.options());
+  Tensor lse = at::empty({B, H, Tq}, qu.options());
+  AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_forward_cpu", [&] {
+    using T = scalar_t;
+    const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
+                                                 : nullptr;
+    const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qu.const_data_ptr<T>() + b * qu.stride(0) + hh * qu.stride(1);
+      h.ldq = qu.stride(2);
+      h.qw = qw.const_data_ptr<T>() + b * qw.stride(0) + hh * qw.stride(1);
+      h.ldqw = qw.stride(2);
+      h.k = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(2);
+      h.v = v.const_data_ptr<T>() + b * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(2);
+      h.r = r.const_data_ptr<T>() + hh * r.stride(0);
+      h.ldr = r.stride(1);
+      h.R = R;
+      h.pos_start = pos_start;
+      h.o = out.mutable_data_ptr<T>() + bh * Tq * D;
+      h.ldo = D;
+      h.lse = lse.mutable_data_ptr<T>() + bh * Tq;
+      h.Tq = Tq;
+      h.Tk = Tk;
+      h.mem = Tk - Tq;
+      h.D = D;
+      h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.rank = rk ? rk + b * Tq : nullptr;
+      h.causal = causal;
+      h.strict = perm_strict;
+      h.window = window;
+      return h;
+    };
+    run_forward<T>(B * H, Tq, static_cast<T>(scale), make);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
+    const Tensor& grad_out, const Tensor& qu, const Tensor& qw, const Tensor& k,
+    const Tensor& v, const Tensor& r, const Tensor& out, const Tensor& lse,
+    const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
+    int64_t pos_start, int64_t window, double scale) {
+  const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
+  const int64_t Tk = k.size(2), R = r.size(1);
+  Tensor dqu = at::zeros({B, H, Tq, D}, qu.options());
+  Tensor dqw = at::zeros({B, H, Tq, D}, qu.options());
+  Tensor dk = at::zeros({B, H, Tk, D}, qu.options());
+  Tensor dv = at::zeros({B, H, Tk, D}, qu.options());
+  Tensor drb = at::zeros({B, H, R, D}, qu.options());  // per (b, h); summed over b below
+  AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_backward_cpu", [&] {
+    using T = scalar_t;
+    const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
+                                                 : nullptr;
+    const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qu.const_data_ptr<T>() + b * qu.stride(0) + hh * qu.stride(1);
+      h.ldq = qu.stride(2);
+      h.qw = qw.const_data_ptr<T>() + b * qw.stride(0) + hh * qw.stride(1);
+      h.ldqw = qw.stride(2);
+      h.k = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(2);
+      h.v = v.const_data_ptr<T>() + b * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(2);
+      h.r = r.const_data_ptr<T>() + hh * r.stride(0);
+      h.ldr = r.stride(1);
+      h.R = R;
+      h.pos_start = pos_start;
+      h.o = const_cast<T*>(out.const_data_ptr<T>() + b * out.stride(0) + hh * out.stride(1));
+      h.ldo = out.stride(2);
+      h.dout = grad_out.const_data_ptr<T>() + b * grad_out.stride(0) + hh * grad_out.stride(1);
+      h.lddo = grad_out.stride(2);
+      h.lse = const_cast<T*>(lse.const_data_ptr<T>() + b * lse.stride(0) + hh * lse.stride(1));
+      h.dq = dqu.mutable_data_ptr<T>() + bh * Tq * D;
+      h.lddq = D;
+      h.dqw = dqw.mutable_data_ptr<T>() + bh * Tq * D;
+      h.lddqw = D;
+      h.dk = dk.mutable_data_ptr<T>() + bh * Tk * D;
+      h.lddk = D;
+      h.dv = dv.mutable_data_ptr<T>() + bh * Tk * D;
+      h.lddv = D;
+      h.dr = drb.mutable_data_ptr<T>() + bh * R * D;
+      h.Tq = Tq;
+      h.Tk = Tk;
+      h.mem = Tk - Tq;
+      h.D = D;
+      h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.rank = rk ? rk + b * Tq : nullptr;
+      h.causal = causal;
+      h.strict = perm_strict;
+      h.window = window;
+      return h;
+    };
+    run_backward<T>(B * H, static_cast<T>(scale), make);
+  });
+  return {dqu, dqw, dk, dv, drb.sum(0)};
 }
 
 // ---------------------------------------------------------------- packed [total, H, D]

@@ -41,6 +41,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& key_padding_mask, const at::Tensor& perm_rank, bool causal,
     bool perm_strict, double scale);
 
+// rel_attention (Transformer-XL, XLNet without segments): qu = q + r_w_bias and
+// qw = q + r_r_bias [B, H, Tq, D], k, v [B, H, Tk, D], r [H, R, D] (stride 1 in D); the
+// score adds scale qw_i . r[pos_start - (mem + i - j)]; window > 0 also hides pairs with
+// mem + i - j >= window. Returns out, lse as attention_forward.
+std::tuple<at::Tensor, at::Tensor> rel_attention_forward(
+    const at::Tensor& qu, const at::Tensor& qw, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& r, const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
+    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale);
+
+// Its gradients: d(qu), d(qw) [B, H, Tq, D], dk, dv [B, H, Tk, D], dr [H, R, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rel_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& qu, const at::Tensor& qw,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& r, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
+    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale);
+
 // Packed sequences: q [total_q, H, D], k, v [total_k, H, D] (stride 1 in D); sequence b
 // is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k, v. Causal is bottom-right
 // aligned per sequence. Returns out [total_q, H, D] (0 outside every sequence) and
