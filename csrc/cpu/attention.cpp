@@ -235,6 +235,7 @@ struct Head {
   T* dv; int64_t lddv;
   int64_t Tq, Tk, mem, D;
   const bool* kpm;            // [Tk] or nullptr (true = padding)
+  int64_t kpm_end;            // keys from kpm_end on are all padding (Tk without kpm)
   const int64_t* rank;        // [Tq] or nullptr
   bool causal, strict;
   int64_t window;             // > 0: pair (i, j) visible only if mem + i - j < window
@@ -281,8 +282,21 @@ void mask_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
 // Keys [0, end) that queries [i0, i0 + bq) may see.
 template <typename T>
 int64_t key_end(const Head<T>& h, int64_t i0, int64_t bq) {
-  if (!h.causal) return h.Tk;
-  return std::min(h.Tk, std::max<int64_t>(i0 + bq + h.mem, 0));
+  if (!h.causal) return h.kpm_end;
+  return std::min(h.kpm_end, std::max<int64_t>(i0 + bq + h.mem, 0));
+}
+
+// Per row b of key_padding_mask [B, Tk]: one past its last non-padding key (trailing
+// padding, BERT's usual layout, is then skipped block by block instead of masked).
+std::vector<int64_t> padding_ends(const bool* kpm, int64_t B, int64_t Tk) {
+  std::vector<int64_t> ends(B, Tk);
+  if (kpm == nullptr) return ends;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t e = Tk;
+    while (e > 0 && kpm[b * Tk + e - 1]) --e;
+    ends[b] = e;
+  }
+  return ends;
 }
 
 // First key that queries [i0, ...) may see (the window cuts the far ones).
@@ -399,8 +413,8 @@ void backward_head(const Head<T>& h, T scale, std::vector<T>& p, std::vector<T>&
     delta[i] = acc;
   }
   const T inf = std::numeric_limits<T>::infinity();
-  for (int64_t j0 = 0; j0 < h.Tk; j0 += kBlockK) {
-    const int64_t bk = std::min(kBlockK, h.Tk - j0);
+  for (int64_t j0 = 0; j0 < h.kpm_end; j0 += kBlockK) {
+    const int64_t bk = std::min(kBlockK, h.kpm_end - j0);
     const int64_t i_start = h.causal ? std::max<int64_t>(0, j0 - h.mem) : 0;
     // window: query i sees key j only if i < j - mem + window
     const int64_t i_end = h.window > 0
@@ -472,6 +486,7 @@ Head<T> empty_head() {
   h.kpm = nullptr;
   h.rank = nullptr;
   h.window = 0;
+  h.kpm_end = 0;
   h.r = nullptr;
   h.qw = nullptr;
   h.dqw = nullptr;
@@ -500,6 +515,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -517,6 +533,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
       h.mem = Tk - Tq;
       h.D = D;
       h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
       h.causal = causal;
       h.strict = perm_strict;
@@ -549,6 +566,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -574,6 +592,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
       h.mem = Tk - Tq;
       h.D = D;
       h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
       h.causal = causal;
       h.strict = perm_strict;
@@ -599,6 +618,7 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -622,6 +642,7 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
       h.mem = Tk - Tq;
       h.D = D;
       h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
       h.causal = causal;
       h.strict = perm_strict;
@@ -650,6 +671,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -684,6 +706,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
       h.mem = Tk - Tq;
       h.D = D;
       h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
       h.causal = causal;
       h.strict = perm_strict;
@@ -731,6 +754,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
       h.Tq = cu_q[b + 1] - cu_q[b];
       h.Tk = cu_k[b + 1] - cu_k[b];
       h.mem = h.Tk - h.Tq;
+      h.kpm_end = h.Tk;
       h.D = D;
       h.causal = causal;
       return h;
@@ -783,6 +807,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
       h.Tq = cu_q[b + 1] - cu_q[b];
       h.Tk = cu_k[b + 1] - cu_k[b];
       h.mem = h.Tk - h.Tq;
+      h.kpm_end = h.Tk;
       h.D = D;
       h.causal = causal;
       return h;
