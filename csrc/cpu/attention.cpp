@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -46,8 +47,25 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kBlockQ = 64;   // queries per tile
-constexpr int64_t kBlockK = 128;  // keys per tile
+// Tile sizes: kBlockQ queries x kBlockK keys. CTXFAST_ATTN_CPU_TILE="BQ,BK" overrides them
+// (read once; for tuning).
+struct Tile {
+  int64_t q = 64, k = 128;
+  Tile() {
+    const char* v = std::getenv("CTXFAST_ATTN_CPU_TILE");
+    long a = 0, b = 0;
+    if (v && std::sscanf(v, "%ld,%ld", &a, &b) == 2 && a > 0 && b > 0) {
+      q = a;
+      k = b;
+    }
+  }
+};
+const Tile& tile() {
+  static const Tile t;
+  return t;
+}
+#define kBlockQ (tile().q)
+#define kBlockK (tile().k)
 
 // ---------------------------------------------------------------- GEMM on row-major tiles
 
@@ -181,6 +199,66 @@ CTXFAST_AVX2_FN void ds_row_avx2(const float* p, float* ds, int64_t n, float del
                                            _mm256_sub_ps(_mm256_loadu_ps(ds + c), vd)));
   for (; c < n; ++c) ds[c] = p[c] * (ds[c] - delta);
 }
+
+#define CTXFAST_AVX512_FN __attribute__((target("avx512f")))
+
+bool has_avx512() {
+  static const bool ok = [] {
+    const char* v = std::getenv("CTXFAST_ATTN_CPU_SIMD");
+    if (v && (std::strcmp(v, "off") == 0 || std::strcmp(v, "avx2") == 0)) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return ok;
+}
+
+// exp8 on 16 lanes.
+CTXFAST_AVX512_FN inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);  // p * 2^n
+}
+
+CTXFAST_AVX512_FN float row_max_avx512(const float* x, int64_t n) {
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + c));
+  float m = _mm512_reduce_max_ps(vm);
+  for (; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
+CTXFAST_AVX512_FN float exp_row_avx512(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vs = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    const __mmask16 keep = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(v, vm)));
+    _mm512_storeu_ps(x + c, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  float s = _mm512_reduce_add_ps(vs);
+  for (; c < n; ++c) {
+    const float e = x[c] == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                     : std::exp(x[c] - m);
+    x[c] = e;
+    s += e;
+  }
+  return s;
+}
 #else
 bool has_avx2() { return false; }
 #endif
@@ -188,8 +266,10 @@ bool has_avx2() { return false; }
 template <typename T>
 T row_max(const T* x, int64_t n) {
 #ifdef CTXFAST_ATTN_AVX2
-  if constexpr (std::is_same_v<T, float>)
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx512()) return row_max_avx512(x, n);
     if (has_avx2()) return row_max_avx2(x, n);
+  }
 #endif
   T m = -std::numeric_limits<T>::infinity();
   for (int64_t c = 0; c < n; ++c) m = std::max(m, x[c]);
@@ -199,8 +279,10 @@ T row_max(const T* x, int64_t n) {
 template <typename T>
 T exp_row(T* x, int64_t n, T m) {
 #ifdef CTXFAST_ATTN_AVX2
-  if constexpr (std::is_same_v<T, float>)
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx512()) return exp_row_avx512(x, n, m);
     if (has_avx2()) return exp_row_avx2(x, n, m);
+  }
 #endif
   T s = 0;
   for (int64_t c = 0; c < n; ++c) {
