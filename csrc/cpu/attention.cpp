@@ -434,8 +434,25 @@ void position_term_backward(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0
 
 // Forward of queries [i0, i0 + bq): out rows and lse. `s` holds kBlockQ * kBlockK,
 // m and l kBlockQ.
+// The forward's position term for queries [i0, i0 + bq) against all keys [jb, je) at once:
+// g[rr, t] = scale qw_{i0+rr} . r[base + t], base = pos_start - mem - (i0 + bq - 1) + jb,
+// t < ng = bq + (je - jb) - 1 (one GEMM per query tile instead of one per key tile, whose
+// bands overlap by bq - 1 rows). Returns base; rows of r outside [0, R) count as 0.
 template <typename T>
-void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l, T* band) {
+void position_band(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t je, T scale,
+                   std::vector<T>& g) {
+  const int64_t ng = bq + (je - jb) - 1;
+  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
+  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
+  g.assign(static_cast<size_t>(bq * ng), T(0));
+  if (lo >= hi) return;
+  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
+             h.r + lo * h.ldr, h.ldr, T(0), g.data() + (lo - base), ng);
+}
+
+template <typename T>
+void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
+                  std::vector<T>& band) {
   const int64_t bq = std::min(kBlockQ, h.Tq - i0), D = h.D;
   const T ninf = -std::numeric_limits<T>::infinity();
   T* o = h.o + i0 * h.ldo;
@@ -444,12 +461,20 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l, T* ba
     l[r] = 0;
     std::fill(o + r * h.ldo, o + r * h.ldo + D, T(0));
   }
-  const int64_t end = key_end(h, i0, bq);
-  for (int64_t j0 = key_begin(h, i0); j0 < end; j0 += kBlockK) {
+  const int64_t end = key_end(h, i0, bq), jb = key_begin(h, i0);
+  const int64_t ng = bq + (end - jb) - 1;
+  if (h.r != nullptr && end > jb) position_band(h, i0, bq, jb, end, scale, band);
+  for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
     const int64_t bk = std::min(kBlockK, end - j0);
     gemm_rm<T>(false, true, bq, bk, D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
                h.ldk, T(0), s, bk);
-    if (h.r != nullptr) add_position_term(h, i0, bq, j0, bk, scale, s, band);
+    if (h.r != nullptr) {  // s[rr, c] += g[rr, (bq - 1 - rr) + (j0 - jb) + c]
+      for (int64_t rr = 0; rr < bq; ++rr) {
+        const T* g = band.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
+        T* row = s + rr * bk;
+        for (int64_t c = 0; c < bk; ++c) row[c] += g[c];
+      }
+    }
     mask_tile(h, i0, bq, j0, bk, s);
     for (int64_t r = 0; r < bq; ++r) {
       T* row = s + r * bk;
@@ -547,7 +572,7 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
     for (int64_t t = begin; t < end; ++t) {
       const Head<T> h = make(t / nqb);
       const int64_t i0 = (t % nqb) * kBlockQ;
-      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band.data());
+      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band);
     }
   });
 }
