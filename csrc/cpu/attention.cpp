@@ -336,7 +336,10 @@ void mask_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
   const T ninf = -std::numeric_limits<T>::infinity();
   const bool causal_cut = h.causal && j0 + bk - 1 > i0 + h.mem;  // some row is cut
   const bool window_cut = h.window > 0 && h.mem + i0 + bq - 1 - j0 >= h.window;
-  if (!causal_cut && !window_cut && h.kpm == nullptr && h.rank == nullptr) return;
+  const bool* kpm = nullptr;  // only where this tile has a padding key
+  if (h.kpm != nullptr && std::any_of(h.kpm + j0, h.kpm + j0 + bk, [](bool x) { return x; }))
+    kpm = h.kpm;
+  if (!causal_cut && !window_cut && kpm == nullptr && h.rank == nullptr) return;
   for (int64_t r = 0; r < bq; ++r) {
     const int64_t i = i0 + r;
     T* row = s + r * bk;
@@ -347,9 +350,9 @@ void mask_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
       const int64_t lim = std::min<int64_t>(h.mem + i - h.window - j0 + 1, bk);
       for (int64_t c = 0; c < lim; ++c) row[c] = ninf;
     }
-    if (h.kpm != nullptr) {
+    if (kpm != nullptr) {
       for (int64_t c = 0; c < bk; ++c)
-        if (h.kpm[j0 + c]) row[c] = ninf;
+        if (kpm[j0 + c]) row[c] = ninf;
     }
     if (h.rank != nullptr) {
       const int64_t ri = h.rank[i];
