@@ -5,7 +5,7 @@ with ``mem_len = Tk - Tq``, and one mask kind) and mode (``fwd``, ``fwd+bwd``) t
 on the same inputs in the same run:
 
 * each backend of ``ctxfast.attention`` that can run on the device (``triton``: CUDA
-  tensors only; ``eager``);
+  tensors only; ``cpu``: the C++ kernel, CPU tensors only; ``eager``);
 * the baseline ``eager`` (``ctxfast.reference.attention``: materialised mask + softmax);
 * ``sdpa``: ``F.scaled_dot_product_attention`` (on the CPU too: the peer there, since
   the Triton backend only runs in the interpreter on CPU tensors), with
@@ -63,7 +63,7 @@ OP = "attention"
 BASELINE = "eager"                          # ctxfast.reference.attention
 MODES = ("fwd", "fwd+bwd")
 MASKS = ("causal", "padding", "perm-content", "perm-query", "causal-memory")
-#: the backends of ctxfast.attention (triton, eager), then the GPU baselines
+#: the backends of ctxfast.attention (triton, cpu, eager), then SDPA and FlexAttention
 BACKENDS = (*_dispatch.registered_ops()[OP], "sdpa", "flex")
 PAD_FRACTION = 0.15                         # mean padding of the "padding" cases
 RTOL = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}

@@ -6,6 +6,8 @@ the same run.
 Backends timed:
 
 * ``triton`` (CUDA only: on CPU it runs in the interpreter);
+* ``cpu`` (CPU only: the C++ kernel of ``csrc/cpu/attention.cpp``, position term from the
+  band of r per tile);
 * ``eager`` (``ctxfast.reference.rel_attention``, direct indexing by distance);
 * ``flex`` (CUDA only): FlexAttention as far as it can express the op —
   :func:`flex_rel_attention`: AC through ``q + u`` as flex's query, BD precomputed as
@@ -47,7 +49,7 @@ from ctxfast import reference as ref
 OP = "rel_attention"
 BASELINE = "eager-original"
 MODES = ("fwd", "fwd+bwd")
-BACKENDS = ("triton", "eager", "flex", BASELINE)
+BACKENDS = ("triton", "cpu", "eager", "flex", BASELINE)
 RTOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
@@ -64,7 +66,10 @@ class Case(NamedTuple):
 
 QUICK_CASES = (Case((2, 4, 64, 64, 32)), Case((2, 4, 64, 64, 32), window=48))
 FULL_CASES = (
+    # CPU (fp32): Transformer-XL training segments with memory = segment length
     Case((2, 8, 128, 128, 64), ("cpu",)),
+    Case((1, 8, 512, 512, 64), ("cpu",)),
+    Case((1, 8, 1024, 1024, 64), ("cpu",)),
     *(Case((4, 16, 512, mem, 64), ("cuda",)) for mem in (512, 1024, 2048, 3072)),
     # decoding (Transformer-XL evaluation): a few queries against a long memory
     Case((16, 16, 1, 3072, 64), ("cuda",)),

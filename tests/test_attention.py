@@ -289,14 +289,9 @@ def test_eager_dropout_reproducible_from_generator():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_default_on_cpu_is_eager():
-    assert ctxfast._dispatch.resolve("attention", torch.device("cpu")) == "eager"
-
-
-def test_cpu_backend_is_not_implemented_for_attention():
-    q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
-    with pytest.raises(ctxfast.BackendUnavailable, match="not implemented for this op"):
-        ctxfast.attention(q, k, v, backend="cpu")
+def test_default_on_cpu_is_the_cpu_kernel():
+    """Issue 18: the C++ kernel is the CPU default (tests/test_attention_cpu.py checks it)."""
+    assert ctxfast._dispatch.resolve("attention", torch.device("cpu")) == "cpu"
 
 
 # --------------------------------------------------------------------------- bad input

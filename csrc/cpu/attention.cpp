@@ -1,0 +1,932 @@
+// Fused attention on the CPU (math and contract in csrc/cpu/attention.h).
+//
+// Work split: the forward runs one task per (sequence, head, block of kBlockQ queries)
+// under at::parallel_for; each task walks its key blocks (only those a causal mask leaves
+// visible) with S = scale Q Kᵀ and acc += P V as GEMMs on [kBlockQ, kBlockK] tiles and the
+// masks and the online softmax in between, accumulating straight into the output rows.
+// The backward runs one task per (sequence, head): for each key block, over the query
+// blocks that can see it, it recomputes P from the saved lse and accumulates dV, dK (the
+// block's rows) and dQ (all rows of the head, owned by the task, so no reduction).
+#include "cpu/attention.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+// The Fortran BLAS torch links (MKL in the x86 wheels). Weak: where a torch build exports
+// none, the plain loop below runs instead (correct, slower).
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b,
+            const int* ldb, const double* beta, double* c, const int* ldc)
+    __attribute__((weak));
+}
+
+namespace ctxfast {
+namespace cpu {
+namespace {
+
+using at::Tensor;
+
+// Tile sizes: kBlockQ queries x kBlockK keys. CTXFAST_ATTN_CPU_TILE="BQ,BK" overrides them
+// (read once; for tuning).
+struct Tile {
+  int64_t q = 64, k = 128;
+  Tile() {
+    const char* v = std::getenv("CTXFAST_ATTN_CPU_TILE");
+    long a = 0, b = 0;
+    if (v && std::sscanf(v, "%ld,%ld", &a, &b) == 2 && a > 0 && b > 0) {
+      q = a;
+      k = b;
+    }
+  }
+};
+const Tile& tile() {
+  static const Tile t;
+  return t;
+}
+#define kBlockQ (tile().q)
+#define kBlockK (tile().k)
+
+// ---------------------------------------------------------------- GEMM on row-major tiles
+
+// Plain loop: C[M, N] = alpha op(A) op(B) + beta C, row-major (beta == 0 ignores C).
+template <typename T>
+void gemm_loop(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+               int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < N; ++j) {
+      T acc = 0;
+      for (int64_t p = 0; p < K; ++p) {
+        const T a = ta ? A[p * lda + i] : A[i * lda + p];
+        const T b = tb ? B[j * ldb + p] : B[p * ldb + j];
+        acc += a * b;
+      }
+      C[i * ldc + j] = alpha * acc + (beta == T(0) ? T(0) : beta * C[i * ldc + j]);
+    }
+  }
+}
+
+// Row-major C[M, N] = alpha op(A) op(B) + beta C, op(A) [M, K], op(B) [K, N]; A is stored
+// [M, K] (ta false) or [K, M] (ta true) with leading dimension lda, B likewise. A
+// column-major BLAS sees the row-major C as Cᵀ = op(B)ᵀ op(A)ᵀ, hence the swap.
+template <typename T>
+void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+             int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  const char tra = tb ? 'T' : 'N', trb = ta ? 'T' : 'N';
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  const int la = static_cast<int>(std::max<int64_t>(ldb, 1));
+  const int lb = static_cast<int>(std::max<int64_t>(lda, 1));
+  const int lc = static_cast<int>(std::max<int64_t>(ldc, 1));
+  if constexpr (std::is_same_v<T, float>) {
+    if (sgemm_ != nullptr && K > 0) {
+      sgemm_(&tra, &trb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+      return;
+    }
+  } else {
+    if (dgemm_ != nullptr && K > 0) {
+      dgemm_(&tra, &trb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+      return;
+    }
+  }
+  gemm_loop(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+// ---------------------------------------------------------------- row kernels (exp, max)
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define CTXFAST_ATTN_AVX2 1
+#define CTXFAST_AVX2_FN __attribute__((target("avx2,fma")))
+
+bool has_avx2() {
+  static const bool ok = [] {
+    const char* v = std::getenv("CTXFAST_ATTN_CPU_SIMD");
+    if (v && std::strcmp(v, "off") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+
+// exp(x) for 8 floats: x = n ln2 + r, degree-6 polynomial in r (relative error ~2 ulp),
+// x clamped to [-87, 88] (the caller zeroes masked entries itself).
+CTXFAST_AVX2_FN inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+CTXFAST_AVX2_FN inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+CTXFAST_AVX2_FN float row_max_avx2(const float* x, int64_t n) {
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + c));
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  float m = _mm_cvtss_f32(s);
+  for (; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
+// x[c] <- exp(x[c] - m), 0 where x[c] == -inf; returns the row's sum.
+CTXFAST_AVX2_FN float exp_row_avx2(float* x, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vs = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    __m256 e = exp8(_mm256_sub_ps(v, vm));
+    e = _mm256_and_ps(e, _mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(x + c, e);
+    vs = _mm256_add_ps(vs, e);
+  }
+  float s = hsum8(vs);
+  for (; c < n; ++c) {
+    const float e = x[c] == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                     : std::exp(x[c] - m);
+    x[c] = e;
+    s += e;
+  }
+  return s;
+}
+
+// ds[c] <- p[c] * (ds[c] - delta)
+CTXFAST_AVX2_FN void ds_row_avx2(const float* p, float* ds, int64_t n, float delta) {
+  const __m256 vd = _mm256_set1_ps(delta);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    _mm256_storeu_ps(ds + c, _mm256_mul_ps(_mm256_loadu_ps(p + c),
+                                           _mm256_sub_ps(_mm256_loadu_ps(ds + c), vd)));
+  for (; c < n; ++c) ds[c] = p[c] * (ds[c] - delta);
+}
+
+#define CTXFAST_AVX512_FN __attribute__((target("avx512f")))
+
+bool has_avx512() {
+  static const bool ok = [] {
+    const char* v = std::getenv("CTXFAST_ATTN_CPU_SIMD");
+    if (v && (std::strcmp(v, "off") == 0 || std::strcmp(v, "avx2") == 0)) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return ok;
+}
+
+// exp8 on 16 lanes.
+CTXFAST_AVX512_FN inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);  // p * 2^n
+}
+
+CTXFAST_AVX512_FN float row_max_avx512(const float* x, int64_t n) {
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + c));
+  float m = _mm512_reduce_max_ps(vm);
+  for (; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
+CTXFAST_AVX512_FN float exp_row_avx512(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vs = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    const __mmask16 keep = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(v, vm)));
+    _mm512_storeu_ps(x + c, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  float s = _mm512_reduce_add_ps(vs);
+  for (; c < n; ++c) {
+    const float e = x[c] == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                     : std::exp(x[c] - m);
+    x[c] = e;
+    s += e;
+  }
+  return s;
+}
+#else
+bool has_avx2() { return false; }
+#endif
+
+template <typename T>
+T row_max(const T* x, int64_t n) {
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx512()) return row_max_avx512(x, n);
+    if (has_avx2()) return row_max_avx2(x, n);
+  }
+#endif
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t c = 0; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
+template <typename T>
+T exp_row(T* x, int64_t n, T m) {
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx512()) return exp_row_avx512(x, n, m);
+    if (has_avx2()) return exp_row_avx2(x, n, m);
+  }
+#endif
+  T s = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const T e = x[c] == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(x[c] - m);
+    x[c] = e;
+    s += e;
+  }
+  return s;
+}
+
+template <typename T>
+void ds_row(const T* p, T* ds, int64_t n, T delta) {
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    if (has_avx2()) return ds_row_avx2(p, ds, n, delta);
+#endif
+  for (int64_t c = 0; c < n; ++c) ds[c] = p[c] * (ds[c] - delta);
+}
+
+// ---------------------------------------------------------------- one (sequence, head)
+
+template <typename T>
+struct Head {
+  const T* q;  int64_t ldq;   // [Tq, D], row stride ldq
+  const T* k;  int64_t ldk;   // [Tk, D]
+  const T* v;  int64_t ldv;   // [Tk, D]
+  T* o;        int64_t ldo;   // out [Tq, D] (forward: written; backward: read)
+  T* lse;                     // [Tq], unit stride
+  const T* dout; int64_t lddo;  // backward: grad of out [Tq, D]
+  T* dq; int64_t lddq;        // backward outputs (accumulated; zero on entry)
+  T* dk; int64_t lddk;
+  T* dv; int64_t lddv;
+  int64_t Tq, Tk, mem, D;
+  const bool* kpm;            // [Tk] or nullptr (true = padding)
+  int64_t kpm_end;            // keys from kpm_end on are all padding (Tk without kpm)
+  const int64_t* rank;        // [Tq] or nullptr
+  bool causal, strict;
+  int64_t window;             // > 0: pair (i, j) visible only if mem + i - j < window
+  // rel_attention only (r == nullptr otherwise): the position term scale * qw_i . r[row],
+  // row = pos_start - (mem + i - j), of r [R, D]; q above is then q + r_w_bias.
+  const T* r; int64_t ldr; int64_t R; int64_t pos_start;
+  const T* qw; int64_t ldqw;  // q + r_r_bias [Tq, D]
+  T* dqw; int64_t lddqw;      // backward: grad of qw (accumulated)
+  T* dr;                      // backward: grad of r [R, D], row stride D (accumulated)
+};
+
+// Set to -inf the entries of tile s [bq, bk] (row stride bk; rows i0.., keys j0..) that
+// the masks hide.
+template <typename T>
+void mask_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk, T* s) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const bool causal_cut = h.causal && j0 + bk - 1 > i0 + h.mem;  // some row is cut
+  const bool window_cut = h.window > 0 && h.mem + i0 + bq - 1 - j0 >= h.window;
+  const bool* kpm = nullptr;  // only where this tile has a padding key
+  if (h.kpm != nullptr && std::any_of(h.kpm + j0, h.kpm + j0 + bk, [](bool x) { return x; }))
+    kpm = h.kpm;
+  if (!causal_cut && !window_cut && kpm == nullptr && h.rank == nullptr) return;
+  for (int64_t r = 0; r < bq; ++r) {
+    const int64_t i = i0 + r;
+    T* row = s + r * bk;
+    if (causal_cut) {
+      for (int64_t c = std::max<int64_t>(i + h.mem - j0 + 1, 0); c < bk; ++c) row[c] = ninf;
+    }
+    if (window_cut) {  // keys j <= mem + i - window are too far
+      const int64_t lim = std::min<int64_t>(h.mem + i - h.window - j0 + 1, bk);
+      for (int64_t c = 0; c < lim; ++c) row[c] = ninf;
+    }
+    if (kpm != nullptr) {
+      for (int64_t c = 0; c < bk; ++c)
+        if (kpm[j0 + c]) row[c] = ninf;
+    }
+    if (h.rank != nullptr) {
+      const int64_t ri = h.rank[i];
+      for (int64_t c = std::max<int64_t>(h.mem - j0, 0); c < bk; ++c) {
+        const int64_t rj = h.rank[j0 + c - h.mem];
+        if (h.strict ? !(rj < ri) : !(rj <= ri)) row[c] = ninf;
+      }
+    }
+  }
+}
+
+// Keys [0, end) that queries [i0, i0 + bq) may see.
+template <typename T>
+int64_t key_end(const Head<T>& h, int64_t i0, int64_t bq) {
+  if (!h.causal) return h.kpm_end;
+  return std::min(h.kpm_end, std::max<int64_t>(i0 + bq + h.mem, 0));
+}
+
+// Per row b of key_padding_mask [B, Tk]: one past its last non-padding key (trailing
+// padding, BERT's usual layout, is then skipped block by block instead of masked).
+std::vector<int64_t> padding_ends(const bool* kpm, int64_t B, int64_t Tk) {
+  std::vector<int64_t> ends(B, Tk);
+  if (kpm == nullptr) return ends;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t e = Tk;
+    while (e > 0 && kpm[b * Tk + e - 1]) --e;
+    ends[b] = e;
+  }
+  return ends;
+}
+
+// First key that queries [i0, ...) may see (the window cuts the far ones).
+template <typename T>
+int64_t key_begin(const Head<T>& h, int64_t i0) {
+  if (h.window <= 0) return 0;
+  return std::min(h.Tk, std::max<int64_t>(h.mem + i0 - h.window + 1, 0));
+}
+
+// rel_attention's position term on a tile: s[rr, c] += scale qw_{i0+rr} . r[row] with
+// row = pos_start - mem - (i0 + rr) + (j0 + c). The rows of one tile form a band of
+// nb = bq + bk - 1 consecutive rows of r starting at base = pos_start - mem - (i0+bq-1) + j0,
+// so one GEMM gives band[rr, t] = scale qw_rr . r[base + t] and the entry is
+// band[rr, (bq - 1 - rr) + c]. Rows of r outside [0, R) only serve pairs that are never
+// visible (rel_attention's check): they count as 0. `band` holds bq * nb.
+template <typename T>
+void add_position_term(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
+                       T scale, T* s, T* band) {
+  const int64_t nb = bq + bk - 1;
+  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + j0;
+  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + nb, h.R);
+  if (lo >= hi) return;
+  std::fill(band, band + bq * nb, T(0));
+  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
+             h.r + lo * h.ldr, h.ldr, T(0), band + (lo - base), nb);
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    const T* b = band + rr * nb + (bq - 1 - rr);
+    T* row = s + rr * bk;
+    for (int64_t c = 0; c < bk; ++c) row[c] += b[c];
+  }
+}
+
+// Backward of the position term: from ds [bq, bk] (already P (dP - Delta)), scatter into
+// the band layout and accumulate dqw += scale dband r_band, dr_band += scale dbandᵀ qw.
+template <typename T>
+void position_term_backward(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
+                            T scale, const T* ds, T* band) {
+  const int64_t nb = bq + bk - 1;
+  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + j0;
+  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + nb, h.R);
+  if (lo >= hi) return;
+  std::fill(band, band + bq * nb, T(0));
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    T* b = band + rr * nb + (bq - 1 - rr);
+    const T* row = ds + rr * bk;
+    for (int64_t c = 0; c < bk; ++c) b[c] = row[c];
+  }
+  gemm_rm<T>(false, false, bq, h.D, hi - lo, scale, band + (lo - base), nb, h.r + lo * h.ldr,
+             h.ldr, T(1), h.dqw + i0 * h.lddqw, h.lddqw);
+  gemm_rm<T>(true, false, hi - lo, h.D, bq, scale, band + (lo - base), nb,
+             h.qw + i0 * h.ldqw, h.ldqw, T(1), h.dr + lo * h.D, h.D);
+}
+
+// Forward of queries [i0, i0 + bq): out rows and lse. `s` holds kBlockQ * kBlockK,
+// m and l kBlockQ.
+// The forward's position term for queries [i0, i0 + bq) against all keys [jb, je) at once:
+// g[rr, t] = scale qw_{i0+rr} . r[base + t], base = pos_start - mem - (i0 + bq - 1) + jb,
+// t < ng = bq + (je - jb) - 1 (one GEMM per query tile instead of one per key tile, whose
+// bands overlap by bq - 1 rows). Returns base; rows of r outside [0, R) count as 0.
+template <typename T>
+void position_band(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t je, T scale,
+                   std::vector<T>& g) {
+  const int64_t ng = bq + (je - jb) - 1;
+  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
+  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
+  g.assign(static_cast<size_t>(bq * ng), T(0));
+  if (lo >= hi) return;
+  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
+             h.r + lo * h.ldr, h.ldr, T(0), g.data() + (lo - base), ng);
+}
+
+template <typename T>
+void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
+                  std::vector<T>& band) {
+  const int64_t bq = std::min(kBlockQ, h.Tq - i0), D = h.D;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  T* o = h.o + i0 * h.ldo;
+  for (int64_t r = 0; r < bq; ++r) {
+    m[r] = ninf;
+    l[r] = 0;
+    std::fill(o + r * h.ldo, o + r * h.ldo + D, T(0));
+  }
+  const int64_t end = key_end(h, i0, bq), jb = key_begin(h, i0);
+  const int64_t ng = bq + (end - jb) - 1;
+  if (h.r != nullptr && end > jb) position_band(h, i0, bq, jb, end, scale, band);
+  for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
+    const int64_t bk = std::min(kBlockK, end - j0);
+    gemm_rm<T>(false, true, bq, bk, D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
+               h.ldk, T(0), s, bk);
+    if (h.r != nullptr) {  // s[rr, c] += g[rr, (bq - 1 - rr) + (j0 - jb) + c]
+      for (int64_t rr = 0; rr < bq; ++rr) {
+        const T* g = band.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
+        T* row = s + rr * bk;
+        for (int64_t c = 0; c < bk; ++c) row[c] += g[c];
+      }
+    }
+    mask_tile(h, i0, bq, j0, bk, s);
+    for (int64_t r = 0; r < bq; ++r) {
+      T* row = s + r * bk;
+      const T m_new = std::max(m[r], row_max(row, bk));
+      if (m_new == ninf) {  // nothing visible yet: p = 0, acc stays 0
+        std::fill(row, row + bk, T(0));
+        continue;
+      }
+      const T alpha = m[r] == ninf ? T(0) : std::exp(m[r] - m_new);
+      l[r] = l[r] * alpha + exp_row(row, bk, m_new);
+      m[r] = m_new;
+      if (alpha != T(1)) {
+        T* orow = o + r * h.ldo;
+        for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+      }
+    }
+    gemm_rm<T>(false, false, bq, D, bk, T(1), s, bk, h.v + j0 * h.ldv, h.ldv, T(1), o, h.ldo);
+  }
+  for (int64_t r = 0; r < bq; ++r) {
+    T* orow = o + r * h.ldo;
+    if (l[r] > 0) {
+      const T inv = T(1) / l[r];
+      for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
+      h.lse[i0 + r] = m[r] + std::log(l[r]);
+    } else {
+      std::fill(orow, orow + D, T(0));
+      h.lse[i0 + r] = std::numeric_limits<T>::infinity();
+    }
+  }
+}
+
+// Backward of one head: dq, dk, dv accumulated (they are zero on entry).
+template <typename T>
+void backward_head(const Head<T>& h, T scale, std::vector<T>& p, std::vector<T>& dp,
+                   std::vector<T>& delta, std::vector<T>& band) {
+  const int64_t D = h.D;
+  delta.resize(std::max<int64_t>(h.Tq, 1));
+  for (int64_t i = 0; i < h.Tq; ++i) {
+    const T* a = h.dout + i * h.lddo;
+    const T* b = h.o + i * h.ldo;
+    T acc = 0;
+    for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
+    delta[i] = acc;
+  }
+  const T inf = std::numeric_limits<T>::infinity();
+  for (int64_t j0 = 0; j0 < h.kpm_end; j0 += kBlockK) {
+    const int64_t bk = std::min(kBlockK, h.kpm_end - j0);
+    const int64_t i_start = h.causal ? std::max<int64_t>(0, j0 - h.mem) : 0;
+    // window: query i sees key j only if i < j - mem + window
+    const int64_t i_end = h.window > 0
+        ? std::min<int64_t>(h.Tq, std::max<int64_t>(j0 + bk - 1 - h.mem + h.window, 0))
+        : h.Tq;
+    for (int64_t i0 = i_start; i0 < i_end; i0 += kBlockQ) {
+      const int64_t bq = std::min(kBlockQ, h.Tq - i0);
+      T* s = p.data();
+      T* ds = dp.data();
+      gemm_rm<T>(false, true, bq, bk, D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
+                 h.ldk, T(0), s, bk);
+      if (h.r != nullptr) add_position_term(h, i0, bq, j0, bk, scale, s, band.data());
+      mask_tile(h, i0, bq, j0, bk, s);
+      for (int64_t r = 0; r < bq; ++r) {
+        T* row = s + r * bk;
+        const T lse = h.lse[i0 + r];
+        if (lse == inf) std::fill(row, row + bk, T(0));
+        else exp_row(row, bk, lse);
+      }
+      // dv_j += Pᵀ dO_i
+      gemm_rm<T>(true, false, bk, D, bq, T(1), s, bk, h.dout + i0 * h.lddo, h.lddo, T(1),
+                 h.dv + j0 * h.lddv, h.lddv);
+      // dP = dO_i V_jᵀ, then dS = P (dP - Delta)
+      gemm_rm<T>(false, true, bq, bk, D, T(1), h.dout + i0 * h.lddo, h.lddo,
+                 h.v + j0 * h.ldv, h.ldv, T(0), ds, bk);
+      for (int64_t r = 0; r < bq; ++r) ds_row(s + r * bk, ds + r * bk, bk, delta[i0 + r]);
+      // dk_j += scale dSᵀ Q_i ; dq_i += scale dS K_j
+      gemm_rm<T>(true, false, bk, D, bq, scale, ds, bk, h.q + i0 * h.ldq, h.ldq, T(1),
+                 h.dk + j0 * h.lddk, h.lddk);
+      gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
+                 h.dq + i0 * h.lddq, h.lddq);
+      if (h.r != nullptr) position_term_backward(h, i0, bq, j0, bk, scale, ds, band.data());
+    }
+  }
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Runs forward_tile over every (head index in [0, n_heads), query block), where
+// make(index) builds the Head and its Tq bounds the blocks (max_tq bounds them all).
+template <typename T, typename MakeHead>
+void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make) {
+  const int64_t nqb = cdiv(max_tq, kBlockQ);
+  if (n_heads == 0 || nqb == 0) return;
+  at::parallel_for(0, n_heads * nqb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
+    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK));
+    for (int64_t t = begin; t < end; ++t) {
+      const Head<T> h = make(t / nqb);
+      const int64_t i0 = (t % nqb) * kBlockQ;
+      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band);
+    }
+  });
+}
+
+template <typename T, typename MakeHead>
+void run_backward(int64_t n_heads, T scale, const MakeHead& make) {
+  if (n_heads == 0) return;
+  at::parallel_for(0, n_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK), delta;
+    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK));
+    for (int64_t t = begin; t < end; ++t) backward_head(make(t), scale, p, dp, delta, band);
+  });
+}
+
+template <typename T>
+Head<T> empty_head() {
+  Head<T> h{};
+  h.kpm = nullptr;
+  h.rank = nullptr;
+  h.window = 0;
+  h.kpm_end = 0;
+  h.r = nullptr;
+  h.qw = nullptr;
+  h.dqw = nullptr;
+  h.dr = nullptr;
+  return h;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- batched [B, H, T, D]
+
+std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor& key_padding_mask,
+                                             const Tensor& perm_rank, bool causal,
+                                             bool perm_strict, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
+  Tensor out = at::empty({B, H, Tq, D}, q.options());
+  Tensor lse = at::empty({B, H, Tq}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward_cpu", [&] {
+    using T = scalar_t;
+    const T* qp = q.const_data_ptr<T>();
+    const T* kp = k.const_data_ptr<T>();
+    const T* vp = v.const_data_ptr<T>();
+    T* op = out.mutable_data_ptr<T>();
+    T* lp = lse.mutable_data_ptr<T>();
+    const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
+                                                 : nullptr;
+    const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qp + b * q.stride(0) + hh * q.stride(1);
+      h.ldq = q.stride(2);
+      h.k = kp + b * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(2);
+      h.v = vp + b * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(2);
+      h.o = op + bh * Tq * D;
+      h.ldo = D;
+      h.lse = lp + bh * Tq;
+      h.Tq = Tq;
+      h.Tk = Tk;
+      h.mem = Tk - Tq;
+      h.D = D;
+      h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
+      h.rank = rk ? rk + b * Tq : nullptr;
+      h.causal = causal;
+      h.strict = perm_strict;
+      return h;
+    };
+    run_forward<T>(B * H, Tq, static_cast<T>(scale), make);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
+    const Tensor& perm_rank, bool causal, bool perm_strict, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
+  Tensor dq = at::zeros({B, H, Tq, D}, q.options());
+  Tensor dk = at::zeros({B, H, Tk, D}, q.options());
+  Tensor dv = at::zeros({B, H, Tk, D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu", [&] {
+    using T = scalar_t;
+    const T* qp = q.const_data_ptr<T>();
+    const T* kp = k.const_data_ptr<T>();
+    const T* vp = v.const_data_ptr<T>();
+    const T* op = out.const_data_ptr<T>();
+    const T* dop = grad_out.const_data_ptr<T>();
+    const T* lp = lse.const_data_ptr<T>();
+    T* dqp = dq.mutable_data_ptr<T>();
+    T* dkp = dk.mutable_data_ptr<T>();
+    T* dvp = dv.mutable_data_ptr<T>();
+    const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
+                                                 : nullptr;
+    const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qp + b * q.stride(0) + hh * q.stride(1);
+      h.ldq = q.stride(2);
+      h.k = kp + b * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(2);
+      h.v = vp + b * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(2);
+      h.o = const_cast<T*>(op + b * out.stride(0) + hh * out.stride(1));
+      h.ldo = out.stride(2);
+      h.dout = dop + b * grad_out.stride(0) + hh * grad_out.stride(1);
+      h.lddo = grad_out.stride(2);
+      h.lse = const_cast<T*>(lp + b * lse.stride(0) + hh * lse.stride(1));
+      h.dq = dqp + bh * Tq * D;
+      h.lddq = D;
+      h.dk = dkp + bh * Tk * D;
+      h.lddk = D;
+      h.dv = dvp + bh * Tk * D;
+      h.lddv = D;
+      h.Tq = Tq;
+      h.Tk = Tk;
+      h.mem = Tk - Tq;
+      h.D = D;
+      h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
+      h.rank = rk ? rk + b * Tq : nullptr;
+      h.causal = causal;
+      h.strict = perm_strict;
+      return h;
+    };
+    run_backward<T>(B * H, static_cast<T>(scale), make);
+  });
+  return {dq, dk, dv};
+}
+
+// ---------------------------------------------------------------- rel_attention [B, H, T, D]
+
+std::tuple<Tensor, Tensor> rel_attention_forward(
+    const Tensor& qu, const Tensor& qw, const Tensor& k, const Tensor& v, const Tensor& r,
+    const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
+    int64_t pos_start, int64_t window, double scale) {
+  const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
+  const int64_t Tk = k.size(2), R = r.size(1);
+  Tensor out = at::empty({B, H, Tq, D}, qu.options());
+  Tensor lse = at::empty({B, H, Tq}, qu.options());
+  AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_forward_cpu", [&] {
+    using T = scalar_t;
+    const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
+                                                 : nullptr;
+    const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qu.const_data_ptr<T>() + b * qu.stride(0) + hh * qu.stride(1);
+      h.ldq = qu.stride(2);
+      h.qw = qw.const_data_ptr<T>() + b * qw.stride(0) + hh * qw.stride(1);
+      h.ldqw = qw.stride(2);
+      h.k = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(2);
+      h.v = v.const_data_ptr<T>() + b * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(2);
+      h.r = r.const_data_ptr<T>() + hh * r.stride(0);
+      h.ldr = r.stride(1);
+      h.R = R;
+      h.pos_start = pos_start;
+      h.o = out.mutable_data_ptr<T>() + bh * Tq * D;
+      h.ldo = D;
+      h.lse = lse.mutable_data_ptr<T>() + bh * Tq;
+      h.Tq = Tq;
+      h.Tk = Tk;
+      h.mem = Tk - Tq;
+      h.D = D;
+      h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
+      h.rank = rk ? rk + b * Tq : nullptr;
+      h.causal = causal;
+      h.strict = perm_strict;
+      h.window = window;
+      return h;
+    };
+    run_forward<T>(B * H, Tq, static_cast<T>(scale), make);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
+    const Tensor& grad_out, const Tensor& qu, const Tensor& qw, const Tensor& k,
+    const Tensor& v, const Tensor& r, const Tensor& out, const Tensor& lse,
+    const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
+    int64_t pos_start, int64_t window, double scale) {
+  const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
+  const int64_t Tk = k.size(2), R = r.size(1);
+  Tensor dqu = at::zeros({B, H, Tq, D}, qu.options());
+  Tensor dqw = at::zeros({B, H, Tq, D}, qu.options());
+  Tensor dk = at::zeros({B, H, Tk, D}, qu.options());
+  Tensor dv = at::zeros({B, H, Tk, D}, qu.options());
+  Tensor drb = at::zeros({B, H, R, D}, qu.options());  // per (b, h); summed over b below
+  AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_backward_cpu", [&] {
+    using T = scalar_t;
+    const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
+                                                 : nullptr;
+    const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
+    const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qu.const_data_ptr<T>() + b * qu.stride(0) + hh * qu.stride(1);
+      h.ldq = qu.stride(2);
+      h.qw = qw.const_data_ptr<T>() + b * qw.stride(0) + hh * qw.stride(1);
+      h.ldqw = qw.stride(2);
+      h.k = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(2);
+      h.v = v.const_data_ptr<T>() + b * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(2);
+      h.r = r.const_data_ptr<T>() + hh * r.stride(0);
+      h.ldr = r.stride(1);
+      h.R = R;
+      h.pos_start = pos_start;
+      h.o = const_cast<T*>(out.const_data_ptr<T>() + b * out.stride(0) + hh * out.stride(1));
+      h.ldo = out.stride(2);
+      h.dout = grad_out.const_data_ptr<T>() + b * grad_out.stride(0) + hh * grad_out.stride(1);
+      h.lddo = grad_out.stride(2);
+      h.lse = const_cast<T*>(lse.const_data_ptr<T>() + b * lse.stride(0) + hh * lse.stride(1));
+      h.dq = dqu.mutable_data_ptr<T>() + bh * Tq * D;
+      h.lddq = D;
+      h.dqw = dqw.mutable_data_ptr<T>() + bh * Tq * D;
+      h.lddqw = D;
+      h.dk = dk.mutable_data_ptr<T>() + bh * Tk * D;
+      h.lddk = D;
+      h.dv = dv.mutable_data_ptr<T>() + bh * Tk * D;
+      h.lddv = D;
+      h.dr = drb.mutable_data_ptr<T>() + bh * R * D;
+      h.Tq = Tq;
+      h.Tk = Tk;
+      h.mem = Tk - Tq;
+      h.D = D;
+      h.kpm = kpm ? kpm + b * Tk : nullptr;
+      h.kpm_end = ends[b];
+      h.rank = rk ? rk + b * Tq : nullptr;
+      h.causal = causal;
+      h.strict = perm_strict;
+      h.window = window;
+      return h;
+    };
+    run_backward<T>(B * H, static_cast<T>(scale), make);
+  });
+  return {dqu, dqw, dk, dv, drb.sum(0)};
+}
+
+// ---------------------------------------------------------------- packed [total, H, D]
+
+std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tensor& k,
+                                                    const Tensor& v,
+                                                    const std::vector<int64_t>& cu_q,
+                                                    const std::vector<int64_t>& cu_k,
+                                                    bool causal, double scale) {
+  const int64_t total_q = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
+  Tensor out = at::zeros({total_q, H, D}, q.options());
+  Tensor lse = at::empty({H, total_q}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_varlen_forward_cpu", [&] {
+    using T = scalar_t;
+    lse.fill_(std::numeric_limits<T>::infinity());
+    const T* qp = q.const_data_ptr<T>();
+    const T* kp = k.const_data_ptr<T>();
+    const T* vp = v.const_data_ptr<T>();
+    T* op = out.mutable_data_ptr<T>();
+    T* lp = lse.mutable_data_ptr<T>();
+    int64_t max_tq = 0;
+    for (int64_t b = 0; b < nseq; ++b) max_tq = std::max(max_tq, cu_q[b + 1] - cu_q[b]);
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qp + cu_q[b] * q.stride(0) + hh * q.stride(1);
+      h.ldq = q.stride(0);
+      h.k = kp + cu_k[b] * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(0);
+      h.v = vp + cu_k[b] * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(0);
+      h.o = op + cu_q[b] * H * D + hh * D;
+      h.ldo = H * D;
+      h.lse = lp + hh * total_q + cu_q[b];
+      h.Tq = cu_q[b + 1] - cu_q[b];
+      h.Tk = cu_k[b + 1] - cu_k[b];
+      h.mem = h.Tk - h.Tq;
+      h.kpm_end = h.Tk;
+      h.D = D;
+      h.causal = causal;
+      return h;
+    };
+    run_forward<T>(nseq * H, max_tq, static_cast<T>(scale), make);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const std::vector<int64_t>& cu_q,
+    const std::vector<int64_t>& cu_k, bool causal, double scale) {
+  const int64_t H = q.size(1), D = q.size(2), total_q = q.size(0);
+  const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
+  Tensor dq = at::zeros(q.sizes(), q.options());
+  Tensor dk = at::zeros(k.sizes(), q.options());
+  Tensor dv = at::zeros(v.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_varlen_backward_cpu", [&] {
+    using T = scalar_t;
+    const T* qp = q.const_data_ptr<T>();
+    const T* kp = k.const_data_ptr<T>();
+    const T* vp = v.const_data_ptr<T>();
+    const T* op = out.const_data_ptr<T>();
+    const T* dop = grad_out.const_data_ptr<T>();
+    const T* lp = lse.const_data_ptr<T>();
+    T* dqp = dq.mutable_data_ptr<T>();
+    T* dkp = dk.mutable_data_ptr<T>();
+    T* dvp = dv.mutable_data_ptr<T>();
+    auto make = [&](int64_t bh) {
+      const int64_t b = bh / H, hh = bh % H;
+      Head<T> h = empty_head<T>();
+      h.q = qp + cu_q[b] * q.stride(0) + hh * q.stride(1);
+      h.ldq = q.stride(0);
+      h.k = kp + cu_k[b] * k.stride(0) + hh * k.stride(1);
+      h.ldk = k.stride(0);
+      h.v = vp + cu_k[b] * v.stride(0) + hh * v.stride(1);
+      h.ldv = v.stride(0);
+      h.o = const_cast<T*>(op + cu_q[b] * out.stride(0) + hh * out.stride(1));
+      h.ldo = out.stride(0);
+      h.dout = dop + cu_q[b] * grad_out.stride(0) + hh * grad_out.stride(1);
+      h.lddo = grad_out.stride(0);
+      h.lse = const_cast<T*>(lp + hh * lse.stride(0) + cu_q[b] * lse.stride(1));
+      h.dq = dqp + cu_q[b] * H * D + hh * D;
+      h.lddq = H * D;
+      h.dk = dkp + cu_k[b] * H * D + hh * D;
+      h.lddk = H * D;
+      h.dv = dvp + cu_k[b] * H * D + hh * D;
+      h.lddv = H * D;
+      h.Tq = cu_q[b + 1] - cu_q[b];
+      h.Tk = cu_k[b + 1] - cu_k[b];
+      h.mem = h.Tk - h.Tq;
+      h.kpm_end = h.Tk;
+      h.D = D;
+      h.causal = causal;
+      return h;
+    };
+    (void)total_q;
+    run_backward<T>(nseq * H, static_cast<T>(scale), make);
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace cpu
+}  // namespace ctxfast

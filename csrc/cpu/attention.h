@@ -1,0 +1,76 @@
+// Fused scaled-dot-product attention on the CPU (the `cpu` backend of ctxfast.attention
+// and ctxfast.attention_varlen). Flash-style: no [Tq, Tk] tensor is ever allocated.
+//
+// Math, for one (sequence, head) with q [Tq, D], k, v [Tk, D], mem = Tk - Tq:
+//   s_ij = scale * q_i . k_j, masked to -inf where key j is not visible to query i:
+//     causal:   j <= i + mem (bottom-right aligned);
+//     padding:  key_padding_mask[j] is false (true = padding);
+//     perm:     j < mem, or rank[j - mem] <= rank[i] (content stream) / < (query stream).
+//   Forward, over key blocks of kBlockK with an online softmax per row:
+//     m_i = running max, l_i = running sum of exp(s_ij - m_i), acc_i = sum p_ij v_j,
+//     o_i = acc_i / l_i, lse_i = m_i + log l_i (natural log; +inf for a row that sees no
+//     key, whose output is 0).
+//   Backward, from lse: p_ij = exp(s_ij - lse_i) (0 where masked and on empty rows),
+//     Delta_i = do_i . o_i, dp_ij = do_i . v_j, ds_ij = p_ij (dp_ij - Delta_i),
+//     dv_j = sum_i p_ij do_i, dk_j = scale sum_i ds_ij q_i, dq_i = scale sum_j ds_ij k_j.
+// The block products are BLAS GEMMs (sgemm_/dgemm_ of the BLAS torch links; a plain loop
+// where none is found); exp is an AVX2/FMA polynomial for float32 where the CPU has it.
+//
+// Inputs are float32 or float64 (the bindings upcast half types), with unit stride in D.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+#include <vector>
+
+namespace ctxfast {
+namespace cpu {
+
+// q [B, H, Tq, D], k, v [B, H, Tk, D] (stride 1 in D), key_padding_mask bool [B, Tk]
+// contiguous or undefined, perm_rank int64 [B, Tq] contiguous or undefined.
+// Returns out [B, H, Tq, D] contiguous (q's dtype) and lse [B, H, Tq] (q's dtype).
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& key_padding_mask, const at::Tensor& perm_rank, bool causal,
+    bool perm_strict, double scale);
+
+// Gradients dq [B, H, Tq, D], dk, dv [B, H, Tk, D] (contiguous) of the forward above.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& key_padding_mask, const at::Tensor& perm_rank, bool causal,
+    bool perm_strict, double scale);
+
+// rel_attention (Transformer-XL, XLNet without segments): qu = q + r_w_bias and
+// qw = q + r_r_bias [B, H, Tq, D], k, v [B, H, Tk, D], r [H, R, D] (stride 1 in D); the
+// score adds scale qw_i . r[pos_start - (mem + i - j)]; window > 0 also hides pairs with
+// mem + i - j >= window. Returns out, lse as attention_forward.
+std::tuple<at::Tensor, at::Tensor> rel_attention_forward(
+    const at::Tensor& qu, const at::Tensor& qw, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& r, const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
+    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale);
+
+// Its gradients: d(qu), d(qw) [B, H, Tq, D], dk, dv [B, H, Tk, D], dr [H, R, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rel_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& qu, const at::Tensor& qw,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& r, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
+    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale);
+
+// Packed sequences: q [total_q, H, D], k, v [total_k, H, D] (stride 1 in D); sequence b
+// is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k, v. Causal is bottom-right
+// aligned per sequence. Returns out [total_q, H, D] (0 outside every sequence) and
+// lse [H, total_q].
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, bool causal,
+    double scale);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, bool causal,
+    double scale);
+
+}  // namespace cpu
+}  // namespace ctxfast

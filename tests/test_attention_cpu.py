@@ -1,0 +1,249 @@
+"""The ``cpu`` backend of ctxfast.attention and ctxfast.attention_varlen (csrc/cpu/attention.cpp)
+against ctxfast.reference, with test_attention.py's rule: the kernel's error against the
+float64 reference is at most twice the eager reference's error in the same dtype (plus a
+small floor), forward and every gradient. The kernel's tiles are 64 queries x 128 keys, so
+T = 70, 137 and 200 cross tile edges in both directions.
+"""
+import pytest
+import torch
+
+import ctxfast
+from ctxfast import reference
+from utils import CPU_BACKENDS, rel_err
+
+pytestmark = pytest.mark.skipif("cpu" not in CPU_BACKENDS or not hasattr(
+    torch.ops.ctxfast, "attention_fwd_cpu"), reason="ctxfast._C was built without attention")
+
+FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _inputs(B, H, Tq, Tk, D, dtype=torch.float32, layout="bhtd"):
+    def make(T):
+        if layout == "bthd":   # [B, T, H, D] storage viewed as [B, H, T, D]
+            return torch.randn(B, T, H, D, dtype=dtype).transpose(1, 2)
+        return torch.randn(B, H, T, D, dtype=dtype)
+    return make(Tq), make(Tk), make(Tk)
+
+
+def _masks(kind, B, Tq, Tk):
+    kw = {}
+    if "causal" in kind:
+        kw["causal"] = True
+    if "pad" in kind:
+        kpm = torch.rand(B, Tk) < 0.3
+        kpm[:, 0] = False
+        if B > 1:
+            kpm[-1, Tk // 2:] = True
+        kw["key_padding_mask"] = kpm
+    if "perm" in kind:
+        kw["perm_rank"] = torch.stack([torch.randperm(Tq) for _ in range(B)])
+        kw["perm_stream"] = "query" if "query" in kind else "content"
+    if "ties" in kind:
+        kw["perm_rank"] = torch.randint(0, 3, (B, Tq))
+        kw["perm_stream"] = "query" if "query" in kind else "content"
+    return kw
+
+
+def check_cpu(q, k, v, grad_layout=None, **kw):
+    """cpu backend vs eager in q's dtype vs float64 reference: forward and dq, dk, dv."""
+    dtype = q.dtype
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    same = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    l64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    out = ctxfast.attention(*leaves, backend="cpu", **kw)
+    out_same = reference.attention(*same, **kw)
+    out64 = reference.attention(*l64, **kw)
+    do = torch.randn_like(out)
+    if grad_layout == "transposed":    # a non-contiguous grad_out
+        do = torch.randn(out.shape[:2] + out.shape[2:][::-1], dtype=dtype).transpose(-1, -2)
+    grads = torch.autograd.grad(out, leaves, do)
+    grads_same = torch.autograd.grad(out_same, same, do)
+    grads64 = torch.autograd.grad(out64, l64, do.double())
+    for name, ours, ref_same, ref in [("out", out, out_same, out64)] + list(
+            zip(("dq", "dk", "dv"), grads, grads_same, grads64)):
+        assert ours.dtype == dtype, (name, ours.dtype)
+        assert not torch.isnan(ours).any(), f"{name}: NaN"
+        err = (ours.double() - ref).norm().item()
+        err_same = (ref_same.double() - ref).norm().item()
+        bound = 2 * err_same + FLOOR[dtype] * max(ref.norm().item(), 1.0)
+        assert err <= bound, (f"{name}: ‖cpu − ref64‖ = {err:.3e} > {bound:.3e} (eager "
+                              f"{err_same:.3e}, relative {rel_err(ours, ref):.3e})")
+    return out, grads
+
+
+MASK_KINDS = ["none", "causal", "pad", "causal-pad", "perm", "perm-query", "ties",
+              "ties-query", "perm-pad", "causal-perm"]
+
+
+@pytest.mark.parametrize("mem", [0, 67])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_masks_with_memory(kind, mem):
+    B, H, Tq, D = 2, 2, 70, 32
+    q, k, v = _inputs(B, H, Tq, Tq + mem, D)
+    check_cpu(q, k, v, **_masks(kind, B, Tq, Tq + mem))
+
+
+@pytest.mark.parametrize("D", [16, 64, 96])
+def test_head_dims(D):
+    q, k, v = _inputs(1, 2, 19, 140, D)
+    check_cpu(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("Tq, Tk, kind", [(1, 1, "none"), (1, 1, "causal"), (1, 40, "causal"),
+                                          (17, 17, "causal"), (17, 5, "none"),
+                                          (200, 200, "causal-pad"), (3, 50, "perm-query"),
+                                          (129, 300, "causal")])
+def test_odd_lengths(Tq, Tk, kind):
+    q, k, v = _inputs(1, 2, Tq, Tk, 32)
+    check_cpu(q, k, v, **_masks(kind, 1, Tq, Tk))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
+                         ids=str)
+def test_dtypes(dtype):
+    q, k, v = _inputs(2, 2, 21, 150, 64, dtype=dtype)
+    check_cpu(q, k, v, **_masks("causal-pad", 2, 21, 150))
+
+
+def test_non_contiguous_inputs_and_grad():
+    q, k, v = _inputs(2, 3, 70, 90, 32, layout="bthd")
+    assert not q.is_contiguous()
+    check_cpu(q, k, v, grad_layout="transposed", causal=True, scale=0.3)
+
+
+def test_expanded_grad_out():
+    """out.sum() hands the backward a stride-0 gradient."""
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 9, 9, 16))
+    ctxfast.attention(q, k, v, causal=True, backend="cpu").sum().backward()
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference.attention(q2, k2, v2, causal=True).sum().backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        assert rel_err(a.grad, b.grad) < 1e-5
+
+
+@pytest.mark.parametrize("how", ["all-padding", "query-stream-lowest-rank"])
+def test_rows_that_see_no_key(how):
+    B, H, T, D = 2, 2, 20, 16
+    q, k, v = _inputs(B, H, T, T, D)
+    if how == "all-padding":
+        kpm = torch.zeros(B, T, dtype=torch.bool)
+        kpm[0] = True
+        kw, empty = {"key_padding_mask": kpm}, (0, slice(None), slice(None))
+    else:
+        rank = torch.stack([torch.randperm(T) for _ in range(B)])
+        kw = {"perm_rank": rank, "perm_stream": "query"}
+        first = (rank == 0).nonzero()
+        empty = (first[0, 0].item(), slice(None), first[0, 1].item())
+    out, (dq, dk, dv) = check_cpu(q, k, v, **kw)
+    assert (out[empty] == 0).all() and (dq[empty] == 0).all()
+    if how == "all-padding":
+        assert (dk[0] == 0).all() and (dv[0] == 0).all()
+
+
+def test_gradcheck_float64():
+    q, k, v = (torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    kpm = torch.tensor([[False, True, False, False, False, True, False]])
+    f = lambda a, b, c: ctxfast.attention(a, b, c, causal=True,  # noqa: E731
+                                          key_padding_mask=kpm, backend="cpu")
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_opcheck():
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 9, 12, 16))
+    kpm = torch.zeros(1, 12, dtype=torch.bool)
+    kpm[0, -3:] = True
+    rank = torch.randperm(9).view(1, 9)
+    args = (q, k, v, kpm, rank, True, False, 0.25)
+    torch.library.opcheck(torch.ops.ctxfast.attention_fwd_cpu.default, args)
+    out, lse = torch.ops.ctxfast.attention_fwd_cpu(*args)
+    torch.library.opcheck(torch.ops.ctxfast.attention_bwd_cpu.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+                           out.detach(), lse, kpm, rank, True, False, 0.25))
+    qv, kv, vv = (torch.randn(11, 2, 16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_cpu.default,
+                          (qv, kv, vv, cu, cu, True, 0.25))
+
+
+def test_torch_compile_fullgraph_default_backend():
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 17, 20, 16))
+
+    def f(q, k, v):   # no backend=: the CPU default, which is the cpu kernel
+        return ctxfast.attention(q * 1.5, k, v, causal=True).sum()
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    out.backward()
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q2 * 1.5, k2, v2, causal=True).sum()
+    ref.backward()
+    assert abs(out.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item()))
+    assert rel_err(q.grad, q2.grad) < 1e-5
+
+
+def test_default_is_cpu_and_dropout_goes_to_eager():
+    assert ctxfast._dispatch.resolve("attention", torch.device("cpu")) == "cpu"
+    assert ctxfast._dispatch.resolve("attention_varlen", torch.device("cpu")) == "cpu"
+    q, k, v = _inputs(1, 2, 6, 6, 8)
+    a = ctxfast.attention(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3))
+    b = ctxfast.attention(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3),
+                          backend="eager")
+    assert torch.equal(a, b)
+    with pytest.raises(ctxfast.BackendUnavailable, match="no attention dropout"):
+        ctxfast.attention(q, k, v, dropout_p=0.1, backend="cpu")
+
+
+def test_bad_input_to_the_op_itself():
+    """The C++ entry points check their own inputs (the Python layer checks first)."""
+    q, k, v = _inputs(1, 2, 5, 5, 8)
+    with pytest.raises(ValueError, match="rank 4"):
+        torch.ops.ctxfast.attention_fwd_cpu(q[0], k, v, None, None, False, False, 1.0)
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        torch.ops.ctxfast.attention_fwd_cpu(q, k, v, torch.zeros(1, 4, dtype=torch.bool),
+                                            None, False, False, 1.0)
+    with pytest.raises(ValueError, match="Tk >= Tq"):
+        torch.ops.ctxfast.attention_fwd_cpu(q, k[:, :, :3], v[:, :, :3], None, None, True,
+                                            False, 1.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        torch.ops.ctxfast.attention_varlen_fwd_cpu(
+            q[0], k[0], v[0], torch.tensor([1, 2]), torch.tensor([0, 2]), False, 1.0)
+
+
+# --------------------------------------------------------------------------- varlen
+
+def _varlen_ref(q, k, v, cu_q, cu_k, causal):
+    outs = []
+    for b in range(len(cu_q) - 1):
+        sq, eq, sk, ek = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q[sq:eq], k[sk:ek], v[sk:ek]))
+        outs.append(reference.attention(qb, kb, vb, causal=causal).squeeze(0).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens_q, lens_k", [([5, 70, 1, 33], [5, 70, 1, 33]),
+                                            ([3, 20], [9, 150]),
+                                            ([7, 0, 12], [7, 4, 12]),
+                                            ([9, 5], [4, 5])])
+def test_varlen_matches_per_sequence_reference(causal, lens_q, lens_k):
+    H, D = 2, 32
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), H, D)
+    k, v = torch.randn(int(cu_k[-1]), H, D), torch.randn(int(cu_k[-1]), H, D)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = ctxfast.attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                   backend="cpu")
+    l64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = _varlen_ref(*l64, cu_q, cu_k, causal)
+    assert rel_err(out, ref) < 1e-5
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_grads = torch.autograd.grad(ref, l64, do.double(), allow_unused=True)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
+        assert not torch.isnan(g).any()
+        assert rel_err(g, r) < 1e-5, (name, rel_err(g, r))
+    if causal and lens_q == [9, 5]:
+        assert (out[:5] == 0).all() and (grads[0][:5] == 0).all()
