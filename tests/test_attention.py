@@ -290,7 +290,7 @@ def test_eager_dropout_reproducible_from_generator():
 
 
 def test_default_on_cpu_is_the_cpu_kernel():
-    """Issue 18: the C++ kernel is the CPU default (tests/test_attention_cpu.py checks it)."""
+    """The C++ kernel is the CPU default (tests/test_attention_cpu.py checks it)."""
     assert ctxfast._dispatch.resolve("attention", torch.device("cpu")) == "cpu"
 
 
