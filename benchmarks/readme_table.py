@@ -216,8 +216,8 @@ def render(report: dict, source: str, cpu: Optional[Tuple[dict, str]] = None) ->
         cpu_report, cpu_source = cpu
         lines += ["", f"CPU run: **{cpu_report.get('device')}**, {cpu_report.get('date')}, "
                   f"torch {cpu_report.get('torch')} — `{cpu_source}`. Ratios on a CPU, not "
-                  "GPU performance; on the CPU the Triton kernels do not run, so "
-                  "`attention`/`rel_attention` rows are PyTorch's own backends, not ctxfast:",
+                  "GPU performance. Rows marked ctxfast are our C++ `cpu` kernels; every other "
+                  "row is PyTorch's own (SDPA, the eager references), timed as a peer:",
                   ""] + _baseline_table(cpu_report)
     lines += ["", "Per case (noise, peak memory, notes): the `.md` next to each source file."]
     return "\n".join(lines) + "\n"
