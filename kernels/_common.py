@@ -182,10 +182,23 @@ def _seed_arg(q, dropout_p, seed):
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision: exact fp32 products unless torch allows tf32 for fp32
     matmuls (as a PyTorch user expects); fp16/bf16 operands keep Triton's default."""
-    if dtype == torch.float64 or (dtype == torch.float32
-                                  and not torch.backends.cuda.matmul.allow_tf32):
+    if dtype == torch.float64 or (dtype == torch.float32 and not _tf32_allowed()):
         return "ieee"
     return "tf32"
+
+
+def _tf32_allowed() -> bool:
+    """torch allows TF32 for fp32 matmuls. ``torch.backends.cuda.matmul.fp32_precision``
+    (torch >= 2.9; reflects ``allow_tf32`` and ``set_float32_matmul_precision`` too) where it
+    exists: reading ``allow_tf32`` raises a RuntimeError in torch 2.13 once the new API has
+    set the precision. ``"none"`` defers to ``torch.backends.fp32_precision``."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
 
 
 def _auto_splits(B, H, Tq, Tk, bm, bn, device) -> int:

@@ -84,7 +84,7 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep, _key_range,
-                      _mask_args, _online_softmax_step, _seed_arg, _visible)
+                      _mask_args, _online_softmax_step, _seed_arg, _tf32_allowed, _visible)
 
 
 @triton.jit
@@ -703,20 +703,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not _tf32_allowed():
         return "tf32x3"
     return "tf32"
-
-
-def _tf32_allowed() -> bool:
-    """torch allows TF32 for fp32 matmuls. ``torch.backends.cuda.matmul.fp32_precision``
-    (torch >= 2.9; reflects ``allow_tf32`` and ``set_float32_matmul_precision`` too) where it
-    exists: reading ``allow_tf32`` raises a RuntimeError in torch 2.13 once the new API has
-    set the precision. ``"none"`` defers to ``torch.backends.fp32_precision``."""
-    matmul = torch.backends.cuda.matmul
-    precision = getattr(matmul, "fp32_precision", None)
-    if precision is None:
-        return bool(matmul.allow_tf32)
-    if precision == "none":
-        precision = getattr(torch.backends, "fp32_precision", "none")
-    return precision == "tf32"
 
 
 def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16):

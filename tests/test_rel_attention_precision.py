@@ -144,3 +144,22 @@ def test_tf32x3_error_is_within_twice_eager(monkeypatch, mode, within):
         err, err_eager = (a.double() - ref).norm().item(), (e.double() - ref).norm().item()
         ok.append(err <= 2 * err_eager + FLOOR[torch.float32] * max(ref.norm().item(), 1.0))
     assert all(ok) if within else not any(ok)
+
+
+def test_attention_precision_reads_the_new_tf32_api():
+    """kernels/_common._precision (the attention kernels' choice) reads torch's TF32 setting
+    through fp32_precision where it exists: reading allow_tf32 raises on torch 2.13 once
+    the new API has set it."""
+    from ctxfast.kernels._common import _precision
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    old = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        assert _precision(torch.float32) == "tf32"
+        matmul.fp32_precision = "ieee"
+        assert _precision(torch.float32) == "ieee"
+        assert _precision(torch.float64) == "ieee"
+    finally:
+        matmul.fp32_precision = old
