@@ -247,3 +247,16 @@ def test_varlen_matches_per_sequence_reference(causal, lens_q, lens_k):
         assert rel_err(g, r) < 1e-5, (name, rel_err(g, r))
     if causal and lens_q == [9, 5]:
         assert (out[:5] == 0).all() and (grads[0][:5] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["perm", "perm-query", "ties", "ties-query", "perm-pad"])
+def test_permutation_over_many_tiles(kind):
+    """The permutation path sorts queries and current keys by rank and skips the key tiles
+    above the diagonal: several query blocks and key tiles, memory in front, ranks with
+    ties (randint) as well as permutations."""
+    B, H, Tq, mem, D = 2, 2, 300, 45, 32
+    q, k, v = _inputs(B, H, Tq, Tq + mem, D, layout="bthd")
+    kw = _masks(kind, B, Tq, Tq + mem)
+    if "ties" in kind:
+        kw["perm_rank"] = torch.randint(-5, 40, (B, Tq))   # ties and gaps
+    check_cpu(q, k, v, **kw)

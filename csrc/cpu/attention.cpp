@@ -1,12 +1,15 @@
 // Fused attention on the CPU (math and contract in csrc/cpu/attention.h).
 //
 // Work split: the forward runs one task per (sequence, head, block of kBlockQ queries)
-// under at::parallel_for; each task walks its key blocks (only those a causal mask leaves
+// under at::parallel_for; each task walks its key blocks (only those the masks leave
 // visible) with S = scale Q Kᵀ and acc += P V as GEMMs on [kBlockQ, kBlockK] tiles and the
 // masks and the online softmax in between, accumulating straight into the output rows.
-// The backward runs one task per (sequence, head): for each key block, over the query
-// blocks that can see it, it recomputes P from the saved lse and accumulates dV, dK (the
-// block's rows) and dQ (all rows of the head, owned by the task, so no reduction).
+// The backward runs one task per (sequence, head), which owns that head's dq, dk, dv (no
+// reduction): per query block, over the forward's key range, it recomputes P from the
+// saved lse and accumulates dV, dK (the tile's key rows) and dQ. rel_attention's position
+// term is one band GEMM per query block in both directions (its gradient is gathered into
+// the band over the key tiles, then two GEMMs give dqw and dr).
+// XLNet permutation masks run in rank order (RankOrder below): about half the tiles.
 #include "cpu/attention.h"
 
 #include <ATen/Dispatch.h>
@@ -319,6 +322,7 @@ struct Head {
   const bool* kpm;            // [Tk] or nullptr (true = padding)
   int64_t kpm_end;            // keys from kpm_end on are all padding (Tk without kpm)
   const int64_t* rank;        // [Tq] or nullptr
+  bool rank_sorted;           // rank is non-decreasing (queries and keys in rank order)
   bool causal, strict;
   int64_t window;             // > 0: pair (i, j) visible only if mem + i - j < window
   // rel_attention only (r == nullptr otherwise): the position term scale * qw_i . r[row],
@@ -328,6 +332,19 @@ struct Head {
   T* dqw; int64_t lddqw;      // backward: grad of qw (accumulated)
   T* dr;                      // backward: grad of r [R, D], row stride D (accumulated)
 };
+
+// Permutation ranks of queries [i0, i0 + bq): (min, max).
+template <typename T>
+std::pair<int64_t, int64_t> query_rank_bounds(const Head<T>& h, int64_t i0, int64_t bq) {
+  const auto mm = std::minmax_element(h.rank + i0, h.rank + i0 + bq);
+  return {*mm.first, *mm.second};
+}
+
+// Whether a key of permutation rank rj is visible to a query of rank ri.
+template <typename T>
+inline bool rank_sees(const Head<T>& h, int64_t rj, int64_t ri) {
+  return h.strict ? rj < ri : rj <= ri;
+}
 
 // Set to -inf the entries of tile s [bq, bk] (row stride bk; rows i0.., keys j0..) that
 // the masks hide.
@@ -339,7 +356,15 @@ void mask_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
   const bool* kpm = nullptr;  // only where this tile has a padding key
   if (h.kpm != nullptr && std::any_of(h.kpm + j0, h.kpm + j0 + bk, [](bool x) { return x; }))
     kpm = h.kpm;
-  if (!causal_cut && !window_cut && kpm == nullptr && h.rank == nullptr) return;
+  // permutation: only where some current key of the tile ranks above the block's lowest
+  // query (with rank-sorted queries and keys, the tiles on the diagonal)
+  bool rank_cut = false;
+  if (h.rank != nullptr && j0 + bk > h.mem) {
+    const int64_t t0 = std::max<int64_t>(j0 - h.mem, 0), t1 = j0 + bk - h.mem;
+    const int64_t kmax = *std::max_element(h.rank + t0, h.rank + t1);
+    rank_cut = !rank_sees(h, kmax, query_rank_bounds(h, i0, bq).first);
+  }
+  if (!causal_cut && !window_cut && kpm == nullptr && !rank_cut) return;
   for (int64_t r = 0; r < bq; ++r) {
     const int64_t i = i0 + r;
     T* row = s + r * bk;
@@ -354,21 +379,34 @@ void mask_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
       for (int64_t c = 0; c < bk; ++c)
         if (kpm[j0 + c]) row[c] = ninf;
     }
-    if (h.rank != nullptr) {
+    if (rank_cut && h.rank_sorted) {  // the hidden keys are a suffix of the tile
       const int64_t ri = h.rank[i];
-      for (int64_t c = std::max<int64_t>(h.mem - j0, 0); c < bk; ++c) {
-        const int64_t rj = h.rank[j0 + c - h.mem];
-        if (h.strict ? !(rj < ri) : !(rj <= ri)) row[c] = ninf;
-      }
+      const int64_t c0 = std::max<int64_t>(h.mem - j0, 0);
+      for (int64_t c = bk - 1; c >= c0 && !rank_sees(h, h.rank[j0 + c - h.mem], ri); --c)
+        row[c] = ninf;
+    } else if (rank_cut) {
+      const int64_t ri = h.rank[i];
+      for (int64_t c = std::max<int64_t>(h.mem - j0, 0); c < bk; ++c)
+        if (!rank_sees(h, h.rank[j0 + c - h.mem], ri)) row[c] = ninf;
     }
   }
 }
 
-// Keys [0, end) that queries [i0, i0 + bq) may see.
+// Keys [0, end) that queries [i0, i0 + bq) may see: causal cuts at the diagonal, padding
+// after the last unpadded key, a permutation after the last current key that ranks low
+// enough for the block's highest query (all of them for random ranks; half on average
+// for rank-sorted ones).
 template <typename T>
 int64_t key_end(const Head<T>& h, int64_t i0, int64_t bq) {
-  if (!h.causal) return h.kpm_end;
-  return std::min(h.kpm_end, std::max<int64_t>(i0 + bq + h.mem, 0));
+  int64_t end = h.kpm_end;
+  if (h.causal) end = std::min(end, std::max<int64_t>(i0 + bq + h.mem, 0));
+  if (h.rank != nullptr) {
+    const int64_t qmax = query_rank_bounds(h, i0, bq).second;
+    int64_t t = h.Tq;
+    while (t > 0 && !rank_sees(h, h.rank[t - 1], qmax)) --t;
+    end = std::min(end, h.mem + t);
+  }
+  return end;
 }
 
 // Per row b of key_padding_mask [B, Tk]: one past its last non-padding key (trailing
@@ -384,6 +422,14 @@ std::vector<int64_t> padding_ends(const bool* kpm, int64_t B, int64_t Tk) {
   return ends;
 }
 
+// Per row b of perm_rank [B, Tq]: whether its ranks are non-decreasing.
+std::vector<bool> ranks_sorted(const int64_t* rank, int64_t B, int64_t Tq) {
+  std::vector<bool> out(B, false);
+  for (int64_t b = 0; rank != nullptr && b < B; ++b)
+    out[b] = std::is_sorted(rank + b * Tq, rank + (b + 1) * Tq);
+  return out;
+}
+
 // First key that queries [i0, ...) may see (the window cuts the far ones).
 template <typename T>
 int64_t key_begin(const Head<T>& h, int64_t i0) {
@@ -391,68 +437,60 @@ int64_t key_begin(const Head<T>& h, int64_t i0) {
   return std::min(h.Tk, std::max<int64_t>(h.mem + i0 - h.window + 1, 0));
 }
 
-// rel_attention's position term on a tile: s[rr, c] += scale qw_{i0+rr} . r[row] with
-// row = pos_start - mem - (i0 + rr) + (j0 + c). The rows of one tile form a band of
-// nb = bq + bk - 1 consecutive rows of r starting at base = pos_start - mem - (i0+bq-1) + j0,
-// so one GEMM gives band[rr, t] = scale qw_rr . r[base + t] and the entry is
-// band[rr, (bq - 1 - rr) + c]. Rows of r outside [0, R) only serve pairs that are never
-// visible (rel_attention's check): they count as 0. `band` holds bq * nb.
+// rel_attention's position term for queries [i0, i0 + bq) against keys [jb, je):
+// s[rr, c] += scale qw_{i0+rr} . r[row], row = pos_start - mem - (i0 + rr) + (j0 + c). The
+// rows one query block needs form a band of ng = bq + (je - jb) - 1 consecutive rows of r
+// starting at base = pos_start - mem - (i0 + bq - 1) + jb, so one GEMM per query block gives
+// g[rr, t] = scale qw_{i0+rr} . r[base + t], and the entry of key j0 + c is
+// g[rr, (bq - 1 - rr) + (j0 - jb) + c] (a diagonal walk; no [Tq, Tk] term is stored). Rows
+// of r outside [0, R) only serve pairs that are never visible (rel_attention's check):
+// they count as 0. Returns base.
 template <typename T>
-void add_position_term(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
-                       T scale, T* s, T* band) {
-  const int64_t nb = bq + bk - 1;
-  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + j0;
-  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + nb, h.R);
-  if (lo >= hi) return;
-  std::fill(band, band + bq * nb, T(0));
-  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
-             h.r + lo * h.ldr, h.ldr, T(0), band + (lo - base), nb);
-  for (int64_t rr = 0; rr < bq; ++rr) {
-    const T* b = band + rr * nb + (bq - 1 - rr);
-    T* row = s + rr * bk;
-    for (int64_t c = 0; c < bk; ++c) row[c] += b[c];
-  }
-}
-
-// Backward of the position term: from ds [bq, bk] (already P (dP - Delta)), scatter into
-// the band layout and accumulate dqw += scale dband r_band, dr_band += scale dbandᵀ qw.
-template <typename T>
-void position_term_backward(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk,
-                            T scale, const T* ds, T* band) {
-  const int64_t nb = bq + bk - 1;
-  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + j0;
-  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + nb, h.R);
-  if (lo >= hi) return;
-  std::fill(band, band + bq * nb, T(0));
-  for (int64_t rr = 0; rr < bq; ++rr) {
-    T* b = band + rr * nb + (bq - 1 - rr);
-    const T* row = ds + rr * bk;
-    for (int64_t c = 0; c < bk; ++c) b[c] = row[c];
-  }
-  gemm_rm<T>(false, false, bq, h.D, hi - lo, scale, band + (lo - base), nb, h.r + lo * h.ldr,
-             h.ldr, T(1), h.dqw + i0 * h.lddqw, h.lddqw);
-  gemm_rm<T>(true, false, hi - lo, h.D, bq, scale, band + (lo - base), nb,
-             h.qw + i0 * h.ldqw, h.ldqw, T(1), h.dr + lo * h.D, h.D);
-}
-
-// Forward of queries [i0, i0 + bq): out rows and lse. `s` holds kBlockQ * kBlockK,
-// m and l kBlockQ.
-// The forward's position term for queries [i0, i0 + bq) against all keys [jb, je) at once:
-// g[rr, t] = scale qw_{i0+rr} . r[base + t], base = pos_start - mem - (i0 + bq - 1) + jb,
-// t < ng = bq + (je - jb) - 1 (one GEMM per query tile instead of one per key tile, whose
-// bands overlap by bq - 1 rows). Returns base; rows of r outside [0, R) count as 0.
-template <typename T>
-void position_band(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t je, T scale,
-                   std::vector<T>& g) {
+int64_t position_band(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t je,
+                      T scale, std::vector<T>& g) {
   const int64_t ng = bq + (je - jb) - 1;
   const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
   const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
   g.assign(static_cast<size_t>(bq * ng), T(0));
-  if (lo >= hi) return;
-  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
-             h.r + lo * h.ldr, h.ldr, T(0), g.data() + (lo - base), ng);
+  if (lo < hi)
+    gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
+               h.r + lo * h.ldr, h.ldr, T(0), g.data() + (lo - base), ng);
+  return base;
 }
 
+// The band's backward, after every key tile of the query block has added its dS into
+// dg (same layout as g): dqw_{i0..} += scale dg r_band, dr_band += scale dgᵀ qw_{i0..}.
+template <typename T>
+void position_band_backward(const Head<T>& h, int64_t i0, int64_t bq, int64_t ng, int64_t base,
+                            T scale, const T* dg) {
+  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
+  if (lo >= hi) return;
+  gemm_rm<T>(false, false, bq, h.D, hi - lo, scale, dg + (lo - base), ng, h.r + lo * h.ldr,
+             h.ldr, T(1), h.dqw + i0 * h.lddqw, h.lddqw);
+  gemm_rm<T>(true, false, hi - lo, h.D, bq, scale, dg + (lo - base), ng, h.qw + i0 * h.ldqw,
+             h.ldqw, T(1), h.dr + lo * h.D, h.D);
+}
+
+// s [bq, bk] (row stride bk) <- the masked scores of queries [i0, i0 + bq) against keys
+// [j0, j0 + bk): scale q kᵀ, plus for rel_attention the position term from the query
+// block's band g (ng columns, keys from jb).
+template <typename T>
+void scores_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk, T scale,
+                 const T* g, int64_t jb, int64_t ng, T* s) {
+  gemm_rm<T>(false, true, bq, bk, h.D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
+             h.ldk, T(0), s, bk);
+  if (h.r != nullptr) {
+    for (int64_t rr = 0; rr < bq; ++rr) {
+      const T* gr = g + rr * ng + (bq - 1 - rr) + (j0 - jb);
+      T* row = s + rr * bk;
+      for (int64_t c = 0; c < bk; ++c) row[c] += gr[c];
+    }
+  }
+  mask_tile(h, i0, bq, j0, bk, s);
+}
+
+// Forward of queries [i0, i0 + bq): out rows and lse. `s` holds kBlockQ * kBlockK,
+// m and l kBlockQ.
 template <typename T>
 void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
                   std::vector<T>& band) {
@@ -469,16 +507,7 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
   if (h.r != nullptr && end > jb) position_band(h, i0, bq, jb, end, scale, band);
   for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
     const int64_t bk = std::min(kBlockK, end - j0);
-    gemm_rm<T>(false, true, bq, bk, D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
-               h.ldk, T(0), s, bk);
-    if (h.r != nullptr) {  // s[rr, c] += g[rr, (bq - 1 - rr) + (j0 - jb) + c]
-      for (int64_t rr = 0; rr < bq; ++rr) {
-        const T* g = band.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
-        T* row = s + rr * bk;
-        for (int64_t c = 0; c < bk; ++c) row[c] += g[c];
-      }
-    }
-    mask_tile(h, i0, bq, j0, bk, s);
+    scores_tile(h, i0, bq, j0, bk, scale, band.data(), jb, ng, s);
     for (int64_t r = 0; r < bq; ++r) {
       T* row = s + r * bk;
       const T m_new = std::max(m[r], row_max(row, bk));
@@ -509,35 +538,42 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
   }
 }
 
-// Backward of one head: dq, dk, dv accumulated (they are zero on entry).
+// Scratch of one backward task.
 template <typename T>
-void backward_head(const Head<T>& h, T scale, std::vector<T>& p, std::vector<T>& dp,
-                   std::vector<T>& delta, std::vector<T>& band) {
+struct BwdScratch {
+  std::vector<T> p, dp, delta, band, dband;
+};
+
+// Backward of one head: dq, dk, dv (and dqw, dr) accumulated; they are zero on entry. The
+// task owns the whole head, so the loop order is free: query blocks outer (the key range
+// and the position band are the forward's, computed once per query block), key tiles inner.
+template <typename T>
+void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
   const int64_t D = h.D;
-  delta.resize(std::max<int64_t>(h.Tq, 1));
+  w.delta.resize(std::max<int64_t>(h.Tq, 1));
   for (int64_t i = 0; i < h.Tq; ++i) {
     const T* a = h.dout + i * h.lddo;
     const T* b = h.o + i * h.ldo;
     T acc = 0;
     for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
-    delta[i] = acc;
+    w.delta[i] = acc;
   }
   const T inf = std::numeric_limits<T>::infinity();
-  for (int64_t j0 = 0; j0 < h.kpm_end; j0 += kBlockK) {
-    const int64_t bk = std::min(kBlockK, h.kpm_end - j0);
-    const int64_t i_start = h.causal ? std::max<int64_t>(0, j0 - h.mem) : 0;
-    // window: query i sees key j only if i < j - mem + window
-    const int64_t i_end = h.window > 0
-        ? std::min<int64_t>(h.Tq, std::max<int64_t>(j0 + bk - 1 - h.mem + h.window, 0))
-        : h.Tq;
-    for (int64_t i0 = i_start; i0 < i_end; i0 += kBlockQ) {
-      const int64_t bq = std::min(kBlockQ, h.Tq - i0);
-      T* s = p.data();
-      T* ds = dp.data();
-      gemm_rm<T>(false, true, bq, bk, D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
-                 h.ldk, T(0), s, bk);
-      if (h.r != nullptr) add_position_term(h, i0, bq, j0, bk, scale, s, band.data());
-      mask_tile(h, i0, bq, j0, bk, s);
+  T* s = w.p.data();
+  T* ds = w.dp.data();
+  for (int64_t i0 = 0; i0 < h.Tq; i0 += kBlockQ) {
+    const int64_t bq = std::min(kBlockQ, h.Tq - i0);
+    const int64_t end = key_end(h, i0, bq), jb = key_begin(h, i0);
+    if (end <= jb) continue;
+    const int64_t ng = bq + (end - jb) - 1;
+    int64_t base = 0;
+    if (h.r != nullptr) {
+      base = position_band(h, i0, bq, jb, end, scale, w.band);
+      w.dband.assign(static_cast<size_t>(bq * ng), T(0));
+    }
+    for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
+      const int64_t bk = std::min(kBlockK, end - j0);
+      scores_tile(h, i0, bq, j0, bk, scale, w.band.data(), jb, ng, s);
       for (int64_t r = 0; r < bq; ++r) {
         T* row = s + r * bk;
         const T lse = h.lse[i0 + r];
@@ -550,14 +586,21 @@ void backward_head(const Head<T>& h, T scale, std::vector<T>& p, std::vector<T>&
       // dP = dO_i V_jᵀ, then dS = P (dP - Delta)
       gemm_rm<T>(false, true, bq, bk, D, T(1), h.dout + i0 * h.lddo, h.lddo,
                  h.v + j0 * h.ldv, h.ldv, T(0), ds, bk);
-      for (int64_t r = 0; r < bq; ++r) ds_row(s + r * bk, ds + r * bk, bk, delta[i0 + r]);
+      for (int64_t r = 0; r < bq; ++r) ds_row(s + r * bk, ds + r * bk, bk, w.delta[i0 + r]);
       // dk_j += scale dSᵀ Q_i ; dq_i += scale dS K_j
       gemm_rm<T>(true, false, bk, D, bq, scale, ds, bk, h.q + i0 * h.ldq, h.ldq, T(1),
                  h.dk + j0 * h.lddk, h.lddk);
       gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
                  h.dq + i0 * h.lddq, h.lddq);
-      if (h.r != nullptr) position_term_backward(h, i0, bq, j0, bk, scale, ds, band.data());
+      if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] += dS[rr, c]
+        for (int64_t rr = 0; rr < bq; ++rr) {
+          T* gr = w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
+          const T* row = ds + rr * bk;
+          for (int64_t c = 0; c < bk; ++c) gr[c] += row[c];
+        }
+      }
     }
+    if (h.r != nullptr) position_band_backward(h, i0, bq, ng, base, scale, w.dband.data());
   }
 }
 
@@ -584,9 +627,10 @@ template <typename T, typename MakeHead>
 void run_backward(int64_t n_heads, T scale, const MakeHead& make) {
   if (n_heads == 0) return;
   at::parallel_for(0, n_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK), delta;
-    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK));
-    for (int64_t t = begin; t < end; ++t) backward_head(make(t), scale, p, dp, delta, band);
+    BwdScratch<T> w;
+    w.p.resize(kBlockQ * kBlockK);
+    w.dp.resize(kBlockQ * kBlockK);
+    for (int64_t t = begin; t < end; ++t) backward_head(make(t), scale, w);
   });
 }
 
@@ -595,6 +639,7 @@ Head<T> empty_head() {
   Head<T> h{};
   h.kpm = nullptr;
   h.rank = nullptr;
+  h.rank_sorted = false;
   h.window = 0;
   h.kpm_end = 0;
   h.r = nullptr;
@@ -604,6 +649,95 @@ Head<T> empty_head() {
   return h;
 }
 
+// XLNet's permutation mask depends on ranks only, and attention is invariant to the order
+// of the keys and independent per query: sorting the queries and the current keys by rank
+// (stable) turns the mask into a causal-like one (exactly causal for a permutation: j <= i
+// for the content stream, j < i for the query stream; memory keys stay first, always
+// visible), so key_end skips the key tiles above the diagonal and only the diagonal tiles
+// take an element mask: about half the work of the current keys. The gathers are O(T D)
+// per head against the O(T² D) of the attention.
+struct RankOrder {
+  int64_t B, Tq, mem;
+  std::vector<int64_t> order, inverse;  // [B, Tq]: sorted place -> original row, and back
+  at::Tensor rank;                      // [B, Tq] int64: the ranks in sorted order
+
+  RankOrder(const at::Tensor& perm_rank, int64_t Tk)
+      : B(perm_rank.size(0)), Tq(perm_rank.size(1)), mem(Tk - perm_rank.size(1)),
+        order(B * Tq), inverse(B * Tq), rank(at::empty({B, Tq}, perm_rank.options())) {
+    const int64_t* r = perm_rank.const_data_ptr<int64_t>();
+    int64_t* rs = rank.mutable_data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t* o = order.data() + b * Tq;
+      for (int64_t t = 0; t < Tq; ++t) o[t] = t;
+      const int64_t* rb = r + b * Tq;
+      std::stable_sort(o, o + Tq, [rb](int64_t x, int64_t y) { return rb[x] < rb[y]; });
+      for (int64_t t = 0; t < Tq; ++t) {
+        inverse[b * Tq + o[t]] = t;
+        rs[b * Tq + t] = rb[o[t]];
+      }
+    }
+  }
+
+  // A contiguous copy of x [B, H, T, D] (unit stride in D; or [B, H, T]) whose rows
+  // [first, first + Tq) of dim 2 are taken through `map` (row first + t <- first + map[t]).
+  static at::Tensor take(const at::Tensor& x, const std::vector<int64_t>& map, int64_t Tq,
+                         int64_t first) {
+    const bool rows3 = x.dim() == 3;
+    const at::Tensor x4 = rows3 ? x.unsqueeze(-1) : x;
+    at::Tensor y = at::empty(x4.sizes(), x4.options());
+    const int64_t B = x4.size(0), H = x4.size(1), T = x4.size(2), D = x4.size(3);
+    const int64_t sb = x4.stride(0), sh = x4.stride(1), st = x4.stride(2);
+    AT_DISPATCH_FLOATING_TYPES(x4.scalar_type(), "attention_rank_order", [&] {
+      const scalar_t* xp = x4.const_data_ptr<scalar_t>();
+      scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t b = bh / H;
+          const scalar_t* xs = xp + b * sb + (bh % H) * sh;
+          scalar_t* ys = yp + bh * T * D;
+          const int64_t* m = map.data() + b * Tq;
+          for (int64_t t = 0; t < T; ++t) {
+            const int64_t src = t >= first && t < first + Tq ? first + m[t - first] : t;
+            std::memcpy(ys + t * D, xs + src * st, sizeof(scalar_t) * D);
+          }
+        }
+      });
+    });
+    return rows3 ? y.squeeze(-1) : y;
+  }
+  at::Tensor queries(const at::Tensor& x) const { return take(x, order, Tq, 0); }
+  at::Tensor unqueries(const at::Tensor& x) const { return take(x, inverse, Tq, 0); }
+  // [B, H, Tk, D]: memory rows as they are, current rows sorted (undo: back in place)
+  at::Tensor keys(const at::Tensor& x, bool undo = false) const {
+    return take(x, undo ? inverse : order, Tq, mem);
+  }
+  at::Tensor padding(const at::Tensor& kpm) const {  // [B, Tk] bool
+    if (!kpm.defined()) return kpm;
+    at::Tensor y = kpm.clone(at::MemoryFormat::Contiguous);
+    const bool* src = kpm.const_data_ptr<bool>();  // contiguous (the binding's check)
+    bool* dst = y.mutable_data_ptr<bool>();
+    const int64_t Tk = mem + Tq;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Tq; ++t) dst[b * Tk + mem + t] = src[b * Tk + mem + order[b * Tq + t]];
+    return y;
+  }
+};
+
+// Sort only where nothing else depends on positions (causal does).
+bool use_rank_order(const Tensor& perm_rank, bool causal) {
+  return perm_rank.defined() && !causal && perm_rank.size(1) > 1;
+}
+
+std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor& k,
+                                                  const Tensor& v,
+                                                  const Tensor& key_padding_mask,
+                                                  const Tensor& perm_rank, bool causal,
+                                                  bool perm_strict, double scale);
+std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
+    const Tensor& perm_rank, bool causal, bool perm_strict, double scale);
+
 }  // namespace
 
 // ---------------------------------------------------------------- batched [B, H, T, D]
@@ -612,6 +746,38 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
                                              const Tensor& key_padding_mask,
                                              const Tensor& perm_rank, bool causal,
                                              bool perm_strict, double scale) {
+  if (!use_rank_order(perm_rank, causal))
+    return attention_forward_impl(q, k, v, key_padding_mask, perm_rank, causal, perm_strict,
+                                  scale);
+  const RankOrder o(perm_rank, k.size(2));
+  auto [out, lse] = attention_forward_impl(o.queries(q), o.keys(k), o.keys(v),
+                                           o.padding(key_padding_mask), o.rank, causal,
+                                           perm_strict, scale);
+  return {o.unqueries(out).contiguous(), o.unqueries(lse).contiguous()};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
+    const Tensor& perm_rank, bool causal, bool perm_strict, double scale) {
+  if (!use_rank_order(perm_rank, causal))
+    return attention_backward_impl(grad_out, q, k, v, out, lse, key_padding_mask, perm_rank,
+                                   causal, perm_strict, scale);
+  const RankOrder o(perm_rank, k.size(2));
+  auto [dq, dk, dv] = attention_backward_impl(
+      o.queries(grad_out), o.queries(q), o.keys(k), o.keys(v), o.queries(out), o.queries(lse),
+      o.padding(key_padding_mask), o.rank, causal, perm_strict, scale);
+  return {o.unqueries(dq).contiguous(), o.keys(dk, /*undo=*/true).contiguous(),
+          o.keys(dv, /*undo=*/true).contiguous()};
+}
+
+namespace {
+
+std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor& k,
+                                                  const Tensor& v,
+                                                  const Tensor& key_padding_mask,
+                                                  const Tensor& perm_rank, bool causal,
+                                                  bool perm_strict, double scale) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
   Tensor out = at::empty({B, H, Tq, D}, q.options());
   Tensor lse = at::empty({B, H, Tq}, q.options());
@@ -626,6 +792,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
     const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    const std::vector<bool> sorted = ranks_sorted(rk, B, Tq);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -645,6 +812,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
       h.kpm = kpm ? kpm + b * Tk : nullptr;
       h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
+      h.rank_sorted = rk && sorted[b];
       h.causal = causal;
       h.strict = perm_strict;
       return h;
@@ -654,7 +822,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> attention_backward(
+std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
     const Tensor& perm_rank, bool causal, bool perm_strict, double scale) {
@@ -677,6 +845,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
     const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    const std::vector<bool> sorted = ranks_sorted(rk, B, Tq);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -704,6 +873,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
       h.kpm = kpm ? kpm + b * Tk : nullptr;
       h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
+      h.rank_sorted = rk && sorted[b];
       h.causal = causal;
       h.strict = perm_strict;
       return h;
@@ -712,6 +882,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
   });
   return {dq, dk, dv};
 }
+
+}  // namespace
 
 // ---------------------------------------------------------------- rel_attention [B, H, T, D]
 
@@ -729,6 +901,7 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
     const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    const std::vector<bool> sorted = ranks_sorted(rk, B, Tq);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -754,6 +927,7 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
       h.kpm = kpm ? kpm + b * Tk : nullptr;
       h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
+      h.rank_sorted = rk && sorted[b];
       h.causal = causal;
       h.strict = perm_strict;
       h.window = window;
@@ -782,6 +956,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
     const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+    const std::vector<bool> sorted = ranks_sorted(rk, B, Tq);
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
@@ -818,6 +993,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
       h.kpm = kpm ? kpm + b * Tk : nullptr;
       h.kpm_end = ends[b];
       h.rank = rk ? rk + b * Tq : nullptr;
+      h.rank_sorted = rk && sorted[b];
       h.causal = causal;
       h.strict = perm_strict;
       h.window = window;
