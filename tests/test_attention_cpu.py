@@ -9,7 +9,8 @@ import torch
 
 import ctxfast
 from ctxfast import reference
-from utils import CPU_BACKENDS, rel_err
+from ctxfast.ops.attention import draw_seed, dropout_keep_mask
+from utils import CPU_BACKENDS, DEVICE, TRITON_ON_CPU, rel_err
 
 pytestmark = pytest.mark.skipif("cpu" not in CPU_BACKENDS or not hasattr(
     torch.ops.ctxfast, "attention_fwd_cpu"), reason="ctxfast._C was built without attention")
@@ -44,15 +45,16 @@ def _masks(kind, B, Tq, Tk):
     return kw
 
 
-def check_cpu(q, k, v, grad_layout=None, **kw):
-    """cpu backend vs eager in q's dtype vs float64 reference: forward and dq, dk, dv."""
+def check_cpu(q, k, v, grad_layout=None, ours_kw=None, ref_kw=None, **kw):
+    """cpu backend vs eager in q's dtype vs float64 reference: forward and dq, dk, dv.
+    ours_kw / ref_kw: extra arguments of ctxfast.attention / of the references (dropout)."""
     dtype = q.dtype
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     same = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     l64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    out = ctxfast.attention(*leaves, backend="cpu", **kw)
-    out_same = reference.attention(*same, **kw)
-    out64 = reference.attention(*l64, **kw)
+    out = ctxfast.attention(*leaves, backend="cpu", **kw, **(ours_kw or {}))
+    out_same = reference.attention(*same, **kw, **(ref_kw or {}))
+    out64 = reference.attention(*l64, **kw, **(ref_kw or {}))
     do = torch.randn_like(out)
     if grad_layout == "transposed":    # a non-contiguous grad_out
         do = torch.randn(out.shape[:2] + out.shape[2:][::-1], dtype=dtype).transpose(-1, -2)
@@ -154,12 +156,14 @@ def test_opcheck():
     kpm = torch.zeros(1, 12, dtype=torch.bool)
     kpm[0, -3:] = True
     rank = torch.randperm(9).view(1, 9)
-    args = (q, k, v, kpm, rank, True, False, 0.25)
-    torch.library.opcheck(torch.ops.ctxfast.attention_fwd_cpu.default, args)
-    out, lse = torch.ops.ctxfast.attention_fwd_cpu(*args)
-    torch.library.opcheck(torch.ops.ctxfast.attention_bwd_cpu.default,
-                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
-                           out.detach(), lse, kpm, rank, True, False, 0.25))
+    seed = torch.tensor([1234], dtype=torch.int64)
+    for causal, drop in ((True, (0.0, None)), (False, (0.3, seed))):
+        args = (q, k, v, kpm, rank, causal, False, 0.25) + drop
+        torch.library.opcheck(torch.ops.ctxfast.attention_fwd_cpu.default, args)
+        out, lse = torch.ops.ctxfast.attention_fwd_cpu(*args)
+        torch.library.opcheck(torch.ops.ctxfast.attention_bwd_cpu.default,
+                              (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+                               out.detach(), lse, kpm, rank, causal, False, 0.25) + drop)
     qv, kv, vv = (torch.randn(11, 2, 16, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 4, 11], dtype=torch.int32)
     torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_cpu.default,
@@ -182,29 +186,62 @@ def test_torch_compile_fullgraph_default_backend():
     assert rel_err(q.grad, q2.grad) < 1e-5
 
 
-def test_default_is_cpu_and_dropout_goes_to_eager():
+def test_default_is_cpu_with_and_without_dropout():
     assert ctxfast._dispatch.resolve("attention", torch.device("cpu")) == "cpu"
     assert ctxfast._dispatch.resolve("attention_varlen", torch.device("cpu")) == "cpu"
     q, k, v = _inputs(1, 2, 6, 6, 8)
-    a = ctxfast.attention(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3))
-    b = ctxfast.attention(q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3),
-                          backend="eager")
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a = ctxfast.attention(q, k, v, dropout_p=0.5, generator=gen())
+    b = ctxfast.attention(q, k, v, dropout_p=0.5, generator=gen(), backend="cpu")
     assert torch.equal(a, b)
+    # the varlen kernels have no dropout: eager by default, refused when cpu is asked for
+    qv, kv, vv = (t[0].transpose(0, 1) for t in (q, k, v))
+    cu = torch.tensor([0, 6], dtype=torch.int32)
     with pytest.raises(ctxfast.BackendUnavailable, match="no attention dropout"):
-        ctxfast.attention(q, k, v, dropout_p=0.1, backend="cpu")
+        ctxfast.attention_varlen(qv, kv, vv, cu, cu, 6, 6, dropout_p=0.1, backend="cpu")
+
+
+def _triton_keep_mask(seed, B, H, Tq, Tk, p):
+    """The Triton kernels' keep mask for `seed` (on CUDA where there is one, else the kernel in
+    the interpreter), as a CPU bool tensor."""
+    return dropout_keep_mask(seed.to(DEVICE), B, H, Tq, Tk, p).cpu()
+
+
+@pytest.mark.parametrize("kind, Tq, mem", [("none", 70, 0), ("causal", 70, 67), ("pad", 33, 9),
+                                           ("perm", 140, 20), ("causal", 1, 5)])
+def test_dropout_is_the_triton_mask(kind, Tq, mem):
+    """Dropout on the cpu backend draws the Triton kernels' Philox numbers for the same seed:
+    forward and every gradient match the float64 reference given that mask."""
+    if DEVICE == "cpu" and not TRITON_ON_CPU:
+        pytest.skip("the Triton keep mask needs a GPU or TRITON_INTERPRET=1")
+    B, H, D, p = 2, 3, 16, 0.3
+    q, k, v = _inputs(B, H, Tq, Tq + mem, D)
+    seed = draw_seed("cpu", torch.Generator().manual_seed(11))
+    keep = _triton_keep_mask(seed, B, H, Tq, Tq + mem, p)
+    masks = _masks(kind, B, Tq, Tq + mem)
+    out, _ = check_cpu(q, k, v, ours_kw=dict(dropout_p=p,
+                                             generator=torch.Generator().manual_seed(11)),
+                       ref_kw=dict(dropout_p=p, dropout_mask=keep), **masks)
+    plain = ctxfast.attention(q, k, v, backend="cpu", **masks)
+    assert not torch.allclose(out, plain), "dropout changed nothing"
 
 
 def test_bad_input_to_the_op_itself():
     """The C++ entry points check their own inputs (the Python layer checks first)."""
     q, k, v = _inputs(1, 2, 5, 5, 8)
     with pytest.raises(ValueError, match="rank 4"):
-        torch.ops.ctxfast.attention_fwd_cpu(q[0], k, v, None, None, False, False, 1.0)
+        torch.ops.ctxfast.attention_fwd_cpu(q[0], k, v, None, None, False, False, 1.0, 0.0, None)
     with pytest.raises(ValueError, match="key_padding_mask must have shape"):
         torch.ops.ctxfast.attention_fwd_cpu(q, k, v, torch.zeros(1, 4, dtype=torch.bool),
-                                            None, False, False, 1.0)
+                                            None, False, False, 1.0, 0.0, None)
     with pytest.raises(ValueError, match="Tk >= Tq"):
         torch.ops.ctxfast.attention_fwd_cpu(q, k[:, :, :3], v[:, :, :3], None, None, True,
-                                            False, 1.0)
+                                            False, 1.0, 0.0, None)
+    with pytest.raises(ValueError, match="dropout needs seed"):
+        torch.ops.ctxfast.attention_fwd_cpu(q, k, v, None, None, False, False, 1.0, 0.2, None)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        torch.ops.ctxfast.attention_fwd_cpu(q, k, v, None, None, False, False, 1.0, 1.0,
+                                            torch.tensor([1]))
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
         torch.ops.ctxfast.attention_varlen_fwd_cpu(
             q[0], k[0], v[0], torch.tensor([1, 2]), torch.tensor([0, 2]), False, 1.0)

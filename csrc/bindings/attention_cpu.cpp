@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings/attention_args.h"
 #include "cpu/attention.h"
 
 namespace ctxfast {
@@ -84,7 +85,9 @@ std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k,
                                              const Tensor& v,
                                              const std::optional<Tensor>& key_padding_mask,
                                              const std::optional<Tensor>& perm_rank,
-                                             bool causal, bool perm_strict, double scale) {
+                                             bool causal, bool perm_strict, double scale,
+                                             double dropout_p,
+                                             const std::optional<Tensor>& seed) {
   check_qkv(kFwd, q, k, v, 4);
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
   TORCH_CHECK_VALUE(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
@@ -94,14 +97,16 @@ std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k,
   const at::ScalarType dt = q.scalar_type(), ct = compute_type(dt);
   auto [out, lse] = cpu::attention_forward(prep(q, ct, 2), prep(k, ct, 2), prep(v, ct, 2),
                                            opt_kpm(key_padding_mask), opt_rank(perm_rank),
-                                           causal, perm_strict, scale);
+                                           causal, perm_strict, scale,
+                                           dropout_args(kFwd, dropout_p, seed));
   return {back_to(out, dt), lse};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const std::optional<Tensor>& key_padding_mask,
-    const std::optional<Tensor>& perm_rank, bool causal, bool perm_strict, double scale) {
+    const std::optional<Tensor>& perm_rank, bool causal, bool perm_strict, double scale,
+    double dropout_p, const std::optional<Tensor>& seed) {
   check_qkv(kBwd, q, k, v, 4);
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2);
   TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), kBwd,
@@ -113,7 +118,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   auto [dq, dk, dv] = cpu::attention_backward(
       prep(grad_out, ct, 2), prep(q, ct, 2), prep(k, ct, 2), prep(v, ct, 2), prep(out, ct, 2),
       lse.to(ct).contiguous(), opt_kpm(key_padding_mask), opt_rank(perm_rank), causal,
-      perm_strict, scale);
+      perm_strict, scale, dropout_args(kBwd, dropout_p, seed));
   return {back_to(dq, dt), back_to(dk, dt), back_to(dv, dt)};
 }
 

@@ -32,24 +32,32 @@ TORCH_LIBRARY(ctxfast, m) {
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Fused attention (math in csrc/cpu/attention.h): the `cpu` backend of ctxfast.attention
   // and ctxfast.attention_varlen. lse is float64 for float64 inputs, else float32.
+  // dropout_p > 0 needs seed (int64 [1], CPU): the triton backend's Philox mask.
   m.def("attention_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
-        "Tensor? perm_rank, bool causal, bool perm_strict, float scale) -> (Tensor, Tensor)");
+        "Tensor? perm_rank, bool causal, bool perm_strict, float scale, float dropout_p, "
+        "Tensor? seed) -> (Tensor, Tensor)");
   m.def("attention_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? key_padding_mask, Tensor? perm_rank, bool causal, "
-        "bool perm_strict, float scale) -> (Tensor, Tensor, Tensor)");
+        "bool perm_strict, float scale, float dropout_p, Tensor? seed) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("attention_varlen_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, bool causal, float scale) -> (Tensor, Tensor)");
   m.def("attention_varlen_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float scale) "
         "-> (Tensor, Tensor, Tensor)");
-  // Transformer-XL relative attention without segments (csrc/bindings/rel_attention_cpu.cpp):
-  // the `cpu` backend of ctxfast.rel_attention; window 0 = none. The backward returns
-  // dq, dk, dv, dr, d_r_w_bias, d_r_r_bias.
+  // Transformer-XL / XLNet relative attention (csrc/bindings/rel_attention_cpu.cpp): the
+  // `cpu` backend of ctxfast.rel_attention; window 0 = none; the four segment tensors all
+  // given or none. The backward returns dq, dk, dv, dr, d_r_w_bias, d_r_r_bias,
+  // d_seg_embed, d_r_s_bias (the last two empty without segments).
   m.def("rel_attention_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
-        "Tensor r_r_bias, Tensor? key_padding_mask, Tensor? perm_rank, bool causal, "
-        "int pos_start, int window, bool perm_strict, float scale) -> (Tensor, Tensor)");
+        "Tensor r_r_bias, Tensor? key_padding_mask, Tensor? perm_rank, Tensor? seg_q, "
+        "Tensor? seg_k, Tensor? seg_embed, Tensor? r_s_bias, bool causal, int pos_start, "
+        "int window, bool perm_strict, float scale, float dropout_p, Tensor? seed) "
+        "-> (Tensor, Tensor)");
   m.def("rel_attention_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor r, "
         "Tensor r_w_bias, Tensor r_r_bias, Tensor out, Tensor lse, Tensor? key_padding_mask, "
-        "Tensor? perm_rank, bool causal, int pos_start, int window, bool perm_strict, "
-        "float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? perm_rank, Tensor? seg_q, Tensor? seg_k, Tensor? seg_embed, "
+        "Tensor? r_s_bias, bool causal, int pos_start, int window, bool perm_strict, "
+        "float scale, float dropout_p, Tensor? seed) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -1,7 +1,9 @@
 // CPU implementation of ctxfast::rel_attention_fwd_cpu / rel_attention_bwd_cpu:
 // checks, then csrc/cpu/attention.cpp (rel_attention_forward / _backward), which computes
 // Transformer-XL's position term from the band of r each tile needs (no [Tq, Tk] buffer).
-// Segments (XLNet's segment term) are not here: ctxfast.rel_attention runs them on eager.
+// XLNet's segment term enters the kernel as ef = scale (q + r_s_bias)·seg_embed[s]
+// [B, H, Tq, 2]; its gradient comes back per (row, s) and becomes d_seg_embed and
+// d_r_s_bias here (O(T D) work). Dropout: the triton backend's Philox mask.
 //
 // Dtypes and layouts as csrc/bindings/attention_cpu.cpp: float32/float64 in their own
 // precision, float16/bfloat16 computed in float32; unit stride in D used in place.
@@ -11,6 +13,10 @@
 #include <optional>
 #include <tuple>
 
+#include <ATen/ops/einsum.h>
+#include <ATen/ops/empty.h>
+
+#include "bindings/attention_args.h"
 #include "cpu/attention.h"
 
 namespace ctxfast {
@@ -79,25 +85,71 @@ Tensor add_bias(const Tensor& q, const Tensor& bias, at::ScalarType ct) {
   return q.to(ct).add(bias.to(ct).unsqueeze(0).unsqueeze(2));
 }
 
+// The four segment tensors, all or none: seg_q [B, Tq], seg_k [B, Tk] integer,
+// seg_embed [2, H, D], r_s_bias [H, D]. Returns qs = q + r_s_bias (compute dtype; undefined
+// without segments) and the kernel's Segments.
+struct SegArgs {
+  Tensor qs, seg_embed;  // compute dtype
+  cpu::Segments seg;
+};
+
+SegArgs segment_args(const char* op, const Tensor& q, const Tensor& k,
+                     const std::optional<Tensor>& seg_q, const std::optional<Tensor>& seg_k,
+                     const std::optional<Tensor>& seg_embed,
+                     const std::optional<Tensor>& r_s_bias, at::ScalarType ct, double scale) {
+  SegArgs a;
+  const bool any = (seg_q && seg_q->defined()) || (seg_k && seg_k->defined()) ||
+                   (seg_embed && seg_embed->defined()) || (r_s_bias && r_s_bias->defined());
+  if (!any) return a;
+  TORCH_CHECK_VALUE(seg_q && seg_q->defined() && seg_k && seg_k->defined() && seg_embed &&
+                        seg_embed->defined() && r_s_bias && r_s_bias->defined(),
+                    op, ": seg_q, seg_k, seg_embed and r_s_bias go together");
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
+  TORCH_CHECK_VALUE(seg_q->dim() == 2 && seg_q->size(0) == B && seg_q->size(1) == Tq &&
+                        !at::isFloatingType(seg_q->scalar_type()),
+                    op, ": seg_q must be an integer tensor [", B, ", ", Tq, "]");
+  TORCH_CHECK_VALUE(seg_k->dim() == 2 && seg_k->size(0) == B && seg_k->size(1) == Tk &&
+                        !at::isFloatingType(seg_k->scalar_type()),
+                    op, ": seg_k must be an integer tensor [", B, ", ", Tk, "]");
+  TORCH_CHECK_VALUE(seg_embed->dim() == 3 && seg_embed->size(0) == 2 &&
+                        seg_embed->size(1) == H && seg_embed->size(2) == D,
+                    op, ": seg_embed must have shape [2, ", H, ", ", D, "]");
+  TORCH_CHECK_VALUE(r_s_bias->dim() == 2 && r_s_bias->size(0) == H && r_s_bias->size(1) == D,
+                    op, ": r_s_bias must have shape [", H, ", ", D, "]");
+  a.qs = add_bias(q, *r_s_bias, ct);                                       // [B, H, Tq, D]
+  a.seg_embed = seg_embed->to(ct);                                         // [2, H, D]
+  a.seg.ef = at::einsum("bhid,shd->bhis", {a.qs, a.seg_embed}).mul_(scale).contiguous();
+  a.seg.seg_q = seg_q->to(at::kLong).contiguous();
+  a.seg.seg_k = seg_k->to(at::kLong).contiguous();
+  return a;
+}
+
 std::tuple<Tensor, Tensor> rel_attention_fwd_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& r, const Tensor& r_w_bias,
     const Tensor& r_r_bias, const std::optional<Tensor>& key_padding_mask,
-    const std::optional<Tensor>& perm_rank, bool causal, int64_t pos_start, int64_t window,
-    bool perm_strict, double scale) {
+    const std::optional<Tensor>& perm_rank, const std::optional<Tensor>& seg_q,
+    const std::optional<Tensor>& seg_k, const std::optional<Tensor>& seg_embed,
+    const std::optional<Tensor>& r_s_bias, bool causal, int64_t pos_start, int64_t window,
+    bool perm_strict, double scale, double dropout_p, const std::optional<Tensor>& seed) {
   check(kFwd, q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, causal, pos_start);
   const at::ScalarType dt = q.scalar_type(), ct = compute_type(dt);
+  const cpu::Dropout drop = dropout_args(kFwd, dropout_p, seed);
+  const SegArgs sa = segment_args(kFwd, q, k, seg_q, seg_k, seg_embed, r_s_bias, ct, scale);
   auto [out, lse] = cpu::rel_attention_forward(
       add_bias(q, r_w_bias, ct), add_bias(q, r_r_bias, ct), prep(k, ct), prep(v, ct),
       prep(r, ct), opt_kpm(key_padding_mask), opt_rank(perm_rank), causal, perm_strict,
-      pos_start, window, scale);
+      pos_start, window, scale, sa.seg, drop);
   return {back_to(out, dt), lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_bwd_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_bwd_cpu(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& r,
     const Tensor& r_w_bias, const Tensor& r_r_bias, const Tensor& out, const Tensor& lse,
     const std::optional<Tensor>& key_padding_mask, const std::optional<Tensor>& perm_rank,
-    bool causal, int64_t pos_start, int64_t window, bool perm_strict, double scale) {
+    const std::optional<Tensor>& seg_q, const std::optional<Tensor>& seg_k,
+    const std::optional<Tensor>& seg_embed, const std::optional<Tensor>& r_s_bias,
+    bool causal, int64_t pos_start, int64_t window, bool perm_strict, double scale,
+    double dropout_p, const std::optional<Tensor>& seed) {
   check(kBwd, q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, causal, pos_start);
   TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), kBwd,
                     ": grad_out and out must have q's shape ", q.sizes());
@@ -105,14 +157,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_bwd_cpu
                         lse.size(2) == q.size(2),
                     kBwd, ": lse must have shape [B, H, Tq]");
   const at::ScalarType dt = q.scalar_type(), ct = compute_type(dt);
-  auto [dqu, dqw, dk, dv, dr] = cpu::rel_attention_backward(
+  const cpu::Dropout drop = dropout_args(kBwd, dropout_p, seed);
+  const SegArgs sa = segment_args(kBwd, q, k, seg_q, seg_k, seg_embed, r_s_bias, ct, scale);
+  auto [dqu, dqw, dk, dv, dr, def] = cpu::rel_attention_backward(
       prep(grad_out, ct), add_bias(q, r_w_bias, ct), add_bias(q, r_r_bias, ct), prep(k, ct),
       prep(v, ct), prep(r, ct), prep(out, ct), lse.to(ct).contiguous(),
       opt_kpm(key_padding_mask), opt_rank(perm_rank), causal, perm_strict, pos_start, window,
-      scale);
+      scale, sa.seg, drop);
   Tensor du = dqu.sum({0, 2}), dw = dqw.sum({0, 2});
-  return {back_to(dqu.add_(dqw), dt), back_to(dk, dt), back_to(dv, dt), back_to(dr, dt),
-          back_to(du, dt), back_to(dw, dt)};
+  Tensor dq = dqu.add_(dqw);
+  Tensor dse = at::empty({0}, dq.options()), drsb = at::empty({0}, dq.options());
+  if (sa.seg.defined()) {  // def [B, H, Tq, 2]: d(ef) / scale
+    Tensor dqs = at::einsum("bhis,shd->bhid", {def, sa.seg_embed}).mul_(scale);
+    dse = at::einsum("bhis,bhid->shd", {def, sa.qs}).mul_(scale);
+    drsb = dqs.sum({0, 2});
+    dq.add_(dqs);
+  }
+  return {back_to(dq, dt), back_to(dk, dt), back_to(dv, dt), back_to(dr, dt),
+          back_to(du, dt), back_to(dw, dt), back_to(dse, dt), back_to(drsb, dt)};
 }
 
 }  // namespace

@@ -305,6 +305,94 @@ void ds_row(const T* p, T* ds, int64_t n, T delta) {
   for (int64_t c = 0; c < n; ++c) ds[c] = p[c] * (ds[c] - delta);
 }
 
+// ---------------------------------------------------------------- dropout (Philox)
+
+// Philox-4x32-10 as Triton's tl.rand runs it: counter (offset_lo, offset_hi, 0, 0), key
+// (seed_lo, seed_hi); the first output word becomes a float in [0, 1) by
+// (x < 0 ? ~x : x) * 4.6566127342e-10f with x the word read as int32.
+constexpr uint32_t kPhiloxRoundA = 0xD2511F53u, kPhiloxRoundB = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;
+constexpr float kUniformScale = 4.6566127342e-10f;
+
+inline float philox_uniform(uint64_t seed, uint64_t offset) {
+  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32);
+  uint32_t c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t pb = static_cast<uint64_t>(kPhiloxRoundB) * c2;
+    const uint64_t pa = static_cast<uint64_t>(kPhiloxRoundA) * c0;
+    c0 = static_cast<uint32_t>(pb >> 32) ^ c1 ^ k0;
+    c2 = static_cast<uint32_t>(pa >> 32) ^ c3 ^ k1;
+    c1 = static_cast<uint32_t>(pb);
+    c3 = static_cast<uint32_t>(pa);
+    k0 += kPhiloxKeyA;
+    k1 += kPhiloxKeyB;
+  }
+  int32_t x = static_cast<int32_t>(c0);
+  if (x < 0) x = ~x;
+  return static_cast<float>(x) * kUniformScale;
+}
+
+#ifdef CTXFAST_ATTN_AVX2
+// High 32 bits of a * b for 8 unsigned lanes, b a broadcast constant.
+CTXFAST_AVX2_FN inline __m256i mulhi_epu32(__m256i a, __m256i b) {
+  const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(a, b), 32);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), _mm256_srli_epi64(b, 32));
+  return _mm256_blend_epi32(even, odd, 0xAA);
+}
+
+// f[c] = keep(offset + c) ? scale_kept : 0 for c < n (8 counters per step).
+CTXFAST_AVX2_FN void keep_factors_avx2(uint64_t seed, uint64_t offset, int64_t n, float p,
+                                       float scale_kept, float* f) {
+  const __m256i ra = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundA));
+  const __m256i rb = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundB));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 vp = _mm256_set1_ps(p), vs = _mm256_set1_ps(scale_kept);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const uint64_t o = offset + static_cast<uint64_t>(c);
+    const uint32_t lo = static_cast<uint32_t>(o);
+    __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)), lane);
+    // the high word: + 1 in the lanes where the low word wrapped around
+    const __m256i wrapped = _mm256_cmpgt_epi32(
+        _mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(lo)), _mm256_set1_epi32(INT32_MIN)),
+        _mm256_xor_si256(c0, _mm256_set1_epi32(INT32_MIN)));
+    __m256i c1 = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(o >> 32)), wrapped);
+    __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      const __m256i hb = mulhi_epu32(c2, rb), ha = mulhi_epu32(c0, ra);
+      const __m256i lb = _mm256_mullo_epi32(c2, rb), la = _mm256_mullo_epi32(c0, ra);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hb, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+      c2 = _mm256_xor_si256(_mm256_xor_si256(ha, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+      c1 = lb;
+      c3 = la;
+      k0 += kPhiloxKeyA;
+      k1 += kPhiloxKeyB;
+    }
+    const __m256i x = _mm256_xor_si256(c0, _mm256_srai_epi32(c0, 31));  // x < 0 ? ~x : x
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_set1_ps(kUniformScale));
+    _mm256_storeu_ps(f + c, _mm256_and_ps(vs, _mm256_cmp_ps(u, vp, _CMP_GE_OQ)));
+  }
+  for (; c < n; ++c)
+    f[c] = philox_uniform(seed, offset + static_cast<uint64_t>(c)) >= p ? scale_kept : 0.0f;
+}
+#endif
+
+// f[c] = keep(offset + c) ? 1 / (1 - p) : 0 for c < n.
+template <typename T>
+void keep_factors(uint64_t seed, uint64_t offset, int64_t n, double p, T* f) {
+  const float pf = static_cast<float>(p);  // the kernels compare in float32
+  const T kept = static_cast<T>(1.0 / (1.0 - p));
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2()) return keep_factors_avx2(seed, offset, n, pf, kept, f);
+  }
+#endif
+  for (int64_t c = 0; c < n; ++c)
+    f[c] = philox_uniform(seed, offset + static_cast<uint64_t>(c)) >= pf ? kept : T(0);
+}
+
 // ---------------------------------------------------------------- one (sequence, head)
 
 template <typename T>
@@ -331,6 +419,15 @@ struct Head {
   const T* qw; int64_t ldqw;  // q + r_r_bias [Tq, D]
   T* dqw; int64_t lddqw;      // backward: grad of qw (accumulated)
   T* dr;                      // backward: grad of r [R, D], row stride D (accumulated)
+  // segments (segq == nullptr: none): the score adds ef[2 i + (segq[i] != segk[j])]
+  const int64_t* segq;        // [Tq]
+  const int64_t* segk;        // [Tk]
+  const T* ef;                // [Tq, 2]: scale (q_i + r_s_bias)·seg_embed[s]
+  T* def;                     // backward: [Tq, 2], sum over j of dS_ij by s (accumulated)
+  // dropout (p_drop == 0: none): Philox counter (bh Tq_all + i) Tk_all + j
+  double p_drop;
+  uint64_t seed;
+  int64_t bh, Tq_all, Tk_all;
 };
 
 // Permutation ranks of queries [i0, i0 + bq): (min, max).
@@ -486,14 +583,33 @@ void scores_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t b
       for (int64_t c = 0; c < bk; ++c) row[c] += gr[c];
     }
   }
+  if (h.segq != nullptr) {
+    for (int64_t rr = 0; rr < bq; ++rr) {
+      const int64_t i = i0 + rr, sq = h.segq[i];
+      const T same = h.ef[2 * i], other = h.ef[2 * i + 1];
+      const int64_t* sk = h.segk + j0;
+      T* row = s + rr * bk;
+      for (int64_t c = 0; c < bk; ++c) row[c] += sk[c] == sq ? same : other;
+    }
+  }
   mask_tile(h, i0, bq, j0, bk, s);
+}
+
+// f [bq, bk] (row stride bk) <- the dropout factors of the tile: 1 / (1 - p) where kept,
+// else 0.
+template <typename T>
+void dropout_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk, T* f) {
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    const uint64_t offset = static_cast<uint64_t>((h.bh * h.Tq_all + i0 + rr) * h.Tk_all + j0);
+    keep_factors(h.seed, offset, bk, h.p_drop, f + rr * bk);
+  }
 }
 
 // Forward of queries [i0, i0 + bq): out rows and lse. `s` holds kBlockQ * kBlockK,
 // m and l kBlockQ.
 template <typename T>
 void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
-                  std::vector<T>& band) {
+                  std::vector<T>& band, T* f) {
   const int64_t bq = std::min(kBlockQ, h.Tq - i0), D = h.D;
   const T ninf = -std::numeric_limits<T>::infinity();
   T* o = h.o + i0 * h.ldo;
@@ -523,6 +639,10 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
         for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
       }
     }
+    if (h.p_drop > 0) {  // after the normaliser: P <- P keep / (1 - p)
+      dropout_tile(h, i0, bq, j0, bk, f);
+      for (int64_t c = 0; c < bq * bk; ++c) s[c] *= f[c];
+    }
     gemm_rm<T>(false, false, bq, D, bk, T(1), s, bk, h.v + j0 * h.ldv, h.ldv, T(1), o, h.ldo);
   }
   for (int64_t r = 0; r < bq; ++r) {
@@ -541,7 +661,7 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
 // Scratch of one backward task.
 template <typename T>
 struct BwdScratch {
-  std::vector<T> p, dp, delta, band, dband;
+  std::vector<T> p, dp, f, delta, band, dband;
 };
 
 // Backward of one head: dq, dk, dv (and dqw, dr) accumulated; they are zero on entry. The
@@ -580,18 +700,42 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
         if (lse == inf) std::fill(row, row + bk, T(0));
         else exp_row(row, bk, lse);
       }
-      // dv_j += Pᵀ dO_i
-      gemm_rm<T>(true, false, bk, D, bq, T(1), s, bk, h.dout + i0 * h.lddo, h.lddo, T(1),
-                 h.dv + j0 * h.lddv, h.lddv);
-      // dP = dO_i V_jᵀ, then dS = P (dP - Delta)
+      // dP = dO_i V_jᵀ, then dS = P (dP - Delta); with dropout (F: the factors, keep / (1 - p))
+      // dP = F (dO_i V_jᵀ), dS = P (dP - Delta) and the dropped P F goes to dV
       gemm_rm<T>(false, true, bq, bk, D, T(1), h.dout + i0 * h.lddo, h.lddo,
                  h.v + j0 * h.ldv, h.ldv, T(0), ds, bk);
-      for (int64_t r = 0; r < bq; ++r) ds_row(s + r * bk, ds + r * bk, bk, w.delta[i0 + r]);
+      if (h.p_drop > 0) {
+        T* f = w.f.data();
+        dropout_tile(h, i0, bq, j0, bk, f);
+        for (int64_t r = 0; r < bq; ++r) {
+          const T delta = w.delta[i0 + r];
+          for (int64_t c = r * bk; c < (r + 1) * bk; ++c) {
+            ds[c] = s[c] * (ds[c] * f[c] - delta);
+            s[c] *= f[c];
+          }
+        }
+      } else {
+        for (int64_t r = 0; r < bq; ++r) ds_row(s + r * bk, ds + r * bk, bk, w.delta[i0 + r]);
+      }
+      // dv_j += Pᵀ dO_i (P after dropout)
+      gemm_rm<T>(true, false, bk, D, bq, T(1), s, bk, h.dout + i0 * h.lddo, h.lddo, T(1),
+                 h.dv + j0 * h.lddv, h.lddv);
       // dk_j += scale dSᵀ Q_i ; dq_i += scale dS K_j
       gemm_rm<T>(true, false, bk, D, bq, scale, ds, bk, h.q + i0 * h.ldq, h.ldq, T(1),
                  h.dk + j0 * h.lddk, h.lddk);
       gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
                  h.dq + i0 * h.lddq, h.lddq);
+      if (h.segq != nullptr) {  // def[i, s(i, j)] += dS[i, j]
+        for (int64_t rr = 0; rr < bq; ++rr) {
+          const int64_t i = i0 + rr, sq = h.segq[i];
+          const int64_t* sk = h.segk + j0;
+          const T* row = ds + rr * bk;
+          T same = 0, other = 0;
+          for (int64_t c = 0; c < bk; ++c) (sk[c] == sq ? same : other) += row[c];
+          h.def[2 * i] += same;
+          h.def[2 * i + 1] += other;
+        }
+      }
       if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] += dS[rr, c]
         for (int64_t rr = 0; rr < bq; ++rr) {
           T* gr = w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
@@ -614,11 +758,11 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   if (n_heads == 0 || nqb == 0) return;
   at::parallel_for(0, n_heads * nqb, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
-    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK));
+    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK)), f(kBlockQ * kBlockK);
     for (int64_t t = begin; t < end; ++t) {
       const Head<T> h = make(t / nqb);
       const int64_t i0 = (t % nqb) * kBlockQ;
-      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band);
+      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band, f.data());
     }
   });
 }
@@ -630,6 +774,7 @@ void run_backward(int64_t n_heads, T scale, const MakeHead& make) {
     BwdScratch<T> w;
     w.p.resize(kBlockQ * kBlockK);
     w.dp.resize(kBlockQ * kBlockK);
+    w.f.resize(kBlockQ * kBlockK);
     for (int64_t t = begin; t < end; ++t) backward_head(make(t), scale, w);
   });
 }
@@ -646,7 +791,36 @@ Head<T> empty_head() {
   h.qw = nullptr;
   h.dqw = nullptr;
   h.dr = nullptr;
+  h.segq = nullptr;
+  h.segk = nullptr;
+  h.ef = nullptr;
+  h.def = nullptr;
+  h.p_drop = 0.0;
+  h.seed = 0;
+  h.bh = 0;
+  h.Tq_all = 0;
+  h.Tk_all = 0;
   return h;
+}
+
+template <typename T>
+void set_dropout(Head<T>& h, const Dropout& dropout, int64_t bh, int64_t Tq, int64_t Tk) {
+  h.p_drop = dropout.p;
+  h.seed = dropout.seed;
+  h.bh = bh;
+  h.Tq_all = Tq;
+  h.Tk_all = Tk;
+}
+
+// def_p: the backward's d(ef) [B, H, Tq, 2] (nullptr in the forward).
+template <typename T>
+void set_segments(Head<T>& h, const Segments& seg, int64_t b, int64_t bh, int64_t Tq,
+                  int64_t Tk, T* def_p) {
+  if (!seg.defined()) return;
+  h.segq = seg.seg_q.const_data_ptr<int64_t>() + b * Tq;
+  h.segk = seg.seg_k.const_data_ptr<int64_t>() + b * Tk;
+  h.ef = seg.ef.const_data_ptr<T>() + bh * Tq * 2;
+  h.def = def_p ? def_p + bh * Tq * 2 : nullptr;
 }
 
 // XLNet's permutation mask depends on ranks only, and attention is invariant to the order
@@ -723,20 +897,22 @@ struct RankOrder {
   }
 };
 
-// Sort only where nothing else depends on positions (causal does).
-bool use_rank_order(const Tensor& perm_rank, bool causal) {
-  return perm_rank.defined() && !causal && perm_rank.size(1) > 1;
+// Sort only where nothing else depends on positions (causal does, and dropout's counter).
+bool use_rank_order(const Tensor& perm_rank, bool causal, const Dropout& dropout) {
+  return perm_rank.defined() && !causal && dropout.p <= 0 && perm_rank.size(1) > 1;
 }
 
 std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor& k,
                                                   const Tensor& v,
                                                   const Tensor& key_padding_mask,
                                                   const Tensor& perm_rank, bool causal,
-                                                  bool perm_strict, double scale);
+                                                  bool perm_strict, double scale,
+                                                  const Dropout& dropout);
 std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
-    const Tensor& perm_rank, bool causal, bool perm_strict, double scale);
+    const Tensor& perm_rank, bool causal, bool perm_strict, double scale,
+    const Dropout& dropout);
 
 }  // namespace
 
@@ -745,28 +921,30 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
 std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const Tensor& key_padding_mask,
                                              const Tensor& perm_rank, bool causal,
-                                             bool perm_strict, double scale) {
-  if (!use_rank_order(perm_rank, causal))
+                                             bool perm_strict, double scale,
+                                             const Dropout& dropout) {
+  if (!use_rank_order(perm_rank, causal, dropout))
     return attention_forward_impl(q, k, v, key_padding_mask, perm_rank, causal, perm_strict,
-                                  scale);
+                                  scale, dropout);
   const RankOrder o(perm_rank, k.size(2));
   auto [out, lse] = attention_forward_impl(o.queries(q), o.keys(k), o.keys(v),
                                            o.padding(key_padding_mask), o.rank, causal,
-                                           perm_strict, scale);
+                                           perm_strict, scale, dropout);
   return {o.unqueries(out).contiguous(), o.unqueries(lse).contiguous()};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_backward(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
-    const Tensor& perm_rank, bool causal, bool perm_strict, double scale) {
-  if (!use_rank_order(perm_rank, causal))
+    const Tensor& perm_rank, bool causal, bool perm_strict, double scale,
+    const Dropout& dropout) {
+  if (!use_rank_order(perm_rank, causal, dropout))
     return attention_backward_impl(grad_out, q, k, v, out, lse, key_padding_mask, perm_rank,
-                                   causal, perm_strict, scale);
+                                   causal, perm_strict, scale, dropout);
   const RankOrder o(perm_rank, k.size(2));
   auto [dq, dk, dv] = attention_backward_impl(
       o.queries(grad_out), o.queries(q), o.keys(k), o.keys(v), o.queries(out), o.queries(lse),
-      o.padding(key_padding_mask), o.rank, causal, perm_strict, scale);
+      o.padding(key_padding_mask), o.rank, causal, perm_strict, scale, dropout);
   return {o.unqueries(dq).contiguous(), o.keys(dk, /*undo=*/true).contiguous(),
           o.keys(dv, /*undo=*/true).contiguous()};
 }
@@ -777,7 +955,8 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
                                                   const Tensor& v,
                                                   const Tensor& key_padding_mask,
                                                   const Tensor& perm_rank, bool causal,
-                                                  bool perm_strict, double scale) {
+                                                  bool perm_strict, double scale,
+                                                  const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
   Tensor out = at::empty({B, H, Tq, D}, q.options());
   Tensor lse = at::empty({B, H, Tq}, q.options());
@@ -815,6 +994,7 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
       h.rank_sorted = rk && sorted[b];
       h.causal = causal;
       h.strict = perm_strict;
+      set_dropout(h, dropout, bh, Tq, Tk);
       return h;
     };
     run_forward<T>(B * H, Tq, static_cast<T>(scale), make);
@@ -825,7 +1005,8 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
 std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
-    const Tensor& perm_rank, bool causal, bool perm_strict, double scale) {
+    const Tensor& perm_rank, bool causal, bool perm_strict, double scale,
+    const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
   Tensor dq = at::zeros({B, H, Tq, D}, q.options());
   Tensor dk = at::zeros({B, H, Tk, D}, q.options());
@@ -876,6 +1057,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
       h.rank_sorted = rk && sorted[b];
       h.causal = causal;
       h.strict = perm_strict;
+      set_dropout(h, dropout, bh, Tq, Tk);
       return h;
     };
     run_backward<T>(B * H, static_cast<T>(scale), make);
@@ -890,13 +1072,15 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
 std::tuple<Tensor, Tensor> rel_attention_forward(
     const Tensor& qu, const Tensor& qw, const Tensor& k, const Tensor& v, const Tensor& r,
     const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
-    int64_t pos_start, int64_t window, double scale) {
+    int64_t pos_start, int64_t window, double scale, const Segments& seg,
+    const Dropout& dropout) {
   const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
   Tensor out = at::empty({B, H, Tq, D}, qu.options());
   Tensor lse = at::empty({B, H, Tq}, qu.options());
   AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_forward_cpu", [&] {
     using T = scalar_t;
+    T* def_p = nullptr;
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
@@ -931,6 +1115,8 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
       h.causal = causal;
       h.strict = perm_strict;
       h.window = window;
+      set_dropout(h, dropout, bh, Tq, Tk);
+      set_segments(h, seg, b, bh, Tq, Tk, def_p);
       return h;
     };
     run_forward<T>(B * H, Tq, static_cast<T>(scale), make);
@@ -938,11 +1124,12 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
     const Tensor& grad_out, const Tensor& qu, const Tensor& qw, const Tensor& k,
     const Tensor& v, const Tensor& r, const Tensor& out, const Tensor& lse,
     const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
-    int64_t pos_start, int64_t window, double scale) {
+    int64_t pos_start, int64_t window, double scale, const Segments& seg,
+    const Dropout& dropout) {
   const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
   Tensor dqu = at::zeros({B, H, Tq, D}, qu.options());
@@ -950,8 +1137,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
   Tensor dk = at::zeros({B, H, Tk, D}, qu.options());
   Tensor dv = at::zeros({B, H, Tk, D}, qu.options());
   Tensor drb = at::zeros({B, H, R, D}, qu.options());  // per (b, h); summed over b below
+  Tensor def = seg.defined() ? at::zeros({B, H, Tq, 2}, qu.options()) : Tensor();
   AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_backward_cpu", [&] {
     using T = scalar_t;
+    T* def_p = def.defined() ? def.mutable_data_ptr<T>() : nullptr;
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
                                                  : nullptr;
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
@@ -997,11 +1186,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
       h.causal = causal;
       h.strict = perm_strict;
       h.window = window;
+      set_dropout(h, dropout, bh, Tq, Tk);
+      set_segments(h, seg, b, bh, Tq, Tk, def_p);
       return h;
     };
     run_backward<T>(B * H, static_cast<T>(scale), make);
   });
-  return {dqu, dqw, dk, dv, drb.sum(0)};
+  return {dqu, dqw, dk, dv, drb.sum(0), def};
 }
 
 // ---------------------------------------------------------------- packed [total, H, D]

@@ -20,11 +20,31 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
 namespace ctxfast {
 namespace cpu {
+
+// Attention dropout on the probabilities (p > 0): keep (b, h, i, j) iff u >= p, u the
+// uniform float of Philox-4x32-10 (key = seed, counter = ((b H + h) Tq + i) Tk + j, first
+// word) as Triton's tl.rand draws it, so the keep mask equals the triton backend's for the
+// same seed; kept probabilities are scaled by 1 / (1 - p). The normaliser l_i and lse are
+// taken before dropout.
+struct Dropout {
+  double p = 0.0;
+  uint64_t seed = 0;
+};
+
+// XLNet's segment term of rel_attention: the score adds ef[b, h, i, s],
+// s = (seg_q[b, i] != seg_k[b, j]), with ef = scale (q + r_s_bias)·seg_embed[s]
+// [B, H, Tq, 2] (contiguous, the compute dtype); seg_q [B, Tq], seg_k [B, Tk] int64
+// contiguous. Undefined tensors: no segment term.
+struct Segments {
+  at::Tensor seg_q, seg_k, ef;
+  bool defined() const { return ef.defined(); }
+};
 
 // q [B, H, Tq, D], k, v [B, H, Tk, D] (stride 1 in D), key_padding_mask bool [B, Tk]
 // contiguous or undefined, perm_rank int64 [B, Tq] contiguous or undefined.
@@ -32,30 +52,35 @@ namespace cpu {
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& key_padding_mask, const at::Tensor& perm_rank, bool causal,
-    bool perm_strict, double scale);
+    bool perm_strict, double scale, const Dropout& dropout = {});
 
 // Gradients dq [B, H, Tq, D], dk, dv [B, H, Tk, D] (contiguous) of the forward above.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& key_padding_mask, const at::Tensor& perm_rank, bool causal,
-    bool perm_strict, double scale);
+    bool perm_strict, double scale, const Dropout& dropout = {});
 
-// rel_attention (Transformer-XL, XLNet without segments): qu = q + r_w_bias and
-// qw = q + r_r_bias [B, H, Tq, D], k, v [B, H, Tk, D], r [H, R, D] (stride 1 in D); the
-// score adds scale qw_i . r[pos_start - (mem + i - j)]; window > 0 also hides pairs with
-// mem + i - j >= window. Returns out, lse as attention_forward.
+// rel_attention (Transformer-XL, XLNet): qu = q + r_w_bias and qw = q + r_r_bias
+// [B, H, Tq, D], k, v [B, H, Tk, D], r [H, R, D] (stride 1 in D); the score adds
+// scale qw_i . r[pos_start - (mem + i - j)] and, with segments, their term; window > 0 also
+// hides pairs with mem + i - j >= window. Returns out, lse as attention_forward.
 std::tuple<at::Tensor, at::Tensor> rel_attention_forward(
     const at::Tensor& qu, const at::Tensor& qw, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& r, const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
-    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale);
+    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale,
+    const Segments& seg = {}, const Dropout& dropout = {});
 
-// Its gradients: d(qu), d(qw) [B, H, Tq, D], dk, dv [B, H, Tk, D], dr [H, R, D].
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rel_attention_backward(
-    const at::Tensor& grad_out, const at::Tensor& qu, const at::Tensor& qw,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& r, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
-    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale);
+// Its gradients: d(qu), d(qw) [B, H, Tq, D], dk, dv [B, H, Tk, D], dr [H, R, D], and with
+// segments d(ef) / scale [B, H, Tq, 2] = sum over j of dS_ij where s(i, j) = s (undefined
+// without segments).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+rel_attention_backward(const at::Tensor& grad_out, const at::Tensor& qu, const at::Tensor& qw,
+                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+                       const at::Tensor& out, const at::Tensor& lse,
+                       const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
+                       bool causal, bool perm_strict, int64_t pos_start, int64_t window,
+                       double scale, const Segments& seg = {}, const Dropout& dropout = {});
 
 // Packed sequences: q [total_q, H, D], k, v [total_k, H, D] (stride 1 in D); sequence b
 // is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k, v. Causal is bottom-right

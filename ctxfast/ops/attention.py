@@ -14,8 +14,10 @@ regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces i
 
 ``attention_fwd_cpu`` / ``attention_bwd_cpu`` (and the varlen pair): the ``cpu`` backend,
 C++ in ``csrc/cpu/attention.cpp`` (flash-style key tiles with an online softmax, BLAS GEMMs
-on the tiles, masks from the O(T) inputs, backward from the saved log-sum-exp; no dropout:
-with ``dropout_p > 0`` the CPU default is eager and asking for ``cpu`` is an error).
+on the tiles, masks from the O(T) inputs, backward from the saved log-sum-exp; dropout
+with the same Philox counter as the Triton kernels, so one seed gives one mask on both;
+XLNet permutation masks processed in rank order). The varlen pair has no dropout: with
+``dropout_p > 0`` its CPU default is eager and asking for ``cpu`` is an error.
 
 The ``eager`` backend is ``ctxfast.reference.attention`` (a materialised mask + softmax).
 ``attention_varlen`` (packed sequences) has its own pair of ops below. On CUDA the Triton
@@ -47,8 +49,7 @@ _BACKENDS = ("triton", "cpu", "eager") if _CPU else ("triton", "eager")
 # [B, 1, Tq, Tk]; is_causal for plain causal) fwd / fwd+bwd: causal 0.99-1.33x / 1.08-1.39x,
 # key padding 1.01-1.47x / 1.14-1.19x, causal with memory Tk = 2Tq 1.29-1.48x / 1.21-1.40x;
 # against eager on XLNet permutation masks 2.1-5.0x / 2.6-6.2x (eager materialises the
-# mask and the scores). With dropout the default is eager (the cpu kernels have no
-# dropout); the Triton kernel runs on CPU only in the interpreter, for tests.
+# mask and the scores). The Triton kernel runs on CPU only in the interpreter, for tests.
 _dispatch.register_op("attention", supported=_BACKENDS,
                       cpu_default=("cpu", "eager") if _CPU else ("eager",),
                       cuda_default=("triton", "eager"))
@@ -114,38 +115,41 @@ _attention_fwd_triton.register_autograd(_fwd_backward, setup_context=_fwd_setup_
 
 
 # C++ CPU ops (schemas in csrc/bindings/module_cpu.cpp): ``attention_fwd_cpu(q, k, v,
-# key_padding_mask, perm_rank, causal, perm_strict, scale) -> (out, lse)`` and
-# ``attention_bwd_cpu(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal,
-# perm_strict, scale) -> (dq, dk, dv)``; lse (natural log, +inf on rows that see no key) is
-# float64 for float64 inputs, else float32. No dropout.
+# key_padding_mask, perm_rank, causal, perm_strict, scale, dropout_p, seed) -> (out, lse)``
+# and ``attention_bwd_cpu(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal,
+# perm_strict, scale, dropout_p, seed) -> (dq, dk, dv)``; lse (natural log, +inf on rows
+# that see no key) is float64 for float64 inputs, else float32. Dropout: the Triton
+# kernels' Philox mask for the same seed (int64 [1] on the CPU).
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _cpu_fwd_fake(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale):
+def _cpu_fwd_fake(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale, dropout_p,
+                  seed):
     B, H, Tq, D = q.shape
     return q.new_empty((B, H, Tq, D)), q.new_empty((B, H, Tq), dtype=_lse_dtype(q))
 
 
 def _cpu_bwd_fake(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal, perm_strict,
-                  scale):
+                  scale, dropout_p, seed):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _cpu_setup_context(ctx, inputs, output):
-    q, k, v, kpm, rank, causal, perm_strict, scale = inputs
+    q, k, v, kpm, rank, causal, perm_strict, scale, dropout_p, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, kpm, rank)
-    ctx.causal, ctx.perm_strict, ctx.scale = causal, perm_strict, scale
+    ctx.save_for_backward(q, k, v, out, lse, kpm, rank, seed)
+    ctx.causal, ctx.perm_strict, ctx.scale, ctx.dropout_p = causal, perm_strict, scale, dropout_p
 
 
 def _cpu_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, kpm, rank = ctx.saved_tensors
+    q, k, v, out, lse, kpm, rank, seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.ctxfast.attention_bwd_cpu(
-        grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+        grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale,
+        ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 if _CPU:
@@ -156,8 +160,8 @@ if _CPU:
 
 
 def _no_cpu_dropout(op: str, name: str, dropout_p: float, backend: Optional[str]) -> str:
-    """The cpu kernels have no dropout: by default dropout runs on eager; asking for
-    ``cpu`` with ``dropout_p > 0`` is an error, said before anything runs."""
+    """The varlen cpu kernels have no dropout: by default dropout runs on eager there; asking
+    for ``cpu`` with ``dropout_p > 0`` is an error, said before anything runs."""
     if name != "cpu" or dropout_p == 0:
         return name
     asked, source = _dispatch.requested_backend(backend)
@@ -191,24 +195,26 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             ``rank[t] < rank[i]`` (``"query"``).
         dropout_p: attention dropout on the probabilities (after the softmax, scaled by
             ``1 / (1 - p)``). Triton: Philox keyed by a seed drawn from `generator` (see
-            :func:`draw_seed`, :func:`dropout_keep_mask`), regenerated in the backward.
-            Eager: ``torch.rand`` with `generator` (a different stream).
+            :func:`draw_seed`, :func:`dropout_keep_mask`), regenerated in the backward;
+            cpu: the same Philox mask for the same seed. Eager: ``torch.rand`` with
+            `generator` (a different stream).
         scale: softmax scale, default ``D ** -0.5``.
         generator: RNG for the dropout seed or mask (default: torch's global RNG).
         backend: ``"triton" | "cpu" | "eager"`` or None (see ``ctxfast.backend``; on CPU
-            tensors the default is ``cpu``, or ``eager`` when ``dropout_p > 0``: the cpu
-            kernels have no dropout and refuse it).
+            tensors the default is ``cpu``).
 
     Returns:
         ``[B, H, Tq, D]``. A query that sees no key gets zeros (and passes zero gradient).
     """
     q, k, v = _autocast(q, k, v)
     _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
-    name = _no_cpu_dropout("attention", _resolve("attention", q, backend), dropout_p, backend)
+    name = _resolve("attention", q, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if name == "cpu":
+        seed = draw_seed(q.device, generator) if dropout_p > 0 else None
         out, _ = torch.ops.ctxfast.attention_fwd_cpu(
-            q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale)
+            q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale,
+            float(dropout_p), seed)
         return out
     if name == "eager":
         mask = None

@@ -30,13 +30,12 @@ from ._common import resolve as _resolve
 from ._common import shape as _shape
 from .attention import draw_seed
 
-# The C++ CPU kernels (csrc/cpu/attention.cpp, no segments) exist only once the extension
-# was rebuilt with them.
+# The C++ CPU kernels (csrc/cpu/attention.cpp) exist only once the extension was rebuilt
+# with them.
 _CPU = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "rel_attention_fwd_cpu")
 
 # Defaults: Triton on CUDA (not yet measured on a GPU); on CPU the C++ kernel
-# (csrc/cpu/attention.cpp), except with segments or dropout, which it does not have: those
-# run on eager. Measured (2026-11-22; 2 threads of a shared 2-core Xeon, fp32, H 8, D 64,
+# (csrc/cpu/attention.cpp; segments and dropout included). Measured (2026-11-22; 2 threads of a shared 2-core Xeon, fp32, H 8, D 64,
 # Tq 128-1024 with memory Tq, interleaved, medians): 2.7-5.0x the original einsum +
 # pad-and-view formulation forward and 1.4-2.5x fwd+bwd; 1.8-2.3x the time of the cpu
 # attention kernel at the same shape; `ctxfast xl-eval --quick` XL rows 0.94-2.7x eager
@@ -125,36 +124,50 @@ _rel_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # C++ CPU ops (schemas in csrc/bindings/module_cpu.cpp): ``rel_attention_fwd_cpu(q, k, v, r,
-# r_w_bias, r_r_bias, key_padding_mask, perm_rank, causal, pos_start, window, perm_strict,
-# scale) -> (out, lse)`` and ``rel_attention_bwd_cpu(do, q, k, v, r, r_w_bias, r_r_bias, out,
-# lse, key_padding_mask, perm_rank, causal, pos_start, window, perm_strict, scale) -> (dq,
-# dk, dv, dr, d_r_w_bias, d_r_r_bias)``. No segments, no dropout; window 0 = none.
+# r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed, r_s_bias, causal,
+# pos_start, window, perm_strict, scale, dropout_p, seed) -> (out, lse)`` and
+# ``rel_attention_bwd_cpu(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, <the same masks,
+# segments and arguments>) -> (dq, dk, dv, dr, d_r_w_bias, d_r_r_bias, d_seg_embed,
+# d_r_s_bias)`` (the last two empty without segments). Window 0 = none. Dropout: the Triton
+# kernels' Philox mask for the same seed.
 
-def _cpu_fwd_fake(q, k, v, r, u, w, kpm, rank, causal, pos_start, window, perm_strict, scale):
+def _cpu_fwd_fake(q, k, v, r, u, w, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias, causal,
+                  pos_start, window, perm_strict, scale, dropout_p, seed):
     B, H, Tq, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((B, H, Tq, D)), q.new_empty((B, H, Tq), dtype=lse_dtype)
 
 
-def _cpu_bwd_fake(do, q, k, v, r, u, w, out, lse, kpm, rank, causal, pos_start, window,
-                  perm_strict, scale):
+def _cpu_bwd_fake(do, q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed,
+                  r_s_bias, causal, pos_start, window, perm_strict, scale, dropout_p, seed):
+    has_seg = seg_embed is not None
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            r.new_empty(r.shape), u.new_empty(u.shape), w.new_empty(w.shape))
+            r.new_empty(r.shape), u.new_empty(u.shape), w.new_empty(w.shape),
+            q.new_empty(seg_embed.shape if has_seg else (0,)),
+            q.new_empty(r_s_bias.shape if has_seg else (0,)))
 
 
 def _cpu_setup_context(ctx, inputs, output):
-    q, k, v, r, u, w, kpm, rank, causal, pos_start, window, perm_strict, scale = inputs
+    (q, k, v, r, u, w, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias, causal, pos_start, window,
+     perm_strict, scale, dropout_p, seed) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, r, u, w, out, lse, kpm, rank)
-    ctx.args = (causal, pos_start, window, perm_strict, scale)
+    ctx.save_for_backward(q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed,
+                          r_s_bias, seed)
+    ctx.args = (causal, pos_start, window, perm_strict, scale, dropout_p)
 
 
 def _cpu_backward(ctx, grad_out, grad_lse):
-    q, k, v, r, u, w, out, lse, kpm, rank = ctx.saved_tensors
-    grads = torch.ops.ctxfast.rel_attention_bwd_cpu(grad_out, q, k, v, r, u, w, out, lse, kpm,
-                                                    rank, *ctx.args)
-    return (*grads, None, None, None, None, None, None, None)
+    q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias, seed = \
+        ctx.saved_tensors
+    causal, pos_start, window, perm_strict, scale, dropout_p = ctx.args
+    dq, dk, dv, dr, du, dw, dse, drsb = torch.ops.ctxfast.rel_attention_bwd_cpu(
+        grad_out, q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias,
+        causal, pos_start, window, perm_strict, scale, dropout_p, seed)
+    if seg_embed is None:
+        dse = drsb = None
+    return (dq, dk, dv, dr, du, dw, None, None, None, None, dse, drsb,
+            None, None, None, None, None, None, None)
 
 
 if _CPU:
@@ -162,21 +175,6 @@ if _CPU:
     torch.library.register_fake("ctxfast::rel_attention_bwd_cpu")(_cpu_bwd_fake)
     torch.library.register_autograd("ctxfast::rel_attention_fwd_cpu", _cpu_backward,
                                     setup_context=_cpu_setup_context)
-
-
-def _cpu_route(name: str, backend: Optional[str], has_seg: bool, dropout_p: float) -> str:
-    """The cpu kernels have neither segments nor dropout: by default those run on eager;
-    asking for ``cpu`` with either is an error, said before anything runs."""
-    if name != "cpu" or (not has_seg and dropout_p == 0):
-        return name
-    asked, source = _dispatch.requested_backend(backend)
-    if asked is not None:
-        what = "XLNet's segment term (seg_q, seg_k, seg_embed, r_s_bias)" if has_seg \
-            else "attention dropout"
-        raise _dispatch.BackendUnavailable(
-            f"ctxfast.rel_attention: backend 'cpu' (from {source}) has no {what}; use "
-            "backend='eager' for it on CPU tensors")
-    return "eager"
 
 
 def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
@@ -271,14 +269,15 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     pos_start = Tk - 1 if pos_start is None else pos_start
     _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
            perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale, window)
-    name = _cpu_route(_resolve("rel_attention", q, backend), backend, seg_embed is not None,
-                      dropout_p)
+    name = _resolve("rel_attention", q, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     seg = dict(seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias)
     if name == "cpu":
+        seed = draw_seed(q.device, generator) if dropout_p > 0 else None
         out, _ = torch.ops.ctxfast.rel_attention_fwd_cpu(
-            q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, causal, pos_start,
-            window or 0, perm_stream == "query", sm_scale)
+            q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k,
+            seg_embed, r_s_bias, causal, pos_start, window or 0, perm_stream == "query",
+            sm_scale, float(dropout_p), seed)
         return out
     if name == "eager":
         mask = None
