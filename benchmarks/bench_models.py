@@ -25,11 +25,10 @@ Backends:
 
 * ``ctxfast``: the model with ``backend="ctxfast"``. ctxfast's dispatch picks each op's
   implementation (no ``backend=`` is forced): on CUDA the Triton kernels (LSTM: the CUDA
-  C++ kernel where built); on the CPU the eager reference for ``attention`` and
-  ``rel_attention`` and the C++ kernel for ``lstm``. So on the CPU GPT, BERT and XLNet run
-  the same code on both backends (their ratio is the noise); Transformer-XL compares the
-  reference's direct indexing with the original pad-and-view formulation, AWD-LSTM and
-  ELMo the C++ LSTM with the eager loop. The op backends that ran are recorded in
+  C++ kernel where built); on the CPU the C++ kernels (``cpu`` backend) for ``attention``,
+  ``rel_attention`` (segments and attention dropout included) and ``lstm``, against the
+  eager reference (Transformer-XL: the original pad-and-view formulation; AWD-LSTM and
+  ELMo: the eager loop over time steps). The op backends that ran are recorded in
   ``extra_info["op_backends"]`` ({op: [backends]}, seen through ``ctxfast._dispatch``
   during the check).
 * ``hf-sdpa`` (CUDA only; GPT and BERT; needs transformers): the same model as Hugging

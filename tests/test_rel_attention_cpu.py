@@ -1,47 +1,57 @@
 """The ``cpu`` backend of ctxfast.rel_attention (csrc/cpu/attention.cpp: the position term
-from the band of r each tile needs) against ctxfast.reference.rel_attention, forward and the
-gradient of q, k, v, r and both biases; tolerance: <= 2x the eager error at the same dtype
-against float64, plus a small floor. Tiles are 64 queries x 128 keys, so T = 70, 137, 200
-cross their edges. Segments and dropout are not in the cpu kernels: they run on eager by
-default and are refused when ``cpu`` is asked for."""
+from the band of r each query block needs) against ctxfast.reference.rel_attention, forward
+and the gradient of q, k, v, r, both biases and, with XLNet's segment term, seg_embed and
+r_s_bias; tolerance: <= 2x the eager error at the same dtype against float64, plus a small
+floor. Tiles are 64 queries x 128 keys, so T = 70, 137, 200 cross their edges. Dropout draws
+the Triton kernels' Philox mask for the same seed."""
 import pytest
 import torch
 
 import ctxfast
 from ctxfast import reference
-from utils import CPU_BACKENDS, rel_err
+from ctxfast.ops.attention import draw_seed, dropout_keep_mask
+from utils import CPU_BACKENDS, DEVICE, TRITON_ON_CPU, assert_within_2x_eager
 
 pytestmark = pytest.mark.skipif("cpu" not in CPU_BACKENDS or not hasattr(
     torch.ops.ctxfast, "rel_attention_fwd_cpu"), reason="ctxfast._C built without rel_attention")
 
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-NAMES = ["q", "k", "v", "r", "r_w_bias", "r_r_bias"]
+NAMES = ["q", "k", "v", "r", "r_w_bias", "r_r_bias", "seg_embed", "r_s_bias"]
 
 
-def check(B, H, Tq, Tk, D, R=None, dtype=torch.float32, layout="bhtd", **kw):
+def check(B, H, Tq, Tk, D, R=None, dtype=torch.float32, layout="bhtd", seg=False,
+          ours_kw=None, ref_kw=None, **kw):
+    """seg: XLNet's segment term with random segment ids; ours_kw / ref_kw: extra arguments
+    of ctxfast.rel_attention / of the references (dropout)."""
     R = R or Tk
     mk = lambda *s: torch.randn(*s, dtype=dtype)  # noqa: E731
     if layout == "bthd":
         qkv = [mk(B, T, H, D).transpose(1, 2) for T in (Tq, Tk, Tk)]
     else:
         qkv = [mk(B, H, T, D) for T in (Tq, Tk, Tk)]
-    ts = qkv + [mk(H, R, D), mk(H, D), mk(H, D)]
+    ts = qkv + [mk(H, R, D), mk(H, D), mk(H, D)] + ([mk(2, H, D), mk(H, D)] if seg else [])
+    ids = dict(seg_q=torch.randint(0, 2, (B, Tq)), seg_k=torch.randint(0, 2, (B, Tk))) \
+        if seg else {}
+
+    def call(fn, tensors, **more):
+        a = dict(ids, **kw, **more)
+        if seg:
+            a.update(seg_embed=tensors[6], r_s_bias=tensors[7])
+        return fn(*tensors[:6], **a)
+
     leaves = [t.detach().clone().requires_grad_(True) for t in ts]
     same = [t.detach().clone().requires_grad_(True) for t in ts]
     l64 = [t.detach().double().requires_grad_(True) for t in ts]
-    out = ctxfast.rel_attention(*leaves, backend="cpu", **kw)
-    out_same = reference.rel_attention(*same, **kw)
-    out64 = reference.rel_attention(*l64, **kw)
+    out = call(ctxfast.rel_attention, leaves, backend="cpu", **(ours_kw or {}))
+    out_same = call(reference.rel_attention, same, **(ref_kw or {}))
+    out64 = call(reference.rel_attention, l64, **(ref_kw or {}))
     do = torch.randn_like(out)
     g = torch.autograd.grad(out, leaves, do)
     g_same = torch.autograd.grad(out_same, same, do)
     g64 = torch.autograd.grad(out64, l64, do.double())
     for name, ours, s, ref in [("out", out, out_same, out64)] + list(zip(NAMES, g, g_same, g64)):
         assert ours.dtype == dtype, name
-        assert not torch.isnan(ours).any(), name
-        err, err_same = (ours.double() - ref).norm().item(), (s.double() - ref).norm().item()
-        bound = 2 * err_same + FLOOR[dtype] * max(ref.norm().item(), 1.0)
-        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (relative {rel_err(ours, ref):.2e})"
+        assert_within_2x_eager(ours, s, ref, FLOOR[dtype], name=name)
     return out, g
 
 
@@ -100,7 +110,13 @@ def test_opcheck_and_compile():
     kpm = torch.zeros(1, 12, dtype=torch.bool)
     kpm[0, 3] = True
     args = (q, k, v, r.requires_grad_(), u.requires_grad_(), w.requires_grad_(), kpm, None,
-            True, 11, 0, False, 0.25)
+            None, None, None, None, True, 11, 0, False, 0.25, 0.0, None)
+    torch.library.opcheck(torch.ops.ctxfast.rel_attention_fwd_cpu.default, args)
+    rb = torch.randn(2, 21, 16, requires_grad=True)
+    seg = (torch.randint(0, 2, (1, 9)), torch.randint(0, 2, (1, 12)),
+           torch.randn(2, 2, 16, requires_grad=True), torch.randn(2, 16, requires_grad=True))
+    args = (q, k, v, rb, u, w, None, torch.randperm(9).view(1, 9)) + seg + (
+        False, 12, 0, True, 0.25, 0.2, torch.tensor([77]))
     torch.library.opcheck(torch.ops.ctxfast.rel_attention_fwd_cpu.default, args)
     torch._dynamo.reset()
 
@@ -112,6 +128,39 @@ def test_opcheck_and_compile():
     assert abs(out.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item()))
 
 
+@pytest.mark.parametrize("stream", ["content", "query"])
+def test_xlnet_segments_perm_padding_memory(stream):
+    """XLNet's attention as the model runs it: bidirectional positions, memory, permutation,
+    padding and the segment term (seg_embed and r_s_bias gradients included)."""
+    B, Tq, Tk = 2, 70, 137
+    kpm = torch.rand(B, Tk) < 0.2
+    rank = torch.stack([torch.randperm(Tq) for _ in range(B)])
+    check(B, 2, Tq, Tk, 32, R=Tk + Tq, seg=True, causal=False, pos_start=Tk,
+          key_padding_mask=kpm, perm_rank=rank, perm_stream=stream)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_segments_dtypes_and_window(dtype):
+    check(1, 2, 21, 150, 16, R=171, dtype=dtype, seg=True, causal=False, pos_start=150,
+          window=40)
+
+
+@pytest.mark.parametrize("seg", [False, True])
+def test_dropout_is_the_triton_mask(seg):
+    """Dropout draws the Triton kernels' Philox numbers for the same seed (the counter of
+    element (b, h, i, j) is (bh Tq + i) Tk + j): forward and every gradient match the
+    float64 reference given that mask."""
+    if DEVICE == "cpu" and not TRITON_ON_CPU:
+        pytest.skip("the Triton keep mask needs a GPU or TRITON_INTERPRET=1")
+    B, H, Tq, mem, p = 2, 2, 70, 67, 0.25
+    seed = draw_seed("cpu", torch.Generator().manual_seed(5))
+    keep = dropout_keep_mask(seed.to(DEVICE), B, H, Tq, Tq + mem, p).cpu()
+    extra = dict(R=2 * Tq + mem, causal=False, pos_start=Tq + mem) if seg else {}
+    check(B, H, Tq, Tq + mem, 16, seg=seg,
+          ours_kw=dict(dropout_p=p, generator=torch.Generator().manual_seed(5)),
+          ref_kw=dict(dropout_p=p, dropout_mask=keep), **extra)
+
+
 def test_default_and_refusals():
     assert ctxfast._dispatch.resolve("rel_attention", torch.device("cpu")) == "cpu"
     B, H, T, D = 1, 2, 6, 8
@@ -120,13 +169,18 @@ def test_default_and_refusals():
     seg = dict(seg_q=torch.zeros(B, T, dtype=torch.long), seg_k=torch.ones(B, T, dtype=torch.long),
                seg_embed=torch.randn(2, H, D), r_s_bias=torch.randn(H, D))
     kw = dict(causal=False, pos_start=T, **seg)
-    a = ctxfast.rel_attention(q, k, v, r, u, w, **kw)          # default: eager runs segments
-    b = ctxfast.rel_attention(q, k, v, r, u, w, backend="eager", **kw)
-    assert torch.equal(a, b)
-    with pytest.raises(ctxfast.BackendUnavailable, match="segment term"):
-        ctxfast.rel_attention(q, k, v, r, u, w, backend="cpu", **kw)
-    with pytest.raises(ctxfast.BackendUnavailable, match="dropout"):
-        ctxfast.rel_attention(q, k, v, r[:, :T], u, w, dropout_p=0.1, backend="cpu")
-    with pytest.raises(ValueError, match="r too short"):   # the op's own check
-        torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, r[:, :3], u, w, None, None, True, 5,
-                                                0, False, 1.0)
+    gen = lambda: torch.Generator().manual_seed(9)  # noqa: E731
+    a = ctxfast.rel_attention(q, k, v, r, u, w, dropout_p=0.3, generator=gen(), **kw)
+    b = ctxfast.rel_attention(q, k, v, r, u, w, dropout_p=0.3, generator=gen(), backend="cpu",
+                              **kw)
+    assert torch.equal(a, b)                    # segments and dropout: the cpu default
+    with pytest.raises(ValueError, match="r too short"):   # the op's own checks
+        torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, r[:, :3], u, w, None, None, None, None,
+                                                None, None, True, 5, 0, False, 1.0, 0.0, None)
+    with pytest.raises(ValueError, match="go together"):
+        torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, r, u, w, None, None, seg["seg_q"],
+                                                None, None, None, False, T, 0, False, 1.0, 0.0,
+                                                None)
+    with pytest.raises(ValueError, match="dropout needs seed"):
+        torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, r, u, w, None, None, None, None, None,
+                                                None, False, T, 0, False, 1.0, 0.1, None)
