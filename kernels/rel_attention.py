@@ -22,7 +22,9 @@ Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/a
 ``d(q + v) = scale · dS_band r_band`` where ``dS_band[ii, jj + BLOCK_M − 1 − ii] = dS[ii, jj]``
 (the skew undone with ``tl.gather``). The segment term gives per-row sums ``A_same, A_diff =
 Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms the gradients of q,
-seg_embed and r_s_bias. Three kernels, none with atomics: dK/dV (a program per key block),
+seg_embed and r_s_bias. Each row of dS sums to 0, so they are taken as
+``A_diff = Σ_diff dS − (Σ_diff P)(Σ_j dS)`` and ``A_same = −A_diff``: exact in exact
+arithmetic, and free of the rounding of Δ (an error e in Δ moves dS_ij by −e·P_ij). Three kernels, none with atomics: dK/dV (a program per key block),
 dQ (a program per query block) and dR.
 
 dR. Row ``m`` of r is used by the pairs on one diagonal of the score matrix,
@@ -501,8 +503,9 @@ def _rel_attn_bwd_dq_kernel(
         ef_same = tl.sum(qs * se0[None, :], 1)
         ef_diff = tl.sum(qs * se1[None, :], 1)
         seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
-        a_same = tl.zeros([BLOCK_M], dtype=tl.float32)
-        a_diff = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a_diff = tl.zeros([BLOCK_M], dtype=tl.float32)    # Σ dS over the other segment
+        p_diff = tl.zeros([BLOCK_M], dtype=tl.float32)    # Σ P over the other segment
+        ds_all = tl.zeros([BLOCK_M], dtype=tl.float32)    # Σ dS over every key
     rank_q = offs_m
     if HAS_PERM:
         rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t, mask=offs_m < Tq, other=0)
@@ -559,14 +562,20 @@ def _rel_attn_bwd_dq_kernel(
         ds_band = tl.where(unskew_ok, tl.gather(ds, unskew, 1), 0.0)  # [BLOCK_M, BAND]
         dqw += _dot(ds_band.to(r.dtype), r, UPCAST, PRECISION)
         if HAS_SEG:
-            a_same += tl.sum(tl.where(same, ds, 0.0), 1)
             a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
+            p_diff += tl.sum(tl.where(same, 0.0, p), 1)
+            ds_all += tl.sum(ds, 1)
 
     out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(DQU + out_off, dqu * sm_scale, mask=q_mask)
     tl.store(DQW + out_off, dqw * sm_scale, mask=q_mask)
     if HAS_SEG:
-        tl.store(SEG_A + (bh * Tq + offs_m) * 2, a_same * sm_scale, mask=offs_m < Tq)
+        # Every row of dS sums to 0 (Σ_j P dP = Δ, Σ_j P = 1; with dropout too): the two
+        # segment sums are small differences of large terms, and an error e in Δ moves each
+        # dS_ij by -e·P_ij. a_diff - p_diff·ds_all and its negative are free of e and of the
+        # rounding of the cancelling sum.
+        a_diff = a_diff - p_diff * ds_all
+        tl.store(SEG_A + (bh * Tq + offs_m) * 2, -a_diff * sm_scale, mask=offs_m < Tq)
         tl.store(SEG_A + (bh * Tq + offs_m) * 2 + 1, a_diff * sm_scale, mask=offs_m < Tq)
 
 

@@ -184,3 +184,22 @@ def test_default_and_refusals():
     with pytest.raises(ValueError, match="dropout needs seed"):
         torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, r, u, w, None, None, None, None, None,
                                                 None, False, T, 0, False, 1.0, 0.1, None)
+
+
+def test_one_query_whose_row_stride_is_arbitrary():
+    """Tq = 1 from a layout whose size-1 query dimension has stride 1 (< D): the kernel's
+    GEMMs must not pass BLAS a row stride shorter than a row (BLAS refuses such a call and
+    computes nothing)."""
+    B, H, D, mem = 2, 2, 16, 5
+    q = torch.randn(B, H, D, 1).transpose(2, 3)          # [B, H, 1, D], stride(2) == 1
+    assert q.stride(2) == 1
+    k, v = torch.randn(B, H, 1 + mem, D), torch.randn(B, H, 1 + mem, D)
+    r, u, w = torch.randn(H, 1 + mem, D), torch.randn(H, D), torch.randn(H, D)
+    ts = [t.requires_grad_() for t in (q, k, v, r, u, w)]
+    out = ctxfast.rel_attention(*ts, backend="cpu")
+    g = torch.autograd.grad(out, ts, torch.ones_like(out))
+    t64 = [t.detach().double().requires_grad_() for t in ts]
+    out64 = reference.rel_attention(*t64)
+    g64 = torch.autograd.grad(out64, t64, torch.ones_like(out64))
+    for name, a, b in [("out", out, out64)] + list(zip(NAMES, g, g64)):
+        assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-5), name

@@ -96,11 +96,18 @@ template <typename T>
 void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
              int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
+  // A matrix of one row may come with any row stride (a size-1 dimension's stride is
+  // arbitrary, e.g. Tq = 1 after a permute); BLAS wants at least the row length (and
+  // otherwise refuses the call and computes nothing).
+  auto ld = [](int64_t ld_, int64_t rows, int64_t cols) {
+    return std::max<int64_t>(rows == 1 ? std::max(ld_, cols) : ld_, 1);
+  };
+  lda = ta ? ld(lda, K, M) : ld(lda, M, K);
+  ldb = tb ? ld(ldb, N, K) : ld(ldb, K, N);
+  ldc = ld(ldc, M, N);
   const char tra = tb ? 'T' : 'N', trb = ta ? 'T' : 'N';
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
-  const int la = static_cast<int>(std::max<int64_t>(ldb, 1));
-  const int lb = static_cast<int>(std::max<int64_t>(lda, 1));
-  const int lc = static_cast<int>(std::max<int64_t>(ldc, 1));
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
   if constexpr (std::is_same_v<T, float>) {
     if (sgemm_ != nullptr && K > 0) {
       sgemm_(&tra, &trb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
@@ -662,6 +669,8 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
 template <typename T>
 struct BwdScratch {
   std::vector<T> p, dp, f, delta, band, dband;
+  std::vector<T> seg;  // [Tq, 3]: per row, sums over the keys of another segment of dS and
+                       // of P, and the sum of dS over all keys
 };
 
 // Backward of one head: dq, dk, dv (and dqw, dr) accumulated; they are zero on entry. The
@@ -681,6 +690,7 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
   const T inf = std::numeric_limits<T>::infinity();
   T* s = w.p.data();
   T* ds = w.dp.data();
+  if (h.segq != nullptr) w.seg.assign(static_cast<size_t>(3 * h.Tq), T(0));
   for (int64_t i0 = 0; i0 < h.Tq; i0 += kBlockQ) {
     const int64_t bq = std::min(kBlockQ, h.Tq - i0);
     const int64_t end = key_end(h, i0, bq), jb = key_begin(h, i0);
@@ -705,18 +715,38 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
       gemm_rm<T>(false, true, bq, bk, D, T(1), h.dout + i0 * h.lddo, h.lddo,
                  h.v + j0 * h.ldv, h.ldv, T(0), ds, bk);
       if (h.p_drop > 0) {
-        T* f = w.f.data();
-        dropout_tile(h, i0, bq, j0, bk, f);
+        dropout_tile(h, i0, bq, j0, bk, w.f.data());
         for (int64_t r = 0; r < bq; ++r) {
           const T delta = w.delta[i0 + r];
-          for (int64_t c = r * bk; c < (r + 1) * bk; ++c) {
-            ds[c] = s[c] * (ds[c] * f[c] - delta);
-            s[c] *= f[c];
-          }
+          const T* f = w.f.data() + r * bk;
+          for (int64_t c = 0; c < bk; ++c)
+            ds[r * bk + c] = s[r * bk + c] * (ds[r * bk + c] * f[c] - delta);
         }
       } else {
         for (int64_t r = 0; r < bq; ++r) ds_row(s + r * bk, ds + r * bk, bk, w.delta[i0 + r]);
       }
+      if (h.segq != nullptr) {  // per row: sums of dS and P over the other segment, dS over all
+        for (int64_t rr = 0; rr < bq; ++rr) {
+          const int64_t sq = h.segq[i0 + rr];
+          const int64_t* sk = h.segk + j0;
+          const T* prow = s + rr * bk;
+          const T* row = ds + rr * bk;
+          T ds_other = 0, p_other = 0, ds_all = 0;
+          for (int64_t c = 0; c < bk; ++c) {
+            ds_all += row[c];
+            if (sk[c] != sq) {
+              ds_other += row[c];
+              p_other += prow[c];
+            }
+          }
+          T* acc = w.seg.data() + 3 * (i0 + rr);
+          acc[0] += ds_other;
+          acc[1] += p_other;
+          acc[2] += ds_all;
+        }
+      }
+      if (h.p_drop > 0)  // P after dropout, for dV
+        for (int64_t c = 0; c < bq * bk; ++c) s[c] *= w.f[c];
       // dv_j += Pᵀ dO_i (P after dropout)
       gemm_rm<T>(true, false, bk, D, bq, T(1), s, bk, h.dout + i0 * h.lddo, h.lddo, T(1),
                  h.dv + j0 * h.lddv, h.lddv);
@@ -725,17 +755,6 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
                  h.dk + j0 * h.lddk, h.lddk);
       gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
                  h.dq + i0 * h.lddq, h.lddq);
-      if (h.segq != nullptr) {  // def[i, s(i, j)] += dS[i, j]
-        for (int64_t rr = 0; rr < bq; ++rr) {
-          const int64_t i = i0 + rr, sq = h.segq[i];
-          const int64_t* sk = h.segk + j0;
-          const T* row = ds + rr * bk;
-          T same = 0, other = 0;
-          for (int64_t c = 0; c < bk; ++c) (sk[c] == sq ? same : other) += row[c];
-          h.def[2 * i] += same;
-          h.def[2 * i + 1] += other;
-        }
-      }
       if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] += dS[rr, c]
         for (int64_t rr = 0; rr < bq; ++rr) {
           T* gr = w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
@@ -745,6 +764,20 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
       }
     }
     if (h.r != nullptr) position_band_backward(h, i0, bq, ng, base, scale, w.dband.data());
+  }
+  // The segment term's gradient per row: d(ef)[i, 1] / scale = sum of dS_ij over the keys
+  // of the other segment, d(ef)[i, 0] the same over the own segment. Each row of dS sums to
+  // 0 (sum_j P_ij dP_ij = Delta_i and sum_j P_ij = 1, with dropout too), so these are small
+  // differences of large terms, and an error e in Delta_i shifts each dS_ij by -e P_ij. Taken
+  // as (other - P_other all) and its negative, both are free of e and of the rounding of the
+  // sum that cancels.
+  if (h.segq != nullptr) {
+    for (int64_t i = 0; i < h.Tq; ++i) {
+      const T* acc = w.seg.data() + 3 * i;
+      const T other = acc[0] - acc[1] * acc[2];
+      h.def[2 * i + 1] = other;
+      h.def[2 * i] = -other;
+    }
   }
 }
 
