@@ -153,10 +153,10 @@ def test_gradcheck_float64():
 
 def test_opcheck():
     q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 9, 12, 16))
+    seed = torch.tensor([1234], dtype=torch.int64)
     kpm = torch.zeros(1, 12, dtype=torch.bool)
     kpm[0, -3:] = True
     rank = torch.randperm(9).view(1, 9)
-    seed = torch.tensor([1234], dtype=torch.int64)
     for causal, drop in ((True, (0.0, None)), (False, (0.3, seed))):
         args = (q, k, v, kpm, rank, causal, False, 0.25) + drop
         torch.library.opcheck(torch.ops.ctxfast.attention_fwd_cpu.default, args)
@@ -167,7 +167,9 @@ def test_opcheck():
     qv, kv, vv = (torch.randn(11, 2, 16, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 4, 11], dtype=torch.int32)
     torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_cpu.default,
-                          (qv, kv, vv, cu, cu, True, 0.25))
+                          (qv, kv, vv, cu, cu, True, 0.25, 7, 7, 0.0, None))
+    torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_cpu.default,
+                          (qv, kv, vv, cu, cu, False, 0.25, 9, 8, 0.2, seed))
 
 
 def test_torch_compile_fullgraph_default_backend():
@@ -194,11 +196,12 @@ def test_default_is_cpu_with_and_without_dropout():
     a = ctxfast.attention(q, k, v, dropout_p=0.5, generator=gen())
     b = ctxfast.attention(q, k, v, dropout_p=0.5, generator=gen(), backend="cpu")
     assert torch.equal(a, b)
-    # the varlen kernels have no dropout: eager by default, refused when cpu is asked for
     qv, kv, vv = (t[0].transpose(0, 1) for t in (q, k, v))
     cu = torch.tensor([0, 6], dtype=torch.int32)
-    with pytest.raises(ctxfast.BackendUnavailable, match="no attention dropout"):
-        ctxfast.attention_varlen(qv, kv, vv, cu, cu, 6, 6, dropout_p=0.1, backend="cpu")
+    a = ctxfast.attention_varlen(qv, kv, vv, cu, cu, 6, 6, dropout_p=0.5, generator=gen())
+    b = ctxfast.attention_varlen(qv, kv, vv, cu, cu, 6, 6, dropout_p=0.5, generator=gen(),
+                                 backend="cpu")
+    assert torch.equal(a, b)
 
 
 def _triton_keep_mask(seed, B, H, Tq, Tk, p):
@@ -244,7 +247,12 @@ def test_bad_input_to_the_op_itself():
                                             torch.tensor([1]))
     with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
         torch.ops.ctxfast.attention_varlen_fwd_cpu(
-            q[0], k[0], v[0], torch.tensor([1, 2]), torch.tensor([0, 2]), False, 1.0)
+            q[0], k[0], v[0], torch.tensor([1, 2]), torch.tensor([0, 2]), False, 1.0, 2, 2,
+            0.0, None)
+    with pytest.raises(ValueError, match="must bound every sequence"):
+        torch.ops.ctxfast.attention_varlen_fwd_cpu(
+            q[0], k[0], v[0], torch.tensor([0, 2]), torch.tensor([0, 2]), False, 1.0, 1, 2,
+            0.5, torch.tensor([3]))
 
 
 # --------------------------------------------------------------------------- varlen
@@ -297,3 +305,38 @@ def test_permutation_over_many_tiles(kind):
     if "ties" in kind:
         kw["perm_rank"] = torch.randint(-5, 40, (B, Tq))   # ties and gaps
     check_cpu(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_dropout_is_the_triton_mask(causal):
+    """Packed sequences with dropout: sequence b, head h draws the counters
+    ((b H + h) max_seqlen_q + i) max_seqlen_k + j of the Triton varlen kernels (here
+    max_seqlen larger than the longest sequence, as a user may pass it)."""
+    if DEVICE == "cpu" and not TRITON_ON_CPU:
+        pytest.skip("the Triton keep mask needs a GPU or TRITON_INTERPRET=1")
+    H, D, p, lens_q, lens_k = 2, 16, 0.3, [5, 70, 33], [9, 70, 40]
+    max_q, max_k = 75, 80
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), H, D, requires_grad=True)
+    k, v = (torch.randn(int(cu_k[-1]), H, D, requires_grad=True) for _ in range(2))
+    out = ctxfast.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                   dropout_p=p, generator=torch.Generator().manual_seed(4),
+                                   backend="cpu")
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    seed = draw_seed("cpu", torch.Generator().manual_seed(4))
+    keep = dropout_keep_mask(seed.to(DEVICE), len(lens_q), H, max_q, max_k, p).cpu()
+    for b in range(len(lens_q)):
+        sq, eq, sk, ek = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        t64 = [t.detach()[s:e].double().transpose(0, 1).unsqueeze(0).requires_grad_()
+               for t, s, e in ((q, sq, eq), (k, sk, ek), (v, sk, ek))]
+        o64 = reference.attention(*t64, causal=causal, dropout_p=p,
+                                  dropout_mask=keep[b:b + 1, :, :eq - sq, :ek - sk])
+        g64 = torch.autograd.grad(o64, t64, do[sq:eq].double().transpose(0, 1).unsqueeze(0))
+        pairs = [("out", out[sq:eq], o64)] + [
+            (n, g[s:e], r) for n, g, r, (s, e) in
+            zip(("dq", "dk", "dv"), grads, g64, ((sq, eq), (sk, ek), (sk, ek)))]
+        for name, ours, ref in pairs:
+            ref = ref.squeeze(0).transpose(0, 1)
+            assert rel_err(ours, ref) < 1e-5, (b, name, rel_err(ours, ref))

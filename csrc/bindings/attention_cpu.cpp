@@ -138,13 +138,31 @@ std::vector<int64_t> host_offsets(const char* op, const char* name, const Tensor
   return v;
 }
 
+// Dropout of the varlen ops: its counters are laid out by max_seqlen_q / _k, which must
+// bound every sequence (as the Triton kernels assume).
+cpu::Dropout varlen_dropout(const char* op, const std::vector<int64_t>& cq,
+                            const std::vector<int64_t>& ck, int64_t max_q, int64_t max_k,
+                            double dropout_p, const std::optional<Tensor>& seed) {
+  const cpu::Dropout d = dropout_args(op, dropout_p, seed);
+  if (d.p > 0) {
+    for (size_t b = 0; b + 1 < cq.size(); ++b)
+      TORCH_CHECK_VALUE(cq[b + 1] - cq[b] <= max_q && ck[b + 1] - ck[b] <= max_k, op,
+                        ": with dropout, max_seqlen_q / max_seqlen_k must bound every "
+                        "sequence; sequence ", b, " has ", cq[b + 1] - cq[b], " / ",
+                        ck[b + 1] - ck[b]);
+  }
+  return d;
+}
+
 constexpr const char* kVFwd = "attention_varlen_fwd_cpu";
 constexpr const char* kVBwd = "attention_varlen_bwd_cpu";
 
 std::tuple<Tensor, Tensor> attention_varlen_fwd_cpu(const Tensor& q, const Tensor& k,
                                                     const Tensor& v, const Tensor& cu_seqlens_q,
                                                     const Tensor& cu_seqlens_k, bool causal,
-                                                    double scale) {
+                                                    double scale, int64_t max_seqlen_q,
+                                                    int64_t max_seqlen_k, double dropout_p,
+                                                    const std::optional<Tensor>& seed) {
   check_qkv(kVFwd, q, k, v, 3);
   TORCH_CHECK_VALUE(k.size(1) == q.size(1) && k.size(2) == q.size(2) && v.sizes() == k.sizes(),
                     kVFwd, ": k, v must have shape [total_k, H, D] matching q");
@@ -153,15 +171,19 @@ std::tuple<Tensor, Tensor> attention_varlen_fwd_cpu(const Tensor& q, const Tenso
   TORCH_CHECK_VALUE(cq.size() == ck.size(), kVFwd,
                     ": cu_seqlens_q and cu_seqlens_k must have one length");
   const at::ScalarType dt = q.scalar_type(), ct = compute_type(dt);
+  const cpu::Dropout drop = varlen_dropout(kVFwd, cq, ck, max_seqlen_q, max_seqlen_k,
+                                           dropout_p, seed);
   auto [out, lse] = cpu::attention_varlen_forward(prep(q, ct, 0), prep(k, ct, 0),
-                                                  prep(v, ct, 0), cq, ck, causal, scale);
+                                                  prep(v, ct, 0), cq, ck, causal, scale,
+                                                  max_seqlen_q, max_seqlen_k, drop);
   return {back_to(out, dt), lse};
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_varlen_bwd_cpu(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens_q,
-    const Tensor& cu_seqlens_k, bool causal, double scale) {
+    const Tensor& cu_seqlens_k, bool causal, double scale, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double dropout_p, const std::optional<Tensor>& seed) {
   check_qkv(kVBwd, q, k, v, 3);
   TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), kVBwd,
                     ": grad_out and out must have q's shape ", q.sizes());
@@ -174,7 +196,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_bwd_cpu(
   const at::ScalarType dt = q.scalar_type(), ct = compute_type(dt);
   auto [dq, dk, dv] = cpu::attention_varlen_backward(
       prep(grad_out, ct, 0), prep(q, ct, 0), prep(k, ct, 0), prep(v, ct, 0), prep(out, ct, 0),
-      lse.to(ct).contiguous(), cq, ck, causal, scale);
+      lse.to(ct).contiguous(), cq, ck, causal, scale, max_seqlen_q, max_seqlen_k,
+      varlen_dropout(kVBwd, cq, ck, max_seqlen_q, max_seqlen_k, dropout_p, seed));
   return {back_to(dq, dt), back_to(dk, dt), back_to(dv, dt)};
 }
 

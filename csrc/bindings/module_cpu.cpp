@@ -41,9 +41,11 @@ TORCH_LIBRARY(ctxfast, m) {
         "bool perm_strict, float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("attention_varlen_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-        "Tensor cu_seqlens_k, bool causal, float scale) -> (Tensor, Tensor)");
+        "Tensor cu_seqlens_k, bool causal, float scale, int max_seqlen_q, int max_seqlen_k, "
+        "float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
   m.def("attention_varlen_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-        "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float scale) "
+        "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float scale, "
+        "int max_seqlen_q, int max_seqlen_k, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor)");
   // Transformer-XL / XLNet relative attention (csrc/bindings/rel_attention_cpu.cpp): the
   // `cpu` backend of ctxfast.rel_attention; window 0 = none; the four segment tensors all

@@ -1234,7 +1234,8 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
                                                     const Tensor& v,
                                                     const std::vector<int64_t>& cu_q,
                                                     const std::vector<int64_t>& cu_k,
-                                                    bool causal, double scale) {
+                                                    bool causal, double scale, int64_t max_q,
+                                                    int64_t max_k, const Dropout& dropout) {
   const int64_t total_q = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
   Tensor out = at::zeros({total_q, H, D}, q.options());
@@ -1267,6 +1268,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
       h.kpm_end = h.Tk;
       h.D = D;
       h.causal = causal;
+      set_dropout(h, dropout, bh, max_q, max_k);
       return h;
     };
     run_forward<T>(nseq * H, max_tq, static_cast<T>(scale), make);
@@ -1277,7 +1279,8 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
 std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& out, const Tensor& lse, const std::vector<int64_t>& cu_q,
-    const std::vector<int64_t>& cu_k, bool causal, double scale) {
+    const std::vector<int64_t>& cu_k, bool causal, double scale, int64_t max_q, int64_t max_k,
+    const Dropout& dropout) {
   const int64_t H = q.size(1), D = q.size(2), total_q = q.size(0);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
   Tensor dq = at::zeros(q.sizes(), q.options());
@@ -1320,6 +1323,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
       h.kpm_end = h.Tk;
       h.D = D;
       h.causal = causal;
+      set_dropout(h, dropout, bh, max_q, max_k);
       return h;
     };
     (void)total_q;

@@ -85,17 +85,18 @@ rel_attention_backward(const at::Tensor& grad_out, const at::Tensor& qu, const a
 // Packed sequences: q [total_q, H, D], k, v [total_k, H, D] (stride 1 in D); sequence b
 // is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k, v. Causal is bottom-right
 // aligned per sequence. Returns out [total_q, H, D] (0 outside every sequence) and
-// lse [H, total_q].
+// lse [H, total_q]. Dropout's counter of (sequence b, head h, i, j) is
+// ((b H + h) max_q + i) max_k + j, i and j counted within the sequence (as Triton's).
 std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, bool causal,
-    double scale);
+    double scale, int64_t max_q = 0, int64_t max_k = 0, const Dropout& dropout = {});
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, bool causal,
-    double scale);
+    double scale, int64_t max_q = 0, int64_t max_k = 0, const Dropout& dropout = {});
 
 }  // namespace cpu
 }  // namespace ctxfast

@@ -16,8 +16,7 @@ regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces i
 C++ in ``csrc/cpu/attention.cpp`` (flash-style key tiles with an online softmax, BLAS GEMMs
 on the tiles, masks from the O(T) inputs, backward from the saved log-sum-exp; dropout
 with the same Philox counter as the Triton kernels, so one seed gives one mask on both;
-XLNet permutation masks processed in rank order). The varlen pair has no dropout: with
-``dropout_p > 0`` its CPU default is eager and asking for ``cpu`` is an error.
+XLNet permutation masks processed in rank order).
 
 The ``eager`` backend is ``ctxfast.reference.attention`` (a materialised mask + softmax).
 ``attention_varlen`` (packed sequences) has its own pair of ops below. On CUDA the Triton
@@ -157,19 +156,6 @@ if _CPU:
     torch.library.register_fake("ctxfast::attention_bwd_cpu")(_cpu_bwd_fake)
     torch.library.register_autograd("ctxfast::attention_fwd_cpu", _cpu_backward,
                                     setup_context=_cpu_setup_context)
-
-
-def _no_cpu_dropout(op: str, name: str, dropout_p: float, backend: Optional[str]) -> str:
-    """The varlen cpu kernels have no dropout: by default dropout runs on eager there; asking
-    for ``cpu`` with ``dropout_p > 0`` is an error, said before anything runs."""
-    if name != "cpu" or dropout_p == 0:
-        return name
-    asked, source = _dispatch.requested_backend(backend)
-    if asked is not None:
-        raise _dispatch.BackendUnavailable(
-            f"ctxfast.{op}: backend 'cpu' (from {source}) has no attention dropout; use "
-            "dropout_p=0.0, or backend='eager' for dropout on CPU tensors")
-    return "eager"
 
 
 # --------------------------------------------------------------------------- public op
@@ -314,31 +300,35 @@ _attention_varlen_fwd_triton.register_autograd(_varlen_backward,
 
 
 # C++ CPU ops: ``attention_varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
-# scale) -> (out, lse [H, total_q])`` and ``attention_varlen_bwd_cpu(do, q, k, v, out, lse,
-# cu_seqlens_q, cu_seqlens_k, causal, scale) -> (dq, dk, dv)``.
+# scale, max_seqlen_q, max_seqlen_k, dropout_p, seed) -> (out, lse [H, total_q])`` and
+# ``attention_varlen_bwd_cpu(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
+# max_seqlen_q, max_seqlen_k, dropout_p, seed) -> (dq, dk, dv)``. Dropout: the Triton varlen
+# kernels' mask for the same seed (counters laid out by max_seqlen_q / _k).
 
-def _cpu_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _cpu_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, max_seqlen_q,
+                         max_seqlen_k, dropout_p, seed):
     total_q, H, D = q.shape
     return q.new_empty((total_q, H, D)), q.new_empty((H, total_q), dtype=_lse_dtype(q))
 
 
-def _cpu_varlen_bwd_fake(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _cpu_varlen_bwd_fake(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                         max_seqlen_q, max_seqlen_k, dropout_p, seed):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _cpu_varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, causal, scale = inputs
+    q, k, v, cu_q, cu_k, causal, scale, max_q, max_k, dropout_p, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed)
+    ctx.args = (causal, scale, max_q, max_k, dropout_p)
 
 
 def _cpu_varlen_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.ctxfast.attention_varlen_bwd_cpu(
-        grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+        grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args, seed)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 if _CPU:
@@ -400,12 +390,13 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     """
     q, k, v = _autocast(q, k, v)
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
-    name = _no_cpu_dropout("attention_varlen", _resolve("attention_varlen", q, backend),
-                           dropout_p, backend)
+    name = _resolve("attention_varlen", q, backend)
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if name == "cpu":
+        seed = draw_seed(q.device, generator) if dropout_p > 0 else None
         out, _ = torch.ops.ctxfast.attention_varlen_fwd_cpu(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, sm_scale)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, sm_scale, int(max_seqlen_q),
+            int(max_seqlen_k), float(dropout_p), seed)
         return out
     if name == "eager":
         out = q.new_zeros(q.shape)
