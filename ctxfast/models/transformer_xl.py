@@ -204,9 +204,17 @@ class TransformerXLAttention(_RelAttnLayer):
             r_w_bias, r_r_bias = self.r_w_bias, self.r_r_bias
         cat = w if mems is None else torch.cat([mems, w], 0)             # [klen, B, d_model]
         klen = cat.shape[0]
-        heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)  # [klen, B, 3*H*Dh]
-        q, k, v = torch.chunk(heads, 3, dim=-1)                          # [klen, B, H*Dh] each
-        q = q[-qlen:]                                                    # [qlen, B, H*Dh]
+        x = self.layer_norm(cat) if self.pre_lnorm else cat             # [klen, B, d_model]
+        if self.backend == "eager":     # the original: q, k, v of every row, q of memory unused
+            heads = self.qkv_net(x)                                      # [klen, B, 3*H*Dh]
+            q, k, v = torch.chunk(heads, 3, dim=-1)                      # [klen, B, H*Dh] each
+            q = q[-qlen:]                                                # [qlen, B, H*Dh]
+        else:                           # the same numbers, q only for the current rows
+            wt, bias = self.qkv_net.weight, self.qkv_net.bias            # [3*H*Dh, d_model]
+            n = H * Dh
+            q = F.linear(x[-qlen:], wt[:n], None if bias is None else bias[:n])  # [qlen, B, H*Dh]
+            kv = F.linear(x, wt[n:], None if bias is None else bias[n:])  # [klen, B, 2*H*Dh]
+            k, v = torch.chunk(kv, 2, dim=-1)                            # [klen, B, H*Dh] each
         # [T, B, H*Dh] -> [T, B, H, Dh] -> [B, H, T, Dh]
         q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
         r_head = self.r_net(r.reshape(klen, -1).to(w.dtype))            # [klen, H*Dh]
