@@ -56,6 +56,16 @@ _dispatch.register_op("attention", supported=_BACKENDS,
 
 # --------------------------------------------------------------------------- registration
 
+def _rank_order(perm_rank: Optional[Tensor], causal: bool):
+    """The Triton kernels solve a permutation mask without causal in rank order: (order,
+    rank_sorted), int32 ``[B, Tq]`` (stable argsort of each row, O(B·Tq) data), computed once
+    per op call (forward, and again in the backward op), or None when no order is used."""
+    if perm_rank is None or causal:
+        return None
+    from ctxfast.kernels.attention import rank_order  # imports triton
+    return rank_order(perm_rank)
+
+
 @torch.library.custom_op("ctxfast::attention_fwd_triton", mutates_args=())
 def _attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
                           perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
@@ -64,7 +74,8 @@ def _attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Opt
     from ctxfast.kernels.attention import attention_forward  # imports triton
     return attention_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                              perm_rank=perm_rank, perm_strict=perm_strict, scale=scale,
-                             dropout_p=dropout_p, seed=seed)
+                             dropout_p=dropout_p, seed=seed,
+                             perm_order=_rank_order(perm_rank, causal))
 
 
 @_attention_fwd_triton.register_fake
@@ -83,7 +94,7 @@ def _attention_bwd_triton(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     return attention_backward(do, q, k, v, out, lse, causal=causal,
                               key_padding_mask=key_padding_mask, perm_rank=perm_rank,
                               perm_strict=perm_strict, scale=scale, dropout_p=dropout_p,
-                              seed=seed)
+                              seed=seed, perm_order=_rank_order(perm_rank, causal))
 
 
 @_attention_bwd_triton.register_fake
