@@ -263,7 +263,7 @@ def _attn_fwd_kernel(
     O,              # out [B, H, Tq, D], written
     LSE,            # lse [B, H, Tq] fp32 contiguous, written (base 2; +inf for empty rows)
     KPM,            # key padding [B, Tk] uint8 (1 = padding); unused unless HAS_KPM
-    RANK,           # permutation ranks [B, Tq] int32 (SORTED: in rank order); unused unless HAS_PERM
+    RANK,           # permutation ranks [B, Tq] int32 (SORTED: sorted); unused unless HAS_PERM
     ORDER,          # [B, Tq] int32 contiguous: row i of the sorted problem is query order[i],
                     # current key t is key mem_len + order[t]; unused unless SORTED
     KV_END,         # [B] int32: index of the last unpadded key + 1; unused unless HAS_KPM

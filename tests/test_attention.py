@@ -425,7 +425,8 @@ def test_rank_order_visits_fewer_tiles(monkeypatch, stream):
         return dict(counts)
 
     sorted_counts = run()
-    monkeypatch.setattr(kernels, "_rank_ordered", lambda kpm, rank, causal, order: (kpm, rank, None))
+    monkeypatch.setattr(kernels, "_rank_ordered",            # the masks as given, no order
+                        lambda kpm, rank, causal, order: (kpm, rank, None))
     original = run()
     # per kernel: the memory tile for every query block, the lower triangle of the current ones
     visited = nq + nq * (nq + 1) // 2
