@@ -219,6 +219,13 @@ def test_opcheck():
     seed = torch.tensor([123], dtype=torch.int64, device=DEVICE)
     torch.library.opcheck(torch.ops.ctxfast.attention_fwd_triton.default,
                           args[:-2] + (0.2, seed))
+    # without causal the permutation runs in rank order (order computed inside the ops)
+    args = args[:5] + (False, True) + args[7:]
+    torch.library.opcheck(torch.ops.ctxfast.attention_fwd_triton.default, args)
+    out, lse = torch.ops.ctxfast.attention_fwd_triton(*args)
+    torch.library.opcheck(torch.ops.ctxfast.attention_bwd_triton.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+                           out.detach(), lse, kpm, rank, False, True, 0.25, 0.0, None))
 
 
 @needs_triton
@@ -236,6 +243,26 @@ def test_torch_compile_fullgraph():
     ref.backward()
     assert abs(out.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item()))
     assert rel_err(q.grad, q2.grad) < 1e-5
+
+
+@needs_triton
+def test_torch_compile_fullgraph_permutation():
+    """A permutation mask (rank order: argsort inside the op) traces without graph breaks."""
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 17, 24, 16))
+    rank = torch.randint(0, 6, (1, 17), device=DEVICE)
+
+    def f(q, k, v, rank):
+        return ctxfast.attention(q, k, v, perm_rank=rank, perm_stream="query",
+                                 backend="triton").sum()
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, rank)
+    out.backward()
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q2, k2, v2, perm_rank=rank, perm_stream="query").sum()
+    ref.backward()
+    assert abs(out.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item()))
+    assert rel_err(q.grad, q2.grad) < 1e-5 and rel_err(k.grad, k2.grad) < 1e-5
 
 
 @needs_triton

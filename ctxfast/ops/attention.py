@@ -8,6 +8,10 @@ Registered ops (under ``torch.ops.ctxfast``, with fakes and autograd):
 * ``attention_bwd_triton(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal,
   perm_strict, scale, dropout_p, seed) -> (dq, dk, dv)``
 
+Permutation masks without causal: both Triton ops sort the ranks once per call
+(:func:`_rank_order`, a stable argsort of ``[B, Tq]``) and the kernels work in rank order,
+where the mask is causal-like (``kernels/attention.py``'s docstring).
+
 Dropout: ``seed`` (int64 ``[1]`` on q's device) keys a Philox stream; the kernels draw the
 number of element ``(b, h, i, j)`` at counter ``(bh·Tq + i)·Tk + j``, so the backward
 regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces it.
