@@ -30,8 +30,10 @@ key ``mem_len + order[t]`` (k, v, dK, dV; memory keys keep their index), and the
 is permuted the same way on the host (O(Tk) data). Visibility depends on the ranks only, so
 in sorted order current key ``t`` is visible to row ``i`` iff ``rank_sorted[t] <= rank_sorted[i]``
 (``<``): for a true permutation exactly causal (``t <= i``, ``t < i``), with ties and gaps a
-staircase that is still non-decreasing. The tile bounds above then skip the key tiles past
-the diagonal and leave the element mask to the tiles on it. Softmax does not depend on the
+staircase that is still non-decreasing. The loops stop at that diagonal (``SPAN``, from the
+sorted ranks on the host: per row the number of current keys it sees, a prefix; per key
+the first row that sees it) and the tile bounds above leave the element mask to the tiles
+on it. Softmax does not depend on the
 order of the keys and the rows are independent: the results are the unsorted ones up to the
 order of summation. Dropout draws with the original indices (the mask does not move).
 With causal the diagonal lives in the original order, and permutation masks keep it.
@@ -105,6 +107,18 @@ def _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED: tl.constexpr):
         cur = tl.load(ORDER + b * Tq + t, mask=(t >= 0) & (offs_n < Tk), other=0)
         rows = tl.where(t >= 0, mem_len + cur, offs_n)
     return rows
+
+
+@triton.jit
+def _sorted_key_end(b, m0, Tq, hi, mem_len, SPAN, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """hi cut, in rank order, at the end of the key tile holding the last current key that
+    the query block starting at row m0 sees: its last row has the largest rank, and
+    ``SPAN[b, 0, i]`` counts the current keys row i sees (a prefix of the sorted keys).
+    Whole tiles, so that the diagonal tile stays interior (classed from its bounds)."""
+    last = tl.minimum(m0 + BLOCK_M, Tq) - 1
+    end = mem_len + tl.load(SPAN + b * 2 * Tq + last)
+    return tl.minimum(hi, tl.cdiv(end, BLOCK_N) * BLOCK_N)
 
 
 @triton.jit
@@ -266,6 +280,9 @@ def _attn_fwd_kernel(
     RANK,           # permutation ranks [B, Tq] int32 (SORTED: sorted); unused unless HAS_PERM
     ORDER,          # [B, Tq] int32 contiguous: row i of the sorted problem is query order[i],
                     # current key t is key mem_len + order[t]; unused unless SORTED
+    SPAN,           # [B, 2, Tq] int32 contiguous, rank order: [b, 0, i] current keys row i
+                    # sees (a prefix), [b, 1, t] first row that sees current key t; unused
+                    # unless SORTED
     KV_END,         # [B] int32: index of the last unpadded key + 1; unused unless HAS_KPM
     SEED,           # [1] int64: Philox seed of the dropout mask; unused unless DROPOUT
     CU_Q, CU_K,     # [B + 1] int32 cumulative lengths of packed sequences; unused unless VARLEN
@@ -319,6 +336,8 @@ def _attn_fwd_kernel(
 
     lo, hi = _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
                         CAUSAL, HAS_KPM, SPLIT_K, BLOCK_M)
+    if SORTED:
+        hi = _sorted_key_end(b, m0, Tq, hi, mem_len, SPAN, BLOCK_M, BLOCK_N)
     full_end = Tk                   # interior keys: before the diagonal of the block's first row
     if CAUSAL:
         full_end = m0 + mem_len + 1
@@ -439,7 +458,7 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     LSE, DELTA,     # [B, H, Tq] fp32 contiguous: forward's lse (base 2), rowsum(dO * O)
     DK, DV,         # dk, dv [B, H, Tk, D] contiguous, written
-    KPM, RANK, ORDER, KV_END, SEED, CU_Q, CU_K,   # as in the forward
+    KPM, RANK, ORDER, SPAN, KV_END, SEED, CU_Q, CU_K,   # as in the forward
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # of dk and dv (same layout)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -505,6 +524,10 @@ def _attn_bwd_dkdv_kernel(
     hi = Tq
     if HAS_KPM:     # a key block wholly past the last unpadded key gets zero gradient
         hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
+    if SORTED:      # rank order: start at the block of the first row that sees key n0
+        t0 = n0 - mem_len
+        first = tl.load(SPAN + b * 2 * Tq + Tq + tl.maximum(t0, 0))
+        lo = tl.where(t0 >= 0, first // BLOCK_M * BLOCK_M, 0)
     q_int = tl.minimum(tl.maximum(q_int, lo), hi)
     a_end = tl.maximum(tl.minimum(Tq // BLOCK_M * BLOCK_M, hi), q_int)
 
@@ -595,7 +618,7 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO,    # as in _attn_bwd_dkdv_kernel
     LSE, DELTA,
     DQ,             # dq [B, H, Tq, D] contiguous, written
-    KPM, RANK, ORDER, KV_END, SEED, CU_Q, CU_K,   # as in the forward
+    KPM, RANK, ORDER, SPAN, KV_END, SEED, CU_Q, CU_K,   # as in the forward
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -643,6 +666,8 @@ def _attn_bwd_dq_kernel(
         qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
 
     _, hi = _key_range(b, m0, Tk, mem_len, KV_END, 0, CAUSAL, HAS_KPM, False, BLOCK_M)
+    if SORTED:
+        hi = _sorted_key_end(b, m0, Tq, hi, mem_len, SPAN, BLOCK_M, BLOCK_N)
     full_end = Tk
     if CAUSAL:
         full_end = m0 + mem_len + 1
@@ -737,21 +762,26 @@ def rank_order(perm_rank):
     return order.to(torch.int32).contiguous(), torch.gather(rank, 1, order).contiguous()
 
 
-def _rank_ordered(key_padding_mask, perm_rank, causal, perm_order):
+def _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict, perm_order):
     """(key_padding_mask, perm_rank, order) as the kernels take them. A permutation mask
     without causal runs in rank order: ranks sorted, the padding mask's current keys
-    permuted like the keys, and order (int32 [B, Tq]) for the rows; perm_order is
-    :func:`rank_order`'s result when the caller has it, else it is computed here. Otherwise
-    (no permutation, or causal, whose diagonal lives in the original order) the masks as
-    given and order None."""
+    permuted like the keys, and order = (order, span), int32 [B, Tq] and [B, 2, Tq]: the
+    rows, and per row the count of current keys it sees / per key the first row that sees
+    it (the loop bounds). perm_order is :func:`rank_order`'s result when the caller has it,
+    else it is computed here. Otherwise (no permutation, or causal, whose diagonal lives
+    in the original order) the masks as given and order None."""
     if perm_rank is None or causal:
         return key_padding_mask, perm_rank, None
     order, rank_sorted = rank_order(perm_rank) if perm_order is None else perm_order
+    # row i sees the keys of rank <= its own (<, strict): a prefix of the sorted keys;
+    # key t is seen from the first row of rank >= its own (>, strict) on
+    span = torch.stack([torch.searchsorted(rank_sorted, rank_sorted, right=not perm_strict),
+                        torch.searchsorted(rank_sorted, rank_sorted, right=perm_strict)], 1)
     if key_padding_mask is not None:
         mem_len = key_padding_mask.shape[1] - perm_rank.shape[1]
         key_padding_mask = torch.cat([key_padding_mask[:, :mem_len],
                                       key_padding_mask[:, mem_len:].gather(1, order.long())], 1)
-    return key_padding_mask, rank_sorted, order
+    return key_padding_mask, rank_sorted, (order, span.to(torch.int32).contiguous())
 
 
 def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,
@@ -760,8 +790,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     """Shared by the dense and the packed entry points. q, k, v, out: 4-D views
     [B|1, H, T, D]; dims = (B, H, Tq, Tk, D, max_q, max_k); cu = (cu_q, cu_k) or None.
     num_splits > 1 (dense only): flash-decoding, keys split over programs, then combined.
-    order: None, or the rows in rank order with the masks already permuted
-    (:func:`_rank_ordered`)."""
+    order: None, or (order, span) of :func:`_rank_ordered`, with the masks already permuted."""
     B, H, Tq, Tk, D, max_q, max_k = dims
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
@@ -774,8 +803,8 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         l_strides = lse_strides
     split = num_splits > 1
     _attn_fwd_kernel[(triton.cdiv(max_q, bm), B * H, num_splits)](
-        q, k, v, o_target, l_target, kpm, rank, order if order is not None else kv_end, kv_end,
-        _seed_arg(q, dropout_p, seed), cu_q, cu_k,
+        q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
+        kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mstrides, *l_strides,
         *split_strides, keys_per_split,
         H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, float(dropout_p),
@@ -797,7 +826,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     B, H, Tq, Tk, D, max_q, max_k = dims
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
-    order_arg = order if order is not None else kv_end
+    order_args = order if order is not None else (kv_end, kv_end)
     seed_arg = _seed_arg(q, dropout_p, seed)
     flags = dict(
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
@@ -810,12 +839,12 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     kind = _mask_kind(key_padding_mask, perm_rank)
     bm, bn, bd, warps, stages = _config("dkdv", D, q.dtype, causal, kind, dropout_p > 0)
     _attn_bwd_dkdv_kernel[(triton.cdiv(max_k, bn), B * H)](
-        q, k, v, do, lse, delta, dk, dv, kpm, rank, order_arg, kv_end, seed_arg, cu_q, cu_k,
+        q, k, v, do, lse, delta, dk, dv, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages)
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
     _attn_bwd_dq_kernel[(triton.cdiv(max_q, bm), B * H)](
-        q, k, v, do, lse, delta, dq, kpm, rank, order_arg, kv_end, seed_arg, cu_q, cu_k,
+        q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages)
 
@@ -845,7 +874,8 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
         bm, bn = _config("fwd", D, q.dtype, causal, _mask_kind(key_padding_mask, perm_rank),
                          dropout_p > 0)[:2]
         num_splits = _auto_splits(B, H, Tq, Tk, bm, bn, q.device)
-    kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_order)
+    kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
+                                     perm_order)
     _launch_forward(q, k, v, out, lse, (H * Tq, Tq), (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
                     key_padding_mask=kpm, perm_rank=rank, perm_strict=perm_strict, scale=scale,
                     dropout_p=dropout_p, seed=seed, num_splits=num_splits, order=order)
@@ -865,7 +895,8 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     if q.numel() == 0 or Tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = (do.float() * out.float()).sum(-1).contiguous()     # [B, H, Tq]
-    kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_order)
+    kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
+                                     perm_order)
     _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, (H * Tq, Tq),
                      (B, H, Tq, Tk, D, Tq, Tk), causal=causal, key_padding_mask=kpm,
                      perm_rank=rank, perm_strict=perm_strict, scale=scale, dropout_p=dropout_p,

@@ -429,15 +429,16 @@ def test_rank_order_with_ties_and_gaps(Tq, mem, pad, stream):
 @pytest.mark.parametrize("stream", ["content", "query"])
 def test_rank_order_visits_fewer_tiles(monkeypatch, stream):
     """With a random permutation the kernels visit only the tiles on and below the diagonal
-    of the rank-sorted problem, and element-mask only the diagonal ones. Counted in the
-    interpreter (16 x 16 tiles) through the score and mask helpers, forward and both backward
-    kernels, against the same kernels made to run in the original order."""
+    of the rank-sorted problem (their loops end there), and element-mask only the diagonal
+    ones. Counted in the interpreter (16 x 16 tiles) through the score, mask and tile-class
+    helpers, forward and both backward kernels, against the same kernels made to run in the
+    original order."""
     from ctxfast.kernels import attention as kernels
     B, H, Tq, mem, D = 1, 1, 64, 16, 16
     nq, nk = Tq // 16, (Tq + mem) // 16
     q, k, v = (t.requires_grad_() for t in _inputs(B, H, Tq, Tq + mem, D))
     rank = torch.randperm(Tq, device=DEVICE)[None]
-    counts = {"_scores": 0, "_interior_mask": 0}
+    counts = {"_scores": 0, "_interior_mask": 0, "_interior_keys": 0}
     for name in counts:
         def counted(*args, _fn=getattr(kernels, name), _name=name):
             counts[_name] += 1
@@ -453,12 +454,15 @@ def test_rank_order_visits_fewer_tiles(monkeypatch, stream):
 
     sorted_counts = run()
     monkeypatch.setattr(kernels, "_rank_ordered",            # the masks as given, no order
-                        lambda kpm, rank, causal, order: (kpm, rank, None))
+                        lambda kpm, rank, causal, strict, order: (kpm, rank, None))
     original = run()
-    # per kernel: the memory tile for every query block, the lower triangle of the current ones
+    # per kernel: the memory tile for every query block, the lower triangle of the current
+    # ones; forward and dQ loops end at the diagonal (_interior_keys: a step of their loops)
     visited = nq + nq * (nq + 1) // 2
-    assert sorted_counts == {"_scores": 3 * visited, "_interior_mask": 3 * nq}, sorted_counts
+    assert sorted_counts == {"_scores": 3 * visited, "_interior_mask": 3 * nq,
+                             "_interior_keys": 2 * visited}, sorted_counts
     assert original["_scores"] == 3 * nq * nk, original         # a random permutation: all
+    assert original["_interior_keys"] == 2 * nq * nk, original
     assert original["_interior_mask"] > sorted_counts["_interior_mask"], original
 
 
