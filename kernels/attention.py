@@ -21,6 +21,23 @@ stream), is skipped; one with no padded key and largest rank below the query blo
 smallest (``<=``) is all visible (no element mask); only the rest take an element mask.
 Causal grids hand the last query blocks (the longest rows) to the first programs.
 
+Permutation masks in rank order (``SORTED``: a permutation mask without causal): the
+launchers sort each batch's current tokens by rank once per call, ``order = argsort(rank[b])``
+(stable) and ``rank_sorted = rank[b, order]`` (non-decreasing), and the kernels solve the
+sorted problem by indexing rows, not by copying tensors: row ``i`` of the sorted problem is
+query ``order[i]`` (every load and store of q, out, lse, dO, dQ and ``Δ``), current key ``t`` is
+key ``mem_len + order[t]`` (k, v, dK, dV; memory keys keep their index), and the padding mask
+is permuted the same way on the host (O(Tk) data). Visibility depends on the ranks only, so
+in sorted order current key ``t`` is visible to row ``i`` iff ``rank_sorted[t] <= rank_sorted[i]``
+(``<``): for a true permutation exactly causal (``t <= i``, ``t < i``), with ties and gaps a
+staircase that is still non-decreasing. The loops stop at that diagonal (``SPAN``, from the
+sorted ranks on the host: per row the number of current keys it sees, a prefix; per key
+the first row that sees it) and the tile bounds above leave the element mask to the tiles
+on it. Softmax does not depend on the
+order of the keys and the rows are independent: the results are the unsorted ones up to the
+order of summation. Dropout draws with the original indices (the mask does not move).
+With causal the diagonal lives in the original order, and permutation masks keep it.
+
 Forward, per query row (scores in base 2, ``s_ij = q_i·k_j · scale · log2 e``), online:
   ``m_i = max_j s_ij``, ``l_i = Σ_j 2^(s_ij − m_i)``, ``o_i = Σ_j 2^(s_ij − m_i) v_j / l_i``,
   ``lse_i = m_i + log2 l_i``. A row that sees no key has ``l_i = 0``: ``o_i = 0`` and
@@ -66,6 +83,42 @@ def _load_rows(ptrs, offs_r, lim_r, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.con
     else:
         x = tl.load(ptrs, mask=d_ok, other=0.0)
     return x
+
+
+@triton.jit
+def _query_rows(offs_m, b, Tq, ORDER, SORTED: tl.constexpr):
+    """Row of q, out, lse, dO, dQ and delta that holds row offs_m of the problem:
+    ``order[b, offs_m]`` when SORTED (rank order), else offs_m. Rows past Tq give 0 (their
+    loads and stores are masked on offs_m)."""
+    rows = offs_m
+    if SORTED:
+        rows = tl.load(ORDER + b * Tq + offs_m, mask=offs_m < Tq, other=0)
+    return rows
+
+
+@triton.jit
+def _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED: tl.constexpr):
+    """Row of k, v, dK and dV that holds key offs_n of the problem: memory keys keep their
+    index, current key t = offs_n - mem_len is ``mem_len + order[b, t]`` when SORTED. Keys
+    past Tk give mem_len (their loads and stores are masked on offs_n)."""
+    rows = offs_n
+    if SORTED:
+        t = offs_n - mem_len
+        cur = tl.load(ORDER + b * Tq + t, mask=(t >= 0) & (offs_n < Tk), other=0)
+        rows = tl.where(t >= 0, mem_len + cur, offs_n)
+    return rows
+
+
+@triton.jit
+def _sorted_key_end(b, m0, Tq, hi, mem_len, SPAN, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """hi cut, in rank order, at the end of the key tile holding the last current key that
+    the query block starting at row m0 sees: its last row has the largest rank, and
+    ``SPAN[b, 0, i]`` counts the current keys row i sees (a prefix of the sorted keys).
+    Whole tiles, so that the diagonal tile stays interior (classed from its bounds)."""
+    last = tl.minimum(m0 + BLOCK_M, Tq) - 1
+    end = mem_len + tl.load(SPAN + b * 2 * Tq + last)
+    return tl.minimum(hi, tl.cdiv(end, BLOCK_N) * BLOCK_N)
 
 
 @triton.jit
@@ -145,20 +198,22 @@ def _interior_end(lo, hi, full_end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_ok,
                k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
-               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
                BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-               HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
-               EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-               PRECISION: tl.constexpr):
+               HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
+               DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Fold the key tiles [lo, hi) into (acc, l_i, m_i): boundary tiles with the full
-    visibility test, interior ones classed from block bounds."""
+    visibility test, interior ones classed from block bounds. offs_m / offs_n index the
+    problem (masks), rows_m / rows_n the tensors (loads, dropout counters)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
+        k_ptrs = k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         if BOUNDARY:
             k = _load_rows(k_ptrs, offs_n, Tk, d_ok, True, EVEN_D)
             v = _load_rows(v_ptrs, offs_n, Tk, d_ok, True, EVEN_D)
@@ -167,7 +222,7 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
                            RANK, stride_rank_b, stride_rank_t, rank_q,
                            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
             s = tl.where(vis, s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
                                                  PRECISION)
         elif HAS_KPM or HAS_PERM:
@@ -182,14 +237,14 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
                     vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
                                          PERM_STRICT)
                     s = tl.where(vis, s, float("-inf"))
-                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m,
-                                                     offs_n, max_q, max_k, p_drop, DROPOUT,
+                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m,
+                                                     rows_n, max_q, max_k, p_drop, DROPOUT,
                                                      UPCAST, PRECISION)
         else:
             k = _load_rows(k_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
             v = _load_rows(v_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
             s = _scores(q, k, qk_scale, UPCAST, PRECISION)
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
                                                  PRECISION)
     return acc, l_i, m_i
@@ -222,7 +277,12 @@ def _attn_fwd_kernel(
     O,              # out [B, H, Tq, D], written
     LSE,            # lse [B, H, Tq] fp32 contiguous, written (base 2; +inf for empty rows)
     KPM,            # key padding [B, Tk] uint8 (1 = padding); unused unless HAS_KPM
-    RANK,           # permutation ranks [B, Tq] int32; unused unless HAS_PERM
+    RANK,           # permutation ranks [B, Tq] int32 (SORTED: sorted); unused unless HAS_PERM
+    ORDER,          # [B, Tq] int32 contiguous: row i of the sorted problem is query order[i],
+                    # current key t is key mem_len + order[t]; unused unless SORTED
+    SPAN,           # [B, 2, Tq] int32 contiguous, rank order: [b, 0, i] current keys row i
+                    # sees (a prefix), [b, 1, t] first row that sees current key t; unused
+                    # unless SORTED
     KV_END,         # [B] int32: index of the last unpadded key + 1; unused unless HAS_KPM
     SEED,           # [1] int64: Philox seed of the dropout mask; unused unless DROPOUT
     CU_Q, CU_K,     # [B + 1] int32 cumulative lengths of packed sequences; unused unless VARLEN
@@ -239,7 +299,9 @@ def _attn_fwd_kernel(
     qk_scale,       # scale * log2(e)
     p_drop,         # dropout probability (DROPOUT only)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    PERM_STRICT: tl.constexpr,
+    SORTED: tl.constexpr,   # permutation mask in rank order (ORDER); KPM and RANK are permuted
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     SPLIT_K: tl.constexpr,  # flash-decoding: program_id(2) owns one range of keys; partial out
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,   # BLOCK_D == D: no column masks
@@ -262,7 +324,8 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
 
-    q = _load_rows(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+    rows_m = _query_rows(offs_m, b, Tq, ORDER, SORTED)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh + rows_m[:, None] * stride_qm
                    + offs_d[None, :] * stride_qd, offs_m, Tq, d_ok, True, EVEN_D)
     rank_q = offs_m
     qmin = 0
@@ -273,6 +336,8 @@ def _attn_fwd_kernel(
 
     lo, hi = _key_range(b, m0, Tk, mem_len, KV_END, keys_per_split,
                         CAUSAL, HAS_KPM, SPLIT_K, BLOCK_M)
+    if SORTED:
+        hi = _sorted_key_end(b, m0, Tq, hi, mem_len, SPAN, BLOCK_M, BLOCK_N)
     full_end = Tk                   # interior keys: before the diagonal of the block's first row
     if CAUSAL:
         full_end = m0 + mem_len + 1
@@ -289,20 +354,20 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
-                               k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, lo, mid,
-                               b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
-                               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
-                               stride_rank_t, False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT,
-                               DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
-                               k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, mid, hi,
-                               b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
-                               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
-                               stride_rank_t, True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT,
-                               DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
-    _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
-                  + offs_d[None, :] * stride_od, LSE + offs_m, offs_m, Tq, d_ok, SPLIT_K)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
+                               d_ok, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               lo, mid, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed,
+                               p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                               stride_rank_t, ORDER, False, CAUSAL, HAS_KPM, HAS_PERM,
+                               PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
+                               d_ok, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               mid, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed,
+                               p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                               stride_rank_t, ORDER, True, CAUSAL, HAS_KPM, HAS_PERM,
+                               PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
+    _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + rows_m[:, None] * stride_om
+                  + offs_d[None, :] * stride_od, LSE + rows_m, offs_m, Tq, d_ok, SPLIT_K)
 
 
 @triton.jit
@@ -321,19 +386,21 @@ def _bwd_bases(Q, K, V, DO, LSE, DELTA, b, h, q_start, k_start,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
+def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
                 q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
                 lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
-                KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
                 BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-                HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
-                EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
+                DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate the query tiles [lo, hi) into one key block's (dk, dv) [BLOCK_N, BLOCK_D],
-    transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows)."""
+    transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows). offs index the
+    problem (masks), rows the tensors (loads, dropout counters)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        rows_m = _query_rows(offs_m, b, Tq, ORDER, SORTED)
+        q = _load_rows(q_base + rows_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                        offs_m, Tq, d_ok, BOUNDARY, EVEN_D)
         rank_q = offs_m
         if HAS_PERM:
@@ -354,14 +421,14 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, 
                     any_vis = any_vis & (kmin <= qmax)
                     all_vis = all_vis & (kmax <= qmin)
         if any_vis:
-            do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+            do = _load_rows(do_base + rows_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                             offs_m, Tq, d_ok, BOUNDARY, EVEN_D)
             if BOUNDARY:
-                lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
-                delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
+                lse = tl.load(LSE + rows_m, mask=offs_m < Tq, other=float("inf"))
+                delta = tl.load(DELTA + rows_m, mask=offs_m < Tq, other=0.0)
             else:
-                lse = tl.load(LSE + offs_m)
-                delta = tl.load(DELTA + offs_m)
+                lse = tl.load(LSE + rows_m)
+                delta = tl.load(DELTA + rows_m)
             p_t = tl.exp2(_scores(k, q, qk_scale, UPCAST, PRECISION) - lse[None, :])  # [N, M]
             if BOUNDARY:
                 vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
@@ -375,7 +442,7 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, 
                     p_t = tl.where(tl.trans(vis_t), p_t, 0.0)
             dp_t = _dot(v, tl.trans(do), UPCAST, PRECISION)                  # (dO Vᵀ)ᵀ
             if DROPOUT:   # out used P_d = P * keep / (1 - p): dV = P_dᵀ dO, dP = dP_d * keep / (1 - p)
-                keep_t = _keep_t(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
+                keep_t = _keep_t(seed, bh, rows_m, rows_n, max_q, max_k, p_drop)
                 dv += _dot(tl.where(keep_t, p_t / (1.0 - p_drop), 0.0).to(do.dtype), do,
                            UPCAST, PRECISION)
                 dp_t = tl.where(keep_t, dp_t / (1.0 - p_drop), 0.0)
@@ -391,7 +458,7 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     LSE, DELTA,     # [B, H, Tq] fp32 contiguous: forward's lse (base 2), rowsum(dO * O)
     DK, DV,         # dk, dv [B, H, Tk, D] contiguous, written
-    KPM, RANK, KV_END, SEED, CU_Q, CU_K,   # as in the forward
+    KPM, RANK, ORDER, SPAN, KV_END, SEED, CU_Q, CU_K,   # as in the forward
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # of dk and dv (same layout)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -404,7 +471,8 @@ def _attn_bwd_dkdv_kernel(
     qk_scale, sm_scale,   # scale * log2(e), scale
     p_drop,               # dropout probability (DROPOUT only)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    PERM_STRICT: tl.constexpr, SORTED: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -425,9 +493,10 @@ def _attn_bwd_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
+    k = _load_rows(k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                    offs_n, Tk, d_ok, True, EVEN_D)
-    v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+    v = _load_rows(v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                    offs_n, Tk, d_ok, True, EVEN_D)
     # The key block's bounds for classing interior query tiles (keys past Tk: their rows of
     # dk/dv are not stored, so they count as visible).
@@ -455,6 +524,10 @@ def _attn_bwd_dkdv_kernel(
     hi = Tq
     if HAS_KPM:     # a key block wholly past the last unpadded key gets zero gradient
         hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
+    if SORTED:      # rank order: start at the block of the first row that sees key n0
+        t0 = n0 - mem_len
+        first = tl.load(SPAN + b * 2 * Tq + Tq + tl.maximum(t0, 0))
+        lo = tl.where(t0 >= 0, first // BLOCK_M * BLOCK_M, 0)
     q_int = tl.minimum(tl.maximum(q_int, lo), hi)
     a_end = tl.maximum(tl.minimum(Tq // BLOCK_M * BLOCK_M, hi), q_int)
 
@@ -464,41 +537,45 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # diagonal tiles, interior tiles, the last partial query block
-    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
-                         q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod,
-                         LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
+                         offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
+                         stride_dod, LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, True, CAUSAL, HAS_KPM, HAS_PERM,
-                         PERM_STRICT, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
-                         q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod,
-                         LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
+                         stride_rank_b, stride_rank_t, ORDER, True, CAUSAL, HAS_KPM, HAS_PERM,
+                         PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST,
+                         PRECISION)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
+                         offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
+                         stride_dod, LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, False, CAUSAL, HAS_KPM, HAS_PERM,
-                         PERM_STRICT, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
-                         q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod,
-                         LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
+                         stride_rank_b, stride_rank_t, ORDER, False, CAUSAL, HAS_KPM, HAS_PERM,
+                         PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST,
+                         PRECISION)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
+                         offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
+                         stride_dod, LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, True, CAUSAL, HAS_KPM, HAS_PERM,
-                         PERM_STRICT, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+                         stride_rank_b, stride_rank_t, ORDER, True, CAUSAL, HAS_KPM, HAS_PERM,
+                         PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST,
+                         PRECISION)
 
-    out_off = offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    out_off = rows_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     kv_mask = (offs_n[:, None] < Tk) & d_ok
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_ok,
               k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
-              KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+              KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
               BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-              HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr,
-              EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """Accumulate the key tiles [lo, hi) into a query block's dq [BLOCK_M, BLOCK_D]."""
+              HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
+              DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate the key tiles [lo, hi) into a query block's dq [BLOCK_M, BLOCK_D]. offs
+    index the problem (masks), rows the tensors (loads, dropout counters)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         any_vis = tl.min(offs_n, 0) >= 0          # True (a scalar tensor)
@@ -511,9 +588,10 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
                     offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
                     RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
         if any_vis:
-            k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+            rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
+            k = _load_rows(k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                            offs_n, Tk, d_ok, BOUNDARY, EVEN_D)
-            v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            v = _load_rows(v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                            offs_n, Tk, d_ok, BOUNDARY, EVEN_D)
             p = tl.exp2(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None])
             if BOUNDARY:
@@ -528,7 +606,7 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
                     p = tl.where(vis, p, 0.0)
             dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
             if DROPOUT:
-                keep = _keep(seed, bh, offs_m, offs_n, max_q, max_k, p_drop)
+                keep = _keep(seed, bh, rows_m, rows_n, max_q, max_k, p_drop)
                 dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
@@ -540,7 +618,7 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO,    # as in _attn_bwd_dkdv_kernel
     LSE, DELTA,
     DQ,             # dq [B, H, Tq, D] contiguous, written
-    KPM, RANK, KV_END, SEED, CU_Q, CU_K,
+    KPM, RANK, ORDER, SPAN, KV_END, SEED, CU_Q, CU_K,   # as in the forward
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -552,7 +630,8 @@ def _attn_bwd_dq_kernel(
     max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale, sm_scale, p_drop,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-    PERM_STRICT: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    PERM_STRICT: tl.constexpr, SORTED: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -572,12 +651,13 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    rows_m = _query_rows(offs_m, b, Tq, ORDER, SORTED)
+    q = _load_rows(q_base + rows_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                    offs_m, Tq, d_ok, True, EVEN_D)
-    do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+    do = _load_rows(do_base + rows_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                     offs_m, Tq, d_ok, True, EVEN_D)
-    lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
-    delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
+    lse = tl.load(LSE + rows_m, mask=offs_m < Tq, other=float("inf"))
+    delta = tl.load(DELTA + rows_m, mask=offs_m < Tq, other=0.0)
     rank_q = offs_m
     qmin = 0
     qmax = 0
@@ -586,6 +666,8 @@ def _attn_bwd_dq_kernel(
         qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
 
     _, hi = _key_range(b, m0, Tk, mem_len, KV_END, 0, CAUSAL, HAS_KPM, False, BLOCK_M)
+    if SORTED:
+        hi = _sorted_key_end(b, m0, Tq, hi, mem_len, SPAN, BLOCK_M, BLOCK_N)
     full_end = Tk
     if CAUSAL:
         full_end = m0 + mem_len + 1
@@ -595,19 +677,19 @@ def _attn_bwd_dq_kernel(
     if DROPOUT:
         seed = tl.load(SEED)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+    dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_ok,
                    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, mid,
                    b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
-                   KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
-                   False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, DROPOUT, EVEN_D, BLOCK_N,
-                   UPCAST, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, offs_d, d_ok,
+                   KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
+                   False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
+                   BLOCK_N, UPCAST, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_ok,
                    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, mid, hi,
                    b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
-                   KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
-                   True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, DROPOUT, EVEN_D, BLOCK_N,
-                   UPCAST, PRECISION)
-    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                   KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
+                   True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
+                   BLOCK_N, UPCAST, PRECISION)
+    tl.store(DQ + rows_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_ok)
 
 
@@ -671,11 +753,44 @@ def _mask_kind(key_padding_mask, perm_rank) -> str:
     return "perm" if perm_rank is not None else "kpm" if key_padding_mask is not None else "none"
 
 
+def rank_order(perm_rank):
+    """(order, rank_sorted), int32 ``[B, Tq]`` contiguous: the stable argsort of each row of
+    perm_rank and the ranks in that order (non-decreasing). O(B·Tq) data; the kernels solve
+    a permutation mask in this order (module docstring)."""
+    rank = perm_rank.to(torch.int32)
+    order = torch.argsort(rank, dim=1, stable=True)
+    return order.to(torch.int32).contiguous(), torch.gather(rank, 1, order).contiguous()
+
+
+def _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict, perm_order):
+    """(key_padding_mask, perm_rank, order) as the kernels take them. A permutation mask
+    without causal runs in rank order: ranks sorted, the padding mask's current keys
+    permuted like the keys, and order = (order, span), int32 [B, Tq] and [B, 2, Tq]: the
+    rows, and per row the count of current keys it sees / per key the first row that sees
+    it (the loop bounds). perm_order is :func:`rank_order`'s result when the caller has it,
+    else it is computed here. Otherwise (no permutation, or causal, whose diagonal lives
+    in the original order) the masks as given and order None."""
+    if perm_rank is None or causal:
+        return key_padding_mask, perm_rank, None
+    order, rank_sorted = rank_order(perm_rank) if perm_order is None else perm_order
+    # row i sees the keys of rank <= its own (<, strict): a prefix of the sorted keys;
+    # key t is seen from the first row of rank >= its own (>, strict) on
+    span = torch.stack([torch.searchsorted(rank_sorted, rank_sorted, right=not perm_strict),
+                        torch.searchsorted(rank_sorted, rank_sorted, right=perm_strict)], 1)
+    if key_padding_mask is not None:
+        mem_len = key_padding_mask.shape[1] - perm_rank.shape[1]
+        key_padding_mask = torch.cat([key_padding_mask[:, :mem_len],
+                                      key_padding_mask[:, mem_len:].gather(1, order.long())], 1)
+    return key_padding_mask, rank_sorted, (order, span.to(torch.int32).contiguous())
+
+
 def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,
-                    perm_rank, perm_strict, scale, dropout_p, seed, cu=None, num_splits=1):
+                    perm_rank, perm_strict, scale, dropout_p, seed, cu=None, num_splits=1,
+                    order=None):
     """Shared by the dense and the packed entry points. q, k, v, out: 4-D views
     [B|1, H, T, D]; dims = (B, H, Tq, Tk, D, max_q, max_k); cu = (cu_q, cu_k) or None.
-    num_splits > 1 (dense only): flash-decoding, keys split over programs, then combined."""
+    num_splits > 1 (dense only): flash-decoding, keys split over programs, then combined.
+    order: None, or (order, span) of :func:`_rank_ordered`, with the masks already permuted."""
     B, H, Tq, Tk, D, max_q, max_k = dims
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
@@ -688,13 +803,14 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         l_strides = lse_strides
     split = num_splits > 1
     _attn_fwd_kernel[(triton.cdiv(max_q, bm), B * H, num_splits)](
-        q, k, v, o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
-        cu_q, cu_k,
+        q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
+        kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mstrides, *l_strides,
         *split_strides, keys_per_split,
         H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, float(dropout_p),
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None, SPLIT_K=split,
+        PERM_STRICT=perm_strict, SORTED=order is not None, DROPOUT=dropout_p > 0,
+        VARLEN=cu is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages,
@@ -704,15 +820,18 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
 
 
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
-                     key_padding_mask, perm_rank, perm_strict, scale, dropout_p, seed, cu=None):
+                     key_padding_mask, perm_rank, perm_strict, scale, dropout_p, seed, cu=None,
+                     order=None):
     """Backward counterpart of :func:`_launch_forward` (dk and dv share one layout)."""
     B, H, Tq, Tk, D, max_q, max_k = dims
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
+    order_args = order if order is not None else (kv_end, kv_end)
     seed_arg = _seed_arg(q, dropout_p, seed)
     flags = dict(
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, DROPOUT=dropout_p > 0, VARLEN=cu is not None,
+        PERM_STRICT=perm_strict, SORTED=order is not None, DROPOUT=dropout_p > 0,
+        VARLEN=cu is not None,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
     )
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides, *lse_strides)
@@ -720,24 +839,27 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     kind = _mask_kind(key_padding_mask, perm_rank)
     bm, bn, bd, warps, stages = _config("dkdv", D, q.dtype, causal, kind, dropout_p > 0)
     _attn_bwd_dkdv_kernel[(triton.cdiv(max_k, bn), B * H)](
-        q, k, v, do, lse, delta, dk, dv, kpm, rank, kv_end, seed_arg, cu_q, cu_k,
+        q, k, v, do, lse, delta, dk, dv, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages)
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
     _attn_bwd_dq_kernel[(triton.cdiv(max_q, bm), B * H)](
-        q, k, v, do, lse, delta, dq, kpm, rank, kv_end, seed_arg, cu_q, cu_k,
+        q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages)
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,
-                      perm_strict=False, scale=None, dropout_p=0.0, seed=None, num_splits=None):
+                      perm_strict=False, scale=None, dropout_p=0.0, seed=None, num_splits=None,
+                      perm_order=None):
     """q [B, H, Tq, D], k, v [B, H, Tk, D] -> (out [B, H, Tq, D] contiguous, lse [B, H, Tq] fp32).
 
     key_padding_mask: bool [B, Tk] (True = padding) or None; perm_rank: int [B, Tq] or None;
     perm_strict: True for XLNet's query stream (rank[t] < rank[i]); dropout_p > 0 needs
     seed (int64 tensor [1] on q's device): the mask is :func:`dropout_keep_mask` (seed).
     num_splits: key splits (flash-decoding); None picks them for few queries and long keys.
+    perm_order: :func:`rank_order` (perm_rank) if the caller has it (else computed here when
+    needed: a permutation mask without causal runs in rank order).
     """
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -752,15 +874,17 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
         bm, bn = _config("fwd", D, q.dtype, causal, _mask_kind(key_padding_mask, perm_rank),
                          dropout_p > 0)[:2]
         num_splits = _auto_splits(B, H, Tq, Tk, bm, bn, q.device)
+    kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
+                                     perm_order)
     _launch_forward(q, k, v, out, lse, (H * Tq, Tq), (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
-                    key_padding_mask=key_padding_mask, perm_rank=perm_rank,
-                    perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed,
-                    num_splits=num_splits)
+                    key_padding_mask=kpm, perm_rank=rank, perm_strict=perm_strict, scale=scale,
+                    dropout_p=dropout_p, seed=seed, num_splits=num_splits, order=order)
     return out, lse
 
 
 def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=None,
-                       perm_rank=None, perm_strict=False, scale=None, dropout_p=0.0, seed=None):
+                       perm_rank=None, perm_strict=False, scale=None, dropout_p=0.0, seed=None,
+                       perm_order=None):
     """Gradients (dq, dk, dv) of :func:`attention_forward`'s ``out`` for upstream ``do``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
@@ -771,10 +895,12 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     if q.numel() == 0 or Tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = (do.float() * out.float()).sum(-1).contiguous()     # [B, H, Tq]
+    kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
+                                     perm_order)
     _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, (H * Tq, Tq),
-                     (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
-                     key_padding_mask=key_padding_mask, perm_rank=perm_rank,
-                     perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed)
+                     (B, H, Tq, Tk, D, Tq, Tk), causal=causal, key_padding_mask=kpm,
+                     perm_rank=rank, perm_strict=perm_strict, scale=scale, dropout_p=dropout_p,
+                     seed=seed, order=order)
     return dq, dk, dv
 
 

@@ -219,6 +219,13 @@ def test_opcheck():
     seed = torch.tensor([123], dtype=torch.int64, device=DEVICE)
     torch.library.opcheck(torch.ops.ctxfast.attention_fwd_triton.default,
                           args[:-2] + (0.2, seed))
+    # without causal the permutation runs in rank order (order computed inside the ops)
+    args = args[:5] + (False, True) + args[7:]
+    torch.library.opcheck(torch.ops.ctxfast.attention_fwd_triton.default, args)
+    out, lse = torch.ops.ctxfast.attention_fwd_triton(*args)
+    torch.library.opcheck(torch.ops.ctxfast.attention_bwd_triton.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+                           out.detach(), lse, kpm, rank, False, True, 0.25, 0.0, None))
 
 
 @needs_triton
@@ -239,6 +246,26 @@ def test_torch_compile_fullgraph():
 
 
 @needs_triton
+def test_torch_compile_fullgraph_permutation():
+    """A permutation mask (rank order: argsort inside the op) traces without graph breaks."""
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 17, 24, 16))
+    rank = torch.randint(0, 6, (1, 17), device=DEVICE)
+
+    def f(q, k, v, rank):
+        return ctxfast.attention(q, k, v, perm_rank=rank, perm_stream="query",
+                                 backend="triton").sum()
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, rank)
+    out.backward()
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q2, k2, v2, perm_rank=rank, perm_stream="query").sum()
+    ref.backward()
+    assert abs(out.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item()))
+    assert rel_err(q.grad, q2.grad) < 1e-5 and rel_err(k.grad, k2.grad) < 1e-5
+
+
+@needs_triton
 def test_gradcheck_fast_mode():
     q, k, v = (torch.randn(1, 1, 5, 16, dtype=torch.float64, device=DEVICE, requires_grad=True)
                for _ in range(3))
@@ -251,7 +278,7 @@ def test_gradcheck_fast_mode():
 
 
 @needs_triton
-@pytest.mark.parametrize("kind", ["none", "causal-pad", "perm-query"])
+@pytest.mark.parametrize("kind", ["none", "causal-pad", "perm-query", "ties-pad"])
 def test_dropout_matches_reference_with_the_same_mask(kind):
     """The kernel's mask is reproducible from the seed, forward and backward agree with the
     reference given that mask, and about p of the entries are dropped."""
@@ -361,6 +388,82 @@ def test_interior_and_boundary_tiles(Tq, Tk, kind):
         kw["perm_rank"] = _block_ranks(Tq, order)
         kw["perm_stream"] = "query" if "query" in kind else "content"
     check_against_reference(q, k, v, **kw)
+
+
+# --------------------------------------------------------------------------- rank order
+# A permutation mask without causal runs in rank order: the kernels read and write the rows
+# of queries and current keys through order = argsort(rank), so the mask becomes causal-like
+# and the tile bounds skip the tiles past the diagonal.
+
+def _gappy_ranks(B, Tq):
+    """Ranks with ties and gaps (not a permutation): multiples of 5, about 3 per value."""
+    return torch.randint(0, max(2, Tq // 3), (B, Tq), device=DEVICE) * 5
+
+
+@needs_triton
+@pytest.mark.parametrize("stream", ["content", "query"])
+@pytest.mark.parametrize("Tq, mem, pad", [(37, 0, False), (37, 11, False), (30, 19, True),
+                                          (5, 0, False)])
+def test_rank_order_with_ties_and_gaps(Tq, mem, pad, stream):
+    """Forward and every gradient against the float64 reference for ranks that repeat and
+    skip values, both streams, with and without memory (and with padding). Without memory
+    the query stream's lowest-ranked queries (a tie) see no key: zeros, zero dq."""
+    B, H, D = 2, 2, 32
+    Tk = Tq + mem
+    q, k, v = _inputs(B, H, Tq, Tk, D)
+    rank = _gappy_ranks(B, Tq)
+    assert (rank == rank.min()).sum() > 1 or Tq < 6     # ties at the lowest rank
+    kw = {"perm_rank": rank, "perm_stream": stream}
+    if pad:
+        kpm = torch.rand(B, Tk, device=DEVICE) < 0.3
+        kpm[:, 0] = False
+        kw["key_padding_mask"] = kpm
+    out, (dq, dk, dv) = check_against_reference(q, k, v, **kw)
+    if stream == "query" and mem == 0:
+        empty = rank == rank.min(1, keepdim=True).values          # [B, Tq]: sees no key
+        assert (out.transpose(1, 2)[empty] == 0).all()
+        assert (dq.transpose(1, 2)[empty] == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("stream", ["content", "query"])
+def test_rank_order_visits_fewer_tiles(monkeypatch, stream):
+    """With a random permutation the kernels visit only the tiles on and below the diagonal
+    of the rank-sorted problem (their loops end there), and element-mask only the diagonal
+    ones. Counted in the interpreter (16 x 16 tiles) through the score, mask and tile-class
+    helpers, forward and both backward kernels, against the same kernels made to run in the
+    original order."""
+    from ctxfast.kernels import attention as kernels
+    B, H, Tq, mem, D = 1, 1, 64, 16, 16
+    nq, nk = Tq // 16, (Tq + mem) // 16
+    q, k, v = (t.requires_grad_() for t in _inputs(B, H, Tq, Tq + mem, D))
+    rank = torch.randperm(Tq, device=DEVICE)[None]
+    counts = {"_scores": 0, "_interior_mask": 0, "_interior_keys": 0}
+    for name in counts:
+        def counted(*args, _fn=getattr(kernels, name), _name=name):
+            counts[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(kernels, name, counted)
+
+    def run():
+        for name in counts:
+            counts[name] = 0
+        out = ctxfast.attention(q, k, v, perm_rank=rank, perm_stream=stream, backend="triton")
+        out.backward(torch.randn_like(out))
+        return dict(counts)
+
+    sorted_counts = run()
+    monkeypatch.setattr(kernels, "_rank_ordered",            # the masks as given, no order
+                        lambda kpm, rank, causal, strict, order: (kpm, rank, None))
+    original = run()
+    # per kernel: the memory tile for every query block, the lower triangle of the current
+    # ones; forward and dQ loops end at the diagonal (_interior_keys: a step of their loops)
+    visited = nq + nq * (nq + 1) // 2
+    assert sorted_counts == {"_scores": 3 * visited, "_interior_mask": 3 * nq,
+                             "_interior_keys": 2 * visited}, sorted_counts
+    assert original["_scores"] == 3 * nq * nk, original         # a random permutation: all
+    assert original["_interior_keys"] == 2 * nq * nk, original
+    assert original["_interior_mask"] > sorted_counts["_interior_mask"], original
 
 
 # --------------------------------------------------------------------------- decoding (split-K)

@@ -173,6 +173,10 @@ def _cases():
          lambda: attn_varlen(bf16, 128, causal=True, dropout=0.1)),
         ("attention fp16 D=64 kpm", sm90, lambda: attn(f16, 64, kpm=True)),
         ("attention fp16 D=64 perm+dropout", sm90, lambda: attn(f16, 64, perm=True, dropout=0.1)),
+        # permutation masks without causal run in rank order (rows read through ORDER)
+        ("attention bf16 D=128 perm", sm90, lambda: attn(bf16, 128, perm=True)),
+        ("attention bf16 D=64 kpm+perm_strict", sm90,
+         lambda: attn(bf16, 64, kpm=True, perm=True, perm_strict=True)),
         # the H100 benchmark's headline cases (bench_attention.py: bf16, causal, D 64 / 128)
         ("attention bf16 D=128 causal", sm90, lambda: attn(bf16, 128, causal=True)),
         ("attention bf16 D=64 causal", sm90, lambda: attn(bf16, 64, causal=True)),

@@ -8,6 +8,10 @@ Registered ops (under ``torch.ops.ctxfast``, with fakes and autograd):
 * ``attention_bwd_triton(do, q, k, v, out, lse, key_padding_mask, perm_rank, causal,
   perm_strict, scale, dropout_p, seed) -> (dq, dk, dv)``
 
+Permutation masks without causal: both Triton ops sort the ranks once per call
+(:func:`_rank_order`, a stable argsort of ``[B, Tq]``) and the kernels work in rank order,
+where the mask is causal-like (``kernels/attention.py``'s docstring).
+
 Dropout: ``seed`` (int64 ``[1]`` on q's device) keys a Philox stream; the kernels draw the
 number of element ``(b, h, i, j)`` at counter ``(bh·Tq + i)·Tk + j``, so the backward
 regenerates the forward's mask and ``dropout_keep_mask(seed, ...)`` reproduces it.
@@ -56,6 +60,16 @@ _dispatch.register_op("attention", supported=_BACKENDS,
 
 # --------------------------------------------------------------------------- registration
 
+def _rank_order(perm_rank: Optional[Tensor], causal: bool):
+    """The Triton kernels solve a permutation mask without causal in rank order: (order,
+    rank_sorted), int32 ``[B, Tq]`` (stable argsort of each row, O(B·Tq) data), computed once
+    per op call (forward, and again in the backward op), or None when no order is used."""
+    if perm_rank is None or causal:
+        return None
+    from ctxfast.kernels.attention import rank_order  # imports triton
+    return rank_order(perm_rank)
+
+
 @torch.library.custom_op("ctxfast::attention_fwd_triton", mutates_args=())
 def _attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
                           perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
@@ -64,7 +78,8 @@ def _attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Opt
     from ctxfast.kernels.attention import attention_forward  # imports triton
     return attention_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                              perm_rank=perm_rank, perm_strict=perm_strict, scale=scale,
-                             dropout_p=dropout_p, seed=seed)
+                             dropout_p=dropout_p, seed=seed,
+                             perm_order=_rank_order(perm_rank, causal))
 
 
 @_attention_fwd_triton.register_fake
@@ -83,7 +98,7 @@ def _attention_bwd_triton(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     return attention_backward(do, q, k, v, out, lse, causal=causal,
                               key_padding_mask=key_padding_mask, perm_rank=perm_rank,
                               perm_strict=perm_strict, scale=scale, dropout_p=dropout_p,
-                              seed=seed)
+                              seed=seed, perm_order=_rank_order(perm_rank, causal))
 
 
 @_attention_bwd_triton.register_fake
