@@ -14,13 +14,35 @@ Forward, per step ``t`` (``t_prev`` the step consumed before; ``reverse`` walks 
     c_t = clamp(f c_{t-1} + i g, ±cell_clip);  hp_t = o tanh(c_t)
     h_t = clamp(hp_t @ w_hrᵀ, ±proj_clip)   (h_t = hp_t without w_hr)
 
-One fused kernel per step (:func:`_lstm_fwd_kernel`): a program owns a block of batch rows
-and a block of hidden units ``j``; it loads the rows ``j, H+j, 2H+j, 3H+j`` of ``w_hh`` (the
-four gates of its units) as one ``[4·BLOCK_H, BLOCK_K]`` tile per step of ``P``, multiplies
-the mask into the tile as it is loaded (no masked weight is ever written) and accumulates
-``h_{t-1} @ Wᵀ`` with one dot; then it applies the gates, the cell update and the clip and
-writes ``gates_t``, ``c_t`` and ``hp_t``. With a projection a second kernel
-(:func:`_lstm_gemm_kernel`) computes ``h_t = clamp(hp_t @ w_hrᵀ)``.
+Tiles. A *cell tile* is a block of batch rows and a block of hidden units ``j``: it loads
+the rows ``j, H+j, 2H+j, 3H+j`` of ``w_hh`` (the four gates of its units) as one
+``[4·BLOCK_H, BLOCK_K]`` tile per step of ``P``, multiplies the mask into the tile as it is
+loaded (no masked weight is ever written) and accumulates ``h_{t-1} @ Wᵀ`` with one dot; then
+it applies the gates, the cell update and the clip and writes ``gates_t``, ``c_t`` and
+``hp_t`` (:func:`_cell_fwd_tile`). With a projection a *projection tile* (batch rows x a
+block of ``P``) computes ``h_t = clamp(hp_t @ w_hrᵀ)`` (:func:`_proj_fwd_tile`).
+
+One launch for all T steps (:func:`_lstm_fwd_kernel`, persistent). The grid is at most one
+program per SM, launched cooperatively (``launch_cooperative_grid``: the driver refuses a
+grid that cannot be resident at once, so the barrier below cannot deadlock). Program ``p``
+owns the tiles ``p, p + nprog, ...`` of each phase, the same ones every step, so the cell
+state of a tile is only ever read by the program that wrote it. Per step::
+
+    cell tiles (h_{t-1} -> gates_t, c_t, hp_t)   [grid barrier   proj tiles (hp_t -> h_t)]
+    grid barrier
+
+The barrier (:func:`_grid_sync`) is a monotonic counter: each program adds 1 (release) and
+spins until it reads ``k · nprog`` (acquire) at its ``k``-th barrier; values written by other
+programs (``h_{t-1}``, ``hp_t``) are loaded with ``.cg`` (L2, never a stale L1 line). The
+recurrent weight is re-read from L2 every step (fp32 ULMFiT ``w_hh`` is 21 MB; the H100's L2
+is 50 MB): no launch, no host round trip and no HBM pass per step.
+
+The same kernel also runs *stepwise*: launched once per step and phase (``n0 .. n1`` one
+step, ``RUN_*`` one phase, no barrier) where a cooperative launch is not possible, and
+in Triton's interpreter, which runs the programs of a grid one after another (a barrier
+across programs would wait forever there). The interpreter runs the persistent form with a
+single program (which then owns every tile, and passes each barrier alone), so the CPU tests
+run both forms.
 
 ``scale`` and the clips are read from a small tensor in the accumulation dtype (scalar
 arguments are fp32 on a GPU but fp64 in the interpreter), so every path clamps to the same
@@ -37,15 +59,24 @@ Backward through time, carrying ``dh`` (w.r.t. ``h_t``) and ``dc`` (w.r.t. the p
     dz_g = dc̃ i · (1−g²);  dc passed back = dc̃ · f;  grad_xw_t = dz_t
     grad_h0 = dz_first @ W;  grad_c0 = dc̃_first · f_first
 
-Per step: :func:`_lstm_bwd_kernel` (the cell backward, elementwise, with ``dh̃_t @ w_hr``
-fused in) and :func:`_lstm_gemm_kernel` for ``dz_t @ W`` with the mask applied in-kernel and
-the next ``dh̃`` (``+ grad_out``, proj-clip gate) as its epilogue. The weight gradients are
-one GEMM each over all steps at the end::
+The backward is persistent the same way (:func:`_lstm_bwd_kernel`). Per step, last first::
+
+    cell tiles (dh̃_t -> dz_t = grad_xw_t, dc)    grid barrier
+    dh tiles (batch rows x a block of P: dh̃ of the step before = epilogue(dz_t @ W))
+    grid barrier
+
+A cell tile runs the cell backward of its units (with ``dh̃_t @ w_hr`` fused in,
+:func:`_cell_bwd_tile`); a dh tile computes ``dz_t @ (w_hh · mask) · scale`` over all ``4H``
+with the mask applied in-tile and the next ``dh̃`` (``+ grad_out``, proj-clip gate) as its
+epilogue, or ``grad_h0`` after the first step (:func:`_dh_bwd_tile`). The weight gradients
+are one GEMM each over all steps at the end::
 
     grad_w_hh = (Σ_t dz_tᵀ h_{t-1}) · mask · scale      grad_w_hr = Σ_t dh̃_tᵀ hp_t,
     hp_t = o_t tanh(c_t) recomputed from the saved gates and cells.
 
-Not yet tuned on a GPU; a persistent kernel that keeps ``W`` on chip is the CUDA C++ path.
+Not yet measured on a GPU (written without one): the tile sizes and the program count are
+first guesses, and the dots are plain ``tl.dot`` (FMA for exact fp32, tensor cores for
+fp16/bf16 and TF32).
 """
 import math
 from typing import Optional, Tuple
@@ -100,9 +131,23 @@ def _split4(x, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _lstm_fwd_kernel(
+def _grid_sync(sync_ptr, target):
+    """Grid-wide barrier of a cooperative launch: count this program's arrival at
+    ``sync_ptr`` (int32, zero at launch) and wait until ``target`` arrivals are counted
+    (``k · nprog`` at a program's k-th barrier; the counter never resets). The CTA barrier
+    first makes every warp's stores part of the release; the acquire orders the reads after."""
+    tl.debug_barrier()
+    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _cell_fwd_tile(
     xw_ptr,      # [B, 4H] xw_t
-    h_ptr,       # [B, P]  h_{t-1}
+    h_ptr,       # [B, P]  h_{t-1} (written by other programs: loaded through L2)
     c_ptr,       # [B, H]  c_{t-1}
     w_ptr,       # [4H, P] w_hh
     m_ptr,       # [4H, P] DropConnect mask (read only if HAS_MASK)
@@ -110,19 +155,20 @@ def _lstm_fwd_kernel(
     cells_ptr,   # [B, H]  out: c_t (post-clip)
     hp_ptr,      # [B, H]  out: o * tanh(c_t) (= h_t without projection)
     prm_ptr,     # [3] ACC dtype: scale, cell_clip (as stored), the stored value just below it
+    bb, hb,      # the tile: batch block, hidden-unit block
     B, H, P,
     HAS_MASK: tl.constexpr, CELL_CLIP: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     scale = tl.load(prm_ptr)
-    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     b_in = offs_b < B
     h_in = offs_h < H
-    # the program's 4·BLOCK_H rows of W, gate-major: r = q·BLOCK_H + jj -> row q·H + j
+    # the tile's 4·BLOCK_H rows of W, gate-major: r = q·BLOCK_H + jj -> row q·H + j
     r = tl.arange(0, 4 * BLOCK_H)
-    j = tl.program_id(1) * BLOCK_H + r % BLOCK_H
+    j = hb * BLOCK_H + r % BLOCK_H
     rows = (r // BLOCK_H) * H + j                                       # [4·BLOCK_H]
     rows_in = j < H
     acc = tl.zeros((BLOCK_B, 4 * BLOCK_H), dtype=ACC)
@@ -130,7 +176,8 @@ def _lstm_fwd_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_in = offs_k < P
         h = tl.load(h_ptr + offs_b[:, None] * P + offs_k[None, :],
-                    mask=b_in[:, None] & k_in[None, :], other=0.0)    # [BLOCK_B, BLOCK_K]
+                    mask=b_in[:, None] & k_in[None, :], other=0.0,
+                    cache_modifier=".cg")                              # [BLOCK_B, BLOCK_K]
         w_offs = rows[:, None] * P + offs_k[None, :]                   # [4·BLOCK_H, BLOCK_K]
         w_mask = rows_in[:, None] & k_in[None, :]
         w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
@@ -164,57 +211,112 @@ def _lstm_fwd_kernel(
 
 
 @triton.jit
-def _lstm_gemm_kernel(
-    a_ptr,       # [M, K] rows contiguous in K
-    w_ptr,       # weight: element (k, n) at k * stride_wk + n * stride_wn
-    m_ptr,       # mask in w's layout (read only if HAS_MASK)
-    add_ptr,     # [M, N] added to the result (read only if HAS_ADD)
-    ref_ptr,     # [M, N] stored clipped values (read only if CLIP == 2)
-    y_ptr,       # [M, N] out
-    prm_ptr,     # [3] ACC dtype: scale, clip (as stored), the stored value just below it
-    M, N, K, stride_wk, stride_wn,
-    HAS_MASK: tl.constexpr, HAS_ADD: tl.constexpr,
-    CLIP: tl.constexpr,      # 0: none; 1: y = clamp(y, ±clip); 2: y = y · 1[|ref| < clip]
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _proj_fwd_tile(
+    hp_ptr,      # [B, H] hp_t (written by other programs: loaded through L2)
+    wr_ptr,      # [P, H] w_hr
+    out_ptr,     # [B, P] out: h_t = clamp(hp_t @ w_hrᵀ, ±proj_clip)
+    prm_ptr,     # [2] ACC dtype: proj_clip (as stored), the stored value just below it
+    bb, pb,      # the tile: batch block, block of P
+    B, H, P,
+    PROJ_CLIP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y = (a @ (w * mask)) * scale (+ add), then the clip epilogue. Forward projection:
-    a = hp_t, w = w_hrᵀ, CLIP = 1. Backward recurrence: a = dz_t, w = w_hh with the mask,
-    add = grad_out_{t_prev}, CLIP = 2 with ref = out_{t_prev}."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_in = offs_m < M
-    n_in = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    for k0 in range(0, K, BLOCK_K):
+    offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    b_in = offs_b < B
+    p_in = offs_p < P
+    acc = tl.zeros((BLOCK_B, BLOCK_P), dtype=ACC)
+    for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_in = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :],
-                    mask=m_in[:, None] & k_in[None, :], other=0.0)    # [BLOCK_M, BLOCK_K]
-        w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        w_mask = k_in[:, None] & n_in[None, :]
-        w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)          # [BLOCK_K, BLOCK_N]
-        if HAS_MASK:
-            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
-        acc += _dot(a.to(w.dtype), w, UPCAST, PRECISION)
-    io = m_in[:, None] & n_in[None, :]
-    offs = offs_m[:, None] * N + offs_n[None, :]
-    y = acc * tl.load(prm_ptr)
-    if HAS_ADD:
-        y += tl.load(add_ptr + offs, mask=io, other=0.0).to(ACC)
-    clip = tl.load(prm_ptr + 1)
-    y_st = y.to(y_ptr.dtype.element_ty)
-    if CLIP == 1:
-        y_st = _clamp_store(y, clip, tl.load(prm_ptr + 2), y_ptr.dtype.element_ty)
-    if CLIP == 2:
-        ref = tl.load(ref_ptr + offs, mask=io, other=0.0).to(ACC)
-        y_st = tl.where(tl.abs(ref) < clip, y, 0.0).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs, y_st, mask=io)
+        k_in = offs_k < H
+        hp = tl.load(hp_ptr + offs_b[:, None] * H + offs_k[None, :],
+                     mask=b_in[:, None] & k_in[None, :], other=0.0,
+                     cache_modifier=".cg")                             # [BLOCK_B, BLOCK_K]
+        wr = tl.load(wr_ptr + offs_p[None, :] * H + offs_k[:, None],
+                     mask=k_in[:, None] & p_in[None, :], other=0.0)    # [BLOCK_K, BLOCK_P]
+        acc += _dot(hp.to(wr.dtype), wr, UPCAST, PRECISION)
+    ty = out_ptr.dtype.element_ty
+    y = acc.to(ty)
+    if PROJ_CLIP:
+        y = _clamp_store(acc, tl.load(prm_ptr), tl.load(prm_ptr + 1), ty)
+    tl.store(out_ptr + offs_b[:, None] * P + offs_p[None, :], y,
+             mask=b_in[:, None] & p_in[None, :])
+
+
+@triton.jit(do_not_specialize=["n0", "n1"])
+def _lstm_fwd_kernel(
+    xw_ptr,      # [T, B, 4H] x_t @ w_ihᵀ + biases, every step
+    h0_ptr,      # [B, P]     h before the first step
+    c0_ptr,      # [B, H]     c before the first step
+    w_ptr,       # [4H, P]    w_hh
+    m_ptr,       # [4H, P]    DropConnect mask (read only if HAS_MASK)
+    wr_ptr,      # [P, H]     w_hr (read only if HAS_PROJ)
+    gates_ptr,   # [T, B, 4H] out: post-activation i, f, g, o
+    cells_ptr,   # [T, B, H]  out: c_t (post-clip)
+    out_ptr,     # [T, B, P]  out: h_t
+    hp_ptr,      # [B, H]     scratch (HAS_PROJ): hp_t of the step in flight
+    prm_ptr,     # [5] ACC dtype: scale, cell clip (stored), below it, proj clip (stored), below it
+    sync_ptr,    # [1] int32 barrier counter, zero at launch (used only if SYNC)
+    T, B, H, P,
+    n0, n1,      # this launch runs steps n0 .. n1-1 of the walk (t = n, or T-1-n if REVERSE)
+    REVERSE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PROJ: tl.constexpr,
+    CELL_CLIP: tl.constexpr, PROJ_CLIP: tl.constexpr,
+    RUN_CELL: tl.constexpr, RUN_PROJ: tl.constexpr, SYNC: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_bb = tl.cdiv(B, BLOCK_B)
+    n_cell = n_bb * tl.cdiv(H, BLOCK_H)
+    n_proj = n_bb * tl.cdiv(P, BLOCK_P)
+    s_g = tl.cast(B, tl.int64) * (4 * H)                               # step strides (int64)
+    s_h = tl.cast(B, tl.int64) * H
+    s_p = tl.cast(B, tl.int64) * P
+    syncs = 0
+    for n in range(n0, n1):
+        if REVERSE:
+            t = T - 1 - n
+            tp = t + 1                                                 # the step before, in the walk
+        else:
+            t = n
+            tp = t - 1
+        if RUN_CELL:
+            if n == 0:
+                h_prev = h0_ptr
+                c_prev = c0_ptr
+            else:
+                h_prev = out_ptr + tp * s_p
+                c_prev = cells_ptr + tp * s_h
+            if HAS_PROJ:
+                hp_dst = hp_ptr
+            else:
+                hp_dst = out_ptr + t * s_p
+            for tile in range(pid, n_cell, nprog):
+                _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_prev, w_ptr, m_ptr,
+                               gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst, prm_ptr,
+                               tile % n_bb, tile // n_bb, B, H, P,
+                               HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
+                               BLOCK_B, BLOCK_H, BLOCK_K)
+        if HAS_PROJ:
+            if SYNC:                                                   # hp_t complete
+                syncs += 1
+                _grid_sync(sync_ptr, syncs * nprog)
+            if RUN_PROJ:
+                for tile in range(pid, n_proj, nprog):
+                    _proj_fwd_tile(hp_ptr, wr_ptr, out_ptr + t * s_p, prm_ptr + 3,
+                                   tile % n_bb, tile // n_bb, B, H, P,
+                                   PROJ_CLIP, ACC, UPCAST, PRECISION, BLOCK_B, BLOCK_P, BLOCK_K)
+        if SYNC:                                                       # h_t complete
+            syncs += 1
+            _grid_sync(sync_ptr, syncs * nprog)
 
 
 @triton.jit
-def _lstm_bwd_kernel(
-    dh_ptr,      # [B, P]  dh̃_t (w.r.t. the pre-clip h_t), ACC dtype
+def _cell_bwd_tile(
+    dh_ptr,      # [B, P]  dh̃_t (w.r.t. the pre-clip h_t), ACC dtype (other programs wrote it)
     wr_ptr,      # [P, H]  w_hr (read only if HAS_PROJ)
     gates_ptr,   # [B, 4H] post-activation i, f, g, o of step t
     cells_ptr,   # [B, H]  c_t
@@ -223,13 +325,14 @@ def _lstm_bwd_kernel(
     dc_ptr,      # [B, H]  in: dc_{t+1}·f_{t+1} (w.r.t. c_t); out: dc̃ · f (w.r.t. c_{t-1}); ACC
     dz_ptr,      # [B, 4H] out: dz_t = grad_xw_t
     prm_ptr,     # [1] ACC dtype: cell_clip as stored in the cells' dtype
+    bb, hb,      # the tile: batch block, hidden-unit block
     B, H, P,
     HAS_PROJ: tl.constexpr, CELL_CLIP: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     b_in = offs_b < B
     h_in = offs_h < H
     io = b_in[:, None] & h_in[None, :]
@@ -239,12 +342,14 @@ def _lstm_bwd_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_in = offs_k < P
             dh = tl.load(dh_ptr + offs_b[:, None] * P + offs_k[None, :],
-                         mask=b_in[:, None] & k_in[None, :], other=0.0)   # [BLOCK_B, BLOCK_K]
+                         mask=b_in[:, None] & k_in[None, :], other=0.0,
+                         cache_modifier=".cg")                         # [BLOCK_B, BLOCK_K]
             wr = tl.load(wr_ptr + offs_k[:, None] * H + offs_h[None, :],
                          mask=k_in[:, None] & h_in[None, :], other=0.0)   # [BLOCK_K, BLOCK_H]
             dhp += _dot(dh.to(wr.dtype), wr, UPCAST, PRECISION)
     else:
-        dhp = tl.load(dh_ptr + offs_b[:, None] * P + offs_h[None, :], mask=io, other=0.0).to(ACC)
+        dhp = tl.load(dh_ptr + offs_b[:, None] * P + offs_h[None, :], mask=io, other=0.0,
+                      cache_modifier=".cg").to(ACC)
     row4 = offs_b[:, None] * (4 * H) + offs_h[None, :]
     rowh = offs_b[:, None] * H + offs_h[None, :]
     i = tl.load(gates_ptr + row4, mask=io, other=0.0).to(ACC)
@@ -271,17 +376,194 @@ def _lstm_bwd_kernel(
     tl.store(dc_ptr + rowh, (dc * f).to(dc_ptr.dtype.element_ty), mask=io)
 
 
+@triton.jit
+def _dh_bwd_tile(
+    dz_ptr,      # [B, 4H] dz_t (other programs wrote it: loaded through L2)
+    w_ptr,       # [4H, P] w_hh
+    m_ptr,       # [4H, P] DropConnect mask (read only if HAS_MASK)
+    add_ptr,     # [B, P]  grad_out of the step before (read only if has_prev)
+    ref_ptr,     # [B, P]  out of the step before (read only if has_prev and PROJ_GATE)
+    y_ptr,       # [B, P]  out, ACC dtype: dh̃ of the step before, or grad_h0
+    prm_ptr,     # [3] ACC dtype: scale, cell clip, proj clip (as stored)
+    bb, pb,      # the tile: batch block, block of P
+    B, H, P, has_prev,
+    HAS_MASK: tl.constexpr, PROJ_GATE: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y = (dz_t @ (w_hh · mask)) · scale, then + grad_out and the proj-clip gate of the
+    step before (``dh̃``), or nothing more after the first step (``grad_h0``)."""
+    offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    b_in = offs_b < B
+    p_in = offs_p < P
+    acc = tl.zeros((BLOCK_B, BLOCK_P), dtype=ACC)
+    for k0 in range(0, 4 * H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_in = offs_k < 4 * H
+        a = tl.load(dz_ptr + offs_b[:, None] * (4 * H) + offs_k[None, :],
+                    mask=b_in[:, None] & k_in[None, :], other=0.0,
+                    cache_modifier=".cg")                              # [BLOCK_B, BLOCK_K]
+        w_offs = offs_k[:, None] * P + offs_p[None, :]                 # [BLOCK_K, BLOCK_P]
+        w_mask = k_in[:, None] & p_in[None, :]
+        w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
+        if HAS_MASK:
+            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
+        acc += _dot(a.to(w.dtype), w, UPCAST, PRECISION)
+    io = b_in[:, None] & p_in[None, :]
+    offs = offs_b[:, None] * P + offs_p[None, :]
+    y = acc * tl.load(prm_ptr)
+    if has_prev:
+        y += tl.load(add_ptr + offs, mask=io, other=0.0).to(ACC)
+        if PROJ_GATE:
+            ref = tl.load(ref_ptr + offs, mask=io, other=0.0).to(ACC)
+            y = tl.where(tl.abs(ref) < tl.load(prm_ptr + 2), y, 0.0)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=io)
+
+
+@triton.jit(do_not_specialize=["n0", "n1"])
+def _lstm_bwd_kernel(
+    grad_out_ptr,    # [T, B, P]  dL/dh_t from above
+    grad_cells_ptr,  # [T, B, H]  dL/dc_t from above
+    out_ptr,         # [T, B, P]  forward h_t (proj-clip gate)
+    cells_ptr,       # [T, B, H]  forward c_t
+    gates_ptr,       # [T, B, 4H] forward gates
+    c0_ptr,          # [B, H]     c before the first step
+    w_ptr,           # [4H, P]    w_hh
+    m_ptr,           # [4H, P]    DropConnect mask (read only if HAS_MASK)
+    wr_ptr,          # [P, H]     w_hr (read only if HAS_PROJ)
+    dh_ptr,          # [T, B, P]  ACC: in: dh̃ of the first backward step; out: every dh̃_t
+    dc_ptr,          # [B, H]     ACC: the carried dc, zero at launch; out: grad_c0
+    dz_ptr,          # [T, B, 4H] out: grad_xw
+    gh0_ptr,         # [B, P]     ACC out: grad_h0
+    prm_ptr,         # [3] ACC dtype: scale, cell clip (stored), proj clip (stored)
+    sync_ptr,        # [1] int32 barrier counter, zero at launch (used only if SYNC)
+    T, B, H, P,
+    n0, n1,          # this launch runs backward steps n0 .. n1-1 (walk index T-1-n)
+    REVERSE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PROJ: tl.constexpr,
+    CELL_CLIP: tl.constexpr, PROJ_GATE: tl.constexpr,
+    RUN_CELL: tl.constexpr, RUN_DH: tl.constexpr, SYNC: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_bb = tl.cdiv(B, BLOCK_B)
+    n_cell = n_bb * tl.cdiv(H, BLOCK_H)
+    n_dh = n_bb * tl.cdiv(P, BLOCK_P)
+    s_g = tl.cast(B, tl.int64) * (4 * H)                               # step strides (int64)
+    s_h = tl.cast(B, tl.int64) * H
+    s_p = tl.cast(B, tl.int64) * P
+    syncs = 0
+    for n in range(n0, n1):
+        wi = T - 1 - n                                                 # index in the walk
+        if REVERSE:
+            t = T - 1 - wi
+            tp = t + 1                                                 # the step before t
+        else:
+            t = wi
+            tp = t - 1
+        has_prev = wi > 0
+        if RUN_CELL:
+            if has_prev:
+                c_prev = cells_ptr + tp * s_h
+            else:
+                c_prev = c0_ptr
+            for tile in range(pid, n_cell, nprog):
+                _cell_bwd_tile(dh_ptr + t * s_p, wr_ptr, gates_ptr + t * s_g,
+                               cells_ptr + t * s_h, c_prev, grad_cells_ptr + t * s_h, dc_ptr,
+                               dz_ptr + t * s_g, prm_ptr + 1, tile % n_bb, tile // n_bb,
+                               B, H, P, HAS_PROJ, CELL_CLIP, ACC, UPCAST, PRECISION,
+                               BLOCK_B, BLOCK_H, BLOCK_K)
+        if SYNC:                                                       # dz_t complete
+            syncs += 1
+            _grid_sync(sync_ptr, syncs * nprog)
+        if RUN_DH:
+            if has_prev:
+                y_dst = dh_ptr + tp * s_p
+                add = grad_out_ptr + tp * s_p
+                ref = out_ptr + tp * s_p
+            else:
+                y_dst = gh0_ptr
+                add = grad_out_ptr
+                ref = out_ptr
+            for tile in range(pid, n_dh, nprog):
+                _dh_bwd_tile(dz_ptr + t * s_g, w_ptr, m_ptr, add, ref, y_dst, prm_ptr,
+                             tile % n_bb, tile // n_bb, B, H, P, has_prev,
+                             HAS_MASK, PROJ_GATE, ACC, UPCAST, PRECISION,
+                             BLOCK_B, BLOCK_P, BLOCK_K)
+        if SYNC:                                                       # dh̃ complete
+            syncs += 1
+            _grid_sync(sync_ptr, syncs * nprog)
+
+
 # --------------------------------------------------------------------------- launchers
+
+#: How the launchers run the recurrence: None picks (persistent where a cooperative launch
+#: can run it: on a GPU, or with one program in the interpreter), "persistent" or
+#: "stepwise" force one (tests; "persistent" on a GPU without cooperative launches raises).
+LAUNCH: Optional[str] = None
+
+
+def _cooperative_supported() -> bool:
+    """Triton's NVIDIA backend has the ``launch_cooperative_grid`` option (Triton >= 3.2)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_COOPERATIVE = _cooperative_supported()
+
 
 def _acc_dtype(dtype: torch.dtype):
     return (tl.float64, torch.float64) if dtype == torch.float64 else (tl.float32, torch.float32)
 
 
-def _config(B: int):
-    """(BLOCK_B, BLOCK_H, BLOCK_K, num_warps). Not yet tuned on a GPU."""
-    if _interpreting():
-        return 16, 16, 16, 1                 # small blocks: multi-block logic at tiny sizes
-    return min(64, max(16, triton.next_power_of_2(B))), 32, 32, 4
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132                                            # compile-only runs: an H100
+
+
+def _config(B: int, H: int, P: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tile sizes and warps. GPU: a batch block of up to 64 rows (the whole batch of the
+    benchmark's models: W is then read once per step), and the smallest unit / P blocks
+    whose tile count fits one program per SM. Exact fp32 (and fp64) dots are FMA loops whose
+    operands live in registers: BLOCK_K 16 and 8 warps keep them from spilling on sm_90
+    (``ptxas -v``: BLOCK_K 32 with 4 warps spills; the per-step kernel this replaced spilled
+    12 KB per thread at BLOCK_B 64, benchmarks/NOTES.md). First guesses, not yet timed."""
+    if _interpreting():                   # small blocks: multi-tile logic at tiny sizes
+        return dict(BLOCK_B=16, BLOCK_H=16, BLOCK_K=16, BLOCK_P=16, num_warps=1)
+    bb = min(64, max(16, triton.next_power_of_2(B)))
+    n_bb, sms = triton.cdiv(B, bb), _sm_count(device)
+    bh = next((b for b in (8, 16, 32) if n_bb * triton.cdiv(H, b) <= sms), 32)
+    bp = next((b for b in (16, 32, 64) if n_bb * triton.cdiv(P, b) <= sms), 64)
+    if _precision(dtype) == "ieee":              # 8 warps for tiles of 64 x 64 and up
+        return dict(BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=16, BLOCK_P=bp,
+                    num_warps=8 if bb * 4 * bh >= 4096 else 4)
+    return dict(BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=32, BLOCK_P=bp, num_warps=4)
+
+
+def _plan(B: int, H: int, P: int, dtype: torch.dtype,
+          device: torch.device) -> Tuple[dict, Optional[int], dict]:
+    """(tile config, persistent grid or None for stepwise, launch options)."""
+    cfg = _config(B, H, P, dtype, device)
+    mode = LAUNCH
+    if mode not in (None, "persistent", "stepwise"):
+        raise ValueError(f"kernels.lstm.LAUNCH must be None, 'persistent' or 'stepwise', got {mode!r}")
+    if _interpreting():                   # programs run one after another: one program
+        return cfg, (None if mode == "stepwise" else 1), {}
+    if mode == "stepwise" or (mode is None and not _COOPERATIVE):
+        return cfg, None, {}
+    if not _COOPERATIVE:
+        raise RuntimeError("the persistent LSTM needs Triton's launch_cooperative_grid "
+                           f"(Triton >= 3.2); this is Triton {triton.__version__}")
+    n_bb = triton.cdiv(B, cfg["BLOCK_B"])
+    tiles = max(n_bb * triton.cdiv(H, cfg["BLOCK_H"]), n_bb * triton.cdiv(P, cfg["BLOCK_P"]))
+    return cfg, min(tiles, _sm_count(device)), {"launch_cooperative_grid": True}
 
 
 def _below(clip_s: float, dtype: torch.dtype) -> float:
@@ -315,30 +597,6 @@ def _common(dtype: torch.dtype) -> dict:
                 PRECISION=_precision(dtype))
 
 
-def _steps(T: int, reverse: bool):
-    return list(range(T - 1, -1, -1)) if reverse else list(range(T))
-
-
-def _clip_params(device, dtype: torch.dtype, scale: float, clip: float) -> torch.Tensor:
-    """[scale, clip as stored in `dtype`, the stored value just below it]."""
-    clip_s = _stored_clip(clip, dtype)
-    return _params(device, dtype, scale, clip_s, _below(clip_s, dtype))
-
-
-def _gemm(a, w, stride_wk, stride_wn, N, y, prm, *, mask=None, add=None, ref=None,
-          clip_mode=0, dtype):
-    """y [M, N] = epilogue((a [M, K] @ W) * scale) with W[k, n] = w[k*stride_wk + n*stride_wn];
-    prm = :func:`_clip_params` (scale, clip)."""
-    M, K = a.shape
-    bm, _, bk, warps = _config(M)
-    bn = 16 if _interpreting() else 64
-    _lstm_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        a, w, mask if mask is not None else w, add if add is not None else y,
-        ref if ref is not None else y, y, prm, M, N, K, stride_wk, stride_wn,
-        HAS_MASK=mask is not None, HAS_ADD=add is not None, CLIP=clip_mode,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **_common(dtype))
-
-
 def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor,
                  w_hr: Optional[torch.Tensor], mask: Optional[torch.Tensor], scale: float,
                  cell_clip: float, proj_clip: float,
@@ -358,24 +616,35 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     w_hh = w_hh.to(dtype).contiguous()
     mask = mask.to(dtype).contiguous() if mask is not None else None
     w_hr = w_hr.to(dtype).contiguous() if w_hr is not None else None
-    hp = xw.new_empty((B, H)) if w_hr is not None else None
-    bb, bh, bk, warps = _config(B)
-    grid = (triton.cdiv(B, bb), triton.cdiv(H, bh))
-    prm = _clip_params(xw.device, dtype, scale, cell_clip)
-    prm_proj = _clip_params(xw.device, dtype, 1.0, proj_clip)
-    steps = _steps(T, reverse)
-    for n, t in enumerate(steps):
-        h_prev = h0 if n == 0 else out[steps[n - 1]]
-        c_prev = c0 if n == 0 else cells[steps[n - 1]]
-        _lstm_fwd_kernel[grid](
-            xw[t], h_prev, c_prev, w_hh, mask if mask is not None else w_hh,
-            gates[t], cells[t], hp if hp is not None else out[t], prm, B, H, P,
-            HAS_MASK=mask is not None, CELL_CLIP=not math.isinf(cell_clip),
-            BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=bk, num_warps=warps, **_common(dtype))
-        if w_hr is not None:     # out_t = clamp(hp_t @ w_hrᵀ): W[k=h, n=p] = w_hr[p, h]
-            _gemm(hp, w_hr, 1, H, P, out[t], prm_proj,
-                  clip_mode=0 if math.isinf(proj_clip) else 1, dtype=dtype)
+    hp = xw.new_empty((B, H)) if w_hr is not None else out
+    prm = torch.cat([_clip_params(xw.device, dtype, scale, cell_clip),
+                     _clip_params(xw.device, dtype, 1.0, proj_clip)[1:]])
+    cfg, grid, options = _plan(B, H, P, dtype, xw.device)
+    sync = torch.zeros(1, dtype=torch.int32, device=xw.device)
+    args = (xw, h0, c0, w_hh, mask if mask is not None else w_hh,
+            w_hr if w_hr is not None else w_hh, gates, cells, out, hp, prm, sync, T, B, H, P)
+    kw = dict(REVERSE=reverse, HAS_MASK=mask is not None, HAS_PROJ=w_hr is not None,
+              CELL_CLIP=not math.isinf(cell_clip), PROJ_CLIP=not math.isinf(proj_clip),
+              **cfg, **_common(dtype))
+    if grid is not None:                                     # one launch, every step
+        _lstm_fwd_kernel[(grid,)](*args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True,
+                                  **kw, **options)
+        return out, cells, gates
+    n_bb = triton.cdiv(B, cfg["BLOCK_B"])
+    n_cell, n_proj = n_bb * triton.cdiv(H, cfg["BLOCK_H"]), n_bb * triton.cdiv(P, cfg["BLOCK_P"])
+    for n in range(T):                                       # stepwise: a launch per phase
+        _lstm_fwd_kernel[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_PROJ=False,
+                                    SYNC=False, **kw)
+        if w_hr is not None:
+            _lstm_fwd_kernel[(n_proj,)](*args, n, n + 1, RUN_CELL=False, RUN_PROJ=True,
+                                        SYNC=False, **kw)
     return out, cells, gates
+
+
+def _clip_params(device, dtype: torch.dtype, scale: float, clip: float) -> torch.Tensor:
+    """[scale, clip as stored in `dtype`, the stored value just below it]."""
+    clip_s = _stored_clip(clip, dtype)
+    return _params(device, dtype, scale, clip_s, _below(clip_s, dtype))
 
 
 def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Tensor,
@@ -410,30 +679,30 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
     dh_all = torch.empty((T, B, P), dtype=acc, device=gates.device)   # dh̃_t for every t
     dc = torch.zeros((B, H), dtype=acc, device=gates.device)
     grad_h0 = torch.empty((B, P), dtype=acc, device=gates.device)
-    bb, bh, bk, warps = _config(B)
-    grid = (triton.cdiv(B, bb), triton.cdiv(H, bh))
-    prm = _params(gates.device, dtype, cc)
-    prm_rec = _clip_params(gates.device, dtype, scale, proj_clip)
-    steps = _steps(T, reverse)[::-1]                                   # backward order
-    first = steps[0]
+    first = 0 if reverse else T - 1                                    # the last step walked
     dh_all[first] = grad_out[first].to(acc)
     if proj_gate:
         dh_all[first] *= out[first].abs() < pc
-    for n, t in enumerate(steps):
-        prev = steps[n + 1] if n + 1 < T else None                     # step consumed before t
-        _lstm_bwd_kernel[grid](
-            dh_all[t], w_hr_c if has_proj else gates, gates[t], cells[t],
-            cells[prev] if prev is not None else c0, grad_cells[t], dc, grad_xw[t], prm,
-            B, H, P,
-            HAS_PROJ=has_proj, CELL_CLIP=not math.isinf(cell_clip),
-            BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=bk, num_warps=warps, **_common(dtype))
-        # dh for the step before: dz_t @ (w_hh * mask * scale); W[k=r, n=p] = w_hh[r, p]
-        if prev is not None:
-            _gemm(grad_xw[t], w_hh_c, P, 1, P, dh_all[prev], prm_rec, mask=mask_c,
-                  add=grad_out[prev], ref=out[prev] if proj_gate else None,
-                  clip_mode=2 if proj_gate else 0, dtype=dtype)
-        else:
-            _gemm(grad_xw[t], w_hh_c, P, 1, P, grad_h0, prm_rec, mask=mask_c, dtype=dtype)
+    prm = _params(gates.device, dtype, scale, cc, pc)
+    cfg, grid, options = _plan(B, H, P, dtype, gates.device)
+    sync = torch.zeros(1, dtype=torch.int32, device=gates.device)
+    args = (grad_out, grad_cells, out, cells, gates, c0, w_hh_c,
+            mask_c if mask_c is not None else w_hh_c, w_hr_c if has_proj else w_hh_c,
+            dh_all, dc, grad_xw, grad_h0, prm, sync, T, B, H, P)
+    kw = dict(REVERSE=reverse, HAS_MASK=mask is not None, HAS_PROJ=has_proj,
+              CELL_CLIP=not math.isinf(cell_clip), PROJ_GATE=proj_gate, **cfg,
+              **_common(dtype))
+    if grid is not None:                                     # one launch, every step
+        _lstm_bwd_kernel[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True, SYNC=True,
+                                  **kw, **options)
+    else:
+        n_bb = triton.cdiv(B, cfg["BLOCK_B"])
+        n_cell, n_dh = n_bb * triton.cdiv(H, cfg["BLOCK_H"]), n_bb * triton.cdiv(P, cfg["BLOCK_P"])
+        for n in range(T):                                   # stepwise: a launch per phase
+            _lstm_bwd_kernel[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_DH=False,
+                                        SYNC=False, **kw)
+            _lstm_bwd_kernel[(n_dh,)](*args, n, n + 1, RUN_CELL=False, RUN_DH=True,
+                                      SYNC=False, **kw)
 
     # weight gradients: one GEMM each over all T·B rows
     if reverse:

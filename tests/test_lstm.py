@@ -337,6 +337,66 @@ def test_torch_compile_fullgraph():
         assert rel_err(g, rg) < 1e-4, (name, rel_err(g, rg))
 
 
+# --------------------------------------------------------------------------- Triton launch forms
+
+@needs_triton
+@pytest.mark.parametrize("launch", ["persistent", "stepwise"])
+@pytest.mark.parametrize("case_id", ["T5-B3-H20-P12-mask-clips",
+                                     "T5-B3-H16-P20-mask-clips-reverse-nohx-noncontig",
+                                     "T5-B1-H20-noproj-mask-cellclip-reverse"])
+def test_triton_launch_forms(monkeypatch, launch, case_id):
+    """Both forms of kernels/lstm.py: one persistent launch for all steps (grid barriers
+    between the phases; in the interpreter one program owning every tile) and one launch
+    per step and phase (one program per tile). H 20 and P 20 are two tiles of 16 here."""
+    from ctxfast.kernels import lstm as lstm_kernels
+    monkeypatch.setattr(lstm_kernels, "LAUNCH", launch)
+    _run_case("triton", case_id, torch.float32)
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE != "cuda", reason="a GPU-sized grid: many programs at once")
+def test_triton_persistent_many_programs_matches_stepwise(monkeypatch):
+    """On a GPU the persistent grid has up to one program per SM, each owning several tiles
+    (T 9, B 37, H 300, P 200: every phase spans more tiles than one block of each)."""
+    from ctxfast.kernels import lstm as lstm_kernels
+    args, kw = _inputs(9, 37, 11, 300, 200, mask=True)
+    kw.update(cell_clip=0.5, proj_clip=0.3)
+    for launch in ("persistent", "stepwise"):
+        monkeypatch.setattr(lstm_kernels, "LAUNCH", launch)
+        check_against_reference("triton", args, kw)
+
+
+def test_triton_launch_plan_on_a_gpu(monkeypatch):
+    """The launch shape a GPU gets, decided without one: a cooperative persistent grid of at
+    most one program per SM, tiles no larger than the phase needs, and the stepwise form
+    when asked for or when Triton has no cooperative launch."""
+    lstm_kernels = pytest.importorskip("ctxfast.kernels.lstm")
+    monkeypatch.setattr(lstm_kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(lstm_kernels, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(lstm_kernels, "_COOPERATIVE", True)
+    cuda = torch.device("cuda")
+    cfg, grid, options = lstm_kernels._plan(64, 1152, 1152, torch.float32, cuda)   # ULMFiT
+    assert options == {"launch_cooperative_grid": True}
+    assert (cfg["BLOCK_B"], cfg["BLOCK_H"], cfg["BLOCK_P"]) == (64, 16, 16)
+    assert grid == 72                                # 1152 / 16 unit blocks, all resident
+    cfg, grid, _ = lstm_kernels._plan(32, 4096, 512, torch.bfloat16, cuda)         # ELMo
+    assert (cfg["BLOCK_B"], cfg["BLOCK_H"], cfg["BLOCK_K"]) == (32, 32, 32)
+    assert grid == 128
+    cfg, grid, _ = lstm_kernels._plan(1000, 4096, 4096, torch.float32, cuda)      # too many tiles
+    assert grid == 132 and cfg["BLOCK_H"] == 32
+    monkeypatch.setattr(lstm_kernels, "LAUNCH", "stepwise")
+    assert lstm_kernels._plan(64, 1152, 1152, torch.float32, cuda)[1:] == (None, {})
+    monkeypatch.setattr(lstm_kernels, "LAUNCH", None)
+    monkeypatch.setattr(lstm_kernels, "_COOPERATIVE", False)
+    assert lstm_kernels._plan(64, 1152, 1152, torch.float32, cuda)[1:] == (None, {})
+    monkeypatch.setattr(lstm_kernels, "LAUNCH", "persistent")
+    with pytest.raises(RuntimeError, match="launch_cooperative_grid"):
+        lstm_kernels._plan(64, 1152, 1152, torch.float32, cuda)
+    monkeypatch.setattr(lstm_kernels, "LAUNCH", "sometimes")
+    with pytest.raises(ValueError, match="LAUNCH"):
+        lstm_kernels._plan(64, 1152, 1152, torch.float32, cuda)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 def test_default_backend_on_cpu():

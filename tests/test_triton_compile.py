@@ -24,9 +24,9 @@ on; in the heavy variants measured it needs more shared memory on sm_90 than exa
 exact-fp32 ("ieee", torch's default) dots are compiled for the LSTM only: lowered to FMA
 loops they take 10-100 s per attention kernel to compile.
 
-For the attention kernels (FACT_KERNELS) the sm_90 compile also records registers and
+For the attention and LSTM kernels (FACT_KERNELS) the sm_90 compile also records registers and
 spills (Triton's bundled ``ptxas-blackwell -v`` on the PTX: Triton leaves them unset without a
-GPU) and counts wgmma / mma.sync instructions in the PTX; ``test_attention_kernel_compile_facts``
+GPU) and counts wgmma / mma.sync instructions in the PTX; ``test_kernel_compile_facts``
 asserts no spills and wgmma-only fp16/bf16 dots. ``-s`` prints the table that
 benchmarks/NOTES.md's "Compile facts (sm_90)" records.
 
@@ -49,14 +49,18 @@ SMEM_LIMIT = {90: 232448, 80: 166912}
 
 #: Kernels whose registers, spills and MMA instructions are recorded (sm_90) and checked:
 #: no spills, and their 16-bit dots lower to Hopper's wgmma.
-FACT_KERNELS = ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"]
+FACT_KERNELS = ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+                "_lstm_fwd_kernel", "_lstm_bwd_kernel"]
+#: Of FACT_KERNELS, those whose 16-bit dots must all be wgmma (the LSTM's batch block of 32
+#: rows is too short for a warpgroup MMA: mma.sync there is expected).
+WGMMA_KERNELS = FACT_KERNELS[:3]
 
 KERNELS = [
     "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
     "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
     "_rel_attn_bwd_dr_kernel",
-    "_lstm_fwd_kernel", "_lstm_gemm_kernel", "_lstm_bwd_kernel",
+    "_lstm_fwd_kernel", "_lstm_bwd_kernel",
     "_rel_shift_kernel",
 ]
 
@@ -114,8 +118,9 @@ def _cases():
             rel_attention.rel_attention_backward(torch.randn_like(out), q, k, v, r, u, w, out,
                                                  lse, **kw)
 
-    def lstm_fwd_bwd(dtype, *, B, H, proj=False, mask=False, clip=False, reverse=False, T=3):
-        P = H // 2 if proj else H
+    def lstm_fwd_bwd(dtype, *, B, H, proj=False, mask=False, clip=False, reverse=False, T=3,
+                     P=None):
+        P = P or (H // 2 if proj else H)
         xw, h0, c0 = (randn(*shape, dtype=dtype) for shape in ((T, B, 4 * H), (B, P), (B, H)))
         w_hh, w_hr = randn(4 * H, P, dtype=dtype), randn(P, H, dtype=dtype) if proj else None
         m = (torch.rand(4 * H, P) > 0.3).to(dtype) if mask else None
@@ -186,7 +191,14 @@ def _cases():
         ("attention dropout_keep_mask", both,
          lambda: attention.dropout_keep_mask(torch.tensor([7], dtype=torch.int64), 2, 2, 100,
                                              100, 0.1)),
-        # lstm: step forward, projection / recurrence GEMM, step backward
+        # lstm: the persistent forward and backward (one program per SM, cooperative), at
+        # the benchmark's ULMFiT and ELMo sizes and at small ones
+        ("lstm fp32/ieee ULMFiT B=64 H=1152 mask", sm90,
+         lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True)),
+        ("lstm fp32/ieee ELMo B=32 H=4096 P=512 proj+mask+clip", sm90,
+         lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True, clip=True)),
+        ("lstm bf16 ULMFiT B=64 H=1152 mask", sm90,
+         lambda: lstm_fwd_bwd(bf16, B=64, H=1152, mask=True)),
         ("lstm fp32/tf32 B=64 proj+mask+clip", both,
          tf32(lambda: lstm_fwd_bwd(f32, B=64, H=128, proj=True, mask=True, clip=True))),
         ("lstm fp16 B=64 proj+mask+clip", sm90,
@@ -520,10 +532,11 @@ def test_kernel_compiles_and_fits(compiled, kernel):
 
 
 @pytest.mark.parametrize("kernel", FACT_KERNELS)
-def test_attention_kernel_compile_facts(compiled, kernel):
-    """On sm_90 the attention kernels spill no registers in any case, and every dot of
-    their fp16/bf16 cases is a wgmma (none falls back to mma.sync): a kernel that spills or
-    runs Ampere's MMA on an H100 cannot reach FlashAttention-3's speed."""
+def test_kernel_compile_facts(compiled, kernel):
+    """On sm_90 the attention and LSTM kernels spill no registers in any case, and every dot
+    of the attention kernels' fp16/bf16 cases is a wgmma (none falls back to mma.sync): a
+    kernel that spills or runs Ampere's MMA on an H100 cannot reach FlashAttention-3's speed
+    (the per-step LSTM kernel the persistent one replaced spilled 12 KB per thread)."""
     rows = [r for r in compiled["rows"] if r["kernel"] == kernel and r["arch"] == 90 and r["ok"]]
     assert rows, f"{kernel}: no sm_90 compile"
     if all(r["regs"] is None for r in rows):
@@ -536,7 +549,7 @@ def test_attention_kernel_compile_facts(compiled, kernel):
         elif r["spill_stores"] or r["spill_loads"]:
             problems.append(f"{where}: spills {r['spill_stores']} B stores, "
                             f"{r['spill_loads']} B loads ({r['regs']} registers)")
-        if _sixteen_bit(r) and (r["wgmma"] == 0 or r["mma_sync"] > 0):
+        if kernel in WGMMA_KERNELS and _sixteen_bit(r) and (r["wgmma"] == 0 or r["mma_sync"] > 0):
             problems.append(f"{where}: {r['wgmma']} wgmma, {r['mma_sync']} mma.sync in the PTX")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
