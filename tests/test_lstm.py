@@ -366,6 +366,30 @@ def test_triton_persistent_many_programs_matches_stepwise(monkeypatch):
         check_against_reference("triton", args, kw)
 
 
+@needs_triton
+def test_triton_runs_all_steps_in_one_launch_each_way(monkeypatch):
+    """The issue-17 rule "no Python-level launch per time step": one forward and one
+    backward launch per layer and direction, whatever T (here T 7, with a projection)."""
+    from ctxfast.kernels import lstm as lstm_kernels
+    launches = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_lstm_fwd_kernel", "_lstm_bwd_kernel"):
+        monkeypatch.setattr(lstm_kernels, name, Counting(name, getattr(lstm_kernels, name)))
+    args, kw = _inputs(7, 3, 5, 20, 12, mask=True)
+    out, h, c = _call(ctxfast.lstm, args, kw, backend="triton")
+    assert launches == ["_lstm_fwd_kernel"]
+    (out.sum() + h.sum() + c.sum()).backward()
+    assert launches == ["_lstm_fwd_kernel", "_lstm_bwd_kernel"]
+
+
 def test_triton_launch_plan_on_a_gpu(monkeypatch):
     """The launch shape a GPU gets, decided without one: a cooperative persistent grid of at
     most one program per SM, tiles no larger than the phase needs, and the stepwise form
