@@ -747,6 +747,19 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     return bm, bm, block_d, 2 * bm, warps, 2
 
 
+def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
+    """(num_warps, num_stages) of each backward kernel, on :func:`_config`'s tiles. Chosen
+    without a GPU by the fewest register spills on sm_90 (``ptxas -v`` on Triton 3.9's PTX,
+    causal cases, benchmarks/NOTES.md "rel_attention backward launch"): 8 warps everywhere
+    (at 4, the 64 x 64 16-bit tiles spilled 0.6-2.4 KB per thread; at 8, 0.04-0.8 KB), and one
+    stage for the 16-bit dK/dV and dR kernels (fewer live pipelined tiles). Not yet timed."""
+    if _interpreting():
+        return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
+    wide = torch.empty((), dtype=dtype).element_size() >= 4
+    one = 2 if wide else 1
+    return {"dkdv": (8, one), "dq": (8, 2), "dr": (8, one)}
+
+
 #: Queries up to which the forward takes the decoding tile shape (see :func:`_config`).
 DECODE_MAX_Q = 16
 
@@ -888,7 +901,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
         else:
             sq = sk = se = rsb = kv_end
-        bm, bn, bd, band, warps, stages = _config(D, None, q.dtype)
+        bm, bn, bd, band, _, _ = _config(D, None, q.dtype)
         common = (
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *r.stride(), *mstrides,
             sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
@@ -899,20 +912,21 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
             WINDOW=window is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
-            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages)
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype))
+        launch = {k: dict(num_warps=w_, num_stages=s_)
+                  for k, (w_, s_) in _bwd_launch(D, q.dtype).items()}
         u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         seed_arg = _seed_arg(q, dropout_p, seed)
         _rel_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
-            kpm, rank, kv_end, seed_arg, *common, **flags)
+            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"])
         _rel_attn_bwd_dq_kernel[(triton.cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a,
-            kpm, rank, kv_end, seed_arg, *common, **flags)
+            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"])
         dr_b = torch.empty((B, H, R, D), dtype=torch.float32, device=q.device)
         _rel_attn_bwd_dr_kernel[(triton.cdiv(R, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
-            kpm, rank, kv_end, seed_arg, *common, **flags)
+            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"])
         dr = dr_b.sum(0) if B > 1 else dr_b[0]
     dq = dqu + dqw                                                        # [B, H, Tq, D]
     d_seg_embed = d_r_s_bias = None
