@@ -17,7 +17,8 @@ Forward, per step ``t`` (``t_prev`` the step consumed before; ``reverse`` walks 
 Tiles. A *cell tile* is a block of batch rows and a block of hidden units ``j``: it loads
 the rows ``j, H+j, 2H+j, 3H+j`` of ``w_hh`` (the four gates of its units) as one
 ``[4·BLOCK_H, BLOCK_K]`` tile per step of ``P``, multiplies the mask into the tile as it is
-loaded (no masked weight is ever written) and accumulates ``h_{t-1} @ Wᵀ`` with one dot; then
+loaded (or, from :data:`PREMASK_MIN_T` steps on, reads a per-call copy ``w_hh · mask`` made
+once; the module's weight is never written) and accumulates ``h_{t-1} @ Wᵀ`` with one dot; then
 it applies the gates, the cell update and the clip and writes ``gates_t``, ``c_t`` and
 ``hp_t`` (:func:`_cell_fwd_tile`). With a projection a *projection tile* (batch rows x a
 block of ``P``) computes ``h_t = clamp(hp_t @ w_hrᵀ)`` (:func:`_proj_fwd_tile`).
@@ -566,6 +567,22 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
     return cfg, min(tiles, _sm_count(device)), {"launch_cooperative_grid": True}
 
 
+#: Steps from which the launchers multiply the mask into a per-call copy of ``w_hh`` once
+#: (one elementwise pass) instead of loading the mask with every weight tile at every step.
+#: Every step streams the weight from L2: ULMFiT's fp32 ``w_hh`` is 21 MB, with its mask
+#: 42 MB, close to the H100's 50 MB L2. The module's weight is never written; ``w · mask``
+#: is exact for a 0/1 mask, so both forms give the same bits (the scale stays a separate
+#: factor). None: never (the in-tile mask only).
+PREMASK_MIN_T: Optional[int] = 4
+
+
+def _premask(w: torch.Tensor, mask: Optional[torch.Tensor], T: int):
+    """(weight, mask) for the kernel: ``(w · mask, None)`` from PREMASK_MIN_T steps on."""
+    if mask is None or PREMASK_MIN_T is None or T < PREMASK_MIN_T:
+        return w, mask
+    return w * mask, None
+
+
 def _below(clip_s: float, dtype: torch.dtype) -> float:
     """The largest value of `dtype` below the stored clip (fp16/bf16; else clip_s)."""
     if math.isinf(clip_s) or dtype not in (torch.float16, torch.bfloat16):
@@ -615,6 +632,7 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     h0, c0 = h0.to(dtype).contiguous(), c0.to(dtype).contiguous()
     w_hh = w_hh.to(dtype).contiguous()
     mask = mask.to(dtype).contiguous() if mask is not None else None
+    w_hh, mask = _premask(w_hh, mask, T)
     w_hr = w_hr.to(dtype).contiguous() if w_hr is not None else None
     hp = xw.new_empty((B, H)) if w_hr is not None else out
     prm = torch.cat([_clip_params(xw.device, dtype, scale, cell_clip),
@@ -686,10 +704,11 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
     prm = _params(gates.device, dtype, scale, cc, pc)
     cfg, grid, options = _plan(B, H, P, dtype, gates.device)
     sync = torch.zeros(1, dtype=torch.int32, device=gates.device)
-    args = (grad_out, grad_cells, out, cells, gates, c0, w_hh_c,
-            mask_c if mask_c is not None else w_hh_c, w_hr_c if has_proj else w_hh_c,
+    w_k, mask_k = _premask(w_hh_c, mask_c, T)                          # what the kernel reads
+    args = (grad_out, grad_cells, out, cells, gates, c0, w_k,
+            mask_k if mask_k is not None else w_k, w_hr_c if has_proj else w_hh_c,
             dh_all, dc, grad_xw, grad_h0, prm, sync, T, B, H, P)
-    kw = dict(REVERSE=reverse, HAS_MASK=mask is not None, HAS_PROJ=has_proj,
+    kw = dict(REVERSE=reverse, HAS_MASK=mask_k is not None, HAS_PROJ=has_proj,
               CELL_CLIP=not math.isinf(cell_clip), PROJ_GATE=proj_gate, **cfg,
               **_common(dtype))
     if grid is not None:                                     # one launch, every step

@@ -390,6 +390,27 @@ def test_triton_runs_all_steps_in_one_launch_each_way(monkeypatch):
     assert launches == ["_lstm_fwd_kernel", "_lstm_bwd_kernel"]
 
 
+@needs_triton
+def test_triton_premasked_weight_gives_the_same_bits(monkeypatch):
+    """From PREMASK_MIN_T steps the launchers read one per-call copy w_hh · mask instead of
+    the mask with every tile: exact for a 0/1 mask, so outputs and every gradient are
+    bitwise those of the in-tile mask (T 5, projection, clips, reverse)."""
+    from ctxfast.kernels import lstm as lstm_kernels
+    args, kw = _inputs(5, 3, 5, 20, 12, mask=True)
+    kw.update(cell_clip=0.5, proj_clip=0.3, reverse=True)
+    results = []
+    for min_t in (None, 2):
+        monkeypatch.setattr(lstm_kernels, "PREMASK_MIN_T", min_t)
+        a, k = _cast(args, kw, torch.float32)
+        outs = _call(ctxfast.lstm, a, k, backend="triton")
+        leaves = [t for t in a.values() if t is not None]
+        grads = torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+        results.append(list(outs) + list(grads))
+    for ours, ref in zip(*results):
+        assert torch.equal(ours, ref)
+    assert args["w_hh"].grad is None                          # the leaves were copies
+
+
 def test_triton_launch_plan_on_a_gpu(monkeypatch):
     """The launch shape a GPU gets, decided without one: a cooperative persistent grid of at
     most one program per SM, tiles no larger than the phase needs, and the stepwise form
