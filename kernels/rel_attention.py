@@ -454,6 +454,74 @@ def _rel_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _rel_bwd_dq_inner(
+    dqu, dqw, a_diff, p_diff, ds_all,   # running d(q + u), d(q + v), segment sums
+    start, end,                         # key range [start, end)
+    in_lo, in_hi,                       # the interior key blocks (MASKED == 2)
+    qu, qw, do, lse, delta, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
+    row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
+    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+    seed, qk_scale, p_drop,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+    PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,           # 0: interior tiles (no mask work); 1: every tile masked;
+                                    # 2: masked where outside [in_lo, in_hi) (a runtime test)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The dQ kernel's loop over the key blocks ``[start, end)`` of one query block.
+    Returns the five accumulators. The kernel runs it once with the runtime boundary test
+    (MASKED 2) or, for fp32, as three loops like the forward's (:func:`_rel_fwd_inner`):
+    compiled for sm_90 the split cut fp32/tf32x3 D=64 spills from 932 to 128 B, but raised
+    the 64-row 16-bit tiles' from 176 to 1056 B (benchmarks/NOTES.md)."""
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    band = tl.arange(0, BAND)
+    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])             # [BLOCK_M, BLOCK_N]
+    unskew = band[None, :] - (BLOCK_M - 1 - ii[:, None])         # [BLOCK_M, BAND]: column jj
+    unskew_ok = (unskew >= 0) & (unskew < BLOCK_N)
+    unskew = tl.minimum(tl.maximum(unskew, 0), BLOCK_N - 1)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + jj
+        kv_mask = (offs_n[:, None] < Tk) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        rows = row0 + n0 + band
+        rows_ok = (rows >= 0) & (rows < R_len)
+        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                    mask=rows_ok[:, None] & d_ok, other=0.0)
+        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
+        if HAS_SEG:
+            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
+            seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
+            s += seg_s
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if (MASKED == 1) or ((MASKED == 2) and ((n0 < in_lo) | (n0 >= in_hi))):
+            p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+                                      stride_rank_t, rank_q,
+                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                         p, 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        ds = p * (dp - delta[:, None])                                # [BLOCK_M, BLOCK_N]
+        dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+        ds_band = tl.where(unskew_ok, tl.gather(ds, unskew, 1), 0.0)  # [BLOCK_M, BAND]
+        dqw += _dot(ds_band.to(r.dtype), r, UPCAST, PRECISION)
+        if HAS_SEG:
+            a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
+            p_diff += tl.sum(tl.where(same, 0.0, p), 1)
+            ds_all += tl.sum(ds, 1)
+    return dqu, dqw, a_diff, p_diff, ds_all
+
+
+@triton.jit
 def _rel_attn_bwd_dq_kernel(
     Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
     DQU,            # [B, H, Tq, D] fp32: d(q + u) (content term), written
@@ -514,57 +582,70 @@ def _rel_attn_bwd_dq_kernel(
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
-    ii = tl.arange(0, BLOCK_M)
-    jj = tl.arange(0, BLOCK_N)
-    band = tl.arange(0, BAND)
-    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])             # [BLOCK_M, BLOCK_N]
-    unskew = band[None, :] - (BLOCK_M - 1 - ii[:, None])         # [BLOCK_M, BAND]: column jj
-    unskew_ok = (unskew >= 0) & (unskew < BLOCK_N)
-    unskew = tl.minimum(tl.maximum(unskew, 0), BLOCK_N - 1)
     c = pos_start - mem_len
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
     r_base = R + h * stride_rh
+    row0 = c - m0 - BLOCK_M + 1          # first row of r in the band of key block 0
 
     dqu = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dqw = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if not HAS_SEG:                      # the segment sums' loop-carried dummies
+        seg_q = offs_m
+        ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
+        ef_diff = ef_same
+        a_diff = ef_same
+        p_diff = ef_same
+        ds_all = ef_same
     if WINDOW:      # first key block within the window of the block's first query
         lo = tl.maximum(lo, tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N)
     in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
                                   BLOCK_M, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + jj
-        kv_mask = (offs_n[:, None] < Tk) & d_ok
-        k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        rows = c - m0 - BLOCK_M + 1 + n0 + band
-        rows_ok = (rows >= 0) & (rows < R_len)
-        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
-                    mask=rows_ok[:, None] & d_ok, other=0.0)
-        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
-        if HAS_SEG:
-            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
-            seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
-            s += seg_s
-        p = tl.exp2(s * qk_scale - lse[:, None])
-        if (n0 < in_lo) | (n0 >= in_hi):                                 # boundary tile
-            p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
-                                      KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
-                                      stride_rank_t, rank_q,
-                                      CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
-                         p, 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
-        if DROPOUT:
-            keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
-            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
-        ds = p * (dp - delta[:, None])                                # [BLOCK_M, BLOCK_N]
-        dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
-        ds_band = tl.where(unskew_ok, tl.gather(ds, unskew, 1), 0.0)  # [BLOCK_M, BAND]
-        dqw += _dot(ds_band.to(r.dtype), r, UPCAST, PRECISION)
-        if HAS_SEG:
-            a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
-            p_diff += tl.sum(tl.where(same, 0.0, p), 1)
-            ds_all += tl.sum(ds, 1)
+    if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
+        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, lo, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
+            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
+            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
+            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+    elif Q.dtype.element_ty != tl.float32:   # 16-bit: one loop, a runtime boundary test
+        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, lo, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
+            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
+            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
+            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+    else:   # fp32: boundary tiles before the interior, the interior (no mask work), the rest
+        in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
+        in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
+        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, lo, in_lo, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
+            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
+            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
+            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, in_lo, in_hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
+            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
+            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
+            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 0,
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, in_hi, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
+            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
+            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
+            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
 
     out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(DQU + out_off, dqu * sm_scale, mask=q_mask)
