@@ -45,14 +45,14 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 cd "$(dirname "$0")/.." || exit 2
 (( DRY )) || mkdir -p "$R"
 
-# The tests of the CUDA C++ kernels (ctxfast._cuda: LSTM and rel_shift), "file|-k expression",
-# one sanitizer run each.
+# The tests of the CUDA C++ kernels (ctxfast._cuda: LSTM and rel_shift) and of the Triton
+# LSTM's grid-synchronised kernels, "file|-k expression", one sanitizer run each.
 SANITIZE_TESTS=(
   "tests/gpu/test_lstm_gpu.py|"
   "tests/gpu/test_rel_shift_gpu.py|not triton and not inductor"
   "tests/test_cuda_bindings.py|"
   "tests/test_lstm_native.py|"
-  "tests/test_lstm.py|cuda"
+  "tests/test_lstm.py|cuda or triton_launch_forms or triton_persistent"
   "tests/test_rel_shift.py|cuda"
 )
 
@@ -148,12 +148,17 @@ stage_sanitize() {
 
 stage_bench() {
   build
+  # The LSTM's launch forms side by side (Triton persistent / per step, CUDA C++ persistent /
+  # per step, cuDNN + WeightDropout), first: they are issue 17's first numbers.
+  step "lstm launch forms" 100 lstm_launch_compare.log \
+    "$PY" benchmarks/lstm_launch_compare.py --out "$R/lstm_launch_compare.json"
+  summarize lstm_launch_compare.log "ms" 20
   # The whole set in under 9 minutes: the runner's time budget stops starting cases when
   # it is spent (and names them); a fifth of the default timing budget per case still
   # gives every case its warm-up and >= 10 CUDA-event repetitions.
   step "bench (full)" 540 bench.log \
     env CTXFAST_BENCH_BUDGET_SCALE="${CTXFAST_BENCH_BUDGET_SCALE:-0.2}" \
-    "$PY" -m ctxfast.cli bench --time-budget 500 --no-progress --out "$R/bench"
+    "$PY" -m ctxfast.cli bench --time-budget 420 --no-progress --out "$R/bench"
   summarize bench.log "report|note:|failed|speedup" 30
 }
 

@@ -9,6 +9,8 @@ the plots and the README table on hand-made input.
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -900,3 +902,19 @@ def test_gpu_round_records_each_step_and_packs_one_archive(tmp_path):
     with tarfile.open(out / "gpu_round-sanitize.tgz") as tar:
         names = tar.getnames()
     assert "summary.txt" in names and "r/profile_check.log" in names
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton LSTM needs a GPU or the interpreter")
+def test_lstm_launch_compare_runs_every_form(tmp_path):
+    """benchmarks/lstm_launch_compare.py (run by gpu_round's bench stage) times each launch
+    form it can run here and writes one JSON row per (case, dtype, form)."""
+    out = tmp_path / "llc.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "lstm_launch_compare.py")
+    proc = subprocess.run([sys.executable, script, "--quick", "--reps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    forms = {r["form"] for r in rows}
+    assert {"triton persistent", "triton stepwise"} <= forms
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)

@@ -1,0 +1,177 @@
+"""How each LSTM implementation runs the recurrence, timed side by side (issue 17's "measure
+both"): the Triton kernels in one persistent cooperative launch and launched per step
+(``kernels/lstm.py``'s ``LAUNCH``), the CUDA C++ kernels persistent and per step
+(``CTXFAST_LSTM_CUDA_KERNEL``), and cuDNN's ``nn.LSTM`` with fastai-style WeightDropout
+(``bench_lstm.FastaiWeightDropLSTM``), one layer each at the benchmark's ULMFiT and ELMo
+sizes, forward and forward+backward, fp32 and bf16.
+
+    python benchmarks/lstm_launch_compare.py [--quick] [--out FILE.json]
+
+Timing: CUDA events around each call, median of ``--reps`` after 3 warm-up calls (the first
+compiles); on a CPU (``--quick`` only: tiny sizes, the Triton interpreter) wall-clock time.
+The point is the ratios between forms in one run, not a table for the README (that is
+``bench_lstm.py``'s). Every timed call is the public op on the same inputs; nothing else
+runs inside the timed region.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ctxfast  # noqa: E402
+from ctxfast import _dispatch  # noqa: E402
+
+#: (name, input size, hidden, proj, T, B, clip)
+FULL = [("ULMFiT layer 1152", 1152, 1152, 0, 70, 64, None),
+        ("ELMo layer 4096/512", 512, 4096, 512, 50, 32, 3.0)]
+QUICK = [("tiny", 8, 20, 0, 5, 3, None), ("tiny proj", 8, 20, 12, 5, 3, 3.0)]
+P_DROP = 0.2
+
+
+def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:
+    def cuda_ms(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+    def wall_ms(fn):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+    return cuda_ms if device.type == "cuda" else wall_ms
+
+
+@contextlib.contextmanager
+def _form(name: str):
+    """Select a launch form for the duration of the block (set before timing, restored
+    after: never inside the timed call)."""
+    from ctxfast.kernels import lstm as lstm_kernels
+    saved_launch = lstm_kernels.LAUNCH
+    saved_env = os.environ.get("CTXFAST_LSTM_CUDA_KERNEL")
+    if name == "triton stepwise":
+        lstm_kernels.LAUNCH = "stepwise"
+    elif name == "triton persistent":
+        lstm_kernels.LAUNCH = "persistent"
+    elif name.startswith("cuda "):
+        os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
+    try:
+        yield
+    finally:
+        lstm_kernels.LAUNCH = saved_launch
+        if saved_env is None:
+            os.environ.pop("CTXFAST_LSTM_CUDA_KERNEL", None)
+        else:
+            os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = saved_env
+
+
+def _forms(device: torch.device) -> List[str]:
+    forms = []
+    if _dispatch.why_unavailable("triton", device) is None:
+        forms += ["triton persistent", "triton stepwise"]
+    if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
+        forms += ["cuda persistent", "cuda per-step"]
+    if device.type == "cuda":
+        forms.append("cuDNN+WeightDropout")
+    return forms
+
+
+def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    time_ms = _timer(device, reps)
+    rows = []
+    for (name, I, H, P, T, B, clip) in (QUICK if quick else FULL):
+        for dt_name in dtypes:
+            dtype = getattr(torch, dt_name)
+            torch.manual_seed(0)
+            ref = nn.LSTM(I, H, proj_size=P, device=device, dtype=dtype)
+            x = torch.randn(T, B, I, device=device, dtype=dtype, requires_grad=True)
+            Pe = P or H
+            mask = (torch.rand(4 * H, Pe, device=device) >= P_DROP).to(dtype)
+            g = torch.randn(T, B, Pe, device=device, dtype=dtype)
+            params = [ref.weight_ih_l0, ref.weight_hh_l0, ref.bias_ih_l0, ref.bias_hh_l0]
+            w_hr = ref.weight_hr_l0 if P else None
+            for form in _forms(device):
+                if form == "cuDNN+WeightDropout":
+                    if clip is not None:
+                        continue                                    # nn.LSTM cannot clip
+                    from bench_lstm import FastaiWeightDropLSTM
+                    mod = FastaiWeightDropLSTM(ref, P_DROP).train()
+
+                    def fwd():
+                        return mod(x)[0]
+                    leaves = [x, *mod.parameters()]       # the raw w_hh included
+                else:
+                    backend = form.split()[0]
+
+                    def fwd():
+                        return ctxfast.lstm(x, None, *params, w_hr, weight_mask=mask,
+                                            weight_dropout=P_DROP, cell_clip=clip,
+                                            proj_clip=clip, backend=backend)[0]
+                    leaves = [x, *params] + ([w_hr] if w_hr is not None else [])
+
+                def fwd_nograd():
+                    with torch.no_grad():
+                        return fwd()
+
+                def fwd_bwd():
+                    return torch.autograd.grad(fwd(), leaves, g, allow_unused=True)
+                with _form(form):
+                    row = dict(case=name, dtype=dt_name, form=form,
+                               fwd_ms=round(time_ms(fwd_nograd), 4),
+                               fwd_bwd_ms=round(time_ms(fwd_bwd), 4))
+                rows.append(row)
+                print(f"{name:22s} {dt_name:9s} {form:22s} fwd {row['fwd_ms']:9.3f} ms   "
+                      f"fwd+bwd {row['fwd_bwd_ms']:9.3f} ms", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dtypes", nargs="+", default=None,
+                    help="default: float32 bfloat16 on a GPU, float32 on a CPU")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        print("lstm_launch_compare: the full sizes need a GPU (use --quick on a CPU)")
+        return 2
+    dtypes = args.dtypes or (["float32", "bfloat16"] if torch.cuda.is_available() else ["float32"])
+    rows = run(args.quick, args.reps, dtypes)
+    if args.out:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with open(args.out, "w") as f:
+            json.dump({"device": _device_name(device), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
