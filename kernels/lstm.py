@@ -5,7 +5,10 @@ Shapes: ``xw [T, B, 4H]`` (the input projection of all steps, ``x @ w_ihᵀ + b_
 computed outside), ``h0 [B, P]``, ``c0 [B, H]``, ``w_hh [4H, P]``, ``mask [4H, P]`` (0/1)
 or None, ``w_hr [P, H]`` or None (then ``P = H``). Outputs ``out [T, B, P]``,
 ``cells [T, B, H]`` (post-clip) and ``gates [T, B, 4H]`` (post-activation i, f, g, o), in
-xw's dtype; arithmetic in fp32 (fp64 for fp64 inputs).
+xw's dtype; arithmetic in fp32 (fp64 for fp64 inputs). The cell state is carried from
+step to step in that accumulation dtype (a ``[B, H]`` workspace), so fp16/bf16 runs keep an
+fp32 ``c``; ``cells`` holds its rounded copies for the backward. ``h`` is re-read from
+``out`` (it enters the next step's dot in the weight's dtype either way).
 
 Forward, per step ``t`` (``t_prev`` the step consumed before; ``reverse`` walks T-1 .. 0)::
 
@@ -149,7 +152,8 @@ def _grid_sync(sync_ptr, target):
 def _cell_fwd_tile(
     xw_ptr,      # [B, 4H] xw_t
     h_ptr,       # [B, P]  h_{t-1} (written by other programs: loaded through L2)
-    c_ptr,       # [B, H]  c_{t-1}
+    c_ptr,       # [B, H]  ACC: in c_{t-1}, out c_t (post-clip): the cell state carried in
+                 #         the accumulation dtype (fp32 for fp16/bf16), never re-read rounded
     w_ptr,       # [4H, P] w_hh
     m_ptr,       # [4H, P] DropConnect mask (read only if HAS_MASK)
     gates_ptr,   # [B, 4H] out: post-activation i, f, g, o
@@ -195,7 +199,7 @@ def _cell_fwd_tile(
     io = b_in[:, None] & h_in[None, :]
     row4 = offs_b[:, None] * (4 * H) + offs_h[None, :]                 # gate i's column in [B, 4H]
     rowh = offs_b[:, None] * H + offs_h[None, :]
-    c = f * tl.load(c_ptr + rowh, mask=io, other=0.0).to(ACC) + i * g
+    c = f * tl.load(c_ptr + rowh, mask=io, other=0.0) + i * g
     ty = gates_ptr.dtype.element_ty
     c_st = c.to(ty)
     if CELL_CLIP:
@@ -208,6 +212,7 @@ def _cell_fwd_tile(
     tl.store(gates_ptr + row4 + 2 * H, g.to(ty), mask=io)
     tl.store(gates_ptr + row4 + 3 * H, o.to(ty), mask=io)
     tl.store(cells_ptr + rowh, c_st, mask=io)
+    tl.store(c_ptr + rowh, c, mask=io)                                 # the carry
     tl.store(hp_ptr + rowh, hp.to(hp_ptr.dtype.element_ty), mask=io)
 
 
@@ -249,7 +254,7 @@ def _proj_fwd_tile(
 def _lstm_fwd_kernel(
     xw_ptr,      # [T, B, 4H] x_t @ w_ihᵀ + biases, every step
     h0_ptr,      # [B, P]     h before the first step
-    c0_ptr,      # [B, H]     c before the first step
+    c_ptr,       # [B, H]     ACC: the carried cell state, c0 at launch (own tiles only)
     w_ptr,       # [4H, P]    w_hh
     m_ptr,       # [4H, P]    DropConnect mask (read only if HAS_MASK)
     wr_ptr,      # [P, H]     w_hr (read only if HAS_PROJ)
@@ -287,16 +292,14 @@ def _lstm_fwd_kernel(
         if RUN_CELL:
             if n == 0:
                 h_prev = h0_ptr
-                c_prev = c0_ptr
             else:
                 h_prev = out_ptr + tp * s_p
-                c_prev = cells_ptr + tp * s_h
             if HAS_PROJ:
                 hp_dst = hp_ptr
             else:
                 hp_dst = out_ptr + t * s_p
             for tile in range(pid, n_cell, nprog):
-                _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_prev, w_ptr, m_ptr,
+                _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_ptr, w_ptr, m_ptr,
                                gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst, prm_ptr,
                                tile % n_bb, tile // n_bb, B, H, P,
                                HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
@@ -639,7 +642,8 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
                      _clip_params(xw.device, dtype, 1.0, proj_clip)[1:]])
     cfg, grid, options = _plan(B, H, P, dtype, xw.device)
     sync = torch.zeros(1, dtype=torch.int32, device=xw.device)
-    args = (xw, h0, c0, w_hh, mask if mask is not None else w_hh,
+    c_carry = c0.to(_acc_dtype(dtype)[1]).clone()                       # [B, H] fp32 (fp64)
+    args = (xw, h0, c_carry, w_hh, mask if mask is not None else w_hh,
             w_hr if w_hr is not None else w_hh, gates, cells, out, hp, prm, sync, T, B, H, P)
     kw = dict(REVERSE=reverse, HAS_MASK=mask is not None, HAS_PROJ=w_hr is not None,
               CELL_CLIP=not math.isinf(cell_clip), PROJ_CLIP=not math.isinf(proj_clip),
