@@ -1,6 +1,7 @@
 """How each LSTM implementation runs the recurrence, timed side by side (issue 17's "measure
 both"): the Triton kernels in one persistent cooperative launch and launched per step
-(``kernels/lstm.py``'s ``LAUNCH``), the CUDA C++ kernels persistent and per step
+(``kernels/lstm.py``'s ``LAUNCH``; the persistent one also with exact fp32 dots instead of
+tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent and per step
 (``CTXFAST_LSTM_CUDA_KERNEL``), and cuDNN's ``nn.LSTM`` with fastai-style WeightDropout
 (``bench_lstm.FastaiWeightDropLSTM``), one layer each at the benchmark's ULMFiT and ELMo
 sizes, forward and forward+backward, fp32 and bf16.
@@ -69,18 +70,20 @@ def _form(name: str):
     """Select a launch form for the duration of the block (set before timing, restored
     after: never inside the timed call)."""
     from ctxfast.kernels import lstm as lstm_kernels
-    saved_launch = lstm_kernels.LAUNCH
+    saved_launch, saved_precision = lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION
     saved_env = os.environ.get("CTXFAST_LSTM_CUDA_KERNEL")
     if name == "triton stepwise":
         lstm_kernels.LAUNCH = "stepwise"
-    elif name == "triton persistent":
+    elif name.startswith("triton persistent"):
         lstm_kernels.LAUNCH = "persistent"
+        if name.endswith("ieee"):                 # exact fp32 products (FMA), not tf32x3
+            lstm_kernels.FP32_PRECISION = "ieee"
     elif name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
     try:
         yield
     finally:
-        lstm_kernels.LAUNCH = saved_launch
+        lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION = saved_launch, saved_precision
         if saved_env is None:
             os.environ.pop("CTXFAST_LSTM_CUDA_KERNEL", None)
         else:
@@ -90,7 +93,7 @@ def _form(name: str):
 def _forms(device: torch.device) -> List[str]:
     forms = []
     if _dispatch.why_unavailable("triton", device) is None:
-        forms += ["triton persistent", "triton stepwise"]
+        forms += ["triton persistent", "triton stepwise", "triton persistent ieee"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
         forms += ["cuda persistent", "cuda per-step"]
     if device.type == "cuda":

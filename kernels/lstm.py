@@ -79,8 +79,8 @@ are one GEMM each over all steps at the end::
     hp_t = o_t tanh(c_t) recomputed from the saved gates and cells.
 
 Not yet measured on a GPU (written without one): the tile sizes and the program count are
-first guesses, and the dots are plain ``tl.dot`` (FMA for exact fp32, tensor cores for
-fp16/bf16 and TF32).
+first guesses, and the dots are plain ``tl.dot`` on the tensor cores (fp16/bf16; fp32 as
+tf32x3 by default, :data:`FP32_PRECISION`; fp64 as FMA).
 """
 import math
 from typing import Optional, Tuple
@@ -89,7 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, _interpreting, _precision
+from ._common import _dot, _interpreting, _precision, _tf32_allowed
 
 
 @triton.jit
@@ -522,6 +522,25 @@ def _cooperative_supported() -> bool:
 _COOPERATIVE = _cooperative_supported()
 
 
+#: ``tl.dot``'s input precision for fp32 inputs when torch does not allow TF32 (its default):
+#: ``"tf32x3"`` (each operand split into a TF32 head and tail, three tensor-core products,
+#: ~fp32 error; the rel_attention kernels' choice) or ``"ieee"`` (exact products, an FMA loop
+#: on the CUDA cores). Compiled for sm_90, tf32x3 puts the ULMFiT-size step on wgmma with no
+#: spills (benchmarks/NOTES.md). Not yet run on a GPU: the GPU tests' 2x-eager rule decides.
+FP32_PRECISION: str = "tf32x3"
+
+
+def lstm_precision(dtype: torch.dtype) -> str:
+    """The recurrence dots' input precision: fp64 exact, fp32 :data:`FP32_PRECISION` (or
+    ``"tf32"`` where torch allows TF32 for fp32 matmuls), 16-bit operands as Triton does.
+    The interpreter computes every fp32 dot exactly, whatever the string."""
+    if dtype == torch.float64:
+        return "ieee"
+    if dtype == torch.float32:
+        return "tf32" if _tf32_allowed() else FP32_PRECISION
+    return _precision(dtype)
+
+
 def _acc_dtype(dtype: torch.dtype):
     return (tl.float64, torch.float64) if dtype == torch.float64 else (tl.float32, torch.float32)
 
@@ -535,17 +554,17 @@ def _sm_count(device: torch.device) -> int:
 def _config(B: int, H: int, P: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Tile sizes and warps. GPU: a batch block of up to 64 rows (the whole batch of the
     benchmark's models: W is then read once per step), and the smallest unit / P blocks
-    whose tile count fits one program per SM. Exact fp32 (and fp64) dots are FMA loops whose
-    operands live in registers: BLOCK_K 16 and 8 warps keep them from spilling on sm_90
-    (``ptxas -v``: BLOCK_K 32 with 4 warps spills; the per-step kernel this replaced spilled
-    12 KB per thread at BLOCK_B 64, benchmarks/NOTES.md). First guesses, not yet timed."""
+    whose tile count fits one program per SM. fp32 and fp64: BLOCK_K 16 and 8 warps for
+    tiles of 64 x 64 and up: no spills on sm_90 with exact (FMA) or tf32x3 dots (``ptxas
+    -v``: exact fp32 at BLOCK_K 32 with 4 warps spills; the per-step kernel this replaced
+    spilled 12 KB per thread at BLOCK_B 64, benchmarks/NOTES.md). Not yet timed."""
     if _interpreting():                   # small blocks: multi-tile logic at tiny sizes
         return dict(BLOCK_B=16, BLOCK_H=16, BLOCK_K=16, BLOCK_P=16, num_warps=1)
     bb = min(64, max(16, triton.next_power_of_2(B)))
     n_bb, sms = triton.cdiv(B, bb), _sm_count(device)
     bh = next((b for b in (8, 16, 32) if n_bb * triton.cdiv(H, b) <= sms), 32)
     bp = next((b for b in (16, 32, 64) if n_bb * triton.cdiv(P, b) <= sms), 64)
-    if _precision(dtype) == "ieee":              # 8 warps for tiles of 64 x 64 and up
+    if dtype in (torch.float32, torch.float64):  # 8 warps for tiles of 64 x 64 and up
         return dict(BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=16, BLOCK_P=bp,
                     num_warps=8 if bb * 4 * bh >= 4096 else 4)
     return dict(BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=32, BLOCK_P=bp, num_warps=4)
@@ -614,7 +633,7 @@ def _stored_clip(clip: float, dtype: torch.dtype) -> float:
 def _common(dtype: torch.dtype) -> dict:
     acc, _ = _acc_dtype(dtype)
     return dict(ACC=acc, UPCAST=_interpreting() and dtype == torch.bfloat16,
-                PRECISION=_precision(dtype))
+                PRECISION=lstm_precision(dtype))
 
 
 def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor,

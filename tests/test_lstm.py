@@ -434,6 +434,19 @@ def test_triton_fp16_carries_the_cell_state_in_fp32():
                                                              rel_err(eager, ref))
 
 
+def test_triton_lstm_dot_precision(monkeypatch):
+    """fp32 recurrence dots: tf32x3 by default (tensor cores, ~fp32 error), plain TF32 when
+    torch allows TF32 for fp32 matmuls, exact with FP32_PRECISION = "ieee"; fp64 exact."""
+    lstm_kernels = pytest.importorskip("ctxfast.kernels.lstm")
+    monkeypatch.setattr(lstm_kernels, "_tf32_allowed", lambda: False)
+    assert lstm_kernels.lstm_precision(torch.float32) == "tf32x3"
+    assert lstm_kernels.lstm_precision(torch.float64) == "ieee"
+    monkeypatch.setattr(lstm_kernels, "FP32_PRECISION", "ieee")
+    assert lstm_kernels.lstm_precision(torch.float32) == "ieee"
+    monkeypatch.setattr(lstm_kernels, "_tf32_allowed", lambda: True)
+    assert lstm_kernels.lstm_precision(torch.float32) == "tf32"
+
+
 def test_triton_launch_plan_on_a_gpu(monkeypatch):
     """The launch shape a GPU gets, decided without one: a cooperative persistent grid of at
     most one program per SM, tiles no larger than the phase needs, and the stepwise form

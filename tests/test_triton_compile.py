@@ -21,8 +21,9 @@ The cases cover every kernel the launchers launch, fp16, bf16 and fp32, and each
 flag on in at least one case; not the full cross product (a cold compile takes seconds per
 kernel). fp32 attention is compiled with ``input_precision="tf32"`` (torch's allow_tf32
 on; in the heavy variants measured it needs more shared memory on sm_90 than exact fp32);
-exact-fp32 ("ieee", torch's default) dots are compiled for the LSTM only: lowered to FMA
-loops they take 10-100 s per attention kernel to compile.
+exact-fp32 ("ieee", torch's default for attention) dots are compiled for the LSTM only
+(whose fp32 default is tf32x3, with "ieee" as a variant): lowered to FMA loops they take
+10-100 s per attention kernel to compile.
 
 For the attention and LSTM kernels (FACT_KERNELS) the sm_90 compile also records registers and
 spills (Triton's bundled ``ptxas-blackwell -v`` on the PTX: Triton leaves them unset without a
@@ -147,6 +148,16 @@ def _cases():
                 torch.backends.cuda.matmul.allow_tf32 = old
         return run
 
+    def ieee(fn):
+        """fn with the LSTM's exact-fp32 dots (kernels/lstm.FP32_PRECISION = "ieee")."""
+        def run():
+            old, lstm.FP32_PRECISION = lstm.FP32_PRECISION, "ieee"
+            try:
+                fn()
+            finally:
+                lstm.FP32_PRECISION = old
+        return run
+
     f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
     sm90, both = (90,), (90, 80)
     every_mask = dict(causal=True, kpm=True, perm=True, perm_strict=True, dropout=0.1)
@@ -193,10 +204,15 @@ def _cases():
                                              100, 0.1)),
         # lstm: the persistent forward and backward (one program per SM, cooperative), at
         # the benchmark's ULMFiT and ELMo sizes and at small ones
-        ("lstm fp32/ieee ULMFiT B=64 H=1152 mask", sm90,
+        ("lstm fp32/tf32x3 ULMFiT B=64 H=1152 mask", sm90,
          lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True)),
-        ("lstm fp32/ieee ELMo B=32 H=4096 P=512 proj+mask+clip", sm90,
+        ("lstm fp32/tf32x3 ELMo B=32 H=4096 P=512 proj+mask+clip", sm90,
          lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True, clip=True)),
+        ("lstm fp32/ieee ULMFiT B=64 H=1152 mask (FP32_PRECISION)", sm90,
+         ieee(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
+        ("lstm fp32/ieee ELMo B=32 H=4096 P=512 proj+mask+clip (FP32_PRECISION)", sm90,
+         ieee(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
+                                   clip=True))),
         ("lstm bf16 ULMFiT B=64 H=1152 mask", sm90,
          lambda: lstm_fwd_bwd(bf16, B=64, H=1152, mask=True)),
         ("lstm fp32/tf32 B=64 proj+mask+clip", both,
@@ -205,7 +221,7 @@ def _cases():
          lambda: lstm_fwd_bwd(f16, B=64, H=128, proj=True, mask=True, clip=True)),
         ("lstm bf16 B=64 mask+clip reverse", sm90,
          lambda: lstm_fwd_bwd(bf16, B=64, H=128, mask=True, clip=True, reverse=True)),
-        ("lstm fp32/ieee B=8", sm90, lambda: lstm_fwd_bwd(f32, B=8, H=64)),
+        ("lstm fp32/tf32x3 B=8", sm90, lambda: lstm_fwd_bwd(f32, B=8, H=64)),
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
         ("rel_shift fp16/bf16/fp32 Tk=1024", both, lambda: shift(64, 1024)),
         ("rel_shift fp16/bf16/fp32 Tk=40 transposed", sm90, lambda: shift(20, 40, transposed=True)),
