@@ -149,7 +149,7 @@ stage_sanitize() {
 stage_bench() {
   build
   # The LSTM's launch forms side by side (Triton persistent / per step, CUDA C++ persistent /
-  # per step, cuDNN + WeightDropout), first: they are issue 17's first numbers.
+  # per step, cuDNN + WeightDropout), first: the first GPU numbers of the new LSTM kernels.
   step "lstm launch forms" 100 lstm_launch_compare.log \
     "$PY" benchmarks/lstm_launch_compare.py --out "$R/lstm_launch_compare.json"
   summarize lstm_launch_compare.log "ms" 20

@@ -1,5 +1,5 @@
-"""How each LSTM implementation runs the recurrence, timed side by side (issue 17's "measure
-both"): the Triton kernels in one persistent cooperative launch and launched per step
+"""How each LSTM implementation runs the recurrence, timed side by side (persistent against
+per-step launches): the Triton kernels in one persistent cooperative launch and launched per step
 (``kernels/lstm.py``'s ``LAUNCH``; the persistent one also with exact fp32 dots instead of
 tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent and per step
 (``CTXFAST_LSTM_CUDA_KERNEL``), and cuDNN's ``nn.LSTM`` with fastai-style WeightDropout

@@ -368,7 +368,7 @@ def test_triton_persistent_many_programs_matches_stepwise(monkeypatch):
 
 @needs_triton
 def test_triton_runs_all_steps_in_one_launch_each_way(monkeypatch):
-    """The issue-17 rule "no Python-level launch per time step": one forward and one
+    """The LSTM speed goal's rule "no Python-level launch per time step": one forward and one
     backward launch per layer and direction, whatever T (here T 7, with a projection)."""
     from ctxfast.kernels import lstm as lstm_kernels
     launches = []
