@@ -500,12 +500,19 @@ def _rel_bwd_dq_inner(
             seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
             s += seg_s
         p = tl.exp2(s * qk_scale - lse[:, None])
-        if (MASKED == 1) or ((MASKED == 2) and ((n0 < in_lo) | (n0 >= in_hi))):
+        if MASKED == 1:                                                # boundary tiles
             p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
                                       KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
                                       stride_rank_t, rank_q,
                                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
                          p, 0.0)
+        elif MASKED == 2:                                              # decided per tile
+            if (n0 < in_lo) | (n0 >= in_hi):
+                p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
+                                          KPM, stride_kpm_b, stride_kpm_n, RANK,
+                                          stride_rank_b, stride_rank_t, rank_q,
+                                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
+                             p, 0.0)
         dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
         if DROPOUT:
             keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
