@@ -85,6 +85,24 @@ def test_memory_across_segments():
     assert_close(xl, torch.cat(ref))
 
 
+def test_interleaved_backends_keep_their_own_memory():
+    """The interleaved XL mode (both backends per segment, for timings that share the
+    machine's moments) gives each backend exactly what it gives alone: its own memory,
+    its own log-probabilities, one timing per timed segment; and the backends agree."""
+    model = tiny_model()
+    data = stream(21)
+    runs = xl_eval.xl_log_probs_interleaved(model, data, tgt_len=4, mem_len=6,
+                                            backends=("ctxfast", "eager"), time_from=2)
+    assert set(runs) == {"ctxfast", "eager"}
+    for backend in ("ctxfast", "eager"):
+        model.set_backend(backend)
+        alone, _, _ = xl_eval.xl_log_probs(model, data, tgt_len=4, mem_len=6)
+        xl, ms, tokens = runs[backend]
+        assert torch.equal(xl, alone), backend
+        assert tokens == 4 * 2 and len(ms) == 3 and min(ms) > 0
+    assert_close(runs["ctxfast"][0], runs["eager"][0], name="ctxfast vs eager")
+
+
 def test_builtin_stream_is_deterministic_and_encodes():
     a, b = xl_eval.builtin_text(500, seed=3), xl_eval.builtin_text(500, seed=3)
     assert a == b and len(a) == 500 and a != xl_eval.builtin_text(500, seed=4)

@@ -85,6 +85,9 @@ Tensor add_bias(const Tensor& q, const Tensor& bias, at::ScalarType ct) {
   return q.to(ct).add(bias.to(ct).unsqueeze(0).unsqueeze(2));
 }
 
+// A bias [H, D] as the kernel reads it: compute dtype, contiguous.
+Tensor bias(const Tensor& b, at::ScalarType ct) { return b.to(ct).contiguous(); }
+
 // The four segment tensors, all or none: seg_q [B, Tq], seg_k [B, Tk] integer,
 // seg_embed [2, H, D], r_s_bias [H, D]. Returns qs = q + r_s_bias (compute dtype; undefined
 // without segments) and the kernel's Segments.
@@ -136,7 +139,7 @@ std::tuple<Tensor, Tensor> rel_attention_fwd_cpu(
   const cpu::Dropout drop = dropout_args(kFwd, dropout_p, seed);
   const SegArgs sa = segment_args(kFwd, q, k, seg_q, seg_k, seg_embed, r_s_bias, ct, scale);
   auto [out, lse] = cpu::rel_attention_forward(
-      add_bias(q, r_w_bias, ct), add_bias(q, r_r_bias, ct), prep(k, ct), prep(v, ct),
+      prep(q, ct), bias(r_w_bias, ct), bias(r_r_bias, ct), prep(k, ct), prep(v, ct),
       prep(r, ct), opt_kpm(key_padding_mask), opt_rank(perm_rank), causal, perm_strict,
       pos_start, window, scale, sa.seg, drop);
   return {back_to(out, dt), lse};
@@ -159,13 +162,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_a
   const at::ScalarType dt = q.scalar_type(), ct = compute_type(dt);
   const cpu::Dropout drop = dropout_args(kBwd, dropout_p, seed);
   const SegArgs sa = segment_args(kBwd, q, k, seg_q, seg_k, seg_embed, r_s_bias, ct, scale);
-  auto [dqu, dqw, dk, dv, dr, def] = cpu::rel_attention_backward(
-      prep(grad_out, ct), add_bias(q, r_w_bias, ct), add_bias(q, r_r_bias, ct), prep(k, ct),
+  cpu::RelGrads g = cpu::rel_attention_backward(
+      prep(grad_out, ct), prep(q, ct), bias(r_w_bias, ct), bias(r_r_bias, ct), prep(k, ct),
       prep(v, ct), prep(r, ct), prep(out, ct), lse.to(ct).contiguous(),
       opt_kpm(key_padding_mask), opt_rank(perm_rank), causal, perm_strict, pos_start, window,
       scale, sa.seg, drop);
-  Tensor du = dqu.sum({0, 2}), dw = dqw.sum({0, 2});
-  Tensor dq = dqu.add_(dqw);
+  Tensor dq = g.dq, dk = g.dk, dv = g.dv, dr = g.dr, du = g.du, dw = g.dw, def = g.def;
   Tensor dse = at::empty({0}, dq.options()), drsb = at::empty({0}, dq.options());
   if (sa.seg.defined()) {  // def [B, H, Tq, 2]: d(ef) / scale
     Tensor dqs = at::einsum("bhis,shd->bhid", {def, sa.seg_embed}).mul_(scale);

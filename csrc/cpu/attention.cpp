@@ -410,8 +410,8 @@ struct Head {
   T* o;        int64_t ldo;   // out [Tq, D] (forward: written; backward: read)
   T* lse;                     // [Tq], unit stride
   const T* dout; int64_t lddo;  // backward: grad of out [Tq, D]
-  T* dq; int64_t lddq;        // backward outputs (accumulated; zero on entry)
-  T* dk; int64_t lddk;
+  T* dq; int64_t lddq;        // backward outputs: dq written, dk and dv zeroed by the task
+  T* dk; int64_t lddk;        // then accumulated
   T* dv; int64_t lddv;
   int64_t Tq, Tk, mem, D;
   const bool* kpm;            // [Tk] or nullptr (true = padding)
@@ -420,12 +420,13 @@ struct Head {
   bool rank_sorted;           // rank is non-decreasing (queries and keys in rank order)
   bool causal, strict;
   int64_t window;             // > 0: pair (i, j) visible only if mem + i - j < window
-  // rel_attention only (r == nullptr otherwise): the position term scale * qw_i . r[row],
-  // row = pos_start - (mem + i - j), of r [R, D]; q above is then q + r_w_bias.
+  // rel_attention only (r == nullptr otherwise): the score is scale (q_i + u) . k_j plus
+  // the position term scale qw_i . r[row], qw_i = q_i + w, row = pos_start - (mem + i - j),
+  // of r [R, D]. The biased rows are formed per query block (query_rows), never stored whole.
   const T* r; int64_t ldr; int64_t R; int64_t pos_start;
-  const T* qw; int64_t ldqw;  // q + r_r_bias [Tq, D]
-  T* dqw; int64_t lddqw;      // backward: grad of qw (accumulated)
-  T* dr;                      // backward: grad of r [R, D], row stride D (accumulated)
+  const T* u; const T* w;     // r_w_bias, r_r_bias of this head [D]
+  T* du; T* dw;               // backward: their gradients [D] (accumulated; zero on entry)
+  T* dr;                      // backward: grad of r [R, D], row stride D (zeroed by the task)
   // segments (segq == nullptr: none): the score adds ef[2 i + (segq[i] != segk[j])]
   const int64_t* segq;        // [Tq]
   const int64_t* segk;        // [Tk]
@@ -541,6 +542,31 @@ int64_t key_begin(const Head<T>& h, int64_t i0) {
   return std::min(h.Tk, std::max<int64_t>(h.mem + i0 - h.window + 1, 0));
 }
 
+// The query operands of rows [i0, i0 + bq): q itself for attention; for rel_attention
+// qu = q + u (content term) and qw = q + w (position term), formed in buf [2 bq D].
+template <typename T>
+struct QRows {
+  const T* q;  int64_t ldq;   // [bq, D]: the rows that meet k
+  const T* qw; int64_t ldqw;  // [bq, D]: the rows that meet r (rel_attention only)
+};
+
+template <typename T>
+QRows<T> query_rows(const Head<T>& h, int64_t i0, int64_t bq, T* buf) {
+  const T* q = h.q + i0 * h.ldq;
+  if (h.u == nullptr) return {q, h.ldq, nullptr, 0};
+  const int64_t D = h.D;
+  T* qu = buf;
+  T* qw = buf + bq * D;
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    const T* x = q + rr * h.ldq;
+    for (int64_t d = 0; d < D; ++d) {
+      qu[rr * D + d] = x[d] + h.u[d];
+      qw[rr * D + d] = x[d] + h.w[d];
+    }
+  }
+  return {qu, D, qw, D};
+}
+
 // rel_attention's position term for queries [i0, i0 + bq) against keys [jb, je):
 // s[rr, c] += scale qw_{i0+rr} . r[row], row = pos_start - mem - (i0 + rr) + (j0 + c). The
 // rows one query block needs form a band of ng = bq + (je - jb) - 1 consecutive rows of r
@@ -550,39 +576,42 @@ int64_t key_begin(const Head<T>& h, int64_t i0) {
 // of r outside [0, R) only serve pairs that are never visible (rel_attention's check):
 // they count as 0. Returns base.
 template <typename T>
-int64_t position_band(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t je,
-                      T scale, std::vector<T>& g) {
+int64_t position_band(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq,
+                      int64_t jb, int64_t je, T scale, std::vector<T>& g) {
   const int64_t ng = bq + (je - jb) - 1;
   const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
   const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
   g.assign(static_cast<size_t>(bq * ng), T(0));
   if (lo < hi)
-    gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, h.qw + i0 * h.ldqw, h.ldqw,
-               h.r + lo * h.ldr, h.ldr, T(0), g.data() + (lo - base), ng);
+    gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, qr.qw, qr.ldqw, h.r + lo * h.ldr, h.ldr,
+               T(0), g.data() + (lo - base), ng);
   return base;
 }
 
 // The band's backward, after every key tile of the query block has added its dS into
-// dg (same layout as g): dqw_{i0..} += scale dg r_band, dr_band += scale dgᵀ qw_{i0..}.
+// dg (same layout as g): dqw [bq, D] = scale dg r_band (written), dr_band += scale dgᵀ qw.
 template <typename T>
-void position_band_backward(const Head<T>& h, int64_t i0, int64_t bq, int64_t ng, int64_t base,
-                            T scale, const T* dg) {
+void position_band_backward(const Head<T>& h, const QRows<T>& qr, int64_t bq, int64_t ng,
+                            int64_t base, T scale, const T* dg, T* dqw) {
   const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
-  if (lo >= hi) return;
+  if (lo >= hi) {
+    std::fill(dqw, dqw + bq * h.D, T(0));
+    return;
+  }
   gemm_rm<T>(false, false, bq, h.D, hi - lo, scale, dg + (lo - base), ng, h.r + lo * h.ldr,
-             h.ldr, T(1), h.dqw + i0 * h.lddqw, h.lddqw);
-  gemm_rm<T>(true, false, hi - lo, h.D, bq, scale, dg + (lo - base), ng, h.qw + i0 * h.ldqw,
-             h.ldqw, T(1), h.dr + lo * h.D, h.D);
+             h.ldr, T(0), dqw, h.D);
+  gemm_rm<T>(true, false, hi - lo, h.D, bq, scale, dg + (lo - base), ng, qr.qw, qr.ldqw, T(1),
+             h.dr + lo * h.D, h.D);
 }
 
 // s [bq, bk] (row stride bk) <- the masked scores of queries [i0, i0 + bq) against keys
 // [j0, j0 + bk): scale q kᵀ, plus for rel_attention the position term from the query
 // block's band g (ng columns, keys from jb).
 template <typename T>
-void scores_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t bk, T scale,
-                 const T* g, int64_t jb, int64_t ng, T* s) {
-  gemm_rm<T>(false, true, bq, bk, h.D, scale, h.q + i0 * h.ldq, h.ldq, h.k + j0 * h.ldk,
-             h.ldk, T(0), s, bk);
+void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, int64_t j0,
+                 int64_t bk, T scale, const T* g, int64_t jb, int64_t ng, T* s) {
+  gemm_rm<T>(false, true, bq, bk, h.D, scale, qr.q, qr.ldq, h.k + j0 * h.ldk, h.ldk, T(0), s,
+             bk);
   if (h.r != nullptr) {
     for (int64_t rr = 0; rr < bq; ++rr) {
       const T* gr = g + rr * ng + (bq - 1 - rr) + (j0 - jb);
@@ -613,10 +642,10 @@ void dropout_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t j0, int64_t 
 }
 
 // Forward of queries [i0, i0 + bq): out rows and lse. `s` holds kBlockQ * kBlockK,
-// m and l kBlockQ.
+// m and l kBlockQ, qbuf 2 kBlockQ D.
 template <typename T>
 void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
-                  std::vector<T>& band, T* f) {
+                  std::vector<T>& band, T* f, T* qbuf) {
   const int64_t bq = std::min(kBlockQ, h.Tq - i0), D = h.D;
   const T ninf = -std::numeric_limits<T>::infinity();
   T* o = h.o + i0 * h.ldo;
@@ -627,10 +656,11 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
   }
   const int64_t end = key_end(h, i0, bq), jb = key_begin(h, i0);
   const int64_t ng = bq + (end - jb) - 1;
-  if (h.r != nullptr && end > jb) position_band(h, i0, bq, jb, end, scale, band);
+  const QRows<T> qr = end > jb ? query_rows(h, i0, bq, qbuf) : QRows<T>{};
+  if (h.r != nullptr && end > jb) position_band(h, qr, i0, bq, jb, end, scale, band);
   for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
     const int64_t bk = std::min(kBlockK, end - j0);
-    scores_tile(h, i0, bq, j0, bk, scale, band.data(), jb, ng, s);
+    scores_tile(h, qr, i0, bq, j0, bk, scale, band.data(), jb, ng, s);
     for (int64_t r = 0; r < bq; ++r) {
       T* row = s + r * bk;
       const T m_new = std::max(m[r], row_max(row, bk));
@@ -669,16 +699,28 @@ void forward_tile(const Head<T>& h, int64_t i0, T scale, T* s, T* m, T* l,
 template <typename T>
 struct BwdScratch {
   std::vector<T> p, dp, f, delta, band, dband;
+  std::vector<T> qbuf, dqb;  // the block's biased query rows [2 bq D]; its dq and dqw [2 bq D]
   std::vector<T> seg;  // [Tq, 3]: per row, sums over the keys of another segment of dS and
                        // of P, and the sum of dS over all keys
 };
 
-// Backward of one head: dq, dk, dv (and dqw, dr) accumulated; they are zero on entry. The
-// task owns the whole head, so the loop order is free: query blocks outer (the key range
-// and the position band are the forward's, computed once per query block), key tiles inner.
+// Backward of one head. The task owns the whole head, so the loop order is free: query
+// blocks outer (the key range and the position band are the forward's, computed once per
+// query block), key tiles inner. dk, dv (and dr) are zeroed here and accumulated over the
+// query blocks; a block's dq (for rel_attention: d(qu) + d(qw), whose column sums are the
+// biases' gradients) is complete when its key tiles are done and is written once.
 template <typename T>
 void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
   const int64_t D = h.D;
+  for (int64_t j = 0; j < h.Tk; ++j) {
+    std::fill(h.dk + j * h.lddk, h.dk + j * h.lddk + D, T(0));
+    std::fill(h.dv + j * h.lddv, h.dv + j * h.lddv + D, T(0));
+  }
+  if (h.r != nullptr) std::fill(h.dr, h.dr + h.R * D, T(0));
+  w.qbuf.resize(static_cast<size_t>(2 * kBlockQ * D));
+  w.dqb.resize(static_cast<size_t>(2 * kBlockQ * D));
+  T* dqb = w.dqb.data();              // [bq, D]: the block's dq (d(qu) for rel_attention)
+  T* dqwb = dqb + kBlockQ * D;        // [bq, D]: d(qw)
   w.delta.resize(std::max<int64_t>(h.Tq, 1));
   for (int64_t i = 0; i < h.Tq; ++i) {
     const T* a = h.dout + i * h.lddo;
@@ -694,16 +736,22 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
   for (int64_t i0 = 0; i0 < h.Tq; i0 += kBlockQ) {
     const int64_t bq = std::min(kBlockQ, h.Tq - i0);
     const int64_t end = key_end(h, i0, bq), jb = key_begin(h, i0);
-    if (end <= jb) continue;
+    std::fill(dqb, dqb + bq * D, T(0));
+    if (end <= jb) {  // rows that see no key: zero gradient
+      for (int64_t rr = 0; rr < bq; ++rr)
+        std::fill(h.dq + (i0 + rr) * h.lddq, h.dq + (i0 + rr) * h.lddq + D, T(0));
+      continue;
+    }
+    const QRows<T> qr = query_rows(h, i0, bq, w.qbuf.data());
     const int64_t ng = bq + (end - jb) - 1;
     int64_t base = 0;
     if (h.r != nullptr) {
-      base = position_band(h, i0, bq, jb, end, scale, w.band);
+      base = position_band(h, qr, i0, bq, jb, end, scale, w.band);
       w.dband.assign(static_cast<size_t>(bq * ng), T(0));
     }
     for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
       const int64_t bk = std::min(kBlockK, end - j0);
-      scores_tile(h, i0, bq, j0, bk, scale, w.band.data(), jb, ng, s);
+      scores_tile(h, qr, i0, bq, j0, bk, scale, w.band.data(), jb, ng, s);
       for (int64_t r = 0; r < bq; ++r) {
         T* row = s + r * bk;
         const T lse = h.lse[i0 + r];
@@ -751,10 +799,9 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
       gemm_rm<T>(true, false, bk, D, bq, T(1), s, bk, h.dout + i0 * h.lddo, h.lddo, T(1),
                  h.dv + j0 * h.lddv, h.lddv);
       // dk_j += scale dSᵀ Q_i ; dq_i += scale dS K_j
-      gemm_rm<T>(true, false, bk, D, bq, scale, ds, bk, h.q + i0 * h.ldq, h.ldq, T(1),
+      gemm_rm<T>(true, false, bk, D, bq, scale, ds, bk, qr.q, qr.ldq, T(1),
                  h.dk + j0 * h.lddk, h.lddk);
-      gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
-                 h.dq + i0 * h.lddq, h.lddq);
+      gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1), dqb, D);
       if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] += dS[rr, c]
         for (int64_t rr = 0; rr < bq; ++rr) {
           T* gr = w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
@@ -763,7 +810,23 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
         }
       }
     }
-    if (h.r != nullptr) position_band_backward(h, i0, bq, ng, base, scale, w.dband.data());
+    T* dq = h.dq + i0 * h.lddq;
+    if (h.r == nullptr) {
+      for (int64_t rr = 0; rr < bq; ++rr)
+        std::copy(dqb + rr * D, dqb + (rr + 1) * D, dq + rr * h.lddq);
+      continue;
+    }
+    position_band_backward(h, qr, bq, ng, base, scale, w.dband.data(), dqwb);
+    for (int64_t rr = 0; rr < bq; ++rr) {  // d(u) += sum d(qu), d(w) += sum d(qw), dq = both
+      const T* a = dqb + rr * D;
+      const T* c = dqwb + rr * D;
+      T* o = dq + rr * h.lddq;
+      for (int64_t d = 0; d < D; ++d) {
+        h.du[d] += a[d];
+        h.dw[d] += c[d];
+        o[d] = a[d] + c[d];
+      }
+    }
   }
   // The segment term's gradient per row: d(ef)[i, 1] / scale = sum of dS_ij over the keys
   // of the other segment, d(ef)[i, 0] the same over the own segment. Each row of dS sums to
@@ -791,11 +854,13 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   if (n_heads == 0 || nqb == 0) return;
   at::parallel_for(0, n_heads * nqb, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
-    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK)), f(kBlockQ * kBlockK);
+    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK)), f(kBlockQ * kBlockK), qbuf;
     for (int64_t t = begin; t < end; ++t) {
       const Head<T> h = make(t / nqb);
       const int64_t i0 = (t % nqb) * kBlockQ;
-      if (i0 < h.Tq) forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band, f.data());
+      if (h.u != nullptr) qbuf.resize(static_cast<size_t>(2 * kBlockQ * h.D));
+      if (i0 < h.Tq)
+        forward_tile(h, i0, scale, s.data(), m.data(), l.data(), band, f.data(), qbuf.data());
     }
   });
 }
@@ -821,8 +886,10 @@ Head<T> empty_head() {
   h.window = 0;
   h.kpm_end = 0;
   h.r = nullptr;
-  h.qw = nullptr;
-  h.dqw = nullptr;
+  h.u = nullptr;
+  h.w = nullptr;
+  h.du = nullptr;
+  h.dw = nullptr;
   h.dr = nullptr;
   h.segq = nullptr;
   h.segk = nullptr;
@@ -1041,9 +1108,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
     const Tensor& perm_rank, bool causal, bool perm_strict, double scale,
     const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor dq = at::zeros({B, H, Tq, D}, q.options());
-  Tensor dk = at::zeros({B, H, Tk, D}, q.options());
-  Tensor dv = at::zeros({B, H, Tk, D}, q.options());
+  Tensor dq = at::empty({B, H, Tq, D}, q.options());  // every element written by its task
+  Tensor dk = at::empty({B, H, Tk, D}, q.options());
+  Tensor dv = at::empty({B, H, Tk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu", [&] {
     using T = scalar_t;
     const T* qp = q.const_data_ptr<T>();
@@ -1103,15 +1170,15 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
 // ---------------------------------------------------------------- rel_attention [B, H, T, D]
 
 std::tuple<Tensor, Tensor> rel_attention_forward(
-    const Tensor& qu, const Tensor& qw, const Tensor& k, const Tensor& v, const Tensor& r,
-    const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
-    int64_t pos_start, int64_t window, double scale, const Segments& seg,
-    const Dropout& dropout) {
-  const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
+    const Tensor& q, const Tensor& r_w_bias, const Tensor& r_r_bias, const Tensor& k,
+    const Tensor& v, const Tensor& r, const Tensor& key_padding_mask, const Tensor& perm_rank,
+    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale,
+    const Segments& seg, const Dropout& dropout) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
-  Tensor out = at::empty({B, H, Tq, D}, qu.options());
-  Tensor lse = at::empty({B, H, Tq}, qu.options());
-  AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_forward_cpu", [&] {
+  Tensor out = at::empty({B, H, Tq, D}, q.options());
+  Tensor lse = at::empty({B, H, Tq}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rel_attention_forward_cpu", [&] {
     using T = scalar_t;
     T* def_p = nullptr;
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
@@ -1122,10 +1189,10 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
-      h.q = qu.const_data_ptr<T>() + b * qu.stride(0) + hh * qu.stride(1);
-      h.ldq = qu.stride(2);
-      h.qw = qw.const_data_ptr<T>() + b * qw.stride(0) + hh * qw.stride(1);
-      h.ldqw = qw.stride(2);
+      h.q = q.const_data_ptr<T>() + b * q.stride(0) + hh * q.stride(1);
+      h.ldq = q.stride(2);
+      h.u = r_w_bias.const_data_ptr<T>() + hh * D;
+      h.w = r_r_bias.const_data_ptr<T>() + hh * D;
       h.k = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
       h.ldk = k.stride(2);
       h.v = v.const_data_ptr<T>() + b * v.stride(0) + hh * v.stride(1);
@@ -1157,21 +1224,23 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backward(
-    const Tensor& grad_out, const Tensor& qu, const Tensor& qw, const Tensor& k,
-    const Tensor& v, const Tensor& r, const Tensor& out, const Tensor& lse,
+RelGrads rel_attention_backward(
+    const Tensor& grad_out, const Tensor& q, const Tensor& r_w_bias, const Tensor& r_r_bias,
+    const Tensor& k, const Tensor& v, const Tensor& r, const Tensor& out, const Tensor& lse,
     const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
     int64_t pos_start, int64_t window, double scale, const Segments& seg,
     const Dropout& dropout) {
-  const int64_t B = qu.size(0), H = qu.size(1), Tq = qu.size(2), D = qu.size(3);
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
-  Tensor dqu = at::zeros({B, H, Tq, D}, qu.options());
-  Tensor dqw = at::zeros({B, H, Tq, D}, qu.options());
-  Tensor dk = at::zeros({B, H, Tk, D}, qu.options());
-  Tensor dv = at::zeros({B, H, Tk, D}, qu.options());
-  Tensor drb = at::zeros({B, H, R, D}, qu.options());  // per (b, h); summed over b below
-  Tensor def = seg.defined() ? at::zeros({B, H, Tq, 2}, qu.options()) : Tensor();
-  AT_DISPATCH_FLOATING_TYPES(qu.scalar_type(), "rel_attention_backward_cpu", [&] {
+  // dq, dk, dv and the per-(b, h) dr are written (or zeroed) by the task of their head
+  Tensor dq = at::empty({B, H, Tq, D}, q.options());
+  Tensor dk = at::empty({B, H, Tk, D}, q.options());
+  Tensor dv = at::empty({B, H, Tk, D}, q.options());
+  Tensor drb = at::empty({B, H, R, D}, q.options());  // per (b, h); summed over b below
+  Tensor dub = at::zeros({B, H, D}, q.options());     // bias gradients per (b, h)
+  Tensor dwb = at::zeros({B, H, D}, q.options());
+  Tensor def = seg.defined() ? at::zeros({B, H, Tq, 2}, q.options()) : Tensor();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rel_attention_backward_cpu", [&] {
     using T = scalar_t;
     T* def_p = def.defined() ? def.mutable_data_ptr<T>() : nullptr;
     const bool* kpm = key_padding_mask.defined() ? key_padding_mask.const_data_ptr<bool>()
@@ -1182,10 +1251,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backwar
     auto make = [&](int64_t bh) {
       const int64_t b = bh / H, hh = bh % H;
       Head<T> h = empty_head<T>();
-      h.q = qu.const_data_ptr<T>() + b * qu.stride(0) + hh * qu.stride(1);
-      h.ldq = qu.stride(2);
-      h.qw = qw.const_data_ptr<T>() + b * qw.stride(0) + hh * qw.stride(1);
-      h.ldqw = qw.stride(2);
+      h.q = q.const_data_ptr<T>() + b * q.stride(0) + hh * q.stride(1);
+      h.ldq = q.stride(2);
+      h.u = r_w_bias.const_data_ptr<T>() + hh * D;
+      h.w = r_r_bias.const_data_ptr<T>() + hh * D;
       h.k = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
       h.ldk = k.stride(2);
       h.v = v.const_data_ptr<T>() + b * v.stride(0) + hh * v.stride(1);
@@ -1199,10 +1268,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backwar
       h.dout = grad_out.const_data_ptr<T>() + b * grad_out.stride(0) + hh * grad_out.stride(1);
       h.lddo = grad_out.stride(2);
       h.lse = const_cast<T*>(lse.const_data_ptr<T>() + b * lse.stride(0) + hh * lse.stride(1));
-      h.dq = dqu.mutable_data_ptr<T>() + bh * Tq * D;
+      h.dq = dq.mutable_data_ptr<T>() + bh * Tq * D;
       h.lddq = D;
-      h.dqw = dqw.mutable_data_ptr<T>() + bh * Tq * D;
-      h.lddqw = D;
+      h.du = dub.mutable_data_ptr<T>() + bh * D;
+      h.dw = dwb.mutable_data_ptr<T>() + bh * D;
       h.dk = dk.mutable_data_ptr<T>() + bh * Tk * D;
       h.lddk = D;
       h.dv = dv.mutable_data_ptr<T>() + bh * Tk * D;
@@ -1225,7 +1294,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_attention_backwar
     };
     run_backward<T>(B * H, static_cast<T>(scale), make);
   });
-  return {dqu, dqw, dk, dv, drb.sum(0), def};
+  RelGrads g;
+  g.dq = dq;
+  g.dk = dk;
+  g.dv = dv;
+  g.dr = B == 1 ? drb.select(0, 0) : drb.sum(0);
+  g.du = B == 1 ? dub.select(0, 0) : dub.sum(0);
+  g.dw = B == 1 ? dwb.select(0, 0) : dwb.sum(0);
+  g.def = def;
+  return g;
 }
 
 // ---------------------------------------------------------------- packed [total, H, D]

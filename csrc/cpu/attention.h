@@ -61,26 +61,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& key_padding_mask, const at::Tensor& perm_rank, bool causal,
     bool perm_strict, double scale, const Dropout& dropout = {});
 
-// rel_attention (Transformer-XL, XLNet): qu = q + r_w_bias and qw = q + r_r_bias
-// [B, H, Tq, D], k, v [B, H, Tk, D], r [H, R, D] (stride 1 in D); the score adds
-// scale qw_i . r[pos_start - (mem + i - j)] and, with segments, their term; window > 0 also
-// hides pairs with mem + i - j >= window. Returns out, lse as attention_forward.
+// rel_attention (Transformer-XL, XLNet): q [B, H, Tq, D], k, v [B, H, Tk, D], r [H, R, D]
+// (stride 1 in D), r_w_bias = u and r_r_bias = w [H, D] contiguous; the score is
+// scale (q_i + u) . k_j + scale (q_i + w) . r[pos_start - (mem + i - j)] plus, with
+// segments, their term; window > 0 also hides pairs with mem + i - j >= window. The biased
+// query rows are formed per block inside the kernel. Returns out, lse as attention_forward.
 std::tuple<at::Tensor, at::Tensor> rel_attention_forward(
-    const at::Tensor& qu, const at::Tensor& qw, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& r, const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
-    bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale,
+    const at::Tensor& q, const at::Tensor& r_w_bias, const at::Tensor& r_r_bias,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+    const at::Tensor& key_padding_mask, const at::Tensor& perm_rank, bool causal,
+    bool perm_strict, int64_t pos_start, int64_t window, double scale,
     const Segments& seg = {}, const Dropout& dropout = {});
 
-// Its gradients: d(qu), d(qw) [B, H, Tq, D], dk, dv [B, H, Tk, D], dr [H, R, D], and with
-// segments d(ef) / scale [B, H, Tq, 2] = sum over j of dS_ij where s(i, j) = s (undefined
-// without segments).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-rel_attention_backward(const at::Tensor& grad_out, const at::Tensor& qu, const at::Tensor& qw,
-                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
-                       const at::Tensor& out, const at::Tensor& lse,
-                       const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
-                       bool causal, bool perm_strict, int64_t pos_start, int64_t window,
-                       double scale, const Segments& seg = {}, const Dropout& dropout = {});
+// Its gradients: dq [B, H, Tq, D] (both terms), du, dw [H, D] (the biases), dk, dv
+// [B, H, Tk, D], dr [H, R, D], and with segments def = d(ef) / scale [B, H, Tq, 2], the
+// sum over j of dS_ij where s(i, j) = s (undefined without segments).
+struct RelGrads {
+  at::Tensor dq, du, dw, dk, dv, dr, def;
+};
+RelGrads rel_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                const at::Tensor& r_w_bias, const at::Tensor& r_r_bias,
+                                const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+                                const at::Tensor& out, const at::Tensor& lse,
+                                const at::Tensor& key_padding_mask, const at::Tensor& perm_rank,
+                                bool causal, bool perm_strict, int64_t pos_start,
+                                int64_t window, double scale, const Segments& seg = {},
+                                const Dropout& dropout = {});
 
 // Packed sequences: q [total_q, H, D], k, v [total_k, H, D] (stride 1 in D); sequence b
 // is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k, v. Causal is bottom-right

@@ -9,6 +9,8 @@ One model, one set of weights (random by default, or ``--checkpoint``), one toke
   the original evaluation does) in segments of ``--tgt-len`` tokens with ``mem_len = L -
   tgt_len`` cached hidden states per layer. The first ``ceil(mem_len / tgt_len)`` (at
   least one) segments fill the memory and warm up; the next ``--xl-segments`` are timed.
+  The backends run interleaved, segment by segment, each with its own memory, so that
+  their timings share the machine's moments (:func:`xl_log_probs_interleaved`).
 * **vanilla**: for each sampled position p (``--vanilla-positions`` of them, evenly spread
   over the timed region), a full forward of the L tokens ending at p with no memory,
   keeping only the last prediction; ``--batch`` windows per forward. Positions before
@@ -98,7 +100,7 @@ def defaults(device: str, quick: bool) -> dict:
         return dict(attn_lens=(800, 1800, 2800, 3800), tgt_len=128, batch=8, xl_segments=16,
                     vanilla_positions=64 if not quick else 32, model="enwik8")
     if quick:
-        return dict(attn_lens=(64, 128, 256, 512), tgt_len=32, batch=4, xl_segments=16,
+        return dict(attn_lens=(64, 128, 256, 512), tgt_len=32, batch=4, xl_segments=48,
                     vanilla_positions=32, model="quick")
     return dict(attn_lens=(128, 256, 512, 1024, 2048), tgt_len=64, batch=4, xl_segments=16,
                 vanilla_positions=16, model="quick")
@@ -255,25 +257,41 @@ def xl_log_probs(model: TransformerXL, data: Tensor, tgt_len: int, mem_len: int,
     Returns (log-probability of each next token ``[n, B]``, the milliseconds of each
     segment from number `time_from` on, tokens predicted per such segment (``tgt_len *
     B``; a shorter last segment is not timed)). The caller checked the ids."""
+    return xl_log_probs_interleaved(model, data, tgt_len, mem_len, (model.backend,),
+                                    time_from=time_from, progress=progress)[model.backend]
+
+
+def xl_log_probs_interleaved(model: TransformerXL, data: Tensor, tgt_len: int, mem_len: int,
+                             backends: Sequence[str], *, time_from: int = 0,
+                             progress: Optional[Progress] = None
+                             ) -> Dict[str, Tuple[Tensor, List[float], int]]:
+    """:func:`xl_log_probs` for several model backends at once, segment by segment: each
+    segment runs on every backend in turn (each with its own memory) before the next one,
+    so that both backends' timings sample the same moments of a shared machine (one
+    backend after the other, a busy spell lands on one of them and fakes a kernel gain or
+    loss). Returns {backend: (log-probs, segment ms, tokens per timed segment)}; the
+    model is left on the last backend."""
     model.reset_length(tgt_len, 0, mem_len)
     n, B = data.shape[0] - 1, data.shape[1]
-    out = torch.empty(n, B, dtype=torch.float32, device=data.device)
-    mems = model.init_mems()
-    timer = StepTimer(data.device)
+    outs = {b: torch.empty(n, B, dtype=torch.float32, device=data.device) for b in backends}
+    mems = {b: model.init_mems() for b in backends}
+    timers = {b: StepTimer(data.device) for b in backends}
     with torch.no_grad():
         for si, s in enumerate(range(0, n, tgt_len)):
             timed = si >= time_from and s + tgt_len <= n
-            if timed:
-                timer.start()
             x = data[s:s + tgt_len]                                       # [t, B]
             y = data[s + 1:s + 1 + x.shape[0]]                            # [t, B]
-            logp, mems = model.log_probs(x, *mems, validate=False)        # [t, B, V]
-            out[s:s + x.shape[0]] = logp.gather(2, y[..., None])[..., 0].float()
-            if timed:
-                timer.stop()
+            for b in backends:
+                model.set_backend(b)
+                if timed:
+                    timers[b].start()
+                logp, mems[b] = model.log_probs(x, *mems[b], validate=False)  # [t, B, V]
+                outs[b][s:s + x.shape[0]] = logp.gather(2, y[..., None])[..., 0].float()
+                if timed:
+                    timers[b].stop()
             if progress is not None:
                 progress.step()
-    return out, timer.ms(), tgt_len * B
+    return {b: (outs[b], timers[b].ms(), tgt_len * B) for b in backends}
 
 
 def vanilla_log_probs(model: TransformerXL, data: Tensor, attn_len: int,
@@ -350,16 +368,19 @@ def profile(model: TransformerXL, ids: Tensor, s: Settings,
         pos_p = torch.tensor([p for p, _ in positions], device=device)
         pos_b = torch.tensor([b for _, b in positions], device=device)
         per_backend: Dict[str, dict] = {}
+        # XL mode: the backends interleaved segment by segment (same moments of the machine)
+        if progress is not None:
+            progress.start(f"L={L} {','.join(s.backends)}: XL", fill + s.xl_segments)
+        xl_runs = xl_log_probs_interleaved(model, data, s.tgt_len, mem_len, s.backends,
+                                           time_from=fill, progress=progress)
+        if progress is not None:
+            progress.finish()
         for backend in s.backends:
             model.set_backend(backend)
             impl = attention_impl(backend, device)
             n_fwd = math.ceil(len(positions) / s.batch)
+            xl, xl_ms, xl_tok = xl_runs[backend]
             if progress is not None:
-                progress.start(f"L={L} {backend}: XL", fill + s.xl_segments)
-            xl, xl_ms, xl_tok = xl_log_probs(model, data, s.tgt_len, mem_len, time_from=fill,
-                                             progress=progress)
-            if progress is not None:
-                progress.finish()
                 progress.start(f"L={L} {backend}: vanilla", n_fwd + 1)
             nb = _fitting_batch(model, data, L, positions, s.batch)   # also the warm-up
             if progress is not None:
@@ -459,7 +480,7 @@ def notes(meta: dict, width: int = 100) -> str:
     text = (f"model: {m['model']}; stream: {m['stream']}; device: {m['device']}, {m['dtype']}; "
             f"XL: {m['batch']} parallel streams, segments of {m['tgt_len']} tokens, "
             f"mem_len = L - {m['tgt_len']}, {m['xl_segments']} timed segments per L after the "
-            f"memory is full; vanilla: a full forward of L tokens per prediction, "
+            f"memory is full, the backends interleaved segment by segment; vanilla: a full forward of L tokens per prediction, "
             f"{m['batch']} windows per forward (fewer where a GPU runs out of memory: JSON "
             f"vanilla_windows_per_forward), {m['vanilla_positions']} sampled positions per "
             f"L (the same positions give both bits/tok columns). ms/tok: median over the timed "
@@ -794,5 +815,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["PAPER_SPEEDUPS", "Settings", "builtin_text", "encode", "stream_matrix",
-           "xl_log_probs", "vanilla_log_probs", "sample_positions", "profile", "table",
+           "xl_log_probs", "xl_log_probs_interleaved", "vanilla_log_probs", "sample_positions", "profile", "table",
            "plot", "run", "main", "Progress"]
