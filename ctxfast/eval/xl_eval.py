@@ -269,8 +269,8 @@ def xl_log_probs_interleaved(model: TransformerXL, data: Tensor, tgt_len: int, m
     segment runs on every backend in turn (each with its own memory) before the next one,
     so that both backends' timings sample the same moments of a shared machine (one
     backend after the other, a busy spell lands on one of them and fakes a kernel gain or
-    loss). Returns {backend: (log-probs, segment ms, tokens per timed segment)}; the
-    model is left on the last backend."""
+    loss); the order alternates from segment to segment. Returns {backend: (log-probs,
+    segment ms, tokens per timed segment)}; the model is left on the last backend."""
     model.reset_length(tgt_len, 0, mem_len)
     n, B = data.shape[0] - 1, data.shape[1]
     outs = {b: torch.empty(n, B, dtype=torch.float32, device=data.device) for b in backends}
@@ -281,7 +281,8 @@ def xl_log_probs_interleaved(model: TransformerXL, data: Tensor, tgt_len: int, m
             timed = si >= time_from and s + tgt_len <= n
             x = data[s:s + tgt_len]                                       # [t, B]
             y = data[s + 1:s + 1 + x.shape[0]]                            # [t, B]
-            for b in backends:
+            order = backends if si % 2 == 0 else tuple(reversed(backends))  # no order bias
+            for b in order:
                 model.set_backend(b)
                 if timed:
                     timers[b].start()
