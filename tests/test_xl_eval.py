@@ -103,6 +103,25 @@ def test_interleaved_backends_keep_their_own_memory():
     assert_close(runs["ctxfast"][0], runs["eager"][0], name="ctxfast vs eager")
 
 
+def test_interleaved_vanilla_matches_each_backend_alone():
+    """The interleaved vanilla mode (the backends forward by forward) gives each backend
+    what it gives alone, short positions (p < L - 1) included, one timing per full
+    forward; and the backends agree."""
+    model = tiny_model()
+    data = stream(30, B=3)
+    pos = [(4, 1)] + xl_eval.sample_positions(9, 29, 7, batch=3)     # one short position
+    runs = xl_eval.vanilla_log_probs_interleaved(model, data, 10, pos, 3,
+                                                 ("eager", "ctxfast"))
+    assert set(runs) == {"ctxfast", "eager"}
+    for backend in ("ctxfast", "eager"):
+        model.set_backend(backend)
+        alone, _ = xl_eval.vanilla_log_probs(model, data, attn_len=10, positions=pos, batch=3)
+        van, ms = runs[backend]
+        assert torch.equal(van, alone), backend
+        assert len(ms) == 3 and min(ms) > 0                  # 7 full windows, 3 per forward
+    assert_close(runs["ctxfast"][0], runs["eager"][0], name="ctxfast vs eager")
+
+
 def test_builtin_stream_is_deterministic_and_encodes():
     a, b = xl_eval.builtin_text(500, seed=3), xl_eval.builtin_text(500, seed=3)
     assert a == b and len(a) == 500 and a != xl_eval.builtin_text(500, seed=4)

@@ -305,33 +305,55 @@ def vanilla_log_probs(model: TransformerXL, data: Tensor, attn_len: int,
 
     Returns (log-probs ``[len(positions)]``, milliseconds per predicted token of each
     forward over full windows)."""
+    return vanilla_log_probs_interleaved(model, data, attn_len, positions, batch,
+                                         (model.backend,), progress=progress)[model.backend]
+
+
+def vanilla_log_probs_interleaved(model: TransformerXL, data: Tensor, attn_len: int,
+                                  positions: Sequence[Tuple[int, int]], batch: int,
+                                  backends: Sequence[str], *,
+                                  progress: Optional[Progress] = None
+                                  ) -> Dict[str, Tuple[Tensor, List[float]]]:
+    """:func:`vanilla_log_probs` for several model backends, forward by forward: each
+    batch of windows runs on every backend in turn (the order alternating) before the
+    next, for the same reason as :func:`xl_log_probs_interleaved`. Returns {backend:
+    (log-probs, ms per predicted token of each full-window forward)}; the model is left on
+    the last backend."""
     L = attn_len
-    out = torch.empty(len(positions), dtype=torch.float32, device=data.device)
+    outs = {b: torch.empty(len(positions), dtype=torch.float32, device=data.device)
+            for b in backends}
     full = [(i, p, b) for i, (p, b) in enumerate(positions) if p >= L - 1]
     short = [(i, p, b) for i, (p, b) in enumerate(positions) if p < L - 1]
     offsets = torch.arange(L, device=data.device) - (L - 1)              # [L]: -(L-1) .. 0
-    timer, sizes = StepTimer(data.device), []
+    timers = {b: StepTimer(data.device) for b in backends}
+    sizes: List[int] = []
     with torch.no_grad():
         if short:
-            logp, _ = model.log_probs(data[:L], validate=False)          # [L, B, V]
-            for i, p, b in short:
-                out[i] = logp[p, b, data[p + 1, b]].float()
-        for s in range(0, len(full), batch):
+            for be in backends:
+                model.set_backend(be)
+                logp, _ = model.log_probs(data[:L], validate=False)      # [L, B, V]
+                for i, p, b in short:
+                    outs[be][i] = logp[p, b, data[p + 1, b]].float()
+        for ci, s in enumerate(range(0, len(full), batch)):
             chunk = full[s:s + batch]
-            timer.start()
-            p = torch.tensor([c[1] for c in chunk], device=data.device)   # [nb]
-            b = torch.tensor([c[2] for c in chunk], device=data.device)   # [nb]
-            rows = p[None, :] + offsets[:, None]                          # [L, nb]
-            windows = data[rows, b[None, :]]                              # [L, nb]
-            logp, _ = model.log_probs(windows, last=1, validate=False)    # [1, nb, V]
-            nxt = data[p + 1, b]                                          # [nb]
-            out[torch.tensor([c[0] for c in chunk], device=data.device)] = \
-                logp[0].gather(1, nxt[:, None])[:, 0].float()
-            timer.stop()
+            order = backends if ci % 2 == 0 else tuple(reversed(backends))  # no order bias
+            for be in order:
+                model.set_backend(be)
+                timers[be].start()
+                p = torch.tensor([c[1] for c in chunk], device=data.device)   # [nb]
+                b = torch.tensor([c[2] for c in chunk], device=data.device)   # [nb]
+                rows = p[None, :] + offsets[:, None]                          # [L, nb]
+                windows = data[rows, b[None, :]]                              # [L, nb]
+                logp, _ = model.log_probs(windows, last=1, validate=False)    # [1, nb, V]
+                nxt = data[p + 1, b]                                          # [nb]
+                outs[be][torch.tensor([c[0] for c in chunk], device=data.device)] = \
+                    logp[0].gather(1, nxt[:, None])[:, 0].float()
+                timers[be].stop()
             sizes.append(len(chunk))
             if progress is not None:
                 progress.step()
-    return out, [ms / k for ms, k in zip(timer.ms(), sizes)]
+    return {be: (outs[be], [ms / k for ms, k in zip(timers[be].ms(), sizes)])
+            for be in backends}
 
 
 def sample_positions(lo: int, hi: int, count: int, batch: int) -> List[Tuple[int, int]]:
@@ -376,19 +398,26 @@ def profile(model: TransformerXL, ids: Tensor, s: Settings,
                                            time_from=fill, progress=progress)
         if progress is not None:
             progress.finish()
+        # vanilla mode: warm-up (and on a GPU the windows per forward that fit) per backend,
+        # then the backends interleaved forward by forward with the smallest such count
+        n_fwd = math.ceil(len(positions) / s.batch)
+        if progress is not None:
+            progress.start(f"L={L} {','.join(s.backends)}: vanilla", n_fwd + 1)
+        nb = s.batch
+        for backend in s.backends:
+            model.set_backend(backend)
+            nb = _fitting_batch(model, data, L, positions, nb)
+        if progress is not None:
+            progress.step()
+        van_runs = vanilla_log_probs_interleaved(model, data, L, positions, nb, s.backends,
+                                                 progress=progress)
+        if progress is not None:
+            progress.finish()
         for backend in s.backends:
             model.set_backend(backend)
             impl = attention_impl(backend, device)
-            n_fwd = math.ceil(len(positions) / s.batch)
             xl, xl_ms, xl_tok = xl_runs[backend]
-            if progress is not None:
-                progress.start(f"L={L} {backend}: vanilla", n_fwd + 1)
-            nb = _fitting_batch(model, data, L, positions, s.batch)   # also the warm-up
-            if progress is not None:
-                progress.step()
-            van, van_ms = vanilla_log_probs(model, data, L, positions, nb, progress=progress)
-            if progress is not None:
-                progress.finish()
+            van, van_ms = van_runs[backend]
             xl_same = xl[pos_p, pos_b]
             row = dict(
                 attn_len=L, backend=backend, attention=impl, device=_device_name(device),
@@ -481,10 +510,11 @@ def notes(meta: dict, width: int = 100) -> str:
     text = (f"model: {m['model']}; stream: {m['stream']}; device: {m['device']}, {m['dtype']}; "
             f"XL: {m['batch']} parallel streams, segments of {m['tgt_len']} tokens, "
             f"mem_len = L - {m['tgt_len']}, {m['xl_segments']} timed segments per L after the "
-            f"memory is full, the backends interleaved segment by segment; vanilla: a full forward of L tokens per prediction, "
+            f"memory is full; vanilla: a full forward of L tokens per prediction, "
             f"{m['batch']} windows per forward (fewer where a GPU runs out of memory: JSON "
             f"vanilla_windows_per_forward), {m['vanilla_positions']} sampled positions per "
-            f"L (the same positions give both bits/tok columns). ms/tok: median over the timed "
+            f"L (the same positions give both bits/tok columns). The backends run interleaved "
+            f"(segment by segment, forward by forward). ms/tok: median over the timed "
             f"steps. speedup = vanilla / XL ms per token (same backend): the algorithmic gain; "
             f"kernel gain = eager / ctxfast in the same mode. Paper (Table 9, its own model and "
             f"GPUs): " + ", ".join(f"{s:.0f}x at {L}" for L, s in PAPER_SPEEDUPS) + ".")
@@ -816,5 +846,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["PAPER_SPEEDUPS", "Settings", "builtin_text", "encode", "stream_matrix",
-           "xl_log_probs", "xl_log_probs_interleaved", "vanilla_log_probs", "sample_positions", "profile", "table",
+           "xl_log_probs", "xl_log_probs_interleaved", "vanilla_log_probs",
+           "vanilla_log_probs_interleaved", "sample_positions", "profile", "table",
            "plot", "run", "main", "Progress"]

@@ -205,8 +205,9 @@ class TransformerXLAttention(_RelAttnLayer):
         cat = w if mems is None else torch.cat([mems, w], 0)             # [klen, B, d_model]
         klen = cat.shape[0]
         x = self.layer_norm(cat) if self.pre_lnorm else cat             # [klen, B, d_model]
-        if self.backend == "eager":     # the original: q, k, v of every row, q of memory unused
-            heads = self.qkv_net(x)                                      # [klen, B, 3*H*Dh]
+        if self.backend == "eager" or klen == qlen:   # q, k, v of every row in one GEMM (the
+            heads = self.qkv_net(x)                      # original; q of memory rows unused)
+            # heads: [klen, B, 3*H*Dh]
             q, k, v = torch.chunk(heads, 3, dim=-1)                      # [klen, B, H*Dh] each
             q = q[-qlen:]                                                # [qlen, B, H*Dh]
         else:                           # the same numbers, q only for the current rows
