@@ -307,6 +307,16 @@ def test_permutation_over_many_tiles(kind):
     check_cpu(q, k, v, **kw)
 
 
+@pytest.mark.parametrize("kind", ["perm", "perm-query", "perm-pad"])
+def test_permutation_one_head_split_over_tasks(kind):
+    """One sequence and one head: the forward splits the head's query blocks over several
+    tasks, each copying only the keys its queries may see (and the backward's task the
+    whole head), in rank order, with the rows written back in the original order."""
+    B, H, Tq, mem, D = 1, 1, 333, 20, 16
+    q, k, v = _inputs(B, H, Tq, Tq + mem, D, layout="bthd")
+    check_cpu(q, k, v, **_masks(kind, B, Tq, Tq + mem))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_dropout_is_the_triton_mask(causal):
     """Packed sequences with dropout: sequence b, head h draws the counters

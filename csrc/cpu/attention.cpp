@@ -928,16 +928,18 @@ void set_segments(Head<T>& h, const Segments& seg, int64_t b, int64_t bh, int64_
 // (stable) turns the mask into a causal-like one (exactly causal for a permutation: j <= i
 // for the content stream, j < i for the query stream; memory keys stay first, always
 // visible), so key_end skips the key tiles above the diagonal and only the diagonal tiles
-// take an element mask: about half the work of the current keys. The gathers are O(T D)
-// per head against the O(T² D) of the attention.
+// take an element mask: about half the work of the current keys. The rows are put in rank
+// order per head, by the task that then computes on them (rank_order_forward/backward):
+// O(T D) copies that stay in the cache the tiles read, against the O(T² D) of the
+// attention, and no [B, H, T, D] copy of any input or output.
 struct RankOrder {
   int64_t B, Tq, mem;
-  std::vector<int64_t> order, inverse;  // [B, Tq]: sorted place -> original row, and back
-  at::Tensor rank;                      // [B, Tq] int64: the ranks in sorted order
+  std::vector<int64_t> order;  // [B, Tq]: sorted place -> original row
+  at::Tensor rank;             // [B, Tq] int64: the ranks in sorted order
 
   RankOrder(const at::Tensor& perm_rank, int64_t Tk)
       : B(perm_rank.size(0)), Tq(perm_rank.size(1)), mem(Tk - perm_rank.size(1)),
-        order(B * Tq), inverse(B * Tq), rank(at::empty({B, Tq}, perm_rank.options())) {
+        order(B * Tq), rank(at::empty({B, Tq}, perm_rank.options())) {
     const int64_t* r = perm_rank.const_data_ptr<int64_t>();
     int64_t* rs = rank.mutable_data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
@@ -945,61 +947,179 @@ struct RankOrder {
       for (int64_t t = 0; t < Tq; ++t) o[t] = t;
       const int64_t* rb = r + b * Tq;
       std::stable_sort(o, o + Tq, [rb](int64_t x, int64_t y) { return rb[x] < rb[y]; });
-      for (int64_t t = 0; t < Tq; ++t) {
-        inverse[b * Tq + o[t]] = t;
-        rs[b * Tq + t] = rb[o[t]];
-      }
+      for (int64_t t = 0; t < Tq; ++t) rs[b * Tq + t] = rb[o[t]];
     }
   }
-
-  // A contiguous copy of x [B, H, T, D] (unit stride in D; or [B, H, T]) whose rows
-  // [first, first + Tq) of dim 2 are taken through `map` (row first + t <- first + map[t]).
-  static at::Tensor take(const at::Tensor& x, const std::vector<int64_t>& map, int64_t Tq,
-                         int64_t first) {
-    const bool rows3 = x.dim() == 3;
-    const at::Tensor x4 = rows3 ? x.unsqueeze(-1) : x;
-    at::Tensor y = at::empty(x4.sizes(), x4.options());
-    const int64_t B = x4.size(0), H = x4.size(1), T = x4.size(2), D = x4.size(3);
-    const int64_t sb = x4.stride(0), sh = x4.stride(1), st = x4.stride(2);
-    AT_DISPATCH_FLOATING_TYPES(x4.scalar_type(), "attention_rank_order", [&] {
-      const scalar_t* xp = x4.const_data_ptr<scalar_t>();
-      scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t b = bh / H;
-          const scalar_t* xs = xp + b * sb + (bh % H) * sh;
-          scalar_t* ys = yp + bh * T * D;
-          const int64_t* m = map.data() + b * Tq;
-          for (int64_t t = 0; t < T; ++t) {
-            const int64_t src = t >= first && t < first + Tq ? first + m[t - first] : t;
-            std::memcpy(ys + t * D, xs + src * st, sizeof(scalar_t) * D);
-          }
-        }
-      });
-    });
-    return rows3 ? y.squeeze(-1) : y;
-  }
-  at::Tensor queries(const at::Tensor& x) const { return take(x, order, Tq, 0); }
-  at::Tensor unqueries(const at::Tensor& x) const { return take(x, inverse, Tq, 0); }
-  // [B, H, Tk, D]: memory rows as they are, current rows sorted (undo: back in place)
-  at::Tensor keys(const at::Tensor& x, bool undo = false) const {
-    return take(x, undo ? inverse : order, Tq, mem);
-  }
-  at::Tensor padding(const at::Tensor& kpm) const {  // [B, Tk] bool
+  // Original row of sorted query t of sequence b; of sorted key j (memory keys stay).
+  int64_t query(int64_t b, int64_t t) const { return order[b * Tq + t]; }
+  int64_t key(int64_t b, int64_t j) const { return j < mem ? j : mem + query(b, j - mem); }
+  at::Tensor padding(const at::Tensor& kpm) const {  // [B, Tk] bool, keys in sorted order
     if (!kpm.defined()) return kpm;
     at::Tensor y = kpm.clone(at::MemoryFormat::Contiguous);
     const bool* src = kpm.const_data_ptr<bool>();  // contiguous (the binding's check)
     bool* dst = y.mutable_data_ptr<bool>();
     const int64_t Tk = mem + Tq;
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < Tq; ++t) dst[b * Tk + mem + t] = src[b * Tk + mem + order[b * Tq + t]];
+      for (int64_t t = 0; t < Tq; ++t) dst[b * Tk + mem + t] = src[b * Tk + key(b, mem + t)];
     return y;
   }
 };
 
+// Rows [lo, hi) of dst [*, D] (row stride D) <- rows map(t) of src (row stride ld).
+template <typename T, typename Map>
+void gather_rows(T* dst, const T* src, int64_t ld, int64_t lo, int64_t hi, int64_t D,
+                 const Map& map) {
+  for (int64_t t = lo; t < hi; ++t) std::memcpy(dst + t * D, src + map(t) * ld, sizeof(T) * D);
+}
+// Rows map(t) of dst (row stride ld) <- rows [lo, hi) of src [*, D] (row stride D).
+template <typename T, typename Map>
+void scatter_rows(T* dst, int64_t ld, const T* src, int64_t lo, int64_t hi, int64_t D,
+                  const Map& map) {
+  for (int64_t t = lo; t < hi; ++t) std::memcpy(dst + map(t) * ld, src + t * D, sizeof(T) * D);
+}
+
 // Sort only where nothing else depends on positions (causal does, and dropout's counter).
 bool use_rank_order(const Tensor& perm_rank, bool causal, const Dropout& dropout) {
   return perm_rank.defined() && !causal && dropout.p <= 0 && perm_rank.size(1) > 1;
+}
+
+// A Head of sequence b in rank order over the thread's copies: q, out, dout [Tq, D], k, v
+// [Tk, D] (row stride D), lse [Tq]; ranks and padding sorted likewise.
+template <typename T>
+Head<T> sorted_head(const RankOrder& o, int64_t b, int64_t Tk, int64_t D, const bool* kpm,
+                    const std::vector<int64_t>& ends, bool strict) {
+  Head<T> h = empty_head<T>();
+  h.ldq = h.ldk = h.ldv = h.ldo = h.lddo = h.lddq = h.lddk = h.lddv = D;
+  h.Tq = o.Tq;
+  h.Tk = Tk;
+  h.mem = o.mem;
+  h.D = D;
+  h.kpm = kpm ? kpm + b * Tk : nullptr;
+  h.kpm_end = ends[b];
+  h.rank = o.rank.const_data_ptr<int64_t>() + b * o.Tq;
+  h.rank_sorted = true;
+  h.causal = false;
+  h.strict = strict;
+  return h;
+}
+
+// Forward in rank order. Tasks: (head, run of query blocks), enough of them for every
+// thread; each copies its queries and the keys they may see into its scratch, runs
+// forward_tile there and writes its out rows and lse back in the original order.
+std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& q,
+                                              const Tensor& k, const Tensor& v,
+                                              const Tensor& key_padding_mask, bool strict,
+                                              double scale) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
+  Tensor out = at::empty({B, H, Tq, D}, q.options());
+  Tensor lse = at::empty({B, H, Tq}, q.options());
+  const Tensor kpm_sorted = o.padding(key_padding_mask);
+  const bool* kpm = kpm_sorted.defined() ? kpm_sorted.const_data_ptr<bool>() : nullptr;
+  const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+  if (B * H == 0 || Tq == 0) return {out, lse};
+  const int64_t nqb = cdiv(Tq, kBlockQ);
+  const int64_t runs = std::min(nqb, cdiv(2 * at::get_num_threads(), B * H));
+  const int64_t per = cdiv(nqb, runs) * kBlockQ;  // queries per task
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward_cpu_rank_order", [&] {
+    using T = scalar_t;
+    const T sc = static_cast<T>(scale);
+    at::parallel_for(0, B * H * runs, 1, [&](int64_t begin, int64_t end) {
+      std::vector<T> qs(Tq * D), os(Tq * D), ls(Tq), ks, vs;
+      std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ), f(kBlockQ * kBlockK);
+      std::vector<T> band, qbuf;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t bh = t / runs, b = bh / H, hh = bh % H;
+        const int64_t lo = (t % runs) * per, hi = std::min(Tq, lo + per);
+        if (lo >= hi) continue;
+        Head<T> h = sorted_head<T>(o, b, Tk, D, kpm, ends, strict);
+        int64_t kend = 0;  // the keys these queries may see: [0, kend)
+        for (int64_t i0 = lo; i0 < hi; i0 += kBlockQ)
+          kend = std::max(kend, key_end(h, i0, std::min(kBlockQ, hi - i0)));
+        ks.resize(static_cast<size_t>(std::max<int64_t>(kend, 1) * D));
+        vs.resize(ks.size());
+        const T* kh = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
+        const T* vh = v.const_data_ptr<T>() + b * v.stride(0) + hh * v.stride(1);
+        const T* qh = q.const_data_ptr<T>() + b * q.stride(0) + hh * q.stride(1);
+        auto key = [&](int64_t j) { return o.key(b, j); };
+        auto query = [&](int64_t i) { return o.query(b, i); };
+        gather_rows(ks.data(), kh, k.stride(2), 0, kend, D, key);
+        gather_rows(vs.data(), vh, v.stride(2), 0, kend, D, key);
+        gather_rows(qs.data(), qh, q.stride(2), lo, hi, D, query);
+        h.q = qs.data();
+        h.k = ks.data();
+        h.v = vs.data();
+        h.o = os.data();
+        h.lse = ls.data();
+        for (int64_t i0 = lo; i0 < hi; i0 += kBlockQ)
+          forward_tile(h, i0, sc, s.data(), m.data(), l.data(), band, f.data(), qbuf.data());
+        T* oh = out.mutable_data_ptr<T>() + bh * Tq * D;
+        T* lh = lse.mutable_data_ptr<T>() + bh * Tq;
+        scatter_rows(oh, D, os.data(), lo, hi, D, query);
+        for (int64_t i = lo; i < hi; ++i) lh[query(i)] = ls[i];
+      }
+    });
+  });
+  return {out, lse};
+}
+
+// Backward in rank order, one task per head (as run_backward): the head's rows are copied
+// into the thread's scratch in rank order, backward_head runs there, and dq, dk, dv go back
+// to the original rows.
+std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
+    const RankOrder& o, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
+    bool strict, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
+  Tensor dq = at::empty({B, H, Tq, D}, q.options());
+  Tensor dk = at::empty({B, H, Tk, D}, q.options());
+  Tensor dv = at::empty({B, H, Tk, D}, q.options());
+  const Tensor kpm_sorted = o.padding(key_padding_mask);
+  const bool* kpm = kpm_sorted.defined() ? kpm_sorted.const_data_ptr<bool>() : nullptr;
+  const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
+  if (B * H == 0) return {dq, dk, dv};
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu_rank_order", [&] {
+    using T = scalar_t;
+    const T sc = static_cast<T>(scale);
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      // [Tq, D] each: q, out, dout, dq; [Tk, D] each: k, v, dk, dv; [Tq]: lse
+      std::vector<T> qs(Tq * D), os(Tq * D), dos(Tq * D), dqs(Tq * D);
+      std::vector<T> ks(Tk * D), vs(Tk * D), dks(Tk * D), dvs(Tk * D), ls(Tq);
+      BwdScratch<T> w;
+      w.p.resize(kBlockQ * kBlockK);
+      w.dp.resize(kBlockQ * kBlockK);
+      w.f.resize(kBlockQ * kBlockK);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, hh = bh % H;
+        auto key = [&](int64_t j) { return o.key(b, j); };
+        auto query = [&](int64_t i) { return o.query(b, i); };
+        auto at_head = [&](const Tensor& x) {
+          return x.const_data_ptr<T>() + b * x.stride(0) + hh * x.stride(1);
+        };
+        gather_rows(qs.data(), at_head(q), q.stride(2), 0, Tq, D, query);
+        gather_rows(os.data(), at_head(out), out.stride(2), 0, Tq, D, query);
+        gather_rows(dos.data(), at_head(grad_out), grad_out.stride(2), 0, Tq, D, query);
+        gather_rows(ks.data(), at_head(k), k.stride(2), 0, Tk, D, key);
+        gather_rows(vs.data(), at_head(v), v.stride(2), 0, Tk, D, key);
+        const T* lh = at_head(lse);
+        for (int64_t i = 0; i < Tq; ++i) ls[i] = lh[query(i) * lse.stride(2)];
+        Head<T> h = sorted_head<T>(o, b, Tk, D, kpm, ends, strict);
+        h.q = qs.data();
+        h.k = ks.data();
+        h.v = vs.data();
+        h.o = os.data();
+        h.dout = dos.data();
+        h.lse = ls.data();
+        h.dq = dqs.data();
+        h.dk = dks.data();
+        h.dv = dvs.data();
+        backward_head(h, sc, w);
+        scatter_rows(dq.mutable_data_ptr<T>() + bh * Tq * D, D, dqs.data(), 0, Tq, D, query);
+        scatter_rows(dk.mutable_data_ptr<T>() + bh * Tk * D, D, dks.data(), 0, Tk, D, key);
+        scatter_rows(dv.mutable_data_ptr<T>() + bh * Tk * D, D, dvs.data(), 0, Tk, D, key);
+      }
+    });
+  });
+  return {dq, dk, dv};
 }
 
 std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor& k,
@@ -1026,11 +1146,8 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
   if (!use_rank_order(perm_rank, causal, dropout))
     return attention_forward_impl(q, k, v, key_padding_mask, perm_rank, causal, perm_strict,
                                   scale, dropout);
-  const RankOrder o(perm_rank, k.size(2));
-  auto [out, lse] = attention_forward_impl(o.queries(q), o.keys(k), o.keys(v),
-                                           o.padding(key_padding_mask), o.rank, causal,
-                                           perm_strict, scale, dropout);
-  return {o.unqueries(out).contiguous(), o.unqueries(lse).contiguous()};
+  return rank_order_forward(RankOrder(perm_rank, k.size(2)), q, k, v, key_padding_mask,
+                            perm_strict, scale);
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_backward(
@@ -1041,12 +1158,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
   if (!use_rank_order(perm_rank, causal, dropout))
     return attention_backward_impl(grad_out, q, k, v, out, lse, key_padding_mask, perm_rank,
                                    causal, perm_strict, scale, dropout);
-  const RankOrder o(perm_rank, k.size(2));
-  auto [dq, dk, dv] = attention_backward_impl(
-      o.queries(grad_out), o.queries(q), o.keys(k), o.keys(v), o.queries(out), o.queries(lse),
-      o.padding(key_padding_mask), o.rank, causal, perm_strict, scale, dropout);
-  return {o.unqueries(dq).contiguous(), o.keys(dk, /*undo=*/true).contiguous(),
-          o.keys(dv, /*undo=*/true).contiguous()};
+  return rank_order_backward(RankOrder(perm_rank, k.size(2)), grad_out, q, k, v, out, lse,
+                             key_padding_mask, perm_strict, scale);
 }
 
 namespace {
