@@ -581,10 +581,20 @@ int64_t position_band(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t 
   const int64_t ng = bq + (je - jb) - 1;
   const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
   const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
-  g.assign(static_cast<size_t>(bq * ng), T(0));
-  if (lo < hi)
-    gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, qr.qw, qr.ldqw, h.r + lo * h.ldr, h.ldr,
-               T(0), g.data() + (lo - base), ng);
+  g.resize(static_cast<size_t>(bq * ng));
+  if (lo >= hi) {
+    std::fill(g.begin(), g.end(), T(0));
+    return base;
+  }
+  // columns [lo - base, hi - base) from the GEMM, the rest (rows of r out of range) 0:
+  // no pass over the whole band before the GEMM
+  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, qr.qw, qr.ldqw, h.r + lo * h.ldr, h.ldr,
+             T(0), g.data() + (lo - base), ng);
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    T* row = g.data() + rr * ng;
+    std::fill(row, row + (lo - base), T(0));
+    std::fill(row + (hi - base), row + ng, T(0));
+  }
   return base;
 }
 
@@ -747,7 +757,14 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
     int64_t base = 0;
     if (h.r != nullptr) {
       base = position_band(h, qr, i0, bq, jb, end, scale, w.band);
-      w.dband.assign(static_cast<size_t>(bq * ng), T(0));
+      // Row rr of dg takes dS of key j at column (bq - 1 - rr) + (j - jb): each key tile
+      // below writes its own columns once; the bq - 1 columns no key reaches are 0.
+      w.dband.resize(static_cast<size_t>(bq * ng));
+      for (int64_t rr = 0; rr < bq; ++rr) {
+        T* row = w.dband.data() + rr * ng;
+        std::fill(row, row + (bq - 1 - rr), T(0));
+        std::fill(row + (bq - 1 - rr) + (end - jb), row + ng, T(0));
+      }
     }
     for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
       const int64_t bk = std::min(kBlockK, end - j0);
@@ -802,12 +819,10 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
       gemm_rm<T>(true, false, bk, D, bq, scale, ds, bk, qr.q, qr.ldq, T(1),
                  h.dk + j0 * h.lddk, h.lddk);
       gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1), dqb, D);
-      if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] += dS[rr, c]
-        for (int64_t rr = 0; rr < bq; ++rr) {
-          T* gr = w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb);
-          const T* row = ds + rr * bk;
-          for (int64_t c = 0; c < bk; ++c) gr[c] += row[c];
-        }
+      if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] = dS[rr, c]
+        for (int64_t rr = 0; rr < bq; ++rr)
+          std::memcpy(w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb), ds + rr * bk,
+                      sizeof(T) * bk);
       }
     }
     T* dq = h.dq + i0 * h.lddq;
