@@ -17,6 +17,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 #: Backends that are ctxfast's own kernels (or models running on them).
 OURS: Tuple[str, ...] = ("triton", "cuda", "cpu", "ctxfast")
+#: Rows that are neither ours nor a peer: another ctxfast op timed on the same inputs as a
+#: yardstick (rel_attention's ``ctxfast.attention``: what the position term costs). Never
+#: paired: being slower than a simpler op is expected, not a loss to a peer.
+YARDSTICKS: Tuple[str, ...] = ("ctxfast.attention",)
 
 
 class Pair(NamedTuple):
@@ -53,7 +57,7 @@ def pairs(records: Sequence[dict], ours: Sequence[str] = OURS) -> List[Pair]:
     out: List[Pair] = []
     for (op, case, mode, _), ms in times(records).items():
         for mine in (b for b in ms if b in ours):
-            for other in (b for b in ms if b not in ours):
+            for other in (b for b in ms if b not in ours and b not in YARDSTICKS):
                 if ms[mine] > 0:
                     out.append(Pair(op, case, mode, mine, other, ms[mine], ms[other]))
     return out
@@ -64,7 +68,7 @@ def peers(records: Sequence[dict], op: str, ours: Sequence[str] = OURS) -> List[
     base = [r.get("baseline") for r in records if r["op"] == op and r.get("baseline")]
     found: List[str] = []
     for b in base[:1] + [r["backend"] for r in records if r["op"] == op] + base:
-        if b and b not in ours and b not in found:
+        if b and b not in ours and b not in YARDSTICKS and b not in found:
             found.append(b)
     return found
 

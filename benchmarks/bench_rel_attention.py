@@ -18,6 +18,13 @@ Backends timed:
   BD's gradient flows back through the captured buffer (FlexAttention supports
   gradients of captured ``score_mod`` tensors since torch 2.6, written with atomics in
   its backward kernel), so ``fwd+bwd`` is timed for flex too;
+* ``ctxfast.attention`` (not rel_attention: a yardstick): our own attention kernel on the
+  same q, k, v with the same causal mask and memory, without the position term and the
+  biases (the default backend of the device: ``cpu`` or ``triton``; not for ``window``
+  cases, which attention cannot express). The rows of the ``cpu`` and ``triton`` backends
+  note their time as a multiple of it ("1.52x the time of ctxfast.attention"): what the
+  position term costs on top of attention (one more ``[Tq, R] x [R, D]`` product each way:
+  ~1.5x the arithmetic);
 * the baseline ``eager-original``.
 
 Modes ``fwd`` and ``fwd+bwd`` (gradients of q, k, v, r and both biases). Inputs:
@@ -49,7 +56,8 @@ from ctxfast import reference as ref
 OP = "rel_attention"
 BASELINE = "eager-original"
 MODES = ("fwd", "fwd+bwd")
-BACKENDS = ("triton", "cpu", "eager", "flex", BASELINE)
+ATTENTION = "ctxfast.attention"   # the yardstick row (see the module docstring)
+BACKENDS = ("triton", "cpu", "eager", "flex", ATTENTION, BASELINE)
 RTOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
@@ -167,6 +175,8 @@ def _skip_reason(backend: str, device: torch.device) -> Optional[str]:
         return None
     if backend == "triton" and device.type != "cuda":
         return "triton on CPU tensors runs in the interpreter: only timed on CUDA"
+    if backend == ATTENTION:
+        return ctxfast.why_unavailable("triton" if device.type == "cuda" else "cpu", device)
     if backend == "flex":
         if device.type != "cuda":
             return "FlexAttention is a GPU baseline (no CPU backward): only timed on CUDA"
@@ -179,7 +189,16 @@ def _op(backend: str, case: Case, device: torch.device) -> Callable:
         return functools.partial(ref.rel_attention_original, window=case.window)
     if backend == "flex":
         return _flex_op(case, device)
+    if backend == ATTENTION:
+        return _attention_op
     return functools.partial(ctxfast.rel_attention, backend=backend, window=case.window)
+
+
+def _attention_op(q, k, v, r=None, r_w_bias=None, r_r_bias=None, *, reference=False):
+    """The yardstick: ``ctxfast.attention`` (or its reference) with rel_attention's
+    causal mask and memory on the same q, k, v ``[B, H, T, D]``; r and the biases unused."""
+    fn = ref.attention if reference else ctxfast.attention
+    return fn(q, k, v, causal=True)
 
 
 def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -199,7 +218,12 @@ def _check(op: Callable, backend: str, mode: str, case: Case, inputs, g) -> None
         assert err <= rtol, (f"{backend} {case.name} {mode}: relative error of {what} "
                              f"{err:.3g} > {rtol:g} against the reference")
 
-    spec = functools.partial(ref.rel_attention, window=case.window)
+    if backend == ATTENTION:
+        spec = functools.partial(_attention_op, reference=True)
+        names = ("dq", "dk", "dv")
+    else:
+        spec = functools.partial(ref.rel_attention, window=case.window)
+        names = ("dq", "dk", "dv", "dr", "d_r_w_bias", "d_r_r_bias")
     if mode == "fwd":
         with torch.no_grad():
             compare("out", op(*inputs)[:1], spec(*want_in))
@@ -208,18 +232,19 @@ def _check(op: Callable, backend: str, mode: str, case: Case, inputs, g) -> None
     g_first[:1] = g[:1]                            # gradients of the first batch row only
     leaves = [t.detach().requires_grad_(True) for t in inputs]
     out = op(*leaves)
-    grads = torch.autograd.grad(out, leaves, g_first)
+    grads = torch.autograd.grad(out, leaves[:len(names)], g_first)
     want = spec(*want_in)
-    want_grads = torch.autograd.grad(want, want_in, g_first[:1].float())
+    want_grads = torch.autograd.grad(want, want_in[:len(names)], g_first[:1].float())
     compare("out", out.detach()[:1], want.detach())
-    for name, got, wnt in zip(("dq", "dk", "dv", "dr", "d_r_w_bias", "d_r_r_bias"),
-                              grads, want_grads):
+    for name, got, wnt in zip(names, grads, want_grads):
         compare(name, got[:1] if got.dim() == 4 else got, wnt)
 
 
 @pytest.mark.parametrize("case, mode, backend", _params())
 def test_rel_attention(benchmark, bench_device, case: Case, mode: str, backend: str):
     reason = _skip_reason(backend, bench_device)
+    if reason is None and backend == ATTENTION and case.window is not None:
+        reason = "ctxfast.attention has no same_length window"
     if reason is not None:
         pytest.skip(reason)
     B, H, Tq, mem, D = case.shape
@@ -227,7 +252,9 @@ def test_rel_attention(benchmark, bench_device, case: Case, mode: str, backend: 
     dtype = torch.bfloat16 if bench_device.type == "cuda" else torch.float32
     _common.describe(benchmark, op=OP, case=case.name, mode=mode, backend=backend,
                      dtype=dtype, device=bench_device, shape=list(case.shape), mem_len=mem,
-                     flops=flops(case, mode), T=Tk, series=f"Tq{Tq}")
+                     flops=flops(case, mode) * (2 / 3 if backend == ATTENTION else 1),
+                     T=Tk, series=f"Tq{Tq}",
+                     relative_to=ATTENTION if backend in ("cpu", "triton") else None)
 
     def make():
         shapes = ((B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D), (H, Tk, D), (H, D), (H, D))
@@ -247,8 +274,10 @@ def test_rel_attention(benchmark, bench_device, case: Case, mode: str, backend: 
                 with torch.no_grad():
                     return op(*ts)
         else:
+            wrt = 3 if backend == ATTENTION else 6   # the yardstick has no r, no biases
+
             def fn(*ts):
-                return torch.autograd.grad(op(*ts[:6]), ts[:6], ts[6])
+                return torch.autograd.grad(op(*ts[:6]), ts[:wrt], ts[6])
 
         quick = _common.quick()
         _common.measure(benchmark, fn, sets, bench_device, budget_s=0.4 if quick else 2.0,

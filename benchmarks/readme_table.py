@@ -119,6 +119,8 @@ WHO: Dict[str, str] = {
     "eager": "eager PyTorch reference",
     "eager-original": "the original eager formulation",
     "eager-pad-view": "eager pad-and-view trick",
+    "ctxfast.attention": "ctxfast's attention on the same q, k, v without the position "
+                         "term: a yardstick for rel_attention",
 }
 
 

@@ -230,6 +230,14 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
         if info.get("check_op_backends"):
             notes.append(f"timed call ran {_backends_text(info.get('op_backends'))}, the "
                          f"check {_backends_text(info['check_op_backends'])}")
+        relative = None  # ms as a multiple of another backend's (the suite's yardstick)
+        other = info.get("relative_to")
+        if other and ms:
+            other_bench = by_key.get((op, case, mode, dtype, device, other))
+            other_ms = _timing(other_bench)["ms"] if other_bench is not None else None
+            if other_ms:
+                relative = ms / other_ms
+                notes.append(f"{relative:.2f}x the time of {other}")
         name = info.get("device_name")
         if not name:
             name = device_name(device) if device else "unknown"
@@ -262,6 +270,8 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
             "reps": info.get("reps"),
             "op_backends": info.get("op_backends"),
             "profiler_ms": prof,
+            "relative_to": other if relative is not None else None,
+            "relative": relative,
         }
         if record["T"] is None:
             record["T"] = _plot.seq_len(record)

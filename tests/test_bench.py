@@ -22,7 +22,8 @@ REPORT_PY = BENCH_DIR / "report.py"
 KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
         "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
         "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
-        "triton", "date", "timer", "reps", "op_backends", "profiler_ms"}
+        "triton", "date", "timer", "reps", "op_backends", "profiler_ms", "relative_to",
+        "relative"}
 TABLE_HEAD = ("| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
               "| rate | peak MiB | spread | note |")
 
@@ -303,6 +304,31 @@ def test_records_pair_with_baseline(report):
     assert math.isclose(got["fwd", "eager"]["speedup"], 0.5)       # slower than the baseline
     assert math.isclose(got["fwd+bwd", "cpu"]["baseline_ms"], 10.0)  # same mode's baseline
     assert math.isclose(got["fwd+bwd", "cpu"]["speedup"], 2.5)
+
+
+def test_records_relative_to_a_yardstick(report):
+    # rel_attention's cpu/triton rows carry relative_to="ctxfast.attention": their time as a
+    # multiple of that row's (same case, mode, dtype, device), in the record and its note;
+    # without the yardstick row, nothing
+    yard = _bench("ctxfast.attention", 0.004, op="rel_attention", baseline="eager-original")
+    rows = [_bench("cpu", 0.006, op="rel_attention", relative_to="ctxfast.attention",
+                   baseline="eager-original"),
+            _bench("eager-original", 0.012, op="rel_attention", baseline="eager-original")]
+    got = {r["backend"]: r for r in report.records_from_pytest_benchmark(
+        {"benchmarks": rows + [yard]})}
+    assert got["cpu"]["relative_to"] == "ctxfast.attention"
+    assert math.isclose(got["cpu"]["relative"], 1.5)
+    assert "1.50x the time of ctxfast.attention" in got["cpu"]["note"]
+    assert got["ctxfast.attention"]["relative"] is None
+    assert math.isclose(got["ctxfast.attention"]["speedup"], 3.0)
+    # the yardstick is neither ours nor a peer: no "slower than ctxfast.attention" row
+    compare = _load("ctxfast_bench_compare", "_compare.py")
+    recs = list(got.values())
+    assert {(p.ours, p.other) for p in compare.pairs(recs)} == {("cpu", "eager-original")}
+    assert compare.peers(recs, "rel_attention") == ["eager-original"]
+    (alone,) = [r for r in report.records_from_pytest_benchmark({"benchmarks": rows})]
+    assert alone["relative"] is None and alone["relative_to"] is None
+    assert "the time of" not in (alone["note"] or "")
 
 
 def test_records_from_measure_rates_and_memory(report):
