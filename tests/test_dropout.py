@@ -194,3 +194,83 @@ def test_embedding_dropout_bad_inputs():
             ctxfast.embedding_dropout(w, torch.tensor([0, bad]), 0.5)
         with pytest.raises(ValueError, match=r"EmbeddingDropout: words must be in .* V = 5"):
             ctxfast.nn.EmbeddingDropout(torch.nn.Embedding(5, 3), 0.1)(torch.tensor([[bad]]))
+
+
+# --------------------------------------------------------------------------- DropConnect masks
+
+def _philox4x32_10(seed: int, counter: int):
+    """Philox-4x32-10 (Salmon et al., 2011) in plain Python: the four output words of
+    counter (counter_lo, counter_hi, 0, 0) under key (seed_lo, seed_hi)."""
+    M = 0xFFFFFFFF
+    c = [counter & M, (counter >> 32) & M, 0, 0]
+    k0, k1 = seed & M, (seed >> 32) & M
+    for _ in range(10):
+        pa, pb = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((pb >> 32) ^ c[1] ^ k0) & M, pb & M, ((pa >> 32) ^ c[3] ^ k1) & M, pa & M]
+        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    return c
+
+
+def _mask_reference(seed: int, n: int, p: float) -> torch.Tensor:
+    """keep_mask's contract: value e = 32 b + 8 w + l is word w of counter 8 b + l, kept iff
+    its uniform (int32 x, x < 0 -> ~x, times 2^-31 in float32) is >= p (in float32)."""
+    out = torch.empty(n)
+    for e in range(n):
+        b, r = divmod(e, 32)
+        w, lane = divmod(r, 8)
+        x = _philox4x32_10(seed, 8 * b + lane)[w]
+        x = x - (1 << 32) if x >= 1 << 31 else x              # as int32
+        x = ~x if x < 0 else x
+        u = torch.tensor(float(x), dtype=torch.float32) * torch.tensor(4.6566127342e-10)
+        out[e] = float(u >= torch.tensor(p, dtype=torch.float32))
+    return out
+
+
+needs_cpu_mask = pytest.mark.skipif(not hasattr(torch.ops.ctxfast, "keep_mask_cpu"),
+                                    reason="the C++ extension is not built")
+
+
+@needs_cpu_mask
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_keep_mask_cpu_is_the_philox_stream(n, dtype):
+    """Every value against a plain-Python Philox-4x32-10, for lengths that end inside a
+    block of 32 (the scalar tail) and whole blocks (the AVX2 path for float32), with a seed
+    whose high word is used."""
+    seed, p = (0x1234_5678 << 32) | 0x9ABC_DEF1, 0.3
+    got = torch.ops.ctxfast.keep_mask_cpu(torch.empty(n, dtype=dtype),
+                                          torch.tensor([seed]), p)
+    assert got.dtype == dtype and got.shape == (n,)
+    assert_equal(got.float(), _mask_reference(seed, n, p))
+
+
+@needs_cpu_mask
+def test_keep_mask_keep_rate_dtypes_seeds():
+    from ctxfast.ops.dropout import keep_mask
+    w = torch.empty(301, 1000)                                # not a multiple of the chunks
+    for p in (0.1, 0.5, 0.9):
+        m = keep_mask(w, p)
+        assert m.shape == w.shape and m.dtype == w.dtype and m.is_contiguous()
+        assert set(m.unique().tolist()) <= {0.0, 1.0}
+        _six_sigma(m.mean().item(), p, m.numel())
+    torch.manual_seed(5)
+    a = keep_mask(w, 0.4)
+    torch.manual_seed(5)
+    assert torch.equal(a, keep_mask(w, 0.4))                   # torch's RNG draws the seed
+    assert not torch.equal(a, keep_mask(w, 0.4))               # the next draw differs
+    g = torch.Generator().manual_seed(9)
+    b = keep_mask(w, 0.4, generator=g)
+    assert torch.equal(b, keep_mask(w, 0.4, generator=torch.Generator().manual_seed(9)))
+    assert not torch.equal(b, keep_mask(w, 0.4, generator=g))
+    # float64 (scalar) and float32 (AVX2 + tail) give the same values; half types too
+    for dt in (torch.float64, torch.bfloat16, torch.float16):
+        m = keep_mask(w.to(dt), 0.4, generator=torch.Generator().manual_seed(9))
+        assert m.dtype == dt and torch.equal(m.float(), b)
+    assert torch.equal(keep_mask(w, 0.0), torch.ones_like(w))
+    assert keep_mask(torch.empty(0, 7), 0.5).shape == (0, 7)
+    with pytest.raises(ValueError, match="p must be in"):
+        keep_mask(w, 1.0)
+    with pytest.raises(ValueError, match="p must be in"):
+        torch.ops.ctxfast.keep_mask_cpu(w, torch.tensor([1]), -0.1)
+    with pytest.raises(ValueError, match="seed must be"):
+        torch.ops.ctxfast.keep_mask_cpu(w, torch.tensor([1.0]), 0.1)

@@ -201,9 +201,23 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_bwd_cpu(
   return {back_to(dq, dt), back_to(dk, dt), back_to(dv, dt)};
 }
 
+// ctxfast::keep_mask_cpu: checks, then cpu::keep_mask.
+Tensor keep_mask_cpu(const Tensor& like, const Tensor& seed, double p) {
+  constexpr const char* op = "keep_mask_cpu";
+  TORCH_CHECK_VALUE(like.device().is_cpu(), op, ": like must be a CPU tensor");
+  TORCH_CHECK_TYPE(at::isFloatingType(like.scalar_type()), op,
+                   ": like must be floating point, got ", like.scalar_type());
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, op, ": p must be in [0, 1), got ", p);
+  TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && seed.numel() == 1 &&
+                        seed.device().is_cpu(),
+                    op, ": seed must be an int64 CPU tensor of one element");
+  return cpu::keep_mask(like, static_cast<uint64_t>(seed.item<int64_t>()), p);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ctxfast, CPU, m) {
+  m.impl("keep_mask_cpu", &keep_mask_cpu);
   m.impl("attention_fwd_cpu", &attention_fwd_cpu);
   m.impl("attention_bwd_cpu", &attention_bwd_cpu);
   m.impl("attention_varlen_fwd_cpu", &attention_varlen_fwd_cpu);

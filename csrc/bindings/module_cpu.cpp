@@ -30,6 +30,9 @@ TORCH_LIBRARY(ctxfast, m) {
         "Tensor c0, Tensor w_hh, Tensor? w_hr, Tensor? mask, float scale, float cell_clip, "
         "float proj_clip, bool reverse, Tensor out, Tensor cells, Tensor gates) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // DropConnect keep-mask (csrc/cpu/attention.h keep_mask): 0/1 of like's shape and dtype,
+  // element e kept iff the Philox uniform of (seed, e) >= p; seed int64 [1], CPU.
+  m.def("keep_mask_cpu(Tensor like, Tensor seed, float p) -> Tensor");
   // Fused attention (math in csrc/cpu/attention.h): the `cpu` backend of ctxfast.attention
   // and ctxfast.attention_varlen. lse is float64 for float64 inputs, else float32.
   // dropout_p > 0 needs seed (int64 [1], CPU): the triton backend's Philox mask.

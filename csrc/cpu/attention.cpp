@@ -1537,5 +1537,121 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
   return {dq, dk, dv};
 }
 
+// ---------------------------------------------------------------- keep masks
+
+// A mask uses all four words of each Philox-4x32-10 output (a quarter of the rounds of the
+// attention dropout's one-word stream): value e = 32 b + 8 w + l (block b, word w, lane l)
+// is word w of counter 8 b + l, kept iff its uniform (as philox_uniform forms it) >= p.
+inline void philox4(uint64_t seed, uint64_t counter, uint32_t out[4]) {
+  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
+  uint32_t c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t pb = static_cast<uint64_t>(kPhiloxRoundB) * c2;
+    const uint64_t pa = static_cast<uint64_t>(kPhiloxRoundA) * c0;
+    c0 = static_cast<uint32_t>(pb >> 32) ^ c1 ^ k0;
+    c2 = static_cast<uint32_t>(pa >> 32) ^ c3 ^ k1;
+    c1 = static_cast<uint32_t>(pb);
+    c3 = static_cast<uint32_t>(pa);
+    k0 += kPhiloxKeyA;
+    k1 += kPhiloxKeyB;
+  }
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+inline float word_uniform(uint32_t word) {
+  int32_t x = static_cast<int32_t>(word);
+  if (x < 0) x = ~x;
+  return static_cast<float>(x) * kUniformScale;
+}
+
+// Values [32 b0, 32 b0 + n) of the mask into f (f[0] is value 32 b0).
+template <typename T>
+void mask_values_scalar(uint64_t seed, int64_t b0, int64_t n, float p, T* f) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const uint64_t blk = static_cast<uint64_t>(b0 + i / 32);
+    for (int64_t l = 0; l < 8; ++l) {
+      uint32_t w[4];
+      philox4(seed, 8 * blk + static_cast<uint64_t>(l), w);
+      for (int64_t k = 0; k < 4; ++k) {
+        const int64_t e = i + 8 * k + l;
+        if (e < n) f[e] = word_uniform(w[k]) >= p ? T(1) : T(0);
+      }
+    }
+  }
+}
+
+#ifdef CTXFAST_ATTN_AVX2
+// The same for whole blocks (n a multiple of 32), 8 counters per step.
+CTXFAST_AVX2_FN void mask_values_avx2(uint64_t seed, int64_t b0, int64_t n, float p,
+                                      float* f) {
+  const __m256i ra = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundA));
+  const __m256i rb = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundB));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 vp = _mm256_set1_ps(p), one = _mm256_set1_ps(1.0f);
+  const __m256 us = _mm256_set1_ps(kUniformScale);
+  for (int64_t i = 0; i < n; i += 32) {
+    const uint64_t o = 8 * static_cast<uint64_t>(b0 + i / 32);  // counters o .. o + 7
+    const uint32_t lo = static_cast<uint32_t>(o);  // a multiple of 8: no wrap in the lanes
+    __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)), lane);
+    __m256i c1 = _mm256_set1_epi32(static_cast<int>(o >> 32));
+    __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      const __m256i hb = mulhi_epu32(c2, rb), ha = mulhi_epu32(c0, ra);
+      const __m256i lb = _mm256_mullo_epi32(c2, rb), la = _mm256_mullo_epi32(c0, ra);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hb, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+      c2 = _mm256_xor_si256(_mm256_xor_si256(ha, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+      c1 = lb;
+      c3 = la;
+      k0 += kPhiloxKeyA;
+      k1 += kPhiloxKeyB;
+    }
+    const __m256i words[4] = {c0, c1, c2, c3};
+    for (int k = 0; k < 4; ++k) {
+      const __m256i x = _mm256_xor_si256(words[k], _mm256_srai_epi32(words[k], 31));
+      const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(x), us);
+      _mm256_storeu_ps(f + i + 8 * k, _mm256_and_ps(one, _mm256_cmp_ps(u, vp, _CMP_GE_OQ)));
+    }
+  }
+}
+#endif
+
+// Values [lo, lo + n) of the mask into f (f[0] is value lo; lo a multiple of 32).
+template <typename T>
+void mask_values(uint64_t seed, int64_t lo, int64_t n, float p, T* f) {
+  int64_t done = 0;
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2()) {
+      done = n / 32 * 32;
+      mask_values_avx2(seed, lo / 32, done, p, f);
+    }
+  }
+#endif
+  mask_values_scalar(seed, (lo + done) / 32, n - done, p, f + done);
+}
+
+Tensor keep_mask(const Tensor& like, uint64_t seed, double p) {
+  const at::ScalarType ct = like.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  Tensor out = at::empty(like.sizes(), like.options().dtype(ct));  // contiguous
+  const int64_t n = out.numel();
+  const float pf = static_cast<float>(p);  // compared in float32, as the dropout kernels do
+  constexpr int64_t kChunk = int64_t(1) << 15;  // values per task, a multiple of 32
+  AT_DISPATCH_FLOATING_TYPES(ct, "keep_mask_cpu", [&] {
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, cdiv(n, kChunk), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t lo = c * kChunk;
+        mask_values(seed, lo, std::min(kChunk, n - lo), pf, o + lo);
+      }
+    });
+  });
+  return ct == like.scalar_type() ? out : out.to(like.scalar_type());
+}
+
 }  // namespace cpu
 }  // namespace ctxfast

@@ -104,5 +104,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k, bool causal,
     double scale, int64_t max_q = 0, int64_t max_k = 0, const Dropout& dropout = {});
 
+// A 0/1 keep-mask shaped like `like` (its dtype, contiguous), from Philox-4x32-10 keyed by
+// `seed`, all four words of each output used: element e = 32 b + 8 w + l (row-major) is
+// word w of counter 8 b + l, kept iff its uniform (the attention dropout's conversion) is
+// >= p. Filled in parallel (at::parallel_for over chunks), AVX2 where the CPU has it.
+at::Tensor keep_mask(const at::Tensor& like, uint64_t seed, double p);
+
 }  // namespace cpu
 }  // namespace ctxfast

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..ops._common import FLOAT_DTYPES as _FLOAT_DTYPES
 from ..ops.dropout import check_ids_in_vocab
+from ..ops.dropout import keep_mask as _keep_mask
 
 _SUFFIXES = ("", "_reverse")
 
@@ -72,7 +73,8 @@ class WeightDropLSTM(nn.Module):
     Gate order i, f, g, o.
 
     DropConnect: in training with ``weight_dropout > 0``, ``forward`` samples one keep-mask
-    per layer and direction (``torch.bernoulli`` with keep probability ``1 - p``, shape of
+    per layer and direction (keep probability ``1 - p``; ``ctxfast.ops.dropout.keep_mask``:
+    Philox keyed by a seed from torch's RNG on CPU, ``torch.bernoulli`` on CUDA; shape of
     ``weight_hh_l{k}{sfx}``, in :meth:`weight_hh_names` order, before anything else
     random in the forward) and the recurrence uses ``W_hh * mask / (1 - p)`` at every
     time step. ``forward(..., weight_masks=...)`` gives the masks instead (see
@@ -172,11 +174,9 @@ class WeightDropLSTM(nn.Module):
         each of the weight's shape ``[4H, P]``, dtype and device, with 0/1 values (keep
         probability ``1 - weight_dropout``). Reusable as ``forward(..., weight_masks=)``.
         """
-        keep = 1.0 - self.weight_dropout
         masks = {}
         for name in self.weight_hh_names():
-            w = getattr(self, name)
-            masks[name] = torch.bernoulli(torch.full_like(w, keep), generator=generator)
+            masks[name] = _keep_mask(getattr(self, name), self.weight_dropout, generator)
         return masks
 
     # ------------------------------------------------------------------ forward
