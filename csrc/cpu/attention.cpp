@@ -321,8 +321,10 @@ constexpr uint32_t kPhiloxRoundA = 0xD2511F53u, kPhiloxRoundB = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;
 constexpr float kUniformScale = 4.6566127342e-10f;
 
-inline float philox_uniform(uint64_t seed, uint64_t offset) {
-  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32);
+// The four output words of counter (counter_lo, counter_hi, 0, 0) under key (seed_lo,
+// seed_hi).
+inline void philox4(uint64_t seed, uint64_t counter, uint32_t out[4]) {
+  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
   uint32_t c2 = 0, c3 = 0;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
@@ -335,9 +337,23 @@ inline float philox_uniform(uint64_t seed, uint64_t offset) {
     k0 += kPhiloxKeyA;
     k1 += kPhiloxKeyB;
   }
-  int32_t x = static_cast<int32_t>(c0);
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+// A word as a float in [0, 1), as tl.rand converts it.
+inline float word_uniform(uint32_t word) {
+  int32_t x = static_cast<int32_t>(word);
   if (x < 0) x = ~x;
   return static_cast<float>(x) * kUniformScale;
+}
+
+inline float philox_uniform(uint64_t seed, uint64_t offset) {
+  uint32_t w[4];
+  philox4(seed, offset, w);
+  return word_uniform(w[0]);
 }
 
 #ifdef CTXFAST_ATTN_AVX2
@@ -348,11 +364,33 @@ CTXFAST_AVX2_FN inline __m256i mulhi_epu32(__m256i a, __m256i b) {
   return _mm256_blend_epi32(even, odd, 0xAA);
 }
 
+// The ten rounds on 8 counters at once (c0..c3 in: the counters; out: the words).
+CTXFAST_AVX2_FN inline void philox_rounds_avx2(uint64_t seed, __m256i& c0, __m256i& c1,
+                                               __m256i& c2, __m256i& c3) {
+  const __m256i ra = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundA));
+  const __m256i rb = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundB));
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const __m256i hb = mulhi_epu32(c2, rb), ha = mulhi_epu32(c0, ra);
+    const __m256i lb = _mm256_mullo_epi32(c2, rb), la = _mm256_mullo_epi32(c0, ra);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hb, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+    c2 = _mm256_xor_si256(_mm256_xor_si256(ha, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+    c1 = lb;
+    c3 = la;
+    k0 += kPhiloxKeyA;
+    k1 += kPhiloxKeyB;
+  }
+}
+
+// 8 words as floats in [0, 1) (word_uniform).
+CTXFAST_AVX2_FN inline __m256 words_uniform_avx2(__m256i w) {
+  const __m256i x = _mm256_xor_si256(w, _mm256_srai_epi32(w, 31));  // x < 0 ? ~x : x
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_set1_ps(kUniformScale));
+}
+
 // f[c] = keep(offset + c) ? scale_kept : 0 for c < n (8 counters per step).
 CTXFAST_AVX2_FN void keep_factors_avx2(uint64_t seed, uint64_t offset, int64_t n, float p,
                                        float scale_kept, float* f) {
-  const __m256i ra = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundA));
-  const __m256i rb = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundB));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 vp = _mm256_set1_ps(p), vs = _mm256_set1_ps(scale_kept);
   int64_t c = 0;
@@ -366,19 +404,8 @@ CTXFAST_AVX2_FN void keep_factors_avx2(uint64_t seed, uint64_t offset, int64_t n
         _mm256_xor_si256(c0, _mm256_set1_epi32(INT32_MIN)));
     __m256i c1 = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(o >> 32)), wrapped);
     __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
-    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      const __m256i hb = mulhi_epu32(c2, rb), ha = mulhi_epu32(c0, ra);
-      const __m256i lb = _mm256_mullo_epi32(c2, rb), la = _mm256_mullo_epi32(c0, ra);
-      c0 = _mm256_xor_si256(_mm256_xor_si256(hb, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-      c2 = _mm256_xor_si256(_mm256_xor_si256(ha, c3), _mm256_set1_epi32(static_cast<int>(k1)));
-      c1 = lb;
-      c3 = la;
-      k0 += kPhiloxKeyA;
-      k1 += kPhiloxKeyB;
-    }
-    const __m256i x = _mm256_xor_si256(c0, _mm256_srai_epi32(c0, 31));  // x < 0 ? ~x : x
-    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_set1_ps(kUniformScale));
+    philox_rounds_avx2(seed, c0, c1, c2, c3);
+    const __m256 u = words_uniform_avx2(c0);
     _mm256_storeu_ps(f + c, _mm256_and_ps(vs, _mm256_cmp_ps(u, vp, _CMP_GE_OQ)));
   }
   for (; c < n; ++c)
@@ -1542,32 +1569,6 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
 // A mask uses all four words of each Philox-4x32-10 output (a quarter of the rounds of the
 // attention dropout's one-word stream): value e = 32 b + 8 w + l (block b, word w, lane l)
 // is word w of counter 8 b + l, kept iff its uniform (as philox_uniform forms it) >= p.
-inline void philox4(uint64_t seed, uint64_t counter, uint32_t out[4]) {
-  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
-  uint32_t c2 = 0, c3 = 0;
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    const uint64_t pb = static_cast<uint64_t>(kPhiloxRoundB) * c2;
-    const uint64_t pa = static_cast<uint64_t>(kPhiloxRoundA) * c0;
-    c0 = static_cast<uint32_t>(pb >> 32) ^ c1 ^ k0;
-    c2 = static_cast<uint32_t>(pa >> 32) ^ c3 ^ k1;
-    c1 = static_cast<uint32_t>(pb);
-    c3 = static_cast<uint32_t>(pa);
-    k0 += kPhiloxKeyA;
-    k1 += kPhiloxKeyB;
-  }
-  out[0] = c0;
-  out[1] = c1;
-  out[2] = c2;
-  out[3] = c3;
-}
-
-inline float word_uniform(uint32_t word) {
-  int32_t x = static_cast<int32_t>(word);
-  if (x < 0) x = ~x;
-  return static_cast<float>(x) * kUniformScale;
-}
-
 // Values [32 b0, 32 b0 + n) of the mask into f (f[0] is value 32 b0).
 template <typename T>
 void mask_values_scalar(uint64_t seed, int64_t b0, int64_t n, float p, T* f) {
@@ -1588,32 +1589,18 @@ void mask_values_scalar(uint64_t seed, int64_t b0, int64_t n, float p, T* f) {
 // The same for whole blocks (n a multiple of 32), 8 counters per step.
 CTXFAST_AVX2_FN void mask_values_avx2(uint64_t seed, int64_t b0, int64_t n, float p,
                                       float* f) {
-  const __m256i ra = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundA));
-  const __m256i rb = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundB));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 vp = _mm256_set1_ps(p), one = _mm256_set1_ps(1.0f);
-  const __m256 us = _mm256_set1_ps(kUniformScale);
   for (int64_t i = 0; i < n; i += 32) {
     const uint64_t o = 8 * static_cast<uint64_t>(b0 + i / 32);  // counters o .. o + 7
     const uint32_t lo = static_cast<uint32_t>(o);  // a multiple of 8: no wrap in the lanes
     __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)), lane);
     __m256i c1 = _mm256_set1_epi32(static_cast<int>(o >> 32));
     __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
-    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      const __m256i hb = mulhi_epu32(c2, rb), ha = mulhi_epu32(c0, ra);
-      const __m256i lb = _mm256_mullo_epi32(c2, rb), la = _mm256_mullo_epi32(c0, ra);
-      c0 = _mm256_xor_si256(_mm256_xor_si256(hb, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-      c2 = _mm256_xor_si256(_mm256_xor_si256(ha, c3), _mm256_set1_epi32(static_cast<int>(k1)));
-      c1 = lb;
-      c3 = la;
-      k0 += kPhiloxKeyA;
-      k1 += kPhiloxKeyB;
-    }
+    philox_rounds_avx2(seed, c0, c1, c2, c3);
     const __m256i words[4] = {c0, c1, c2, c3};
     for (int k = 0; k < 4; ++k) {
-      const __m256i x = _mm256_xor_si256(words[k], _mm256_srai_epi32(words[k], 31));
-      const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(x), us);
+      const __m256 u = words_uniform_avx2(words[k]);
       _mm256_storeu_ps(f + i + 8 * k, _mm256_and_ps(one, _mm256_cmp_ps(u, vp, _CMP_GE_OQ)));
     }
   }
