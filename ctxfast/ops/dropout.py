@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _dispatch
+from .attention import draw_seed
 
 _CPU_MASK = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "keep_mask_cpu")
 
@@ -181,19 +182,18 @@ def keep_mask(like: Tensor, p: float, generator: Optional[torch.Generator] = Non
     (``0 <= p < 1``). What ``WeightDropLSTM`` draws per layer and direction (a mask as large
     as ``W_hh``: ``[4H, H]``, 5.3M values at ULMFiT's H 1152).
 
-    On CPU (with the C++ extension): one int64 seed is drawn from `generator` (torch's
-    global RNG when None, so ``torch.manual_seed`` makes it reproducible), and value ``e``
-    (row-major) is kept iff the Philox-4x32-10 uniform of ``(seed, e)`` is ``>= p`` — the
-    attention dropout's stream — filled in parallel: ~1 ms for 5.3M values on 2 cores,
-    where ``torch.bernoulli`` takes ~80 ms (a third of an ULMFiT forward). Elsewhere (CUDA,
-    or no extension): ``torch.bernoulli`` with the same generator."""
+    On CPU (with the C++ extension): one int64 seed is drawn from `generator` by
+    :func:`ctxfast.ops.attention.draw_seed` (torch's global RNG when None, so
+    ``torch.manual_seed`` makes it reproducible), and ``ctxfast::keep_mask_cpu`` fills the
+    mask from Philox-4x32-10 keyed by it, all four output words used: value ``e = 32 b +
+    8 w + l`` (row-major) is word ``w`` of counter ``8 b + l``, kept iff its uniform is
+    ``>= p`` (csrc/cpu/attention.h). ~4 ms for 5.3M values on 2 cores, where
+    ``torch.bernoulli`` takes ~80 ms (a third of an ULMFiT forward). Elsewhere (CUDA, or no
+    extension): ``torch.bernoulli`` with the same generator."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"keep_mask: p must be in [0, 1), got {p}")
     if like.device.type == "cpu" and _CPU_MASK and like.is_floating_point():
-        gen_device = generator.device if generator is not None else like.device
-        seed = torch.randint(0, 2**62, (1,), generator=generator, device=gen_device,
-                             dtype=torch.int64).cpu()
-        return torch.ops.ctxfast.keep_mask_cpu(like, seed, float(p))
+        return torch.ops.ctxfast.keep_mask_cpu(like, draw_seed("cpu", generator), float(p))
     return torch.bernoulli(torch.full_like(like, 1.0 - p), generator=generator)
 
 
