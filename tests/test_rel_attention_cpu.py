@@ -161,6 +161,22 @@ def test_dropout_is_the_triton_mask(seg):
           ref_kw=dict(dropout_p=p, dropout_mask=keep), **extra)
 
 
+@pytest.mark.parametrize("Tq, mem", [(137, 45), (100, 31), (64, 0)])
+def test_causal_diagonal_tiles_segments_dropout(Tq, mem):
+    """Causal with memory: the diagonal's key tiles run only for the rows that see one of
+    their keys, and the band's last bq - 1 columns are not computed. Every per-row term (the
+    band's diagonal walk, segments, the dropout counter, dS into the band gradient) must
+    use the right rows; mem 45 and 31 put the diagonal off the tile edges."""
+    if DEVICE == "cpu" and not TRITON_ON_CPU:
+        pytest.skip("the Triton keep mask needs a GPU or TRITON_INTERPRET=1")
+    B, H, p = 1, 2, 0.2
+    seed = draw_seed("cpu", torch.Generator().manual_seed(7))
+    keep = dropout_keep_mask(seed.to(DEVICE), B, H, Tq, Tq + mem, p).cpu()
+    check(B, H, Tq, Tq + mem, 16, seg=True,
+          ours_kw=dict(dropout_p=p, generator=torch.Generator().manual_seed(7)),
+          ref_kw=dict(dropout_p=p, dropout_mask=keep))
+
+
 def test_default_and_refusals():
     assert ctxfast._dispatch.resolve("rel_attention", torch.device("cpu")) == "cpu"
     B, H, T, D = 1, 2, 6, 8

@@ -71,6 +71,8 @@ const Tile& tile() {
 }
 #define kBlockQ (tile().q)
 #define kBlockK (tile().k)
+// Keys per tile on a causal diagonal (for_each_key_tile).
+#define kDiagK (std::min<int64_t>(32, kBlockK))
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -610,6 +612,16 @@ QRows<T> query_rows(const Head<T>& h, int64_t i0, int64_t bq, T* buf) {
   return {qu, D, qw, D};
 }
 
+// How many leading columns of the position band of queries [i0, i0 + bq) from key jb (ng
+// columns, layout below) the visible pairs read: row rr reads columns (bq - 1 - rr) + (j - jb)
+// for its keys j, and with causal its last key is mem + i0 + rr, so every row ends at
+// column bq + mem + i0 - jb - 1; the last bq - 1 columns serve only hidden pairs.
+template <typename T>
+int64_t band_needed(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t ng) {
+  if (!h.causal) return ng;
+  return std::min<int64_t>(std::max<int64_t>(bq + h.mem + i0 - jb, 0), ng);
+}
+
 // rel_attention's position term for queries [i0, i0 + bq) against keys [jb, je):
 // s[rr, c] += scale qw_{i0+rr} . r[row], row = pos_start - mem - (i0 + rr) + (j0 + c). The
 // rows one query block needs form a band of ng = bq + (je - jb) - 1 consecutive rows of r
@@ -617,13 +629,15 @@ QRows<T> query_rows(const Head<T>& h, int64_t i0, int64_t bq, T* buf) {
 // g[rr, t] = scale qw_{i0+rr} . r[base + t], and the entry of key j0 + c is
 // g[rr, (bq - 1 - rr) + (j0 - jb) + c] (a diagonal walk; no [Tq, Tk] term is stored). Rows
 // of r outside [0, R) only serve pairs that are never visible (rel_attention's check):
-// they count as 0. Returns base.
+// they count as 0. Only the first band_needed() columns are computed (the rest, which only
+// hidden pairs would read, are 0). Returns base.
 template <typename T>
 int64_t position_band(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq,
                       int64_t jb, int64_t je, T scale, std::vector<T>& g) {
   const int64_t ng = bq + (je - jb) - 1;
   const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
-  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
+  const int64_t lo = std::max<int64_t>(base, 0);
+  const int64_t hi = std::min<int64_t>(base + band_needed(h, i0, bq, jb, ng), h.R);
   g.resize(static_cast<size_t>(bq * ng));
   if (lo >= hi) {
     std::fill(g.begin(), g.end(), T(0));
@@ -642,11 +656,14 @@ int64_t position_band(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t 
 }
 
 // The band's backward, after every key tile of the query block has added its dS into
-// dg (same layout as g): dqw [bq, D] = scale dg r_band (written), dr_band += scale dgᵀ qw.
+// dg (same layout as g; only its first band_needed() columns are read): dqw [bq, D] =
+// scale dg r_band (written), dr_band += scale dgᵀ qw.
 template <typename T>
-void position_band_backward(const Head<T>& h, const QRows<T>& qr, int64_t bq, int64_t ng,
-                            int64_t base, T scale, const T* dg, T* dqw) {
-  const int64_t lo = std::max<int64_t>(base, 0), hi = std::min<int64_t>(base + ng, h.R);
+void position_band_backward(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq,
+                            int64_t jb, int64_t ng, int64_t base, T scale, const T* dg,
+                            T* dqw) {
+  const int64_t lo = std::max<int64_t>(base, 0);
+  const int64_t hi = std::min<int64_t>(base + band_needed(h, i0, bq, jb, ng), h.R);
   if (lo >= hi) {
     std::fill(dqw, dqw + bq * h.D, T(0));
     return;
@@ -657,31 +674,48 @@ void position_band_backward(const Head<T>& h, const QRows<T>& qr, int64_t bq, in
              h.dr + lo * h.D, h.D);
 }
 
-// s [bq, bk] (row stride bk) <- the masked scores of queries [i0, i0 + bq) against keys
-// [j0, j0 + bk): scale q kᵀ, plus for rel_attention the position term from the query
-// block's band g (ng columns, keys from jb).
+// s [bq - r0, bk] (row stride bk) <- the masked scores of queries [i0 + r0, i0 + bq) (rows
+// r0.. of the query block [i0, i0 + bq)) against keys [j0, j0 + bk): scale q kᵀ, plus for
+// rel_attention the position term from the query block's band g (ng columns, keys from jb).
 template <typename T>
-void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, int64_t j0,
-                 int64_t bk, T scale, const T* g, int64_t jb, int64_t ng, T* s) {
-  gemm_rm<T>(false, true, bq, bk, h.D, scale, qr.q, qr.ldq, h.k + j0 * h.ldk, h.ldk, T(0), s,
-             bk);
+void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, int64_t r0,
+                 int64_t j0, int64_t bk, T scale, const T* g, int64_t jb, int64_t ng, T* s) {
+  gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, qr.q + r0 * qr.ldq, qr.ldq,
+             h.k + j0 * h.ldk, h.ldk, T(0), s, bk);
   if (h.r != nullptr) {
-    for (int64_t rr = 0; rr < bq; ++rr) {
+    for (int64_t rr = r0; rr < bq; ++rr) {
       const T* gr = g + rr * ng + (bq - 1 - rr) + (j0 - jb);
-      T* row = s + rr * bk;
+      T* row = s + (rr - r0) * bk;
       for (int64_t c = 0; c < bk; ++c) row[c] += gr[c];
     }
   }
   if (h.segq != nullptr) {
-    for (int64_t rr = 0; rr < bq; ++rr) {
+    for (int64_t rr = r0; rr < bq; ++rr) {
       const int64_t i = i0 + rr, sq = h.segq[i];
       const T same = h.ef[2 * i], other = h.ef[2 * i + 1];
       const int64_t* sk = h.segk + j0;
-      T* row = s + rr * bk;
+      T* row = s + (rr - r0) * bk;
       for (int64_t c = 0; c < bk; ++c) row[c] += sk[c] == sq ? same : other;
     }
   }
-  mask_tile(h, i0, bq, j0, bk, s);
+  mask_tile(h, i0 + r0, bq - r0, j0, bk, s);
+}
+
+// Calls f(j0, bk, r0) for the key tiles of query block [i0, i0 + bq) over keys [jb, end):
+// tiles of kBlockK keys up to the causal diagonal (keys [jb, mem + i0], which every row of
+// the block sees), then tiles of kDiagK keys, each for rows r0.. only, r0 the first row
+// that sees one of its keys (row rr sees keys up to mem + i0 + rr): about half the hidden
+// pairs of the diagonal tile are not computed.
+template <typename T, typename F>
+void for_each_key_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t end,
+                       F&& f) {
+  // (a block of at most kDiagK rows gains nothing from the split)
+  const int64_t diag =
+      h.causal && bq > kDiagK ? std::min(std::max(h.mem + i0, jb), end) : end;
+  for (int64_t j0 = jb; j0 < diag; j0 += kBlockK) f(j0, std::min(kBlockK, diag - j0), int64_t(0));
+  for (int64_t j0 = diag; j0 < end; j0 += kDiagK)
+    f(j0, std::min(kDiagK, end - j0),
+      std::min(std::max<int64_t>(j0 - h.mem - i0, 0), bq - 1));
 }
 
 // f [bq, bk] (row stride bk) <- the dropout factors of the tile: 1 / (1 - p) where kept,
@@ -711,11 +745,11 @@ void forward_tile(const Head<T>& h, int64_t i0, int64_t block, T scale, T* s, T*
   const int64_t ng = bq + (end - jb) - 1;
   const QRows<T> qr = end > jb ? query_rows(h, i0, bq, qbuf) : QRows<T>{};
   if (h.r != nullptr && end > jb) position_band(h, qr, i0, bq, jb, end, scale, band);
-  for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
-    const int64_t bk = std::min(kBlockK, end - j0);
-    scores_tile(h, qr, i0, bq, j0, bk, scale, band.data(), jb, ng, s);
-    for (int64_t r = 0; r < bq; ++r) {
-      T* row = s + r * bk;
+  for_each_key_tile(h, i0, bq, jb, end, [&](int64_t j0, int64_t bk, int64_t r0) {
+    // rows r0.. of the block (the others see none of these keys): s row r - r0
+    scores_tile(h, qr, i0, bq, r0, j0, bk, scale, band.data(), jb, ng, s);
+    for (int64_t r = r0; r < bq; ++r) {
+      T* row = s + (r - r0) * bk;
       const T m_new = std::max(m[r], row_max(row, bk));
       if (m_new == ninf) {  // nothing visible yet: p = 0, acc stays 0
         std::fill(row, row + bk, T(0));
@@ -730,11 +764,12 @@ void forward_tile(const Head<T>& h, int64_t i0, int64_t block, T scale, T* s, T*
       }
     }
     if (h.p_drop > 0) {  // after the normaliser: P <- P keep / (1 - p)
-      dropout_tile(h, i0, bq, j0, bk, f);
-      for (int64_t c = 0; c < bq * bk; ++c) s[c] *= f[c];
+      dropout_tile(h, i0 + r0, bq - r0, j0, bk, f);
+      for (int64_t c = 0; c < (bq - r0) * bk; ++c) s[c] *= f[c];
     }
-    gemm_rm<T>(false, false, bq, D, bk, T(1), s, bk, h.v + j0 * h.ldv, h.ldv, T(1), o, h.ldo);
-  }
+    gemm_rm<T>(false, false, bq - r0, D, bk, T(1), s, bk, h.v + j0 * h.ldv, h.ldv, T(1),
+               o + r0 * h.ldo, h.ldo);
+  });
   for (int64_t r = 0; r < bq; ++r) {
     T* orow = o + r * h.ldo;
     if (l[r] > 0) {
@@ -809,36 +844,39 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
         std::fill(row + (bq - 1 - rr) + (end - jb), row + ng, T(0));
       }
     }
-    for (int64_t j0 = jb; j0 < end; j0 += kBlockK) {
-      const int64_t bk = std::min(kBlockK, end - j0);
-      scores_tile(h, qr, i0, bq, j0, bk, scale, w.band.data(), jb, ng, s);
-      for (int64_t r = 0; r < bq; ++r) {
-        T* row = s + r * bk;
+    for_each_key_tile(h, i0, bq, jb, end, [&](int64_t j0, int64_t bk, int64_t r0) {
+      // rows r0.. of the block (the others see none of these keys): s and ds row r - r0.
+      // The skipped rows' hidden columns of dg stay unwritten: band_needed() excludes them.
+      const int64_t nr = bq - r0;
+      const T* dout = h.dout + (i0 + r0) * h.lddo;
+      scores_tile(h, qr, i0, bq, r0, j0, bk, scale, w.band.data(), jb, ng, s);
+      for (int64_t r = r0; r < bq; ++r) {
+        T* row = s + (r - r0) * bk;
         const T lse = h.lse[i0 + r];
         if (lse == inf) std::fill(row, row + bk, T(0));
         else exp_row(row, bk, lse);
       }
       // dP = dO_i V_jᵀ, then dS = P (dP - Delta); with dropout (F: the factors, keep / (1 - p))
       // dP = F (dO_i V_jᵀ), dS = P (dP - Delta) and the dropped P F goes to dV
-      gemm_rm<T>(false, true, bq, bk, D, T(1), h.dout + i0 * h.lddo, h.lddo,
-                 h.v + j0 * h.ldv, h.ldv, T(0), ds, bk);
+      gemm_rm<T>(false, true, nr, bk, D, T(1), dout, h.lddo, h.v + j0 * h.ldv, h.ldv, T(0), ds,
+                 bk);
+      const T* delta = w.delta.data() + i0 + r0;
       if (h.p_drop > 0) {
-        dropout_tile(h, i0, bq, j0, bk, w.f.data());
-        for (int64_t r = 0; r < bq; ++r) {
-          const T delta = w.delta[i0 + r];
+        dropout_tile(h, i0 + r0, nr, j0, bk, w.f.data());
+        for (int64_t r = 0; r < nr; ++r) {
           const T* f = w.f.data() + r * bk;
           for (int64_t c = 0; c < bk; ++c)
-            ds[r * bk + c] = s[r * bk + c] * (ds[r * bk + c] * f[c] - delta);
+            ds[r * bk + c] = s[r * bk + c] * (ds[r * bk + c] * f[c] - delta[r]);
         }
       } else {
-        for (int64_t r = 0; r < bq; ++r) ds_row(s + r * bk, ds + r * bk, bk, w.delta[i0 + r]);
+        for (int64_t r = 0; r < nr; ++r) ds_row(s + r * bk, ds + r * bk, bk, delta[r]);
       }
       if (h.segq != nullptr) {  // per row: sums of dS and P over the other segment, dS over all
-        for (int64_t rr = 0; rr < bq; ++rr) {
+        for (int64_t rr = r0; rr < bq; ++rr) {
           const int64_t sq = h.segq[i0 + rr];
           const int64_t* sk = h.segk + j0;
-          const T* prow = s + rr * bk;
-          const T* row = ds + rr * bk;
+          const T* prow = s + (rr - r0) * bk;
+          const T* row = ds + (rr - r0) * bk;
           T ds_other = 0, p_other = 0, ds_all = 0;
           for (int64_t c = 0; c < bk; ++c) {
             ds_all += row[c];
@@ -854,27 +892,28 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
         }
       }
       if (h.p_drop > 0)  // P after dropout, for dV
-        for (int64_t c = 0; c < bq * bk; ++c) s[c] *= w.f[c];
+        for (int64_t c = 0; c < nr * bk; ++c) s[c] *= w.f[c];
       // dv_j += Pᵀ dO_i (P after dropout)
-      gemm_rm<T>(true, false, bk, D, bq, T(1), s, bk, h.dout + i0 * h.lddo, h.lddo, T(1),
-                 h.dv + j0 * h.lddv, h.lddv);
+      gemm_rm<T>(true, false, bk, D, nr, T(1), s, bk, dout, h.lddo, T(1), h.dv + j0 * h.lddv,
+                 h.lddv);
       // dk_j += scale dSᵀ Q_i ; dq_i += scale dS K_j
-      gemm_rm<T>(true, false, bk, D, bq, scale, ds, bk, qr.q, qr.ldq, T(1),
+      gemm_rm<T>(true, false, bk, D, nr, scale, ds, bk, qr.q + r0 * qr.ldq, qr.ldq, T(1),
                  h.dk + j0 * h.lddk, h.lddk);
-      gemm_rm<T>(false, false, bq, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1), dqb, D);
+      gemm_rm<T>(false, false, nr, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
+                 dqb + r0 * D, D);
       if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] = dS[rr, c]
-        for (int64_t rr = 0; rr < bq; ++rr)
-          std::memcpy(w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb), ds + rr * bk,
-                      sizeof(T) * bk);
+        for (int64_t rr = r0; rr < bq; ++rr)
+          std::memcpy(w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb),
+                      ds + (rr - r0) * bk, sizeof(T) * bk);
       }
-    }
+    });
     T* dq = h.dq + i0 * h.lddq;
     if (h.r == nullptr) {
       for (int64_t rr = 0; rr < bq; ++rr)
         std::copy(dqb + rr * D, dqb + (rr + 1) * D, dq + rr * h.lddq);
       continue;
     }
-    position_band_backward(h, qr, bq, ng, base, scale, w.dband.data(), dqwb);
+    position_band_backward(h, qr, i0, bq, jb, ng, base, scale, w.dband.data(), dqwb);
     for (int64_t rr = 0; rr < bq; ++rr) {  // d(u) += sum d(qu), d(w) += sum d(qw), dq = both
       const T* a = dqb + rr * D;
       const T* c = dqwb + rr * D;
