@@ -1,8 +1,9 @@
 """Helpers shared by the ops in ``ctxfast.ops``: the float dtypes the ops accept, the
 argument checks of attention (which rel_attention extends), backend resolution with the
-float64-on-CUDA rule, and autocast casting. One definition each, imported by the op files.
+float64-on-CUDA rule, autocast casting, and the registration of an op's autograd formula
+(:func:`register_autograd`). One definition each, imported by the op files.
 """
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -127,3 +128,61 @@ def autocast(*tensors):
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
                  for t in tensors)
+
+
+class GradCall:
+    """Calls a ctxfast op; where eager code needs its gradient, the op's autograd formula
+    (the `backward` and `setup_context` given to :func:`register_autograd`) is applied by
+    a plain ``torch.autograd.Function`` around the op's no-grad call.
+
+    Why: the formula registered with ``torch.library.register_autograd`` runs, on every
+    call in grad mode, a Python loop that reads the op's schema once per argument
+    (``torch._library.utils.fill_defaults``): measured 21 / 49 / 111 / 151 µs per call at
+    2 / 10 / 19 / 24 schema arguments (torch 2.13, CPU; ``benchmarks/NOTES.md``), before
+    any kernel runs; the rel_attention forwards have 19. Here the same formula costs an
+    ``autograd.Function.apply``. Under functorch transforms (``torch.func.grad``, ...) a
+    second Function with a ``setup_context`` staticmethod applies it (that style costs an
+    ``inspect.signature`` per call, so plain eager code does not take it). Without grad
+    and under ``torch.compile`` the op is called as is, and its registered formula (the
+    same two functions) applies.
+    """
+
+    def __init__(self, name: str, backward: Callable, setup_context: Callable):
+        op = self.op = getattr(torch.ops.ctxfast, name).default
+
+        def forward(ctx, *args):      # grad mode is off here: the op's no-grad path
+            output = op(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        self.function = type(f"{name}_grad", (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(backward)})
+        self.transformable = type(f"{name}_func", (torch.autograd.Function,), {
+            "forward": staticmethod(lambda *args: op(*args)),
+            "setup_context": staticmethod(lambda ctx, inputs, output:
+                                          setup_context(ctx, inputs, output)),
+            "backward": staticmethod(backward)})
+
+    def __call__(self, *args):
+        if (not torch.is_grad_enabled()
+                or not any(isinstance(a, Tensor) and a.requires_grad for a in args)
+                or torch.compiler.is_compiling()):
+            return self.op(*args)
+        if torch._C._are_functorch_transforms_active():
+            return self.transformable.apply(*args)
+        return self.function.apply(*args)
+
+
+def register_autograd(op: Union[str, Callable], backward: Callable,
+                      setup_context: Callable) -> GradCall:
+    """``torch.library.register_autograd(op, backward, setup_context=setup_context)`` for
+    `op` (``"ctxfast::name"`` of a C++ op, or a ``torch.library.custom_op``), and the
+    :class:`GradCall` of ``torch.ops.ctxfast.name`` that the op's Python function calls.
+    Every argument is passed positionally (setup_context receives them all)."""
+    if isinstance(op, str):
+        torch.library.register_autograd(op, backward, setup_context=setup_context)
+        name = op.split("::")[-1]
+    else:
+        op.register_autograd(backward, setup_context=setup_context)
+        name = op._name.split("::")[-1]
+    return GradCall(name, backward, setup_context)

@@ -37,6 +37,7 @@ from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import check_attention as _check
 from ._common import check_qkv as _check_qkv
+from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
 from ._common import shape as _shape
 from ._common import MAX_HEAD_DIM  # noqa: F401  (re-exported: the Triton kernels' limit)
@@ -125,7 +126,7 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-_attention_fwd_triton.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+_fwd_triton = _register_autograd(_attention_fwd_triton, _fwd_backward, _fwd_setup_context)
 
 
 # C++ CPU ops (schemas in csrc/bindings/module_cpu.cpp): ``attention_fwd_cpu(q, k, v,
@@ -169,8 +170,8 @@ def _cpu_backward(ctx, grad_out, grad_lse):
 if _CPU:
     torch.library.register_fake("ctxfast::attention_fwd_cpu")(_cpu_fwd_fake)
     torch.library.register_fake("ctxfast::attention_bwd_cpu")(_cpu_bwd_fake)
-    torch.library.register_autograd("ctxfast::attention_fwd_cpu", _cpu_backward,
-                                    setup_context=_cpu_setup_context)
+    _fwd_cpu = _register_autograd("ctxfast::attention_fwd_cpu", _cpu_backward,
+                                  _cpu_setup_context)
 
 
 # --------------------------------------------------------------------------- public op
@@ -213,7 +214,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if name == "cpu":
         seed = draw_seed(q.device, generator) if dropout_p > 0 else None
-        out, _ = torch.ops.ctxfast.attention_fwd_cpu(
+        out, _ = _fwd_cpu(
             q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale,
             float(dropout_p), seed)
         return out
@@ -228,7 +229,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                               perm_rank=perm_rank, perm_stream=perm_stream,
                               dropout_mask=mask, dropout_p=dropout_p, scale=sm_scale)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
-    out, _ = torch.ops.ctxfast.attention_fwd_triton(
+    out, _ = _fwd_triton(
         q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale,
         float(dropout_p), seed)
     return out
@@ -310,8 +311,8 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     return (dq, dk, dv) + (None,) * 8
 
 
-_attention_varlen_fwd_triton.register_autograd(_varlen_backward,
-                                                setup_context=_varlen_setup_context)
+_varlen_fwd_triton = _register_autograd(_attention_varlen_fwd_triton, _varlen_backward,
+                                        _varlen_setup_context)
 
 
 # C++ CPU ops: ``attention_varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
@@ -349,8 +350,8 @@ def _cpu_varlen_backward(ctx, grad_out, grad_lse):
 if _CPU:
     torch.library.register_fake("ctxfast::attention_varlen_fwd_cpu")(_cpu_varlen_fwd_fake)
     torch.library.register_fake("ctxfast::attention_varlen_bwd_cpu")(_cpu_varlen_bwd_fake)
-    torch.library.register_autograd("ctxfast::attention_varlen_fwd_cpu", _cpu_varlen_backward,
-                                    setup_context=_cpu_varlen_setup_context)
+    _varlen_fwd_cpu = _register_autograd("ctxfast::attention_varlen_fwd_cpu",
+                                         _cpu_varlen_backward, _cpu_varlen_setup_context)
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p):
@@ -409,7 +410,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if name == "cpu":
         seed = draw_seed(q.device, generator) if dropout_p > 0 else None
-        out, _ = torch.ops.ctxfast.attention_varlen_fwd_cpu(
+        out, _ = _varlen_fwd_cpu(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, sm_scale, int(max_seqlen_q),
             int(max_seqlen_k), float(dropout_p), seed)
         return out
@@ -430,7 +431,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                                  ob.squeeze(0).transpose(0, 1))
         return out
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
-    out, _ = torch.ops.ctxfast.attention_varlen_fwd_triton(
+    out, _ = _varlen_fwd_triton(
         q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q,
         max_seqlen_k, causal, sm_scale, float(dropout_p), seed)
     return out

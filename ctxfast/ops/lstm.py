@@ -33,6 +33,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._common import register_autograd as _register_autograd
 
 
 # The C++ recurrence exists only once csrc/ has it and the extension was rebuilt.
@@ -123,9 +124,10 @@ def _lstm_recurrence_backward_triton(
 
 
 _lstm_recurrence_backward_triton.register_fake(_backward_fake)
-_lstm_recurrence_triton.register_autograd(
+_recurrence_triton = _register_autograd(
+    _lstm_recurrence_triton,
     _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_triton(*a)),
-    setup_context=_setup_context)
+    _setup_context)
 
 
 # --------------------------------------------------------------------------- C++ ops
@@ -133,10 +135,10 @@ _lstm_recurrence_triton.register_autograd(
 if _NATIVE:
     torch.library.register_fake("ctxfast::lstm_recurrence_native")(_recurrence_fake)
     torch.library.register_fake("ctxfast::lstm_recurrence_backward_native")(_backward_fake)
-    torch.library.register_autograd(
+    _recurrence_native = _register_autograd(
         "ctxfast::lstm_recurrence_native",
         _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
-        setup_context=_setup_context)
+        _setup_context)
 
 
 # --------------------------------------------------------------------------- checks
@@ -321,8 +323,7 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         scale = 1.0 / (1.0 - float(weight_dropout))
     bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
     xw = F.linear(x, w_ih, bias)                                  # [T, B, 4H]
-    op = (torch.ops.ctxfast.lstm_recurrence_triton if name == "triton"
-          else torch.ops.ctxfast.lstm_recurrence_native)
+    op = _recurrence_triton if name == "triton" else _recurrence_native
     out, cells, _ = op(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
     last = 0 if reverse else T - 1
     return out, (out[last], cells[last])

@@ -26,6 +26,7 @@ from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import check_attention as _check_attention
+from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
 from ._common import shape as _shape
 from .attention import draw_seed
@@ -120,7 +121,7 @@ def _backward(ctx, grad_out, grad_lse):
             None, None, None, None, None, None, None)
 
 
-_rel_fwd.register_autograd(_backward, setup_context=_setup_context)
+_fwd_triton = _register_autograd(_rel_fwd, _backward, _setup_context)
 
 
 # C++ CPU ops (schemas in csrc/bindings/module_cpu.cpp): ``rel_attention_fwd_cpu(q, k, v, r,
@@ -173,8 +174,8 @@ def _cpu_backward(ctx, grad_out, grad_lse):
 if _CPU:
     torch.library.register_fake("ctxfast::rel_attention_fwd_cpu")(_cpu_fwd_fake)
     torch.library.register_fake("ctxfast::rel_attention_bwd_cpu")(_cpu_bwd_fake)
-    torch.library.register_autograd("ctxfast::rel_attention_fwd_cpu", _cpu_backward,
-                                    setup_context=_cpu_setup_context)
+    _fwd_cpu = _register_autograd("ctxfast::rel_attention_fwd_cpu", _cpu_backward,
+                                  _cpu_setup_context)
 
 
 def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
@@ -274,7 +275,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     seg = dict(seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias)
     if name == "cpu":
         seed = draw_seed(q.device, generator) if dropout_p > 0 else None
-        out, _ = torch.ops.ctxfast.rel_attention_fwd_cpu(
+        out, _ = _fwd_cpu(
             q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k,
             seg_embed, r_s_bias, causal, pos_start, window or 0, perm_stream == "query",
             sm_scale, float(dropout_p), seed)
@@ -289,7 +290,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                                   perm_rank=perm_rank, perm_stream=perm_stream, dropout_mask=mask,
                                   dropout_p=dropout_p, scale=sm_scale, window=window, **seg)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
-    out, _ = torch.ops.ctxfast.rel_attention_fwd_triton(
+    out, _ = _fwd_triton(
         q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed,
         r_s_bias, causal, pos_start, window or 0, perm_stream == "query", sm_scale,
         float(dropout_p), seed)

@@ -1,0 +1,119 @@
+"""The ops' autograd in eager code (ctxfast.ops._common.GradCall): a plain
+torch.autograd.Function applies the formula registered with torch.library.register_autograd
+(whose own path costs ~5 µs per schema argument per call). Both paths must give the same
+gradients: the public functions take GradCall's, a direct ``torch.ops.ctxfast`` call takes
+the registered one (as torch.compile and opcheck do). Also: no graph without grad, and
+``torch.func.grad`` through the ops."""
+import math
+
+import pytest
+import torch
+
+import ctxfast
+from utils import CPU_BACKENDS, TRITON_ON_CPU, assert_equal
+
+needs_cpu = pytest.mark.skipif("cpu" not in CPU_BACKENDS or not hasattr(
+    torch.ops.ctxfast, "rel_attention_fwd_cpu"), reason="ctxfast._C built without the ops")
+
+
+def _leaves(*shapes):
+    return [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in shapes]
+
+
+def _same_grads(public, direct, leaves, name):
+    """public(*leaves) and direct(*leaves) (a torch.ops.ctxfast call) give the same output
+    and the same gradient of every leaf; public's graph is GradCall's Function."""
+    out = public(*leaves)
+    assert type(out.grad_fn).__name__ == f"{name}_gradBackward", type(out.grad_fn).__name__
+    ref = direct(*leaves)
+    assert type(ref.grad_fn).__name__.startswith("GeneratedBackwardFor_ctxfast_" + name)
+    assert_equal(out, ref)
+    do = torch.randn_like(out)
+    for leaf, g, g_ref in zip(leaves, torch.autograd.grad(out, leaves, do),
+                              torch.autograd.grad(ref, leaves, do)):
+        assert_equal(g, g_ref, name=f"grad of {tuple(leaf.shape)}")
+
+
+@needs_cpu
+def test_attention_cpu_both_paths():
+    B, H, Tq, Tk, D = 2, 3, 37, 50, 16
+    kpm = torch.rand(B, Tk) < 0.2
+    _same_grads(
+        lambda q, k, v: ctxfast.attention(q, k, v, causal=True, key_padding_mask=kpm,
+                                          backend="cpu"),
+        lambda q, k, v: torch.ops.ctxfast.attention_fwd_cpu(
+            q, k, v, kpm, None, True, False, D ** -0.5, 0.0, None)[0],
+        _leaves((B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D)), "attention_fwd_cpu")
+
+
+@needs_cpu
+def test_attention_varlen_cpu_both_paths():
+    H, D = 2, 16
+    cu = torch.tensor([0, 5, 22, 30], dtype=torch.int32)
+    _same_grads(
+        lambda q, k, v: ctxfast.attention_varlen(q, k, v, cu, cu, 17, 17, causal=True,
+                                                 backend="cpu"),
+        lambda q, k, v: torch.ops.ctxfast.attention_varlen_fwd_cpu(
+            q, k, v, cu, cu, True, D ** -0.5, 17, 17, 0.0, None)[0],
+        _leaves((30, H, D), (30, H, D), (30, H, D)), "attention_varlen_fwd_cpu")
+
+
+@needs_cpu
+def test_rel_attention_cpu_both_paths():
+    B, H, Tq, mem, D = 2, 2, 33, 20, 16
+    Tk = Tq + mem
+    _same_grads(
+        lambda q, k, v, r, u, w: ctxfast.rel_attention(q, k, v, r, u, w, causal=True,
+                                                       backend="cpu"),
+        lambda q, k, v, r, u, w: torch.ops.ctxfast.rel_attention_fwd_cpu(
+            q, k, v, r, u, w, None, None, None, None, None, None, True, Tk - 1, 0, False,
+            D ** -0.5, 0.0, None)[0],
+        _leaves((B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D), (H, Tk, D), (H, D), (H, D)),
+        "rel_attention_fwd_cpu")
+
+
+@needs_cpu
+def test_lstm_cpu_both_paths():
+    T, B, I, Hd = 7, 3, 5, 6
+    x, w_ih, w_hh, h0, c0 = _leaves((T, B, I), (4 * Hd, I), (4 * Hd, Hd), (B, Hd), (B, Hd))
+    xw = torch.nn.functional.linear(x, w_ih)
+
+    def public(xw_, w_hh_, h0_, c0_):       # the public op adds x w_ihᵀ itself: pass xw as x
+        eye = torch.eye(4 * Hd, dtype=xw_.dtype)
+        return ctxfast.lstm(xw_, (h0_, c0_), eye, w_hh_, backend="cpu")[0]
+
+    _same_grads(public,
+                lambda xw_, w_hh_, h0_, c0_: torch.ops.ctxfast.lstm_recurrence_native(
+                    xw_, h0_, c0_, w_hh_, None, None, 1.0, math.inf, math.inf, False)[0],
+                [xw.detach().requires_grad_(True), w_hh, h0, c0], "lstm_recurrence_native")
+
+
+@needs_cpu
+def test_no_graph_without_grad_and_func_grad():
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        assert ctxfast.attention(q.requires_grad_(), k, v, backend="cpu").grad_fn is None
+    q = q.detach()
+
+    def loss(q_):
+        return ctxfast.attention(q_, k, v, causal=True, backend="cpu").square().sum()
+
+    g = torch.func.grad(loss)(q)
+    leaf = q.clone().requires_grad_(True)
+    loss(leaf).backward()
+    assert_equal(g, leaf.grad, name="torch.func.grad")
+
+
+@pytest.mark.skipif(not (TRITON_ON_CPU or torch.cuda.is_available()),
+                    reason="Triton needs a GPU or TRITON_INTERPRET=1")
+def test_attention_triton_takes_grad_call():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.randn(1, 2, 16, 16, device=dev, requires_grad=True) for _ in range(3))
+    out = ctxfast.attention(q, k, v, causal=True, backend="triton")
+    assert type(out.grad_fn).__name__ == "attention_fwd_triton_gradBackward"
+    ref = torch.ops.ctxfast.attention_fwd_triton(q, k, v, None, None, True, False, 0.25, 0.0,
+                                                 None)[0]
+    do = torch.randn_like(out)
+    for g, g_ref in zip(torch.autograd.grad(out, (q, k, v), do),
+                        torch.autograd.grad(ref, (q, k, v), do)):
+        assert_equal(g, g_ref)
