@@ -177,6 +177,18 @@ def test_causal_diagonal_tiles_segments_dropout(Tq, mem):
           ref_kw=dict(dropout_p=p, dropout_mask=keep))
 
 
+@pytest.mark.parametrize("threads, H", [(1, 2), (2, 4), (2, 1)])
+def test_dr_summed_over_the_batch(threads, H):
+    """dr is shared by the batch: with H >= 2 x threads one task takes a head's sequences in
+    turn and accumulates into dr, otherwise each (b, h) has its own, summed afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check(3, H, 37, 37 + 29, 16)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_default_and_refusals():
     assert ctxfast._dispatch.resolve("rel_attention", torch.device("cpu")) == "cpu"
     B, H, T, D = 1, 2, 6, 8

@@ -471,7 +471,8 @@ struct Head {
   const T* r; int64_t ldr; int64_t R; int64_t pos_start;
   const T* u; const T* w;     // r_w_bias, r_r_bias of this head [D]
   T* du; T* dw;               // backward: their gradients [D] (accumulated; zero on entry)
-  T* dr;                      // backward: grad of r [R, D], row stride D (zeroed by the task)
+  T* dr;                      // backward: grad of r [R, D], row stride D (zeroed by the task
+  bool dr_zero;               // unless dr_zero is false: then accumulated into)
   // segments (segq == nullptr: none): the score adds ef[2 i + (segq[i] != segk[j])]
   const int64_t* segq;        // [Tq]
   const int64_t* segk;        // [Tk]
@@ -622,6 +623,17 @@ int64_t band_needed(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_
   return std::min<int64_t>(std::max<int64_t>(bq + h.mem + i0 - jb, 0), ng);
 }
 
+// Row rr of a position band (layout below) reads from column bq - 1 - rr on, so the band's
+// GEMMs run on two row halves, the first starting bq - bq / 2 columns in: a quarter of the
+// bq x bq triangle that no row reads is not computed. Calls f(first row, end row, first
+// column) per half.
+template <typename F>
+void for_each_band_half(int64_t bq, F&& f) {
+  const int64_t half = bq >= 16 ? bq / 2 : 0;
+  if (half > 0) f(int64_t(0), half, bq - half);
+  f(half, bq, int64_t(0));
+}
+
 // rel_attention's position term for queries [i0, i0 + bq) against keys [jb, je):
 // s[rr, c] += scale qw_{i0+rr} . r[row], row = pos_start - mem - (i0 + rr) + (j0 + c). The
 // rows one query block needs form a band of ng = bq + (je - jb) - 1 consecutive rows of r
@@ -643,10 +655,14 @@ int64_t position_band(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t 
     std::fill(g.begin(), g.end(), T(0));
     return base;
   }
-  // columns [lo - base, hi - base) from the GEMM, the rest (rows of r out of range) 0:
-  // no pass over the whole band before the GEMM
-  gemm_rm<T>(false, true, bq, hi - lo, h.D, scale, qr.qw, qr.ldqw, h.r + lo * h.ldr, h.ldr,
-             T(0), g.data() + (lo - base), ng);
+  // columns [lo - base, hi - base) from the GEMMs (less what a half's rows never read),
+  // the rest (rows of r out of range) 0: no pass over the whole band before the GEMMs
+  for_each_band_half(bq, [&](int64_t r0, int64_t r1, int64_t c0) {
+    const int64_t a = std::max(lo, base + c0);
+    if (a < hi)
+      gemm_rm<T>(false, true, r1 - r0, hi - a, h.D, scale, qr.qw + r0 * qr.ldqw, qr.ldqw,
+                 h.r + a * h.ldr, h.ldr, T(0), g.data() + r0 * ng + (a - base), ng);
+  });
   for (int64_t rr = 0; rr < bq; ++rr) {
     T* row = g.data() + rr * ng;
     std::fill(row, row + (lo - base), T(0));
@@ -668,10 +684,18 @@ void position_band_backward(const Head<T>& h, const QRows<T>& qr, int64_t i0, in
     std::fill(dqw, dqw + bq * h.D, T(0));
     return;
   }
-  gemm_rm<T>(false, false, bq, h.D, hi - lo, scale, dg + (lo - base), ng, h.r + lo * h.ldr,
-             h.ldr, T(0), dqw, h.D);
-  gemm_rm<T>(true, false, hi - lo, h.D, bq, scale, dg + (lo - base), ng, qr.qw, qr.ldqw, T(1),
-             h.dr + lo * h.D, h.D);
+  for_each_band_half(bq, [&](int64_t r0, int64_t r1, int64_t c0) {
+    const int64_t a = std::max(lo, base + c0);
+    if (a >= hi) {
+      std::fill(dqw + r0 * h.D, dqw + r1 * h.D, T(0));
+      return;
+    }
+    const T* dgh = dg + r0 * ng + (a - base);  // rows [r0, r1), columns from a - base
+    gemm_rm<T>(false, false, r1 - r0, h.D, hi - a, scale, dgh, ng, h.r + a * h.ldr, h.ldr,
+               T(0), dqw + r0 * h.D, h.D);
+    gemm_rm<T>(true, false, hi - a, h.D, r1 - r0, scale, dgh, ng, qr.qw + r0 * qr.ldqw,
+               qr.ldqw, T(1), h.dr + a * h.D, h.D);
+  });
 }
 
 // s [bq - r0, bk] (row stride bk) <- the masked scores of queries [i0 + r0, i0 + bq) (rows
@@ -804,7 +828,7 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
     std::fill(h.dk + j * h.lddk, h.dk + j * h.lddk + D, T(0));
     std::fill(h.dv + j * h.lddv, h.dv + j * h.lddv + D, T(0));
   }
-  if (h.r != nullptr) std::fill(h.dr, h.dr + h.R * D, T(0));
+  if (h.r != nullptr && h.dr_zero) std::fill(h.dr, h.dr + h.R * D, T(0));
   w.qbuf.resize(static_cast<size_t>(2 * kBlockQ * D));
   w.dqb.resize(static_cast<size_t>(2 * kBlockQ * D));
   T* dqb = w.dqb.data();              // [bq, D]: the block's dq (d(qu) for rel_attention)
@@ -963,15 +987,18 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   });
 }
 
+// Runs backward_head over every head index in [0, n_heads), make(index) building the
+// Head; one task takes per_task consecutive indices in order (heads that accumulate into
+// the same dr).
 template <typename T, typename MakeHead>
-void run_backward(int64_t n_heads, T scale, const MakeHead& make) {
+void run_backward(int64_t n_heads, T scale, const MakeHead& make, int64_t per_task = 1) {
   if (n_heads == 0) return;
-  at::parallel_for(0, n_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_heads / per_task, 1, [&](int64_t begin, int64_t end) {
     BwdScratch<T> w;
     w.p.resize(kBlockQ * kBlockK);
     w.dp.resize(kBlockQ * kBlockK);
     w.f.resize(kBlockQ * kBlockK);
-    for (int64_t t = begin; t < end; ++t) backward_head(make(t), scale, w);
+    for (int64_t t = begin * per_task; t < end * per_task; ++t) backward_head(make(t), scale, w);
   });
 }
 
@@ -989,6 +1016,7 @@ Head<T> empty_head() {
   h.du = nullptr;
   h.dw = nullptr;
   h.dr = nullptr;
+  h.dr_zero = true;
   h.segq = nullptr;
   h.segk = nullptr;
   h.ef = nullptr;
@@ -1444,11 +1472,15 @@ RelGrads rel_attention_backward(
     const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
-  // dq, dk, dv and the per-(b, h) dr are written (or zeroed) by the task of their head
+  // dq, dk, dv and dr are written (or zeroed) by the task of their head. dr is shared by
+  // the batch: with enough heads for the threads, one task takes a head's B sequences in
+  // turn and accumulates into dr [H, R, D]; otherwise each (b, h) has its own and they
+  // are summed over b below.
+  const bool by_head = B > 1 && H >= 2 * at::get_num_threads();
   Tensor dq = at::empty({B, H, Tq, D}, q.options());
   Tensor dk = at::empty({B, H, Tk, D}, q.options());
   Tensor dv = at::empty({B, H, Tk, D}, q.options());
-  Tensor drb = at::empty({B, H, R, D}, q.options());  // per (b, h); summed over b below
+  Tensor drb = by_head ? at::empty({H, R, D}, q.options()) : at::empty({B, H, R, D}, q.options());
   Tensor dub = at::zeros({B, H, D}, q.options());     // bias gradients per (b, h)
   Tensor dwb = at::zeros({B, H, D}, q.options());
   Tensor def = seg.defined() ? at::zeros({B, H, Tq, 2}, q.options()) : Tensor();
@@ -1460,8 +1492,9 @@ RelGrads rel_attention_backward(
     const int64_t* rk = perm_rank.defined() ? perm_rank.const_data_ptr<int64_t>() : nullptr;
     const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
     const std::vector<bool> sorted = ranks_sorted(rk, B, Tq);
-    auto make = [&](int64_t bh) {
-      const int64_t b = bh / H, hh = bh % H;
+    auto make = [&](int64_t t) {  // t = hh B + b by head, else b H + hh
+      const int64_t b = by_head ? t % B : t / H, hh = by_head ? t / B : t % H;
+      const int64_t bh = b * H + hh;
       Head<T> h = empty_head<T>();
       h.q = q.const_data_ptr<T>() + b * q.stride(0) + hh * q.stride(1);
       h.ldq = q.stride(2);
@@ -1488,7 +1521,8 @@ RelGrads rel_attention_backward(
       h.lddk = D;
       h.dv = dv.mutable_data_ptr<T>() + bh * Tk * D;
       h.lddv = D;
-      h.dr = drb.mutable_data_ptr<T>() + bh * R * D;
+      h.dr = drb.mutable_data_ptr<T>() + (by_head ? hh : bh) * R * D;
+      h.dr_zero = !by_head || b == 0;
       h.Tq = Tq;
       h.Tk = Tk;
       h.mem = Tk - Tq;
@@ -1504,13 +1538,13 @@ RelGrads rel_attention_backward(
       set_segments(h, seg, b, bh, Tq, Tk, def_p);
       return h;
     };
-    run_backward<T>(B * H, static_cast<T>(scale), make);
+    run_backward<T>(B * H, static_cast<T>(scale), make, by_head ? B : 1);
   });
   RelGrads g;
   g.dq = dq;
   g.dk = dk;
   g.dv = dv;
-  g.dr = B == 1 ? drb.select(0, 0) : drb.sum(0);
+  g.dr = by_head ? drb : B == 1 ? drb.select(0, 0) : drb.sum(0);
   g.du = B == 1 ? dub.select(0, 0) : dub.sum(0);
   g.dw = B == 1 ? dwb.select(0, 0) : dwb.sum(0);
   g.def = def;
