@@ -629,7 +629,7 @@ int64_t band_needed(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_
 // column) per half.
 template <typename F>
 void for_each_band_half(int64_t bq, F&& f) {
-  const int64_t half = bq >= 16 ? bq / 2 : 0;
+  const int64_t half = bq >= 64 ? bq / 2 : 0;  // halves of fewer rows: slower GEMMs
   if (half > 0) f(int64_t(0), half, bq - half);
   f(half, bq, int64_t(0));
 }
