@@ -89,6 +89,13 @@ def test_lstm_cpu_both_paths():
 
 
 @needs_cpu
+def test_rel_shift_cpu_both_paths():
+    _same_grads(lambda x: ctxfast.rel_shift(x, backend="cpu"),
+                lambda x: torch.ops.ctxfast.rel_shift_native(x, False),
+                _leaves((2, 3, 17, 29)), "rel_shift_native")
+
+
+@needs_cpu
 def test_no_graph_without_grad_and_func_grad():
     q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():

@@ -19,6 +19,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._common import register_autograd as _register_autograd
 
 
 # Default backends. CPU: the C++ kernel. Measured 2026-11-21 on the 2-core dev machine
@@ -49,8 +50,8 @@ if _dispatch.c_available():
     def _native_backward(ctx, grad):
         return torch.ops.ctxfast.rel_shift_native(grad, not ctx.inverse), None
 
-    torch.library.register_autograd("ctxfast::rel_shift_native", _native_backward,
-                                    setup_context=_native_setup_context)
+    _native = _register_autograd("ctxfast::rel_shift_native", _native_backward,
+                                 _native_setup_context)
 
 
 @torch.library.custom_op("ctxfast::rel_shift_triton", mutates_args=())
@@ -72,7 +73,7 @@ def _triton_backward(ctx, grad):
     return torch.ops.ctxfast.rel_shift_triton(grad, not ctx.inverse), None
 
 
-_rel_shift_triton.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+_triton = _register_autograd(_rel_shift_triton, _triton_backward, _triton_setup_context)
 
 
 # --------------------------------------------------------------------------- public op
@@ -117,5 +118,5 @@ def rel_shift(x: Tensor, *, backend: Optional[str] = None) -> Tensor:
     if name == "eager":
         return _ref.rel_shift(x)
     if name == "triton":
-        return torch.ops.ctxfast.rel_shift_triton(x, False)
-    return torch.ops.ctxfast.rel_shift_native(x, False)
+        return _triton(x, False)
+    return _native(x, False)
