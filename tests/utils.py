@@ -96,6 +96,26 @@ def assert_within_2x_eager(ours: torch.Tensor, same: torch.Tensor, ref64: torch.
             f"floor {floor:.1e}, {err / bound:.2f}x the bound); {_where(ours, ref64)}")
 
 
+def softmax_grad_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                       visible: torch.Tensor, scale: float) -> tuple:
+    """(‖scale (P∘dP) K‖, ‖scale (P∘dP)ᵀ Q‖) in float64: the size of the terms that dq and
+    dk of attention sum before the softmax cancels them, as floor scales for
+    assert_within_2x_eager (q ``[B, H, Tq, D]``, k, v ``[B, H, Tk, D]``, do ``[B, H, Tq,
+    D]``, visible bool ``[B, Tq, Tk]`` as reference.attention_mask gives it).
+
+    dS = P∘(dP − Δ) with Δ_i = Σ_j P_ij dP_ij, so every row of dS sums to zero: where a
+    query sees one key, dq and dk are exactly 0, and eager, which takes Δ from the same
+    products, gets exactly 0 too; a flash kernel takes Δ_i = dO_i·O_i (another summation
+    of the same number) and keeps the rounding of dP − Δ, which scales with these terms,
+    not with the (zero) gradient."""
+    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
+    vis = visible[:, None]                                              # [B, 1, Tq, Tk]
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)                # rows without keys: 0
+    t = p * (do @ v.transpose(-1, -2))                                  # P∘dP [B, H, Tq, Tk]
+    return ((scale * t @ k).norm().item(), (scale * t.transpose(-1, -2) @ q).norm().item())
+
+
 def assert_param_grads_within_2x_eager(fast: "torch.nn.Module", eager: "torch.nn.Module",
                                        ref64: "torch.nn.Module", floor: float) -> None:
     """Every parameter of `fast` has a non-zero gradient within the 2x-eager rule
