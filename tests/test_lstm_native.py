@@ -142,6 +142,9 @@ def test_larger_odd_sizes_float32():
     check(9, 5, 37, 19, True, True, 1.5, 0.8, True, torch.float32)
     check(9, 5, 37, 0, False, False, math.inf, math.inf, False, torch.float32)
     check(3, 70, 9, 5, True, True, 1.5, 0.8, False, torch.float32)
+    # batches cut into row tiles of near-equal height (B 8: 4 + 4, B 13: 5 + 5 + 3)
+    check(4, 8, 37, 0, False, True, math.inf, math.inf, False, torch.float32)
+    check(4, 13, 21, 11, True, False, 1.5, math.inf, True, torch.float32)
 
 
 def test_small_activations_keep_relative_precision():
