@@ -108,6 +108,16 @@ def test_odd_lengths(Tq, Tk, kind):
     check_cpu(q, k, v, **_masks(kind, 1, Tq, Tk))
 
 
+@pytest.mark.parametrize("Tk, D, kind", [(1, 75, "causal"), (37, 75, "causal"),
+                                         (203, 13, "none"), (150, 41, "pad"),
+                                         (300, 64, "causal")])
+def test_decoding_one_query(Tk, D, kind):
+    # one query (decoding): its products run as matrix-vector loops, not the BLAS (gemv_rm):
+    # keys in groups of 4 and a remainder, head dims in vectors of 64 and 8 and a scalar tail
+    q, k, v = _inputs(2, 3, 1, Tk, D)
+    check_cpu(q, k, v, **_masks(kind, 2, 1, Tk))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
                          ids=str)
 def test_dtypes(dtype):

@@ -60,6 +60,15 @@ def test_transformer_xl_memory(Tq, mem):
     check(2, 2, Tq, Tq + mem, 32)
 
 
+@pytest.mark.parametrize("mem, D", [(3, 75), (37, 75), (202, 41)])
+def test_decoding_one_query(mem, D):
+    # one query: the band and score products as matrix-vector loops (gemv_rm). (mem 0, a
+    # single key, makes every gradient but dv exactly 0, which eager matches exactly and a
+    # flash backward only to the rounding of dP - Delta: the floor for that is in
+    # test_attention_cpu.check_cpu, whose Tk = 1 case runs the same loops.)
+    check(2, 3, 1, 1 + mem, D)
+
+
 @pytest.mark.parametrize("D", [16, 64, 96])
 def test_head_dims(D):
     check(1, 2, 19, 140, D)
