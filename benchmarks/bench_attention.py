@@ -75,6 +75,7 @@ class Case(NamedTuple):
     shape: Tuple[int, int, int, int, int]   # B, H, Tq, Tk, D
     model: str = ""                         # whose shapes these are ("" for the quick set)
     devices: Tuple[str, ...] = ("cpu", "cuda")
+    modes: Tuple[str, ...] = MODES          # decoding cases: forward only (inference)
 
     @property
     def name(self) -> str:   # "GPT-2 causal B16 H12 Tq1024 Tk1024 D64"
@@ -111,6 +112,10 @@ FULL_CASES = (
     Case("causal-memory", (1, 8, 512, 1024, 64), "TXL-enwik8", ("cpu",)),   # mem 512
     Case("causal-memory", (4, 10, 150, 300, 41), "TXL-WT103", ("cpu",)),    # mem 150, D 41
     *_sweep(64, (256, 512, 1024, 2048), tokens=4096, hidden=512, devices=("cpu",)),
+    # decoding: one query (or a chunk of 16) against the cache, forward only
+    Case("causal-memory", (1, 12, 1, 1024, 64), "GPT-2 decode", ("cpu",), ("fwd",)),
+    Case("causal-memory", (8, 12, 1, 512, 64), "GPT-2 decode", ("cpu",), ("fwd",)),
+    Case("causal-memory", (1, 12, 16, 1024, 64), "GPT-2 decode", ("cpu",), ("fwd",)),
     # CUDA (bf16): the models' training batches (B·Tq ≈ 9k-16k tokens)
     Case("padding", (32, 12, 512, 512, 64), "BERT-base", ("cuda",)),
     Case("causal", (16, 12, 1024, 1024, 64), "GPT-2", ("cuda",)),
@@ -122,11 +127,15 @@ FULL_CASES = (
     Case("causal-memory", (60, 10, 150, 300, 41), "TXL-WT103", ("cuda",)),   # base: bsz 60, mem 150
     *_sweep(64),
     *_sweep(128),
+    # decoding (issue 15: 1-16 queries, long cache); not yet run on a GPU
+    Case("causal-memory", (8, 32, 1, 8192, 128), "decode", ("cuda",), ("fwd",)),
+    Case("causal-memory", (8, 32, 16, 8192, 128), "decode", ("cuda",), ("fwd",)),
 )
 
 
 def _params():
-    return _common.params(QUICK_CASES, FULL_CASES, MODES, BACKENDS)
+    return [p for p in _common.params(QUICK_CASES, FULL_CASES, MODES, BACKENDS)
+            if p.values[1] in p.values[0].modes]
 
 
 # --------------------------------------------------------------------------- masks, flops
@@ -246,6 +255,8 @@ def _op(backend: str, case: Case, mask_kw: dict, device: torch.device) -> Tuple[
             return functools.partial(F.scaled_dot_product_attention, is_causal=True), {}
         B, _, Tq, Tk, _ = case.shape
         attn_mask = _visible(mask_kw, B, Tq, Tk, device).unsqueeze(1)       # [B, 1, Tq, Tk]
+        if bool(attn_mask.all()):   # e.g. one query seeing its whole cache: as users call it
+            return F.scaled_dot_product_attention, {}
         return functools.partial(F.scaled_dot_product_attention, attn_mask=attn_mask), {}
     if backend == "flex":
         op, build_ms = _flex_op(case, mask_kw, device)
