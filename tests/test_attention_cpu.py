@@ -118,6 +118,18 @@ def test_decoding_one_query(Tk, D, kind):
     check_cpu(q, k, v, **_masks(kind, 2, 1, Tk))
 
 
+def test_decoding_query_that_sees_no_key():
+    # one query of the query stream without memory sees no key: zeros out, zero dq, dk, dv,
+    # no NaN; with 40 memory keys the same query sees those (the one-row loops again)
+    for mem in (0, 40):
+        q, k, v = _inputs(2, 3, 1, 1 + mem, 75)
+        out, grads = check_cpu(q, k, v, **_masks("perm-query", 2, 1, 1 + mem))
+        if mem == 0:
+            assert (out == 0).all() and all((g == 0).all() for g in grads)
+        else:
+            assert out.abs().sum() > 0 and grads[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
                          ids=str)
 def test_dtypes(dtype):
