@@ -124,3 +124,37 @@ def test_attention_triton_takes_grad_call():
     for g, g_ref in zip(torch.autograd.grad(out, (q, k, v), do),
                         torch.autograd.grad(ref, (q, k, v), do)):
         assert_equal(g, g_ref)
+
+
+@needs_cpu
+def test_no_grad_call_starts_below_autograd_and_modes_still_see_it():
+    """Without anything to differentiate, GradCall enters the dispatcher below the autograd
+    key (the registered formula would only pass the call on): same output as the grad-mode
+    call, no graph, inference tensors accepted, and a TorchDispatchMode still sees the op
+    (FlopCounterMode, FSDP's and profilers' modes rely on that)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(2, 3, 11, 8) for _ in range(3))
+    leaf = q.clone().requires_grad_(True)
+    with_grad = ctxfast.attention(leaf, k, v, causal=True, backend="cpu")
+    assert with_grad.grad_fn is not None
+    plain = ctxfast.attention(q, k, v, causal=True, backend="cpu")   # grad mode, no leaf
+    assert plain.grad_fn is None and not plain.requires_grad
+    assert_equal(plain, with_grad.detach(), name="no-grad call")
+    with torch.inference_mode():
+        inf = ctxfast.attention(q.clone(), k.clone(), v.clone(), causal=True, backend="cpu")
+    assert inf.is_inference()
+    assert_equal(inf, plain, name="inference_mode call")
+    seen = Seen()
+    with seen, torch.no_grad():
+        ctxfast.attention(q, k, v, causal=True, backend="cpu")
+    assert any("ctxfast.attention_fwd_cpu" in o for o in seen.ops), seen.ops
