@@ -42,6 +42,9 @@ def _masks(kind, B, Tq, Tk):
     if "ties" in kind:
         kw["perm_rank"] = torch.randint(0, 3, (B, Tq))
         kw["perm_stream"] = "query" if "query" in kind else "content"
+    if "sorted" in kind:     # ranks already in order, ties and gaps: the kernels' staircase
+        kw["perm_rank"] = torch.randint(-3, max(Tq // 4, 2), (B, Tq)).sort(dim=1).values
+        kw["perm_stream"] = "query" if "query" in kind else "content"
     return kw
 
 
@@ -241,7 +244,8 @@ def _triton_keep_mask(seed, B, H, Tq, Tk, p):
 
 
 @pytest.mark.parametrize("kind, Tq, mem", [("none", 70, 0), ("causal", 70, 67), ("pad", 33, 9),
-                                           ("perm", 140, 20), ("causal", 1, 5)])
+                                           ("perm", 140, 20), ("causal", 1, 5),
+                                           ("sorted-query", 140, 20)])
 def test_dropout_is_the_triton_mask(kind, Tq, mem):
     """Dropout on the cpu backend draws the Triton kernels' Philox numbers for the same seed:
     forward and every gradient match the float64 reference given that mask."""
@@ -337,6 +341,18 @@ def test_permutation_over_many_tiles(kind):
     if "ties" in kind:
         kw["perm_rank"] = torch.randint(-5, 40, (B, Tq))   # ties and gaps
     check_cpu(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("kind", ["sorted", "sorted-query", "causal-sorted",
+                                  "causal-sorted-query", "sorted-pad"])
+def test_sorted_ranks_staircase(kind):
+    """Ranks given in order (ties and gaps), so that no sorting happens (with causal: the
+    plain path) and the key tiles follow the ranks' staircase: full tiles up to the keys
+    that a block's first row sees, then diagonal tiles each from the first row that sees
+    its first key (several query blocks, memory in front)."""
+    B, H, Tq, mem, D = 2, 2, 203, 37, 32
+    q, k, v = _inputs(B, H, Tq, Tq + mem, D)
+    check_cpu(q, k, v, **_masks(kind, B, Tq, Tq + mem))
 
 
 @pytest.mark.parametrize("mem", [0, 20])

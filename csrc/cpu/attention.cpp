@@ -813,21 +813,46 @@ void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, i
   mask_tile(h, i0 + r0, bq - r0, j0, bk, s);
 }
 
+// Current keys that query row i of a rank-sorted head sees: [0, n) (ranks non-decreasing,
+// so n is non-decreasing in i).
+template <typename T>
+int64_t rank_seen(const Head<T>& h, int64_t i) {
+  const int64_t* r = h.rank;
+  return (h.strict ? std::lower_bound(r, r + h.Tq, r[i]) : std::upper_bound(r, r + h.Tq, r[i])) -
+         r;
+}
+
+// First row rr of query block [i0, i0 + bq) of a rank-sorted head that sees current key t.
+template <typename T>
+int64_t first_row_seeing(const Head<T>& h, int64_t i0, int64_t bq, int64_t t) {
+  const int64_t *r = h.rank + i0, rk = h.rank[t];
+  return (h.strict ? std::upper_bound(r, r + bq, rk) : std::lower_bound(r, r + bq, rk)) - r;
+}
+
 // Calls f(j0, bk, r0) for the key tiles of query block [i0, i0 + bq) over keys [jb, end):
-// tiles of kBlockK keys up to the causal diagonal (keys [jb, mem + i0], which every row of
-// the block sees), then tiles of kDiagK keys, each for rows r0.. only, r0 the first row
-// that sees one of its keys (row rr sees keys up to mem + i0 + rr): about half the hidden
-// pairs of the diagonal tile are not computed.
+// tiles of kBlockK keys up to the diagonal (the keys every row of the block sees), then
+// tiles of kDiagK keys, each for rows r0.. only, r0 the first row that sees one of its keys:
+// about half the hidden pairs of the diagonal tile are not computed. The diagonal is that of
+// causal (row rr sees keys up to mem + i0 + rr) or of rank-sorted permutation ranks (the
+// rank order's causal-like mask: row i sees the current keys [0, rank_seen(i))).
 template <typename T, typename F>
 void for_each_key_tile(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t end,
                        F&& f) {
+  const bool ranked = h.rank != nullptr && h.rank_sorted;
   // (a block of at most kDiagK rows gains nothing from the split)
-  const int64_t diag =
-      h.causal && bq > kDiagK ? std::min(std::max(h.mem + i0, jb), end) : end;
+  int64_t diag = end;
+  if (bq > kDiagK && (h.causal || ranked)) {
+    if (h.causal) diag = std::min(diag, h.mem + i0);
+    if (ranked) diag = std::min(diag, h.mem + rank_seen(h, i0));
+    diag = std::min(std::max(diag, jb), end);
+  }
   for (int64_t j0 = jb; j0 < diag; j0 += kBlockK) f(j0, std::min(kBlockK, diag - j0), int64_t(0));
-  for (int64_t j0 = diag; j0 < end; j0 += kDiagK)
-    f(j0, std::min(kDiagK, end - j0),
-      std::min(std::max<int64_t>(j0 - h.mem - i0, 0), bq - 1));
+  for (int64_t j0 = diag; j0 < end; j0 += kDiagK) {
+    int64_t r0 = 0;
+    if (h.causal) r0 = std::max<int64_t>(j0 - h.mem - i0, 0);
+    if (ranked && j0 >= h.mem) r0 = std::max(r0, first_row_seeing(h, i0, bq, j0 - h.mem));
+    f(j0, std::min(kDiagK, end - j0), std::min(r0, bq - 1));
+  }
 }
 
 // f [bq, bk] (row stride bk) <- the dropout factors of the tile: 1 / (1 - p) where kept,
@@ -1179,17 +1204,39 @@ struct RankOrder {
   }
 };
 
+// The rows of a permutation come in random order, which the hardware prefetcher cannot
+// follow: each row's cache lines are requested kAhead rows before they are copied.
+constexpr int64_t kAhead = 4;
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D, bool write) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < static_cast<int64_t>(sizeof(T)) * D; b += 64) {
+    if (write)
+      __builtin_prefetch(p + b, 1);
+    else
+      __builtin_prefetch(p + b, 0);
+  }
+}
+
 // Rows [lo, hi) of dst [*, D] (row stride D) <- rows map(t) of src (row stride ld).
 template <typename T, typename Map>
 void gather_rows(T* dst, const T* src, int64_t ld, int64_t lo, int64_t hi, int64_t D,
                  const Map& map) {
-  for (int64_t t = lo; t < hi; ++t) std::memcpy(dst + t * D, src + map(t) * ld, sizeof(T) * D);
+  for (int64_t t = lo; t < std::min(hi, lo + kAhead); ++t) prefetch_row(src + map(t) * ld, D, false);
+  for (int64_t t = lo; t < hi; ++t) {
+    if (t + kAhead < hi) prefetch_row(src + map(t + kAhead) * ld, D, false);
+    std::memcpy(dst + t * D, src + map(t) * ld, sizeof(T) * D);
+  }
 }
 // Rows map(t) of dst (row stride ld) <- rows [lo, hi) of src [*, D] (row stride D).
 template <typename T, typename Map>
 void scatter_rows(T* dst, int64_t ld, const T* src, int64_t lo, int64_t hi, int64_t D,
                   const Map& map) {
-  for (int64_t t = lo; t < hi; ++t) std::memcpy(dst + map(t) * ld, src + t * D, sizeof(T) * D);
+  for (int64_t t = lo; t < std::min(hi, lo + kAhead); ++t) prefetch_row(dst + map(t) * ld, D, true);
+  for (int64_t t = lo; t < hi; ++t) {
+    if (t + kAhead < hi) prefetch_row(dst + map(t + kAhead) * ld, D, true);
+    std::memcpy(dst + map(t) * ld, src + t * D, sizeof(T) * D);
+  }
 }
 
 // Sort only where nothing else depends on positions (causal does, and dropout's counter).
@@ -1231,9 +1278,11 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
   const bool* kpm = kpm_sorted.defined() ? kpm_sorted.const_data_ptr<bool>() : nullptr;
   const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
   if (B * H == 0 || Tq == 0) return {out, lse};
-  const int64_t nqb = cdiv(Tq, kBlockQ);
+  // rank order is causal-like: the short-sequence block of causal applies
+  const int64_t bq = forward_block_q(Tq, /*causal=*/true, B * H);
+  const int64_t nqb = cdiv(Tq, bq);
   const int64_t runs = std::min(nqb, cdiv(2 * at::get_num_threads(), B * H));
-  const int64_t per = cdiv(nqb, runs) * kBlockQ;  // queries per task
+  const int64_t per = cdiv(nqb, runs) * bq;  // queries per task
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward_cpu_rank_order", [&] {
     using T = scalar_t;
     const T sc = static_cast<T>(scale);
@@ -1247,8 +1296,8 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
         if (lo >= hi) continue;
         Head<T> h = sorted_head<T>(o, b, Tk, D, kpm, ends, strict);
         int64_t kend = 0;  // the keys these queries may see: [0, kend)
-        for (int64_t i0 = lo; i0 < hi; i0 += kBlockQ)
-          kend = std::max(kend, key_end(h, i0, std::min(kBlockQ, hi - i0)));
+        for (int64_t i0 = lo; i0 < hi; i0 += bq)
+          kend = std::max(kend, key_end(h, i0, std::min(bq, hi - i0)));
         ks.resize(static_cast<size_t>(std::max<int64_t>(kend, 1) * D));
         vs.resize(ks.size());
         const T* kh = k.const_data_ptr<T>() + b * k.stride(0) + hh * k.stride(1);
@@ -1264,8 +1313,8 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
         h.v = vs.data();
         h.o = os.data();
         h.lse = ls.data();
-        for (int64_t i0 = lo; i0 < hi; i0 += kBlockQ)
-          forward_tile(h, i0, kBlockQ, sc, s.data(), m.data(), l.data(), band, f.data(),
+        for (int64_t i0 = lo; i0 < hi; i0 += bq)
+          forward_tile(h, i0, bq, sc, s.data(), m.data(), l.data(), band, f.data(),
                        qbuf.data());
         T* oh = out.mutable_data_ptr<T>() + bh * Tq * D;
         T* lh = lse.mutable_data_ptr<T>() + bh * Tq;
