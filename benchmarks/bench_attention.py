@@ -109,6 +109,7 @@ FULL_CASES = (
     Case("causal", (1, 12, 1024, 1024, 64), "GPT-2", ("cpu",)),
     Case("perm-content", (1, 12, 512, 896, 64), "XLNet-base", ("cpu",)),    # mem 384
     Case("perm-query", (1, 12, 512, 896, 64), "XLNet-base", ("cpu",)),
+    Case("perm-query", (8, 8, 128, 128, 64), "XLNet short", ("cpu",)),      # the goal's T 128
     Case("causal-memory", (1, 8, 512, 1024, 64), "TXL-enwik8", ("cpu",)),   # mem 512
     Case("causal-memory", (4, 10, 150, 300, 41), "TXL-WT103", ("cpu",)),    # mem 150, D 41
     *_sweep(64, (256, 512, 1024, 2048), tokens=4096, hidden=512, devices=("cpu",)),
