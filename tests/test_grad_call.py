@@ -158,3 +158,30 @@ def test_no_grad_call_starts_below_autograd_and_modes_still_see_it():
     with seen, torch.no_grad():
         ctxfast.attention(q, k, v, causal=True, backend="cpu")
     assert any("ctxfast.attention_fwd_cpu" in o for o in seen.ops), seen.ops
+
+
+@needs_cpu
+def test_forward_mode_ad_is_refused_not_silently_zero():
+    """The ops have no forward-derivative formula: a dual tensor or torch.func.jvp through
+    them raises (PyTorch itself would drop the tangent or return zeros without a word).
+    A jvp whose tangents do not reach the op is unaffected; the eager backend does forward
+    mode."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            ctxfast.attention(dual, k, v, backend="cpu")
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            ctxfast.rel_shift(dual[0], backend="cpu")
+        eager = fwAD.unpack_dual(ctxfast.attention(dual, k, v, backend="eager")).tangent
+        assert eager is not None and eager.abs().sum() > 0
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda x: ctxfast.attention(x, k, v, backend="cpu"), (q,),
+                       (torch.randn_like(q),))
+    s = torch.randn(())
+    out, tangent = torch.func.jvp(
+        lambda x: x * ctxfast.attention(q, k, v, backend="cpu").sum(), (s,), (torch.ones(()),))
+    assert_equal(tangent, ctxfast.attention(q, k, v, backend="cpu").sum().to(tangent.dtype),
+                 name="jvp that does not reach the op")

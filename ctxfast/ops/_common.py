@@ -6,6 +6,7 @@ float64-on-CUDA rule, autocast casting, and the registration of an op's autograd
 from typing import Callable, Optional, Union
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from .. import _dispatch
@@ -142,6 +143,32 @@ def autocast(*tensors):
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
+_FORWARD_AD_MSG = ("torch.ops.ctxfast.{}: forward-mode AD ({}) is not supported: the op has no "
+                   "forward-derivative formula, and the tangent of its output would be "
+                   "silently dropped or zero. Use reverse mode (backward, torch.func.grad, "
+                   "torch.func.vjp), or backend='eager' for forward mode.")
+
+
+def _refuse_forward_ad(name: str, args) -> None:
+    """Inside ``torch.autograd.forward_ad.dual_level()``: raise if an input carries a
+    tangent (PyTorch would drop it without a word)."""
+    if any(isinstance(a, Tensor) and _forward_ad.unpack_dual(a).tangent is not None
+           for a in args):
+        raise NotImplementedError(_FORWARD_AD_MSG.format(name, "a dual tensor"))
+
+
+def _refuse_jvp(name: str, args) -> None:
+    """Under ``torch.func.jvp`` (or jacfwd, hessian): raise if an input is one of the
+    transform's wrapped tensors (PyTorch would give a zero tangent without a word)."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    if not any(i.key() == torch._C._functorch.TransformType.Jvp
+               for i in retrieve_all_functorch_interpreters()):
+        return
+    if any(isinstance(a, Tensor) and torch._C._functorch.is_gradtrackingtensor(a)
+           for a in args):
+        raise NotImplementedError(_FORWARD_AD_MSG.format(
+            name, "torch.func.jvp, jacfwd or hessian"))
+
 
 class GradCall:
     """Calls a ctxfast op; where eager code needs its gradient, the op's autograd formula
@@ -162,6 +189,7 @@ class GradCall:
     """
 
     def __init__(self, name: str, backward: Callable, setup_context: Callable):
+        self.name = name
         op = self.op = getattr(torch.ops.ctxfast, name).default
 
         def forward(ctx, *args):      # grad mode is off here: the op's no-grad path
@@ -180,7 +208,10 @@ class GradCall:
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self.op(*args)
+        if _forward_ad.__dict__["_current_level"] >= 0:     # inside a dual_level() block
+            _refuse_forward_ad(self.name, args)
         if torch._C._are_functorch_transforms_active():
+            _refuse_jvp(self.name, args)
             if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
                                                for a in args):
                 return self.transformable.apply(*args)
