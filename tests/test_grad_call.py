@@ -185,3 +185,34 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
         lambda x: x * ctxfast.attention(q, k, v, backend="cpu").sum(), (s,), (torch.ones(()),))
     assert_equal(tangent, ctxfast.attention(q, k, v, backend="cpu").sum().to(tangent.dtype),
                  name="jvp that does not reach the op")
+
+
+@needs_cpu
+def test_per_sample_gradients_with_vmap():
+    """vmap(grad(...)) through the ops (per-sample gradients, as DP-SGD code computes them):
+    the Function vmaps its forward and backward as written, the ops running per sample.
+    Each sample's gradient equals grad of that sample alone."""
+    N, B, H, T, D = 3, 1, 2, 7, 8
+    qs, ks = torch.randn(N, B, H, T, D), torch.randn(N, B, H, T, D)
+    v = torch.randn(B, H, T, D)
+    w = torch.randn(B, H, T, D)
+
+    def loss(q, k):
+        return (ctxfast.attention(q, k, v, causal=True, backend="cpu") * w).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(qs, ks)
+    for i in range(N):
+        one = torch.func.grad(loss, argnums=(0, 1))(qs[i], ks[i])
+        assert_equal(per_sample[0][i], one[0], name=f"dq of sample {i}")
+        assert_equal(per_sample[1][i], one[1], name=f"dk of sample {i}")
+
+    xs = torch.randn(N, 5, 2, 4)                         # [N, T, B, I]
+    w_ih, w_hh = torch.randn(12, 4), torch.randn(12, 3)
+
+    def lstm_loss(x):
+        out, _ = ctxfast.lstm(x, None, w_ih, w_hh, backend="cpu")
+        return out.square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(lstm_loss))(xs)
+    for i in range(N):
+        assert_equal(per_sample[i], torch.func.grad(lstm_loss)(xs[i]), name=f"lstm dx {i}")

@@ -203,7 +203,10 @@ class GradCall:
             "forward": staticmethod(lambda *args: op(*args)),
             "setup_context": staticmethod(lambda ctx, inputs, output:
                                           setup_context(ctx, inputs, output)),
-            "backward": staticmethod(backward)})
+            "backward": staticmethod(backward),
+            # vmap over forward and backward as written (the ops run per sample
+            # through functorch's fallback): per-sample gradients, vmap(grad(...))
+            "generate_vmap_rule": True})
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
