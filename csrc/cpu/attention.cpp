@@ -23,6 +23,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -75,6 +76,22 @@ const Tile& tile() {
 #define kDiagK (std::min<int64_t>(32, kBlockK))
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Tasks [0, n) over the threads, handed out one at a time from a shared counter rather than
+// as one contiguous range per thread (at::parallel_for's split): a thread slowed by other
+// work on a shared machine, or given the heavier tasks, takes fewer of them. body(next) runs
+// once per thread (its scratch built once); next() is the thread's next task, -1 when none.
+template <typename Body>
+void parallel_dynamic(int64_t n, const Body& body) {
+  if (n <= 0) return;
+  std::atomic<int64_t> counter{0};
+  auto next = [&counter, n]() -> int64_t {
+    const int64_t t = counter.fetch_add(1, std::memory_order_relaxed);
+    return t < n ? t : -1;
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(next); });
+}
 
 // The forward's query block for n_heads sequences of at most max_tq queries: 32 for short
 // causal sequences, or short ones with too few tasks for the threads (a causal block then
@@ -1086,10 +1103,10 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   if (n_heads == 0 || max_tq == 0) return;
   const int64_t bq = forward_block_q(max_tq, make(0).causal, n_heads);
   const int64_t nqb = cdiv(max_tq, bq);
-  at::parallel_for(0, n_heads * nqb, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(n_heads * nqb, [&](const auto& next) {
     std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
     std::vector<T> band(kBlockQ * (kBlockQ + kBlockK)), f(kBlockQ * kBlockK), qbuf;
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t; (t = next()) >= 0;) {
       const Head<T> h = make(t / nqb);
       const int64_t i0 = (t % nqb) * bq;
       if (h.u != nullptr) qbuf.resize(static_cast<size_t>(2 * kBlockQ * h.D));
@@ -1106,12 +1123,13 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
 template <typename T, typename MakeHead>
 void run_backward(int64_t n_heads, T scale, const MakeHead& make, int64_t per_task = 1) {
   if (n_heads == 0) return;
-  at::parallel_for(0, n_heads / per_task, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(n_heads / per_task, [&](const auto& next) {
     BwdScratch<T> w;
     w.p.resize(kBlockQ * kBlockK);
     w.dp.resize(kBlockQ * kBlockK);
     w.f.resize(kBlockQ * kBlockK);
-    for (int64_t t = begin * per_task; t < end * per_task; ++t) backward_head(make(t), scale, w);
+    for (int64_t g; (g = next()) >= 0;)
+      for (int64_t t = g * per_task; t < (g + 1) * per_task; ++t) backward_head(make(t), scale, w);
   });
 }
 
@@ -1286,11 +1304,11 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward_cpu_rank_order", [&] {
     using T = scalar_t;
     const T sc = static_cast<T>(scale);
-    at::parallel_for(0, B * H * runs, 1, [&](int64_t begin, int64_t end) {
+    parallel_dynamic(B * H * runs, [&](const auto& next) {
       std::vector<T> qs(Tq * D), os(Tq * D), ls(Tq), ks, vs;
       std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ), f(kBlockQ * kBlockK);
       std::vector<T> band, qbuf;
-      for (int64_t t = begin; t < end; ++t) {
+      for (int64_t t; (t = next()) >= 0;) {
         const int64_t bh = t / runs, b = bh / H, hh = bh % H;
         const int64_t lo = (t % runs) * per, hi = std::min(Tq, lo + per);
         if (lo >= hi) continue;
@@ -1344,7 +1362,7 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu_rank_order", [&] {
     using T = scalar_t;
     const T sc = static_cast<T>(scale);
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    parallel_dynamic(B * H, [&](const auto& next) {
       // [Tq, D] each: q, out, dout, dq; [Tk, D] each: k, v, dk, dv; [Tq]: lse
       std::vector<T> qs(Tq * D), os(Tq * D), dos(Tq * D), dqs(Tq * D);
       std::vector<T> ks(Tk * D), vs(Tk * D), dks(Tk * D), dvs(Tk * D), ls(Tq);
@@ -1352,7 +1370,7 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
       w.p.resize(kBlockQ * kBlockK);
       w.dp.resize(kBlockQ * kBlockK);
       w.f.resize(kBlockQ * kBlockK);
-      for (int64_t bh = begin; bh < end; ++bh) {
+      for (int64_t bh; (bh = next()) >= 0;) {
         const int64_t b = bh / H, hh = bh % H;
         auto key = [&](int64_t j) { return o.key(b, j); };
         auto query = [&](int64_t i) { return o.query(b, i); };
