@@ -8,6 +8,8 @@ from typing import Callable, Optional, Union
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
+from torch._functorch.pyfunctorch import \
+    retrieve_all_functorch_interpreters as _functorch_interpreters
 
 from .. import _dispatch
 
@@ -160,9 +162,8 @@ def _refuse_forward_ad(name: str, args) -> None:
 def _refuse_jvp(name: str, args) -> None:
     """Under ``torch.func.jvp`` (or jacfwd, hessian): raise if an input is one of the
     transform's wrapped tensors (PyTorch would give a zero tangent without a word)."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
     if not any(i.key() == torch._C._functorch.TransformType.Jvp
-               for i in retrieve_all_functorch_interpreters()):
+               for i in _functorch_interpreters()):
         return
     if any(isinstance(a, Tensor) and torch._C._functorch.is_gradtrackingtensor(a)
            for a in args):
