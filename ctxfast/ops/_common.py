@@ -212,7 +212,7 @@ class GradCall:
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self.op(*args)
-        if _forward_ad.__dict__["_current_level"] >= 0:     # inside a dual_level() block
+        if _forward_ad._current_level >= 0:     # inside a dual_level() block
             _refuse_forward_ad(self.name, args)
         if torch._C._are_functorch_transforms_active():
             _refuse_jvp(self.name, args)
