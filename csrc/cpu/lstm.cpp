@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
@@ -526,15 +527,35 @@ class StepGemm {
     });
   }
 
-  // c = addend + a @ op(W), or a @ op(W) when addend is undefined; a [M, K], c and addend
-  // [M, N], all contiguous (c may be a view such as gates[t], addend one such as xw[t]).
-  void run(const Tensor& a, Tensor& c, const Tensor& addend = Tensor()) const {
+  // C = addend + A @ op(W), or A @ op(W) when addend is null; A [M, K], C and addend
+  // [M, N], contiguous rows (C may be gates[t], addend xw[t]): raw pointers, so that the
+  // step loop builds no Tensor per step. S is the weight's dtype.
+  template <typename S>
+  void run(int64_t M, const S* a, S* c, const S* addend = nullptr) const {
 #ifdef CTXFAST_LSTM_AVX2
-    if (packed_.defined()) {
-      const int64_t M = a.size(0), N = N_, K = K_;
-      const float* A = a.data_ptr<float>();
-      float* C = c.data_ptr<float>();
-      const float* Cin = addend.defined() ? addend.data_ptr<float>() : nullptr;
+    if constexpr (std::is_same_v<S, float>) {
+      if (packed_.defined()) {
+        run_packed(M, a, c, addend);
+        return;
+      }
+    }
+#endif
+    const auto opts = w_.options();
+    const Tensor A = at::from_blob(const_cast<S*>(a), {M, K_}, opts);
+    Tensor C = at::from_blob(c, {M, N_}, opts);
+    const Tensor bop = trans_ ? w_.t() : w_;
+    if (addend != nullptr) {
+      at::addmm_out(C, at::from_blob(const_cast<S*>(addend), {M, N_}, opts), A, bop);
+    } else {
+      at::mm_out(C, A, bop);
+    }
+  }
+
+ private:
+#ifdef CTXFAST_LSTM_AVX2
+  void run_packed(int64_t M, const float* A, float* C, const float* Cin) const {
+    {
+      const int64_t N = N_, K = K_;
       const float* bp = aligned(packed_.data_ptr<float>());
       const int64_t panels = (N + kNR - 1) / kNR;
       // Panels split over the threads; every thread sweeps all M rows of its panels, so a
@@ -559,18 +580,10 @@ class StepGemm {
           }
         }
       });
-      return;
-    }
-#endif
-    const Tensor bop = trans_ ? w_.t() : w_;
-    if (addend.defined()) {
-      at::addmm_out(c, addend, a, bop);
-    } else {
-      at::mm_out(c, a, bop);
     }
   }
+#endif
 
- private:
   static float* aligned(float* p) {
     const auto u = reinterpret_cast<uintptr_t>(p);
     return reinterpret_cast<float*>((u + 31) & ~uintptr_t(31));
@@ -594,20 +607,26 @@ void forward_impl(const Tensor& xw, const Tensor& h0, const Tensor& c0, const Te
   std::optional<StepGemm> prj;                               // hp [B, H] @ w_hr^T [H, P]
   if (proj) prj.emplace(w_hr, Tensor(), 1.0, /*trans=*/true, B);
   Tensor hp = proj ? at::empty({B, H}, xw.options()) : Tensor();  // [B, H]
+  // Step t's rows as pointers (every tensor here is contiguous): no Tensor per step.
+  const int64_t G = 4 * H, P = out.size(2);
+  const S* xwp = xw.data_ptr<S>();                          // [T, B, 4H]
+  S* outp = out.data_ptr<S>();                              // [T, B, P]
+  S* cellp = cells.data_ptr<S>();                           // [T, B, H]
+  S* gatep = gates.data_ptr<S>();                           // [T, B, 4H]
+  S* hpp = proj ? hp.data_ptr<S>() : nullptr;
   for (int64_t s = 0; s < T; ++s) {
     const int64_t t = time_index(s, T, reverse);
     const int64_t tp = reverse ? t + 1 : t - 1;
-    const Tensor h_prev = s == 0 ? h0 : out[tp];            // [B, P]
-    const Tensor c_prev = s == 0 ? c0 : cells[tp];          // [B, H]
-    Tensor z = gates[t];                                    // [B, 4H]
-    rec.run(h_prev, z, xw[t]);                              // z = xw_t + h_{t-1} @ W^T
-    Tensor hp_t = proj ? hp : out[t];                       // [B, H]
-    cell_forward<S>(z.data_ptr<S>(), c_prev.data_ptr<S>(), cells[t].data_ptr<S>(),
-                    hp_t.data_ptr<S>(), B, H, static_cast<S>(cell_clip));
+    const S* h_prev = s == 0 ? h0.data_ptr<S>() : outp + tp * B * P;    // [B, P]
+    const S* c_prev = s == 0 ? c0.data_ptr<S>() : cellp + tp * B * H;   // [B, H]
+    S* z = gatep + t * B * G;                                            // [B, 4H]
+    rec.run<S>(B, h_prev, z, xwp + t * B * G);              // z = xw_t + h_{t-1} @ W^T
+    S* hp_t = proj ? hpp : outp + t * B * P;                // [B, H]
+    cell_forward<S>(z, c_prev, cellp + t * B * H, hp_t, B, H, static_cast<S>(cell_clip));
     if (proj) {
-      Tensor o = out[t];                                    // [B, P]
-      prj->run(hp, o);
-      clip_inplace<S>(o.data_ptr<S>(), o.numel(), static_cast<S>(proj_clip));
+      S* o = outp + t * B * P;                              // [B, P]
+      prj->run<S>(B, hpp, o);
+      clip_inplace<S>(o, B * P, static_cast<S>(proj_clip));
     }
   }
 }
@@ -624,30 +643,42 @@ void backward_impl(const Tensor& grad_out, const Tensor& grad_cells, const Tenso
   const StepGemm rec(w_hh, mask, scale, /*trans=*/false, B);  // dz [B, 4H] @ W [4H, P]
   std::optional<StepGemm> prj;                                // dpre [B, P] @ w_hr [P, H]
   if (proj) prj.emplace(w_hr, Tensor(), 1.0, /*trans=*/false, B);
+  // Step t's rows as pointers (every tensor here is contiguous): no Tensor per step.
+  const int64_t G = 4 * H, P = out.size(2);
+  const S* gop = grad_out.data_ptr<S>();                    // [T, B, P]
+  const S* gcp = grad_cells.data_ptr<S>();                  // [T, B, H]
+  const S* outp = out.data_ptr<S>();                        // [T, B, P]
+  const S* cellp = cells.data_ptr<S>();                     // [T, B, H]
+  const S* gatep = gates.data_ptr<S>();                     // [T, B, 4H]
+  S* dzp = grad_xw.data_ptr<S>();                           // [T, B, 4H]
+  S* carryp = carry.data_ptr<S>();                          // [B, P]
+  S* dcp = dc.data_ptr<S>();                                // [B, H]
+  S* dprep = proj ? dh_pre.data_ptr<S>() : nullptr;         // [T, B, P]
+  S* hpallp = proj ? hp_all.data_ptr<S>() : nullptr;        // [T, B, H]
+  S* dhpp = proj ? dhp.data_ptr<S>() : nullptr;             // [B, H]
+  auto cell_bwd = proj ? cell_backward<S, true> : cell_backward<S, false>;
   for (int64_t s = T - 1; s >= 0; --s) {
     const int64_t t = time_index(s, T, reverse);
     const int64_t tp = reverse ? t + 1 : t - 1;
-    const Tensor c_prev = s == 0 ? c0 : cells[tp];          // [B, H]
+    const S* c_prev = s == 0 ? c0.data_ptr<S>() : cellp + tp * B * H;   // [B, H]
     const S* dh_a;
     const S* dh_b;
     if (proj) {
       // dL/d(hp_t @ w_hr^T) = (grad_out[t] + dh_t) * [|h_t| < proj_clip], then @ w_hr.
-      Tensor dpre = dh_pre[t];                              // [B, P]
-      add_clip_grad<S>(grad_out[t].data_ptr<S>(), carry.data_ptr<S>(), out[t].data_ptr<S>(),
-                       dpre.data_ptr<S>(), dpre.numel(), static_cast<S>(proj_clip));
-      prj->run(dpre, dhp);
-      dh_a = dhp.data_ptr<S>();
+      S* dpre = dprep + t * B * P;                          // [B, P]
+      add_clip_grad<S>(gop + t * B * P, carryp, outp + t * B * P, dpre, B * P,
+                       static_cast<S>(proj_clip));
+      prj->run<S>(B, dpre, dhpp);
+      dh_a = dhpp;
       dh_b = nullptr;
     } else {
-      dh_a = grad_out[t].data_ptr<S>();
-      dh_b = carry.data_ptr<S>();
+      dh_a = gop + t * B * P;
+      dh_b = carryp;
     }
-    Tensor dz = grad_xw[t];                                 // [B, 4H]
-    auto cell_bwd = proj ? cell_backward<S, true> : cell_backward<S, false>;
-    cell_bwd(gates[t].data_ptr<S>(), cells[t].data_ptr<S>(), c_prev.data_ptr<S>(),
-             grad_cells[t].data_ptr<S>(), dh_a, dh_b, dc.data_ptr<S>(), dz.data_ptr<S>(),
-             proj ? hp_all[t].data_ptr<S>() : nullptr, B, H, static_cast<S>(cell_clip));
-    rec.run(dz, carry);                                     // dL/dh_{t-1} [B, P]
+    S* dz = dzp + t * B * G;                                // [B, 4H]
+    cell_bwd(gatep + t * B * G, cellp + t * B * H, c_prev, gcp + t * B * H, dh_a, dh_b, dcp,
+             dz, proj ? hpallp + t * B * H : nullptr, B, H, static_cast<S>(cell_clip));
+    rec.run<S>(B, dz, carryp);                              // dL/dh_{t-1} [B, P]
   }
 }
 
