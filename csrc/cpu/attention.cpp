@@ -128,6 +128,11 @@ void gemm_loop(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const
 // defined with the row kernels below. Returns whether it computed C.
 bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
              int64_t lda, const float* B, int64_t ldb, float beta, float* C);
+// Products with a row-major B on the project's AVX2 kernel (defined below). Returns whether
+// it computed C.
+bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                   const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                   int64_t ldc);
 
 // Row-major C[M, N] = alpha op(A) op(B) + beta C, op(A) [M, K], op(B) [K, N]; A is stored
 // [M, K] (ta false) or [K, M] (ta true) with leading dimension lda, B likewise. A
@@ -150,6 +155,7 @@ void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
   const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
   if constexpr (std::is_same_v<T, float>) {
     if (gemv_rm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C)) return;
+    if (gemm_bcast_rm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
     if (sgemm_ != nullptr && K > 0) {
       sgemm_(&tra, &trb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
       return;
@@ -329,6 +335,111 @@ bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, con
   return true;
 }
 
+// C[0:MR, 0:nv] = alpha sum_k A(m, k) B[k, 0:nv] (+ C when acc), nv <= 16: A(m, k) is
+// A[m lda + k] (TA false) or A[k lda + m] (TA true), B's rows ldb apart, read in place (no
+// packing: the operands of an attention tile are already in L1/L2). 2 MR accumulators.
+template <int MR, bool TA>
+CTXFAST_AVX2_FN void bcast_kernel(const float* __restrict__ A, int64_t lda,
+                                  const float* __restrict__ B, int64_t ldb, int64_t K,
+                                  float alpha, bool acc, float* __restrict__ C, int64_t ldc,
+                                  int64_t nv) {
+  __m256 c0[MR], c1[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) c0[m] = c1[m] = _mm256_setzero_ps();
+  if (nv == 16) {
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
+      const __m256 b1 = _mm256_loadu_ps(B + k * ldb + 8);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 a = _mm256_broadcast_ss(TA ? A + k * lda + m : A + m * lda + k);
+        c0[m] = _mm256_fmadd_ps(a, b0, c0[m]);
+        c1[m] = _mm256_fmadd_ps(a, b1, c1[m]);
+      }
+    }
+  } else {  // masked columns: lanes >= nv are neither read nor written
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nv)), lane);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nv) - 8), lane);
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_maskload_ps(B + k * ldb, m0);
+      const __m256 b1 = _mm256_maskload_ps(B + k * ldb + 8, m1);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 a = _mm256_broadcast_ss(TA ? A + k * lda + m : A + m * lda + k);
+        c0[m] = _mm256_fmadd_ps(a, b0, c0[m]);
+        c1[m] = _mm256_fmadd_ps(a, b1, c1[m]);
+      }
+    }
+    const __m256 al = _mm256_set1_ps(alpha);
+    for (int m = 0; m < MR; ++m) {
+      float* cr = C + m * ldc;
+      __m256 y0 = _mm256_mul_ps(al, c0[m]), y1 = _mm256_mul_ps(al, c1[m]);
+      if (acc) {
+        y0 = _mm256_add_ps(y0, _mm256_maskload_ps(cr, m0));
+        y1 = _mm256_add_ps(y1, _mm256_maskload_ps(cr + 8, m1));
+      }
+      _mm256_maskstore_ps(cr, m0, y0);
+      _mm256_maskstore_ps(cr + 8, m1, y1);
+    }
+    return;
+  }
+  const __m256 al = _mm256_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    float* cr = C + m * ldc;
+    __m256 y0 = _mm256_mul_ps(al, c0[m]), y1 = _mm256_mul_ps(al, c1[m]);
+    if (acc) {
+      y0 = _mm256_add_ps(y0, _mm256_loadu_ps(cr));
+      y1 = _mm256_add_ps(y1, _mm256_loadu_ps(cr + 8));
+    }
+    _mm256_storeu_ps(cr, y0);
+    _mm256_storeu_ps(cr + 8, y1);
+  }
+}
+
+template <bool TA>
+CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                                int64_t lda, const float* B, int64_t ldb, bool acc, float* C,
+                                int64_t ldc) {
+  for (int64_t m0 = 0; m0 < M; m0 += 6) {  // 6 rows of A stay in L1 across the panels
+    const int mr = static_cast<int>(std::min<int64_t>(6, M - m0));
+    const float* a = TA ? A + m0 : A + m0 * lda;
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+      const int64_t nv = std::min<int64_t>(16, N - n0);
+      float* c = C + m0 * ldc + n0;
+      const float* b = B + n0;
+      switch (mr) {
+        case 6: bcast_kernel<6, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
+        case 5: bcast_kernel<5, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
+        case 4: bcast_kernel<4, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
+        case 3: bcast_kernel<3, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
+        case 2: bcast_kernel<2, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
+        default: bcast_kernel<1, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
+      }
+    }
+  }
+}
+
+// Tile products whose B operand is row-major ([K, N], op(B) = B: P V, Pᵀ dO, dSᵀ Q, dS K and
+// the band's two) on the broadcast-A kernel above instead of the BLAS, whose call packs both
+// operands every time (~10 % of a short rel_attention backward's cycles went to MKL's
+// copies). Head-dim-sized N only. Returns whether it computed C.
+bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                   const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                   int64_t ldc) {
+  static const bool on = [] {
+    const char* v = std::getenv("CTXFAST_ATTN_CPU_GEMM");
+    return !(v && std::strcmp(v, "blas") == 0);
+  }();
+  if (!on || tb || K <= 0 || N > 256 || !(beta == 0.0f || beta == 1.0f) || !has_avx2())
+    return false;
+  if (ta) bcast_gemm<true>(M, N, K, alpha, A, lda, B, ldb, beta != 0.0f, C, ldc);
+  else bcast_gemm<false>(M, N, K, alpha, A, lda, B, ldb, beta != 0.0f, C, ldc);
+  return true;
+}
+
 #define CTXFAST_AVX512_FN __attribute__((target("avx512f")))
 
 bool has_avx512() {
@@ -392,6 +503,10 @@ CTXFAST_AVX512_FN float exp_row_avx512(float* x, int64_t n, float m) {
 bool has_avx2() { return false; }
 bool gemv_rm(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t,
              const float*, int64_t, float, float*) {
+  return false;
+}
+bool gemm_bcast_rm(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                   const float*, int64_t, float, float*, int64_t) {
   return false;
 }
 #endif
