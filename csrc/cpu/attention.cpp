@@ -422,10 +422,45 @@ CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, co
   }
 }
 
-// Tile products whose B operand is row-major ([K, N], op(B) = B: P V, Pᵀ dO, dSᵀ Q, dS K and
-// the band's two) on the broadcast-A kernel above instead of the BLAS, whose call packs both
+// dst [K, N] (row stride N) <- the transpose of src [N, K] (rows ld apart), in 8 x 8 blocks
+// transposed in registers.
+CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K,
+                                    float* dst) {
+  int64_t n0 = 0;
+  for (; n0 + 8 <= N; n0 += 8) {
+    int64_t k0 = 0;
+    for (; k0 + 8 <= K; k0 += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (n0 + i) * ld + k0);
+      for (int i = 0; i < 8; i += 2) {  // rows i, i + 1 interleaved
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // columns c and c + 4 of rows i..i + 3
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      float* d = dst + k0 * N + n0;
+      for (int c = 0; c < 4; ++c) {  // column c of the 8 rows: dst row k0 + c (and c + 4)
+        _mm256_storeu_ps(d + c * N, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+        _mm256_storeu_ps(d + (c + 4) * N, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+      }
+    }
+    for (; k0 < K; ++k0)
+      for (int64_t i = 0; i < 8; ++i) dst[k0 * N + n0 + i] = src[(n0 + i) * ld + k0];
+  }
+  for (; n0 < N; ++n0)
+    for (int64_t k = 0; k < K; ++k) dst[k * N + n0] = src[n0 * ld + k];
+}
+
+// Tile products on the broadcast-A kernel above instead of the BLAS, whose call packs both
 // operands every time (~10 % of a short rel_attention backward's cycles went to MKL's
-// copies). Head-dim-sized N only. Returns whether it computed C.
+// copies): those with a row-major B ([K, N], op(B) = B: P V, Pᵀ dO, dSᵀ Q, dS K and the
+// band's two: N the head dim) read it in place; those with op(B) = Bᵀ (Q Kᵀ, dO Vᵀ of a key
+// tile, the band's qw rᵀ: K the head dim) transpose it first into the thread's scratch.
+// Returns whether it computed C.
 bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                    int64_t ldc) {
@@ -433,10 +468,21 @@ bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
     const char* v = std::getenv("CTXFAST_ATTN_CPU_GEMM");
     return !(v && std::strcmp(v, "blas") == 0);
   }();
-  if (!on || tb || K <= 0 || N > 256 || !(beta == 0.0f || beta == 1.0f) || !has_avx2())
+  if (!on || K <= 0 || !(beta == 0.0f || beta == 1.0f) || !has_avx2()) return false;
+  const bool acc = beta != 0.0f;
+  if (tb) {
+    if (ta || K > 256 || N > 4096) return false;
+    thread_local std::vector<float> bt;
+    bt.resize(static_cast<size_t>(N * K));
+    transpose_rows(B, ldb, N, K, bt.data());
+    bcast_gemm<false>(M, N, K, alpha, A, lda, bt.data(), N, acc, C, ldc);
+  } else if (N > 256) {
     return false;
-  if (ta) bcast_gemm<true>(M, N, K, alpha, A, lda, B, ldb, beta != 0.0f, C, ldc);
-  else bcast_gemm<false>(M, N, K, alpha, A, lda, B, ldb, beta != 0.0f, C, ldc);
+  } else if (ta) {
+    bcast_gemm<true>(M, N, K, alpha, A, lda, B, ldb, acc, C, ldc);
+  } else {
+    bcast_gemm<false>(M, N, K, alpha, A, lda, B, ldb, acc, C, ldc);
+  }
   return true;
 }
 
