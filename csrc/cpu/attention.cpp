@@ -128,11 +128,47 @@ void gemm_loop(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const
 // defined with the row kernels below. Returns whether it computed C.
 bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
              int64_t lda, const float* B, int64_t ldb, float beta, float* C);
-// Products with a row-major B on the project's AVX2 kernel (defined below). Returns whether
-// it computed C.
+// Products on the project's AVX2 kernel (defined below). Returns whether it computed C.
 bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                    int64_t ldc);
+// Whether float products run on that kernel (AVX2 and FMA present, CTXFAST_ATTN_CPU_GEMM not
+// "blas"); dst [K, N] (row stride ldd) <- src [N, K] transposed (rows ld apart).
+bool own_gemm();
+void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K, float* dst, int64_t ldd);
+
+// A thread's transposed copy [D, n] (row stride ld) of n rows of a head's K, V or r, for the
+// products that take them as Bᵀ (Q Kᵀ, dO Vᵀ, qw rᵀ), which then read a row-major B instead
+// of transposing each tile per call. Float on the own kernel only (nullptr otherwise: the
+// products take the rows as they are). of() keeps the copy while the rows are the same
+// (tasks of one head in a row); fresh() always rebuilds it (a scratch buffer refilled). The
+// row stride is n padded past a multiple of 16 floats: with n a power of two (2048 keys: 8 KB)
+// the kernel's reads down a column all fell in the same L1 sets (measured 3-5 % slower).
+template <typename T>
+struct Transposed {
+  const T* src = nullptr;
+  int64_t n = 0, ld = 0;
+  std::vector<T> buf;
+  const T* fresh(const T* x, int64_t ldx, int64_t rows, int64_t D) {
+    src = nullptr;
+    return of(x, ldx, rows, D);
+  }
+  const T* of(const T* x, int64_t ldx, int64_t rows, int64_t D) {
+    if constexpr (!std::is_same_v<T, float>) {
+      return nullptr;
+    } else {
+      if (!own_gemm() || x == nullptr || rows <= 0 || D <= 0 || D > 256) return nullptr;
+      if (x != src || rows != n) {
+        ld = (rows + 15) / 16 * 16 + 16;
+        buf.resize(static_cast<size_t>(ld * D));
+        transpose_rows(x, ldx, rows, D, buf.data(), ld);
+        src = x;
+        n = rows;
+      }
+      return buf.data();
+    }
+  }
+};
 
 // Row-major C[M, N] = alpha op(A) op(B) + beta C, op(A) [M, K], op(B) [K, N]; A is stored
 // [M, K] (ta false) or [K, M] (ta true) with leading dimension lda, B likewise. A
@@ -425,7 +461,7 @@ CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, co
 // dst [K, N] (row stride N) <- the transpose of src [N, K] (rows ld apart), in 8 x 8 blocks
 // transposed in registers.
 CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K,
-                                    float* dst) {
+                                    float* dst, int64_t ldd) {
   int64_t n0 = 0;
   for (; n0 + 8 <= N; n0 += 8) {
     int64_t k0 = 0;
@@ -442,17 +478,17 @@ CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int
         r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
         r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
       }
-      float* d = dst + k0 * N + n0;
+      float* d = dst + k0 * ldd + n0;
       for (int c = 0; c < 4; ++c) {  // column c of the 8 rows: dst row k0 + c (and c + 4)
-        _mm256_storeu_ps(d + c * N, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-        _mm256_storeu_ps(d + (c + 4) * N, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+        _mm256_storeu_ps(d + c * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+        _mm256_storeu_ps(d + (c + 4) * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
       }
     }
     for (; k0 < K; ++k0)
-      for (int64_t i = 0; i < 8; ++i) dst[k0 * N + n0 + i] = src[(n0 + i) * ld + k0];
+      for (int64_t i = 0; i < 8; ++i) dst[k0 * ldd + n0 + i] = src[(n0 + i) * ld + k0];
   }
   for (; n0 < N; ++n0)
-    for (int64_t k = 0; k < K; ++k) dst[k * N + n0] = src[n0 * ld + k];
+    for (int64_t k = 0; k < K; ++k) dst[k * ldd + n0] = src[n0 * ld + k];
 }
 
 // Tile products on the broadcast-A kernel above instead of the BLAS, whose call packs both
@@ -461,23 +497,25 @@ CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int
 // band's two: N the head dim) read it in place; those with op(B) = Bᵀ (Q Kᵀ, dO Vᵀ of a key
 // tile, the band's qw rᵀ: K the head dim) transpose it first into the thread's scratch.
 // Returns whether it computed C.
+bool own_gemm() {
+  static const bool on = [] {
+    const char* v = std::getenv("CTXFAST_ATTN_CPU_GEMM");
+    return !(v && std::strcmp(v, "blas") == 0) && has_avx2();
+  }();
+  return on;
+}
+
 bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                    int64_t ldc) {
-  static const bool on = [] {
-    const char* v = std::getenv("CTXFAST_ATTN_CPU_GEMM");
-    return !(v && std::strcmp(v, "blas") == 0);
-  }();
-  if (!on || K <= 0 || !(beta == 0.0f || beta == 1.0f) || !has_avx2()) return false;
+  if (!own_gemm() || K <= 0 || N > 4096 || !(beta == 0.0f || beta == 1.0f)) return false;
   const bool acc = beta != 0.0f;
   if (tb) {
-    if (ta || K > 256 || N > 4096) return false;
+    if (ta || K > 256) return false;
     thread_local std::vector<float> bt;
     bt.resize(static_cast<size_t>(N * K));
-    transpose_rows(B, ldb, N, K, bt.data());
+    transpose_rows(B, ldb, N, K, bt.data(), N);
     bcast_gemm<false>(M, N, K, alpha, A, lda, bt.data(), N, acc, C, ldc);
-  } else if (N > 256) {
-    return false;
   } else if (ta) {
     bcast_gemm<true>(M, N, K, alpha, A, lda, B, ldb, acc, C, ldc);
   } else {
@@ -555,6 +593,8 @@ bool gemm_bcast_rm(bool, bool, int64_t, int64_t, int64_t, float, const float*, i
                    const float*, int64_t, float, float*, int64_t) {
   return false;
 }
+bool own_gemm() { return false; }
+void transpose_rows(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
 #endif
 
 template <typename T>
@@ -735,6 +775,10 @@ struct Head {
   // the position term scale qw_i . r[row], qw_i = q_i + w, row = pos_start - (mem + i - j),
   // of r [R, D]. The biased rows are formed per query block (query_rows), never stored whole.
   const T* r; int64_t ldr; int64_t R; int64_t pos_start;
+  // transposed copies (Transposed above) or nullptr: kt, vt [D, Tk] row stride ldkt, rt
+  // [D, R] row stride ldrt (keys and rows of r as columns)
+  const T* kt; const T* vt; int64_t ldkt;
+  const T* rt; int64_t ldrt;
   const T* u; const T* w;     // r_w_bias, r_r_bias of this head [D]
   T* du; T* dw;               // backward: their gradients [D] (accumulated; zero on entry)
   T* dr;                      // backward: grad of r [R, D], row stride D (zeroed by the task
@@ -925,7 +969,10 @@ int64_t position_band(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t 
   // the rest (rows of r out of range) 0: no pass over the whole band before the GEMMs
   for_each_band_half(bq, [&](int64_t r0, int64_t r1, int64_t c0) {
     const int64_t a = std::max(lo, base + c0);
-    if (a < hi)
+    if (a < hi && h.rt != nullptr)
+      gemm_rm<T>(false, false, r1 - r0, hi - a, h.D, scale, qr.qw + r0 * qr.ldqw, qr.ldqw,
+                 h.rt + a, h.ldrt, T(0), g.data() + r0 * ng + (a - base), ng);
+    else if (a < hi)
       gemm_rm<T>(false, true, r1 - r0, hi - a, h.D, scale, qr.qw + r0 * qr.ldqw, qr.ldqw,
                  h.r + a * h.ldr, h.ldr, T(0), g.data() + r0 * ng + (a - base), ng);
   });
@@ -970,8 +1017,12 @@ void position_band_backward(const Head<T>& h, const QRows<T>& qr, int64_t i0, in
 template <typename T>
 void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, int64_t r0,
                  int64_t j0, int64_t bk, T scale, const T* g, int64_t jb, int64_t ng, T* s) {
-  gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, qr.q + r0 * qr.ldq, qr.ldq,
-             h.k + j0 * h.ldk, h.ldk, T(0), s, bk);
+  if (h.kt != nullptr)
+    gemm_rm<T>(false, false, bq - r0, bk, h.D, scale, qr.q + r0 * qr.ldq, qr.ldq, h.kt + j0,
+               h.ldkt, T(0), s, bk);
+  else
+    gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, qr.q + r0 * qr.ldq, qr.ldq,
+               h.k + j0 * h.ldk, h.ldk, T(0), s, bk);
   if (h.r != nullptr) {
     for (int64_t rr = r0; rr < bq; ++rr) {
       const T* gr = g + rr * ng + (bq - 1 - rr) + (j0 - jb);
@@ -1102,6 +1153,7 @@ void forward_tile(const Head<T>& h, int64_t i0, int64_t block, T scale, T* s, T*
 template <typename T>
 struct BwdScratch {
   std::vector<T> p, dp, f, delta, band, dband;
+  Transposed<T> kt, vt, rt;
   std::vector<T> qbuf, dqb;  // the block's biased query rows [2 bq D]; its dq and dqw [2 bq D]
   std::vector<T> seg;  // [Tq, 3]: per row, sums over the keys of another segment of dS and
                        // of P, and the sum of dS over all keys
@@ -1113,8 +1165,16 @@ struct BwdScratch {
 // query blocks; a block's dq (for rel_attention: d(qu) + d(qw), whose column sums are the
 // biases' gradients) is complete when its key tiles are done and is written once.
 template <typename T>
-void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
-  const int64_t D = h.D;
+void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
+  const int64_t D = head.D;
+  Head<T> h = head;  // with K, V (and r) transposed once for the whole head
+  h.kt = w.kt.fresh(h.k, h.ldk, h.Tk, D);
+  h.vt = w.vt.fresh(h.v, h.ldv, h.Tk, D);
+  h.ldkt = w.kt.ld;  // the same for vt (same rows)
+  if (h.r != nullptr) {
+    h.rt = w.rt.of(h.r, h.ldr, h.R, D);
+    h.ldrt = w.rt.ld;
+  }
   for (int64_t j = 0; j < h.Tk; ++j) {
     std::fill(h.dk + j * h.lddk, h.dk + j * h.lddk + D, T(0));
     std::fill(h.dv + j * h.lddv, h.dv + j * h.lddv + D, T(0));
@@ -1173,8 +1233,11 @@ void backward_head(const Head<T>& h, T scale, BwdScratch<T>& w) {
       }
       // dP = dO_i V_jᵀ, then dS = P (dP - Delta); with dropout (F: the factors, keep / (1 - p))
       // dP = F (dO_i V_jᵀ), dS = P (dP - Delta) and the dropped P F goes to dV
-      gemm_rm<T>(false, true, nr, bk, D, T(1), dout, h.lddo, h.v + j0 * h.ldv, h.ldv, T(0), ds,
-                 bk);
+      if (h.vt != nullptr)
+        gemm_rm<T>(false, false, nr, bk, D, T(1), dout, h.lddo, h.vt + j0, h.ldkt, T(0), ds, bk);
+      else
+        gemm_rm<T>(false, true, nr, bk, D, T(1), dout, h.lddo, h.v + j0 * h.ldv, h.ldv, T(0),
+                   ds, bk);
       const T* delta = w.delta.data() + i0 + r0;
       if (h.p_drop > 0) {
         dropout_tile(h, i0 + r0, nr, j0, bk, w.f.data());
@@ -1267,9 +1330,16 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   parallel_dynamic(n_heads * nqb, [&](const auto& next) {
     std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
     std::vector<T> band(kBlockQ * (kBlockQ + kBlockK)), f(kBlockQ * kBlockK), qbuf;
+    Transposed<T> kt, rt;  // kept while this thread's tasks stay on one head
     for (int64_t t; (t = next()) >= 0;) {
-      const Head<T> h = make(t / nqb);
+      Head<T> h = make(t / nqb);
       const int64_t i0 = (t % nqb) * bq;
+      h.kt = i0 < h.Tq ? kt.of(h.k, h.ldk, h.Tk, h.D) : nullptr;
+      h.ldkt = kt.ld;
+      if (h.r != nullptr) {
+        h.rt = rt.of(h.r, h.ldr, h.R, h.D);
+        h.ldrt = rt.ld;
+      }
       if (h.u != nullptr) qbuf.resize(static_cast<size_t>(2 * kBlockQ * h.D));
       if (i0 < h.Tq)
         forward_tile(h, i0, bq, scale, s.data(), m.data(), l.data(), band, f.data(),
@@ -1469,6 +1539,7 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
       std::vector<T> qs(Tq * D), os(Tq * D), ls(Tq), ks, vs;
       std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ), f(kBlockQ * kBlockK);
       std::vector<T> band, qbuf;
+      Transposed<T> kt;
       for (int64_t t; (t = next()) >= 0;) {
         const int64_t bh = t / runs, b = bh / H, hh = bh % H;
         const int64_t lo = (t % runs) * per, hi = std::min(Tq, lo + per);
@@ -1492,6 +1563,8 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
         h.v = vs.data();
         h.o = os.data();
         h.lse = ls.data();
+        h.kt = kt.fresh(ks.data(), D, kend, D);  // the scratch was refilled
+        h.ldkt = kt.ld;
         for (int64_t i0 = lo; i0 < hi; i0 += bq)
           forward_tile(h, i0, bq, sc, s.data(), m.data(), l.data(), band, f.data(),
                        qbuf.data());
