@@ -439,8 +439,11 @@ template <bool TA>
 CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                                 int64_t lda, const float* B, int64_t ldb, bool acc, float* C,
                                 int64_t ldc) {
-  for (int64_t m0 = 0; m0 < M; m0 += 6) {  // 6 rows of A stay in L1 across the panels
-    const int mr = static_cast<int>(std::min<int64_t>(6, M - m0));
+  // Blocks of 6 rows of A (which stay in L1 across the panels); a remainder of 1 or 2 rows
+  // (half the FMAs per load of B) goes with the last 6 as 4 + 3 or 4 + 4.
+  const int64_t n6 = M % 6 != 0 && M % 6 < 3 && M > 6 ? M / 6 - 1 : M / 6;
+  for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
+    mr = m0 < 6 * n6 ? 6 : std::min<int64_t>(M - m0, M - m0 > 6 ? 4 : 6);
     const float* a = TA ? A + m0 : A + m0 * lda;
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
       const int64_t nv = std::min<int64_t>(16, N - n0);
