@@ -4,6 +4,10 @@ float64 reference is at most twice the eager reference's error in the same dtype
 small floor), forward and every gradient. The kernel's tiles are 64 queries x 128 keys, so
 T = 70, 137 and 200 cross tile edges in both directions.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -101,6 +105,25 @@ def test_masks_with_memory(kind, mem):
 def test_head_dims(D):
     q, k, v = _inputs(1, 2, 19, 140, D)
     check_cpu(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("gemm", ["blas", "own"])
+def test_tile_products_on_either_gemm(gemm):
+    """The tile products run on the BLAS or on the project's AVX2 kernel, chosen once per
+    process from the CPU (with AVX-512: the BLAS), so one machine runs only one of them in
+    the rest of the suite. CTXFAST_ATTN_CPU_GEMM forces either: each runs here in a fresh
+    process over the head dims (partial 16-column panels), every mask with memory (the
+    rank order, the staircase tiles) and rel_attention's band (long rows of r, odd D)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           os.path.join(here, "test_attention_cpu.py") + "::test_head_dims",
+           os.path.join(here, "test_attention_cpu.py") + "::test_masks_with_memory",
+           os.path.join(here, "test_rel_attention_cpu.py") + "::test_transformer_xl_memory",
+           os.path.join(here, "test_rel_attention_cpu.py") + "::test_head_dims"]
+    env = dict(os.environ, CTXFAST_ATTN_CPU_GEMM=gemm)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"CTXFAST_ATTN_CPU_GEMM={gemm}:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
 
 @pytest.mark.parametrize("Tq, Tk, kind", [(1, 1, "none"), (1, 1, "causal"), (1, 40, "causal"),

@@ -144,6 +144,11 @@ void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K, float* d
 // (tasks of one head in a row); fresh() always rebuilds it (a scratch buffer refilled). The
 // row stride is n padded past a multiple of 16 floats: with n a power of two (2048 keys: 8 KB)
 // the kernel's reads down a column all fell in the same L1 sets (measured 3-5 % slower).
+// Queries that share one transposed copy of a head, at least: the copy moves Tk D floats,
+// the products it serves Tq Tk D FMAs each (a decoding step, Tq 1 over 1024 keys, ran at
+// 0.87x SDPA with it, 1.39x without).
+constexpr int64_t kTransposeMinRows = 16;
+
 template <typename T>
 struct Transposed {
   const T* src = nullptr;
@@ -500,10 +505,17 @@ CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int
 // band's two: N the head dim) read it in place; those with op(B) = Bᵀ (Q Kᵀ, dO Vᵀ of a key
 // tile, the band's qw rᵀ: K the head dim) transpose it first into the thread's scratch.
 // Returns whether it computed C.
+bool has_avx512();
+
+// Where the CPU has AVX-512, MKL's sgemm runs 16 lanes wide to this kernel's 8, and an
+// in-place AVX-512 kernel measured slower than MKL there (benchmarks/NOTES.md): the BLAS
+// stays. CTXFAST_ATTN_CPU_GEMM=blas / own forces either (own: where AVX2 and FMA exist).
 bool own_gemm() {
   static const bool on = [] {
     const char* v = std::getenv("CTXFAST_ATTN_CPU_GEMM");
-    return !(v && std::strcmp(v, "blas") == 0) && has_avx2();
+    if (v && std::strcmp(v, "blas") == 0) return false;
+    if (v && std::strcmp(v, "own") == 0) return has_avx2();
+    return has_avx2() && !has_avx512();
   }();
   return on;
 }
@@ -514,7 +526,7 @@ bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
   if (!own_gemm() || K <= 0 || N > 4096 || !(beta == 0.0f || beta == 1.0f)) return false;
   const bool acc = beta != 0.0f;
   if (tb) {
-    if (ta || K > 256) return false;
+    if (ta || K > 256 || M < 8) return false;  // a few rows: the transpose would dominate
     thread_local std::vector<float> bt;
     bt.resize(static_cast<size_t>(N * K));
     transpose_rows(B, ldb, N, K, bt.data(), N);
@@ -1171,10 +1183,11 @@ template <typename T>
 void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
   const int64_t D = head.D;
   Head<T> h = head;  // with K, V (and r) transposed once for the whole head
-  h.kt = w.kt.fresh(h.k, h.ldk, h.Tk, D);
-  h.vt = w.vt.fresh(h.v, h.ldv, h.Tk, D);
+  const bool tr = h.Tq >= kTransposeMinRows;
+  h.kt = tr ? w.kt.fresh(h.k, h.ldk, h.Tk, D) : nullptr;
+  h.vt = tr ? w.vt.fresh(h.v, h.ldv, h.Tk, D) : nullptr;
   h.ldkt = w.kt.ld;  // the same for vt (same rows)
-  if (h.r != nullptr) {
+  if (h.r != nullptr && tr) {
     h.rt = w.rt.of(h.r, h.ldr, h.R, D);
     h.ldrt = w.rt.ld;
   }
@@ -1337,9 +1350,10 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
     for (int64_t t; (t = next()) >= 0;) {
       Head<T> h = make(t / nqb);
       const int64_t i0 = (t % nqb) * bq;
-      h.kt = i0 < h.Tq ? kt.of(h.k, h.ldk, h.Tk, h.D) : nullptr;
+      const bool tr = i0 < h.Tq && h.Tq >= kTransposeMinRows;
+      h.kt = tr ? kt.of(h.k, h.ldk, h.Tk, h.D) : nullptr;
       h.ldkt = kt.ld;
-      if (h.r != nullptr) {
+      if (h.r != nullptr && tr) {
         h.rt = rt.of(h.r, h.ldr, h.R, h.D);
         h.ldrt = rt.ld;
       }
@@ -1566,7 +1580,8 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
         h.v = vs.data();
         h.o = os.data();
         h.lse = ls.data();
-        h.kt = kt.fresh(ks.data(), D, kend, D);  // the scratch was refilled
+        h.kt = hi - lo >= kTransposeMinRows ? kt.fresh(ks.data(), D, kend, D)  // refilled
+                                            : nullptr;
         h.ldkt = kt.ld;
         for (int64_t i0 = lo; i0 < hi; i0 += bq)
           forward_tile(h, i0, bq, sc, s.data(), m.data(), l.data(), band, f.data(),
