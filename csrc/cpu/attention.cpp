@@ -132,8 +132,8 @@ bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, con
 bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                    int64_t ldc);
-// Whether float products run on that kernel (AVX2 and FMA present, CTXFAST_ATTN_CPU_GEMM not
-// "blas"); dst [K, N] (row stride ldd) <- src [N, K] transposed (rows ld apart).
+// Whether float products run on that kernel (own_gemm's rule, at its definition); dst [K, N]
+// (row stride ldd) <- src [N, K] transposed (rows ld apart).
 bool own_gemm();
 void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K, float* dst, int64_t ldd);
 

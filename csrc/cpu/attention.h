@@ -13,8 +13,11 @@
 //   Backward, from lse: p_ij = exp(s_ij - lse_i) (0 where masked and on empty rows),
 //     Delta_i = do_i . o_i, dp_ij = do_i . v_j, ds_ij = p_ij (dp_ij - Delta_i),
 //     dv_j = sum_i p_ij do_i, dk_j = scale sum_i ds_ij q_i, dq_i = scale sum_j ds_ij k_j.
-// The block products are BLAS GEMMs (sgemm_/dgemm_ of the BLAS torch links; a plain loop
-// where none is found); exp is an AVX2/FMA polynomial for float32 where the CPU has it.
+// The block products: float32 on the project's AVX2/FMA kernel (6 x 16 register blocks,
+// operands read in place, K, V and r transposed once per head for the products that take
+// them transposed) where the CPU has AVX2 but not AVX-512; otherwise BLAS GEMMs
+// (sgemm_/dgemm_ of the BLAS torch links; a plain loop where none is found). One-query
+// products run on AVX2 row loops. exp is an AVX2/FMA (or AVX-512) polynomial for float32.
 //
 // Inputs are float32 or float64 (the bindings upcast half types), with unit stride in D.
 #pragma once
