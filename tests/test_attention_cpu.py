@@ -112,18 +112,44 @@ def test_tile_products_on_either_gemm(gemm):
     """The tile products run on the BLAS or on the project's AVX2 kernel, chosen once per
     process from the CPU (with AVX-512: the BLAS), so one machine runs only one of them in
     the rest of the suite. CTXFAST_ATTN_CPU_GEMM forces either: each runs here in a fresh
-    process over the head dims (partial 16-column panels), every mask with memory (the
-    rank order, the staircase tiles) and rel_attention's band (long rows of r, odd D)."""
+    process over the head dims (partial 16-column panels), odd lengths, rows that see no
+    key, every mask with memory (the rank order, the staircase tiles) and rel_attention's
+    band (long rows of r, odd D)."""
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
            os.path.join(here, "test_attention_cpu.py") + "::test_head_dims",
+           os.path.join(here, "test_attention_cpu.py") + "::test_odd_lengths",
+           os.path.join(here, "test_attention_cpu.py") + "::test_rows_that_see_no_key",
            os.path.join(here, "test_attention_cpu.py") + "::test_masks_with_memory",
            os.path.join(here, "test_rel_attention_cpu.py") + "::test_transformer_xl_memory",
            os.path.join(here, "test_rel_attention_cpu.py") + "::test_head_dims"]
     env = dict(os.environ, CTXFAST_ATTN_CPU_GEMM=gemm)
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, f"CTXFAST_ATTN_CPU_GEMM={gemm}:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    assert run.returncode == 0, (f"CTXFAST_ATTN_CPU_GEMM={gemm}:\n{run.stdout[-4000:]}\n"
+                                 f"{run.stderr[-2000:]}")
     assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_gemm_setting_is_checked_before_any_kernel():
+    """A value of CTXFAST_ATTN_CPU_GEMM other than blas / own is refused with a ValueError
+    naming the variable (not silently replaced by the CPU's default), in a fresh process:
+    the setting is read once per process."""
+    code = ("import torch, ctxfast\n"
+            "q = torch.randn(1, 2, 5, 8)\n"
+            "for call in (lambda: ctxfast.attention(q, q, q, backend='cpu'),\n"
+            "             lambda: ctxfast.rel_attention(q, q, q, torch.randn(2, 5, 8),\n"
+            "                 torch.randn(2, 8), torch.randn(2, 8), backend='cpu')):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except ValueError as e:\n"
+            "        assert 'CTXFAST_ATTN_CPU_GEMM' in str(e) and 'mkl' in str(e), str(e)\n"
+            "    else:\n"
+            "        raise SystemExit('no error for CTXFAST_ATTN_CPU_GEMM=mkl')\n"
+            "print('refused')\n")
+    env = dict(os.environ, CTXFAST_ATTN_CPU_GEMM="mkl")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("Tq, Tk, kind", [(1, 1, "none"), (1, 1, "causal"), (1, 40, "causal"),

@@ -11,6 +11,7 @@
 // the band over the key tiles, then two GEMMs give dqw and dr).
 // XLNet permutation masks run in rank order (RankOrder below): about half the tiles.
 #include "cpu/attention.h"
+#include "cpu/tile_avx2.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -30,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -215,6 +217,15 @@ void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
 
 // ---------------------------------------------------------------- row kernels (exp, max)
 
+// CTXFAST_ATTN_CPU_GEMM as the process first read it ("" when unset).
+const std::string& gemm_setting() {
+  static const std::string v = [] {
+    const char* e = std::getenv("CTXFAST_ATTN_CPU_GEMM");
+    return std::string(e != nullptr ? e : "");
+  }();
+  return v;
+}
+
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define CTXFAST_ATTN_AVX2 1
 #define CTXFAST_AVX2_FN __attribute__((target("avx2,fma")))
@@ -379,97 +390,24 @@ bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, con
   return true;
 }
 
-// C[0:MR, 0:nv] = alpha sum_k A(m, k) B[k, 0:nv] (+ C when acc), nv <= 16: A(m, k) is
-// A[m lda + k] (TA false) or A[k lda + m] (TA true), B's rows ldb apart, read in place (no
-// packing: the operands of an attention tile are already in L1/L2). 2 MR accumulators.
-template <int MR, bool TA>
-CTXFAST_AVX2_FN void bcast_kernel(const float* __restrict__ A, int64_t lda,
-                                  const float* __restrict__ B, int64_t ldb, int64_t K,
-                                  float alpha, bool acc, float* __restrict__ C, int64_t ldc,
-                                  int64_t nv) {
-  __m256 c0[MR], c1[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) c0[m] = c1[m] = _mm256_setzero_ps();
-  if (nv == 16) {
-#pragma GCC unroll 2
-    for (int64_t k = 0; k < K; ++k) {
-      const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
-      const __m256 b1 = _mm256_loadu_ps(B + k * ldb + 8);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256 a = _mm256_broadcast_ss(TA ? A + k * lda + m : A + m * lda + k);
-        c0[m] = _mm256_fmadd_ps(a, b0, c0[m]);
-        c1[m] = _mm256_fmadd_ps(a, b1, c1[m]);
-      }
-    }
-  } else {  // masked columns: lanes >= nv are neither read nor written
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nv)), lane);
-    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nv) - 8), lane);
-    for (int64_t k = 0; k < K; ++k) {
-      const __m256 b0 = _mm256_maskload_ps(B + k * ldb, m0);
-      const __m256 b1 = _mm256_maskload_ps(B + k * ldb + 8, m1);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256 a = _mm256_broadcast_ss(TA ? A + k * lda + m : A + m * lda + k);
-        c0[m] = _mm256_fmadd_ps(a, b0, c0[m]);
-        c1[m] = _mm256_fmadd_ps(a, b1, c1[m]);
-      }
-    }
-    const __m256 al = _mm256_set1_ps(alpha);
-    for (int m = 0; m < MR; ++m) {
-      float* cr = C + m * ldc;
-      __m256 y0 = _mm256_mul_ps(al, c0[m]), y1 = _mm256_mul_ps(al, c1[m]);
-      if (acc) {
-        y0 = _mm256_add_ps(y0, _mm256_maskload_ps(cr, m0));
-        y1 = _mm256_add_ps(y1, _mm256_maskload_ps(cr + 8, m1));
-      }
-      _mm256_maskstore_ps(cr, m0, y0);
-      _mm256_maskstore_ps(cr + 8, m1, y1);
-    }
-    return;
-  }
-  const __m256 al = _mm256_set1_ps(alpha);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    float* cr = C + m * ldc;
-    __m256 y0 = _mm256_mul_ps(al, c0[m]), y1 = _mm256_mul_ps(al, c1[m]);
-    if (acc) {
-      y0 = _mm256_add_ps(y0, _mm256_loadu_ps(cr));
-      y1 = _mm256_add_ps(y1, _mm256_loadu_ps(cr + 8));
-    }
-    _mm256_storeu_ps(cr, y0);
-    _mm256_storeu_ps(cr + 8, y1);
-  }
-}
-
+// C [M, N] = alpha op(A) B (+ C when acc) on the shared broadcast-A kernel (tile_avx2.h):
+// blocks of avx2::row_block rows (which stay in L1 across the panels) x 16 columns.
 template <bool TA>
 CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                                 int64_t lda, const float* B, int64_t ldb, bool acc, float* C,
                                 int64_t ldc) {
-  // Blocks of 6 rows of A (which stay in L1 across the panels); a remainder of 1 or 2 rows
-  // (half the FMAs per load of B) goes with the last 6 as 4 + 3 or 4 + 4.
-  const int64_t n6 = M % 6 != 0 && M % 6 < 3 && M > 6 ? M / 6 - 1 : M / 6;
   for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
-    mr = m0 < 6 * n6 ? 6 : std::min<int64_t>(M - m0, M - m0 > 6 ? 4 : 6);
+    mr = avx2::row_block(M, m0);
     const float* a = TA ? A + m0 : A + m0 * lda;
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
-      const int64_t nv = std::min<int64_t>(16, N - n0);
       float* c = C + m0 * ldc + n0;
-      const float* b = B + n0;
-      switch (mr) {
-        case 6: bcast_kernel<6, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
-        case 5: bcast_kernel<5, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
-        case 4: bcast_kernel<4, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
-        case 3: bcast_kernel<3, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
-        case 2: bcast_kernel<2, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
-        default: bcast_kernel<1, TA>(a, lda, b, ldb, K, alpha, acc, c, ldc, nv); break;
-      }
+      avx2::kernel_rows<TA>(mr, a, lda, B + n0, ldb, K, alpha, acc ? c : nullptr, c, ldc,
+                            std::min<int64_t>(16, N - n0), nullptr);
     }
   }
 }
 
-// dst [K, N] (row stride N) <- the transpose of src [N, K] (rows ld apart), in 8 x 8 blocks
+// dst [K, N] (row stride ldd) <- the transpose of src [N, K] (rows ld apart), in 8 x 8 blocks
 // transposed in registers.
 CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K,
                                     float* dst, int64_t ldd) {
@@ -477,23 +415,11 @@ CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int
   for (; n0 + 8 <= N; n0 += 8) {
     int64_t k0 = 0;
     for (; k0 + 8 <= K; k0 += 8) {
-      __m256 r[8], t[8];
+      __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (n0 + i) * ld + k0);
-      for (int i = 0; i < 8; i += 2) {  // rows i, i + 1 interleaved
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {  // columns c and c + 4 of rows i..i + 3
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-      }
+      avx2::transpose8x8(r);
       float* d = dst + k0 * ldd + n0;
-      for (int c = 0; c < 4; ++c) {  // column c of the 8 rows: dst row k0 + c (and c + 4)
-        _mm256_storeu_ps(d + c * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-        _mm256_storeu_ps(d + (c + 4) * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
-      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(d + c * ldd, r[c]);  // dst row k0 + c
     }
     for (; k0 < K; ++k0)
       for (int64_t i = 0; i < 8; ++i) dst[k0 * ldd + n0 + i] = src[(n0 + i) * ld + k0];
@@ -502,26 +428,30 @@ CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int
     for (int64_t k = 0; k < K; ++k) dst[k * ldd + n0] = src[n0 * ld + k];
 }
 
-// Tile products on the broadcast-A kernel above instead of the BLAS, whose call packs both
+bool has_avx512();
+
+
+// Where the CPU has AVX-512, MKL's sgemm runs 16 lanes wide to this kernel's 8, and an
+// in-place AVX-512 kernel measured slower than MKL there (benchmarks/NOTES.md): the BLAS
+// stays. CTXFAST_ATTN_CPU_GEMM=blas / own forces either (own needs AVX2 and FMA); the
+// entry points refuse any other value, and own on a CPU without them, before any kernel
+// runs (check_gemm_setting).
+bool own_gemm() {
+  static const bool on = [] {
+    const std::string& v = gemm_setting();
+    if (v == "blas") return false;
+    if (v == "own") return has_avx2();
+    return has_avx2() && !has_avx512();
+  }();
+  return on;
+}
+
+// Tile products on the shared broadcast-A kernel instead of the BLAS, whose call packs both
 // operands every time (~10 % of a short rel_attention backward's cycles went to MKL's
 // copies): those with a row-major B ([K, N], op(B) = B: P V, Pᵀ dO, dSᵀ Q, dS K and the
 // band's two: N the head dim) read it in place; those with op(B) = Bᵀ (Q Kᵀ, dO Vᵀ of a key
 // tile, the band's qw rᵀ: K the head dim) transpose it first into the thread's scratch.
 // Returns whether it computed C.
-bool has_avx512();
-
-// Where the CPU has AVX-512, MKL's sgemm runs 16 lanes wide to this kernel's 8, and an
-// in-place AVX-512 kernel measured slower than MKL there (benchmarks/NOTES.md): the BLAS
-// stays. CTXFAST_ATTN_CPU_GEMM=blas / own forces either (own: where AVX2 and FMA exist).
-bool own_gemm() {
-  static const bool on = [] {
-    const char* v = std::getenv("CTXFAST_ATTN_CPU_GEMM");
-    if (v && std::strcmp(v, "blas") == 0) return false;
-    if (v && std::strcmp(v, "own") == 0) return has_avx2();
-    return has_avx2() && !has_avx512();
-  }();
-  return on;
-}
 
 bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
@@ -614,6 +544,20 @@ bool gemm_bcast_rm(bool, bool, int64_t, int64_t, int64_t, float, const float*, i
 bool own_gemm() { return false; }
 void transpose_rows(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
 #endif
+
+// CTXFAST_ATTN_CPU_GEMM (read once per process): unset or empty (the CPU decides), "blas",
+// or "own" (needs AVX2 and FMA). Anything else, or own where the CPU lacks them, is a
+// ValueError from every entry point below, before any kernel runs: a forced path is never
+// replaced silently.
+void check_gemm_setting() {
+  const std::string& v = gemm_setting();
+  if (v.empty() || v == "blas") return;
+  TORCH_CHECK_VALUE(v == "own", "CTXFAST_ATTN_CPU_GEMM must be 'blas', 'own' or unset, got '",
+                    v, "'");
+  TORCH_CHECK_VALUE(has_avx2(), "CTXFAST_ATTN_CPU_GEMM=own needs a CPU with AVX2 and FMA, "
+                    "which this one lacks (or CTXFAST_ATTN_CPU_SIMD=off turned them off); "
+                    "unset it or set 'blas'");
+}
 
 template <typename T>
 T row_max(const T* x, int64_t n) {
@@ -1253,7 +1197,8 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
       // dP = dO_i V_jᵀ, then dS = P (dP - Delta); with dropout (F: the factors, keep / (1 - p))
       // dP = F (dO_i V_jᵀ), dS = P (dP - Delta) and the dropped P F goes to dV
       if (h.vt != nullptr)
-        gemm_rm<T>(false, false, nr, bk, D, T(1), dout, h.lddo, h.vt + j0, h.ldkt, T(0), ds, bk);
+        gemm_rm<T>(false, false, nr, bk, D, T(1), dout, h.lddo, h.vt + j0, h.ldkt, T(0), ds,
+                   bk);
       else
         gemm_rm<T>(false, true, nr, bk, D, T(1), dout, h.lddo, h.v + j0 * h.ldv, h.ldv, T(0),
                    ds, bk);
@@ -1680,6 +1625,7 @@ std::tuple<Tensor, Tensor> attention_forward(const Tensor& q, const Tensor& k, c
                                              const Tensor& perm_rank, bool causal,
                                              bool perm_strict, double scale,
                                              const Dropout& dropout) {
+  check_gemm_setting();
   if (!use_rank_order(perm_rank, causal, dropout))
     return attention_forward_impl(q, k, v, key_padding_mask, perm_rank, causal, perm_strict,
                                   scale, dropout);
@@ -1692,6 +1638,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(
     const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
     const Tensor& perm_rank, bool causal, bool perm_strict, double scale,
     const Dropout& dropout) {
+  check_gemm_setting();
   if (!use_rank_order(perm_rank, causal, dropout))
     return attention_backward_impl(grad_out, q, k, v, out, lse, key_padding_mask, perm_rank,
                                    causal, perm_strict, scale, dropout);
@@ -1824,6 +1771,7 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
     const Tensor& v, const Tensor& r, const Tensor& key_padding_mask, const Tensor& perm_rank,
     bool causal, bool perm_strict, int64_t pos_start, int64_t window, double scale,
     const Segments& seg, const Dropout& dropout) {
+  check_gemm_setting();
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
   Tensor out = at::empty({B, H, Tq, D}, q.options());
@@ -1880,6 +1828,7 @@ RelGrads rel_attention_backward(
     const Tensor& key_padding_mask, const Tensor& perm_rank, bool causal, bool perm_strict,
     int64_t pos_start, int64_t window, double scale, const Segments& seg,
     const Dropout& dropout) {
+  check_gemm_setting();
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
   // dq, dk, dv and dr are written (or zeroed) by the task of their head. dr is shared by
@@ -1969,6 +1918,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
                                                     const std::vector<int64_t>& cu_k,
                                                     bool causal, double scale, int64_t max_q,
                                                     int64_t max_k, const Dropout& dropout) {
+  check_gemm_setting();
   const int64_t total_q = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
   Tensor out = at::zeros({total_q, H, D}, q.options());
@@ -2014,6 +1964,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
     const Tensor& out, const Tensor& lse, const std::vector<int64_t>& cu_q,
     const std::vector<int64_t>& cu_k, bool causal, double scale, int64_t max_q, int64_t max_k,
     const Dropout& dropout) {
+  check_gemm_setting();
   const int64_t H = q.size(1), D = q.size(2), total_q = q.size(0);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
   Tensor dq = at::zeros(q.sizes(), q.options());

@@ -9,6 +9,7 @@
 // grad_xw[t] and carries dc; one GEMM gives dh_{t-1} = dz_t @ W. The weight gradients are
 // one GEMM over all steps at the end (dZ^T @ H_prev), not T small ones.
 #include "cpu/lstm.h"
+#include "cpu/tile_avx2.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
@@ -350,78 +351,15 @@ void clip_inplace(S* x, int64_t n, S clip) {
 // thread, B 16 x H 1152 (M 16, N 4608, K 1152): ATen/MKL sgemm 27 GFLOP/s, MKL's packed
 // sgemm (pack once, compute per step) 34 GFLOP/s, against 70-86 GFLOP/s for large GEMMs.
 // So the weight is packed once per call into panels of 16 columns (Bp[panel][k][0..15],
-// contiguous, read once per step from L2/L3) and an AVX2/FMA micro-kernel computes 6 x 16
-// tiles of C with 12 accumulator registers (the classic broadcast-A form): ~60 GFLOP/s on
+// contiguous, read once per step from L2/L3) and the AVX2/FMA micro-kernel the attention
+// kernels share (tile_avx2.h) computes 6 x 16 tiles of C with 12 accumulator registers
+// (the classic broadcast-A form): ~60 GFLOP/s on
 // the same machine and sizes (the forward recurrence of T 70 went from 478 to 236 ms).
 // Used for float32 with M <= kMaxM where the CPU has AVX2 and FMA (checked at run time);
 // ATen's mm otherwise (float64, large batches, other CPUs).
 constexpr int64_t kNR = 16;  // columns per panel (two 8-float registers)
-constexpr int kMR = 6;       // rows of C per micro-tile
 constexpr int64_t kMaxM = 64;  // larger batches: A leaves L2, a library GEMM does better
 
-#ifdef CTXFAST_LSTM_AVX2
-// C[0:MR, 0:16] = Cin + A[0:MR, 0:K] @ Bp[0:K, 0:16] (Cin nullptr: no addend; Cin == C:
-// accumulate in place); A rows lda apart, Cin rows ldc apart like C; only the first
-// `nvalid` columns of C are written. `next` (or nullptr): a panel to prefetch into L2, row k
-// (one 64-byte line) at step k.
-template <int MR>
-CTXFAST_AVX2 void micro_kernel(const float* __restrict__ A, int64_t lda,
-                                const float* __restrict__ Bp, int64_t K, float* __restrict__ C,
-                                int64_t ldc, int64_t nvalid, const float* Cin,
-                                const float* next) {
-  __m256 c0[MR], c1[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    c0[m] = _mm256_setzero_ps();
-    c1[m] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T1);
-    const __m256 b0 = _mm256_load_ps(Bp + k * kNR);
-    const __m256 b1 = _mm256_load_ps(Bp + k * kNR + 8);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 a = _mm256_broadcast_ss(A + m * lda + k);
-      c0[m] = _mm256_fmadd_ps(a, b0, c0[m]);
-      c1[m] = _mm256_fmadd_ps(a, b1, c1[m]);
-    }
-  }
-  if (nvalid == kNR) {
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      float* cr = C + m * ldc;
-      if (Cin != nullptr) {
-        c0[m] = _mm256_add_ps(c0[m], _mm256_loadu_ps(Cin + m * ldc));
-        c1[m] = _mm256_add_ps(c1[m], _mm256_loadu_ps(Cin + m * ldc + 8));
-      }
-      _mm256_storeu_ps(cr, c0[m]);
-      _mm256_storeu_ps(cr + 8, c1[m]);
-    }
-    return;
-  }
-  alignas(32) float tile[kNR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    _mm256_store_ps(tile, c0[m]);
-    _mm256_store_ps(tile + 8, c1[m]);
-    float* cr = C + m * ldc;
-    const float* ci = Cin != nullptr ? Cin + m * ldc : nullptr;
-    for (int64_t n = 0; n < nvalid; ++n) cr[n] = ci != nullptr ? ci[n] + tile[n] : tile[n];
-  }
-}
-
-void micro_dispatch(int mr, const float* A, int64_t lda, const float* Bp, int64_t K, float* C,
-                    int64_t ldc, int64_t nvalid, const float* Cin, const float* next) {
-  switch (mr) {
-    case 6: micro_kernel<6>(A, lda, Bp, K, C, ldc, nvalid, Cin, next); break;
-    case 5: micro_kernel<5>(A, lda, Bp, K, C, ldc, nvalid, Cin, next); break;
-    case 4: micro_kernel<4>(A, lda, Bp, K, C, ldc, nvalid, Cin, next); break;
-    case 3: micro_kernel<3>(A, lda, Bp, K, C, ldc, nvalid, Cin, next); break;
-    case 2: micro_kernel<2>(A, lda, Bp, K, C, ldc, nvalid, Cin, next); break;
-    default: micro_kernel<1>(A, lda, Bp, K, C, ldc, nvalid, Cin, next); break;
-  }
-}
-#endif
 
 #ifdef CTXFAST_LSTM_AVX2
 // One panel of StepGemm's transposed pack for k < K8 (a multiple of 8): dst[k][i] =
@@ -434,7 +372,7 @@ CTXFAST_AVX2 void pack_panel_trans_avx2(const float* src, const float* msk, floa
   const __m256 vs = _mm256_set1_ps(sc);
   for (int64_t k0 = 0; k0 < K8; k0 += 8) {
     for (int64_t half = 0; half < 2; ++half) {
-      __m256 r[8], t[8];
+      __m256 r[8];
       for (int i = 0; i < 8; ++i) {
         const int64_t row = 8 * half + i;
         if (row >= nv) {
@@ -445,21 +383,9 @@ CTXFAST_AVX2 void pack_panel_trans_avx2(const float* src, const float* msk, floa
         r[i] = _mm256_loadu_ps(src + o);
         if (msk != nullptr) r[i] = _mm256_mul_ps(_mm256_mul_ps(r[i], _mm256_loadu_ps(msk + o)), vs);
       }
-      for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {  // columns c and c + 4 of four rows
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-      }
+      avx2::transpose8x8(r);
       float* d = dst + k0 * kNR + 8 * half;
-      for (int c = 0; c < 4; ++c) {  // column c of the 8 rows: dst row k0 + c
-        _mm256_storeu_ps(d + c * kNR, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-        _mm256_storeu_ps(d + (c + 4) * kNR, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
-      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(d + c * kNR, r[c]);  // dst row k0 + c
     }
   }
 }
@@ -565,18 +491,17 @@ class StepGemm {
       // the hardware prefetcher alone left the recurrence at ~56 GFLOP/s per thread at
       // H 1152 against ~90 at H 512 (whose 4 MB stays cached); with it, ~88 (2-core AMD
       // EPYC, T 70, B 16: 97 -> 67-73 ms on 2 threads).
-      // The rows in tiles of near-equal height (M 8: 4 + 4, not 6 + 2): a tile of 2 rows
-      // has 4 accumulators, fewer than the FMA latency needs to keep both FMA pipes busy.
-      const int64_t tiles = (M + kMR - 1) / kMR, mr = (M + tiles - 1) / tiles;
+      // The rows in blocks of avx2::row_block (M 8: 4 + 4, not 6 + 2: a block of 2 rows
+      // has 4 accumulators, fewer than the FMA latency needs to keep both FMA pipes busy).
       at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
           const int64_t n0 = p * kNR, nv = std::min(kNR, N - n0);
           const float* next = p + 1 < end ? bp + (p + 1) * K * kNR : nullptr;
-          for (int64_t m0 = 0; m0 < M; m0 += mr) {
-            micro_dispatch(static_cast<int>(std::min<int64_t>(mr, M - m0)), A + m0 * K, K,
-                           bp + p * K * kNR, K, C + m0 * N + n0, N, nv,
-                           Cin != nullptr ? Cin + m0 * N + n0 : nullptr,
-                           m0 == 0 ? next : nullptr);
+          for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
+            mr = avx2::row_block(M, m0);
+            avx2::kernel_rows<false>(mr, A + m0 * K, K, bp + p * K * kNR, kNR, K, 1.0f,
+                                     Cin != nullptr ? Cin + m0 * N + n0 : nullptr,
+                                     C + m0 * N + n0, N, nv, m0 == 0 ? next : nullptr);
           }
         }
       });
