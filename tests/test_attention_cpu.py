@@ -114,7 +114,7 @@ def test_tile_products_on_either_gemm(gemm):
     the rest of the suite. CTXFAST_ATTN_CPU_GEMM forces either: each runs here in a fresh
     process over the head dims (partial 16-column panels), odd lengths, rows that see no
     key, every mask with memory (the rank order, the staircase tiles) and rel_attention's
-    band (long rows of r, odd D)."""
+    band (long rows of r, odd D, the sliding window)."""
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
            os.path.join(here, "test_attention_cpu.py") + "::test_head_dims",
@@ -122,7 +122,8 @@ def test_tile_products_on_either_gemm(gemm):
            os.path.join(here, "test_attention_cpu.py") + "::test_rows_that_see_no_key",
            os.path.join(here, "test_attention_cpu.py") + "::test_masks_with_memory",
            os.path.join(here, "test_rel_attention_cpu.py") + "::test_transformer_xl_memory",
-           os.path.join(here, "test_rel_attention_cpu.py") + "::test_head_dims"]
+           os.path.join(here, "test_rel_attention_cpu.py") + "::test_head_dims",
+           os.path.join(here, "test_rel_attention_cpu.py") + "::test_long_band_window_slides"]
     env = dict(os.environ, CTXFAST_ATTN_CPU_GEMM=gemm)
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, (f"CTXFAST_ATTN_CPU_GEMM={gemm}:\n{run.stdout[-4000:]}\n"

@@ -4,6 +4,10 @@ and the gradient of q, k, v, r, both biases and, with XLNet's segment term, seg_
 r_s_bias; tolerance: <= 2x the eager error at the same dtype against float64, plus a small
 floor. Tiles are 64 queries x 128 keys, so T = 70, 137, 200 cross their edges. Dropout draws
 the Triton kernels' Philox mask for the same seed."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -184,6 +188,35 @@ def test_causal_diagonal_tiles_segments_dropout(Tq, mem):
     check(B, H, Tq, Tq + mem, 16, seg=True,
           ours_kw=dict(dropout_p=p, generator=torch.Generator().manual_seed(7)),
           ref_kw=dict(dropout_p=p, dropout_mask=keep))
+
+
+@pytest.mark.parametrize("case", ["causal", "bidirectional-padding", "window"])
+def test_long_band_window_slides(case):
+    """A query block's band (bq + Tk - 1 columns) is held in a window of bq + 2 key tiles
+    (320 columns) that slides along it: over 333 keys and more, g and dg slide several times
+    per block, keeping what the rows still read, and dg's columns are flushed into dqw and
+    dr before they leave the window."""
+    if case == "causal":
+        check(1, 2, 130, 130 + 333, 16)
+    elif case == "bidirectional-padding":
+        B, Tq, Tk = 2, 70, 400
+        check(B, 2, Tq, Tk, 16, R=Tk + Tq, causal=False, pos_start=Tk,
+              key_padding_mask=torch.rand(B, Tk) < 0.2)
+    else:
+        check(1, 2, 100, 100 + 350, 16, window=300)
+
+
+def test_band_windows_under_small_tiles():
+    """With 16 x 16 tiles (CTXFAST_ATTN_CPU_TILE, read once per process) the band's window
+    is 48 columns and slides on every other key tile: every mask, memory, window, segment
+    and dtype case of this file runs so in a fresh process."""
+    here = os.path.abspath(__file__)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", here,
+           "-k", "not small_tiles and not opcheck and not gradcheck"]
+    env = dict(os.environ, CTXFAST_ATTN_CPU_TILE="16,16")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    assert "passed" in run.stdout, run.stdout[-2000:]
 
 
 @pytest.mark.parametrize("threads, H", [(1, 2), (2, 4), (2, 1)])

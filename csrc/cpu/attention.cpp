@@ -7,8 +7,9 @@
 // The backward runs one task per (sequence, head), which owns that head's dq, dk, dv (no
 // reduction): per query block, over the forward's key range, it recomputes P from the
 // saved lse and accumulates dV, dK (the tile's key rows) and dQ. rel_attention's position
-// term is one band GEMM per query block in both directions (its gradient is gathered into
-// the band over the key tiles, then two GEMMs give dqw and dr).
+// term comes from the query block's band of r (Band below), formed in chunks as the key
+// tiles reach it and added to S by the score product; its gradient, dS written in place in
+// the band, goes into dqw and dr in chunks as soon as it is complete.
 // XLNet permutation masks run in rank order (RankOrder below): about half the tiles.
 #include "cpu/attention.h"
 #include "cpu/tile_avx2.h"
@@ -140,6 +141,10 @@ bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
 // Whether float products run on that kernel (own_gemm's rule, at its definition); dst [K, N]
 // (row stride ldd) <- src [N, K] transposed (rows ld apart).
 bool own_gemm();
+// C = alpha A B + add on that kernel (gemm_add below). Returns whether it computed C.
+bool gemm_add_own(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                  const float* B, int64_t ldb, const float* add, int64_t ldadd, float* C,
+                  int64_t ldc);
 void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K, float* dst, int64_t ldd);
 
 // A thread's transposed copy [D, n] (row stride ld) of n rows of a head's K, V or r, for the
@@ -379,6 +384,22 @@ CTXFAST_AVX2_FN void gemv_cols_avx2(int64_t N, int64_t K, float alpha, const flo
   }
 }
 
+// C [M, N] = alpha A B + add, all row-major: A [M, K], B [K, N], add [M, N] with its own row
+// stride ldadd (rel_attention passes its position band there, whose diagonal walk is a
+// matrix of row stride one less than the band's). On the own kernel the addend is read
+// where C is stored, with no pass of its own; otherwise a GEMM and then the sum.
+template <typename T>
+void gemm_add(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
+              int64_t ldb, const T* add, int64_t ldadd, T* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if constexpr (std::is_same_v<T, float>) {
+    if (M > 1 && gemm_add_own(M, N, K, alpha, A, lda, B, ldb, add, ldadd, C, ldc)) return;
+  }
+  gemm_rm<T>(false, false, M, N, K, alpha, A, lda, B, ldb, T(0), C, ldc);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] += add[i * ldadd + j];
+}
+
 // MKL's one-row path (its generic sgemv, no Zen kernel) ran a decoding step, B8 H12 Tq 1
 // Tk 512 D64, at 1.46 ms against SDPA's 0.78 (dev machine, 2 threads); both stream K and V.
 bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
@@ -390,19 +411,20 @@ bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, con
   return true;
 }
 
-// C [M, N] = alpha op(A) B (+ C when acc) on the shared broadcast-A kernel (tile_avx2.h):
-// blocks of avx2::row_block rows (which stay in L1 across the panels) x 16 columns.
+// C [M, N] = alpha op(A) B (+ Cin [M, N], rows ldi apart, where not null; Cin == C
+// accumulates) on the shared broadcast-A kernel (tile_avx2.h): blocks of avx2::row_block
+// rows (which stay in L1 across the panels) x 16 columns.
 template <bool TA>
 CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-                                int64_t lda, const float* B, int64_t ldb, bool acc, float* C,
-                                int64_t ldc) {
+                                int64_t lda, const float* B, int64_t ldb, const float* Cin,
+                                int64_t ldi, float* C, int64_t ldc) {
   for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
     mr = avx2::row_block(M, m0);
     const float* a = TA ? A + m0 : A + m0 * lda;
+    const float* ci = Cin != nullptr ? Cin + m0 * ldi : nullptr;
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
-      float* c = C + m0 * ldc + n0;
-      avx2::kernel_rows<TA>(mr, a, lda, B + n0, ldb, K, alpha, acc ? c : nullptr, c, ldc,
-                            std::min<int64_t>(16, N - n0), nullptr);
+      avx2::kernel_rows<TA>(mr, a, lda, B + n0, ldb, K, alpha, ci != nullptr ? ci + n0 : nullptr,
+                            ldi, C + m0 * ldc + n0, ldc, std::min<int64_t>(16, N - n0), nullptr);
     }
   }
 }
@@ -457,18 +479,26 @@ bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                    int64_t ldc) {
   if (!own_gemm() || K <= 0 || N > 4096 || !(beta == 0.0f || beta == 1.0f)) return false;
-  const bool acc = beta != 0.0f;
+  const float* cin = beta != 0.0f ? C : nullptr;
   if (tb) {
     if (ta || K > 256 || M < 8) return false;  // a few rows: the transpose would dominate
     thread_local std::vector<float> bt;
     bt.resize(static_cast<size_t>(N * K));
     transpose_rows(B, ldb, N, K, bt.data(), N);
-    bcast_gemm<false>(M, N, K, alpha, A, lda, bt.data(), N, acc, C, ldc);
+    bcast_gemm<false>(M, N, K, alpha, A, lda, bt.data(), N, cin, ldc, C, ldc);
   } else if (ta) {
-    bcast_gemm<true>(M, N, K, alpha, A, lda, B, ldb, acc, C, ldc);
+    bcast_gemm<true>(M, N, K, alpha, A, lda, B, ldb, cin, ldc, C, ldc);
   } else {
-    bcast_gemm<false>(M, N, K, alpha, A, lda, B, ldb, acc, C, ldc);
+    bcast_gemm<false>(M, N, K, alpha, A, lda, B, ldb, cin, ldc, C, ldc);
   }
+  return true;
+}
+
+bool gemm_add_own(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                  const float* B, int64_t ldb, const float* add, int64_t ldadd, float* C,
+                  int64_t ldc) {
+  if (!own_gemm() || K <= 0 || N > 4096) return false;
+  bcast_gemm<false>(M, N, K, alpha, A, lda, B, ldb, add, ldadd, C, ldc);
   return true;
 }
 
@@ -542,6 +572,10 @@ bool gemm_bcast_rm(bool, bool, int64_t, int64_t, int64_t, float, const float*, i
   return false;
 }
 bool own_gemm() { return false; }
+bool gemm_add_own(int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                  const float*, int64_t, float*, int64_t) {
+  return false;
+}
 void transpose_rows(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
 #endif
 
@@ -895,102 +929,165 @@ int64_t band_needed(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_
   return std::min<int64_t>(std::max<int64_t>(bq + h.mem + i0 - jb, 0), ng);
 }
 
-// Row rr of a position band (layout below) reads from column bq - 1 - rr on, so the band's
-// GEMMs run on two row halves, the first starting bq - bq / 2 columns in: a quarter of the
-// bq x bq triangle that no row reads is not computed. Calls f(first row, end row, first
-// column) per half.
+// Calls f(first row, end row, first column) for the GEMMs of a chunk of a position band
+// (layout below) from column c0 on. Row rr reads from column bq - 1 - rr on, so while c0 is
+// below bq - bq / 2 the chunk runs on two row halves, the first from column bq - bq / 2 (a
+// quarter of the bq x bq triangle that no row reads is not computed); past it, one GEMM
+// over every row.
 template <typename F>
-void for_each_band_half(int64_t bq, F&& f) {
+void for_each_band_part(int64_t bq, int64_t c0, F&& f) {
   const int64_t half = bq >= 64 ? bq / 2 : 0;  // halves of fewer rows: slower GEMMs
-  if (half > 0) f(int64_t(0), half, bq - half);
-  f(half, bq, int64_t(0));
+  if (half > 0 && c0 < bq - half) {
+    f(int64_t(0), half, bq - half);
+    f(half, bq, c0);
+  } else {
+    f(int64_t(0), bq, c0);
+  }
 }
 
 // rel_attention's position term for queries [i0, i0 + bq) against keys [jb, je):
 // s[rr, c] += scale qw_{i0+rr} . r[row], row = pos_start - mem - (i0 + rr) + (j0 + c). The
 // rows one query block needs form a band of ng = bq + (je - jb) - 1 consecutive rows of r
-// starting at base = pos_start - mem - (i0 + bq - 1) + jb, so one GEMM per query block gives
+// starting at base = pos_start - mem - (i0 + bq - 1) + jb, so GEMMs give
 // g[rr, t] = scale qw_{i0+rr} . r[base + t], and the entry of key j0 + c is
 // g[rr, (bq - 1 - rr) + (j0 - jb) + c] (a diagonal walk; no [Tq, Tk] term is stored). Rows
 // of r outside [0, R) only serve pairs that are never visible (rel_attention's check):
-// they count as 0. Only the first band_needed() columns are computed (the rest, which only
-// hidden pairs would read, are 0). Returns base.
+// they count as 0, as do the columns past band_needed() (only hidden pairs read them).
+//
+// g is formed in column chunks as the key tiles reach them (band_extend), and in the
+// backward dg (same layout; each key tile computes its dS in place there) is consumed in
+// chunks as soon as no later tile writes them (band_flush). Both live in windows of W
+// columns (rows W apart) that slide along the band (band_slide_*): a long block's band (64 x
+// 2 k columns at 1 k queries over 1 k memory: 540 KB) is never held whole, what the tiles
+// touch stays in cache and in few pages, and the band's products have the tile products'
+// shapes. Key tile [j0, j0 + bk), rows r0.., reads columns [j0 - jb, (bq - 1 - r0) + (j0 -
+// jb) + bk); row rr of it only from (bq - 1 - rr) + (j0 - jb) on; columns below
+// j0 + bk - jb are final after it.
 template <typename T>
-int64_t position_band(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq,
-                      int64_t jb, int64_t je, T scale, std::vector<T>& g) {
-  const int64_t ng = bq + (je - jb) - 1;
-  const int64_t base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
-  const int64_t lo = std::max<int64_t>(base, 0);
-  const int64_t hi = std::min<int64_t>(base + band_needed(h, i0, bq, jb, ng), h.R);
-  g.resize(static_cast<size_t>(bq * ng));
-  if (lo >= hi) {
-    std::fill(g.begin(), g.end(), T(0));
-    return base;
-  }
-  // columns [lo - base, hi - base) from the GEMMs (less what a half's rows never read),
-  // the rest (rows of r out of range) 0: no pass over the whole band before the GEMMs
-  for_each_band_half(bq, [&](int64_t r0, int64_t r1, int64_t c0) {
-    const int64_t a = std::max(lo, base + c0);
-    if (a < hi && h.rt != nullptr)
-      gemm_rm<T>(false, false, r1 - r0, hi - a, h.D, scale, qr.qw + r0 * qr.ldqw, qr.ldqw,
-                 h.rt + a, h.ldrt, T(0), g.data() + r0 * ng + (a - base), ng);
-    else if (a < hi)
-      gemm_rm<T>(false, true, r1 - r0, hi - a, h.D, scale, qr.qw + r0 * qr.ldqw, qr.ldqw,
-                 h.r + a * h.ldr, h.ldr, T(0), g.data() + r0 * ng + (a - base), ng);
-  });
-  for (int64_t rr = 0; rr < bq; ++rr) {
-    T* row = g.data() + rr * ng;
-    std::fill(row, row + (lo - base), T(0));
-    std::fill(row + (hi - base), row + ng, T(0));
-  }
-  return base;
+struct Band {
+  int64_t ng = 0, base = 0;
+  int64_t lo = 0, hi = 0;  // the columns that meet a row of r in range and are needed
+  int64_t W = 0;           // the windows' width and row stride
+  int64_t g0 = 0;          // g's window: column g0 at its column 0, columns [g0, done) formed
+  int64_t done = 0;
+  int64_t d0 = 0;          // dg's window: column d0 at its column 0
+  int64_t flushed = 0;     // columns [0, flushed) of dg consumed
+  int64_t dend = 0;        // columns [0, dend) of dg written by some tile
+};
+
+// The window is whole (W = ng: no slide) for up to two key tiles past the first.
+template <typename T>
+Band<T> band_of(const Head<T>& h, int64_t i0, int64_t bq, int64_t jb, int64_t je) {
+  Band<T> b;
+  b.ng = bq + (je - jb) - 1;
+  b.base = h.pos_start - h.mem - (i0 + bq - 1) + jb;
+  b.lo = std::max<int64_t>(-b.base, 0);
+  b.hi = std::min<int64_t>(band_needed(h, i0, bq, jb, b.ng), h.R - b.base);
+  b.hi = std::max(b.hi, b.lo);
+  b.W = std::min<int64_t>(b.ng, bq + 2 * kBlockK);
+  return b;
 }
 
-// The band's backward, after every key tile of the query block has added its dS into
-// dg (same layout as g; only its first band_needed() columns are read): dqw [bq, D] =
-// scale dg r_band (written), dr_band += scale dgᵀ qw.
+// Before a key tile that reads g's columns [c_lo, c_hi): where they pass the window, it
+// restarts at c_lo, keeping what the rows still read (row rr: from c_lo + bq - 1 - rr on).
 template <typename T>
-void position_band_backward(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq,
-                            int64_t jb, int64_t ng, int64_t base, T scale, const T* dg,
-                            T* dqw) {
-  const int64_t lo = std::max<int64_t>(base, 0);
-  const int64_t hi = std::min<int64_t>(base + band_needed(h, i0, bq, jb, ng), h.R);
-  if (lo >= hi) {
-    std::fill(dqw, dqw + bq * h.D, T(0));
-    return;
+void band_slide_g(Band<T>& b, int64_t bq, int64_t c_lo, int64_t c_hi, T* g) {
+  if (std::min(c_hi, b.ng) - b.g0 <= b.W) return;
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    const int64_t from = c_lo + (bq - 1 - rr);
+    T* row = g + rr * b.W;
+    if (from < b.done)
+      std::memmove(row + (from - c_lo), row + (from - b.g0), sizeof(T) * (b.done - from));
   }
-  for_each_band_half(bq, [&](int64_t r0, int64_t r1, int64_t c0) {
-    const int64_t a = std::max(lo, base + c0);
-    if (a >= hi) {
-      std::fill(dqw + r0 * h.D, dqw + r1 * h.D, T(0));
-      return;
-    }
-    const T* dgh = dg + r0 * ng + (a - base);  // rows [r0, r1), columns from a - base
-    gemm_rm<T>(false, false, r1 - r0, h.D, hi - a, scale, dgh, ng, h.r + a * h.ldr, h.ldr,
-               T(0), dqw + r0 * h.D, h.D);
-    gemm_rm<T>(true, false, hi - a, h.D, r1 - r0, scale, dgh, ng, qr.qw + r0 * qr.ldqw,
-               qr.ldqw, T(1), h.dr + a * h.D, h.D);
+  b.g0 = c_lo;
+}
+
+// g columns [b.done, upto): from the GEMMs where they meet r (less what a half's rows
+// never read, for_each_band_part), 0 elsewhere.
+template <typename T>
+void band_extend(const Head<T>& h, const QRows<T>& qr, int64_t bq, Band<T>& b, int64_t upto,
+                 T scale, T* g) {
+  upto = std::min(upto, b.ng);
+  if (upto <= b.done) return;
+  const int64_t c0 = b.done, z0 = std::min(b.lo, upto), z1 = std::max(b.hi, c0);
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    if (c0 < z0) std::fill(g + rr * b.W + (c0 - b.g0), g + rr * b.W + (z0 - b.g0), T(0));
+    if (z1 < upto) std::fill(g + rr * b.W + (z1 - b.g0), g + rr * b.W + (upto - b.g0), T(0));
+  }
+  const int64_t e = std::min(upto, b.hi);
+  for_each_band_part(bq, std::max(c0, b.lo), [&](int64_t r0, int64_t r1, int64_t cs) {
+    const int64_t a = std::max(cs, std::max(c0, b.lo));
+    if (a >= e) return;
+    T* out = g + r0 * b.W + (a - b.g0);
+    if (h.rt != nullptr)
+      gemm_rm<T>(false, false, r1 - r0, e - a, h.D, scale, qr.qw + r0 * qr.ldqw, qr.ldqw,
+                 h.rt + b.base + a, h.ldrt, T(0), out, b.W);
+    else
+      gemm_rm<T>(false, true, r1 - r0, e - a, h.D, scale, qr.qw + r0 * qr.ldqw, qr.ldqw,
+                 h.r + (b.base + a) * h.ldr, h.ldr, T(0), out, b.W);
   });
+  b.done = upto;
+}
+
+// The band's backward for dg columns [b.flushed, upto) (complete: every key tile that
+// writes them is done): dqw [bq, D] += scale dg r_band, dr_band += scale dgᵀ qw. Columns
+// that no tile wrote (past dend) are 0 in every row and skipped.
+template <typename T>
+void band_flush(const Head<T>& h, const QRows<T>& qr, int64_t bq, Band<T>& b, int64_t upto,
+                T scale, const T* dg, T* dqw) {
+  upto = std::min(upto, b.ng);
+  if (upto <= b.flushed) return;
+  const int64_t c0 = std::max(b.flushed, b.lo), e = std::min({upto, b.hi, b.dend});
+  for_each_band_part(bq, c0, [&](int64_t r0, int64_t r1, int64_t cs) {
+    const int64_t a = std::max(cs, c0);
+    if (a >= e) return;
+    const T* dgh = dg + r0 * b.W + (a - b.d0);  // rows [r0, r1), columns [a, e)
+    gemm_rm<T>(false, false, r1 - r0, h.D, e - a, scale, dgh, b.W, h.r + (b.base + a) * h.ldr,
+               h.ldr, T(1), dqw + r0 * h.D, h.D);
+    gemm_rm<T>(true, false, e - a, h.D, r1 - r0, scale, dgh, b.W, qr.qw + r0 * qr.ldqw,
+               qr.ldqw, T(1), h.dr + (b.base + a) * h.D, h.D);
+  });
+  b.flushed = upto;
+}
+
+// Before a key tile that writes dg's columns [c_lo, c_hi): where they pass the window, the
+// final columns before c_lo are flushed and the window restarts at c_lo, keeping what the
+// rows hold there (row rr: c_lo up to c_lo + bq - 1 - rr, written by the earlier tiles or
+// the block's leading 0s).
+template <typename T>
+void band_slide_dg(const Head<T>& h, const QRows<T>& qr, int64_t bq, Band<T>& b, int64_t c_lo,
+                   int64_t c_hi, T scale, T* dg, T* dqw) {
+  if (std::min(c_hi, b.ng) - b.d0 <= b.W) return;
+  band_flush(h, qr, bq, b, c_lo, scale, dg, dqw);
+  for (int64_t rr = 0; rr < bq; ++rr) {
+    T* row = dg + rr * b.W;
+    std::memmove(row, row + (c_lo - b.d0), sizeof(T) * (bq - 1 - rr));
+  }
+  b.d0 = c_lo;
 }
 
 // s [bq - r0, bk] (row stride bk) <- the masked scores of queries [i0 + r0, i0 + bq) (rows
 // r0.. of the query block [i0, i0 + bq)) against keys [j0, j0 + bk): scale q kᵀ, plus for
-// rel_attention the position term from the query block's band g (ng columns, keys from jb).
+// rel_attention the position term gt [bq - r0, bk] (rows ldgt apart; added by the product
+// itself where it can).
 template <typename T>
 void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, int64_t r0,
-                 int64_t j0, int64_t bk, T scale, const T* g, int64_t jb, int64_t ng, T* s) {
-  if (h.kt != nullptr)
-    gemm_rm<T>(false, false, bq - r0, bk, h.D, scale, qr.q + r0 * qr.ldq, qr.ldq, h.kt + j0,
-               h.ldkt, T(0), s, bk);
-  else
-    gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, qr.q + r0 * qr.ldq, qr.ldq,
-               h.k + j0 * h.ldk, h.ldk, T(0), s, bk);
-  if (h.r != nullptr) {
-    for (int64_t rr = r0; rr < bq; ++rr) {
-      const T* gr = g + rr * ng + (bq - 1 - rr) + (j0 - jb);
-      T* row = s + (rr - r0) * bk;
-      for (int64_t c = 0; c < bk; ++c) row[c] += gr[c];
+                 int64_t j0, int64_t bk, T scale, const T* gt, int64_t ldgt, T* s) {
+  const T* q = qr.q + r0 * qr.ldq;
+  if (gt != nullptr) {
+    if (h.kt != nullptr) {
+      gemm_add<T>(bq - r0, bk, h.D, scale, q, qr.ldq, h.kt + j0, h.ldkt, gt, ldgt, s, bk);
+    } else {
+      gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, q, qr.ldq, h.k + j0 * h.ldk, h.ldk, T(0),
+                 s, bk);
+      for (int64_t rr = 0; rr < bq - r0; ++rr)
+        for (int64_t c = 0; c < bk; ++c) s[rr * bk + c] += gt[rr * ldgt + c];
     }
+  } else if (h.kt != nullptr) {
+    gemm_rm<T>(false, false, bq - r0, bk, h.D, scale, q, qr.ldq, h.kt + j0, h.ldkt, T(0), s, bk);
+  } else {
+    gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, q, qr.ldq, h.k + j0 * h.ldk, h.ldk, T(0), s,
+               bk);
   }
   if (h.segq != nullptr) {
     for (int64_t rr = r0; rr < bq; ++rr) {
@@ -1070,12 +1167,23 @@ void forward_tile(const Head<T>& h, int64_t i0, int64_t block, T scale, T* s, T*
     std::fill(o + r * h.ldo, o + r * h.ldo + D, T(0));
   }
   const int64_t end = key_end(h, i0, bq), jb = key_begin(h, i0);
-  const int64_t ng = bq + (end - jb) - 1;
   const QRows<T> qr = end > jb ? query_rows(h, i0, bq, qbuf) : QRows<T>{};
-  if (h.r != nullptr && end > jb) position_band(h, qr, i0, bq, jb, end, scale, band);
+  Band<T> pb;
+  if (h.r != nullptr && end > jb) {
+    pb = band_of(h, i0, bq, jb, end);
+    band.resize(static_cast<size_t>(bq * pb.W));
+  }
   for_each_key_tile(h, i0, bq, jb, end, [&](int64_t j0, int64_t bk, int64_t r0) {
     // rows r0.. of the block (the others see none of these keys): s row r - r0
-    scores_tile(h, qr, i0, bq, r0, j0, bk, scale, band.data(), jb, ng, s);
+    const T* gt = nullptr;
+    if (h.r != nullptr) {
+      const int64_t c_lo = j0 - jb, c_hi = (bq - 1 - r0) + c_lo + bk;
+      band_slide_g(pb, bq, c_lo, c_hi, band.data());
+      band_extend(h, qr, bq, pb, c_hi, scale, band.data());
+      // row rr's entries g[rr, (bq - 1 - rr) + c_lo + c]: a matrix of row stride W - 1
+      gt = band.data() + (bq - 1) + (c_lo - pb.g0) + r0 * (pb.W - 1);
+    }
+    scores_tile(h, qr, i0, bq, r0, j0, bk, scale, gt, pb.W - 1, s);
     for (int64_t r = r0; r < bq; ++r) {
       T* row = s + (r - r0) * bk;
       const T m_new = std::max(m[r], row_max(row, bk));
@@ -1157,7 +1265,6 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
   }
   const T inf = std::numeric_limits<T>::infinity();
   T* s = w.p.data();
-  T* ds = w.dp.data();
   if (h.segq != nullptr) w.seg.assign(static_cast<size_t>(3 * h.Tq), T(0));
   for (int64_t i0 = 0; i0 < h.Tq; i0 += kBlockQ) {
     const int64_t bq = std::min(kBlockQ, h.Tq - i0);
@@ -1170,24 +1277,42 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
     }
     const QRows<T> qr = query_rows(h, i0, bq, w.qbuf.data());
     const int64_t ng = bq + (end - jb) - 1;
-    int64_t base = 0;
+    Band<T> pb;
     if (h.r != nullptr) {
-      base = position_band(h, qr, i0, bq, jb, end, scale, w.band);
+      pb = band_of(h, i0, bq, jb, end);
+      w.band.resize(static_cast<size_t>(bq * pb.W));
+      w.dband.resize(static_cast<size_t>(bq * pb.W));
+      std::fill(dqwb, dqwb + bq * D, T(0));
       // Row rr of dg takes dS of key j at column (bq - 1 - rr) + (j - jb): each key tile
-      // below writes its own columns once; the bq - 1 columns no key reaches are 0.
-      w.dband.resize(static_cast<size_t>(bq * ng));
-      for (int64_t rr = 0; rr < bq; ++rr) {
-        T* row = w.dband.data() + rr * ng;
-        std::fill(row, row + (bq - 1 - rr), T(0));
-        std::fill(row + (bq - 1 - rr) + (end - jb), row + ng, T(0));
-      }
+      // below computes its dS there; the bq - 1 - rr columns before are 0 (and those after
+      // its last key, before the last flush)
+      for (int64_t rr = 0; rr < bq; ++rr)
+        std::fill(w.dband.data() + rr * pb.W, w.dband.data() + rr * pb.W + (bq - 1 - rr), T(0));
     }
     for_each_key_tile(h, i0, bq, jb, end, [&](int64_t j0, int64_t bk, int64_t r0) {
       // rows r0.. of the block (the others see none of these keys): s and ds row r - r0.
       // The skipped rows' hidden columns of dg stay unwritten: band_needed() excludes them.
       const int64_t nr = bq - r0;
       const T* dout = h.dout + (i0 + r0) * h.lddo;
-      scores_tile(h, qr, i0, bq, r0, j0, bk, scale, w.band.data(), jb, ng, s);
+      const T* gt = nullptr;
+      if (h.r != nullptr) {
+        const int64_t c_lo = j0 - jb, c_hi = (bq - 1 - r0) + c_lo + bk;
+        band_slide_g(pb, bq, c_lo, c_hi, w.band.data());
+        band_extend(h, qr, bq, pb, c_hi, scale, w.band.data());
+        gt = w.band.data() + (bq - 1) + (c_lo - pb.g0) + r0 * (pb.W - 1);
+        band_slide_dg(h, qr, bq, pb, c_lo, c_hi, scale, w.dband.data(), dqwb);
+        pb.dend = std::max(pb.dend, std::min(c_hi, pb.ng));
+      }
+      // dS [nr, bk] (rows ldds apart): for rel_attention written straight into its place in
+      // dg, dg[rr, (bq - 1 - rr) + (j0 - jb) + c] = dS[rr, c], a matrix of row stride W - 1
+      // (as the tile reads g)
+      T* ds = w.dp.data();
+      int64_t ldds = bk;
+      if (h.r != nullptr) {
+        ds = w.dband.data() + (bq - 1) + (j0 - jb - pb.d0) + r0 * (pb.W - 1);
+        ldds = pb.W - 1;
+      }
+      scores_tile(h, qr, i0, bq, r0, j0, bk, scale, gt, pb.W - 1, s);
       for (int64_t r = r0; r < bq; ++r) {
         T* row = s + (r - r0) * bk;
         const T lse = h.lse[i0 + r];
@@ -1198,27 +1323,27 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
       // dP = F (dO_i V_jᵀ), dS = P (dP - Delta) and the dropped P F goes to dV
       if (h.vt != nullptr)
         gemm_rm<T>(false, false, nr, bk, D, T(1), dout, h.lddo, h.vt + j0, h.ldkt, T(0), ds,
-                   bk);
+                   ldds);
       else
         gemm_rm<T>(false, true, nr, bk, D, T(1), dout, h.lddo, h.v + j0 * h.ldv, h.ldv, T(0),
-                   ds, bk);
+                   ds, ldds);
       const T* delta = w.delta.data() + i0 + r0;
       if (h.p_drop > 0) {
         dropout_tile(h, i0 + r0, nr, j0, bk, w.f.data());
         for (int64_t r = 0; r < nr; ++r) {
           const T* f = w.f.data() + r * bk;
-          for (int64_t c = 0; c < bk; ++c)
-            ds[r * bk + c] = s[r * bk + c] * (ds[r * bk + c] * f[c] - delta[r]);
+          T* dsr = ds + r * ldds;
+          for (int64_t c = 0; c < bk; ++c) dsr[c] = s[r * bk + c] * (dsr[c] * f[c] - delta[r]);
         }
       } else {
-        for (int64_t r = 0; r < nr; ++r) ds_row(s + r * bk, ds + r * bk, bk, delta[r]);
+        for (int64_t r = 0; r < nr; ++r) ds_row(s + r * bk, ds + r * ldds, bk, delta[r]);
       }
       if (h.segq != nullptr) {  // per row: sums of dS and P over the other segment, dS over all
         for (int64_t rr = r0; rr < bq; ++rr) {
           const int64_t sq = h.segq[i0 + rr];
           const int64_t* sk = h.segk + j0;
           const T* prow = s + (rr - r0) * bk;
-          const T* row = ds + (rr - r0) * bk;
+          const T* row = ds + (rr - r0) * ldds;
           T ds_other = 0, p_other = 0, ds_all = 0;
           for (int64_t c = 0; c < bk; ++c) {
             ds_all += row[c];
@@ -1239,15 +1364,14 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
       gemm_rm<T>(true, false, bk, D, nr, T(1), s, bk, dout, h.lddo, T(1), h.dv + j0 * h.lddv,
                  h.lddv);
       // dk_j += scale dSᵀ Q_i ; dq_i += scale dS K_j
-      gemm_rm<T>(true, false, bk, D, nr, scale, ds, bk, qr.q + r0 * qr.ldq, qr.ldq, T(1),
+      gemm_rm<T>(true, false, bk, D, nr, scale, ds, ldds, qr.q + r0 * qr.ldq, qr.ldq, T(1),
                  h.dk + j0 * h.lddk, h.lddk);
-      gemm_rm<T>(false, false, nr, D, bk, scale, ds, bk, h.k + j0 * h.ldk, h.ldk, T(1),
+      gemm_rm<T>(false, false, nr, D, bk, scale, ds, ldds, h.k + j0 * h.ldk, h.ldk, T(1),
                  dqb + r0 * D, D);
-      if (h.r != nullptr) {  // dg[rr, (bq - 1 - rr) + (j0 - jb) + c] = dS[rr, c]
-        for (int64_t rr = r0; rr < bq; ++rr)
-          std::memcpy(w.dband.data() + rr * ng + (bq - 1 - rr) + (j0 - jb),
-                      ds + (rr - r0) * bk, sizeof(T) * bk);
-      }
+      // dg's columns before j0 + bk - jb are complete: their share of dqw and dr, in chunks
+      // of at least half a key tile
+      if (h.r != nullptr && j0 + bk - jb - pb.flushed >= kBlockK / 2)
+        band_flush(h, qr, bq, pb, j0 + bk - jb, scale, w.dband.data(), dqwb);
     });
     T* dq = h.dq + i0 * h.lddq;
     if (h.r == nullptr) {
@@ -1255,7 +1379,13 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
         std::copy(dqb + rr * D, dqb + (rr + 1) * D, dq + rr * h.lddq);
       continue;
     }
-    position_band_backward(h, qr, i0, bq, jb, ng, base, scale, w.dband.data(), dqwb);
+    // the columns after each row's last key (up to the last any row wrote) are 0
+    for (int64_t rr = 0; rr < bq; ++rr) {
+      const int64_t c1 = std::min(pb.dend, pb.hi);
+      for (int64_t c = std::max((bq - 1 - rr) + (end - jb), pb.flushed); c < c1; ++c)
+        w.dband[rr * pb.W + (c - pb.d0)] = T(0);
+    }
+    band_flush(h, qr, bq, pb, ng, scale, w.dband.data(), dqwb);
     for (int64_t rr = 0; rr < bq; ++rr) {  // d(u) += sum d(qu), d(w) += sum d(qw), dq = both
       const T* a = dqb + rr * D;
       const T* c = dqwb + rr * D;

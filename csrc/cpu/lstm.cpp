@@ -500,7 +500,7 @@ class StepGemm {
           for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
             mr = avx2::row_block(M, m0);
             avx2::kernel_rows<false>(mr, A + m0 * K, K, bp + p * K * kNR, kNR, K, 1.0f,
-                                     Cin != nullptr ? Cin + m0 * N + n0 : nullptr,
+                                     Cin != nullptr ? Cin + m0 * N + n0 : nullptr, N,
                                      C + m0 * N + n0, N, nv, m0 == 0 ? next : nullptr);
           }
         }

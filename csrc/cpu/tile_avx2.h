@@ -18,18 +18,18 @@ namespace cpu {
 namespace avx2 {
 
 // C[0:MR, 0:nv] = alpha sum_k A(m, k) B[k, 0:nv], plus Cin[0:MR, 0:nv] where Cin is not
-// null (Cin == C accumulates in place), nv <= 16. A(m, k) is A[m lda + k] (TA false) or
-// A[k lda + m] (TA true); B's rows are ldb apart and read in place (a packed 16-column
-// panel: ldb 16); Cin's rows are ldc apart, as C's. Lanes past nv are neither read nor
-// written. `next` (or nullptr): another B of the same layout to prefetch into L2, row k at
+// null (Cin == C, ldi == ldc accumulates in place), nv <= 16. A(m, k) is A[m lda + k] (TA
+// false) or A[k lda + m] (TA true); B's rows are ldb apart and read in place (a packed
+// 16-column panel: ldb 16); Cin's rows are ldi apart, C's ldc. Lanes past nv are neither
+// read nor written. `next` (or nullptr): another B of the same layout to prefetch into L2, row k at
 // step k. 2 MR accumulator registers (the classic broadcast-A form). FULL (nv == 16) and PF
 // (next != nullptr) are template arguments so that the k loop tests neither (a run-time
 // test there cost ~10 % of an attention call).
 template <int MR, bool TA, bool FULL, bool PF>
 CTXFAST_TILE_FN inline void kernel(const float* __restrict__ A, int64_t lda,
                                    const float* __restrict__ B, int64_t ldb, int64_t K,
-                                   float alpha, const float* Cin, float* C, int64_t ldc,
-                                   int64_t nv, const float* next) {
+                                   float alpha, const float* Cin, int64_t ldi, float* C,
+                                   int64_t ldc, int64_t nv, const float* next) {
   __m256 c0[MR], c1[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) c0[m] = c1[m] = _mm256_setzero_ps();
@@ -61,15 +61,15 @@ CTXFAST_TILE_FN inline void kernel(const float* __restrict__ A, int64_t lda,
     __m256 y0 = _mm256_mul_ps(al, c0[m]), y1 = _mm256_mul_ps(al, c1[m]);
     if constexpr (FULL) {
       if (Cin != nullptr) {
-        y0 = _mm256_add_ps(y0, _mm256_loadu_ps(Cin + m * ldc));
-        y1 = _mm256_add_ps(y1, _mm256_loadu_ps(Cin + m * ldc + 8));
+        y0 = _mm256_add_ps(y0, _mm256_loadu_ps(Cin + m * ldi));
+        y1 = _mm256_add_ps(y1, _mm256_loadu_ps(Cin + m * ldi + 8));
       }
       _mm256_storeu_ps(cr, y0);
       _mm256_storeu_ps(cr + 8, y1);
     } else {
       if (Cin != nullptr) {
-        y0 = _mm256_add_ps(y0, _mm256_maskload_ps(Cin + m * ldc, m0));
-        y1 = _mm256_add_ps(y1, _mm256_maskload_ps(Cin + m * ldc + 8, m1));
+        y0 = _mm256_add_ps(y0, _mm256_maskload_ps(Cin + m * ldi, m0));
+        y1 = _mm256_add_ps(y1, _mm256_maskload_ps(Cin + m * ldi + 8, m1));
       }
       _mm256_maskstore_ps(cr, m0, y0);
       _mm256_maskstore_ps(cr + 8, m1, y1);
@@ -79,31 +79,31 @@ CTXFAST_TILE_FN inline void kernel(const float* __restrict__ A, int64_t lda,
 
 template <int MR, bool TA>
 CTXFAST_TILE_FN inline void kernel_mr(const float* A, int64_t lda, const float* B, int64_t ldb,
-                                      int64_t K, float alpha, const float* Cin, float* C,
-                                      int64_t ldc, int64_t nv, const float* next) {
+                                      int64_t K, float alpha, const float* Cin, int64_t ldi,
+                                      float* C, int64_t ldc, int64_t nv, const float* next) {
   if (nv == 16 && next != nullptr)
-    kernel<MR, TA, true, true>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next);
+    kernel<MR, TA, true, true>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next);
   else if (nv == 16)
-    kernel<MR, TA, true, false>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next);
+    kernel<MR, TA, true, false>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next);
   else if (next != nullptr)
-    kernel<MR, TA, false, true>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next);
+    kernel<MR, TA, false, true>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next);
   else
-    kernel<MR, TA, false, false>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next);
+    kernel<MR, TA, false, false>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next);
 }
 
 // kernel<mr, TA, ...> for a run-time mr in [1, 6], nv and next.
 template <bool TA>
 CTXFAST_TILE_FN inline void kernel_rows(int64_t mr, const float* A, int64_t lda,
                                         const float* B, int64_t ldb, int64_t K, float alpha,
-                                        const float* Cin, float* C, int64_t ldc, int64_t nv,
-                                        const float* next) {
+                                        const float* Cin, int64_t ldi, float* C, int64_t ldc,
+                                        int64_t nv, const float* next) {
   switch (mr) {
-    case 6: kernel_mr<6, TA>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next); break;
-    case 5: kernel_mr<5, TA>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next); break;
-    case 4: kernel_mr<4, TA>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next); break;
-    case 3: kernel_mr<3, TA>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next); break;
-    case 2: kernel_mr<2, TA>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next); break;
-    default: kernel_mr<1, TA>(A, lda, B, ldb, K, alpha, Cin, C, ldc, nv, next); break;
+    case 6: kernel_mr<6, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next); break;
+    case 5: kernel_mr<5, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next); break;
+    case 4: kernel_mr<4, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next); break;
+    case 3: kernel_mr<3, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next); break;
+    case 2: kernel_mr<2, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next); break;
+    default: kernel_mr<1, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, nv, next); break;
   }
 }
 
