@@ -1421,14 +1421,20 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   if (n_heads == 0 || max_tq == 0) return;
   const int64_t bq = forward_block_q(max_tq, make(0).causal, n_heads);
   const int64_t nqb = cdiv(max_tq, bq);
-  parallel_dynamic(n_heads * nqb, [&](const auto& next) {
+  // A task takes a run of a head's query blocks: the whole head where there are heads
+  // enough to keep every thread busy (4 tasks a thread), so that one thread transposes
+  // the head's K (and r) once, where with one block a task the threads took turns on each
+  // head and both transposed it.
+  const int64_t runs = std::min(nqb, cdiv(4 * at::get_num_threads(), n_heads));
+  const int64_t per = cdiv(nqb, runs);  // query blocks per task
+  parallel_dynamic(n_heads * runs, [&](const auto& next) {
     std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
     std::vector<T> band(kBlockQ * (kBlockQ + kBlockK)), f(kBlockQ * kBlockK), qbuf;
     Transposed<T> kt, rt;  // kept while this thread's tasks stay on one head
     for (int64_t t; (t = next()) >= 0;) {
-      Head<T> h = make(t / nqb);
-      const int64_t i0 = (t % nqb) * bq;
-      const bool tr = i0 < h.Tq && h.Tq >= kTransposeMinRows;
+      Head<T> h = make(t / runs);
+      const int64_t b0 = (t % runs) * per;
+      const bool tr = b0 * bq < h.Tq && h.Tq >= kTransposeMinRows;
       h.kt = tr ? kt.of(h.k, h.ldk, h.Tk, h.D) : nullptr;
       h.ldkt = kt.ld;
       if (h.r != nullptr && tr) {
@@ -1436,7 +1442,7 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
         h.ldrt = rt.ld;
       }
       if (h.u != nullptr) qbuf.resize(static_cast<size_t>(2 * kBlockQ * h.D));
-      if (i0 < h.Tq)
+      for (int64_t i0 = b0 * bq; i0 < std::min(h.Tq, (b0 + per) * bq); i0 += bq)
         forward_tile(h, i0, bq, scale, s.data(), m.data(), l.data(), band, f.data(),
                      qbuf.data());
     }
