@@ -139,13 +139,15 @@ bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                    int64_t ldc);
 // Whether float products run on that kernel (own_gemm's rule, at its definition); dst [K, N]
-// (row stride ldd) <- src [N, K] transposed (rows ld apart).
+// (row stride ldd) <- src [N, K] transposed (rows ld apart; row n is src's row idx[n] where
+// idx is given).
 bool own_gemm();
 // C = alpha A B + add on that kernel (gemm_add below). Returns whether it computed C.
 bool gemm_add_own(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
                   const float* B, int64_t ldb, const float* add, int64_t ldadd, float* C,
                   int64_t ldc);
-void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K, float* dst, int64_t ldd);
+void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K, float* dst, int64_t ldd,
+                    const int64_t* idx = nullptr);
 
 // A thread's transposed copy [D, n] (row stride ld) of n rows of a head's K, V or r, for the
 // products that take them as Bᵀ (Q Kᵀ, dO Vᵀ, qw rᵀ), which then read a row-major B instead
@@ -167,6 +169,19 @@ struct Transposed {
   const T* fresh(const T* x, int64_t ldx, int64_t rows, int64_t D) {
     src = nullptr;
     return of(x, ldx, rows, D);
+  }
+  // rows idx[0..rows) of x (row stride ldx), gathered as they are transposed
+  const T* gathered(const T* x, int64_t ldx, const int64_t* idx, int64_t rows, int64_t D) {
+    src = nullptr;
+    if constexpr (!std::is_same_v<T, float>) {
+      return nullptr;
+    } else {
+      if (!own_gemm() || x == nullptr || rows <= 0 || D <= 0 || D > 256) return nullptr;
+      ld = (rows + 15) / 16 * 16 + 16;
+      buf.resize(static_cast<size_t>(ld * D));
+      transpose_rows(x, ldx, rows, D, buf.data(), ld, idx);
+      return buf.data();
+    }
   }
   const T* of(const T* x, int64_t ldx, int64_t rows, int64_t D) {
     if constexpr (!std::is_same_v<T, float>) {
@@ -429,25 +444,30 @@ CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, co
   }
 }
 
-// dst [K, N] (row stride ldd) <- the transpose of src [N, K] (rows ld apart), in 8 x 8 blocks
-// transposed in registers.
+// dst [K, N] (row stride ldd) <- the transpose of src [N, K] (rows ld apart; row n is src's
+// row idx[n] where idx is given: a gather), in 8 x 8 blocks transposed in registers.
 CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K,
-                                    float* dst, int64_t ldd) {
+                                    float* dst, int64_t ldd, const int64_t* idx) {
+  auto row = [&](int64_t n) { return src + (idx != nullptr ? idx[n] : n) * ld; };
   int64_t n0 = 0;
   for (; n0 + 8 <= N; n0 += 8) {
+    const float* x[8];
+    for (int i = 0; i < 8; ++i) x[i] = row(n0 + i);
     int64_t k0 = 0;
     for (; k0 + 8 <= K; k0 += 8) {
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (n0 + i) * ld + k0);
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x[i] + k0);
       avx2::transpose8x8(r);
       float* d = dst + k0 * ldd + n0;
       for (int c = 0; c < 8; ++c) _mm256_storeu_ps(d + c * ldd, r[c]);  // dst row k0 + c
     }
     for (; k0 < K; ++k0)
-      for (int64_t i = 0; i < 8; ++i) dst[k0 * ldd + n0 + i] = src[(n0 + i) * ld + k0];
+      for (int64_t i = 0; i < 8; ++i) dst[k0 * ldd + n0 + i] = x[i][k0];
   }
-  for (; n0 < N; ++n0)
-    for (int64_t k = 0; k < K; ++k) dst[k * ldd + n0] = src[n0 * ld + k];
+  for (; n0 < N; ++n0) {
+    const float* x = row(n0);
+    for (int64_t k = 0; k < K; ++k) dst[k * ldd + n0] = x[k];
+  }
 }
 
 bool has_avx512();
@@ -576,7 +596,7 @@ bool gemm_add_own(int64_t, int64_t, int64_t, float, const float*, int64_t, const
                   const float*, int64_t, float*, int64_t) {
   return false;
 }
-void transpose_rows(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
+void transpose_rows(const float*, int64_t, int64_t, int64_t, float*, int64_t, const int64_t*) {}
 #endif
 
 // CTXFAST_ATTN_CPU_GEMM (read once per process): unset or empty (the CPU decides), "blas",
@@ -757,6 +777,7 @@ struct Head {
   T* o;        int64_t ldo;   // out [Tq, D] (forward: written; backward: read)
   T* lse;                     // [Tq], unit stride
   const T* dout; int64_t lddo;  // backward: grad of out [Tq, D]
+  const T* delta;             // backward: [Tq] rowsum(dout o), or nullptr (from dout and o)
   T* dq; int64_t lddq;        // backward outputs: dq written, dk and dv zeroed by the task
   T* dk; int64_t lddk;        // then accumulated
   T* dv; int64_t lddv;
@@ -1240,7 +1261,8 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
   Head<T> h = head;  // with K, V (and r) transposed once for the whole head
   const bool tr = h.Tq >= kTransposeMinRows;
   h.kt = tr ? w.kt.fresh(h.k, h.ldk, h.Tk, D) : nullptr;
-  h.vt = tr ? w.vt.fresh(h.v, h.ldv, h.Tk, D) : nullptr;
+  if (head.vt == nullptr)  // else the caller's (with the same row stride: same rows)
+    h.vt = tr ? w.vt.fresh(h.v, h.ldv, h.Tk, D) : nullptr;
   h.ldkt = w.kt.ld;  // the same for vt (same rows)
   if (h.r != nullptr && tr) {
     h.rt = w.rt.of(h.r, h.ldr, h.R, D);
@@ -1257,6 +1279,10 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
   T* dqwb = dqb + kBlockQ * D;        // [bq, D]: d(qw)
   w.delta.resize(std::max<int64_t>(h.Tq, 1));
   for (int64_t i = 0; i < h.Tq; ++i) {
+    if (h.delta != nullptr) {
+      w.delta[i] = h.delta[i];
+      continue;
+    }
     const T* a = h.dout + i * h.lddo;
     const T* b = h.o + i * h.ldo;
     T acc = 0;
@@ -1524,11 +1550,12 @@ void set_segments(Head<T>& h, const Segments& seg, int64_t b, int64_t bh, int64_
 struct RankOrder {
   int64_t B, Tq, mem;
   std::vector<int64_t> order;  // [B, Tq]: sorted place -> original row
+  std::vector<int64_t> keys;   // [B, Tk]: sorted key -> original key (memory keys stay)
   at::Tensor rank;             // [B, Tq] int64: the ranks in sorted order
 
   RankOrder(const at::Tensor& perm_rank, int64_t Tk)
       : B(perm_rank.size(0)), Tq(perm_rank.size(1)), mem(Tk - perm_rank.size(1)),
-        order(B * Tq), rank(at::empty({B, Tq}, perm_rank.options())) {
+        order(B * Tq), keys(B * Tk), rank(at::empty({B, Tq}, perm_rank.options())) {
     const int64_t* r = perm_rank.const_data_ptr<int64_t>();
     int64_t* rs = rank.mutable_data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
@@ -1537,6 +1564,7 @@ struct RankOrder {
       const int64_t* rb = r + b * Tq;
       std::stable_sort(o, o + Tq, [rb](int64_t x, int64_t y) { return rb[x] < rb[y]; });
       for (int64_t t = 0; t < Tq; ++t) rs[b * Tq + t] = rb[o[t]];
+      for (int64_t j = 0; j < Tk; ++j) keys[b * Tk + j] = key(b, j);
     }
   }
   // Original row of sorted query t of sequence b; of sorted key j (memory keys stay).
@@ -1656,17 +1684,20 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
         const T* qh = q.const_data_ptr<T>() + b * q.stride(0) + hh * q.stride(1);
         auto key = [&](int64_t j) { return o.key(b, j); };
         auto query = [&](int64_t i) { return o.query(b, i); };
-        gather_rows(ks.data(), kh, k.stride(2), 0, kend, D, key);
+        // K only as its transposed copy where the products take that (gathered as it is
+        // transposed: one pass over the rows), else in rank order as it is
+        h.kt = hi - lo >= kTransposeMinRows
+                   ? kt.gathered(kh, k.stride(2), o.keys.data() + b * Tk, kend, D)
+                   : nullptr;
+        h.ldkt = kt.ld;
+        if (h.kt == nullptr) gather_rows(ks.data(), kh, k.stride(2), 0, kend, D, key);
         gather_rows(vs.data(), vh, v.stride(2), 0, kend, D, key);
         gather_rows(qs.data(), qh, q.stride(2), lo, hi, D, query);
         h.q = qs.data();
-        h.k = ks.data();
+        h.k = h.kt == nullptr ? ks.data() : nullptr;
         h.v = vs.data();
         h.o = os.data();
         h.lse = ls.data();
-        h.kt = hi - lo >= kTransposeMinRows ? kt.fresh(ks.data(), D, kend, D)  // refilled
-                                            : nullptr;
-        h.ldkt = kt.ld;
         for (int64_t i0 = lo; i0 < hi; i0 += bq)
           forward_tile(h, i0, bq, sc, s.data(), m.data(), l.data(), band, f.data(),
                        qbuf.data());
@@ -1699,9 +1730,10 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
     using T = scalar_t;
     const T sc = static_cast<T>(scale);
     parallel_dynamic(B * H, [&](const auto& next) {
-      // [Tq, D] each: q, out, dout, dq; [Tk, D] each: k, v, dk, dv; [Tq]: lse
-      std::vector<T> qs(Tq * D), os(Tq * D), dos(Tq * D), dqs(Tq * D);
-      std::vector<T> ks(Tk * D), vs(Tk * D), dks(Tk * D), dvs(Tk * D), ls(Tq);
+      // [Tq, D] each: q, dout, dq; [Tk, D] each: k, v, dk, dv; [Tq]: lse, Delta
+      std::vector<T> qs(Tq * D), dos(Tq * D), dqs(Tq * D);
+      std::vector<T> ks(Tk * D), vs(Tk * D), dks(Tk * D), dvs(Tk * D), ls(Tq), delta(Tq);
+      Transposed<T> vt;
       BwdScratch<T> w;
       w.p.resize(kBlockQ * kBlockK);
       w.dp.resize(kBlockQ * kBlockK);
@@ -1714,17 +1746,32 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
           return x.const_data_ptr<T>() + b * x.stride(0) + hh * x.stride(1);
         };
         gather_rows(qs.data(), at_head(q), q.stride(2), 0, Tq, D, query);
-        gather_rows(os.data(), at_head(out), out.stride(2), 0, Tq, D, query);
         gather_rows(dos.data(), at_head(grad_out), grad_out.stride(2), 0, Tq, D, query);
         gather_rows(ks.data(), at_head(k), k.stride(2), 0, Tk, D, key);
-        gather_rows(vs.data(), at_head(v), v.stride(2), 0, Tk, D, key);
         const T* lh = at_head(lse);
         for (int64_t i = 0; i < Tq; ++i) ls[i] = lh[query(i) * lse.stride(2)];
         Head<T> h = sorted_head<T>(o, b, Tk, D, kpm, ends, strict);
+        // out only for Delta_i = dO_i . O_i, which the original order gives as well; V only
+        // as its transposed copy where the products take that (backward_head's rule),
+        // gathered as it is transposed
+        const T* oh = at_head(out);
+        const T* gh = at_head(grad_out);
+        for (int64_t i = 0; i < Tq; ++i) {
+          const T* x = oh + query(i) * out.stride(2);
+          const T* y = gh + query(i) * grad_out.stride(2);
+          T acc = 0;
+          for (int64_t d = 0; d < D; ++d) acc += x[d] * y[d];
+          delta[i] = acc;
+        }
+        h.delta = delta.data();
+        h.vt = Tq >= kTransposeMinRows
+                   ? vt.gathered(at_head(v), v.stride(2), o.keys.data() + b * Tk, Tk, D)
+                   : nullptr;
+        if (h.vt == nullptr) gather_rows(vs.data(), at_head(v), v.stride(2), 0, Tk, D, key);
         h.q = qs.data();
         h.k = ks.data();
-        h.v = vs.data();
-        h.o = os.data();
+        h.v = h.vt == nullptr ? vs.data() : nullptr;
+        h.o = nullptr;
         h.dout = dos.data();
         h.lse = ls.data();
         h.dq = dqs.data();
