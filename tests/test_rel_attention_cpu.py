@@ -199,9 +199,12 @@ def test_long_band_window_slides(case):
     if case == "causal":
         check(1, 2, 130, 130 + 333, 16)
     elif case == "bidirectional-padding":
-        B, Tq, Tk = 2, 70, 400
-        check(B, 2, Tq, Tk, 16, R=Tk + Tq, causal=False, pos_start=Tk,
-              key_padding_mask=torch.rand(B, Tk) < 0.2)
+        B, Tq, Tk = 3, 70, 400
+        kpm = torch.rand(B, Tk) < 0.2
+        kpm[1] = True  # a sequence whose rows see no key: out and its gradients 0
+        out, g = check(B, 2, Tq, Tk, 16, R=Tk + Tq, causal=False, pos_start=Tk,
+                       key_padding_mask=kpm)
+        assert (out[1] == 0).all() and (g[0][1] == 0).all() and (g[1][1] == 0).all()
     else:
         check(1, 2, 100, 100 + 350, 16, window=300)
 

@@ -402,18 +402,20 @@ CTXFAST_AVX2_FN void gemv_cols_avx2(int64_t N, int64_t K, float alpha, const flo
   }
 }
 
-// C [M, N] = alpha A B + add, all row-major: A [M, K], B [K, N], add [M, N] with its own row
-// stride ldadd (rel_attention passes its position band there, whose diagonal walk is a
-// matrix of row stride one less than the band's). On the own kernel the addend is read
-// where C is stored, with no pass of its own; otherwise a GEMM and then the sum.
+// C [M, N] = alpha A op(B) + add, all row-major: A [M, K], op(B) [K, N] (B stored [K, N],
+// or [N, K] with tb), add [M, N] with its own row stride ldadd (rel_attention passes its
+// position band there, whose diagonal walk is a matrix of row stride one less than the
+// band's). On the own kernel with a row-major B the addend is read where C is stored, with
+// no pass of its own; otherwise a GEMM and then the sum.
 template <typename T>
-void gemm_add(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
-              int64_t ldb, const T* add, int64_t ldadd, T* C, int64_t ldc) {
+void gemm_add(bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
+              const T* B, int64_t ldb, const T* add, int64_t ldadd, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if constexpr (std::is_same_v<T, float>) {
-    if (M > 1 && gemm_add_own(M, N, K, alpha, A, lda, B, ldb, add, ldadd, C, ldc)) return;
+    if (!tb && M > 1 && gemm_add_own(M, N, K, alpha, A, lda, B, ldb, add, ldadd, C, ldc))
+      return;
   }
-  gemm_rm<T>(false, false, M, N, K, alpha, A, lda, B, ldb, T(0), C, ldc);
+  gemm_rm<T>(false, tb, M, N, K, alpha, A, lda, B, ldb, T(0), C, ldc);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] += add[i * ldadd + j];
 }
@@ -508,11 +510,11 @@ bool gemm_bcast_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alph
     if (M <= 16 && M < K && cin == nullptr) {
       // fewer rows than the head dim: Cᵀ [N, M] = B [N, K] Aᵀ, then Cᵀ transposed, moves
       // M K + N M floats where transposing B moves N K
-      thread_local std::vector<float> at, ct;
-      at.resize(static_cast<size_t>(K * M));
+      thread_local std::vector<float> a_t, ct;
+      a_t.resize(static_cast<size_t>(K * M));
       ct.resize(static_cast<size_t>(N * M));
-      transpose_rows(A, lda, M, K, at.data(), M);  // [K, M]
-      bcast_gemm<false>(N, M, K, alpha, B, ldb, at.data(), M, nullptr, 0, ct.data(), M);
+      transpose_rows(A, lda, M, K, a_t.data(), M);  // [K, M]
+      bcast_gemm<false>(N, M, K, alpha, B, ldb, a_t.data(), M, nullptr, 0, ct.data(), M);
       transpose_rows(ct.data(), M, N, M, C, ldc);  // C [M, N]
       return true;
     }
@@ -1110,14 +1112,11 @@ void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, i
                  int64_t j0, int64_t bk, T scale, const T* gt, int64_t ldgt, T* s) {
   const T* q = qr.q + r0 * qr.ldq;
   if (gt != nullptr) {
-    if (h.kt != nullptr) {
-      gemm_add<T>(bq - r0, bk, h.D, scale, q, qr.ldq, h.kt + j0, h.ldkt, gt, ldgt, s, bk);
-    } else {
-      gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, q, qr.ldq, h.k + j0 * h.ldk, h.ldk, T(0),
-                 s, bk);
-      for (int64_t rr = 0; rr < bq - r0; ++rr)
-        for (int64_t c = 0; c < bk; ++c) s[rr * bk + c] += gt[rr * ldgt + c];
-    }
+    if (h.kt != nullptr)
+      gemm_add<T>(false, bq - r0, bk, h.D, scale, q, qr.ldq, h.kt + j0, h.ldkt, gt, ldgt, s, bk);
+    else
+      gemm_add<T>(true, bq - r0, bk, h.D, scale, q, qr.ldq, h.k + j0 * h.ldk, h.ldk, gt, ldgt, s,
+                  bk);
   } else if (h.kt != nullptr) {
     gemm_rm<T>(false, false, bq - r0, bk, h.D, scale, q, qr.ldq, h.kt + j0, h.ldkt, T(0), s, bk);
   } else {
@@ -1254,6 +1253,14 @@ void forward_tile(const Head<T>& h, int64_t i0, int64_t block, T scale, T* s, T*
   }
 }
 
+// Delta_i = dO_i . O_i, the backward's row term (both rows [D], unit stride).
+template <typename T>
+T row_dot(const T* dout, const T* o, int64_t D) {
+  T acc = 0;
+  for (int64_t d = 0; d < D; ++d) acc += dout[d] * o[d];
+  return acc;
+}
+
 // Scratch of one backward task.
 template <typename T>
 struct BwdScratch {
@@ -1275,8 +1282,11 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
   Head<T> h = head;  // with K, V (and r) transposed once for the whole head
   const bool tr = h.Tq >= kTransposeMinRows;
   h.kt = tr ? w.kt.fresh(h.k, h.ldk, h.Tk, D) : nullptr;
-  if (head.vt == nullptr)  // else the caller's (with the same row stride: same rows)
+  if (head.vt == nullptr)
     h.vt = tr ? w.vt.fresh(h.v, h.ldv, h.Tk, D) : nullptr;
+  else  // the caller's copy (rank order): kt must share its row stride (same rows, same rule)
+    TORCH_CHECK(h.kt != nullptr && head.ldkt == w.kt.ld,
+                "ctxfast cpu attention: internal error, a given transposed V does not match K's");
   h.ldkt = w.kt.ld;  // the same for vt (same rows)
   if (h.r != nullptr && tr) {
     h.rt = w.rt.of(h.r, h.ldr, h.R, D);
@@ -1297,11 +1307,7 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
       w.delta[i] = h.delta[i];
       continue;
     }
-    const T* a = h.dout + i * h.lddo;
-    const T* b = h.o + i * h.ldo;
-    T acc = 0;
-    for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
-    w.delta[i] = acc;
+    w.delta[i] = row_dot(h.dout + i * h.lddo, h.o + i * h.ldo, D);
   }
   const T inf = std::numeric_limits<T>::infinity();
   T* s = w.p.data();
@@ -1770,17 +1776,13 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
         // gathered as it is transposed
         const T* oh = at_head(out);
         const T* gh = at_head(grad_out);
-        for (int64_t i = 0; i < Tq; ++i) {
-          const T* x = oh + query(i) * out.stride(2);
-          const T* y = gh + query(i) * grad_out.stride(2);
-          T acc = 0;
-          for (int64_t d = 0; d < D; ++d) acc += x[d] * y[d];
-          delta[i] = acc;
-        }
+        for (int64_t i = 0; i < Tq; ++i)
+          delta[i] = row_dot(gh + query(i) * grad_out.stride(2), oh + query(i) * out.stride(2), D);
         h.delta = delta.data();
         h.vt = Tq >= kTransposeMinRows
                    ? vt.gathered(at_head(v), v.stride(2), o.keys.data() + b * Tk, Tk, D)
                    : nullptr;
+        h.ldkt = vt.ld;
         if (h.vt == nullptr) gather_rows(vs.data(), at_head(v), v.stride(2), 0, Tk, D, key);
         h.q = qs.data();
         h.k = ks.data();
