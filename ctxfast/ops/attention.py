@@ -47,13 +47,12 @@ _CPU = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "attention_fwd_cpu
 _BACKENDS = ("triton", "cpu", "eager") if _CPU else ("triton", "eager")
 
 # Defaults: on CUDA the Triton kernel (not yet measured on a GPU: the GPU round decides); on CPU
-# the C++ kernel (csrc/cpu/attention.cpp). Measured (2026-11-22; 2 threads of a shared 2-core
-# Xeon, fp32, H 8, D 64, B·T = 4096, T 128-2048, ours and the baseline interleaved in one
-# run, medians of 9-21): against F.scaled_dot_product_attention given the same mask (bool
-# [B, 1, Tq, Tk]; is_causal for plain causal) fwd / fwd+bwd: causal 0.99-1.33x / 1.08-1.39x,
-# key padding 1.01-1.47x / 1.14-1.19x, causal with memory Tk = 2Tq 1.29-1.48x / 1.21-1.40x;
-# against eager on XLNet permutation masks 2.1-5.0x / 2.6-6.2x (eager materialises the
-# mask and the scores). The Triton kernel runs on CPU only in the interpreter, for tests.
+# the C++ kernel (csrc/cpu/attention.cpp), which the CPU records measure
+# (benchmarks/results/amd-epyc-2-threads/2026-11-25-15.md, 2 threads, fp32, D 64, T 128-2048
+# and decoding steps): 1.30-2.36x F.scaled_dot_product_attention given the same mask on all
+# 27 cases it can express, forward and forward+backward; 3.2-5.8x eager on XLNet
+# permutation masks (eager materialises the mask and the scores). The Triton kernel runs on
+# CPU only in the interpreter, for tests.
 _dispatch.register_op("attention", supported=_BACKENDS,
                       cpu_default=("cpu", "eager") if _CPU else ("eager",),
                       cuda_default=("triton", "eager"))

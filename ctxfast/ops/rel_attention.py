@@ -36,11 +36,11 @@ from .attention import draw_seed
 _CPU = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "rel_attention_fwd_cpu")
 
 # Defaults: Triton on CUDA (not yet measured on a GPU); on CPU the C++ kernel
-# (csrc/cpu/attention.cpp; segments and dropout included). Measured (2026-11-22; 2 threads of a shared 2-core Xeon, fp32, H 8, D 64,
-# Tq 128-1024 with memory Tq, interleaved, medians): 2.7-5.0x the original einsum +
-# pad-and-view formulation forward and 1.4-2.5x fwd+bwd; 1.8-2.3x the time of the cpu
-# attention kernel at the same shape; `ctxfast xl-eval --quick` XL rows 0.94-2.7x eager
-# (mostly 1.1-1.3x; 1 thread, noisy).
+# (csrc/cpu/attention.cpp; segments and dropout included), which the CPU records measure
+# (benchmarks/results/amd-epyc-2-threads/2026-11-25-15.md, 2 threads, fp32, H 8, D 64, Tq
+# 128-1024 with memory Tq): 2.7-5.3x the original einsum + pad-and-view formulation forward,
+# 1.9-2.9x forward+backward, 1.42-1.55x the time of the cpu attention kernel on the same
+# q, k, v.
 _dispatch.register_op("rel_attention",
                       supported=("triton", "cpu", "eager") if _CPU else ("triton", "eager"),
                       cpu_default=("cpu", "eager") if _CPU else ("eager",),
