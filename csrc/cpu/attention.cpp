@@ -293,9 +293,11 @@ CTXFAST_AVX2_FN float row_max_avx2(const float* x, int64_t n) {
   return m;
 }
 
-// x[c] <- exp(x[c] - m), 0 where x[c] == -inf; returns the row's sum. Two vectors a step
-// (rows of 16-128 entries: their dependency chains overlap), the tail masked.
-CTXFAST_AVX2_FN float exp_row_avx2(float* x, int64_t n, float m) {
+// x[c] <- exp(x[c] - m), 0 where x[c] == -inf (or m == inf); returns the row's sum where
+// SUM. Two vectors a step (rows of 16-128 entries: their dependency chains overlap), the
+// tail masked.
+template <bool SUM>
+CTXFAST_AVX2_FN inline float exp_row_of(float* x, int64_t n, float m) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   int64_t c = 0;
@@ -304,8 +306,10 @@ CTXFAST_AVX2_FN float exp_row_avx2(float* x, int64_t n, float m) {
     const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + c + 8), vm));
     _mm256_storeu_ps(x + c, e0);
     _mm256_storeu_ps(x + c + 8, e1);
-    s0 = _mm256_add_ps(s0, e0);
-    s1 = _mm256_add_ps(s1, e1);
+    if constexpr (SUM) {
+      s0 = _mm256_add_ps(s0, e0);
+      s1 = _mm256_add_ps(s1, e1);
+    }
   }
   for (; c < n; c += 8) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -313,9 +317,13 @@ CTXFAST_AVX2_FN float exp_row_avx2(float* x, int64_t n, float m) {
     const __m256 e = _mm256_and_ps(
         exp8(_mm256_sub_ps(_mm256_maskload_ps(x + c, k), vm)), _mm256_castsi256_ps(k));
     _mm256_maskstore_ps(x + c, k, e);
-    s0 = _mm256_add_ps(s0, e);
+    if constexpr (SUM) s0 = _mm256_add_ps(s0, e);
   }
-  return hsum8(_mm256_add_ps(s0, s1));
+  return SUM ? hsum8(_mm256_add_ps(s0, s1)) : 0.0f;
+}
+
+CTXFAST_AVX2_FN float exp_row_avx2(float* x, int64_t n, float m) {
+  return exp_row_of<true>(x, n, m);
 }
 
 // ds[c] <- p[c] * (ds[c] - delta)
@@ -359,24 +367,9 @@ CTXFAST_AVX2_FN void softmax_rows_avx2(float* s, int64_t nr, int64_t n, float* m
 }
 
 // The backward's P: s [nr, n] (rows n apart) <- exp(s - lse_r) per row (0 where -inf, and
-// for a row that sees no key, lse inf).
+// for a row that sees no key, lse inf: x - inf = -inf).
 CTXFAST_AVX2_FN void exp_rows_avx2(float* s, int64_t nr, int64_t n, const float* lse) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t r = 0; r < nr; ++r) {
-    float* x = s + r * n;
-    const __m256 vm = _mm256_set1_ps(lse[r]);  // inf: x - inf = -inf, exp 0
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-      const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + c), vm));
-      const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + c + 8), vm));
-      _mm256_storeu_ps(x + c, e0);
-      _mm256_storeu_ps(x + c + 8, e1);
-    }
-    for (; c < n; c += 8) {
-      const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - c)), lane);
-      _mm256_maskstore_ps(x + c, k, exp8(_mm256_sub_ps(_mm256_maskload_ps(x + c, k), vm)));
-    }
-  }
+  for (int64_t r = 0; r < nr; ++r) exp_row_of<false>(s + r * n, n, lse[r]);
 }
 
 // c[j] = alpha a . B[j] (+ c[j] when acc), j < N: B's rows [N, K] ldb apart. Four rows at a
