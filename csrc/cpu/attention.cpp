@@ -250,25 +250,27 @@ bool has_avx2() {
 }
 
 // exp(x) for 8 floats as 2^t, t = x log2(e) = n + f (n an integer, |f| <= 1/2): 2^f by a
-// degree-6 polynomial, 2^n in the exponent field. f is formed with log2(e) in two parts, so
-// it stays exact to ~1e-7 for any |x| <= 100 (relative error ~6e-7 over the softmax's
-// range, as the Cody-Waite form it replaced, in 20 % fewer cycles). x is clamped to
-// [-100, 88] and n below at -127, where the exponent field is 0: exp(x) under ~2^-126.5 (x
-// below ~-87.7, -inf included) is exactly 0, so masked entries need no test of their own.
+// degree-5 polynomial (relative error 2.2e-7 on [-1/2, 1/2] evaluated in float; the
+// degree-6 one it replaced gained nothing over the rounding of f), 2^n in the exponent
+// field. f is formed with log2(e) in two parts, so it stays exact to ~1e-7 for any |x| <=
+// 100 (relative error ~6e-7 over the softmax's range). For x <= ~0 only: every caller
+// passes a score minus its row's max (or log-sum-exp), so there is no clamp above. x is
+// clamped below at -100 and n at -127, where the exponent field is 0: exp(x) under
+// ~2^-126.5 (x below ~-87.7, -inf included) is exactly 0, so masked entries need no test of
+// their own.
 CTXFAST_AVX2_FN inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-100.0f), x));
+  x = _mm256_max_ps(_mm256_set1_ps(-100.0f), x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f =
       _mm256_fmadd_ps(x, _mm256_set1_ps(1.925963033500011e-08f),
                       _mm256_fmsub_ps(x, _mm256_set1_ps(1.44269502162933349609375f), n));
-  __m256 p = _mm256_set1_ps(1.5403530393e-4f);  // ln(2)^k / k!, k = 6 .. 0
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108665e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650696e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718056e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(1.326697412878275e-3f);  // near-minimax for 2^f, |f| <= 1/2
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.675459936261177e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550742521882057e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022121727466583e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931469440460205e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001192092896f));
   const __m256i ni = _mm256_max_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(-127));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -334,6 +336,70 @@ CTXFAST_AVX2_FN void ds_row_avx2(const float* p, float* ds, int64_t n, float del
     _mm256_storeu_ps(ds + c, _mm256_mul_ps(_mm256_loadu_ps(p + c),
                                            _mm256_sub_ps(_mm256_loadu_ps(ds + c), vd)));
   for (; c < n; ++c) ds[c] = p[c] * (ds[c] - delta);
+}
+
+// sum_d a[d] b[d] in four vector sums (a scalar sum ran one addition at a time: ~1.5 % of
+// a short rel_attention backward went to Delta).
+CTXFAST_AVX2_FN float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), s1);
+    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 16), _mm256_loadu_ps(b + c + 16), s2);
+    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 24), _mm256_loadu_ps(b + c + 24), s3);
+  }
+  for (; c + 8 <= n; c += 8)
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), s0);
+  float acc = hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  for (; c < n; ++c) acc += a[c] * b[c];
+  return acc;
+}
+
+// Rows [0, nr) of x (ldx apart, D columns) plus the bias rows u and w: xu = x + u, xw = x + w
+// (rows D apart).
+CTXFAST_AVX2_FN void bias_rows_avx2(const float* x, int64_t ldx, int64_t nr, int64_t D,
+                                    const float* u, const float* w, float* xu, float* xw) {
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* xr = x + r * ldx;
+    float* a = xu + r * D;
+    float* b = xw + r * D;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + d);
+      _mm256_storeu_ps(a + d, _mm256_add_ps(v, _mm256_loadu_ps(u + d)));
+      _mm256_storeu_ps(b + d, _mm256_add_ps(v, _mm256_loadu_ps(w + d)));
+    }
+    for (; d < D; ++d) {
+      a[d] = xr[d] + u[d];
+      b[d] = xr[d] + w[d];
+    }
+  }
+}
+
+// rel_attention's dq rows: o = a + c (rows [0, nr), a and c D apart, o ldo apart), and the
+// biases' gradients du += column sums of a, dw += those of c.
+CTXFAST_AVX2_FN void dq_rows_avx2(const float* a, const float* c, int64_t nr, int64_t D,
+                                  float* o, int64_t ldo, float* du, float* dw) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    __m256 su = _mm256_loadu_ps(du + d), sw = _mm256_loadu_ps(dw + d);
+    for (int64_t r = 0; r < nr; ++r) {
+      const __m256 x = _mm256_loadu_ps(a + r * D + d), y = _mm256_loadu_ps(c + r * D + d);
+      su = _mm256_add_ps(su, x);
+      sw = _mm256_add_ps(sw, y);
+      _mm256_storeu_ps(o + r * ldo + d, _mm256_add_ps(x, y));
+    }
+    _mm256_storeu_ps(du + d, su);
+    _mm256_storeu_ps(dw + d, sw);
+  }
+  for (; d < D; ++d)
+    for (int64_t r = 0; r < nr; ++r) {
+      du[d] += a[r * D + d];
+      dw[d] += c[r * D + d];
+      o[r * ldo + d] = a[r * D + d] + c[r * D + d];
+    }
 }
 
 // The forward's online softmax over rows [0, nr) of a score tile s [nr, n] (rows n apart),
@@ -1022,6 +1088,14 @@ QRows<T> query_rows(const Head<T>& h, int64_t i0, int64_t bq, T* buf) {
   const int64_t D = h.D;
   T* qu = buf;
   T* qw = buf + bq * D;
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2()) {
+      bias_rows_avx2(q, h.ldq, bq, D, h.u, h.w, qu, qw);
+      return {qu, D, qw, D};
+    }
+  }
+#endif
   for (int64_t rr = 0; rr < bq; ++rr) {
     const T* x = q + rr * h.ldq;
     for (int64_t d = 0; d < D; ++d) {
@@ -1321,6 +1395,10 @@ void forward_tile(const Head<T>& h, int64_t i0, int64_t block, T scale, T* s, T*
 // Delta_i = dO_i . O_i, the backward's row term (both rows [D], unit stride).
 template <typename T>
 T row_dot(const T* dout, const T* o, int64_t D) {
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    if (has_avx2()) return dot_avx2(dout, o, D);
+#endif
   T acc = 0;
   for (int64_t d = 0; d < D; ++d) acc += dout[d] * o[d];
   return acc;
@@ -1487,6 +1565,14 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
         w.dband[rr * pb.W + (c - pb.d0)] = T(0);
     }
     band_flush(h, qr, bq, pb, ng, scale, w.dband.data(), dqwb);
+#ifdef CTXFAST_ATTN_AVX2
+    if constexpr (std::is_same_v<T, float>) {
+      if (has_avx2()) {
+        dq_rows_avx2(dqb, dqwb, bq, D, dq, h.lddq, h.du, h.dw);
+        continue;
+      }
+    }
+#endif
     for (int64_t rr = 0; rr < bq; ++rr) {  // d(u) += sum d(qu), d(w) += sum d(qw), dq = both
       const T* a = dqb + rr * D;
       const T* c = dqwb + rr * D;
