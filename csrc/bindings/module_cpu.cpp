@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/output_cache.h"
+
 extern "C" {
 // An empty module: importing it runs the static registrations below.
 PyMODINIT_FUNC PyInit__C(void) {
@@ -50,6 +52,10 @@ TORCH_LIBRARY(ctxfast, m) {
         "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float scale, "
         "int max_seqlen_q, int max_seqlen_k, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor)");
+  // The CPU kernels' cache of freed output buffers (csrc/cpu/output_cache.h; cap
+  // CTXFAST_CPU_CACHE_MB): free every cached block (returns the bytes), or the bytes held.
+  m.def("cpu_cache_release() -> int", [] { return ctxfast::cpu::cache_release(); });
+  m.def("cpu_cache_held() -> int", [] { return ctxfast::cpu::cache_held(); });
   // Transformer-XL / XLNet relative attention (csrc/bindings/rel_attention_cpu.cpp): the
   // `cpu` backend of ctxfast.rel_attention; window 0 = none; the four segment tensors all
   // given or none. The backward returns dq, dk, dv, dr, d_r_w_bias, d_r_r_bias,

@@ -12,6 +12,7 @@
 // the band, goes into dqw and dr in chunks as soon as it is complete.
 // XLNet permutation masks run in rank order (RankOrder below): about half the tiles.
 #include "cpu/attention.h"
+#include "cpu/output_cache.h"
 #include "cpu/tile_avx2.h"
 
 #include <ATen/Dispatch.h>
@@ -163,11 +164,31 @@ void transpose_rows(const float* src, int64_t ld, int64_t N, int64_t K, float* d
 // either way.
 constexpr int64_t kTransposeMinRows = 17;
 
+// A scratch vector bigger than this is freed at the end of the call that used it (a thread
+// keeps its scratch from call to call: thread_scratch below).
+constexpr size_t kKeepBytes = size_t(4) << 20;
+
+template <typename T>
+void trim_vector(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > kKeepBytes) std::vector<T>().swap(v);
+}
+
 template <typename T>
 struct Transposed {
   const T* src = nullptr;
   int64_t n = 0, ld = 0;
   std::vector<T> buf;
+  // at a call's start: the rows at src may hold other values now
+  void forget() {
+    src = nullptr;
+    n = 0;
+  }
+  void trim() {
+    if (buf.capacity() * sizeof(T) > kKeepBytes) {
+      forget();
+      std::vector<T>().swap(buf);
+    }
+  }
   const T* fresh(const T* x, int64_t ldx, int64_t rows, int64_t D) {
     src = nullptr;
     return of(x, ldx, rows, D);
@@ -1404,7 +1425,34 @@ T row_dot(const T* dout, const T* o, int64_t D) {
   return acc;
 }
 
-// Scratch of one backward task.
+// A thread's scratch of type S (FwdScratch, BwdScratch), kept from call to call: built per
+// call, its vectors cost a zero fill of ~0.4 MB a thread (a rel_attention backward at T 128)
+// and, where glibc had returned the thread's arena to the system, fresh pages. Its
+// transposed copies are forgotten at each call's start; the caller trims it at the end.
+template <typename S>
+S& thread_scratch() {
+  thread_local S s;
+  s.forget();
+  return s;
+}
+
+// Scratch of the forward's tasks on one thread.
+template <typename T>
+struct FwdScratch {
+  std::vector<T> s, m, l, band, f, qbuf;
+  Transposed<T> kt, rt;  // kept while this thread's tasks stay on one head
+  void forget() {
+    kt.forget();
+    rt.forget();
+  }
+  void trim() {
+    for (std::vector<T>* v : {&s, &m, &l, &band, &f, &qbuf}) trim_vector(*v);
+    kt.trim();
+    rt.trim();
+  }
+};
+
+// Scratch of the backward's tasks on one thread.
 template <typename T>
 struct BwdScratch {
   std::vector<T> p, dp, f, delta, band, dband;
@@ -1412,6 +1460,18 @@ struct BwdScratch {
   std::vector<T> qbuf, dqb;  // the block's biased query rows [2 bq D]; its dq and dqw [2 bq D]
   std::vector<T> seg;  // [Tq, 3]: per row, sums over the keys of another segment of dS and
                        // of P, and the sum of dS over all keys
+  void forget() {
+    kt.forget();
+    vt.forget();
+    rt.forget();
+  }
+  void trim() {
+    for (std::vector<T>* v : {&p, &dp, &f, &delta, &band, &dband, &qbuf, &dqb, &seg})
+      trim_vector(*v);
+    kt.trim();
+    vt.trim();
+    rt.trim();
+  }
 };
 
 // Backward of one head. The task owns the whole head, so the loop order is free: query
@@ -1615,9 +1675,15 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
   const int64_t runs = std::min(nqb, cdiv(4 * at::get_num_threads(), n_heads));
   const int64_t per = cdiv(nqb, runs);  // query blocks per task
   parallel_dynamic(n_heads * runs, [&](const auto& next) {
-    std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
-    std::vector<T> band(kBlockQ * (kBlockQ + kBlockK)), f(kBlockQ * kBlockK), qbuf;
-    Transposed<T> kt, rt;  // kept while this thread's tasks stay on one head
+    FwdScratch<T>& w = thread_scratch<FwdScratch<T>>();
+    w.s.resize(kBlockQ * kBlockK);
+    w.m.resize(kBlockQ);
+    w.l.resize(kBlockQ);
+    w.f.resize(kBlockQ * kBlockK);
+    std::vector<T>& band = w.band;
+    std::vector<T>& qbuf = w.qbuf;
+    Transposed<T>& kt = w.kt;
+    Transposed<T>& rt = w.rt;
     for (int64_t t; (t = next()) >= 0;) {
       Head<T> h = make(t / runs);
       const int64_t b0 = (t % runs) * per;
@@ -1630,9 +1696,10 @@ void run_forward(int64_t n_heads, int64_t max_tq, T scale, const MakeHead& make)
       }
       if (h.u != nullptr) qbuf.resize(static_cast<size_t>(2 * kBlockQ * h.D));
       for (int64_t i0 = b0 * bq; i0 < std::min(h.Tq, (b0 + per) * bq); i0 += bq)
-        forward_tile(h, i0, bq, scale, s.data(), m.data(), l.data(), band, f.data(),
+        forward_tile(h, i0, bq, scale, w.s.data(), w.m.data(), w.l.data(), band, w.f.data(),
                      qbuf.data());
     }
+    w.trim();
   });
 }
 
@@ -1643,12 +1710,13 @@ template <typename T, typename MakeHead>
 void run_backward(int64_t n_heads, T scale, const MakeHead& make, int64_t per_task = 1) {
   if (n_heads == 0) return;
   parallel_dynamic(n_heads / per_task, [&](const auto& next) {
-    BwdScratch<T> w;
+    BwdScratch<T>& w = thread_scratch<BwdScratch<T>>();
     w.p.resize(kBlockQ * kBlockK);
     w.dp.resize(kBlockQ * kBlockK);
     w.f.resize(kBlockQ * kBlockK);
     for (int64_t g; (g = next()) >= 0;)
       for (int64_t t = g * per_task; t < (g + 1) * per_task; ++t) backward_head(make(t), scale, w);
+    w.trim();
   });
 }
 
@@ -1809,7 +1877,7 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
                                               const Tensor& key_padding_mask, bool strict,
                                               double scale) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor out = at::empty({B, H, Tq, D}, q.options());
+  Tensor out = empty_output({B, H, Tq, D}, q.options());
   Tensor lse = at::empty({B, H, Tq}, q.options());
   const Tensor kpm_sorted = o.padding(key_padding_mask);
   const bool* kpm = kpm_sorted.defined() ? kpm_sorted.const_data_ptr<bool>() : nullptr;
@@ -1878,9 +1946,9 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
     bool strict, double scale) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor dq = at::empty({B, H, Tq, D}, q.options());
-  Tensor dk = at::empty({B, H, Tk, D}, q.options());
-  Tensor dv = at::empty({B, H, Tk, D}, q.options());
+  Tensor dq = empty_output({B, H, Tq, D}, q.options());
+  Tensor dk = empty_output({B, H, Tk, D}, q.options());
+  Tensor dv = empty_output({B, H, Tk, D}, q.options());
   const Tensor kpm_sorted = o.padding(key_padding_mask);
   const bool* kpm = kpm_sorted.defined() ? kpm_sorted.const_data_ptr<bool>() : nullptr;
   const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
@@ -1988,7 +2056,7 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
                                                   bool perm_strict, double scale,
                                                   const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor out = at::empty({B, H, Tq, D}, q.options());
+  Tensor out = empty_output({B, H, Tq, D}, q.options());
   Tensor lse = at::empty({B, H, Tq}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward_cpu", [&] {
     using T = scalar_t;
@@ -2038,9 +2106,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
     const Tensor& perm_rank, bool causal, bool perm_strict, double scale,
     const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor dq = at::empty({B, H, Tq, D}, q.options());  // every element written by its task
-  Tensor dk = at::empty({B, H, Tk, D}, q.options());
-  Tensor dv = at::empty({B, H, Tk, D}, q.options());
+  Tensor dq = empty_output({B, H, Tq, D}, q.options());  // every element written by its task
+  Tensor dk = empty_output({B, H, Tk, D}, q.options());
+  Tensor dv = empty_output({B, H, Tk, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu", [&] {
     using T = scalar_t;
     const T* qp = q.const_data_ptr<T>();
@@ -2107,7 +2175,7 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
   check_gemm_setting();
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
-  Tensor out = at::empty({B, H, Tq, D}, q.options());
+  Tensor out = empty_output({B, H, Tq, D}, q.options());
   Tensor lse = at::empty({B, H, Tq}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rel_attention_forward_cpu", [&] {
     using T = scalar_t;
@@ -2169,10 +2237,11 @@ RelGrads rel_attention_backward(
   // turn and accumulates into dr [H, R, D]; otherwise each (b, h) has its own and they
   // are summed over b below.
   const bool by_head = B > 1 && H >= 2 * at::get_num_threads();
-  Tensor dq = at::empty({B, H, Tq, D}, q.options());
-  Tensor dk = at::empty({B, H, Tk, D}, q.options());
-  Tensor dv = at::empty({B, H, Tk, D}, q.options());
-  Tensor drb = by_head ? at::empty({H, R, D}, q.options()) : at::empty({B, H, R, D}, q.options());
+  Tensor dq = empty_output({B, H, Tq, D}, q.options());
+  Tensor dk = empty_output({B, H, Tk, D}, q.options());
+  Tensor dv = empty_output({B, H, Tk, D}, q.options());
+  Tensor drb = by_head ? empty_output({H, R, D}, q.options())
+                       : empty_output({B, H, R, D}, q.options());
   Tensor dub = at::zeros({B, H, D}, q.options());     // bias gradients per (b, h)
   Tensor dwb = at::zeros({B, H, D}, q.options());
   Tensor def = seg.defined() ? at::zeros({B, H, Tq, 2}, q.options()) : Tensor();
@@ -2254,7 +2323,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
   check_gemm_setting();
   const int64_t total_q = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
-  Tensor out = at::zeros({total_q, H, D}, q.options());
+  Tensor out = empty_output({total_q, H, D}, q.options()).zero_();
   Tensor lse = at::empty({H, total_q}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_varlen_forward_cpu", [&] {
     using T = scalar_t;
@@ -2300,9 +2369,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward(
   check_gemm_setting();
   const int64_t H = q.size(1), D = q.size(2), total_q = q.size(0);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
-  Tensor dq = at::zeros(q.sizes(), q.options());
-  Tensor dk = at::zeros(k.sizes(), q.options());
-  Tensor dv = at::zeros(v.sizes(), q.options());
+  Tensor dq = empty_output(q.sizes(), q.options()).zero_();
+  Tensor dk = empty_output(k.sizes(), q.options()).zero_();
+  Tensor dv = empty_output(v.sizes(), q.options()).zero_();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_varlen_backward_cpu", [&] {
     using T = scalar_t;
     const T* qp = q.const_data_ptr<T>();
