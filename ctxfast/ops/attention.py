@@ -48,9 +48,9 @@ _BACKENDS = ("triton", "cpu", "eager") if _CPU else ("triton", "eager")
 
 # Defaults: on CUDA the Triton kernel (not yet measured on a GPU: the GPU round decides); on CPU
 # the C++ kernel (csrc/cpu/attention.cpp), which the CPU records measure
-# (benchmarks/results/amd-epyc-2-threads/2026-11-25-15.md, 2 threads, fp32, D 64, T 128-2048
-# and decoding steps): 1.30-2.36x F.scaled_dot_product_attention given the same mask on all
-# 27 cases it can express, forward and forward+backward; 3.2-5.8x eager on XLNet
+# (benchmarks/results/amd-epyc-2-threads/2026-11-26.md, 2 threads, fp32, D 64, T 128-2048
+# and decoding steps): 1.39-2.40x F.scaled_dot_product_attention given the same mask on all
+# 27 cases it can express, forward and forward+backward; 3.2-4.2x eager on XLNet
 # permutation masks (eager materialises the mask and the scores). The Triton kernel runs on
 # CPU only in the interpreter, for tests.
 _dispatch.register_op("attention", supported=_BACKENDS,

@@ -37,9 +37,9 @@ _CPU = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "rel_attention_fwd
 
 # Defaults: Triton on CUDA (not yet measured on a GPU); on CPU the C++ kernel
 # (csrc/cpu/attention.cpp; segments and dropout included), which the CPU records measure
-# (benchmarks/results/amd-epyc-2-threads/2026-11-25-15.md, 2 threads, fp32, H 8, D 64, Tq
-# 128-1024 with memory Tq): 2.7-5.3x the original einsum + pad-and-view formulation forward,
-# 1.9-2.9x forward+backward, 1.42-1.55x the time of the cpu attention kernel on the same
+# (benchmarks/results/amd-epyc-2-threads/2026-11-26.md, 2 threads, fp32, H 8, D 64, Tq
+# 128-1024 with memory Tq): 2.7-5.2x the original einsum + pad-and-view formulation forward,
+# 1.95-2.85x forward+backward, 1.44-1.63x the time of the cpu attention kernel on the same
 # q, k, v.
 _dispatch.register_op("rel_attention",
                       supported=("triton", "cpu", "eager") if _CPU else ("triton", "eager"),
