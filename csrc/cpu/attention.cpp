@@ -1474,6 +1474,31 @@ struct BwdScratch {
   }
 };
 
+// The rank order's scratch (rank_order_forward / _backward): a head's rows in rank order,
+// and the scratch of the tasks that run on them.
+template <typename T>
+struct RankFwdScratch {
+  std::vector<T> qs, os, ls, ks, vs;  // [Tq, D], [Tq, D], [Tq], [keys, D] x 2
+  FwdScratch<T> t;
+  void forget() { t.forget(); }
+  void trim() {
+    for (std::vector<T>* v : {&qs, &os, &ls, &ks, &vs}) trim_vector(*v);
+    t.trim();
+  }
+};
+
+template <typename T>
+struct RankBwdScratch {
+  std::vector<T> qs, dos, dqs, ks, vs, dks, dvs, ls, delta;
+  BwdScratch<T> w;
+  void forget() { w.forget(); }
+  void trim() {
+    for (std::vector<T>* v : {&qs, &dos, &dqs, &ks, &vs, &dks, &dvs, &ls, &delta})
+      trim_vector(*v);
+    w.trim();
+  }
+};
+
 // Backward of one head. The task owns the whole head, so the loop order is free: query
 // blocks outer (the key range and the position band are the forward's, computed once per
 // query block), key tiles inner. dk, dv (and dr) are zeroed here and accumulated over the
@@ -1892,10 +1917,18 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
     using T = scalar_t;
     const T sc = static_cast<T>(scale);
     parallel_dynamic(B * H * runs, [&](const auto& next) {
-      std::vector<T> qs(Tq * D), os(Tq * D), ls(Tq), ks, vs;
-      std::vector<T> s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ), f(kBlockQ * kBlockK);
-      std::vector<T> band, qbuf;
-      Transposed<T> kt;
+      RankFwdScratch<T>& w = thread_scratch<RankFwdScratch<T>>();
+      std::vector<T>&qs = w.qs, &os = w.os, &ls = w.ls, &ks = w.ks, &vs = w.vs;
+      std::vector<T>&s = w.t.s, &m = w.t.m, &l = w.t.l, &f = w.t.f, &band = w.t.band;
+      std::vector<T>& qbuf = w.t.qbuf;
+      Transposed<T>& kt = w.t.kt;
+      qs.resize(Tq * D);
+      os.resize(Tq * D);
+      ls.resize(Tq);
+      s.resize(kBlockQ * kBlockK);
+      m.resize(kBlockQ);
+      l.resize(kBlockQ);
+      f.resize(kBlockQ * kBlockK);
       for (int64_t t; (t = next()) >= 0;) {
         const int64_t bh = t / runs, b = bh / H, hh = bh % H;
         const int64_t lo = (t % runs) * per, hi = std::min(Tq, lo + per);
@@ -1933,6 +1966,7 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
           if (p >= lo && p < hi) lh[r] = ls[p];
         }
       }
+      w.trim();
     });
   });
   return {out, lse};
@@ -1958,9 +1992,14 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
     const T sc = static_cast<T>(scale);
     parallel_dynamic(B * H, [&](const auto& next) {
       // [Tq, D] each: q, dout, dq; [Tk, D] each: k, v, dk, dv; [Tq]: lse, Delta
-      std::vector<T> qs(Tq * D), dos(Tq * D), dqs(Tq * D);
-      std::vector<T> ks(Tk * D), vs(Tk * D), dks(Tk * D), dvs(Tk * D), ls(Tq), delta(Tq);
-      BwdScratch<T> w;
+      RankBwdScratch<T>& rs = thread_scratch<RankBwdScratch<T>>();
+      std::vector<T>&qs = rs.qs, &dos = rs.dos, &dqs = rs.dqs, &ks = rs.ks, &vs = rs.vs;
+      std::vector<T>&dks = rs.dks, &dvs = rs.dvs, &ls = rs.ls, &delta = rs.delta;
+      for (std::vector<T>* x : {&qs, &dos, &dqs}) x->resize(Tq * D);
+      for (std::vector<T>* x : {&ks, &vs, &dks, &dvs}) x->resize(Tk * D);
+      ls.resize(Tq);
+      delta.resize(Tq);
+      BwdScratch<T>& w = rs.w;
       w.p.resize(kBlockQ * kBlockK);
       w.dp.resize(kBlockQ * kBlockK);
       w.f.resize(kBlockQ * kBlockK);
@@ -2000,6 +2039,7 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
         scatter_rows(dk.mutable_data_ptr<T>() + bh * Tk * D, D, dks.data(), Tk, D, 0, Tk, key);
         scatter_rows(dv.mutable_data_ptr<T>() + bh * Tk * D, D, dvs.data(), Tk, D, 0, Tk, key);
       }
+      rs.trim();
     });
   });
   return {dq, dk, dv};
