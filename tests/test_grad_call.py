@@ -20,11 +20,15 @@ def _leaves(*shapes):
     return [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in shapes]
 
 
-def _same_grads(public, direct, leaves, name):
+def _same_grads(public, direct, leaves, name, node=None):
     """public(*leaves) and direct(*leaves) (a torch.ops.ctxfast call) give the same output
-    and the same gradient of every leaf; public's graph is GradCall's Function."""
+    and the same gradient of every leaf; public's graph is GradCall's Function, or the C++
+    autograd Function `node` where the op has one."""
     out = public(*leaves)
-    assert type(out.grad_fn).__name__ == f"{name}_gradBackward", type(out.grad_fn).__name__
+    if node is None:
+        assert type(out.grad_fn).__name__ == f"{name}_gradBackward", type(out.grad_fn).__name__
+    else:
+        assert node in out.grad_fn.name(), out.grad_fn.name()
     ref = direct(*leaves)
     assert type(ref.grad_fn).__name__.startswith("GeneratedBackwardFor_ctxfast_" + name)
     assert_equal(out, ref)
@@ -69,7 +73,41 @@ def test_rel_attention_cpu_both_paths():
             q, k, v, r, u, w, None, None, None, None, None, None, True, Tk - 1, 0, False,
             D ** -0.5, 0.0, None)[0],
         _leaves((B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D), (H, Tk, D), (H, D), (H, D)),
-        "rel_attention_fwd_cpu")
+        "rel_attention_fwd_cpu", node="RelAttentionCpuGrad")
+
+
+@needs_cpu
+def test_rel_attention_cpu_grad_op_matches_the_formula():
+    """The C++ autograd Function (rel_attention_cpu_grad) against the op with its registered
+    Python formula, with segments, a padding mask and dropout (the same seed), every input
+    differentiable or only some, and a second backward through retain_graph."""
+    B, H, Tq, mem, D = 2, 2, 19, 7, 8
+    Tk = Tq + mem
+    q, k, v, r, u, w, se, rs = _leaves((B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D),
+                                       (H, Tk + Tq, D), (H, D), (H, D), (2, H, D), (H, D))
+    kpm = torch.rand(B, Tk) < 0.2
+    kpm[:, 0] = False
+    seg_q, seg_k = torch.randint(0, 2, (B, Tq)), torch.randint(0, 2, (B, Tk))
+    seed = torch.tensor([1234], dtype=torch.int64)
+    args = lambda *t: (*t[:6], kpm, None, seg_q, seg_k, t[6], t[7], False, Tk, 0, False,
+                       D ** -0.5, 0.1, seed)
+    leaves = [q, k, v, r, u, w, se, rs]
+    out, lse = torch.ops.ctxfast.rel_attention_cpu_grad(*args(*leaves))
+    ref, ref_lse = torch.ops.ctxfast.rel_attention_fwd_cpu(*args(*leaves))
+    assert_equal(out, ref)
+    assert_equal(lse, ref_lse)
+    assert not lse.requires_grad
+    do = torch.randn_like(out)
+    for _ in range(2):   # the saved tensors survive a first backward with retain_graph
+        got = torch.autograd.grad(out, leaves, do, retain_graph=True)
+        want = torch.autograd.grad(ref, leaves, do, retain_graph=True)
+        for leaf, g, g_ref in zip(leaves, got, want):
+            assert_equal(g, g_ref, name=f"grad of {tuple(leaf.shape)}")
+    part = [t.detach() for t in leaves]
+    part[3].requires_grad_()                # only r
+    out2, _ = torch.ops.ctxfast.rel_attention_cpu_grad(*args(*part))
+    (g_r,) = torch.autograd.grad(out2, part[3], do)
+    assert_equal(g_r, torch.autograd.grad(ref, r, do)[0], name="grad of r alone")
 
 
 @needs_cpu

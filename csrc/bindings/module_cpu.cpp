@@ -71,4 +71,12 @@ TORCH_LIBRARY(ctxfast, m) {
         "Tensor? r_s_bias, bool causal, int pos_start, int window, bool perm_strict, "
         "float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // rel_attention_fwd_cpu with its gradient as a C++ autograd Function (the eager path
+  // where an input requires grad; csrc/bindings/rel_attention_cpu.cpp). Autograd kernel
+  // only: not for torch.compile, which takes rel_attention_fwd_cpu and its formula.
+  m.def("rel_attention_cpu_grad(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+        "Tensor r_r_bias, Tensor? key_padding_mask, Tensor? perm_rank, Tensor? seg_q, "
+        "Tensor? seg_k, Tensor? seg_embed, Tensor? r_s_bias, bool causal, int pos_start, "
+        "int window, bool perm_strict, float scale, float dropout_p, Tensor? seed) "
+        "-> (Tensor, Tensor)");
 }

@@ -189,9 +189,13 @@ class GradCall:
     below the autograd key.
     """
 
-    def __init__(self, name: str, backward: Callable, setup_context: Callable):
+    def __init__(self, name: str, backward: Callable, setup_context: Callable,
+                 fast: Optional[Callable] = None):
         self.name = name
         op = self.op = getattr(torch.ops.ctxfast, name).default
+        # the same formula as a C++ autograd Function (an op with an Autograd kernel), where
+        # the op has one: plain eager code with something to differentiate takes it
+        self.fast = fast
 
         def forward(ctx, *args):
             # grad mode is off here: the op's registered autograd kernel would only pass the
@@ -225,6 +229,8 @@ class GradCall:
             return self.op(*args)
         if (torch.is_grad_enabled()
                 and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+            if self.fast is not None:
+                return self.fast(*args)
             return self.function.apply(*args)
         # Nothing to differentiate: the registered autograd formula would only pass the
         # call on (a Python function, ~6 µs a call on a CPU); the dispatcher starts below
@@ -234,15 +240,17 @@ class GradCall:
 
 
 def register_autograd(op: Union[str, Callable], backward: Callable,
-                      setup_context: Callable) -> GradCall:
+                      setup_context: Callable, fast: Optional[Callable] = None) -> GradCall:
     """``torch.library.register_autograd(op, backward, setup_context=setup_context)`` for
     `op` (``"ctxfast::name"`` of a C++ op, or a ``torch.library.custom_op``), and the
     :class:`GradCall` of ``torch.ops.ctxfast.name`` that the op's Python function calls.
-    Every argument is passed positionally (setup_context receives them all)."""
+    Every argument is passed positionally (setup_context receives them all). `fast`: the
+    same op and formula with a C++ autograd kernel, which GradCall takes in plain eager code
+    with something to differentiate (:class:`GradCall`)."""
     if isinstance(op, str):
         torch.library.register_autograd(op, backward, setup_context=setup_context)
         name = op.split("::")[-1]
     else:
         op.register_autograd(backward, setup_context=setup_context)
         name = op._name.split("::")[-1]
-    return GradCall(name, backward, setup_context)
+    return GradCall(name, backward, setup_context, fast)

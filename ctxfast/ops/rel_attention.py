@@ -174,8 +174,13 @@ def _cpu_backward(ctx, grad_out, grad_lse):
 if _CPU:
     torch.library.register_fake("ctxfast::rel_attention_fwd_cpu")(_cpu_fwd_fake)
     torch.library.register_fake("ctxfast::rel_attention_bwd_cpu")(_cpu_bwd_fake)
-    _fwd_cpu = _register_autograd("ctxfast::rel_attention_fwd_cpu", _cpu_backward,
-                                  _cpu_setup_context)
+    # rel_attention_cpu_grad: the same two ops and formula as a C++ autograd Function
+    # (csrc/bindings/rel_attention_cpu.cpp): the Python Function and its backward cost ~0.2
+    # ms of a forward+backward at B2 H8 T128 (benchmarks/NOTES.md)
+    _fwd_cpu = _register_autograd(
+        "ctxfast::rel_attention_fwd_cpu", _cpu_backward, _cpu_setup_context,
+        fast=(torch.ops.ctxfast.rel_attention_cpu_grad.default
+              if hasattr(torch.ops.ctxfast, "rel_attention_cpu_grad") else None))
 
 
 def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
