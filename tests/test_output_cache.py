@@ -90,6 +90,9 @@ def test_storage_of_a_cached_output_resizes():
 
 
 def _run(code, **env):
+    """Runs `code` in a fresh process (the setting is read once per process) after the
+    imports and q [2, 8, 128, 64] (a 512 KiB output); returns the exit code and the output."""
+    code = "import torch, ctxfast\nq = torch.randn(2, 8, 128, 64)\n" + code
     run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
                          capture_output=True, text=True, timeout=300)
     return run.returncode, run.stdout + run.stderr[-3000:]
@@ -97,9 +100,7 @@ def _run(code, **env):
 
 def test_cap_bounds_what_waits():
     """With a 1 MiB cap, freeing six 512 KiB outputs keeps at most two of them."""
-    code = ("import torch, ctxfast\n"
-            "q = torch.randn(2, 8, 128, 64)\n"
-            "outs = [ctxfast.attention(q, q, q, backend='cpu') for _ in range(6)]\n"
+    code = ("outs = [ctxfast.attention(q, q, q, backend='cpu') for _ in range(6)]\n"
             "del outs\n"
             "print('held', torch.ops.ctxfast.cpu_cache_held())\n")
     rc, out = _run(code, CTXFAST_CPU_CACHE_MB="1")
@@ -107,9 +108,7 @@ def test_cap_bounds_what_waits():
 
 
 def test_zero_turns_the_cache_off():
-    code = ("import torch, ctxfast\n"
-            "q = torch.randn(2, 8, 128, 64)\n"
-            "out = ctxfast.attention(q, q, q, backend='cpu')\n"
+    code = ("out = ctxfast.attention(q, q, q, backend='cpu')\n"
             "ok = torch.allclose(out, ctxfast.attention(q, q, q, backend='eager'), atol=1e-5)\n"
             "del out\n"
             "print('held', torch.ops.ctxfast.cpu_cache_held(), ok)\n")
@@ -118,9 +117,7 @@ def test_zero_turns_the_cache_off():
 
 
 def test_setting_is_checked_before_any_kernel():
-    code = ("import torch, ctxfast\n"
-            "q = torch.randn(1, 2, 5, 8)\n"
-            "try:\n"
+    code = ("try:\n"
             "    ctxfast.attention(q, q, q, backend='cpu')\n"
             "except ValueError as e:\n"
             "    assert 'CTXFAST_CPU_CACHE_MB' in str(e) and 'lots' in str(e), str(e)\n"

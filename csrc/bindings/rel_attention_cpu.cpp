@@ -268,6 +268,7 @@ struct RelAttentionCpuGrad : public torch::autograd::Function<RelAttentionCpuGra
   }
 };
 
+// The op's kernel (its parameters are the schema's, as rel_attention_fwd_cpu's above).
 std::tuple<Tensor, Tensor> rel_attention_cpu_grad(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& r, const Tensor& r_w_bias,
     const Tensor& r_r_bias, const std::optional<Tensor>& key_padding_mask,

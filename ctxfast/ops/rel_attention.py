@@ -158,6 +158,9 @@ def _cpu_setup_context(ctx, inputs, output):
     ctx.args = (causal, pos_start, window, perm_strict, scale, dropout_p)
 
 
+# The same formula runs in C++ for eager code (RelAttentionCpuGrad in
+# csrc/bindings/rel_attention_cpu.cpp): keep the two in step; tests/test_grad_call.py checks
+# that they agree.
 def _cpu_backward(ctx, grad_out, grad_lse):
     q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias, seed = \
         ctx.saved_tensors
