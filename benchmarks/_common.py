@@ -40,7 +40,8 @@ calls), ``warmup``, ``timer`` (``"cuda-events"`` or ``"perf_counter"``),
 ({op: [backends]} that ctxfast's dispatch resolved in an untimed call after the timing),
 with ``$CTXFAST_BENCH_PROFILE=1`` ``profiler_ms`` / ``profiler_wall_ms`` (one call under
 ``torch.profiler``) and, on an out-of-memory error, ``oom`` (the first line of the
-message) with ``ms`` None.
+message) with ``ms`` None; with ``paired=(peer, peer_fn)`` on the CPU, ``paired``
+(:func:`measure`, step 5).
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ DEVICE_ENV = "CTXFAST_BENCH_DEVICE"
 #: Environment variable with the number of CPU threads to use (set by ``report.py
 #: --threads``, applied by ``conftest.py``); default: torch's.
 THREADS_ENV = "CTXFAST_BENCH_THREADS"
+#: Environment variable: "0" turns off the CPU's interleaved timing against a peer
+#: (:func:`measure`'s ``paired``); default on.
+PAIRED_ENV = "CTXFAST_BENCH_PAIRED"
 #: Environment variable that scales every timing budget (e.g. ``0.1`` for the pipeline's
 #: own tests); default 1.
 BUDGET_SCALE_ENV = "CTXFAST_BENCH_BUDGET_SCALE"
@@ -258,6 +262,57 @@ def _time_rounds(fn: Callable, args: Sequence[tuple], device: torch.device,
     return out
 
 
+def _time_paired(fn: Callable, peer: Callable, args: Sequence[tuple], iterations: int,
+                 peer_iterations: int) -> tuple:
+    """Interleaved rounds of `fn` and `peer` on the CPU: round ``r`` times
+    ``iterations`` calls of ``fn(*args[r])`` and ``peer_iterations`` calls of
+    ``peer(*args[r])``, `fn` first in even rounds and `peer` first in odd ones. Returns
+    (seconds per call of `fn`, of `peer`), one value per round each. As in
+    :func:`_time_rounds`, a timed region holds the calls and nothing else."""
+    ours, theirs = [], []
+    clock = time.perf_counter
+    for r, a in enumerate(args):
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            f, n = (fn, iterations) if which == 0 else (peer, peer_iterations)
+            t0 = clock()
+            for _ in range(n):
+                f(*a)
+            t = (clock() - t0) / n
+            (ours if which == 0 else theirs).append(t)
+    return ours, theirs
+
+
+def _per_call_estimate(fn: Callable, args: tuple, calls: int = 3) -> float:
+    """Median seconds of `calls` untimed-protocol calls of ``fn(*args)`` (CPU)."""
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn(*args)
+        ts.append(time.perf_counter() - t0)
+    return max(statistics.median(ts), 1e-7)
+
+
+def _paired(fn: Callable, peer_name: str, peer: Callable, sets: list, est: float,
+            budget_s: float, min_rounds: int, max_rounds: int) -> dict:
+    """``measure``'s step 5: `fn` and `peer` timed in alternation (:func:`_time_paired`)
+    on the same input sets for about `budget_s`. The speedup is the median over the rounds
+    of peer time / our time, both from the same round; q1, q3 its quartiles."""
+    peer(*sets[0])                                   # warm-up (allocator, first-call work)
+    peer_est = _per_call_estimate(peer, sets[0])
+    iterations = max(1, min(1000, round(2e-4 / est)))
+    peer_iterations = max(1, min(1000, round(2e-4 / peer_est)))
+    per_round = est * iterations + peer_est * peer_iterations
+    rounds = int(min(max_rounds, max(min_rounds, budget_s / per_round)))
+    cyc = itertools.cycle(sets)
+    args = [next(cyc) for _ in range(rounds)]
+    ours, theirs = _time_paired(fn, peer, args, iterations, peer_iterations)
+    ratios = sorted(b / a for a, b in zip(ours, theirs) if a > 0)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else ratios * 3
+    return {"peer": peer_name, "speedup": statistics.median(ratios),
+            "q1": q[0], "q3": q[2], "rounds": len(ratios),
+            "ms": statistics.median(ours) * 1e3, "peer_ms": statistics.median(theirs) * 1e3}
+
+
 def _feed_pytest_benchmark(benchmark, per_call_s: Sequence[float], iterations: int) -> None:
     """Give pytest-benchmark the rounds that :func:`measure` timed, so its table (``ctxfast
     bench --verbose``) and JSON show the same CUDA-event (or perf_counter) times as the
@@ -331,7 +386,8 @@ def profile_call(fn: Callable, args: Sequence, device: torch.device) -> Optional
 
 def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
             budget_s: float, min_rounds: int = MIN_REPS, max_rounds: int = 2000,
-            warmup: int = 5, peak_memory: bool = True):
+            warmup: int = 5, peak_memory: bool = True,
+            paired: Optional[tuple] = None):
     """Time ``fn(*s)`` over the input sets `sets` (rotated) under the project's protocol
     (docs/ARCHITECTURE.md, "Benchmark protocol") and record the result in ``benchmark.extra_info`` (keys: see the module
     docstring). Returns what `fn` returned in the untimed call of step 4 (None after an OOM).
@@ -355,7 +411,17 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
        (``op_backends``); with ``$CTXFAST_BENCH_PROFILE=1`` one call under
        ``torch.profiler`` (``profiler_ms``, ``profiler_wall_ms``).
 
-    ``torch.OutOfMemoryError`` anywhere in 1–4 is recorded (:func:`record_oom`) instead
+    5. On the CPU, with ``paired=(peer, peer_fn)`` (``peer_fn`` takes the same
+       arguments; ``$CTXFAST_BENCH_PAIRED=0`` skips it): `fn` and ``peer_fn`` timed again
+       in alternating rounds for another `budget_s` (:func:`_paired`), so that both see
+       the same stretch of a shared machine's load. ``paired`` = {``peer``, ``speedup``
+       (median over the rounds of peer time / ours in the same round), ``q1``, ``q3``,
+       ``rounds``, ``ms``, ``peer_ms``}. The separate timings of step 2 (one backend
+       after the other, each for its own seconds) can each land on a slow stretch of the
+       host: on the 2-core dev machine a ratio read 1.82x-2.10x across four runs of the
+       same code. Not on a GPU (CUDA events time the kernels, not the host's load).
+
+    ``torch.OutOfMemoryError`` anywhere in 1–5 is recorded (:func:`record_oom`) instead
     of raised.
     """
     budget_s *= float(os.environ.get(BUDGET_SCALE_ENV, "1") or 1)
@@ -401,6 +467,11 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
             if before and before != seen:          # the suite's check saw other backends
                 benchmark.extra_info["check_op_backends"] = before
             benchmark.extra_info["op_backends"] = seen
+        if (paired is not None and device.type == "cpu"
+                and os.environ.get(PAIRED_ENV, "1").strip() != "0"):
+            peer_name, peer_fn = paired
+            benchmark.extra_info["paired"] = _paired(
+                fn, peer_name, peer_fn, sets, est, budget_s, min_rounds, max_rounds)
         if os.environ.get(PROFILE_ENV, "0").strip() == "1":
             prof = profile_call(fn, sets[0], device)
             if prof is not None:

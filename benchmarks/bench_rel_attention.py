@@ -27,6 +27,9 @@ Backends timed:
   ~1.5x the arithmetic);
 * the baseline ``eager-original``.
 
+On the CPU the ``cpu`` backend is also timed in rounds interleaved with the baseline
+(``_common.measure``'s ``paired``): the report's "interleaved" speedup.
+
 Modes ``fwd`` and ``fwd+bwd`` (gradients of q, k, v, r and both biases). Inputs:
 ``torch.randn`` (fp32 on CPU, bf16 on CUDA). Every backend is checked against the fp32
 reference on the first batch row (output, and in ``fwd+bwd`` every gradient with the
@@ -279,6 +282,18 @@ def test_rel_attention(benchmark, bench_device, case: Case, mode: str, backend: 
             def fn(*ts):
                 return torch.autograd.grad(op(*ts[:6]), ts[:wrt], ts[6])
 
+        paired = None
+        if backend == "cpu":                         # ours against the baseline, interleaved
+            base = _op(BASELINE, case, bench_device)
+            if mode == "fwd":
+                def base_fn(*ts):
+                    with torch.no_grad():
+                        return base(*ts)
+            else:
+                def base_fn(*ts):
+                    return torch.autograd.grad(base(*ts[:6]), ts[:6], ts[6])
+            paired = (BASELINE, base_fn)
+
         quick = _common.quick()
         _common.measure(benchmark, fn, sets, bench_device, budget_s=0.4 if quick else 2.0,
-                        min_rounds=5 if quick else 10)
+                        min_rounds=5 if quick else 10, paired=paired)

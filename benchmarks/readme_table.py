@@ -15,7 +15,8 @@ file) and quotes its notes (e.g. how it was measured), then:
   backend is slower than another backend timed on the same case (SDPA, FlexAttention,
   cuDNN's ``nn.LSTM``, eager, ...), with the number of such cases and the speedups;
 * one row per (op, backend, mode) against the op's baseline (median speedup over the
-  run's cases and its range, best achieved rate), each backend labelled ctxfast or
+  run's cases and its range; for a CPU run with interleaved timings (``report.py``) the
+  same of those; best achieved rate), each backend labelled ctxfast or
   the library it is, so a peer's speed (e.g. torch's SDPA on the CPU) never reads as
   ours;
 * under a GPU run, the newest CPU run's table too, labelled as CPU ratios.
@@ -171,10 +172,15 @@ def _baseline_table(report: dict) -> List[str]:
     for r in report.get("records", []):
         key = (r["op"], r["backend"], r.get("baseline") or "—", r["mode"])
         groups.setdefault(key, []).append(r)
-    lines = ["| op | backend (whose) | baseline | mode | cases | speedup | best rate |",
-             "|---|---|---|---|---:|---:|---:|"]
+    # CPU runs: the speedup from rounds interleaved with the baseline too (report.py)
+    inter = any(r.get("paired_speedup") is not None for r in report.get("records", []))
+    lines = ["| op | backend (whose) | baseline | mode | cases | speedup | "
+             + ("interleaved | " if inter else "") + "best rate |",
+             "|---|---|---|---|---:|---:|" + ("---:|" if inter else "") + "---:|"]
     for (op, backend, baseline, mode), recs in groups.items():
         speedups = [r["speedup"] for r in recs if r.get("speedup") is not None]
+        paired = [r["paired_speedup"] for r in recs if r.get("paired_speedup") is not None
+                  and r.get("paired_peer") == baseline]
         ooms = sum(1 for r in recs if "OOM" in (r.get("note") or ""))
         failed = sum(1 for r in recs if "failed" in (r.get("note") or ""))
         cell = _spread(speedups) if speedups else "—"
@@ -182,7 +188,8 @@ def _baseline_table(report: dict) -> List[str]:
         cell += f", {failed} failed" if failed else ""
         cases = recs[0].get("case", "1") if len(recs) == 1 else str(len(recs))
         lines.append(f"| {op} | {_whose(backend)} | {baseline} | {mode} | {cases} | {cell} | "
-                     f"{_rate(recs)} |")
+                     + ((_spread(paired) if paired else "—") + " | " if inter else "")
+                     + f"{_rate(recs)} |")
     return lines
 
 

@@ -70,7 +70,8 @@ RECORD_KEYS: Tuple[str, ...] = (
     "op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
     "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
     "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
-    "triton", "date", "timer", "reps", "op_backends", "profiler_ms")
+    "triton", "date", "timer", "reps", "op_backends", "profiler_ms", "paired_peer",
+    "paired_speedup", "paired_q1", "paired_q3", "paired_rounds")
 
 #: Timed median / profiler kernel time above this is named in a record's note: the timed
 #: region held more than the op's kernels (or the GPU waited on the host).
@@ -238,6 +239,11 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
             if other_ms:
                 relative = ms / other_ms
                 notes.append(f"{relative:.2f}x the time of {other}")
+        paired = info.get("paired") or {}
+        if paired.get("speedup") is not None:
+            notes.append(f"interleaved with {paired['peer']}: {paired['speedup']:.2f}x "
+                         f"(quartiles {paired['q1']:.2f}x-{paired['q3']:.2f}x, "
+                         f"{paired['rounds']} rounds)")
         name = info.get("device_name")
         if not name:
             name = device_name(device) if device else "unknown"
@@ -272,6 +278,11 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
             "profiler_ms": prof,
             "relative_to": other if relative is not None else None,
             "relative": relative,
+            "paired_peer": paired.get("peer"),
+            "paired_speedup": paired.get("speedup"),
+            "paired_q1": paired.get("q1"),
+            "paired_q3": paired.get("q3"),
+            "paired_rounds": paired.get("rounds"),
         }
         if record["T"] is None:
             record["T"] = _plot.seq_len(record)
@@ -362,7 +373,10 @@ def markdown(records: Sequence[dict], notes: Sequence[str] = ()) -> str:
         "baseline ms / ms, same inputs, same run. Noise: *spread* is the larger relative "
         "difference between the medians of the first and second half of the rounds (the "
         "same code timed twice) of the backend and of its baseline — a speedup within "
-        "1 ± spread of 1.0 is noise. Rate: achieved TFLOP/s (FlashAttention count; "
+        "1 ± spread of 1.0 is noise. Where a note says *interleaved*, the backend and "
+        "that peer were also timed in alternating rounds (CPU): the median over the rounds "
+        "of their time / ours, both from the same round, which a slow stretch of a shared "
+        "machine cannot give to one side only. Rate: achieved TFLOP/s (FlashAttention count; "
         "Transformer-XL's position term included) or GB/s (least bytes the op must "
         "move)."
         + (" Tokens/s: token positions per second, ours / baseline." if tokens else "")
@@ -721,10 +735,21 @@ def cpu_busy_fraction(interval_s: float = 0.5) -> Optional[float]:
 
 # --------------------------------------------------------------------------- compact output
 
+def _row_keys(all_times: dict, op: str) -> List[Tuple[str, str, str, str]]:
+    """(case, mode, dtype, backend) of each row :func:`compact_tables` makes for `op`, in
+    its order."""
+    keys = []
+    for (o, case, mode, dtype), ms in all_times.items():
+        if o == op:
+            keys += [(case, mode, dtype, b) for b in [b for b in ms if b in _compare.OURS] or ["—"]]
+    return keys
+
+
 def compact_tables(records: Sequence[dict]) -> str:
     """One plain-text table per op: each of our backends per case and mode, its time, its
     rate, and its speedup over every other backend timed on the same case (``>1x``: we
-    are faster; ``<1x``: slower). What ``ctxfast bench`` prints."""
+    are faster; ``<1x``: slower), and where it was timed in rounds interleaved with a
+    peer (the CPU's ``paired`` timing) that speedup too. What ``ctxfast bench`` prints."""
     out: List[str] = []
     ops = list(dict.fromkeys(r["op"] for r in records))
     all_times = _compare.times(records)
@@ -748,7 +773,15 @@ def compact_tables(records: Sequence[dict]) -> str:
                     else:
                         cells.append(f"{ms[p] / mine:.2f}x")
                 rows.append(cells)
-        head = ["case", "mode", "ours", "ms", "rate"] + [f"vs {p}" for p in peers]
+        interleaved = {(r["case"], r["mode"], str(r.get("dtype")), r["backend"]):
+                       f"{r['paired_speedup']:.2f}x vs {r['paired_peer']}"
+                       for r in records
+                       if r["op"] == op and r.get("paired_speedup") is not None}
+        if interleaved:
+            for cells, (case, mode, dtype, b) in zip(rows, _row_keys(all_times, op)):
+                cells.append(interleaved.get((case, mode, dtype, b), "—"))
+        head = (["case", "mode", "ours", "ms", "rate"] + [f"vs {p}" for p in peers]
+                + (["interleaved"] if interleaved else []))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)] if rows else []
         note = ("" if any(r[2] != "—" for r in rows) else
                 "  (no ctxfast backend timed on this device: the peers' times are shown)")

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speed
         "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
         "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
         "triton", "date", "timer", "reps", "op_backends", "profiler_ms", "relative_to",
-        "relative"}
+        "relative", "paired_peer", "paired_speedup", "paired_q1", "paired_q3",
+        "paired_rounds"}
 TABLE_HEAD = ("| op | case | mode | backend | ms | min ms | baseline | baseline ms | speedup "
               "| rate | peak MiB | spread | note |")
 
@@ -214,6 +216,84 @@ def test_measure_times_two_passes_and_rotates_inputs(common):
     # every set used, in turn
     assert set(seen) == {id(s[0]) for s in sets}
     assert seen[:6] == [id(sets[i % 3][0]) for i in range(6)]
+
+
+def test_time_paired_alternates_and_times_only_the_calls(common):
+    # Round r: `iterations` calls of fn and `peer_iterations` of peer on args[r], fn first
+    # in even rounds, peer first in odd ones; one time per round and side.
+    log = []
+    args = [(i,) for i in range(5)]
+    ours, theirs = common._time_paired(lambda i: log.append(("fn", i)),
+                                       lambda i: log.append(("peer", i)), args, 2, 3)
+    assert len(ours) == len(theirs) == 5
+    want = []
+    for r in range(5):
+        a, b = [("fn", r)] * 2, [("peer", r)] * 3
+        want += a + b if r % 2 == 0 else b + a
+    assert log == want
+    assert all(t >= 0 for t in ours + theirs)
+
+
+def _sleeper(seconds):
+    def fn(*_):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:   # busy wait: sleep's wake-up is coarse
+            pass
+    return fn
+
+
+def test_measure_paired_on_the_cpu(common, monkeypatch):
+    # A peer twice as slow reads ~2x in the interleaved rounds; the separate timing of fn
+    # is the same as without a peer; CTXFAST_BENCH_PAIRED=0 and a GPU device skip it.
+    sets = [(torch.randn(4),)]
+    fn, peer = _sleeper(1e-3), _sleeper(2e-3)
+    bench = FakeBenchmark()
+    common.measure(bench, fn, sets, torch.device("cpu"), budget_s=0.05, min_rounds=10,
+                   paired=("slow", peer))
+    info = bench.extra_info
+    p = info["paired"]
+    assert p["peer"] == "slow" and p["rounds"] >= 10
+    assert 1.6 < p["q1"] <= p["speedup"] <= p["q3"] < 2.5, p
+    assert 0.9 < p["ms"] < 1.5 and 1.9 < p["peer_ms"] < 2.6
+    assert 0.9 < info["ms"] < 1.5
+    monkeypatch.setenv(common.PAIRED_ENV, "0")
+    bench = FakeBenchmark()
+    common.measure(bench, fn, sets, torch.device("cpu"), budget_s=0.01, min_rounds=10,
+                   paired=("slow", peer))
+    assert "paired" not in bench.extra_info
+
+
+def test_records_and_tables_carry_the_interleaved_speedup(report, readme_table):
+    paired = {"peer": "eager-pad-view", "speedup": 2.2, "q1": 2.1, "q3": 2.3, "rounds": 40,
+              "ms": 2.0, "peer_ms": 4.4}
+    data = {"datetime": "2026-11-21T10:00:00+00:00",
+            "benchmarks": [_bench("cpu", 0.002, ms=2.0, paired=paired),
+                           _bench("eager-pad-view", 0.006, ms=6.0),
+                           _bench("cpu", 0.004, mode="fwd+bwd", ms=4.0),
+                           _bench("eager-pad-view", 0.010, mode="fwd+bwd", ms=10.0)]}
+    records = report.records_from_pytest_benchmark(data)
+    got = {r["mode"]: r for r in records}
+    assert math.isclose(got["fwd"]["speedup"], 3.0)          # the separate timings
+    assert got["fwd"]["paired_speedup"] == 2.2 and got["fwd"]["paired_peer"] == "eager-pad-view"
+    assert (got["fwd"]["paired_q1"], got["fwd"]["paired_q3"], got["fwd"]["paired_rounds"]) \
+        == (2.1, 2.3, 40)
+    assert "interleaved with eager-pad-view: 2.20x (quartiles 2.10x-2.30x, 40 rounds)" \
+        in got["fwd"]["note"]
+    assert got["fwd+bwd"]["paired_speedup"] is None
+    text = report.compact_tables(records)
+    rows = {line.split()[4]: line for line in text.splitlines() if " cpu " in line}
+    assert "interleaved" in text.splitlines()[1]
+    assert rows["fwd"].rstrip().endswith("2.20x vs eager-pad-view")
+    assert rows["fwd+bwd"].rstrip().endswith("—")
+    md = readme_table.render({"device": "Test CPU", "date": "2026-11-21", "records": records},
+                             "x.json")
+    assert "| speedup | interleaved | best rate |" in md
+    line = next(l for l in md.splitlines() if l.startswith("| rel_shift | **cpu**") and "| fwd |" in l)
+    assert "| 3.00x | 2.20x |" in line
+    # a run without interleaved timings keeps the old columns
+    plain = [dict(r, paired_speedup=None) for r in records]
+    assert "interleaved" not in readme_table.render(
+        {"device": "Test CPU", "date": "2026-11-21", "records": plain}, "x.json")
 
 
 @pytest.mark.parametrize("fail_at", [0, 3, 12], ids=["first-call", "warm-up", "timing"])
