@@ -366,16 +366,23 @@ def _bench(benchmark, device: torch.device, case: Case, mode: str, backend: str)
     _check(op, backend, mode, case, mask_kw, q0, k0, v0,
            sets[0][3] if mode != "fwd" else torch.randn_like(q0))
 
-    if mode == "fwd":
-        def fn(q, k, v):
-            with torch.no_grad():
-                return op(q, k, v)
-    else:
-        def fn(q, k, v, g):
-            return torch.autograd.grad(op(q, k, v), (q, k, v), g)
+    def timed(op):
+        if mode == "fwd":
+            def fn(q, k, v):
+                with torch.no_grad():
+                    return op(q, k, v)
+        else:
+            def fn(q, k, v, g):
+                return torch.autograd.grad(op(q, k, v), (q, k, v), g)
+        return fn
 
-    _common.measure(benchmark, fn, sets, device,
-                    budget_s=0.4 if quick else 2.0, min_rounds=5 if quick else 10)
+    paired = None
+    if backend == "cpu":   # interleaved with the peer of its goal: SDPA, eager for XLNet
+        peer = BASELINE if case.mask.startswith("perm") else "sdpa"
+        paired = (peer, timed(_op(peer, case, mask_kw, device)[0]))
+    _common.measure(benchmark, timed(op), sets, device,
+                    budget_s=0.4 if quick else 2.0, min_rounds=5 if quick else 10,
+                    paired=paired)
 
 
 @pytest.mark.parametrize("case, mode, backend", _params())

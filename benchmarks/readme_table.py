@@ -179,8 +179,12 @@ def _baseline_table(report: dict) -> List[str]:
              "|---|---|---|---|---:|---:|" + ("---:|" if inter else "") + "---:|"]
     for (op, backend, baseline, mode), recs in groups.items():
         speedups = [r["speedup"] for r in recs if r.get("speedup") is not None]
-        paired = [r["paired_speedup"] for r in recs if r.get("paired_speedup") is not None
-                  and r.get("paired_peer") == baseline]
+        by_peer: Dict[str, List[float]] = {}   # interleaved speedups by the peer they were with
+        for r in recs:
+            if r.get("paired_speedup") is not None:
+                by_peer.setdefault(r.get("paired_peer") or "—", []).append(r["paired_speedup"])
+        inter_cell = "; ".join(_spread(v) + ("" if peer == baseline else f" vs {peer}")
+                               for peer, v in by_peer.items()) or "—"
         ooms = sum(1 for r in recs if "OOM" in (r.get("note") or ""))
         failed = sum(1 for r in recs if "failed" in (r.get("note") or ""))
         cell = _spread(speedups) if speedups else "—"
@@ -188,7 +192,7 @@ def _baseline_table(report: dict) -> List[str]:
         cell += f", {failed} failed" if failed else ""
         cases = recs[0].get("case", "1") if len(recs) == 1 else str(len(recs))
         lines.append(f"| {op} | {_whose(backend)} | {baseline} | {mode} | {cases} | {cell} | "
-                     + ((_spread(paired) if paired else "—") + " | " if inter else "")
+                     + (inter_cell + " | " if inter else "")
                      + f"{_rate(recs)} |")
     return lines
 

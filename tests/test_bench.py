@@ -290,6 +290,11 @@ def test_records_and_tables_carry_the_interleaved_speedup(report, readme_table):
     assert "| speedup | interleaved | best rate |" in md
     line = next(l for l in md.splitlines() if l.startswith("| rel_shift | **cpu**") and "| fwd |" in l)
     assert "| 3.00x | 2.20x |" in line
+    # a peer other than the baseline is named in the cell
+    other = [dict(r, paired_peer="sdpa") if r["mode"] == "fwd" else r for r in records]
+    md = readme_table.render({"device": "Test CPU", "date": "2026-11-21", "records": other},
+                             "x.json")
+    assert "| 3.00x | 2.20x vs sdpa |" in md
     # a run without interleaved timings keeps the old columns
     plain = [dict(r, paired_speedup=None) for r in records]
     assert "interleaved" not in readme_table.render(
