@@ -183,8 +183,9 @@ def _baseline_table(report: dict) -> List[str]:
         for r in recs:
             if r.get("paired_speedup") is not None:
                 by_peer.setdefault(r.get("paired_peer") or "—", []).append(r["paired_speedup"])
-        inter_cell = "; ".join(_spread(v) + ("" if peer == baseline else f" vs {peer}")
-                               for peer, v in by_peer.items()) or "—"
+        inter_cell = "; ".join(
+            _spread(v) + ("" if peer == baseline and len(by_peer) == 1 else f" vs {peer}")
+            for peer, v in by_peer.items()) or "—"
         ooms = sum(1 for r in recs if "OOM" in (r.get("note") or ""))
         failed = sum(1 for r in recs if "failed" in (r.get("note") or ""))
         cell = _spread(speedups) if speedups else "—"
