@@ -153,6 +153,52 @@ def test_gemm_setting_is_checked_before_any_kernel():
     assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
+def test_no_task_writes_past_its_rows():
+    """Outputs come from a cache of used blocks, and the rank order's tasks each scatter
+    their rows back from a thread's copy: an element no task writes would keep a previous
+    call's (likely right) value, and a task that wrote one row past its own end would be
+    overwritten by the next task, in order. CTXFAST_ATTN_CPU_DEBUG=poison,reverse fills
+    every output and copy with NaN first and hands the tasks out last first; in a fresh
+    process on one thread (the order is then exact) the kernel tests that split heads over
+    tasks, or rows over tiles, must pass as they are. (Checked: scatter_rows taking
+    p <= hi passes the plain suite and fails here.)"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + [
+        os.path.join(here, f) for f in (
+            "test_attention_cpu.py::test_permutation_one_head_split_over_tasks",
+            "test_attention_cpu.py::test_odd_lengths",
+            "test_attention_cpu.py::test_rows_that_see_no_key",
+            "test_attention_cpu.py::test_masks_with_memory",
+            "test_attention_cpu.py::test_decoding_one_query",
+            "test_rel_attention_cpu.py::test_transformer_xl_memory",
+            "test_rel_attention_cpu.py::test_xlnet_segments_perm_padding_memory",
+            "test_rel_attention_cpu.py::test_long_band_window_slides",
+            "test_rel_attention_cpu.py::test_dr_summed_over_the_batch")]
+    env = dict(os.environ, CTXFAST_ATTN_CPU_DEBUG="poison,reverse", OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (f"CTXFAST_ATTN_CPU_DEBUG=poison,reverse:\n"
+                                 f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
+    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_debug_setting_is_checked_before_any_kernel():
+    """An unknown entry in CTXFAST_ATTN_CPU_DEBUG is refused with a ValueError naming the
+    variable, in a fresh process (the setting is read once per process)."""
+    code = ("import torch, ctxfast\n"
+            "q = torch.randn(1, 2, 5, 8)\n"
+            "try:\n"
+            "    ctxfast.attention(q, q, q, backend='cpu')\n"
+            "except ValueError as e:\n"
+            "    assert 'CTXFAST_ATTN_CPU_DEBUG' in str(e) and 'posion' in str(e), str(e)\n"
+            "else:\n"
+            "    raise SystemExit('no error for CTXFAST_ATTN_CPU_DEBUG=posion')\n"
+            "print('refused')\n")
+    env = dict(os.environ, CTXFAST_ATTN_CPU_DEBUG="posion")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("Tq, Tk, kind", [(1, 1, "none"), (1, 1, "causal"), (1, 40, "causal"),
                                           (17, 17, "causal"), (17, 5, "none"),
                                           (200, 200, "causal-pad"), (3, 50, "perm-query"),

@@ -84,6 +84,50 @@ const Tile& tile() {
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// CTXFAST_ATTN_CPU_DEBUG (read once per process; for tests): a comma-separated list of
+// * "poison": every output is filled with NaN before the kernels write it, and the rank
+//   order's row copies before each task. An element that no task writes then reads NaN,
+//   not a value from an earlier call (the output cache hands back used blocks, whose
+//   stale contents may well be right);
+// * "reverse": the tasks are handed out last first. With one thread, a task that writes
+//   rows past its own end runs after the task that owns them, so that write is not
+//   overwritten (in order it would be, and go unseen).
+struct DebugSetting {
+  bool poison = false, reverse = false;
+  std::string value, bad;  // the variable, and its first unknown entry
+};
+
+const DebugSetting& debug_setting() {
+  static const DebugSetting d = [] {
+    DebugSetting r;
+    const char* e = std::getenv("CTXFAST_ATTN_CPU_DEBUG");
+    r.value = e != nullptr ? e : "";
+    size_t at = 0;
+    while (at <= r.value.size() && !r.value.empty()) {
+      const size_t comma = std::min(r.value.find(',', at), r.value.size());
+      const std::string item = r.value.substr(at, comma - at);
+      if (item == "poison") r.poison = true;
+      else if (item == "reverse") r.reverse = true;
+      else if (r.bad.empty()) r.bad = item.empty() ? "(empty)" : item;
+      at = comma + 1;
+    }
+    return r;
+  }();
+  return d;
+}
+
+// t filled with NaN under CTXFAST_ATTN_CPU_DEBUG=poison (floating outputs only).
+Tensor poisoned(Tensor t) {
+  if (debug_setting().poison && t.is_floating_point())
+    t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
+}
+
+template <typename T>
+void poison(std::vector<T>& v) {
+  if (debug_setting().poison) std::fill(v.begin(), v.end(), std::numeric_limits<T>::quiet_NaN());
+}
+
 // Tasks [0, n) over the threads, handed out one at a time from a shared counter rather than
 // as one contiguous range per thread (at::parallel_for's split): a thread slowed by other
 // work on a shared machine, or given the heavier tasks, takes fewer of them. body(next) runs
@@ -92,9 +136,10 @@ template <typename Body>
 void parallel_dynamic(int64_t n, const Body& body) {
   if (n <= 0) return;
   std::atomic<int64_t> counter{0};
-  auto next = [&counter, n]() -> int64_t {
+  const bool reverse = debug_setting().reverse;
+  auto next = [&counter, n, reverse]() -> int64_t {
     const int64_t t = counter.fetch_add(1, std::memory_order_relaxed);
-    return t < n ? t : -1;
+    return t < n ? (reverse ? n - 1 - t : t) : -1;
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(next); });
@@ -725,6 +770,9 @@ void transpose_rows(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
 // ValueError from every entry point below, before any kernel runs: a forced path is never
 // replaced silently.
 void check_gemm_setting() {
+  const DebugSetting& d = debug_setting();
+  TORCH_CHECK_VALUE(d.bad.empty(), "CTXFAST_ATTN_CPU_DEBUG must be a comma-separated list of "
+                    "'poison' and 'reverse' (or unset), got '", d.value, "'");
   const std::string& v = gemm_setting();
   if (v.empty() || v == "blas") return;
   TORCH_CHECK_VALUE(v == "own", "CTXFAST_ATTN_CPU_GEMM must be 'blas', 'own' or unset, got '",
@@ -1888,8 +1936,8 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
                                               const Tensor& key_padding_mask, bool strict,
                                               double scale) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor out = empty_output({B, H, Tq, D}, q.options());
-  Tensor lse = at::empty({B, H, Tq}, q.options());
+  Tensor out = poisoned(empty_output({B, H, Tq, D}, q.options()));
+  Tensor lse = poisoned(at::empty({B, H, Tq}, q.options()));
   const Tensor kpm_sorted = o.padding(key_padding_mask);
   const bool* kpm = kpm_sorted.defined() ? kpm_sorted.const_data_ptr<bool>() : nullptr;
   const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
@@ -1919,6 +1967,8 @@ std::tuple<Tensor, Tensor> rank_order_forward(const RankOrder& o, const Tensor& 
         const int64_t bh = t / runs, b = bh / H, hh = bh % H;
         const int64_t lo = (t % runs) * per, hi = std::min(Tq, lo + per);
         if (lo >= hi) continue;
+        poison(os);  // CTXFAST_ATTN_CPU_DEBUG=poison: rows this task does not compute
+        poison(ls);
         Head<T> h = sorted_head<T>(o, b, Tk, D, kpm, ends, strict);
         int64_t kend = 0;  // the keys these queries may see: [0, kend)
         for (int64_t i0 = lo; i0 < hi; i0 += bq)
@@ -1966,9 +2016,9 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& key_padding_mask,
     bool strict, double scale) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor dq = empty_output({B, H, Tq, D}, q.options());
-  Tensor dk = empty_output({B, H, Tk, D}, q.options());
-  Tensor dv = empty_output({B, H, Tk, D}, q.options());
+  Tensor dq = poisoned(empty_output({B, H, Tq, D}, q.options()));
+  Tensor dk = poisoned(empty_output({B, H, Tk, D}, q.options()));
+  Tensor dv = poisoned(empty_output({B, H, Tk, D}, q.options()));
   const Tensor kpm_sorted = o.padding(key_padding_mask);
   const bool* kpm = kpm_sorted.defined() ? kpm_sorted.const_data_ptr<bool>() : nullptr;
   const std::vector<int64_t> ends = padding_ends(kpm, B, Tk);
@@ -2020,6 +2070,7 @@ std::tuple<Tensor, Tensor, Tensor> rank_order_backward(
         h.dq = dqs.data();
         h.dk = dks.data();
         h.dv = dvs.data();
+        for (std::vector<T>* x : {&dqs, &dks, &dvs}) poison(*x);  // CTXFAST_ATTN_CPU_DEBUG
         backward_head(h, sc, w);
         scatter_rows(dq.mutable_data_ptr<T>() + bh * Tq * D, D, dqs.data(), Tq, D, 0, Tq, query);
         scatter_rows(dk.mutable_data_ptr<T>() + bh * Tk * D, D, dks.data(), Tk, D, 0, Tk, key);
@@ -2082,8 +2133,8 @@ std::tuple<Tensor, Tensor> attention_forward_impl(const Tensor& q, const Tensor&
                                                   bool perm_strict, double scale,
                                                   const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor out = empty_output({B, H, Tq, D}, q.options());
-  Tensor lse = at::empty({B, H, Tq}, q.options());
+  Tensor out = poisoned(empty_output({B, H, Tq, D}, q.options()));
+  Tensor lse = poisoned(at::empty({B, H, Tq}, q.options()));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward_cpu", [&] {
     using T = scalar_t;
     const T* qp = q.const_data_ptr<T>();
@@ -2132,9 +2183,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_impl(
     const Tensor& perm_rank, bool causal, bool perm_strict, double scale,
     const Dropout& dropout) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), Tk = k.size(2);
-  Tensor dq = empty_output({B, H, Tq, D}, q.options());  // every element written by its task
-  Tensor dk = empty_output({B, H, Tk, D}, q.options());
-  Tensor dv = empty_output({B, H, Tk, D}, q.options());
+  // every element written by its task
+  Tensor dq = poisoned(empty_output({B, H, Tq, D}, q.options()));
+  Tensor dk = poisoned(empty_output({B, H, Tk, D}, q.options()));
+  Tensor dv = poisoned(empty_output({B, H, Tk, D}, q.options()));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward_cpu", [&] {
     using T = scalar_t;
     const T* qp = q.const_data_ptr<T>();
@@ -2201,8 +2253,8 @@ std::tuple<Tensor, Tensor> rel_attention_forward(
   check_gemm_setting();
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Tk = k.size(2), R = r.size(1);
-  Tensor out = empty_output({B, H, Tq, D}, q.options());
-  Tensor lse = at::empty({B, H, Tq}, q.options());
+  Tensor out = poisoned(empty_output({B, H, Tq, D}, q.options()));
+  Tensor lse = poisoned(at::empty({B, H, Tq}, q.options()));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rel_attention_forward_cpu", [&] {
     using T = scalar_t;
     T* def_p = nullptr;
@@ -2263,11 +2315,11 @@ RelGrads rel_attention_backward(
   // turn and accumulates into dr [H, R, D]; otherwise each (b, h) has its own and they
   // are summed over b below.
   const bool by_head = B > 1 && H >= 2 * at::get_num_threads();
-  Tensor dq = empty_output({B, H, Tq, D}, q.options());
-  Tensor dk = empty_output({B, H, Tk, D}, q.options());
-  Tensor dv = empty_output({B, H, Tk, D}, q.options());
-  Tensor drb = by_head ? empty_output({H, R, D}, q.options())
-                       : empty_output({B, H, R, D}, q.options());
+  Tensor dq = poisoned(empty_output({B, H, Tq, D}, q.options()));
+  Tensor dk = poisoned(empty_output({B, H, Tk, D}, q.options()));
+  Tensor dv = poisoned(empty_output({B, H, Tk, D}, q.options()));
+  Tensor drb = poisoned(by_head ? empty_output({H, R, D}, q.options())
+                                : empty_output({B, H, R, D}, q.options()));
   Tensor dub = at::zeros({B, H, D}, q.options());     // bias gradients per (b, h)
   Tensor dwb = at::zeros({B, H, D}, q.options());
   Tensor def = seg.defined() ? at::zeros({B, H, Tq, 2}, q.options()) : Tensor();
@@ -2350,7 +2402,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
   const int64_t total_q = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
   Tensor out = empty_output({total_q, H, D}, q.options()).zero_();
-  Tensor lse = at::empty({H, total_q}, q.options());
+  Tensor lse = poisoned(at::empty({H, total_q}, q.options()));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_varlen_forward_cpu", [&] {
     using T = scalar_t;
     lse.fill_(std::numeric_limits<T>::infinity());
