@@ -419,7 +419,9 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
        ``rounds``, ``ms``, ``peer_ms``}. The separate timings of step 2 (one backend
        after the other, each for its own seconds) can each land on a slow stretch of the
        host: on the 2-core dev machine a ratio read 1.82x-2.10x across four runs of the
-       same code. Not on a GPU (CUDA events time the kernels, not the host's load).
+       same code. Not on a GPU (CUDA events time the kernels, not the host's load). Where
+       the peer raises, ``paired`` = {``peer``, ``error``} and the rest of the result
+       stands.
 
     ``torch.OutOfMemoryError`` anywhere in 1–5 is recorded (:func:`record_oom`) instead
     of raised.
@@ -470,8 +472,13 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
         if (paired is not None and device.type == "cpu"
                 and os.environ.get(PAIRED_ENV, "1").strip() != "0"):
             peer_name, peer_fn = paired
-            benchmark.extra_info["paired"] = _paired(
-                fn, peer_name, peer_fn, sets, est, budget_s, min_rounds, max_rounds)
+            try:
+                benchmark.extra_info["paired"] = _paired(
+                    fn, peer_name, peer_fn, sets, est, budget_s, min_rounds, max_rounds)
+            except Exception as e:   # the peer failed: our own timing above still stands
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                benchmark.extra_info["paired"] = {"peer": peer_name,
+                                                  "error": f"{type(e).__name__}: {first}"}
         if os.environ.get(PROFILE_ENV, "0").strip() == "1":
             prof = profile_call(fn, sets[0], device)
             if prof is not None:

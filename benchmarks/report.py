@@ -240,6 +240,8 @@ def records_from_pytest_benchmark(data: dict) -> List[dict]:
                 relative = ms / other_ms
                 notes.append(f"{relative:.2f}x the time of {other}")
         paired = info.get("paired") or {}
+        if paired.get("error"):
+            notes.append(f"interleaved timing with {paired['peer']} failed: {paired['error']}")
         if paired.get("speedup") is not None:
             notes.append(f"interleaved with {paired['peer']}: {paired['speedup']:.2f}x "
                          f"(quartiles {paired['q1']:.2f}x-{paired['q3']:.2f}x, "

@@ -256,6 +256,14 @@ def test_measure_paired_on_the_cpu(common, monkeypatch):
     assert 1.6 < p["q1"] <= p["speedup"] <= p["q3"] < 2.5, p
     assert 0.9 < p["ms"] < 1.5 and 1.9 < p["peer_ms"] < 2.6
     assert 0.9 < info["ms"] < 1.5
+    # a peer that raises leaves our own timing and says why
+    def broken(*_):
+        raise RuntimeError("peer broke\nsecond line")
+    bench = FakeBenchmark()
+    common.measure(bench, fn, sets, torch.device("cpu"), budget_s=0.01, min_rounds=10,
+                   paired=("broken", broken))
+    assert bench.extra_info["paired"] == {"peer": "broken", "error": "RuntimeError: peer broke"}
+    assert 0.9 < bench.extra_info["ms"] < 1.5
     monkeypatch.setenv(common.PAIRED_ENV, "0")
     bench = FakeBenchmark()
     common.measure(bench, fn, sets, torch.device("cpu"), budget_s=0.01, min_rounds=10,
@@ -280,6 +288,11 @@ def test_records_and_tables_carry_the_interleaved_speedup(report, readme_table):
     assert "interleaved with eager-pad-view: 2.20x (quartiles 2.10x-2.30x, 40 rounds)" \
         in got["fwd"]["note"]
     assert got["fwd+bwd"]["paired_speedup"] is None
+    failed = report.records_from_pytest_benchmark({"datetime": data["datetime"], "benchmarks": [
+        _bench("cpu", 0.002, ms=2.0, paired={"peer": "eager-pad-view", "error": "E: x"}),
+        _bench("eager-pad-view", 0.006, ms=6.0)]})
+    assert failed[0]["paired_speedup"] is None and math.isclose(failed[0]["speedup"], 3.0)
+    assert "interleaved timing with eager-pad-view failed: E: x" in failed[0]["note"]
     text = report.compact_tables(records)
     rows = {line.split()[4]: line for line in text.splitlines() if " cpu " in line}
     assert "interleaved" in text.splitlines()[1]
