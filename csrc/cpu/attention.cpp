@@ -592,10 +592,7 @@ CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, co
     mr = avx2::row_block(M, m0);
     const float* a = TA ? A + m0 : A + m0 * lda;
     const float* ci = Cin != nullptr ? Cin + m0 * ldi : nullptr;
-    for (int64_t n0 = 0; n0 < N; n0 += 16) {
-      avx2::kernel_rows<TA>(mr, a, lda, B + n0, ldb, K, alpha, ci != nullptr ? ci + n0 : nullptr,
-                            ldi, C + m0 * ldc + n0, ldc, std::min<int64_t>(16, N - n0), nullptr);
-    }
+    avx2::row_panels<TA>(mr, a, lda, B, ldb, K, alpha, ci, ldi, C + m0 * ldc, ldc, N);
   }
 }
 

@@ -110,6 +110,40 @@ CTXFAST_TILE_FN inline void kernel_rows(int64_t mr, const float* A, int64_t lda,
   }
 }
 
+// C[0:MR, 0:N] for one block of MR rows, every 16-column panel of B in turn (no
+// prefetch): the kernel chosen once for the block, not once per panel.
+template <int MR, bool TA>
+CTXFAST_TILE_FN inline void row_panels_mr(const float* A, int64_t lda, const float* B,
+                                          int64_t ldb, int64_t K, float alpha,
+                                          const float* Cin, int64_t ldi, float* C, int64_t ldc,
+                                          int64_t N) {
+  int64_t n0 = 0;
+  for (; n0 + 16 <= N; n0 += 16)
+    kernel<MR, TA, true, false>(A, lda, B + n0, ldb, K, alpha,
+                                Cin != nullptr ? Cin + n0 : nullptr, ldi, C + n0, ldc, 16,
+                                nullptr);
+  if (n0 < N)
+    kernel<MR, TA, false, false>(A, lda, B + n0, ldb, K, alpha,
+                                 Cin != nullptr ? Cin + n0 : nullptr, ldi, C + n0, ldc, N - n0,
+                                 nullptr);
+}
+
+// row_panels_mr for a run-time mr in [1, 6].
+template <bool TA>
+CTXFAST_TILE_FN inline void row_panels(int64_t mr, const float* A, int64_t lda,
+                                       const float* B, int64_t ldb, int64_t K, float alpha,
+                                       const float* Cin, int64_t ldi, float* C, int64_t ldc,
+                                       int64_t N) {
+  switch (mr) {
+    case 6: row_panels_mr<6, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
+    case 5: row_panels_mr<5, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
+    case 4: row_panels_mr<4, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
+    case 3: row_panels_mr<3, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
+    case 2: row_panels_mr<2, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
+    default: row_panels_mr<1, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
+  }
+}
+
 // Rows of C in the block that starts at row m0 of M. Blocks of 6 and 5 rows where M allows
 // (M = 6 a + 5 b, b < 6: every M >= 20 and 5, 6, 10-12, 15-18): 5 rows hold 10 accumulators,
 // as many as the FMA latency (5 cycles, 2 pipes) needs, and ran at 94 % of the FMA peak in
