@@ -2396,7 +2396,7 @@ std::tuple<Tensor, Tensor> attention_varlen_forward(const Tensor& q, const Tenso
   const int64_t total_q = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t nseq = static_cast<int64_t>(cu_q.size()) - 1;
   Tensor out = empty_output({total_q, H, D}, q.options()).zero_();
-  Tensor lse = poisoned(at::empty({H, total_q}, q.options()));
+  Tensor lse = at::empty({H, total_q}, q.options());  // filled below, like out above
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_varlen_forward_cpu", [&] {
     using T = scalar_t;
     lse.fill_(std::numeric_limits<T>::infinity());
