@@ -482,6 +482,33 @@ CTXFAST_AVX2_FN void exp_rows_avx2(float* s, int64_t nr, int64_t n, const float*
   for (int64_t r = 0; r < nr; ++r) exp_row_of<false>(s + r * n, n, lse[r]);
 }
 
+// The backward's P and dS in one pass over a tile: per row r, p = exp(s - lse_r) (as
+// exp_rows_avx2) into s, and ds <- p (ds - delta_r) (as ds_row_avx2); s rows n apart, ds
+// rows ldds apart.
+CTXFAST_AVX2_FN void p_ds_rows_avx2(float* s, float* ds, int64_t ldds, int64_t nr, int64_t n,
+                                    const float* lse, const float* delta) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < nr; ++r) {
+    float* x = s + r * n;
+    float* d = ds + r * ldds;
+    const __m256 vl = _mm256_set1_ps(lse[r]), vd = _mm256_set1_ps(delta[r]);
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + c), vl));
+      _mm256_storeu_ps(x + c, p);
+      _mm256_storeu_ps(d + c, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(d + c), vd)));
+    }
+    if (c < n) {
+      const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - c)), lane);
+      const __m256 p = _mm256_and_ps(
+          exp8(_mm256_sub_ps(_mm256_maskload_ps(x + c, k), vl)), _mm256_castsi256_ps(k));
+      _mm256_maskstore_ps(x + c, k, p);
+      _mm256_maskstore_ps(d + c, k,
+                          _mm256_mul_ps(p, _mm256_sub_ps(_mm256_maskload_ps(d + c, k), vd)));
+    }
+  }
+}
+
 // c[j] = alpha a . B[j] (+ c[j] when acc), j < N: B's rows [N, K] ldb apart. Four rows at a
 // time (four independent sums), each over K in vectors of 8.
 CTXFAST_AVX2_FN void gemv_rows_avx2(int64_t N, int64_t K, float alpha, const float* a,
@@ -852,6 +879,18 @@ void exp_rows(T* s, int64_t nr, int64_t n, const T* lse) {
     if (lse[r] == std::numeric_limits<T>::infinity()) std::fill(row, row + n, T(0));
     else exp_row(row, n, lse[r]);
   }
+}
+
+// s [nr, n] <- P = exp(s - lse) per row, then ds [nr, n] (rows ldds apart) <- P (ds - delta):
+// one pass with AVX2 (as exp_rows), else exp_rows and ds_row.
+template <typename T>
+void p_ds_rows(T* s, T* ds, int64_t ldds, int64_t nr, int64_t n, const T* lse, const T* delta) {
+#ifdef CTXFAST_ATTN_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    if (has_avx2() && !has_avx512()) return p_ds_rows_avx2(s, ds, ldds, nr, n, lse, delta);
+#endif
+  exp_rows(s, nr, n, lse);
+  for (int64_t r = 0; r < nr; ++r) ds_row(s + r * n, ds + r * ldds, n, delta[r]);
 }
 
 // ---------------------------------------------------------------- dropout (Philox)
@@ -1610,9 +1649,9 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
         ldds = pb.W - 1;
       }
       scores_tile(h, qr, i0, bq, r0, j0, bk, scale, gt, pb.W - 1, s);
-      exp_rows(s, nr, bk, h.lse + i0 + r0);
-      // dP = dO_i V_jᵀ, then dS = P (dP - Delta); with dropout (F: the factors, keep / (1 - p))
-      // dP = F (dO_i V_jᵀ), dS = P (dP - Delta) and the dropped P F goes to dV
+      if (h.p_drop > 0) exp_rows(s, nr, bk, h.lse + i0 + r0);  // else with dS below
+      // dP = dO_i V_jᵀ, then P and dS = P (dP - Delta); with dropout (F: the factors, keep /
+      // (1 - p)) dP = F (dO_i V_jᵀ), dS = P (dP - Delta) and the dropped P F goes to dV
       if (h.vt != nullptr)
         gemm_rm<T>(false, false, nr, bk, D, T(1), dout, h.lddo, h.vt + j0, h.ldkt, T(0), ds,
                    ldds);
@@ -1628,7 +1667,7 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
           for (int64_t c = 0; c < bk; ++c) dsr[c] = s[r * bk + c] * (dsr[c] * f[c] - delta[r]);
         }
       } else {
-        for (int64_t r = 0; r < nr; ++r) ds_row(s + r * bk, ds + r * ldds, bk, delta[r]);
+        p_ds_rows(s, ds, ldds, nr, bk, h.lse + i0 + r0, delta);
       }
       if (h.segq != nullptr) {  // per row: sums of dS and P over the other segment, dS over all
         for (int64_t rr = r0; rr < bq; ++rr) {
