@@ -160,9 +160,19 @@ def input_sets(make: Callable[[], Sequence[torch.Tensor]], device: torch.device,
 
 # --------------------------------------------------------------------------- out of memory
 
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message ("" if it has none)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
+
+
 def _oom_message(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return first or "out of memory"
+    return _first_line(e) or "out of memory"
+
+
+def _iterations(est: float) -> int:
+    """Calls per timed round for calls of about `est` seconds: rounds of ~0.2 ms at least
+    (perf_counter's resolution and the loop's own cost stay small), at most 1000 calls."""
+    return max(1, min(1000, round(2e-4 / est)))
 
 
 def _free_memory(device: Optional[torch.device] = None) -> None:
@@ -299,8 +309,7 @@ def _paired(fn: Callable, peer_name: str, peer: Callable, sets: list, est: float
     of peer time / our time, both from the same round; q1, q3 its quartiles."""
     peer(*sets[0])                                   # warm-up (allocator, first-call work)
     peer_est = _per_call_estimate(peer, sets[0])
-    iterations = max(1, min(1000, round(2e-4 / est)))
-    peer_iterations = max(1, min(1000, round(2e-4 / peer_est)))
+    iterations, peer_iterations = _iterations(est), _iterations(peer_est)
     per_round = est * iterations + peer_est * peer_iterations
     rounds = int(min(max_rounds, max(min_rounds, budget_s / per_round)))
     cyc = itertools.cycle(sets)
@@ -442,7 +451,7 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
                 break                            # long calls: compiled and allocated already
         later = sorted(times[1:] or times)        # the first call may compile or allocate
         est = max(later[len(later) // 2], 1e-7)
-        iterations = max(1, min(1000, round(2e-4 / est)))
+        iterations = _iterations(est)
         rounds = int(min(max_rounds, max(min_rounds, budget_s / (est * iterations))))
         rounds += rounds % 2                      # two equal halves
         args = [next(cyc) for _ in range(rounds * iterations)]   # picked before the timing
@@ -476,9 +485,8 @@ def measure(benchmark, fn: Callable, sets: list, device: torch.device, *,
                 benchmark.extra_info["paired"] = _paired(
                     fn, peer_name, peer_fn, sets, est, budget_s, min_rounds, max_rounds)
             except Exception as e:   # the peer failed: our own timing above still stands
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                benchmark.extra_info["paired"] = {"peer": peer_name,
-                                                  "error": f"{type(e).__name__}: {first}"}
+                benchmark.extra_info["paired"] = {
+                    "peer": peer_name, "error": f"{type(e).__name__}: {_first_line(e)}"}
         if os.environ.get(PROFILE_ENV, "0").strip() == "1":
             prof = profile_call(fn, sets[0], device)
             if prof is not None:

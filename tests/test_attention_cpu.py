@@ -107,6 +107,39 @@ def test_head_dims(D):
     check_cpu(q, k, v, causal=True)
 
 
+def _tests_pass_in_fresh_process(tests, **env):
+    """Runs `tests` (``file::test`` names in this folder) with pytest in a fresh process
+    with `env` added (settings read once per process); every one must pass, none skip."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + [
+        os.path.join(here, t) for t in tests]
+    run = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, f"{env}:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def _setting_refused_in_fresh_process(var, value):
+    """In a fresh process with ``var=value``, the cpu backends of attention and
+    rel_attention raise a ValueError naming the variable and the value, before any
+    kernel runs."""
+    code = ("import torch, ctxfast\n"
+            "q = torch.randn(1, 2, 5, 8)\n"
+            "for call in (lambda: ctxfast.attention(q, q, q, backend='cpu'),\n"
+            "             lambda: ctxfast.rel_attention(q, q, q, torch.randn(2, 5, 8),\n"
+            "                 torch.randn(2, 8), torch.randn(2, 8), backend='cpu')):\n"
+            "    try:\n"
+            "        call()\n"
+            f"    except ValueError as e:\n"
+            f"        assert {var!r} in str(e) and {value!r} in str(e), str(e)\n"
+            "    else:\n"
+            f"        raise SystemExit('no error for {var}={value}')\n"
+            "print('refused')\n")
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{var: value}),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("gemm", ["blas", "own"])
 def test_tile_products_on_either_gemm(gemm):
     """The tile products run on the BLAS or on the project's AVX2 kernel, chosen once per
@@ -115,42 +148,37 @@ def test_tile_products_on_either_gemm(gemm):
     process over the head dims (partial 16-column panels), odd lengths, rows that see no
     key, every mask with memory (the rank order, the staircase tiles) and rel_attention's
     band (long rows of r, odd D, the sliding window)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           os.path.join(here, "test_attention_cpu.py") + "::test_head_dims",
-           os.path.join(here, "test_attention_cpu.py") + "::test_odd_lengths",
-           os.path.join(here, "test_attention_cpu.py") + "::test_rows_that_see_no_key",
-           os.path.join(here, "test_attention_cpu.py") + "::test_masks_with_memory",
-           os.path.join(here, "test_rel_attention_cpu.py") + "::test_transformer_xl_memory",
-           os.path.join(here, "test_rel_attention_cpu.py") + "::test_head_dims",
-           os.path.join(here, "test_rel_attention_cpu.py") + "::test_long_band_window_slides"]
-    env = dict(os.environ, CTXFAST_ATTN_CPU_GEMM=gemm)
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, (f"CTXFAST_ATTN_CPU_GEMM={gemm}:\n{run.stdout[-4000:]}\n"
-                                 f"{run.stderr[-2000:]}")
-    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    _tests_pass_in_fresh_process(
+        ["test_attention_cpu.py::test_head_dims",
+         "test_attention_cpu.py::test_odd_lengths",
+         "test_attention_cpu.py::test_rows_that_see_no_key",
+         "test_attention_cpu.py::test_masks_with_memory",
+         "test_rel_attention_cpu.py::test_transformer_xl_memory",
+         "test_rel_attention_cpu.py::test_head_dims",
+         "test_rel_attention_cpu.py::test_long_band_window_slides"],
+        CTXFAST_ATTN_CPU_GEMM=gemm)
+
+
+def test_cpu_without_avx2():
+    """CTXFAST_ATTN_CPU_SIMD=off: the row kernels (softmax, exponentials, P and dS, the
+    biased rows) take their portable loops and the products the BLAS, as on a CPU without
+    AVX2; the kernel tests over odd sizes, rows that see no key and the masks pass there
+    too, in a fresh process (the setting is read once)."""
+    _tests_pass_in_fresh_process(
+        ["test_attention_cpu.py::test_head_dims",
+         "test_attention_cpu.py::test_odd_lengths",
+         "test_attention_cpu.py::test_rows_that_see_no_key",
+         "test_attention_cpu.py::test_masks_with_memory",
+         "test_rel_attention_cpu.py::test_transformer_xl_memory",
+         "test_rel_attention_cpu.py::test_rows_that_see_no_key"],
+        CTXFAST_ATTN_CPU_SIMD="off")
 
 
 def test_gemm_setting_is_checked_before_any_kernel():
     """A value of CTXFAST_ATTN_CPU_GEMM other than blas / own is refused with a ValueError
     naming the variable (not silently replaced by the CPU's default), in a fresh process:
     the setting is read once per process."""
-    code = ("import torch, ctxfast\n"
-            "q = torch.randn(1, 2, 5, 8)\n"
-            "for call in (lambda: ctxfast.attention(q, q, q, backend='cpu'),\n"
-            "             lambda: ctxfast.rel_attention(q, q, q, torch.randn(2, 5, 8),\n"
-            "                 torch.randn(2, 8), torch.randn(2, 8), backend='cpu')):\n"
-            "    try:\n"
-            "        call()\n"
-            "    except ValueError as e:\n"
-            "        assert 'CTXFAST_ATTN_CPU_GEMM' in str(e) and 'mkl' in str(e), str(e)\n"
-            "    else:\n"
-            "        raise SystemExit('no error for CTXFAST_ATTN_CPU_GEMM=mkl')\n"
-            "print('refused')\n")
-    env = dict(os.environ, CTXFAST_ATTN_CPU_GEMM="mkl")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
+    _setting_refused_in_fresh_process("CTXFAST_ATTN_CPU_GEMM", "mkl")
 
 
 def test_no_task_writes_past_its_rows():
@@ -162,41 +190,23 @@ def test_no_task_writes_past_its_rows():
     process on one thread (the order is then exact) the kernel tests that split heads over
     tasks, or rows over tiles, must pass as they are. (Checked: scatter_rows taking
     p <= hi passes the plain suite and fails here.)"""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + [
-        os.path.join(here, f) for f in (
-            "test_attention_cpu.py::test_permutation_one_head_split_over_tasks",
-            "test_attention_cpu.py::test_odd_lengths",
-            "test_attention_cpu.py::test_rows_that_see_no_key",
-            "test_attention_cpu.py::test_masks_with_memory",
-            "test_attention_cpu.py::test_decoding_one_query",
-            "test_rel_attention_cpu.py::test_transformer_xl_memory",
-            "test_rel_attention_cpu.py::test_xlnet_segments_perm_padding_memory",
-            "test_rel_attention_cpu.py::test_long_band_window_slides",
-            "test_rel_attention_cpu.py::test_dr_summed_over_the_batch")]
-    env = dict(os.environ, CTXFAST_ATTN_CPU_DEBUG="poison,reverse", OMP_NUM_THREADS="1")
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, (f"CTXFAST_ATTN_CPU_DEBUG=poison,reverse:\n"
-                                 f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
-    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    _tests_pass_in_fresh_process(
+        ["test_attention_cpu.py::test_permutation_one_head_split_over_tasks",
+         "test_attention_cpu.py::test_odd_lengths",
+         "test_attention_cpu.py::test_rows_that_see_no_key",
+         "test_attention_cpu.py::test_masks_with_memory",
+         "test_attention_cpu.py::test_decoding_one_query",
+         "test_rel_attention_cpu.py::test_transformer_xl_memory",
+         "test_rel_attention_cpu.py::test_xlnet_segments_perm_padding_memory",
+         "test_rel_attention_cpu.py::test_long_band_window_slides",
+         "test_rel_attention_cpu.py::test_dr_summed_over_the_batch"],
+        CTXFAST_ATTN_CPU_DEBUG="poison,reverse", OMP_NUM_THREADS="1")
 
 
 def test_debug_setting_is_checked_before_any_kernel():
     """An unknown entry in CTXFAST_ATTN_CPU_DEBUG is refused with a ValueError naming the
     variable, in a fresh process (the setting is read once per process)."""
-    code = ("import torch, ctxfast\n"
-            "q = torch.randn(1, 2, 5, 8)\n"
-            "try:\n"
-            "    ctxfast.attention(q, q, q, backend='cpu')\n"
-            "except ValueError as e:\n"
-            "    assert 'CTXFAST_ATTN_CPU_DEBUG' in str(e) and 'posion' in str(e), str(e)\n"
-            "else:\n"
-            "    raise SystemExit('no error for CTXFAST_ATTN_CPU_DEBUG=posion')\n"
-            "print('refused')\n")
-    env = dict(os.environ, CTXFAST_ATTN_CPU_DEBUG="posion")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
+    _setting_refused_in_fresh_process("CTXFAST_ATTN_CPU_DEBUG", "posion")
 
 
 @pytest.mark.parametrize("Tq, Tk, kind", [(1, 1, "none"), (1, 1, "causal"), (1, 40, "causal"),
