@@ -8,13 +8,15 @@
 #   bash benchmarks/gpu_round.sh --stage sanitize    # profile check, compute-sanitizer
 #   bash benchmarks/gpu_round.sh --stage bench       # the full benchmark set
 #   bash benchmarks/gpu_round.sh --stage all         # the three, one after the other
+#   bash benchmarks/gpu_round.sh --stage tests       # build and the suite only (a short lease)
 #   bash benchmarks/gpu_round.sh --stage bench --dry-run # print the commands, run nothing
 #
 # Each stage fits in one command of under 10 minutes (STAGE_BUDGET seconds, default 560):
 # every step gets a timeout cut to what is left of it, and a step that fails or times out
 # is written to the summary and the round goes on (a sanitizer error in one test file
 # does not stop the others). Each stage builds first when ctxfast._cuda does not import
-# (a fresh machine). Output: $OUT/summary.txt (appended, one line per step with its exit
+# (a fresh machine). BENCH_OPS (e.g. "rel_attention attention") limits the bench stage's
+# suites, BENCH_TIME its time budget (s), LSTM_COMPARE=0 skips the LSTM launch forms. Output: $OUT/summary.txt (appended, one line per step with its exit
 # status and the lines that matter) and $OUT/gpu_round-<stage>.tgz (every log and report
 # of the stage). OUT defaults to ./gpu_round_out; PYTHON to python3.
 set -uo pipefail
@@ -27,13 +29,13 @@ while (( $# )); do
     --stage=*) STAGE=${1#--stage=}; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|sanitize|bench|all, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|tests|sanitize|bench|all, --dry-run)" >&2; exit 2 ;;
   esac
 done
 case $STAGE in
-  build-test|sanitize|bench|all) ;;
-  "") echo "gpu_round: give --stage build-test|sanitize|bench|all" >&2; exit 2 ;;
-  *) echo "gpu_round: unknown stage '$STAGE' (build-test|sanitize|bench|all)" >&2; exit 2 ;;
+  build-test|tests|sanitize|bench|all) ;;
+  "") echo "gpu_round: give --stage build-test|tests|sanitize|bench|all" >&2; exit 2 ;;
+  *) echo "gpu_round: unknown stage '$STAGE' (build-test|tests|sanitize|bench|all)" >&2; exit 2 ;;
 esac
 
 PY=${PYTHON:-python3}
@@ -96,17 +98,17 @@ build() {
     || echo "build: ctxfast._cuda does not import after the build (see r/build.log)" | tee -a "$S"
 }
 
-stage_build_test() {
+device_lines() {
   note "device"
   if (( ! DRY )); then
     nvidia-smi -L | tee -a "$S"
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$S"
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$S"
   fi
-  build
-  step "info" 60 info.txt "$PY" -m ctxfast.cli info
-  step "smoke" 120 smoke.txt "$PY" -m ctxfast.cli smoke
-  summarize smoke.txt "FAIL|smoke:" 10
+}
+
+# The whole suite on CUDA (tests/gpu included), after the C++ LSTM ops' bad-input checks.
+suite() {
   # The first round's xdist workers crashed on the C++ LSTM ops' ValueError checks (CPU
   # tensors, torch 2.11; not reproduced on torch 2.13): run them once in one process first,
   # with faulthandler, so a crash is attributed to the op and not to xdist.
@@ -114,13 +116,33 @@ stage_build_test() {
     "$PY" -X faulthandler -m pytest tests/test_lstm_native.py tests/gpu/test_lstm_gpu.py -q \
     -p no:cacheprovider -p no:xdist -k "bad_inputs"
   summarize lstm_bad_inputs.log "Fatal| passed| failed" 5
-  local xdist=()
+  local xdist=() per_test=()
   if (( DRY )) || "$PY" -c "import xdist" 2>/dev/null; then xdist=(-n 12); fi
+  # One hung test (a grid-synchronised kernel that never meets its barrier) must not take
+  # the whole step: pytest-timeout ends that worker, xdist starts another.
+  if (( DRY )) || "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    per_test=(-o timeout=150 -o timeout_method=thread)
+  fi
   step "tests (whole suite on CUDA, tests/gpu included)" 330 tests.log \
-    "$PY" -m pytest tests -q -ra -p no:cacheprovider "${xdist[@]}"
-  summarize tests.log "^(FAILED|ERROR)| passed| failed" 80
+    "$PY" -m pytest tests -q -ra -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
+  summarize tests.log "^(FAILED|ERROR)| passed| failed|Timeout" 80
+}
+
+stage_build_test() {
+  device_lines
+  build
+  step "info" 60 info.txt "$PY" -m ctxfast.cli info
+  step "smoke" 120 smoke.txt "$PY" -m ctxfast.cli smoke
+  summarize smoke.txt "FAIL|smoke:" 10
+  suite
   step "xl-eval (paper lengths)" 240 xl_eval.log "$PY" -m ctxfast.cli xl-eval --out "$R/xl-eval" --no-progress
   summarize xl_eval.log "." 25
+}
+
+stage_tests() {   # build-test without smoke and xl-eval: what a 15-minute lease has room for
+  device_lines
+  build
+  suite
 }
 
 stage_sanitize() {
@@ -150,15 +172,17 @@ stage_bench() {
   build
   # The LSTM's launch forms side by side (Triton persistent / per step, CUDA C++ persistent /
   # per step, cuDNN + WeightDropout), first: the first GPU numbers of the new LSTM kernels.
-  step "lstm launch forms" 100 lstm_launch_compare.log \
+  (( ${LSTM_COMPARE:-1} )) && step "lstm launch forms" 100 lstm_launch_compare.log \
     "$PY" benchmarks/lstm_launch_compare.py --out "$R/lstm_launch_compare.json"
   summarize lstm_launch_compare.log "ms" 20
   # The whole set in under 9 minutes: the runner's time budget stops starting cases when
   # it is spent (and names them); a fifth of the default timing budget per case still
   # gives every case its warm-up and >= 10 CUDA-event repetitions.
-  step "bench (full)" 540 bench.log \
+  local ops=()
+  [ -n "${BENCH_OPS:-}" ] && ops=(--ops ${BENCH_OPS})
+  step "bench (${BENCH_OPS:-full})" 540 bench.log \
     env CTXFAST_BENCH_BUDGET_SCALE="${CTXFAST_BENCH_BUDGET_SCALE:-0.2}" \
-    "$PY" -m ctxfast.cli bench --time-budget 420 --no-progress --out "$R/bench"
+    "$PY" -m ctxfast.cli bench --time-budget "${BENCH_TIME:-420}" --no-progress --out "$R/bench" "${ops[@]}"
   summarize bench.log "report|note:|failed|speedup" 30
 }
 
@@ -174,6 +198,7 @@ run_stage() {
   note "stage $1"
   case $1 in
     build-test) stage_build_test ;;
+    tests) stage_tests ;;
     sanitize) stage_sanitize ;;
     bench) stage_bench ;;
   esac
