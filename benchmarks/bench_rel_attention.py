@@ -211,36 +211,43 @@ def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _check(op: Callable, backend: str, mode: str, case: Case, inputs, g) -> None:
-    """`op` computes the fp32 reference's output (and gradients) on the first batch row."""
+    """`op` computes the fp32 reference's output (and gradients) on the first batch row,
+    each within the larger of ``RTOL`` and twice the error of the reference itself run
+    at the inputs' dtype (the rule of the tests: a long softmax row in bf16 is ~2% off
+    for every backend, the original code included)."""
     rtol = RTOL[inputs[0].dtype]
     first = [t.detach()[:1] if t.dim() == 4 else t.detach() for t in inputs]
     want_in = [t.float().requires_grad_(mode != "fwd") for t in first]
-
-    def compare(what, got, want):
-        err = _rel_err(got, want)                  # NaN fails too
-        assert err <= rtol, (f"{backend} {case.name} {mode}: relative error of {what} "
-                             f"{err:.3g} > {rtol:g} against the reference")
-
     if backend == ATTENTION:
         spec = functools.partial(_attention_op, reference=True)
         names = ("dq", "dk", "dv")
     else:
         spec = functools.partial(ref.rel_attention, window=case.window)
         names = ("dq", "dk", "dv", "dr", "d_r_w_bias", "d_r_r_bias")
-    if mode == "fwd":
-        with torch.no_grad():
-            compare("out", op(*inputs)[:1], spec(*want_in))
-        return
-    g_first = torch.zeros_like(g)
-    g_first[:1] = g[:1]                            # gradients of the first batch row only
-    leaves = [t.detach().requires_grad_(True) for t in inputs]
-    out = op(*leaves)
-    grads = torch.autograd.grad(out, leaves[:len(names)], g_first)
-    want = spec(*want_in)
-    want_grads = torch.autograd.grad(want, want_in[:len(names)], g_first[:1].float())
-    compare("out", out.detach()[:1], want.detach())
-    for name, got, wnt in zip(names, grads, want_grads):
-        compare(name, got[:1] if got.dim() == 4 else got, wnt)
+    n_in = len(names)
+
+    def results(fn, ins, grad):         # out (first row) and the gradients of the first row
+        if mode == "fwd":
+            with torch.no_grad():
+                return [fn(*ins)[:1]]
+        out = fn(*ins)
+        gs = torch.autograd.grad(out, ins[:n_in], grad)
+        return [out.detach()[:1]] + [x[:1] if x.dim() == 4 else x for x in gs]
+
+    g_first = None
+    if mode != "fwd":
+        g_first = torch.zeros_like(g)
+        g_first[:1] = g[:1]                        # gradients of the first batch row only
+    want = results(spec, want_in, None if g_first is None else g_first[:1].float())
+    same = [t.detach().requires_grad_(mode != "fwd") for t in first]
+    same_dtype = results(spec, same, None if g_first is None else g_first[:1])
+    got = results(op, [t.detach().requires_grad_(mode != "fwd") for t in inputs], g_first)
+    for what, x, x_same, w in zip(("out",) + names, got, same_dtype, want):
+        err = _rel_err(x, w)                       # NaN fails too
+        tol = max(rtol, 2 * _rel_err(x_same, w))
+        assert err <= tol, (f"{backend} {case.name} {mode}: relative error of {what} "
+                            f"{err:.3g} > {tol:.3g} (the larger of {rtol:g} and 2x the "
+                            f"reference's own at {inputs[0].dtype}) against the reference")
 
 
 @pytest.mark.parametrize("case, mode, backend", _params())

@@ -174,7 +174,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_a
   if (sa.seg.defined()) {  // def [B, H, Tq, 2]: d(ef) / scale
     Tensor dqs = at::einsum("bhis,shd->bhid", {def, sa.seg_embed}).mul_(scale);
     dse = at::einsum("bhis,bhid->shd", {def, sa.qs}).mul_(scale);
-    drsb = dqs.sum({0, 2});
+    drsb = dqs.sum(at::IntArrayRef{0, 2});
     dq.add_(dqs);
   }
   return {back_to(dq, dt), back_to(dk, dt), back_to(dv, dt), back_to(dr, dt),
