@@ -93,9 +93,29 @@ build() {
   # The README's command, with the index switched off: it must work offline (pyproject.toml).
   step "build" 400 build.log env PIP_NO_INDEX=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
   summarize build.log "Successfully|ERROR|error:" 5
-  (( DRY )) && return 0
+  (( DRY )) && { probe; return 0; }
   "$PY" -c "import ctxfast._cuda, ctxfast.kernels" >> "$S" 2>&1 \
     || echo "build: ctxfast._cuda does not import after the build (see r/build.log)" | tee -a "$S"
+  probe
+}
+
+# Does a C++ op's refusal reach Python as an exception? (The first H200 round: every one
+# was a segfault, extension built by /opt/gcc/bin/g++.) If not, and the system g++ is
+# another compiler, rebuild with it and probe again: the rest of the stage then runs on
+# the build that raises, and the summary says which compiler that was.
+probe() {
+  step "exception probe" 120 exception_probe.log "$PY" benchmarks/exception_probe.py
+  summarize exception_probe.log "." 25
+  (( DRY )) && return 0
+  grep -q "^probe .*FAILED" "$R/exception_probe.log" 2>/dev/null || return 0
+  [ -x /usr/bin/g++ ] && [ "$(readlink -f /usr/bin/g++)" != "$(readlink -f "$(command -v c++)")" ] \
+    || { echo "exception probe: failed; no other g++ to rebuild with" | tee -a "$S"; return 0; }
+  step "build (CXX=/usr/bin/g++)" 400 build_system_gxx.log env CXX=/usr/bin/g++ CC=/usr/bin/gcc \
+    PIP_NO_INDEX=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
+  summarize build_system_gxx.log "Successfully|ERROR|error:" 5
+  step "exception probe (system g++)" 120 exception_probe_system_gxx.log \
+    "$PY" benchmarks/exception_probe.py
+  summarize exception_probe_system_gxx.log "." 25
 }
 
 device_lines() {
@@ -123,9 +143,11 @@ suite() {
   if (( DRY )) || "$PY" -c "import pytest_timeout" 2>/dev/null; then
     per_test=(-o timeout=150 -o timeout_method=thread)
   fi
+  # -v: one line per test as it ends, so a step cut by its timeout still names what failed
+  # (the first H200 round's -q log said only "F" at 80%).
   step "tests (whole suite on CUDA, tests/gpu included)" 330 tests.log \
-    "$PY" -m pytest tests -q -ra -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
-  summarize tests.log "^(FAILED|ERROR)| passed| failed|Timeout" 80
+    "$PY" -m pytest tests -v -ra --durations=25 -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
+  summarize tests.log "^(FAILED|ERROR)| (FAILED|ERROR) | passed| failed|Timeout|node down" 80
 }
 
 stage_build_test() {

@@ -1072,3 +1072,13 @@ def test_rel_attention_check_allows_what_bf16_itself_costs():
     wrong = lambda *a: original(*a) * 1.05   # noqa: E731  (5% off: a broken kernel)
     with pytest.raises(AssertionError, match="relative error of out"):
         bench._check(wrong, "eager-original", "fwd", case, inputs(1.0), None)
+
+
+def test_exception_probe_sees_the_cpu_op_raise():
+    # benchmarks/exception_probe.py (gpu_round runs it after the build): each case in its
+    # own process; here every C++ refusal must arrive as a Python exception.
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "exception_probe.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "probe torch: ok: raised RuntimeError" in proc.stdout
+    assert "probe _C: ok: raised ValueError: keep_mask_cpu: p must be in" in proc.stdout

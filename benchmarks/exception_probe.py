@@ -1,0 +1,109 @@
+"""Does an error raised inside ctxfast's C++ ops reach Python as an exception?
+
+On the first H200 round (2026-11-26, torch 2.11.0+cu130, the extension built by
+``/opt/gcc/bin/g++``) every C++ op that refused its input killed the process with a
+segmentation fault instead of raising (``keep_mask_cpu``, ``attention_fwd_cpu``,
+``rel_attention_fwd_cpu``, ``lstm_recurrence_native``), while the same code built on torch
+2.11 and 2.13 with the system g++ raised ``ValueError``. This probe tells which side the
+fault is on, each case in its own process (a crash ends only that case):
+
+* ``torch``: an error raised by libtorch itself (ours not involved);
+* ``_C``: a ``TORCH_CHECK_VALUE`` in ctxfast._C (CPU op);
+* ``_cuda``: a ``TORCH_CHECK_TYPE`` in ctxfast._cuda (only where it is built and a GPU is
+  present);
+
+and prints the compilers on the PATH and which libstdc++ / libgcc_s / libgomp the process
+loaded. ``gpu_round.sh`` runs it right after the build.
+
+    python benchmarks/exception_probe.py        # exit 1 if any case crashed or did not raise
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+CASES = {
+    "torch": "import torch\ntorch.ones(2).view(3)",
+    "_C": ("import torch, ctxfast\n"
+           "torch.ops.ctxfast.keep_mask_cpu(torch.ones(4), torch.tensor([1]), -0.1)"),
+    "_cuda": ("import torch, ctxfast\n"
+              "x = torch.zeros(2, 1, 4, dtype=torch.float64, device='cuda')\n"
+              "h = torch.zeros(1, 1, dtype=torch.float64, device='cuda')\n"
+              "torch.ops.ctxfast.lstm_recurrence_native(x, h, h, torch.zeros(4, 1, "
+              "dtype=torch.float64, device='cuda'), None, None, 1.0, float('inf'), "
+              "float('inf'), False)"),
+}
+
+LIBS = ("libstdc++", "libgcc_s", "libgomp")
+
+
+def _child(code: str) -> None:
+    try:
+        exec(compile(code, "<probe>", "exec"), {})
+    except Exception as e:  # the expected outcome: the C++ error became a Python exception
+        print(f"raised {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        maps = open("/proc/self/maps").read().split("\n") if os.path.exists("/proc/self/maps") else []
+        loaded = sorted({line.split()[-1] for line in maps
+                         if any(lib in line for lib in LIBS) and "/" in line})
+        for path in loaded:
+            print(f"  loaded {path}")
+        sys.exit(0)
+    print("did not raise")
+    sys.exit(3)
+
+
+def _compilers() -> None:
+    seen = set()
+    for name in ("c++", "g++", "/opt/gcc/bin/g++", "/usr/bin/g++", os.environ.get("CXX", "")):
+        path = shutil.which(name) if name else None
+        if not path or os.path.realpath(path) in seen:
+            continue
+        seen.add(os.path.realpath(path))
+        try:
+            first = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                   timeout=10).stdout.splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError) as e:
+            first = f"(no version: {e})"
+        print(f"compiler {name}: {path} -> {first}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for so in sorted(glob.glob(os.path.join(root, "ctxfast", "_*.so"))):
+        try:
+            out = subprocess.run(["ldd", so], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            out = f"(ldd failed: {e})"
+        for line in out.splitlines():
+            if any(lib in line for lib in LIBS):
+                print(f"ldd {os.path.basename(so)}: {line.strip()}")
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        _child(CASES[sys.argv[2]])
+    _compilers()
+    bad = 0
+    for name, code in CASES.items():
+        if name == "_cuda":
+            check = ("import torch, importlib.util, sys; sys.exit(0 if torch.cuda.is_available() "
+                     "and importlib.util.find_spec('ctxfast._cuda') else 1)")
+            if subprocess.run([sys.executable, "-c", check]).returncode != 0:
+                print("probe _cuda: skipped (no GPU or ctxfast._cuda not built)")
+                continue
+        proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", name],
+                              capture_output=True, text=True, timeout=120)
+        ok = proc.returncode == 0
+        bad += not ok
+        head = proc.stdout.strip().splitlines() or ["(no output)"]
+        status = "ok" if ok else f"FAILED (exit {proc.returncode})"
+        print(f"probe {name}: {status}: {head[0]}")
+        for line in head[1:]:
+            print(line)
+        if not ok:
+            print("\n".join(proc.stderr.strip().splitlines()[:6]))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
