@@ -145,8 +145,10 @@ suite() {
   fi
   # -v: one line per test as it ends, so a step cut by its timeout still names what failed
   # (the first H200 round's -q log said only "F" at 80%).
+  # OMP_NUM_THREADS=2: the C++ CPU kernels' tests run at::parallel_for in every worker;
+  # 12 workers x 16 threads on 16 cores was oversubscribed (the suite ran past 330 s).
   step "tests (whole suite on CUDA, tests/gpu included)" 330 tests.log \
-    "$PY" -m pytest tests -v -ra --durations=25 -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
+    env OMP_NUM_THREADS=2 "$PY" -m pytest tests -v -ra --durations=25 -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
   summarize tests.log "^(FAILED|ERROR)| (FAILED|ERROR) | passed| failed|Timeout|node down" 80
 }
 
