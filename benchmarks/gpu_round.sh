@@ -16,7 +16,8 @@
 # is written to the summary and the round goes on (a sanitizer error in one test file
 # does not stop the others). Each stage builds first when ctxfast._cuda does not import
 # (a fresh machine). BENCH_OPS (e.g. "rel_attention attention") limits the bench stage's
-# suites, BENCH_TIME its time budget (s), LSTM_COMPARE=0 skips the LSTM launch forms. Output: $OUT/summary.txt (appended, one line per step with its exit
+# suites, BENCH_TIME its time budget (s), LSTM_COMPARE=0 skips the LSTM launch forms,
+# PROFILE_CHECK=1 adds --profile-check. Output: $OUT/summary.txt (appended, one line per step with its exit
 # status and the lines that matter) and $OUT/gpu_round-<stage>.tgz (every log and report
 # of the stage). OUT defaults to ./gpu_round_out; PYTHON to python3.
 set -uo pipefail
@@ -202,11 +203,16 @@ stage_bench() {
   # The whole set in under 9 minutes: the runner's time budget stops starting cases when
   # it is spent (and names them); a fifth of the default timing budget per case still
   # gives every case its warm-up and >= 10 CUDA-event repetitions.
-  local ops=()
+  local ops=() profile=()
   [ -n "${BENCH_OPS:-}" ] && ops=(--ops ${BENCH_OPS})
+  # PROFILE_CHECK=1: each case also once under torch.profiler (its kernel time next to the
+  # timed median): the first H200 round's attention fwd+bwd read ~0.7-1.2 ms at every size
+  # from Tq 1 to Tq 512 x 3,584 keys, a floor that looks like host time, not kernels.
+  (( ${PROFILE_CHECK:-0} )) && profile=(--profile-check)
   step "bench (${BENCH_OPS:-full})" 540 bench.log \
     env CTXFAST_BENCH_BUDGET_SCALE="${CTXFAST_BENCH_BUDGET_SCALE:-0.2}" \
-    "$PY" -m ctxfast.cli bench --time-budget "${BENCH_TIME:-420}" --no-progress --out "$R/bench" "${ops[@]}"
+    "$PY" -m ctxfast.cli bench --time-budget "${BENCH_TIME:-420}" --no-progress --out "$R/bench" \
+    "${ops[@]}" "${profile[@]}"
   summarize bench.log "report|note:|failed|speedup" 30
 }
 
