@@ -148,13 +148,36 @@ def _attn_combine_kernel(
 
 # --------------------------------------------------------------------------- host helpers
 
+# Read once: Triton decides at decoration time (import) whether a kernel is interpreted,
+# so TRITON_INTERPRET must be set before ctxfast is imported; the launchers ask per call.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ``ceil(a / b)``. ``triton.cdiv`` is a ``ConstexprFunction`` in Triton 3.6
+    and later: ~4 µs a call from host code (it unwraps its arguments for the compiler), and
+    the launchers call it several times per op call."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side ``triton.next_power_of_2`` (0 -> 0; same reason as :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_DUMMY = {}
 
 
 def _mask_args(q, key_padding_mask, perm_rank):
-    """(kpm uint8 [B, Tk] | dummy, rank int32 [B, Tq] | dummy, kv_end int32 [B] | dummy, strides)."""
-    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+    """(kpm uint8 [B, Tk] | dummy, rank int32 [B, Tq] | dummy, kv_end int32 [B] | dummy, strides).
+    The dummy (never read: its flag is off) is one int32 per device, made once."""
+    dummy = _DUMMY.get(q.device)
+    if dummy is None:
+        dummy = _DUMMY[q.device] = torch.empty(1, dtype=torch.int32, device=q.device)
     if key_padding_mask is not None:
         kpm = key_padding_mask.to(torch.uint8)
         Tk = kpm.shape[1]
@@ -206,11 +229,11 @@ def _auto_splits(B, H, Tq, Tk, bm, bn, device) -> int:
     GPU (few queries, long keys). Heuristic, not yet tuned on a GPU."""
     if device.type != "cuda" or _interpreting():
         return 1
-    programs = B * H * triton.cdiv(Tq, bm)
+    programs = B * H * cdiv(Tq, bm)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if programs >= sms or Tk < 4 * bn:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(Tk, 4 * bn), 64))
+    return max(1, min(cdiv(2 * sms, programs), cdiv(Tk, 4 * bn), 64))
 
 
 def _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits):
@@ -221,8 +244,8 @@ def _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits):
     gives one block each); without, out [B, H, Tq, D] and lse [B, H, Tq] themselves."""
     if num_splits <= 1:
         return 1, 0, out, lse, out.stride(), (H * Tq, Tq), (0, 0)
-    keys_per_split = triton.cdiv(triton.cdiv(Tk, num_splits), bn) * bn
-    num_splits = triton.cdiv(Tk, keys_per_split)
+    keys_per_split = cdiv(cdiv(Tk, num_splits), bn) * bn
+    num_splits = cdiv(Tk, keys_per_split)
     o_part = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=out.device)
     l_part = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=out.device)
     return (num_splits, keys_per_split, o_part, l_part,
@@ -235,5 +258,5 @@ def _combine_splits(o_part, l_part, out, lse):
     B, H, S, Tq, D = o_part.shape
     _attn_combine_kernel[(Tq, B * H)](
         o_part, l_part, out, lse, S, Tq, D,
-        BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_S=max(2, next_pow2(S)), BLOCK_D=max(16, next_pow2(D)),
         num_warps=4)

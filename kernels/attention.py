@@ -52,14 +52,15 @@ block and loops over query blocks (dK, dV), working on transposed tiles (``Sᵀ 
 query block and loops over key blocks (dQ): no atomics. fp16/bf16 operands go to ``tl.dot``
 as they are (``UPCAST`` only for bf16 under the interpreter, whose bf16 dot is wrong).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _auto_splits, _combine_splits, _dot, _interpreting, _keep,
-                      _keep_t,
-                      _key_range, _mask_args, _online_softmax_step, _precision, _seed_arg,
-                      _seq_bounds, _split_targets, _visible)
+                      _keep_t, _key_range, _mask_args, _online_softmax_step, _precision,
+                      _seed_arg, _seq_bounds, _split_targets, _visible, cdiv, next_pow2)
 
 
 # --------------------------------------------------------------------------- tile-level pieces
@@ -738,9 +739,15 @@ def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask:
     kind: "none", "kpm", "perm") are part of the key so that measured rows per kind can be
     added, but no H100 measurement separates them yet, so they pick the same row. A table
     rather than ``triton.autotune``: one compile per kernel on a first call, and the
-    launchers stay plain ``kernel[grid]`` calls (the compile test records them)."""
-    block_d = max(16, triton.next_power_of_2(D))
-    if _interpreting():
+    launchers stay plain ``kernel[grid]`` calls (the compile test records them). Cached
+    (a dict lookup a call: the launchers ask up to four times per op call)."""
+    return _config_of(kernel, D, dtype, causal, mask, dropout, _interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
+    block_d = max(16, next_pow2(D))
+    if interpreting:
         return 16, 16, block_d, 1, 1           # small blocks: multi-block logic at tiny T
     bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
     narrow = dtype in (torch.float16, torch.bfloat16)
@@ -802,7 +809,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     if num_splits == 1:
         l_strides = lse_strides
     split = num_splits > 1
-    _attn_fwd_kernel[(triton.cdiv(max_q, bm), B * H, num_splits)](
+    _attn_fwd_kernel[(cdiv(max_q, bm), B * H, num_splits)](
         q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
         kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mstrides, *l_strides,
@@ -838,12 +845,12 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     scalars = (H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, scale, float(dropout_p))
     kind = _mask_kind(key_padding_mask, perm_rank)
     bm, bn, bd, warps, stages = _config("dkdv", D, q.dtype, causal, kind, dropout_p > 0)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(max_k, bn), B * H)](
+    _attn_bwd_dkdv_kernel[(cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages)
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
-    _attn_bwd_dq_kernel[(triton.cdiv(max_q, bm), B * H)](
+    _attn_bwd_dq_kernel[(cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages)
@@ -973,6 +980,6 @@ def dropout_keep_mask(seed, B, H, Tq, Tk, dropout_p):
     Materialises O(Tq·Tk) memory: for tests and debugging."""
     keep = torch.empty((B, H, Tq, Tk), dtype=torch.uint8, device=seed.device)
     if keep.numel():
-        grid = (triton.cdiv(Tq, 16), triton.cdiv(Tk, 16), B * H)
+        grid = (cdiv(Tq, 16), cdiv(Tk, 16), B * H)
         _dropout_keep_kernel[grid](seed, keep, Tq, Tk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
     return keep.bool()

@@ -89,7 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, _interpreting, _precision, _tf32_allowed
+from ._common import _dot, _interpreting, _precision, _tf32_allowed, cdiv, next_pow2
 
 
 @triton.jit
@@ -560,10 +560,10 @@ def _config(B: int, H: int, P: int, dtype: torch.dtype, device: torch.device) ->
     spilled 12 KB per thread at BLOCK_B 64, benchmarks/NOTES.md). Not yet timed."""
     if _interpreting():                   # small blocks: multi-tile logic at tiny sizes
         return dict(BLOCK_B=16, BLOCK_H=16, BLOCK_K=16, BLOCK_P=16, num_warps=1)
-    bb = min(64, max(16, triton.next_power_of_2(B)))
-    n_bb, sms = triton.cdiv(B, bb), _sm_count(device)
-    bh = next((b for b in (8, 16, 32) if n_bb * triton.cdiv(H, b) <= sms), 32)
-    bp = next((b for b in (16, 32, 64) if n_bb * triton.cdiv(P, b) <= sms), 64)
+    bb = min(64, max(16, next_pow2(B)))
+    n_bb, sms = cdiv(B, bb), _sm_count(device)
+    bh = next((b for b in (8, 16, 32) if n_bb * cdiv(H, b) <= sms), 32)
+    bp = next((b for b in (16, 32, 64) if n_bb * cdiv(P, b) <= sms), 64)
     if dtype in (torch.float32, torch.float64):  # 8 warps for tiles of 64 x 64 and up
         return dict(BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=16, BLOCK_P=bp,
                     num_warps=8 if bb * 4 * bh >= 4096 else 4)
@@ -584,8 +584,8 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
     if not _COOPERATIVE:
         raise RuntimeError("the persistent LSTM needs Triton's launch_cooperative_grid "
                            f"(Triton >= 3.2); this is Triton {triton.__version__}")
-    n_bb = triton.cdiv(B, cfg["BLOCK_B"])
-    tiles = max(n_bb * triton.cdiv(H, cfg["BLOCK_H"]), n_bb * triton.cdiv(P, cfg["BLOCK_P"]))
+    n_bb = cdiv(B, cfg["BLOCK_B"])
+    tiles = max(n_bb * cdiv(H, cfg["BLOCK_H"]), n_bb * cdiv(P, cfg["BLOCK_P"]))
     return cfg, min(tiles, _sm_count(device)), {"launch_cooperative_grid": True}
 
 
@@ -671,8 +671,8 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
         _lstm_fwd_kernel[(grid,)](*args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True,
                                   **kw, **options)
         return out, cells, gates
-    n_bb = triton.cdiv(B, cfg["BLOCK_B"])
-    n_cell, n_proj = n_bb * triton.cdiv(H, cfg["BLOCK_H"]), n_bb * triton.cdiv(P, cfg["BLOCK_P"])
+    n_bb = cdiv(B, cfg["BLOCK_B"])
+    n_cell, n_proj = n_bb * cdiv(H, cfg["BLOCK_H"]), n_bb * cdiv(P, cfg["BLOCK_P"])
     for n in range(T):                                       # stepwise: a launch per phase
         _lstm_fwd_kernel[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_PROJ=False,
                                     SYNC=False, **kw)
@@ -738,8 +738,8 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
         _lstm_bwd_kernel[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True, SYNC=True,
                                   **kw, **options)
     else:
-        n_bb = triton.cdiv(B, cfg["BLOCK_B"])
-        n_cell, n_dh = n_bb * triton.cdiv(H, cfg["BLOCK_H"]), n_bb * triton.cdiv(P, cfg["BLOCK_P"])
+        n_bb = cdiv(B, cfg["BLOCK_B"])
+        n_cell, n_dh = n_bb * cdiv(H, cfg["BLOCK_H"]), n_bb * cdiv(P, cfg["BLOCK_P"])
         for n in range(T):                                   # stepwise: a launch per phase
             _lstm_bwd_kernel[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_DH=False,
                                         SYNC=False, **kw)

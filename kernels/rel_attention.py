@@ -86,7 +86,8 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep, _key_range,
-                      _mask_args, _online_softmax_step, _seed_arg, _tf32_allowed, _visible)
+                      _mask_args, _online_softmax_step, _seed_arg, _tf32_allowed, _visible,
+                      cdiv, next_pow2)
 
 
 @triton.jit
@@ -823,11 +824,11 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     With a few queries (``Tq <= DECODE_MAX_Q``, forward only) a 16-row query block and
     key blocks of 64 (16-bit D <= 128, fp32 D <= 64), 32 (16-bit D 256, fp32 D <= 128) or
     16: a 64-row query block would be mostly padding. Not yet tuned on a GPU."""
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_pow2(D))
     if _interpreting():
         return 16, 16, block_d, 32, 1, 1
     warps = 4 if block_d <= 64 else 8
-    wide = torch.empty((), dtype=dtype).element_size() >= 4
+    wide = dtype.itemsize >= 4
     if Tq is not None and Tq <= DECODE_MAX_Q:
         bn = 64 if block_d <= (64 if wide else 128) else 32 if block_d <= (128 if wide else 256) else 16
         return 16, bn, block_d, max(32, 2 * bn), warps, 2
@@ -843,7 +844,7 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
     stage for the 16-bit dK/dV and dR kernels (fewer live pipelined tiles). Not yet timed."""
     if _interpreting():
         return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
-    wide = torch.empty((), dtype=dtype).element_size() >= 4
+    wide = dtype.itemsize >= 4
     one = 2 if wide else 1
     return {"dkdv": (8, one), "dq": (8, 2), "dr": (8, one)}
 
@@ -891,7 +892,7 @@ def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device,
         return 1
     bm, bn, _, _, warps, _ = _config(D, Tq, dtype)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return key_splits(B * H * triton.cdiv(Tq, bm), Tk, bn, warps, sms)
+    return key_splits(B * H * cdiv(Tq, bm), Tk, bn, warps, sms)
 
 
 def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_start=None,
@@ -930,8 +931,8 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         raise ValueError(f"rel_attention_forward: num_splits must be >= 1, got {num_splits}")
     split = num_splits > 1
     if split:   # whole key blocks per split; a count above the key blocks gives one block each
-        keys_per_split = triton.cdiv(triton.cdiv(Tk, num_splits), bn) * bn
-        num_splits = triton.cdiv(Tk, keys_per_split)
+        keys_per_split = cdiv(cdiv(Tk, num_splits), bn) * bn
+        num_splits = cdiv(Tk, keys_per_split)
         o_target = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=q.device)
         l_target = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=q.device)
         o_strides = (o_target.stride(0), o_target.stride(1), o_target.stride(3),
@@ -942,7 +943,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         keys_per_split = 0
         o_target, l_target = out, lse
         o_strides, l_strides, split_strides = out.stride(), (H * Tq, Tq), (0, 0)
-    _rel_attn_fwd_kernel[(triton.cdiv(Tq, bm), B * H, num_splits)](
+    _rel_attn_fwd_kernel[(cdiv(Tq, bm), B * H, num_splits)](
         q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb,
         o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
         *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
@@ -960,7 +961,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     if split:
         _attn_combine_kernel[(Tq, B * H)](
             o_target, l_target, out, lse, num_splits, Tq, D,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=bd, num_warps=4)
+            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=bd, num_warps=4)
     return out, lse
 
 
@@ -1005,14 +1006,14 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                   for k, (w_, s_) in _bwd_launch(D, q.dtype).items()}
         u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         seed_arg = _seed_arg(q, dropout_p, seed)
-        _rel_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, bn), B * H)](
+        _rel_attn_bwd_dkdv_kernel[(cdiv(Tk, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"])
-        _rel_attn_bwd_dq_kernel[(triton.cdiv(Tq, bm), B * H)](
+        _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"])
         dr_b = torch.empty((B, H, R, D), dtype=torch.float32, device=q.device)
-        _rel_attn_bwd_dr_kernel[(triton.cdiv(R, bn), B * H)](
+        _rel_attn_bwd_dr_kernel[(cdiv(R, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"])
         dr = dr_b.sum(0) if B > 1 else dr_b[0]

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import cdiv, next_pow2
+
 
 @triton.jit
 def _rel_shift_kernel(
@@ -41,8 +43,8 @@ def _launch(x: torch.Tensor, sign: int, out: torch.Tensor = None) -> torch.Tenso
         return out
     Tq, Tk = x.shape[-2], x.shape[-1]
     x3 = x.reshape(-1, Tq, Tk)                   # [N, Tq, Tk], a view when strides allow
-    block_k = min(1024, triton.next_power_of_2(Tk))
-    grid = (x3.shape[0] * Tq, triton.cdiv(Tk, block_k))
+    block_k = min(1024, next_pow2(Tk))
+    grid = (x3.shape[0] * Tq, cdiv(Tk, block_k))
     _rel_shift_kernel[grid](
         x3, out, Tq, Tk, x3.stride(0), x3.stride(1), x3.stride(2),
         SIGN=sign, BLOCK_K=block_k, num_warps=4 if block_k >= 512 else 1,

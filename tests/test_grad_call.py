@@ -254,3 +254,31 @@ def test_per_sample_gradients_with_vmap():
     per_sample = torch.func.vmap(torch.func.grad(lstm_loss))(xs)
     for i in range(N):
         assert_equal(per_sample[i], torch.func.grad(lstm_loss)(xs[i]), name=f"lstm dx {i}")
+
+
+def test_backward_ops_start_below_autograd_only_in_a_plain_backward():
+    """ops._common.call_in_backward: a backward op called from an autograd formula skips
+    the custom op's own autograd kernel (Python, ~50 µs a call) when grad mode is off, and
+    keeps it where it decides something (create_graph: grad mode on)."""
+    from ctxfast.ops._common import call_in_backward
+    seen = []
+
+    def op(x):   # stands for the op: is the dispatcher told to start below autograd?
+        seen.append(torch._C._dispatch_tls_is_dispatch_key_excluded(
+            torch._C.DispatchKey.AutogradFunctionality))
+        return x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.no_grad():                                 # a plain backward
+        call_in_backward(op, x)
+    with torch.enable_grad():                             # backward with create_graph
+        call_in_backward(op, x)
+    assert seen == [True, False]
+    # and end to end: the public ops' gradients (plain and create_graph=True) are unchanged
+    q, k, v = _leaves((1, 2, 5, 4), (1, 2, 7, 4), (1, 2, 7, 4))
+    backend = "triton" if TRITON_ON_CPU else "eager"
+    out = ctxfast.attention(q, k, v, causal=True, backend=backend)
+    ref = ctxfast.attention(q, k, v, causal=True, backend="eager")
+    for g, g_ref in zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                        torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(g, g_ref)

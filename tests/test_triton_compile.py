@@ -573,3 +573,14 @@ def test_kernel_compile_facts(compiled, kernel):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+def test_host_side_cdiv_and_next_pow2_match_triton():
+    # The launchers' own ceil-division and power of two (triton's are ConstexprFunctions,
+    # ~4 µs a call from host code in Triton 3.6-3.9) give triton's values.
+    triton = pytest.importorskip("triton")
+    from ctxfast.kernels._common import cdiv, next_pow2
+    for a in (0, 1, 2, 15, 16, 17, 63, 64, 65, 1000, 4097):
+        assert next_pow2(a) == triton.next_power_of_2(a), a
+        for b in (1, 3, 16, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)

@@ -35,6 +35,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
+from ._common import call_in_backward as _call_in_backward
 from ._common import check_attention as _check
 from ._common import check_qkv as _check_qkv
 from ._common import register_autograd as _register_autograd
@@ -119,7 +120,8 @@ def _fwd_setup_context(ctx, inputs, output):
 
 def _fwd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, kpm, rank, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ctxfast.attention_bwd_triton(
+    dq, dk, dv = _call_in_backward(
+        torch.ops.ctxfast.attention_bwd_triton,
         grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale,
         ctx.dropout_p, seed)
     return dq, dk, dv, None, None, None, None, None, None, None
@@ -305,7 +307,8 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
     max_q, max_k, causal, scale, dropout_p = ctx.args
-    dq, dk, dv = torch.ops.ctxfast.attention_varlen_bwd_triton(
+    dq, dk, dv = _call_in_backward(
+        torch.ops.ctxfast.attention_varlen_bwd_triton,
         grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
     return (dq, dk, dv) + (None,) * 8
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._common import call_in_backward as _call_in_backward
 from ._common import register_autograd as _register_autograd
 
 
@@ -126,7 +127,8 @@ def _lstm_recurrence_backward_triton(
 _lstm_recurrence_backward_triton.register_fake(_backward_fake)
 _recurrence_triton = _register_autograd(
     _lstm_recurrence_triton,
-    _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_triton(*a)),
+    _make_backward(lambda *a: _call_in_backward(
+        torch.ops.ctxfast.lstm_recurrence_backward_triton, *a)),
     _setup_context)
 
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
+from ._common import call_in_backward as _call_in_backward
 from ._common import check_attention as _check_attention
 from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
@@ -112,7 +113,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, se, rsb, seed = ctx.saved_tensors
     causal, pos_start, window, perm_strict, scale, dropout_p = ctx.args
-    dq, dk, dv, dr, du, dw, dse, drsb = torch.ops.ctxfast.rel_attention_bwd_triton(
+    dq, dk, dv, dr, du, dw, dse, drsb = _call_in_backward(
+        torch.ops.ctxfast.rel_attention_bwd_triton,
         grad_out, q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, se, rsb, causal,
         pos_start, window, perm_strict, scale, dropout_p, seed)
     if not ctx.has_seg:
