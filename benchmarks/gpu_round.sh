@@ -148,8 +148,20 @@ suite() {
   # (the first H200 round's -q log said only "F" at 80%).
   # OMP_NUM_THREADS=2: the C++ CPU kernels' tests run at::parallel_for in every worker;
   # 12 workers x 16 threads on 16 cores was oversubscribed (the suite ran past 330 s).
+  # Order: tests/gpu and the files that run CUDA kernels first, the CPU-only files (the
+  # C++ CPU kernels, docs, layout, the bench harness; CI runs them on every landing) last,
+  # so a step cut by its timeout has run what only a GPU can check.
+  local cpu_last=(tests/test_attention_cpu.py tests/test_rel_attention_cpu.py
+                  tests/test_output_cache.py tests/test_docs.py tests/test_layout.py
+                  tests/test_bench.py)
+  local files=(tests/gpu) f
+  for f in tests/test_*.py; do
+    [[ " ${cpu_last[*]} " == *" $f "* ]] || files+=("$f")
+  done
+  files+=("${cpu_last[@]}")
   step "tests (whole suite on CUDA, tests/gpu included)" 330 tests.log \
-    env OMP_NUM_THREADS=2 "$PY" -m pytest tests -v -ra --durations=25 -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
+    env OMP_NUM_THREADS=2 "$PY" -m pytest "${files[@]}" -v -ra --durations=25 \
+    -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
   summarize tests.log "^(FAILED|ERROR)| (FAILED|ERROR) | passed| failed|Timeout|node down" 80
 }
 
@@ -200,6 +212,11 @@ stage_bench() {
   (( ${LSTM_COMPARE:-1} )) && step "lstm launch forms" 100 lstm_launch_compare.log \
     "$PY" benchmarks/lstm_launch_compare.py --out "$R/lstm_launch_compare.json"
   summarize lstm_launch_compare.log "ms" 20
+  # Where one call's time goes (each kernel and torch op, host time per call), first: the
+  # first H200 round could not tell kernel time from host time.
+  step "kernel breakdown" 120 kernel_breakdown.log \
+    "$PY" benchmarks/kernel_breakdown.py --out "$R/kernel_breakdown.json"
+  summarize kernel_breakdown.log "fwd\+bwd" 10
   # The whole set in under 9 minutes: the runner's time budget stops starting cases when
   # it is spent (and names them); a fifth of the default timing budget per case still
   # gives every case its warm-up and >= 10 CUDA-event repetitions.

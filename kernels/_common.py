@@ -169,6 +169,15 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def _new_output(shape, dtype, device):
+    """``torch.empty`` for a tensor whose every element a kernel writes. Under the
+    interpreter (the test suite) it is filled with NaN first, so an element that no program
+    writes fails a test instead of reading whatever the allocator left there."""
+    if _interpreting():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 _DUMMY = {}
 
 

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _auto_splits, _combine_splits, _dot, _interpreting, _keep,
-                      _keep_t, _key_range, _mask_args, _online_softmax_step, _precision,
+                      _keep_t, _key_range, _mask_args, _new_output, _online_softmax_step, _precision,
                       _seed_arg, _seq_bounds, _split_targets, _visible, cdiv, next_pow2)
 
 
@@ -871,8 +871,8 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    out = _new_output((B, H, Tq, D), q.dtype, q.device)
+    lse = _new_output((B, H, Tq), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("inf"))
     if Tk == 0:
@@ -896,9 +896,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    dq = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, Tk, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, H, Tk, D), dtype=v.dtype, device=v.device)
+    dq = _new_output((B, H, Tq, D), q.dtype, q.device)
+    dk = _new_output((B, H, Tk, D), k.dtype, k.device)
+    dv = _new_output((B, H, Tk, D), v.dtype, v.device)
     if q.numel() == 0 or Tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = (do.float() * out.float()).sum(-1).contiguous()     # [B, H, Tq]

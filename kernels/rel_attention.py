@@ -86,7 +86,8 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep, _key_range,
-                      _mask_args, _online_softmax_step, _seed_arg, _tf32_allowed, _visible,
+                      _mask_args, _new_output, _online_softmax_step, _seed_arg, _tf32_allowed,
+                      _visible,
                       cdiv, next_pow2)
 
 
@@ -913,10 +914,11 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     Tk = k.shape[2]
     pos_start = Tk - 1 if pos_start is None else pos_start
     scale = D ** -0.5 if scale is None else scale
-    out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
-    lse = torch.full((B, H, Tq), float("inf"), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or Tk == 0:
-        return out.zero_(), lse
+    if B * H * Tq * D == 0 or Tk == 0:
+        return (q.new_zeros((B, H, Tq, D)),
+                torch.full((B, H, Tq), float("inf"), dtype=torch.float32, device=q.device))
+    out = _new_output((B, H, Tq, D), q.dtype, q.device)
+    lse = _new_output((B, H, Tq), torch.float32, q.device)      # every row written
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     has_seg = seg_embed is not None
     if has_seg:
@@ -976,13 +978,18 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     pos_start = Tk - 1 if pos_start is None else pos_start
     scale = D ** -0.5 if scale is None else scale
     has_seg = seg_embed is not None
-    dk = torch.zeros((B, H, Tk, D), dtype=k.dtype, device=k.device)
-    dv = torch.zeros((B, H, Tk, D), dtype=v.dtype, device=v.device)
-    dqu = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device)
-    dqw = torch.zeros_like(dqu)
-    dr = torch.zeros((H, R, D), dtype=torch.float32, device=q.device)
-    seg_a = torch.zeros((B, H, Tq, 2), dtype=torch.float32, device=q.device)
-    if q.numel() and Tk:
+    # every element below is written by a kernel (the grids cover all rows; each program
+    # stores unconditionally), so no zero fill, except when there is nothing to compute
+    work = q.numel() > 0 and Tk > 0
+    new = _new_output if work else (lambda shape, dtype, device:
+                                    torch.zeros(shape, dtype=dtype, device=device))
+    dk = new((B, H, Tk, D), k.dtype, k.device)
+    dv = new((B, H, Tk, D), v.dtype, v.device)
+    dqu = new((B, H, Tq, D), torch.float32, q.device)
+    dqw = new((B, H, Tq, D), torch.float32, q.device)
+    dr = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if not work else None
+    seg_a = new((B, H, Tq, 2), torch.float32, q.device) if has_seg else dqu  # never read
+    if work:
         delta = (do.float() * out.float()).sum(-1).contiguous()            # [B, H, Tq]
         kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
         if has_seg:
@@ -1012,7 +1019,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"])
-        dr_b = torch.empty((B, H, R, D), dtype=torch.float32, device=q.device)
+        dr_b = _new_output((B, H, R, D), torch.float32, q.device)
         _rel_attn_bwd_dr_kernel[(cdiv(R, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"])

@@ -878,7 +878,12 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
             assert c.startswith("timeout "), c
             assert int(c.split()[1]) <= 570, c                  # < 10 min a command
     bt = stages["build-test"]
-    assert any("-m pytest tests " in c and "-n 12" in c for c in bt)
+    suite = [c for c in bt if "-m pytest tests/gpu " in c and "-n 12" in c]
+    assert len(suite) == 1                      # the whole suite, CUDA-only files first
+    listed = suite[0].split(" -m pytest ")[1].split(" -v ")[0].split()
+    assert sorted(listed[1:]) == sorted(str(p.relative_to(BENCH_DIR.parent))
+                                        for p in (BENCH_DIR.parent / "tests").glob("test_*.py"))
+    assert listed[-1] == "tests/test_bench.py"
     assert any("ctxfast.cli xl-eval" in c and "--quick" not in c for c in bt)
     assert any("ctxfast.cli smoke" in c for c in bt)
     # compute-sanitizer: both tools over every test file of the CUDA C++ kernels, one run
@@ -1082,3 +1087,17 @@ def test_exception_probe_sees_the_cpu_op_raise():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "probe torch: ok: raised RuntimeError" in proc.stdout
     assert "probe _C: ok: raised ValueError: keep_mask_cpu: p must be in" in proc.stdout
+
+
+def test_kernel_breakdown_runs_every_step(tmp_path):
+    # benchmarks/kernel_breakdown.py (gpu_round's bench stage): on a CPU only that every
+    # step runs and the JSON has a row per case with its timings and its largest ops.
+    out = tmp_path / "kb.json"
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "kernel_breakdown.py"), "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["rel_attention", "attention"]
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["host_fwd_bwd_us"] > 0
+        assert r["kernels"] and all(k["us"] > 0 for k in r["kernels"])

@@ -1,0 +1,174 @@
+"""Where one attention / rel_attention call spends its time: each kernel, each torch op
+around the kernels, and the host.
+
+The first H200 round (2026-11-26) timed ``ctxfast.attention``'s forward+backward at 0.7-1.3
+ms at every size from 1 to 512 queries (forward: 0.13 ms), and rel_attention's backward at
+6-7x its forward. A median per call cannot say which kernel, which fill or sum, or how much
+host time that is; this script does, per case:
+
+* ``fwd_ms``, ``fwd_bwd_ms``: CUDA-event medians of the call, as ``bench_*.py`` time it;
+* ``host_us``: CPU time to issue one call (``perf_counter`` over calls issued back to
+  back with no synchronisation; at small sizes the GPU waits for the host, and this is
+  the floor);
+* ``kernels``: one profiled forward+backward, device time per kernel name (ours and
+  torch's: fills, casts, sums), largest first, and their total.
+
+    python benchmarks/kernel_breakdown.py --out breakdown.json          # CUDA cases
+    TRITON_INTERPRET=1 python benchmarks/kernel_breakdown.py --quick    # CPU: runs, no GPU
+
+On a CPU (``--quick``, the interpreter) it only checks that every step runs: interpreter
+timings say nothing about a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import ctxfast
+
+# (op, B, H, Tq, mem, D, causal): training and decoding shapes of the GPU suites.
+CASES = (
+    ("rel_attention", 4, 16, 512, 512, 64, True),
+    ("rel_attention", 4, 16, 512, 3072, 64, True),
+    ("rel_attention", 16, 16, 16, 3072, 64, True),
+    ("attention", 4, 16, 512, 512, 64, True),
+    ("attention", 16, 12, 1024, 0, 64, True),
+    ("attention", 2, 16, 8192, 0, 128, True),
+)
+QUICK_CASES = (("rel_attention", 1, 2, 16, 16, 16, True), ("attention", 1, 2, 16, 16, 16, True))
+
+
+def _inputs(op, B, H, Tq, mem, D, device, dtype):
+    Tk = Tq + mem
+    mk = lambda *s: torch.randn(*s, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    ins = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D)]
+    if op == "rel_attention":
+        ins += [mk(H, Tk, D), mk(H, D), mk(H, D)]
+    return ins, torch.randn(B, H, Tq, D, device=device, dtype=dtype)
+
+
+def _call(op, causal) -> Callable:
+    if op == "rel_attention":
+        return lambda *a: ctxfast.rel_attention(*a)     # causal with memory, as Transformer-XL
+    return lambda *a: ctxfast.attention(*a, causal=causal)
+
+
+def _median_ms(fn, device, reps) -> float:
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _host_us(fn, device, reps) -> float:
+    """CPU microseconds per call, issued back to back (synchronised only at the ends)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t0) / reps * 1e6
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return host
+
+
+def _kernels(fn, device) -> List[Dict]:
+    """Device time per kernel name of one profiled call (CPU: the ops' CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        if device.type == "cuda":
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:
+                us = getattr(evt, "self_cuda_time_total", 0.0)
+        else:
+            us = evt.self_cpu_time_total
+        if us and us > 0:
+            rows.append({"name": evt.key[:90], "calls": evt.count, "us": round(us, 1)})
+    rows.sort(key=lambda r: -r["us"])
+    return rows
+
+
+def run(cases, device, dtype, reps) -> List[Dict]:
+    results = []
+    for op, B, H, Tq, mem, D, causal in cases:
+        ins, g = _inputs(op, B, H, Tq, mem, D, device, dtype)
+        call = _call(op, causal)
+
+        def fwd():
+            with torch.no_grad():
+                call(*ins)
+
+        def fwd_bwd():
+            torch.autograd.grad(call(*ins), ins, g)
+
+        kernels = _kernels(fwd_bwd, device)
+        top = kernels[:15]
+        row = {"op": op, "case": f"B{B} H{H} Tq{Tq} mem{mem} D{D}", "dtype": str(dtype),
+               "fwd_ms": _median_ms(fwd, device, reps),
+               "fwd_bwd_ms": _median_ms(fwd_bwd, device, reps),
+               "host_fwd_us": _host_us(fwd, device, reps),
+               "host_fwd_bwd_us": _host_us(fwd_bwd, device, reps),
+               "kernels_total_us": round(sum(r["us"] for r in kernels if device.type != "cuda"
+                                             or not r["name"].startswith(("aten::", "cuda",
+                                                                           "autograd::",
+                                                                           "Activity"))), 1),
+               "kernels": top}
+        results.append(row)
+        print(f"{op} {row['case']} {dtype}: fwd {row['fwd_ms']:.3f} ms, fwd+bwd "
+              f"{row['fwd_bwd_ms']:.3f} ms; host per call fwd {row['host_fwd_us']:.0f} us, "
+              f"fwd+bwd {row['host_fwd_bwd_us']:.0f} us; kernels {row['kernels_total_us']} us")
+        for r in top:
+            print(f"    {r['us']:>10.1f} us  x{r['calls']:<3} {r['name']}")
+        sys.stdout.flush()
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny cases (CPU check)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None, help="JSON file for the rows")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cases = QUICK_CASES if args.quick or device.type != "cuda" else CASES
+    rows = run(cases, device, dtype, 3 if device.type != "cuda" else args.reps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda"
+                       else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
