@@ -146,6 +146,31 @@ def _attn_combine_kernel(
     tl.store(LSE + bh * Tq + i, tl.where(total > 0, lse, float("inf")))
 
 
+@triton.jit
+def _bwd_delta_kernel(
+    DO,          # dout [B, H, Tq, D], any strides (stride_do*)
+    O,           # out [B, H, Tq, D], any strides (stride_o*)
+    DELTA,       # delta [B, H, Tq] fp32 contiguous, written: Δ_i = Σ_d dO_id · O_id
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, Tq, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The backward's row term Δ (``rowsum(dO ∘ O)``, fp32) in one pass: what
+    ``(do.float() * out.float()).sum(-1)`` did in four launches and two fp32 copies."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < D)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * Tq + offs_m, tl.sum(do * o, 1), mask=offs_m < Tq)
+
+
 # --------------------------------------------------------------------------- host helpers
 
 # Read once: Triton decides at decoration time (import) whether a kernel is interpreted,
@@ -269,3 +294,17 @@ def _combine_splits(o_part, l_part, out, lse):
         o_part, l_part, out, lse, S, Tq, D,
         BLOCK_S=max(2, next_pow2(S)), BLOCK_D=max(16, next_pow2(D)),
         num_warps=4)
+
+
+def _bwd_delta(do, out):
+    """Δ = rowsum(dO ∘ O) as fp32 ``[B, H, Tq]`` contiguous (:func:`_bwd_delta_kernel`)."""
+    B, H, Tq, D = out.shape
+    delta = torch.empty((B, H, Tq), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    block_d = max(16, next_pow2(D))
+    block_m = 16 if _interpreting() else max(1, min(64, 4096 // block_d))
+    _bwd_delta_kernel[(cdiv(Tq, block_m), B * H)](
+        do, out, delta, *do.stride(), *out.stride(), H, Tq, D,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    return delta

@@ -58,9 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _auto_splits, _combine_splits, _dot, _interpreting, _keep,
-                      _keep_t, _key_range, _mask_args, _new_output, _online_softmax_step, _precision,
-                      _seed_arg, _seq_bounds, _split_targets, _visible, cdiv, next_pow2)
+from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot,
+                      _interpreting, _keep, _keep_t, _key_range, _mask_args, _new_output,
+                      _online_softmax_step, _precision, _seed_arg, _seq_bounds,
+                      _split_targets, _visible, cdiv, next_pow2)
 
 
 # --------------------------------------------------------------------------- tile-level pieces
@@ -901,7 +902,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     dv = _new_output((B, H, Tk, D), v.dtype, v.device)
     if q.numel() == 0 or Tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = (do.float() * out.float()).sum(-1).contiguous()     # [B, H, Tq]
+    delta = _bwd_delta(do, out)                                 # [B, H, Tq] fp32
     kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
                                      perm_order)
     _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, (H * Tq, Tq),

@@ -85,10 +85,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _attn_combine_kernel, _dot, _interpreting, _keep, _key_range,
-                      _mask_args, _new_output, _online_softmax_step, _seed_arg, _tf32_allowed,
-                      _visible,
-                      cdiv, next_pow2)
+from ._common import (LOG2E, _attn_combine_kernel, _bwd_delta, _dot, _interpreting, _keep,
+                      _key_range, _mask_args, _new_output, _online_softmax_step, _seed_arg,
+                      _tf32_allowed, _visible, cdiv, next_pow2)
 
 
 @triton.jit
@@ -990,7 +989,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     dr = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if not work else None
     seg_a = new((B, H, Tq, 2), torch.float32, q.device) if has_seg else dqu  # never read
     if work:
-        delta = (do.float() * out.float()).sum(-1).contiguous()            # [B, H, Tq]
+        delta = _bwd_delta(do, out)                                        # [B, H, Tq]
         kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
         if has_seg:
             sq, sk = seg_q.to(torch.int32), seg_k.to(torch.int32)

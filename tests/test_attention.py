@@ -514,3 +514,19 @@ def test_autocast_runs_in_the_autocast_dtype(backend):
     assert out.dtype == torch.bfloat16
     ref = reference.attention(q.double(), k.bfloat16().double(), v.double(), causal=True)
     assert rel_err(out, ref) < 1e-2
+
+
+@needs_triton
+def test_backward_row_term_matches_torch():
+    # kernels._common._bwd_delta: Δ = rowsum(dO ∘ O) in fp32 from any strides (an expanded
+    # dO from out.sum(), a transposed view) and any head dim, as the four torch ops gave it.
+    from ctxfast.kernels._common import _bwd_delta
+    for dtype in (torch.float32, torch.float16):
+        for B, H, Tq, D in ((2, 3, 17, 40), (1, 1, 1, 16), (1, 2, 33, 128)):
+            out = torch.randn(B, Tq, H, D, dtype=dtype, device=DEVICE).transpose(1, 2)
+            for do in (torch.randn(B, H, Tq, D, dtype=dtype, device=DEVICE),
+                       torch.ones((), dtype=dtype, device=DEVICE).expand(B, H, Tq, D)):
+                want = (do.float() * out.float()).sum(-1)
+                got = _bwd_delta(do, out)
+                assert got.dtype == torch.float32 and got.is_contiguous()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -62,7 +62,7 @@ KERNELS = [
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
     "_rel_attn_bwd_dr_kernel",
     "_lstm_fwd_kernel", "_lstm_bwd_kernel",
-    "_rel_shift_kernel",
+    "_rel_shift_kernel", "_bwd_delta_kernel",
 ]
 
 
