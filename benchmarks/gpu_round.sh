@@ -17,9 +17,10 @@
 # does not stop the others). Each stage builds first when ctxfast._cuda does not import
 # (a fresh machine). BENCH_OPS (e.g. "rel_attention attention") limits the bench stage's
 # suites, BENCH_TIME its time budget (s), LSTM_COMPARE=0 skips the LSTM launch forms,
-# PROFILE_CHECK=1 adds --profile-check. Output: $OUT/summary.txt (appended, one line per step with its exit
-# status and the lines that matter) and $OUT/gpu_round-<stage>.tgz (every log and report
-# of the stage). OUT defaults to ./gpu_round_out; PYTHON to python3.
+# PROFILE_CHECK=1 adds --profile-check, SWEEP=1 runs benchmarks/config_sweep.py before the
+# suites. Output: $OUT/summary.txt (appended, one line per step with its exit status and
+# the lines that matter) and $OUT/gpu_round-<stage>.tgz (every log and report of the
+# stage). OUT defaults to ./gpu_round_out; PYTHON to python3.
 set -uo pipefail
 
 STAGE=""
@@ -217,6 +218,11 @@ stage_bench() {
   step "kernel breakdown" 120 kernel_breakdown.log \
     "$PY" benchmarks/kernel_breakdown.py --out "$R/kernel_breakdown.json"
   summarize kernel_breakdown.log "fwd\+bwd" 10
+  # SWEEP=1: the attention and rel_attention kernels' launch rows against candidates, one
+  # kernel at a time (benchmarks/config_sweep.py; SWEEP_TIME s, default 180).
+  (( ${SWEEP:-0} )) && step "config sweep" $(( ${SWEEP_TIME:-180} + 60 )) config_sweep.log \
+    "$PY" benchmarks/config_sweep.py --time-budget "${SWEEP_TIME:-180}" --out "$R/config_sweep.json"
+  summarize config_sweep.log ": current" 20
   # The whole set in under 9 minutes: the runner's time budget stops starting cases when
   # it is spent (and names them); a fifth of the default timing budget per case still
   # gives every case its warm-up and >= 10 CUDA-event repetitions.

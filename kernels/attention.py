@@ -741,8 +741,20 @@ def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask:
     added, but no H100 measurement separates them yet, so they pick the same row. A table
     rather than ``triton.autotune``: one compile per kernel on a first call, and the
     launchers stay plain ``kernel[grid]`` calls (the compile test records them). Cached
-    (a dict lookup a call: the launchers ask up to four times per op call)."""
+    (a dict lookup a call: the launchers ask up to four times per op call).
+    :data:`LAUNCH_OVERRIDE` replaces a kernel's row (benchmarks/config_sweep.py)."""
+    if LAUNCH_OVERRIDE:
+        row = LAUNCH_OVERRIDE.get(kernel)
+        if row is not None:
+            bm, bn, warps, stages = row
+            return bm, bn, max(16, next_pow2(D)), warps, stages
     return _config_of(kernel, D, dtype, causal, mask, dropout, _interpreting())
+
+
+#: ``{"fwd" | "dkdv" | "dq": (BLOCK_M, BLOCK_N, num_warps, num_stages)}``: launch rows that
+#: replace :func:`_config`'s for every call while set. Empty in normal use; the GPU config
+#: sweep (benchmarks/config_sweep.py) sets it to time candidates on the same inputs.
+LAUNCH_OVERRIDE: dict = {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -833,7 +833,11 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
         bn = 64 if block_d <= (64 if wide else 128) else 32 if block_d <= (128 if wide else 256) else 16
         return 16, bn, block_d, max(32, 2 * bn), warps, 2
     bm = 64 if block_d <= (32 if wide else 64) else 32 if block_d <= 128 or not wide else 16
-    return bm, bm, block_d, 2 * bm, warps, 2
+    stages = 2
+    if LAUNCH_OVERRIDE:                                   # benchmarks/config_sweep.py
+        bm = LAUNCH_OVERRIDE.get("tile", bm)
+        warps, stages = LAUNCH_OVERRIDE.get("fwd", (warps, stages))
+    return bm, bm, block_d, 2 * bm, warps, stages
 
 
 def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
@@ -846,7 +850,17 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
         return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
     wide = dtype.itemsize >= 4
     one = 2 if wide else 1
-    return {"dkdv": (8, one), "dq": (8, 2), "dr": (8, one)}
+    launch = {"dkdv": (8, one), "dq": (8, 2), "dr": (8, one)}
+    if LAUNCH_OVERRIDE:
+        launch.update({k: v for k, v in LAUNCH_OVERRIDE.items() if k in launch})
+    return launch
+
+
+#: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
+#: (num_warps, num_stages)}``: replaces :func:`_config`'s tile (not the decoding one) and
+#: :func:`_bwd_launch`'s rows for every call while set. Empty in normal use; the GPU config
+#: sweep (benchmarks/config_sweep.py) sets it to time candidates on the same inputs.
+LAUNCH_OVERRIDE: dict = {}
 
 
 #: Queries up to which the forward takes the decoding tile shape (see :func:`_config`).

@@ -1101,3 +1101,47 @@ def test_kernel_breakdown_runs_every_step(tmp_path):
     for r in rows:
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["host_fwd_bwd_us"] > 0
         assert r["kernels"] and all(k["us"] > 0 for k in r["kernels"])
+
+
+def test_launch_override_reaches_the_launch_rows(monkeypatch):
+    # The config sweep's hook: while LAUNCH_OVERRIDE is set, the launchers take its rows;
+    # empty, the tables' rows come back.
+    pytest.importorskip("triton")
+    from ctxfast.kernels import attention as attn_k
+    from ctxfast.kernels import rel_attention as rel_k
+    monkeypatch.setattr(attn_k, "_interpreting", lambda: False)
+    monkeypatch.setattr(rel_k, "_interpreting", lambda: False)
+    table = attn_k._config("dkdv", 64, torch.bfloat16, True)
+    monkeypatch.setitem(attn_k.LAUNCH_OVERRIDE, "dkdv", (32, 64, 4, 2))
+    assert attn_k._config("dkdv", 64, torch.bfloat16, True) == (32, 64, 64, 4, 2)
+    assert attn_k._config("dq", 64, torch.bfloat16, True) == attn_k._config_of(
+        "dq", 64, torch.bfloat16, True, "none", False, False)
+    attn_k.LAUNCH_OVERRIDE.clear()
+    assert attn_k._config("dkdv", 64, torch.bfloat16, True) == table
+    tile, launch = rel_k._config(64, None, torch.bfloat16), rel_k._bwd_launch(64, torch.bfloat16)
+    decoding = rel_k._config(64, 4, torch.bfloat16)
+    monkeypatch.setitem(rel_k.LAUNCH_OVERRIDE, "tile", 32)
+    monkeypatch.setitem(rel_k.LAUNCH_OVERRIDE, "dr", (4, 3))
+    assert rel_k._config(64, None, torch.bfloat16)[:4] == (32, 32, 64, 64)
+    assert rel_k._config(64, 4, torch.bfloat16) == decoding       # decoding tile untouched
+    assert rel_k._bwd_launch(64, torch.bfloat16) == {**launch, "dr": (4, 3)}
+    rel_k.LAUNCH_OVERRIDE.clear()
+    assert rel_k._config(64, None, torch.bfloat16) == tile
+    assert rel_k._bwd_launch(64, torch.bfloat16) == launch
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels need a GPU or the interpreter")
+def test_config_sweep_runs_every_step(tmp_path):
+    # benchmarks/config_sweep.py on a CPU: the steps run (override, compile, time, restore)
+    # and every candidate gets a row; the overrides are empty afterwards.
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "config_sweep.py"), "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    kernels = {(r["op"], r["kernel"]) for r in data["rows"]}
+    assert kernels == {("attention", k) for k in ("fwd", "dkdv", "dq")} | {
+        ("rel_attention", k) for k in ("fwd", "dkdv", "dq", "dr")}
+    assert all(r["us"] and r["error"] is None for r in data["rows"])
+    assert len(data["summary"]) == 7

@@ -1,0 +1,191 @@
+"""Time launch configurations of the attention and rel_attention Triton kernels on a GPU,
+one kernel at a time, on the inputs of the cases that matter, and say which is fastest.
+
+The launch rows in ``kernels/attention.py`` (``_CONFIGS``) and ``kernels/rel_attention.py``
+(``_config``, ``_bwd_launch``) were chosen without timing them: by register spills and
+wgmma use on sm_90 (benchmarks/NOTES.md). The first H100 round's sweep of the old forward
+kernel spanned 248-418 TFLOP/s across configurations of one shape. This sweep sets each
+module's ``LAUNCH_OVERRIDE`` to one candidate for one kernel (the others keep their rows),
+runs forward + backward ``REPS`` times under ``torch.profiler`` after a warm-up call (which
+compiles), and records that kernel's device time per call. A candidate that does not
+compile or run (shared memory, registers) is recorded as failed.
+
+    python benchmarks/config_sweep.py --out sweep.json [--time-budget 180]
+    TRITON_INTERPRET=1 python benchmarks/config_sweep.py --quick   # CPU: the steps run
+
+Output: one JSON row per (case, kernel, candidate) with ``us`` (device µs per call, or
+null and the error), and a printed table: per kernel, the current row's time and the
+fastest candidate's. Nothing is changed in the kernels: a row worth taking goes into the
+tables by hand, with the numbers in benchmarks/NOTES.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+import ctxfast
+
+REPS = 3
+
+# (op, B, H, Tq, mem, D): GPT-2 / BERT-sized and long causal attention; Transformer-XL.
+ATTENTION_CASES = ((16, 12, 1024, 0, 64), (4, 16, 4096, 0, 128))
+REL_CASES = ((4, 16, 512, 1024, 64),)
+
+# Candidates per kernel, the current rows first (so a cut sweep still has the baseline).
+ATTENTION_CANDIDATES = {
+    "fwd": [None, (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3),
+            (128, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2)],
+    "dkdv": [None, (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2),
+             (128, 128, 8, 2), (64, 128, 4, 3)],
+    "dq": [None, (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2),
+           (64, 32, 4, 3)],
+}
+REL_TILES = (None, 32, 128)             # None: the current tile (64 at 16-bit D 64)
+REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
+KERNEL_NAMES = {
+    ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",
+    ("attention", "dq"): "_attn_bwd_dq_kernel",
+    ("rel_attention", "fwd"): "_rel_attn_fwd_kernel",
+    ("rel_attention", "dkdv"): "_rel_attn_bwd_dkdv_kernel",
+    ("rel_attention", "dq"): "_rel_attn_bwd_dq_kernel",
+    ("rel_attention", "dr"): "_rel_attn_bwd_dr_kernel",
+}
+
+
+def _kernel_us(fn, name: str, device) -> Optional[float]:
+    """Device µs per call of the kernel named `name` over REPS profiled calls (CPU: the
+    wall time of the calls, for the quick check only)."""
+    from torch.profiler import ProfilerActivity, profile
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(REPS):
+            fn()
+        return (time.perf_counter() - t0) / REPS * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPS):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for evt in prof.key_averages():
+        if name in evt.key:
+            us = getattr(evt, "self_device_time_total", None)
+            total += us if us is not None else getattr(evt, "self_cuda_time_total", 0.0)
+    return total / REPS if total > 0 else None
+
+
+def _call(op, B, H, Tq, mem, D, device, dtype):
+    Tk = Tq + mem
+    mk = lambda *s: torch.randn(*s, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    ins = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D)]
+    if op == "rel_attention":
+        ins += [mk(H, Tk, D), mk(H, D), mk(H, D)]
+        f = lambda: ctxfast.rel_attention(*ins, backend="triton")  # noqa: E731
+    else:
+        f = lambda: ctxfast.attention(*ins, causal=True, backend="triton")  # noqa: E731
+    g = torch.randn(B, H, Tq, D, device=device, dtype=dtype)
+    return lambda: torch.autograd.grad(f(), ins, g)
+
+
+def _measure(fn, name, device) -> Tuple[Optional[float], Optional[str]]:
+    try:
+        fn()                                            # compiles this candidate
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return _kernel_us(fn, name, device), None
+    except Exception as e:  # noqa: BLE001  (a candidate that cannot compile or run)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def sweep(device, dtype, budget_s: float, quick: bool) -> List[Dict]:
+    from ctxfast.kernels import attention as attn_k
+    from ctxfast.kernels import rel_attention as rel_k
+    start = time.monotonic()
+    rows: List[Dict] = []
+    att_cases = ((1, 2, 16, 0, 16),) if quick else ATTENTION_CASES
+    rel_cases = ((1, 2, 16, 16, 16),) if quick else REL_CASES
+    jobs = []
+    for case in att_cases:
+        for kernel, cands in ATTENTION_CANDIDATES.items():
+            for cand in (cands[:2] if quick else cands):
+                jobs.append(("attention", case, kernel, cand, None))
+    for case in rel_cases:
+        for tile in (REL_TILES[:1] if quick else REL_TILES):
+            for kernel in ("fwd", "dkdv", "dq", "dr"):
+                for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
+                    if tile is not None and launch is None and kernel != "fwd":
+                        continue            # a new tile's default launch: measured once (fwd)
+                    jobs.append(("rel_attention", case, kernel, launch, tile))
+    calls = {}
+    for op, case, kernel, cand, tile in jobs:
+        if time.monotonic() - start > budget_s:
+            rows.append({"op": op, "case": case, "kernel": kernel, "candidate": cand,
+                         "tile": tile, "us": None, "error": "not run: time budget"})
+            continue
+        mod = attn_k if op == "attention" else rel_k
+        mod.LAUNCH_OVERRIDE.clear()
+        if cand is not None:
+            mod.LAUNCH_OVERRIDE[kernel] = cand
+        if tile is not None:
+            mod.LAUNCH_OVERRIDE["tile"] = tile
+        key = (op, case)
+        if key not in calls:
+            calls[key] = _call(op, *case, device, dtype)
+        try:
+            us, err = _measure(calls[key], KERNEL_NAMES[(op, kernel)], device)
+        finally:
+            mod.LAUNCH_OVERRIDE.clear()
+        row = {"op": op, "case": "B{} H{} Tq{} mem{} D{}".format(*case), "kernel": kernel,
+               "candidate": cand, "tile": tile, "us": us, "error": err}
+        rows.append(row)
+        print(f"{op:13s} {row['case']:24s} {kernel:5s} tile {tile or 'default':>7} "
+              f"{str(cand or 'default'):18s} " + (f"{us:9.1f} us" if us else f"failed: {err}"))
+        sys.stdout.flush()
+    return rows
+
+
+def summary(rows: List[Dict]) -> List[str]:
+    """Per (op, case, kernel): the current row's time and the fastest candidate."""
+    lines = []
+    groups: Dict[tuple, List[Dict]] = {}
+    for r in rows:
+        if r["us"]:
+            groups.setdefault((r["op"], r["case"], r["kernel"]), []).append(r)
+    for (op, case, kernel), rs in groups.items():
+        cur = next((r for r in rs if r["candidate"] is None and r["tile"] is None), None)
+        best = min(rs, key=lambda r: r["us"])
+        lines.append(f"{op} {case} {kernel}: current "
+                     f"{cur['us']:.1f} us" if cur else f"{op} {case} {kernel}: current n/a")
+        lines[-1] += (f"; best tile {best['tile'] or 'default'} {best['candidate'] or 'default'} "
+                      f"{best['us']:.1f} us"
+                      + (f" ({cur['us'] / best['us']:.2f}x)" if cur else ""))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two candidates, tiny case (CPU)")
+    ap.add_argument("--time-budget", type=float, default=180.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = sweep(device, dtype, args.time_budget, args.quick or device.type != "cuda")
+    lines = summary(rows)
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda"
+                       else "cpu", "torch": torch.__version__, "rows": rows,
+                       "summary": lines}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
