@@ -160,7 +160,7 @@ suite() {
     [[ " ${cpu_last[*]} " == *" $f "* ]] || files+=("$f")
   done
   files+=("${cpu_last[@]}")
-  step "tests (whole suite on CUDA, tests/gpu included)" 330 tests.log \
+  step "tests (whole suite on CUDA, tests/gpu included)" "${1:-330}" tests.log \
     env OMP_NUM_THREADS=2 "$PY" -m pytest "${files[@]}" -v -ra --durations=25 \
     -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
   summarize tests.log "^(FAILED|ERROR)| (FAILED|ERROR) | passed| failed|Timeout|node down" 80
@@ -180,7 +180,7 @@ stage_build_test() {
 stage_tests() {   # build-test without smoke and xl-eval: what a 15-minute lease has room for
   device_lines
   build
-  suite
+  suite 480        # the rest of the stage's budget (cut to it)
 }
 
 stage_sanitize() {
@@ -215,7 +215,7 @@ stage_bench() {
   summarize lstm_launch_compare.log "ms" 20
   # Where one call's time goes (each kernel and torch op, host time per call), first: the
   # first H200 round could not tell kernel time from host time.
-  step "kernel breakdown" 120 kernel_breakdown.log \
+  step "kernel breakdown" 180 kernel_breakdown.log \
     "$PY" benchmarks/kernel_breakdown.py --out "$R/kernel_breakdown.json"
   summarize kernel_breakdown.log "fwd\+bwd" 10
   # SWEEP=1: the attention and rel_attention kernels' launch rows against candidates, one

@@ -119,38 +119,60 @@ def _kernels(fn, device) -> List[Dict]:
 
 
 def run(cases, device, dtype, reps) -> List[Dict]:
+    """Each case; on a GPU the attention ones once per dQ mode of the backward
+    (kernels.attention DQ_MODE: "kernel", then "atomic"), so one call compares the two."""
+    from ctxfast.kernels import attention as attn_k
     results = []
-    for op, B, H, Tq, mem, D, causal in cases:
-        ins, g = _inputs(op, B, H, Tq, mem, D, device, dtype)
-        call = _call(op, causal)
-
-        def fwd():
-            with torch.no_grad():
-                call(*ins)
-
-        def fwd_bwd():
-            torch.autograd.grad(call(*ins), ins, g)
-
-        kernels = _kernels(fwd_bwd, device)
-        top = kernels[:15]
-        row = {"op": op, "case": f"B{B} H{H} Tq{Tq} mem{mem} D{D}", "dtype": str(dtype),
-               "fwd_ms": _median_ms(fwd, device, reps),
-               "fwd_bwd_ms": _median_ms(fwd_bwd, device, reps),
-               "host_fwd_us": _host_us(fwd, device, reps),
-               "host_fwd_bwd_us": _host_us(fwd_bwd, device, reps),
-               "kernels_total_us": round(sum(r["us"] for r in kernels if device.type != "cuda"
-                                             or not r["name"].startswith(("aten::", "cuda",
-                                                                           "autograd::",
-                                                                           "Activity"))), 1),
-               "kernels": top}
-        results.append(row)
-        print(f"{op} {row['case']} {dtype}: fwd {row['fwd_ms']:.3f} ms, fwd+bwd "
-              f"{row['fwd_bwd_ms']:.3f} ms; host per call fwd {row['host_fwd_us']:.0f} us, "
-              f"fwd+bwd {row['host_fwd_bwd_us']:.0f} us; kernels {row['kernels_total_us']} us")
-        for r in top:
-            print(f"    {r['us']:>10.1f} us  x{r['calls']:<3} {r['name']}")
-        sys.stdout.flush()
+    expanded = []
+    for case in cases:
+        both = case[0] == "attention" and device.type == "cuda"   # CPU: the cpu backend
+        for mode in (("kernel", "atomic") if both else (None,)):
+            expanded.append((mode, case))
+    saved = attn_k.DQ_MODE
+    try:
+        for mode, case in expanded:
+            if mode is not None:
+                attn_k.DQ_MODE = mode
+            results.append(_run_case(case, device, dtype, reps, mode))
+    finally:
+        attn_k.DQ_MODE = saved
     return results
+
+
+def _run_case(case, device, dtype, reps, mode) -> Dict:
+    """One case: timings, host time, the profiled kernels; printed and returned."""
+    op, B, H, Tq, mem, D, causal = case
+    ins, g = _inputs(op, B, H, Tq, mem, D, device, dtype)
+    call = _call(op, causal)
+
+    def fwd():
+        with torch.no_grad():
+            call(*ins)
+
+    def fwd_bwd():
+        torch.autograd.grad(call(*ins), ins, g)
+
+    kernels = _kernels(fwd_bwd, device)
+    top = kernels[:15]
+    row = {"op": op, "case": f"B{B} H{H} Tq{Tq} mem{mem} D{D}", "dtype": str(dtype),
+           "dq_mode": mode,
+           "fwd_ms": _median_ms(fwd, device, reps),
+           "fwd_bwd_ms": _median_ms(fwd_bwd, device, reps),
+           "host_fwd_us": _host_us(fwd, device, reps),
+           "host_fwd_bwd_us": _host_us(fwd_bwd, device, reps),
+           "kernels_total_us": round(sum(r["us"] for r in kernels if device.type != "cuda"
+                                         or not r["name"].startswith(("aten::", "cuda",
+                                                                       "autograd::",
+                                                                       "Activity"))), 1),
+           "kernels": top}
+    label = f" dQ {mode}" if mode else ""
+    print(f"{op} {row['case']} {dtype}{label}: fwd {row['fwd_ms']:.3f} ms, fwd+bwd "
+          f"{row['fwd_bwd_ms']:.3f} ms; host per call fwd {row['host_fwd_us']:.0f} us, "
+          f"fwd+bwd {row['host_fwd_bwd_us']:.0f} us; kernels {row['kernels_total_us']} us")
+    for r in top:
+        print(f"    {r['us']:>10.1f} us  x{r['calls']:<3} {r['name']}")
+    sys.stdout.flush()
+    return row
 
 
 def main(argv=None) -> int:

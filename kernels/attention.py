@@ -53,6 +53,7 @@ query block and loops over key blocks (dQ): no atomics. fp16/bf16 operands go to
 as they are (``UPCAST`` only for bf16 under the interpreter, whose bf16 dot is wrong).
 """
 import functools
+import os
 
 import torch
 import triton
@@ -392,13 +393,16 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, 
                 q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
                 lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
+                dqa_base, D,
                 BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
                 HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                 DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr):
     """Accumulate the query tiles [lo, hi) into one key block's (dk, dv) [BLOCK_N, BLOCK_D],
     transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows). offs index the
-    problem (masks), rows the tensors (loads, dropout counters)."""
+    problem (masks), rows the tensors (loads, dropout counters). ATOMIC_DQ: also add each
+    tile's ``dS K`` (unscaled) into the fp32 accumulator rows at dqa_base (row stride D)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows_m = _query_rows(offs_m, b, Tq, ORDER, SORTED)
@@ -452,6 +456,10 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, 
                 dv += _dot(p_t.to(do.dtype), do, UPCAST, PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
+            if ATOMIC_DQ:                                   # dQ_tile = dS K, [BLOCK_M, BLOCK_D]
+                dq_part = _dot(tl.trans(ds_t).to(k.dtype), k, UPCAST, PRECISION)
+                tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
+                              dq_part, mask=(offs_m[:, None] < Tq) & d_ok)
     return dk, dv
 
 
@@ -460,6 +468,7 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     LSE, DELTA,     # [B, H, Tq] fp32 contiguous: forward's lse (base 2), rowsum(dO * O)
     DK, DV,         # dk, dv [B, H, Tk, D] contiguous, written
+    DQ_ACC,         # ATOMIC_DQ: dq accumulator [B, H, Tq, D] fp32 contiguous, zeroed, added to
     KPM, RANK, ORDER, SPAN, KV_END, SEED, CU_Q, CU_K,   # as in the forward
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # of dk and dv (same layout)
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -477,6 +486,7 @@ def _attn_bwd_dkdv_kernel(
     VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -485,6 +495,7 @@ def _attn_bwd_dkdv_kernel(
     q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
     if pid_n * BLOCK_N >= Tk:       # varlen: past the end of a shorter sequence
         return
+    dqa_base = DQ_ACC + bh.to(tl.int64) * Tq * D     # dense only (the launcher's rule)
     q_base, k_base, v_base, do_base, LSE, DELTA = _bwd_bases(
         Q, K, V, DO, LSE, DELTA, b, h, q_start, k_start, stride_qb, stride_qh, stride_qm,
         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -543,23 +554,23 @@ def _attn_bwd_dkdv_kernel(
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, True, CAUSAL, HAS_KPM, HAS_PERM,
-                         PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST,
-                         PRECISION)
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, True, CAUSAL,
+                         HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M,
+                         BLOCK_N, UPCAST, PRECISION, ATOMIC_DQ)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, False, CAUSAL, HAS_KPM, HAS_PERM,
-                         PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST,
-                         PRECISION)
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, False, CAUSAL,
+                         HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M,
+                         BLOCK_N, UPCAST, PRECISION, ATOMIC_DQ)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, True, CAUSAL, HAS_KPM, HAS_PERM,
-                         PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M, BLOCK_N, UPCAST,
-                         PRECISION)
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, True, CAUSAL,
+                         HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M,
+                         BLOCK_N, UPCAST, PRECISION, ATOMIC_DQ)
 
     out_off = rows_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -723,12 +734,26 @@ _CONFIGS = {
     ("dq", 256, False): (32, 16, 8, 2),
 }
 
+#: dK/dV rows when the kernel also adds dS K into dQ (``DQ_MODE == "atomic"``): its dQ
+#: product needs BLOCK_M >= 64 to be a wgmma, and a [BLOCK_M, BLOCK_D] fp32 partial more in
+#: registers. Chosen by sm_90 compiles (benchmarks/NOTES.md), not timed: D 64 keeps the
+#: two-kernel row (no spill, all wgmma); D 128 spills ~330 B per thread in every 64-row
+#: candidate tried; with dropout the 32-row rows stay (no spill; the dQ product on mma.sync).
+_CONFIGS.update({
+    ("dkdv_atomic", 64, True): (64, 128, 8, 3), ("dkdv_atomic", 128, True): (64, 64, 8, 2),
+    ("dkdv_atomic", 256, True): (64, 32, 8, 2),
+    ("dkdv_atomic", 64, False): (32, 64, 4, 2), ("dkdv_atomic", 128, False): (16, 64, 8, 2),
+    ("dkdv_atomic", 256, False): (16, 32, 8, 2),
+})
+
 #: Rows replacing :data:`_CONFIGS`' with dropout: the in-kernel Philox draw needs registers
 #: (with the rows above the dropout variants spilled).
 _DROPOUT_CONFIGS = {
     ("fwd", 128, True): (64, 32, 4, 3), ("dq", 128, True): (64, 32, 4, 2),
     ("dkdv", 128, True): (16, 128, 8, 2), ("dkdv", 128, False): (16, 32, 4, 2),
     ("dkdv", 64, True): (32, 128, 8, 2),
+    ("dkdv_atomic", 64, True): (32, 128, 8, 2), ("dkdv_atomic", 128, True): (16, 128, 8, 2),
+    ("dkdv_atomic", 128, False): (16, 32, 4, 2),
 }
 
 
@@ -839,6 +864,20 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         _combine_splits(o_target, l_target, out, lse)
 
 
+#: How the backward computes dQ: "kernel" (a second kernel over key blocks per query block,
+#: recomputing the scores; deterministic) or "atomic" (the dK/dV kernel adds each tile's
+#: dS K into an fp32 accumulator with atomic adds, as FlashAttention-2 does: no second
+#: recompute, sums in no fixed order). From ``CTXFAST_ATTN_BWD_DQ`` at import; dense calls
+#: only (varlen always takes the kernel). Which is faster on a GPU is not measured yet.
+DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
+
+
+def _dq_mode() -> str:
+    if DQ_MODE not in ("kernel", "atomic"):
+        raise ValueError(f"CTXFAST_ATTN_BWD_DQ must be 'kernel' or 'atomic', got {DQ_MODE!r}")
+    return DQ_MODE
+
+
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
                      key_padding_mask, perm_rank, perm_strict, scale, dropout_p, seed, cu=None,
                      order=None):
@@ -857,11 +896,17 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides, *lse_strides)
     scalars = (H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, scale, float(dropout_p))
     kind = _mask_kind(key_padding_mask, perm_rank)
-    bm, bn, bd, warps, stages = _config("dkdv", D, q.dtype, causal, kind, dropout_p > 0)
+    atomic = cu is None and _dq_mode() == "atomic"
+    bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype, causal,
+                                        kind, dropout_p > 0)
+    dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
     _attn_bwd_dkdv_kernel[(cdiv(max_k, bn), B * H)](
-        q, k, v, do, lse, delta, dk, dv, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
-        *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        EVEN_D=bd == D, num_warps=warps, num_stages=stages)
+        q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
+        cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages)
+    if atomic:
+        dq.copy_(dq_acc.mul_(scale))
+        return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
     _attn_bwd_dq_kernel[(cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
