@@ -215,7 +215,7 @@ stage_bench() {
   summarize lstm_launch_compare.log "ms" 20
   # Where one call's time goes (each kernel and torch op, host time per call), first: the
   # first H200 round could not tell kernel time from host time.
-  step "kernel breakdown" 180 kernel_breakdown.log \
+  step "kernel breakdown" 240 kernel_breakdown.log \
     "$PY" benchmarks/kernel_breakdown.py --out "$R/kernel_breakdown.json"
   summarize kernel_breakdown.log "fwd\+bwd" 10
   # SWEEP=1: the attention and rel_attention kernels' launch rows against candidates, one

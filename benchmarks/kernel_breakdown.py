@@ -119,23 +119,24 @@ def _kernels(fn, device) -> List[Dict]:
 
 
 def run(cases, device, dtype, reps) -> List[Dict]:
-    """Each case; on a GPU the attention ones once per dQ mode of the backward
-    (kernels.attention DQ_MODE: "kernel", then "atomic"), so one call compares the two."""
+    """Each case; on a GPU once per mode of the backward's atomic variant (attention:
+    kernels.attention.DQ_MODE, rel_attention: kernels.rel_attention.DR_MODE; "kernel",
+    then "atomic"), so one call compares the two."""
     from ctxfast.kernels import attention as attn_k
+    from ctxfast.kernels import rel_attention as rel_k
+    modules = {"attention": (attn_k, "DQ_MODE"), "rel_attention": (rel_k, "DR_MODE")}
+    saved = {op: getattr(mod, attr) for op, (mod, attr) in modules.items()}
     results = []
-    expanded = []
-    for case in cases:
-        both = case[0] == "attention" and device.type == "cuda"   # CPU: the cpu backend
-        for mode in (("kernel", "atomic") if both else (None,)):
-            expanded.append((mode, case))
-    saved = attn_k.DQ_MODE
     try:
-        for mode, case in expanded:
-            if mode is not None:
-                attn_k.DQ_MODE = mode
-            results.append(_run_case(case, device, dtype, reps, mode))
+        for case in cases:
+            mod, attr = modules[case[0]]
+            for mode in (("kernel", "atomic") if device.type == "cuda" else (None,)):
+                if mode is not None:                    # CPU: the cpu backend, no modes
+                    setattr(mod, attr, mode)
+                results.append(_run_case(case, device, dtype, reps, mode))
     finally:
-        attn_k.DQ_MODE = saved
+        for op, (mod, attr) in modules.items():
+            setattr(mod, attr, saved[op])
     return results
 
 
@@ -155,7 +156,7 @@ def _run_case(case, device, dtype, reps, mode) -> Dict:
     kernels = _kernels(fwd_bwd, device)
     top = kernels[:15]
     row = {"op": op, "case": f"B{B} H{H} Tq{Tq} mem{mem} D{D}", "dtype": str(dtype),
-           "dq_mode": mode,
+           "backward_mode": mode,
            "fwd_ms": _median_ms(fwd, device, reps),
            "fwd_bwd_ms": _median_ms(fwd_bwd, device, reps),
            "host_fwd_us": _host_us(fwd, device, reps),
@@ -165,7 +166,7 @@ def _run_case(case, device, dtype, reps, mode) -> Dict:
                                                                        "autograd::",
                                                                        "Activity"))), 1),
            "kernels": top}
-    label = f" dQ {mode}" if mode else ""
+    label = f" ({'dQ' if op == 'attention' else 'dr'} {mode})" if mode else ""
     print(f"{op} {row['case']} {dtype}{label}: fwd {row['fwd_ms']:.3f} ms, fwd+bwd "
           f"{row['fwd_bwd_ms']:.3f} ms; host per call fwd {row['host_fwd_us']:.0f} us, "
           f"fwd+bwd {row['host_fwd_bwd_us']:.0f} us; kernels {row['kernels_total_us']} us")
@@ -178,7 +179,7 @@ def _run_case(case, device, dtype, reps, mode) -> Dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny cases (CPU check)")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON file for the rows")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

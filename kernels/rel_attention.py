@@ -79,6 +79,7 @@ combined lse. :func:`decode_splits` picks the split count (CUDA only) whenever t
 is smaller than the GPU, for any number of queries (XL evaluation: 128 queries against
 3,000+ keys in a few streams), with :func:`key_splits`.
 """
+import os
 from typing import Optional
 
 import torch
@@ -471,9 +472,13 @@ def _rel_bwd_dq_inner(
                                     # 2: masked where outside [in_lo, in_hi) (a runtime test)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    dr_base, D,                     # ATOMIC_DR: dr accumulator rows of this head, row stride D
+    ATOMIC_DR: tl.constexpr,
 ):
     """The dQ kernel's loop over the key blocks ``[start, end)`` of one query block.
-    Returns the five accumulators. The kernel runs it once with the runtime boundary test
+    Returns the five accumulators. ATOMIC_DR: also adds each tile's ``dS_bandᵀ (q + v)``
+    (its rows of dr, unscaled) into the fp32 accumulator at dr_base (the dR kernel's work,
+    from the dS band this loop forms anyway). The kernel runs it once with the runtime boundary test
     (MASKED 2) or, for fp32, as three loops like the forward's (:func:`_rel_fwd_inner`):
     compiled for sm_90 the split cut fp32/tf32x3 D=64 spills from 932 to 128 B, but raised
     the 64-row 16-bit tiles' from 176 to 1056 B (benchmarks/NOTES.md)."""
@@ -522,6 +527,10 @@ def _rel_bwd_dq_inner(
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
         ds_band = tl.where(unskew_ok, tl.gather(ds, unskew, 1), 0.0)  # [BLOCK_M, BAND]
         dqw += _dot(ds_band.to(r.dtype), r, UPCAST, PRECISION)
+        if ATOMIC_DR:                                   # dr rows of the band, [BAND, BLOCK_D]
+            dr_part = _dot(tl.trans(ds_band).to(qw.dtype), qw, UPCAST, PRECISION)
+            tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], dr_part,
+                          mask=rows_ok[:, None] & d_ok)
         if HAS_SEG:
             a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
             p_diff += tl.sum(tl.where(same, 0.0, p), 1)
@@ -535,6 +544,7 @@ def _rel_attn_bwd_dq_kernel(
     DQU,            # [B, H, Tq, D] fp32: d(q + u) (content term), written
     DQW,            # [B, H, Tq, D] fp32: d(q + v) (position term), written
     SEG_A,          # [B, H, Tq, 2] fp32: Σ_j dS_ij over same / different segments (HAS_SEG)
+    DR_ACC,         # ATOMIC_DR: dr accumulator [H, R, D] fp32 contiguous, zeroed, added to
     KPM, RANK, KV_END, SEED,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -551,11 +561,13 @@ def _rel_attn_bwd_dq_kernel(
     WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC_DR: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    dr_base = DR_ACC + h.to(tl.int64) * R_len * D
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -617,7 +629,7 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
     elif Q.dtype.element_ty != tl.float32:   # 16-bit: one loop, a runtime boundary test
         dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, lo, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
@@ -626,7 +638,7 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
     else:   # fp32: boundary tiles before the interior, the interior (no mask work), the rest
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
@@ -637,7 +649,7 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
         dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, in_lo, in_hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
@@ -645,7 +657,7 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 0,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
         dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, in_hi, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
@@ -653,7 +665,7 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
 
     out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(DQU + out_off, dqu * sm_scale, mask=q_mask)
@@ -863,6 +875,20 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
 LAUNCH_OVERRIDE: dict = {}
 
 
+#: How the backward computes dr: "kernel" (the dR kernel along the score diagonals,
+#: recomputing S and dP; deterministic) or "atomic" (the dQ kernel adds each tile's
+#: ``dS_bandᵀ (q + v)`` into an fp32 ``[H, R, D]`` accumulator with atomic adds: the dS band
+#: it forms for d(q + v) anyway, no third recompute; sums in no fixed order). From
+#: ``CTXFAST_REL_BWD_DR`` at import. Which is faster on a GPU is not measured yet.
+DR_MODE = os.environ.get("CTXFAST_REL_BWD_DR", "kernel")
+
+
+def _dr_mode() -> str:
+    if DR_MODE not in ("kernel", "atomic"):
+        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'kernel' or 'atomic', got {DR_MODE!r}")
+    return DR_MODE
+
+
 #: Queries up to which the forward takes the decoding tile shape (see :func:`_config`).
 DECODE_MAX_Q = 16
 
@@ -1029,14 +1055,19 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         _rel_attn_bwd_dkdv_kernel[(cdiv(Tk, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"])
+        atomic = _dr_mode() == "atomic"
+        dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dqu
         _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
-            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a,
-            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"])
-        dr_b = _new_output((B, H, R, D), torch.float32, q.device)
-        _rel_attn_bwd_dr_kernel[(cdiv(R, bn), B * H)](
-            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
-            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"])
-        dr = dr_b.sum(0) if B > 1 else dr_b[0]
+            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a, dr_acc,
+            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic)
+        if atomic:
+            dr = dr_acc.mul_(scale)
+        else:
+            dr_b = _new_output((B, H, R, D), torch.float32, q.device)
+            _rel_attn_bwd_dr_kernel[(cdiv(R, bn), B * H)](
+                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
+                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"])
+            dr = dr_b.sum(0) if B > 1 else dr_b[0]
     dq = dqu + dqw                                                        # [B, H, Tq, D]
     d_seg_embed = d_r_s_bias = None
     if has_seg:

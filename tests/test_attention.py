@@ -5,6 +5,8 @@ be at most twice the error of the eager reference run in the same dtype (plus a 
 floor), forward and every gradient. On CPU the Triton kernels run in the interpreter, so
 shapes stay small; the block size there is 16, so T = 17, 33, 97 cross block edges.
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -539,6 +541,8 @@ def test_atomic_dq_backward_matches_the_dq_kernel(monkeypatch, masks):
     fp32 dQ accumulator (no second kernel): the same sums in another order, so every
     gradient agrees to fp32 rounding, on every mask kind."""
     import ctxfast.kernels.attention as kattn
+    if "CTXFAST_ATTN_BWD_DQ" not in os.environ:
+        assert kattn.DQ_MODE == "kernel"          # opt-in only: not bitwise reproducible
     B, H, Tq, mem, D = 2, 2, 37, 16, 24
     torch.manual_seed(3)
     q = torch.randn(B, H, Tq, D, dtype=torch.float32, device=DEVICE, requires_grad=True)

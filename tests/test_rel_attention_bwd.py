@@ -2,6 +2,7 @@
 block of r rows walking down the score matrix's diagonals, no atomics) against the float64
 reference, and the whole backward deterministic (two runs, bitwise-equal gradients)."""
 import inspect
+import os
 
 import pytest
 import torch
@@ -71,10 +72,57 @@ def test_backward_is_bitwise_deterministic():
         assert torch.equal(a, b)
 
 
-def test_no_atomics_in_the_kernels():
+def test_no_atomics_in_the_default_kernels():
     """The interpreter's atomics are sequential: the bitwise test above cannot catch a GPU
-    race, so check the kernels do not use any."""
+    race, so the default backward uses none. The one atomic add is the opt-in
+    DR_MODE "atomic" branch, and that mode is not the default."""
     pytest.importorskip("triton")
     from ctxfast.kernels import rel_attention
-    src = inspect.getsource(rel_attention)
-    assert "atomic_" not in src
+    lines = inspect.getsource(rel_attention).splitlines()
+    hits = [n for n, line in enumerate(lines) if "atomic_" in line]
+    assert len(hits) == 1 and "tl.atomic_add(dr_base" in lines[hits[0]], hits
+    assert any("if ATOMIC_DR:" in line for line in lines[hits[0] - 3:hits[0]])
+    if "CTXFAST_REL_BWD_DR" not in os.environ:
+        assert rel_attention.DR_MODE == "kernel"
+
+
+@needs_triton
+@pytest.mark.parametrize("masks", ["causal", "seg_window", "kpm_perm", "dropout"])
+def test_atomic_dr_matches_the_dr_kernel(monkeypatch, masks):
+    """kernels.rel_attention.DR_MODE = "atomic": the dQ kernel adds each tile's
+    dS_bandᵀ (q + v) into an fp32 dr accumulator (no dR kernel): the same sums in another
+    order, so dr agrees to fp32 rounding and every other gradient is unchanged."""
+    import ctxfast.kernels.rel_attention as krel
+    B, H, Tq, mem, D = 2, 2, 21, 19, 16
+    Tk = Tq + mem
+    torch.manual_seed(2)
+    mk = lambda *s: torch.randn(*s, device=DEVICE, requires_grad=True)  # noqa: E731
+    R = Tk + Tq if masks == "kpm_perm" else Tk      # XLNet's r (no causal: both directions)
+    leaves = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D), mk(H, R, D), mk(H, D),
+              mk(H, D)]
+    kw = {}
+    if masks == "seg_window":
+        kw.update(window=11, seg_q=torch.randint(0, 2, (B, Tq), device=DEVICE),
+                  seg_k=torch.randint(0, 2, (B, Tk), device=DEVICE), seg_embed=mk(2, H, D),
+                  r_s_bias=mk(H, D))
+    if masks == "kpm_perm":
+        pad = torch.zeros(B, Tk, dtype=torch.bool, device=DEVICE)
+        pad[1, :5] = True
+        kw.update(key_padding_mask=pad, causal=False, pos_start=Tk,
+                  perm_rank=torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE))
+    if masks == "dropout":
+        kw.update(dropout_p=0.25)
+    g = torch.randn(B, H, Tq, D, device=DEVICE)
+
+    def grads(mode):
+        monkeypatch.setattr(krel, "DR_MODE", mode)
+        gen = torch.Generator(device=DEVICE).manual_seed(4) if masks == "dropout" else None
+        out = ctxfast.rel_attention(*leaves, backend="triton", generator=gen, **kw)
+        return torch.autograd.grad(out, leaves, g)
+
+    for name, atomic, kernel in zip(("dq", "dk", "dv", "dr", "du", "dw"), grads("atomic"),
+                                    grads("kernel")):
+        torch.testing.assert_close(atomic, kernel, rtol=1e-5, atol=1e-5, msg=name)
+    monkeypatch.setattr(krel, "DR_MODE", "fast")
+    with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
+        grads("fast")

@@ -158,6 +158,16 @@ def _cases():
                 attention.DQ_MODE = old
         return run
 
+    def atomic_dr(fn):
+        """fn with the rel_attention backward's dr by atomic adds (DR_MODE "atomic")."""
+        def run():
+            old, rel_attention.DR_MODE = rel_attention.DR_MODE, "atomic"
+            try:
+                fn()
+            finally:
+                rel_attention.DR_MODE = old
+        return run
+
     def ieee(fn):
         """fn with the LSTM's exact-fp32 dots (kernels/lstm.FP32_PRECISION = "ieee")."""
         def run():
@@ -184,6 +194,12 @@ def _cases():
          lambda: rel(bf16, 128, **dict(every_mask, causal=False), seg=True, window=100)),
         ("rel_attention fp16 D=64 causal+kpm+perm_strict+seg+dropout+window", both,
          lambda: rel(f16, 64, **every_mask, seg=True, window=100)),
+        # the dQ kernel adding dS_bandᵀ (q + v) into dr with atomics (DR_MODE "atomic")
+        ("rel_attention bf16 D=64 causal, atomic dr", sm90,
+         atomic_dr(lambda: rel(bf16, 64, causal=True))),
+        ("rel_attention fp32/tf32 D=128 causal+seg+dropout+window, atomic dr", both,
+         atomic_dr(tf32(lambda: rel(f32, 128, causal=True, seg=True, dropout=0.1,
+                                    window=100)))),
         ("rel_attention decode split-K fp32/tf32 D=256 causal", both,
          tf32(lambda: rel(f32, 256, causal=True, Tq=1, Tk=1024, num_splits=8,
                           backward=False))),
