@@ -4,7 +4,7 @@
 # the CUDA C++ kernels, the full benchmarks, and `ctxfast xl-eval` at the paper's lengths;
 # everything lands in $OUT as one summary file and one archive per call.
 #
-#   bash benchmarks/gpu_round.sh --stage build-test  # build, info, smoke, whole suite, xl-eval
+#   bash benchmarks/gpu_round.sh --stage build-test  # build, info, smoke, whole suite, xl-eval (fp32, bf16)
 #   bash benchmarks/gpu_round.sh --stage sanitize    # profile check, compute-sanitizer
 #   bash benchmarks/gpu_round.sh --stage bench       # the full benchmark set
 #   bash benchmarks/gpu_round.sh --stage all         # the three, one after the other
@@ -175,6 +175,10 @@ stage_build_test() {
   suite
   step "xl-eval (paper lengths)" 240 xl_eval.log "$PY" -m ctxfast.cli xl-eval --out "$R/xl-eval" --no-progress
   summarize xl_eval.log "." 25
+  # bf16 too (what users train in; the paper measured fp32): run when the stage has time left
+  step "xl-eval bf16 (paper lengths)" 240 xl_eval_bf16.log "$PY" -m ctxfast.cli xl-eval \
+    --dtype bfloat16 --out "$R/xl-eval-bf16" --no-progress
+  summarize xl_eval_bf16.log "." 25
 }
 
 stage_tests() {   # build-test without smoke and xl-eval: what a 15-minute lease has room for
