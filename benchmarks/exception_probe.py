@@ -29,6 +29,13 @@ CASES = {
     "torch": "import torch\ntorch.ones(2).view(3)",
     "_C": ("import torch, ctxfast\n"
            "torch.ops.ctxfast.keep_mask_cpu(torch.ones(4), torch.tensor([1]), -0.1)"),
+    # the same refusal three ways (csrc/bindings/module_cpu.cpp probe_throw): if only the
+    # first crashes, capturing the backtrace at the throw is what fails there, and a check
+    # that throws without one is the way out; if all three crash, unwinding through our
+    # frames does
+    "_C TORCH_CHECK": "import torch, ctxfast\ntorch.ops.ctxfast.probe_throw(0)",
+    "_C c10 error, no backtrace": "import torch, ctxfast\ntorch.ops.ctxfast.probe_throw(1)",
+    "_C std::invalid_argument": "import torch, ctxfast\ntorch.ops.ctxfast.probe_throw(2)",
     "_cuda": ("import torch, ctxfast\n"
               "x = torch.zeros(2, 1, 4, dtype=torch.float64, device='cuda')\n"
               "h = torch.zeros(1, 1, dtype=torch.float64, device='cuda')\n"
@@ -41,9 +48,15 @@ LIBS = ("libstdc++", "libgcc_s", "libgomp")
 
 
 def _child(code: str) -> None:
+    # this checkout's ctxfast (built in place), imported before the probe: an import that
+    # fails is a failed probe, not an exception raised by an op
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    setup, call = code.rsplit("\n", 1)
+    scope: dict = {}
+    exec(compile(setup, "<probe setup>", "exec"), scope)
     try:
-        exec(compile(code, "<probe>", "exec"), {})
-    except Exception as e:  # the expected outcome: the C++ error became a Python exception
+        exec(compile(call, "<probe>", "exec"), scope)
+    except (ValueError, TypeError, RuntimeError) as e:  # the C++ error reached Python
         print(f"raised {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         maps = open("/proc/self/maps").read().split("\n") if os.path.exists("/proc/self/maps") else []
         loaded = sorted({line.split()[-1] for line in maps

@@ -1087,6 +1087,8 @@ def test_exception_probe_sees_the_cpu_op_raise():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "probe torch: ok: raised RuntimeError" in proc.stdout
     assert "probe _C: ok: raised ValueError: keep_mask_cpu: p must be in" in proc.stdout
+    for way in ("TORCH_CHECK", "c10 error, no backtrace", "std::invalid_argument"):
+        assert f"probe _C {way}: ok: raised ValueError: probe_throw:" in proc.stdout
 
 
 def test_kernel_breakdown_runs_every_step(tmp_path):

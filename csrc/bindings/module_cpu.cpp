@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <stdexcept>
+
 #include "cpu/output_cache.h"
 
 extern "C" {
@@ -56,6 +58,15 @@ TORCH_LIBRARY(ctxfast, m) {
   // CTXFAST_CPU_CACHE_MB): free every cached block (returns the bytes), or the bytes held.
   m.def("cpu_cache_release() -> int", [] { return ctxfast::cpu::cache_release(); });
   m.def("cpu_cache_held() -> int", [] { return ctxfast::cpu::cache_held(); });
+  // Diagnostics (benchmarks/exception_probe.py): raise on purpose, three ways, so a machine
+  // where our refusals crash the process says which part crashes. kind 0: TORCH_CHECK_VALUE
+  // (c10::ValueError, the backtrace captured at the throw, as every check here does);
+  // 1: c10::ValueError with no backtrace captured; 2: std::invalid_argument (no c10).
+  m.def("probe_throw(int kind) -> ()", [](int64_t kind) {
+    if (kind == 1) throw c10::ValueError("probe_throw: c10::ValueError, no backtrace", nullptr);
+    if (kind == 2) throw std::invalid_argument("probe_throw: std::invalid_argument");
+    TORCH_CHECK_VALUE(false, "probe_throw: TORCH_CHECK_VALUE");
+  });
   // Transformer-XL / XLNet relative attention (csrc/bindings/rel_attention_cpu.cpp): the
   // `cpu` backend of ctxfast.rel_attention; window 0 = none; the four segment tensors all
   // given or none. The backward returns dq, dk, dv, dr, d_r_w_bias, d_r_r_bias,
