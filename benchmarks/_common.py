@@ -542,3 +542,33 @@ def params(quick_cases, full_cases, modes, backends) -> list:
             for case in cases if device_type in case.devices
             for mode in modes
             for backend in backends]
+
+
+def median_timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:
+    """``time_ms(fn)``: the median ms of `reps` calls of fn after 3 warm-up calls, from CUDA
+    events on a GPU (all recorded, one synchronisation), else from the wall clock. For the
+    standalone scripts (lstm_launch_compare.py, kernel_breakdown.py); the suites use
+    :func:`measure`."""
+    def cuda_ms(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+    def wall_ms(fn):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+    return cuda_ms if device.type == "cuda" else wall_ms

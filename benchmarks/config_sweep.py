@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-import ctxfast
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ctxfast  # noqa: E402
+from kernel_breakdown import make_inputs  # noqa: E402
 
 REPS = 3
 
@@ -79,15 +82,11 @@ def _kernel_us(fn, name: str, device) -> Optional[float]:
 
 
 def _call(op, B, H, Tq, mem, D, device, dtype):
-    Tk = Tq + mem
-    mk = lambda *s: torch.randn(*s, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
-    ins = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D)]
+    ins, g = make_inputs(op, B, H, Tq, mem, D, device, dtype)
     if op == "rel_attention":
-        ins += [mk(H, Tk, D), mk(H, D), mk(H, D)]
         f = lambda: ctxfast.rel_attention(*ins, backend="triton")  # noqa: E731
     else:
         f = lambda: ctxfast.attention(*ins, causal=True, backend="triton")  # noqa: E731
-    g = torch.randn(B, H, Tq, D, device=device, dtype=dtype)
     return lambda: torch.autograd.grad(f(), ins, g)
 
 

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import time
 from typing import Callable, Dict, List
 
 import torch
 
-import ctxfast
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+import ctxfast  # noqa: E402
 
 # (op, B, H, Tq, mem, D, causal): training and decoding shapes of the GPU suites.
 CASES = (
@@ -44,7 +46,8 @@ CASES = (
 QUICK_CASES = (("rel_attention", 1, 2, 16, 16, 16, True), ("attention", 1, 2, 16, 16, 16, True))
 
 
-def _inputs(op, B, H, Tq, mem, D, device, dtype):
+def make_inputs(op, B, H, Tq, mem, D, device, dtype):
+    """[q, k, v] (+ [r, r_w_bias, r_r_bias]) requiring grad, and a gradient of out."""
     Tk = Tq + mem
     mk = lambda *s: torch.randn(*s, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
     ins = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D)]
@@ -57,28 +60,6 @@ def _call(op, causal) -> Callable:
     if op == "rel_attention":
         return lambda *a: ctxfast.rel_attention(*a)     # causal with memory, as Transformer-XL
     return lambda *a: ctxfast.attention(*a, causal=causal)
-
-
-def _median_ms(fn, device, reps) -> float:
-    for _ in range(3):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _host_us(fn, device, reps) -> float:
@@ -143,7 +124,7 @@ def run(cases, device, dtype, reps) -> List[Dict]:
 def _run_case(case, device, dtype, reps, mode) -> Dict:
     """One case: timings, host time, the profiled kernels; printed and returned."""
     op, B, H, Tq, mem, D, causal = case
-    ins, g = _inputs(op, B, H, Tq, mem, D, device, dtype)
+    ins, g = make_inputs(op, B, H, Tq, mem, D, device, dtype)
     call = _call(op, causal)
 
     def fwd():
@@ -157,8 +138,8 @@ def _run_case(case, device, dtype, reps, mode) -> Dict:
     top = kernels[:15]
     row = {"op": op, "case": f"B{B} H{H} Tq{Tq} mem{mem} D{D}", "dtype": str(dtype),
            "backward_mode": mode,
-           "fwd_ms": _median_ms(fwd, device, reps),
-           "fwd_bwd_ms": _median_ms(fwd_bwd, device, reps),
+           "fwd_ms": _common.median_timer(device, reps)(fwd),
+           "fwd_bwd_ms": _common.median_timer(device, reps)(fwd_bwd),
            "host_fwd_us": _host_us(fwd, device, reps),
            "host_fwd_bwd_us": _host_us(fwd_bwd, device, reps),
            "kernels_total_us": round(sum(r["us"] for r in kernels if device.type != "cuda"

@@ -20,16 +20,15 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common  # noqa: E402
 import ctxfast  # noqa: E402
 from ctxfast import _dispatch  # noqa: E402
 
@@ -38,31 +37,6 @@ FULL = [("ULMFiT layer 1152", 1152, 1152, 0, 70, 64, None),
         ("ELMo layer 4096/512", 512, 4096, 512, 50, 32, 3.0)]
 QUICK = [("tiny", 8, 20, 0, 5, 3, None), ("tiny proj", 8, 20, 12, 5, 3, 3.0)]
 P_DROP = 0.2
-
-
-def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:
-    def cuda_ms(fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize(device)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-        for a, b in ev:
-            a.record()
-            fn()
-            b.record()
-        torch.cuda.synchronize(device)
-        return statistics.median(a.elapsed_time(b) for a, b in ev)
-
-    def wall_ms(fn):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-    return cuda_ms if device.type == "cuda" else wall_ms
 
 
 @contextlib.contextmanager
@@ -103,7 +77,7 @@ def _forms(device: torch.device) -> List[str]:
 
 def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    time_ms = _timer(device, reps)
+    time_ms = _common.median_timer(device, reps)
     rows = []
     for (name, I, H, P, T, B, clip) in (QUICK if quick else FULL):
         for dt_name in dtypes:

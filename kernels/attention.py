@@ -49,8 +49,10 @@ Backward, with ``P_ij = 2^(s_ij − lse_i)`` recomputed tile by tile:
 FlashAttention-2's schedule: ``Δ`` is computed before the kernels; one kernel owns a key
 block and loops over query blocks (dK, dV), working on transposed tiles (``Sᵀ = K Qᵀ``,
 ``dPᵀ = V dOᵀ``) so that every dot has the key block's rows as its M dimension; another owns a
-query block and loops over key blocks (dQ): no atomics. fp16/bf16 operands go to ``tl.dot``
-as they are (``UPCAST`` only for bf16 under the interpreter, whose bf16 dot is wrong).
+query block and loops over key blocks (dQ): no atomics (by default; :data:`DQ_MODE`
+"atomic" drops the dQ kernel for atomic adds from the dK/dV kernel). fp16/bf16 operands go
+to ``tl.dot`` as they are (``UPCAST`` only for bf16 under the interpreter, whose bf16 dot
+is wrong).
 """
 import functools
 import os

@@ -24,8 +24,9 @@ Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/a
 Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms the gradients of q,
 seg_embed and r_s_bias. Each row of dS sums to 0, so they are taken as
 ``A_diff = Σ_diff dS − (Σ_diff P)(Σ_j dS)`` and ``A_same = −A_diff``: exact in exact
-arithmetic, and free of the rounding of Δ (an error e in Δ moves dS_ij by −e·P_ij). Three kernels, none with atomics: dK/dV (a program per key block),
-dQ (a program per query block) and dR.
+arithmetic, and free of the rounding of Δ (an error e in Δ moves dS_ij by −e·P_ij).
+Three kernels, none with atomics (by default; see :data:`DR_MODE`): dK/dV (a program per
+key block), dQ (a program per query block) and dR.
 
 dR. Row ``m`` of r is used by the pairs on one diagonal of the score matrix,
 ``j − i = m − c``, so
@@ -1017,6 +1018,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     pos_start = Tk - 1 if pos_start is None else pos_start
     scale = D ** -0.5 if scale is None else scale
     has_seg = seg_embed is not None
+    atomic = _dr_mode() == "atomic"                 # refused before any launch
     # every element below is written by a kernel (the grids cover all rows; each program
     # stores unconditionally), so no zero fill, except when there is nothing to compute
     work = q.numel() > 0 and Tk > 0
@@ -1055,7 +1057,6 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         _rel_attn_bwd_dkdv_kernel[(cdiv(Tk, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"])
-        atomic = _dr_mode() == "atomic"
         dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dqu
         _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a, dr_acc,

@@ -535,42 +535,27 @@ def test_backward_row_term_matches_torch():
 
 
 @needs_triton
-@pytest.mark.parametrize("masks", ["causal_mem", "kpm", "perm", "perm_causal", "dropout"])
-def test_atomic_dq_backward_matches_the_dq_kernel(monkeypatch, masks):
-    """kernels.attention.DQ_MODE = "atomic": the dK/dV kernel adds each tile's dS K into an
-    fp32 dQ accumulator (no second kernel): the same sums in another order, so every
-    gradient agrees to fp32 rounding, on every mask kind."""
+@pytest.mark.parametrize("check", ["odd_lengths", "rows_that_see_no_key", "dropout"])
+def test_atomic_dq_backward_against_reference(monkeypatch, check):
+    """kernels.attention.DQ_MODE = "atomic" (the dK/dV kernel adds each tile's dS K into an
+    fp32 dQ accumulator; no dQ kernel): the module's own reference checks run in that mode,
+    forward and every gradient against float64 within 2x eager, on odd lengths with every
+    mask kind, rows that see no key (zero output and gradient), and dropout."""
     import ctxfast.kernels.attention as kattn
     if "CTXFAST_ATTN_BWD_DQ" not in os.environ:
         assert kattn.DQ_MODE == "kernel"          # opt-in only: not bitwise reproducible
-    B, H, Tq, mem, D = 2, 2, 37, 16, 24
-    torch.manual_seed(3)
-    q = torch.randn(B, H, Tq, D, dtype=torch.float32, device=DEVICE, requires_grad=True)
-    k, v = (torch.randn(B, H, Tq + mem, D, dtype=torch.float32, device=DEVICE,
-                        requires_grad=True) for _ in range(2))
-    kw = {}
-    if masks == "causal_mem":
-        kw["causal"] = True
-    if masks == "kpm":
-        pad = torch.zeros(B, Tq + mem, dtype=torch.bool, device=DEVICE)
-        pad[0, -9:] = True
-        kw["key_padding_mask"] = pad
-    if masks.startswith("perm"):
-        kw["perm_rank"] = torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE)
-        kw["causal"] = masks == "perm_causal"
-    if masks == "dropout":
-        kw.update(causal=True, dropout_p=0.2)
-    g = torch.randn(B, H, Tq, D, device=DEVICE)
-
-    def grads(mode):
-        monkeypatch.setattr(kattn, "DQ_MODE", mode)
-        gen = torch.Generator(device=DEVICE).manual_seed(5) if masks == "dropout" else None
-        out = ctxfast.attention(q, k, v, backend="triton", generator=gen, **kw)
-        return torch.autograd.grad(out, (q, k, v), g)
-
-    # (on a GPU the atomic mode's dK/dV row has other blocks: the same sums, other order)
-    for atomic, kernel in zip(grads("atomic"), grads("kernel")):
-        torch.testing.assert_close(atomic, kernel, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(kattn, "DQ_MODE", "atomic")
+    if check == "odd_lengths":
+        for Tq, Tk, kind in ((37, 53, "causal-pad"), (17, 33, "perm-query"),
+                             (33, 33, "ties-pad"), (1, 97, "pad")):
+            test_odd_lengths(Tq, Tk, kind)
+    elif check == "rows_that_see_no_key":
+        for how in ("all-padding", "query-stream-lowest-rank"):
+            test_rows_that_see_no_key(how)
+    else:
+        for kind in ("causal-pad", "perm-query"):
+            test_dropout_matches_reference_with_the_same_mask(kind)
     monkeypatch.setattr(kattn, "DQ_MODE", "fast")
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 5, 5, 16))
     with pytest.raises(ValueError, match="CTXFAST_ATTN_BWD_DQ"):
-        grads("fast")
+        ctxfast.attention(q, k, v, backend="triton").sum().backward()

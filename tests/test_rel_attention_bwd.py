@@ -87,42 +87,22 @@ def test_no_atomics_in_the_default_kernels():
 
 
 @needs_triton
-@pytest.mark.parametrize("masks", ["causal", "seg_window", "kpm_perm", "dropout"])
-def test_atomic_dr_matches_the_dr_kernel(monkeypatch, masks):
-    """kernels.rel_attention.DR_MODE = "atomic": the dQ kernel adds each tile's
-    dS_bandᵀ (q + v) into an fp32 dr accumulator (no dR kernel): the same sums in another
-    order, so dr agrees to fp32 rounding and every other gradient is unchanged."""
+def test_atomic_dr_against_reference(monkeypatch):
+    """kernels.rel_attention.DR_MODE = "atomic" (the dQ kernel adds each tile's
+    dS_bandᵀ (q + v) into an fp32 dr accumulator; no dR kernel): the module's own reference
+    checks run in that mode, forward and every gradient against float64 within 2x eager:
+    odd lengths and memory, a longer r, XLNet's order with segments and padding, a window,
+    rows that see no key, dropout."""
+    import test_rel_attention as rel_tests
     import ctxfast.kernels.rel_attention as krel
-    B, H, Tq, mem, D = 2, 2, 21, 19, 16
-    Tk = Tq + mem
-    torch.manual_seed(2)
-    mk = lambda *s: torch.randn(*s, device=DEVICE, requires_grad=True)  # noqa: E731
-    R = Tk + Tq if masks == "kpm_perm" else Tk      # XLNet's r (no causal: both directions)
-    leaves = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D), mk(H, R, D), mk(H, D),
-              mk(H, D)]
-    kw = {}
-    if masks == "seg_window":
-        kw.update(window=11, seg_q=torch.randint(0, 2, (B, Tq), device=DEVICE),
-                  seg_k=torch.randint(0, 2, (B, Tk), device=DEVICE), seg_embed=mk(2, H, D),
-                  r_s_bias=mk(H, D))
-    if masks == "kpm_perm":
-        pad = torch.zeros(B, Tk, dtype=torch.bool, device=DEVICE)
-        pad[1, :5] = True
-        kw.update(key_padding_mask=pad, causal=False, pos_start=Tk,
-                  perm_rank=torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE))
-    if masks == "dropout":
-        kw.update(dropout_p=0.25)
-    g = torch.randn(B, H, Tq, D, device=DEVICE)
-
-    def grads(mode):
-        monkeypatch.setattr(krel, "DR_MODE", mode)
-        gen = torch.Generator(device=DEVICE).manual_seed(4) if masks == "dropout" else None
-        out = ctxfast.rel_attention(*leaves, backend="triton", generator=gen, **kw)
-        return torch.autograd.grad(out, leaves, g)
-
-    for name, atomic, kernel in zip(("dq", "dk", "dv", "dr", "du", "dw"), grads("atomic"),
-                                    grads("kernel")):
-        torch.testing.assert_close(atomic, kernel, rtol=1e-5, atol=1e-5, msg=name)
+    monkeypatch.setattr(krel, "DR_MODE", "atomic")
+    test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
+    test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
+    test_dr_bidirectional_with_every_mask()
+    rel_tests.test_xlnet_bidirectional_perm_segments_padding("query")
+    rel_tests.test_window_rows_that_see_no_key()
+    rel_tests.test_rows_that_see_no_key()
+    rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
     monkeypatch.setattr(krel, "DR_MODE", "fast")
     with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
-        grads("fast")
+        test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)

@@ -138,45 +138,26 @@ def _cases():
             rel_shift.rel_shift_forward(x)
             rel_shift.rel_shift_backward(x)
 
-    def tf32(fn):
-        """fn with torch's allow_tf32 on (fp32 dots with input_precision="tf32")."""
-        def run():
-            old, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
-            try:
-                fn()
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = old
-        return run
+    def setting(obj, name, value):
+        """fn -> fn run with obj.name = value (restored after)."""
+        def wrap(fn):
+            def run():
+                old = getattr(obj, name)
+                setattr(obj, name, value)
+                try:
+                    fn()
+                finally:
+                    setattr(obj, name, old)
+            return run
+        return wrap
 
-    def atomic_dq(fn):
-        """fn with the attention backward's dQ by atomic adds (kernels/attention.DQ_MODE)."""
-        def run():
-            old, attention.DQ_MODE = attention.DQ_MODE, "atomic"
-            try:
-                fn()
-            finally:
-                attention.DQ_MODE = old
-        return run
-
-    def atomic_dr(fn):
-        """fn with the rel_attention backward's dr by atomic adds (DR_MODE "atomic")."""
-        def run():
-            old, rel_attention.DR_MODE = rel_attention.DR_MODE, "atomic"
-            try:
-                fn()
-            finally:
-                rel_attention.DR_MODE = old
-        return run
-
-    def ieee(fn):
-        """fn with the LSTM's exact-fp32 dots (kernels/lstm.FP32_PRECISION = "ieee")."""
-        def run():
-            old, lstm.FP32_PRECISION = lstm.FP32_PRECISION, "ieee"
-            try:
-                fn()
-            finally:
-                lstm.FP32_PRECISION = old
-        return run
+    # torch's allow_tf32 on (fp32 dots with input_precision="tf32"); the LSTM's exact-fp32
+    # dots (FP32_PRECISION "ieee"); the attention backward's dQ and the rel_attention
+    # backward's dr by atomic adds (DQ_MODE, DR_MODE "atomic")
+    tf32 = setting(torch.backends.cuda.matmul, "allow_tf32", True)
+    ieee = setting(lstm, "FP32_PRECISION", "ieee")
+    atomic_dq = setting(attention, "DQ_MODE", "atomic")
+    atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
 
     f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
     sm90, both = (90,), (90, 80)
