@@ -13,14 +13,37 @@ softmax, dropout and lse as ``kernels/attention.py``.
 The shift. In a tile of queries ``i = m0 + ii`` (ii < BLOCK_M) and keys ``j = n0 + jj``
 (jj < BLOCK_N), ``m = base + jj + (BLOCK_M − 1 − ii)`` with ``base = c − m0 − BLOCK_M + 1
 + n0``: every pair reads one band of ``BLOCK_M + BLOCK_N − 1`` consecutive rows of r. The
-kernel multiplies ``(q + w)`` by the band on the tensor cores (``[BLOCK_M, BAND]``, BAND =
-BLOCK_M + BLOCK_N) and picks column ``jj + BLOCK_M − 1 − ii`` of row ii with ``tl.gather``:
-the skew the original code does with pad-and-view on a whole ``[Tq, R]`` tensor.
+kernel multiplies the queries by the band on the tensor cores and picks column ``jj +
+BLOCK_M − 1 − ii`` of row ii with ``tl.gather``: the skew the original code does with
+pad-and-view on a whole ``[Tq, R]`` tensor.
+
+One query operand where the query block is held through the loop (forward, dQ):
+``(q + w)·r_m = (q + u)·r_m + (w − u)·r_m``, so those kernels hold only ``q + u`` (for the
+content and the position term) and add the per-row vector ``(w − u)·r_m`` of the r tile to
+the ``(q + u)·rᵀ`` product (:func:`_row_bias`): one ``[BLOCK_M, BLOCK_D]`` operand less in
+registers for the whole loop. (The dK/dV and dR kernels load a new query block per tile and
+form both ``q + u`` and ``q + w`` from it: there the row vector, with r in registers, spilled
+more on sm_90 than the second operand.)
+
+Two chunks. Where the query block is fixed and the loop walks the key blocks (forward,
+dQ), the band of key block ``n`` is two chunks of BLOCK_N rows of r, ``row0 + n + [0,
+BLOCK_N)`` and the next, and the second is the next key block's first: each tile multiplies
+one new chunk (``[BLOCK_M, BLOCK_N]``, as the content term) and keeps the product for the
+next (:func:`_rel_scores_chunked`; pair (ii, jj) reads column ``idx`` of one of the two,
+:func:`_skew_chunks`), instead of a band twice as wide per tile. The forward costs three
+``[BLOCK_M, BLOCK_N] x [BLOCK_N, BLOCK_D]`` products per tile (content, position, PV) instead
+of four. The dK/dV and dR kernels fix a key block or a set of diagonals and walk the query
+blocks, whose queries change from tile to tile: they multiply the whole band.
 
 Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/attention.py``:
-``dK = scale · dSᵀ (q + u)``, ``dV = Pᵀ dO``; ``d(q + u) = scale · dS K``;
-``d(q + v) = scale · dS_band r_band`` where ``dS_band[ii, jj + BLOCK_M − 1 − ii] = dS[ii, jj]``
-(the skew undone with ``tl.gather``). The segment term gives per-row sums ``A_same, A_diff =
+``dK = scale · dSᵀ (q + u)``, ``dV = Pᵀ dO``; ``dq = d(q + u) + d(q + v) = scale · (dS K +
+dS_band r_band)`` where ``dS_band[ii, jj + BLOCK_M − 1 − ii] = dS[ii, jj]`` (the skew undone
+with ``tl.gather``; in the dQ kernel chunk by chunk, one ``[BLOCK_M, BLOCK_N]`` product per
+tile, :func:`_rel_bwd_dq_inner`). The dQ kernel stores dq once, in q's dtype, and the
+column sums of its two accumulators, ``Σ_i d(q + u)_i`` and ``Σ_i d(q + v)_i``, as
+``[BLOCK_D]`` partials per query block: the launcher's d(r_w_bias) and d(r_r_bias) (no
+fp32 ``[B, H, Tq, D]`` pair of terms written, read back, added and summed). The segment
+term gives per-row sums ``A_same, A_diff =
 Σ_j dS_ij [same], Σ_j dS_ij [diff]``, from which the launcher forms the gradients of q,
 seg_embed and r_s_bias. Each row of dS sums to 0, so they are taken as
 ``A_diff = Σ_diff dS − (Σ_diff P)(Σ_j dS)`` and ``A_same = −A_diff``: exact in exact
@@ -60,8 +83,9 @@ key block a query block can see (``m0 + mem_len − window + 1``), the dK/dV loo
 the last query block a key block is seen by (``n0 + BLOCK_N − 1 − mem_len + window``), so a
 window of W keys costs O(Tq·W), not O(Tq·Tk).
 
-Tile pieces (written once, called by every kernel): :func:`_rel_scores` (the scores of a
-tile, content term plus the shifted position term), :func:`_seg_term`, :func:`_rel_visible`
+Tile pieces (written once, called by every kernel): :func:`_rel_scores` and
+:func:`_rel_scores_chunked` (the scores of a tile, content term plus the shifted position
+term, from the whole band or chunk by chunk), :func:`_seg_term`, :func:`_rel_visible`
 (the masks and the window), ``kernels._common._online_softmax_step``. Interior and
 boundary tiles: a tile whose every pair is visible (inside the keys, below the causal
 diagonal, within the window; never with padding or a permutation, which are per element)
@@ -100,6 +124,50 @@ def _rel_scores(qu, qw, k, r, skew, UPCAST: tl.constexpr, PRECISION: tl.constexp
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
     qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
     return ac + tl.gather(qr, skew, 1)
+
+
+@triton.jit
+def _row_bias(r, wu):
+    """[rows]: ``(v − u)·r_m`` of each row of an r tile ``[rows, BLOCK_D]`` (wu = r_r_bias −
+    r_w_bias, fp32 ``[BLOCK_D]``). As ``(q + v)·r_m = (q + u)·r_m + (v − u)·r_m``, the
+    forward and dQ kernels hold one query operand, ``q + u``, for both terms and add this
+    per-row vector to the ``(q + u)·rᵀ`` tile."""
+    return tl.sum(r.to(tl.float32) * wu[None, :], 1)
+
+
+@triton.jit
+def _r_rows(r_base, rows, R_len, offs_d, d_ok, stride_rm, stride_rd):
+    """Rows ``rows`` of r ``[len(rows), BLOCK_D]`` (0 outside ``[0, R_len)``)."""
+    rows = tl.minimum(tl.maximum(rows, 0), R_len - 1)
+    return tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd)
+
+
+@triton.jit
+def _skew_chunks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(idx, hi) ``[BLOCK_M, BLOCK_N]``: pair (ii, jj) reads column ``jj + BLOCK_M − 1 − ii``
+    of its tile's band of r rows; as two chunks of BLOCK_N rows, that is column ``idx`` of
+    the second chunk where ``hi``, else of the first (needs BLOCK_M <= BLOCK_N + 1)."""
+    ii = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])
+    hi = skew >= BLOCK_N
+    return tl.where(hi, skew - BLOCK_N, skew), hi
+
+
+@triton.jit
+def _rel_scores_chunked(qu, wu, k, r_new, qr_prev, skew_idx, skew_hi,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """(scores [BLOCK_M, BLOCK_N], qr_new) of a tile of a loop over key blocks with the
+    query block fixed (forward, dQ). Key block ``n`` reads the band of r rows ``row0 + n +
+    [0, 2·BLOCK_N)``: chunks ``t = n / BLOCK_N`` and ``t + 1``; the next key block reads
+    chunks ``t + 1`` and ``t + 2``. So each tile multiplies ``(q + v)`` by one new chunk
+    ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1) and keeps the product for the next
+    (``qr_prev`` = ``(q + v)·chunk_tᵀ``): the position term costs one ``[BLOCK_M,
+    BLOCK_N]`` product per tile, as the content term does, not a band twice as wide."""
+    ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
+    qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + _row_bias(r_new, wu)[None, :]
+    pos = tl.where(skew_hi, tl.gather(qr_new, skew_idx, 1), tl.gather(qr_prev, skew_idx, 1))
+    return ac + pos, qr_new
 
 
 @triton.jit
@@ -168,7 +236,8 @@ def _interior_queries(n0, Tq, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl
 @triton.jit
 def _rel_fwd_inner(
     m_i, l_i, acc, start, end,      # running max, normaliser, output; key range [start, end)
-    qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    qr_prev,                        # (q + v)·(rows row0 + start + [0, BLOCK_N) of r)ᵀ
+    qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
     k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
     row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
     KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -181,12 +250,10 @@ def _rel_fwd_inner(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
-    fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc)."""
-    ii = tl.arange(0, BLOCK_M)
+    fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, qr_prev),
+    the last for the next loop over the following key blocks."""
     jj = tl.arange(0, BLOCK_N)
-    band = tl.arange(0, BAND)
-    band_ok = band < BLOCK_M + BLOCK_N - 1            # rows the skew reads (BAND is wider)
-    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])  # [BLOCK_M, BLOCK_N]: column in the band
+    skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + jj
         kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -194,11 +261,10 @@ def _rel_fwd_inner(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
-        rows = row0 + start_n + band                                       # [BAND] rows of r
-        r_ok = band_ok & (rows >= 0) & (rows < R_len)
-        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
-                    mask=r_ok[:, None] & d_ok, other=0.0)
-        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)           # [BLOCK_M, BLOCK_N]
+        r = _r_rows(r_base, row0 + start_n + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
+                    stride_rd)                                      # the band's second chunk
+        s, qr_prev = _rel_scores_chunked(qu, wu, k, r, qr_prev, skew_idx, skew_hi,
+                                         UPCAST, PRECISION)              # [BLOCK_M, BLOCK_N]
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
@@ -211,7 +277,7 @@ def _rel_fwd_inner(
                          s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
                                              Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
-    return m_i, l_i, acc
+    return m_i, l_i, acc, qr_prev
 
 
 @triton.jit
@@ -259,8 +325,8 @@ def _rel_attn_fwd_kernel(
     q = q.to(tl.float32)
     u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    qu = (q + u[None, :]).to(K.dtype.element_ty)     # (q + u): content term
-    qw = (q + w[None, :]).to(K.dtype.element_ty)     # (q + v): position term
+    qu = (q + u[None, :]).to(K.dtype.element_ty)     # (q + u): both terms (_row_bias)
+    wu = w - u
     seg_q = offs_m                                    # placeholders unless HAS_SEG
     ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
     ef_diff = ef_same
@@ -297,9 +363,14 @@ def _rel_attn_fwd_kernel(
     v_base = V + b * stride_vb + h * stride_vh
     r_base = R + h * stride_rh
     row0 = c - m0 - BLOCK_M + 1          # first row of r in the band of key block 0
+    # the first chunk of the first tile's band (the loops carry it on)
+    r_first = _r_rows(r_base, row0 + lo + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok,
+                      stride_rm, stride_rd)
+    qr_prev = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + _row_bias(r_first, wu)[None, :]
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
-        m_i, l_i, acc = _rel_fwd_inner(
-            m_i, l_i, acc, lo, hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
+            m_i, l_i, acc, lo, hi, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -308,22 +379,25 @@ def _rel_attn_fwd_kernel(
     else:   # boundary tiles before the interior, the interior (no mask work), the rest
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
-        m_i, l_i, acc = _rel_fwd_inner(
-            m_i, l_i, acc, lo, in_lo, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
+            m_i, l_i, acc, lo, in_lo, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
-        m_i, l_i, acc = _rel_fwd_inner(
-            m_i, l_i, acc, in_lo, in_hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
+            m_i, l_i, acc, in_lo, in_hi, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
-        m_i, l_i, acc = _rel_fwd_inner(
-            m_i, l_i, acc, in_hi, hi, qu, qw, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
+            m_i, l_i, acc, in_hi, hi, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -458,10 +532,11 @@ def _rel_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _rel_bwd_dq_inner(
-    dqu, dqw, a_diff, p_diff, ds_all,   # running d(q + u), d(q + v), segment sums
+    dqu, dqw, a_diff, p_diff, ds_all,   # running d(q + u), d(q + v) (unscaled), segment sums
+    qr_prev, ds_prev, r_row,            # carried from tile to tile (see below)
     start, end,                         # key range [start, end)
     in_lo, in_hi,                       # the interior key blocks (MASKED == 2)
-    qu, qw, do, lse, delta, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    qu, wu, do, lse, delta, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
     k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
     row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
     KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -471,25 +546,37 @@ def _rel_bwd_dq_inner(
     WINDOW: tl.constexpr,
     MASKED: tl.constexpr,           # 0: interior tiles (no mask work); 1: every tile masked;
                                     # 2: masked where outside [in_lo, in_hi) (a runtime test)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     dr_base, D,                     # ATOMIC_DR: dr accumulator rows of this head, row stride D
     ATOMIC_DR: tl.constexpr,
 ):
     """The dQ kernel's loop over the key blocks ``[start, end)`` of one query block.
-    Returns the five accumulators. ATOMIC_DR: also adds each tile's ``dS_bandᵀ (q + v)``
-    (its rows of dr, unscaled) into the fp32 accumulator at dr_base (the dR kernel's work,
-    from the dS band this loop forms anyway). The kernel runs it once with the runtime boundary test
-    (MASKED 2) or, for fp32, as three loops like the forward's (:func:`_rel_fwd_inner`):
-    compiled for sm_90 the split cut fp32/tf32x3 D=64 spills from 932 to 128 B, but raised
-    the 64-row 16-bit tiles' from 176 to 1056 B (benchmarks/NOTES.md)."""
+    Returns the two accumulators, the segment sums and the three carried values.
+
+    Tile ``n`` reads the band of r rows ``row0 + n + [0, 2·BLOCK_N)``: two chunks, the
+    second of which is the next tile's first. So the scores take one new chunk per tile
+    (:func:`_rel_scores_chunked`, carrying ``qr_prev``). Its dS band ``dS_band[ii, jj +
+    BLOCK_M − 1 − ii] = dS[ii, jj]`` splits the same way into ``dS_lo`` (on the first
+    chunk) and ``dS_hi`` (on the second), so ``d(q + v) += (dS_lo + dS_hi of the previous
+    tile) · chunk``: one ``[BLOCK_M, BLOCK_N] x [BLOCK_N, BLOCK_D]`` product per tile on
+    the chunk both use (first row ``r_row`` = ``row0 + n``), ``ds_prev`` the previous
+    tile's ``dS_hi``; the kernel adds the last one after its last loop. ATOMIC_DR: also
+    adds the chunk's rows of dr (:func:`_rel_dr_atomic`; the dR kernel's work, from the dS
+    this loop forms anyway).
+
+    The kernel runs this once, with the runtime boundary test (MASKED 2) or every tile
+    masked (MASKED 1, padding or a permutation). Not as the forward's three loops (boundary,
+    interior, boundary): carrying the chunk through three inlined loops spilled 120-1,200 B
+    per thread on sm_90 at fp32 where one loop spills 0-520 (benchmarks/NOTES.md)."""
     ii = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, BLOCK_N)
-    band = tl.arange(0, BAND)
-    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])             # [BLOCK_M, BLOCK_N]
-    unskew = band[None, :] - (BLOCK_M - 1 - ii[:, None])         # [BLOCK_M, BAND]: column jj
-    unskew_ok = (unskew >= 0) & (unskew < BLOCK_N)
-    unskew = tl.minimum(tl.maximum(unskew, 0), BLOCK_N - 1)
+    skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
+    # chunk column cc of row ii holds pair jj = cc − (BLOCK_M − 1 − ii) of the first chunk
+    # (dS_lo, where that is >= 0) or jj + BLOCK_N of the second (dS_hi, where it is < 0)
+    unskew = jj[None, :] - (BLOCK_M - 1 - ii[:, None])           # [BLOCK_M, BLOCK_N]
+    unskew_lo = unskew >= 0
+    unskew = tl.where(unskew_lo, unskew, unskew + BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + jj
         kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -497,11 +584,10 @@ def _rel_bwd_dq_inner(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
-        rows = row0 + n0 + band
-        rows_ok = (rows >= 0) & (rows < R_len)
-        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
-                    mask=rows_ok[:, None] & d_ok, other=0.0)
-        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
+        r = _r_rows(r_base, row0 + n0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
+                    stride_rd)                                      # the band's second chunk
+        s, qr_prev = _rel_scores_chunked(qu, wu, k, r, qr_prev, skew_idx, skew_hi,
+                                         UPCAST, PRECISION)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
@@ -526,24 +612,43 @@ def _rel_bwd_dq_inner(
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])                                # [BLOCK_M, BLOCK_N]
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
-        ds_band = tl.where(unskew_ok, tl.gather(ds, unskew, 1), 0.0)  # [BLOCK_M, BAND]
-        dqw += _dot(ds_band.to(r.dtype), r, UPCAST, PRECISION)
-        if ATOMIC_DR:                                   # dr rows of the band, [BAND, BLOCK_D]
-            dr_part = _dot(tl.trans(ds_band).to(qw.dtype), qw, UPCAST, PRECISION)
-            tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], dr_part,
-                          mask=rows_ok[:, None] & d_ok)
+        ds_chunks = tl.gather(ds, unskew, 1)                          # [BLOCK_M, BLOCK_N]
+        ds_first = tl.where(unskew_lo, ds_chunks, 0.0) + ds_prev      # dS on chunk r_row
+        r_first = _r_rows(r_base, r_row + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
+        dqw += _dot(ds_first.to(r.dtype), r_first, UPCAST, PRECISION)
+        if ATOMIC_DR:
+            _rel_dr_atomic(dr_base, r_row, ds_first, qu, wu, R_len, D, offs_d, d_ok,
+                           UPCAST, PRECISION)
+        ds_prev = tl.where(unskew_lo, 0.0, ds_chunks)
+        r_row = r_row + BLOCK_N
         if HAS_SEG:
             a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
             p_diff += tl.sum(tl.where(same, 0.0, p), 1)
             ds_all += tl.sum(ds, 1)
-    return dqu, dqw, a_diff, p_diff, ds_all
+    return dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row
+
+
+@triton.jit
+def _rel_dr_atomic(dr_base, r_row, ds_chunk, qu, wu, R_len, D, offs_d, d_ok,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """ATOMIC_DR: add ``ds_chunkᵀ (q + v)`` (``[BLOCK_N, BLOCK_D]``, unscaled; as ``ds_chunkᵀ
+    (q + u)`` plus the column sums times ``v − u``) into rows
+    ``r_row + [0, BLOCK_N)`` of the fp32 dr accumulator at dr_base (row stride D)."""
+    rows = r_row + tl.arange(0, ds_chunk.shape[1])
+    diag = tl.sum(ds_chunk, 0)                               # [BLOCK_N]: Σ_i dS per row of r
+    part = _dot(tl.trans(ds_chunk).to(qu.dtype), qu, UPCAST, PRECISION) \
+        + diag[:, None] * wu[None, :]                        # dSᵀ (q + v)
+    tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
+                  mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok)
 
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
     Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
-    DQU,            # [B, H, Tq, D] fp32: d(q + u) (content term), written
-    DQW,            # [B, H, Tq, D] fp32: d(q + v) (position term), written
+    DQ,             # [B, H, Tq, D] contiguous: dq without the segment term, written (in
+                    # q's dtype, or fp32 where the launcher adds the segment term)
+    DBIAS,          # [2, B, H, ⌈Tq / BLOCK_M⌉, D] fp32, written: the query block's shares of
+                    # d(r_w_bias) = Σ_i d(q + u)_i and d(r_r_bias) = Σ_i d(q + v)_i
     SEG_A,          # [B, H, Tq, 2] fp32: Σ_j dS_ij over same / different segments (HAS_SEG)
     DR_ACC,         # ATOMIC_DR: dr accumulator [H, R, D] fp32 contiguous, zeroed, added to
     KPM, RANK, KV_END, SEED,
@@ -583,7 +688,7 @@ def _rel_attn_bwd_dq_kernel(
     u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     qu = (q + u[None, :]).to(K.dtype.element_ty)
-    qw = (q + w[None, :]).to(K.dtype.element_ty)
+    wu = w - u
     if HAS_SEG:
         rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
         se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
@@ -622,55 +727,48 @@ def _rel_attn_bwd_dq_kernel(
         lo = tl.maximum(lo, tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N)
     in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
                                   BLOCK_M, BLOCK_N)
+    # the first chunk of the first tile's band, carried through the loops (_rel_bwd_dq_inner)
+    r_row = row0 + lo
+    r_first = _r_rows(r_base, r_row + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok, stride_rm,
+                      stride_rd)
+    qr_prev = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + _row_bias(r_first, wu)[None, :]
+    ds_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
-        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
-            dqu, dqw, a_diff, p_diff, ds_all, lo, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
+        dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row,
+            lo, hi, in_lo, in_hi, qu, wu, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
-    elif Q.dtype.element_ty != tl.float32:   # 16-bit: one loop, a runtime boundary test
-        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
-            dqu, dqw, a_diff, p_diff, ds_all, lo, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
+    else:        # one loop, a runtime boundary test per tile
+        dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row,
+            lo, hi, in_lo, in_hi, qu, wu, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
-    else:   # fp32: boundary tiles before the interior, the interior (no mask work), the rest
-        in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
-        in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
-        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
-            dqu, dqw, a_diff, p_diff, ds_all, lo, in_lo, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
-            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
-            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
-            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
-            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
-        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
-            dqu, dqw, a_diff, p_diff, ds_all, in_lo, in_hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
-            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
-            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
-            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
-            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 0,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
-        dqu, dqw, a_diff, p_diff, ds_all = _rel_bwd_dq_inner(
-            dqu, dqw, a_diff, p_diff, ds_all, in_hi, hi, in_lo, in_hi, qu, qw, do, lse, delta, seg_q,
-            ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
-            SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
-            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
-            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
+    # the last tile's dS_hi, on the chunk after it
+    r_last = _r_rows(r_base, r_row + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok, stride_rm,
+                     stride_rd)
+    dqw += _dot(ds_prev.to(r_last.dtype), r_last, UPCAST, PRECISION)
+    if ATOMIC_DR:
+        _rel_dr_atomic(dr_base, r_row, ds_prev, qu, wu, R_len, D, offs_d, d_ok, UPCAST,
+                       PRECISION)
 
     out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
-    tl.store(DQU + out_off, dqu * sm_scale, mask=q_mask)
-    tl.store(DQW + out_off, dqw * sm_scale, mask=q_mask)
+    tl.store(DQ + out_off, ((dqu + dqw) * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    # this query block's shares of d(r_w_bias) = Σ_i d(q + u)_i and d(r_r_bias) = Σ_i
+    # d(q + v)_i (rows past Tq hold 0: their dS is 0)
+    bias_off = (bh * tl.num_programs(0) + pid_m) * D + offs_d
+    tl.store(DBIAS + bias_off, tl.sum(dqu, 0) * sm_scale, mask=offs_d < D)
+    tl.store(DBIAS + tl.num_programs(1) * tl.num_programs(0) * D + bias_off,
+             tl.sum(dqw, 0) * sm_scale, mask=offs_d < D)
     if HAS_SEG:
         # Every row of dS sums to 0 (Σ_j P dP = Δ, Σ_j P = 1; with dropout too): the two
         # segment sums are small differences of large terms, and an error e in Δ moves each
@@ -836,7 +934,13 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     (64-row tiles at fp32 D 64 need 181 KB on sm_80; at 16-bit D 128, 263 KB on sm_90.)
     With a few queries (``Tq <= DECODE_MAX_Q``, forward only) a 16-row query block and
     key blocks of 64 (16-bit D <= 128, fp32 D <= 64), 32 (16-bit D 256, fp32 D <= 128) or
-    16: a 64-row query block would be mostly padding. Not yet tuned on a GPU."""
+    16: a 64-row query block would be mostly padding.
+
+    The forward's (num_warps, num_stages): the fewest register spills on sm_90 (``ptxas -v``
+    of Triton 3.9's PTX, causal, benchmarks/NOTES.md "rel_attention: one query operand,
+    two chunks"): 16-bit 64 x 64 tiles (8, 3), 0 B (at 4 warps 12-24 B); 32 x 32 tiles
+    (4, 3), 0 B, except fp32 D 128 (8, 1), 92 B (every other choice 116-580 B). Other
+    sizes keep (4, 2) / (8, 2). Not yet timed on a GPU."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         return 16, 16, block_d, 32, 1, 1
@@ -847,6 +951,12 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
         return 16, bn, block_d, max(32, 2 * bn), warps, 2
     bm = 64 if block_d <= (32 if wide else 64) else 32 if block_d <= 128 or not wide else 16
     stages = 2
+    if bm == 64 and not wide:
+        warps, stages = 8, 3
+    elif bm == 32 and block_d <= (64 if wide else 128):
+        warps, stages = 4, 3
+    elif bm == 32 and wide and block_d == 128:
+        warps, stages = 8, 1
     if LAUNCH_OVERRIDE:                                   # benchmarks/config_sweep.py
         bm = LAUNCH_OVERRIDE.get("tile", bm)
         warps, stages = LAUNCH_OVERRIDE.get("fwd", (warps, stages))
@@ -856,14 +966,15 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
 def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
     """(num_warps, num_stages) of each backward kernel, on :func:`_config`'s tiles. Chosen
     without a GPU by the fewest register spills on sm_90 (``ptxas -v`` on Triton 3.9's PTX,
-    causal cases, benchmarks/NOTES.md "rel_attention backward launch"): 8 warps everywhere
-    (at 4, the 64 x 64 16-bit tiles spilled 0.6-2.4 KB per thread; at 8, 0.04-0.8 KB), and one
-    stage for the 16-bit dK/dV and dR kernels (fewer live pipelined tiles). Not yet timed."""
+    causal cases, benchmarks/NOTES.md "rel_attention: one query operand, two chunks"): 8
+    warps everywhere (at 4 every kernel spills 0.2-1.7 KB more per thread), one stage for
+    the dQ and dR kernels and for the 16-bit dK/dV kernel, two for the fp32 dK/dV kernel
+    (0 B there). Stages above one raise every 16-bit spill and put the dR kernel's 64 x 64
+    tiles over an A100's shared memory. Not yet timed on a GPU."""
     if _interpreting():
         return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
     wide = dtype.itemsize >= 4
-    one = 2 if wide else 1
-    launch = {"dkdv": (8, one), "dq": (8, 2), "dr": (8, one)}
+    launch = {"dkdv": (8, 2 if wide else 1), "dq": (8, 1), "dr": (8, 1)}
     if LAUNCH_OVERRIDE:
         launch.update({k: v for k, v in LAUNCH_OVERRIDE.items() if k in launch})
     return launch
@@ -1026,11 +1137,13 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                                     torch.zeros(shape, dtype=dtype, device=device))
     dk = new((B, H, Tk, D), k.dtype, k.device)
     dv = new((B, H, Tk, D), v.dtype, v.device)
-    dqu = new((B, H, Tq, D), torch.float32, q.device)
-    dqw = new((B, H, Tq, D), torch.float32, q.device)
+    # dq in q's dtype, or fp32 when the launcher adds the segment term to it
+    dq = new((B, H, Tq, D), torch.float32 if has_seg else q.dtype, q.device)
     dr = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if not work else None
-    seg_a = new((B, H, Tq, 2), torch.float32, q.device) if has_seg else dqu  # never read
-    if work:
+    seg_a = new((B, H, Tq, 2), torch.float32, q.device) if has_seg else dq   # never read
+    if not work:
+        d_rw = d_rr = torch.zeros((H, D), dtype=torch.float32, device=q.device)
+    else:
         delta = _bwd_delta(do, out)                                        # [B, H, Tq]
         kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
         if has_seg:
@@ -1057,10 +1170,12 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         _rel_attn_bwd_dkdv_kernel[(cdiv(Tk, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"])
-        dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dqu
+        d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
+        dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dq
         _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
-            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dqu, dqw, seg_a, dr_acc,
+            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic)
+        d_rw, d_rr = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))           # [H, D] each
         if atomic:
             dr = dr_acc.mul_(scale)
         else:
@@ -1069,7 +1184,6 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"])
             dr = dr_b.sum(0) if B > 1 else dr_b[0]
-    dq = dqu + dqw                                                        # [B, H, Tq, D]
     d_seg_embed = d_r_s_bias = None
     if has_seg:
         se = seg_embed.float()                                            # [2, H, D]
@@ -1078,5 +1192,5 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         dq = dq + d_qs
         d_seg_embed = torch.einsum("bhis,bhid->shd", seg_a, qs).to(seg_embed.dtype)
         d_r_s_bias = d_qs.sum((0, 2)).to(r_s_bias.dtype)
-    return (dq.to(q.dtype), dk, dv, dr.to(r.dtype), dqu.sum((0, 2)).to(r_w_bias.dtype),
-            dqw.sum((0, 2)).to(r_r_bias.dtype), d_seg_embed, d_r_s_bias)
+    return (dq.to(q.dtype), dk, dv, dr.to(r.dtype), d_rw.to(r_w_bias.dtype),
+            d_rr.to(r_r_bias.dtype), d_seg_embed, d_r_s_bias)

@@ -241,13 +241,14 @@ def test_key_splits_decision(programs, Tk, bn, warps, want):
 @needs_triton
 def test_xl_eval_shape_splits_on_an_h100(monkeypatch):
     """decode_splits as on an H100 (132 SMs) for XL evaluation (8 streams, 8 heads, 128
-    queries, 3,800 keys, D 64): fp32 and bf16 split, the training shape does not."""
+    queries, 3,800 keys, D 64): fp32 and bf16 split, the training shape does not. (bf16's
+    64-row tiles run 8 warps: 2 programs per SM, 256 programs after 2 splits fill 264.)"""
     rel, attn = _kernels()
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(rel, "_interpreting", lambda: False)
     assert rel.decode_splits(8, 8, 128, 3800, 64, "cuda", torch.float32) == 2
-    assert rel.decode_splits(8, 8, 128, 3800, 64, "cuda", torch.bfloat16) == 4
+    assert rel.decode_splits(8, 8, 128, 3800, 64, "cuda", torch.bfloat16) == 2
     assert rel.decode_splits(1, 8, 128, 3800, 64, "cuda", torch.float32) > 8
     assert rel.decode_splits(16, 8, 512, 1024, 64, "cuda", torch.bfloat16) == 1
 
@@ -334,3 +335,36 @@ def test_flex_rel_attention_runs_uncompiled_on_cpu(bench):
         warnings.simplefilter("ignore")              # "flex_attention called without compile"
         out = bench.flex_rel_attention(*ts, block_mask=block_mask)
     assert rel_err(out, reference.rel_attention(*(t.double() for t in ts))) < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["txl", "txl-window", "xlnet-query", "split"])
+def test_forward_with_a_query_block_shorter_than_the_key_block(monkeypatch, force_splits, kind):
+    """The decoding tile (16 queries against 64-key blocks on a GPU) under the interpreter:
+    the forward's position term takes one new chunk of BLOCK_N rows of r per key block and
+    reads each pair's row from that chunk or the one before (``_skew_chunks``), which holds
+    for any BLOCK_M <= BLOCK_N + 1, not only the square tiles every other test runs.
+    Forward and every gradient against float64 (the backward on its own square tiles)."""
+    rel, _ = _kernels()
+    square = rel._config
+
+    def decode_tile(D, Tq=None, dtype=torch.float16):
+        bm, bn, bd, band, warps, stages = square(D, Tq, dtype)
+        return (bm, 2 * bn, bd, 4 * bn, warps, stages) if Tq is not None else \
+            (bm, bn, bd, band, warps, stages)
+    monkeypatch.setattr(rel, "_config", decode_tile)
+    B, H, Tq, mem, D = 2, 2, 13, 75, 16
+    Tk = Tq + mem
+    seen = force_splits(3 if kind == "split" else 1)
+    kw = {}
+    if kind == "txl-window":
+        kw["window"] = 30
+    if kind == "xlnet-query":
+        kw = dict(R=Tk + Tq, seg=True, causal=False, pos_start=Tk,
+                  key_padding_mask=torch.rand(B, Tk, device=DEVICE) < 0.2,
+                  perm_rank=torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE),
+                  perm_stream="query")
+    check(B, H, Tq, Tk, D, **kw)
+    assert rel._config(D, Tq)[:2] == (16, 32)
+    if kind == "split":
+        assert seen == [3]
