@@ -439,6 +439,7 @@ def _rel_attn_bwd_dkdv_kernel(
     WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HALVES: tl.constexpr = False,   # the band of r in two chunks (see HALVES_MIN_BLOCK)
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -474,6 +475,7 @@ def _rel_attn_bwd_dkdv_kernel(
         seed = tl.load(SEED)
     ii = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, BLOCK_N)
+    skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
     band = tl.arange(0, BAND)
     skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])
     c = pos_start - mem_len
@@ -498,10 +500,18 @@ def _rel_attn_bwd_dkdv_kernel(
                              mask=offs_m < Tq, other=0)
         qu = (q + u[None, :]).to(K.dtype.element_ty)
         qw = (q + w[None, :]).to(K.dtype.element_ty)
-        rows = c - m0 - BLOCK_M + 1 + n0 + band
-        r = tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
-                    mask=(rows[:, None] >= 0) & (rows[:, None] < R_len) & d_ok, other=0.0)
-        s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
+        row0 = c - m0 - BLOCK_M + 1 + n0                  # first row of the tile's band
+        if HALVES:          # the band's two chunks one after the other
+            s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
+            r = _r_rows(r_base, row0 + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
+            s += tl.where(skew_hi, 0.0, tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION),
+                                                  skew_idx, 1))
+            r = _r_rows(r_base, row0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
+            s += tl.where(skew_hi, tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION),
+                                             skew_idx, 1), 0.0)
+        else:               # the whole band at once
+            r = _r_rows(r_base, row0 + band, R_len, offs_d, d_ok, stride_rm, stride_rd)
+            s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
         if HAS_SEG:
             qs = q + rsb[None, :]
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
@@ -781,6 +791,88 @@ def _rel_attn_bwd_dq_kernel(
 
 
 @triton.jit
+def _rel_dr_half(HALF: tl.constexpr, qu, qr, do, lse, delta, offs_m, j0, b, bh, Tq, Tk,
+                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn, stride_kd,
+                 stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q, ef_same, ef_diff,
+                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                 seed, qk_scale, p_drop,
+                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+                 PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The dR kernel's dS ``[BLOCK_M, BLOCK_N]`` on half HALF of a query block's band of keys,
+    ``j = j0 + HALF·BLOCK_N + [0, BLOCK_N)`` (``j0 = m0 + d0``), 0 outside the pairs on the
+    program's diagonals (row ii owns keys ``j0 + ii + [0, BLOCK_N)``); qr: ``(q + v)`` times
+    the owned rows of r ``[BLOCK_M, BLOCK_N]``."""
+    ii = tl.arange(0, BLOCK_M)
+    cc = tl.arange(0, BLOCK_N)
+    offs_k = j0 + HALF * BLOCK_N + cc
+    offs_k = tl.where(offs_k >= 0, offs_k, Tk)          # before the keys: invisible, not loaded
+    kv_mask = (offs_k[:, None] < Tk) & d_ok
+    k = tl.load(k_base + offs_k[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)                                    # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    own = cc[None, :] + HALF * BLOCK_N - ii[:, None]    # the pair's diagonal in the block
+    owned = (own >= 0) & (own < BLOCK_N)
+    own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
+    s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + tl.where(owned, tl.gather(qr, own, 1), 0.0)
+    if HAS_SEG:
+        seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
+        s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
+    vis = _rel_visible(offs_m, offs_k, b, Tq, Tk, mem_len, window,
+                       KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                       rank_q, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW) & owned
+    p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+    if DROPOUT:
+        keep = _keep(seed, bh, offs_m, offs_k, Tq, Tk, p_drop)
+        dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+    return p * (dp - delta[:, None])
+
+
+@triton.jit
+def _rel_dr_band(qu, qr, do, lse, delta, offs_m, j0, b, bh, Tq, Tk,
+                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn, stride_kd,
+                 stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q, ef_same, ef_diff,
+                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                 seed, qk_scale, p_drop,
+                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+                 PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The dR kernel's dS in diagonal order ``[BLOCK_M, BLOCK_N]`` of a query block, from its
+    whole band of keys ``j0 + [0, 2·BLOCK_N)`` at once (:func:`_rel_dr_half` does it in two
+    halves); arguments as there."""
+    ii = tl.arange(0, BLOCK_M)
+    band = tl.arange(0, 2 * BLOCK_N)
+    offs_k = j0 + band
+    offs_k = tl.where(offs_k >= 0, offs_k, Tk)          # before the keys: invisible, not loaded
+    kv_mask = (offs_k[:, None] < Tk) & d_ok
+    k = tl.load(k_base + offs_k[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)                                    # [BAND, BLOCK_D]
+    v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)
+    own = band[None, :] - ii[:, None]                   # [BLOCK_M, BAND]: diagonal in the block
+    owned = (own >= 0) & (own < BLOCK_N)
+    own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
+    s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + tl.where(owned, tl.gather(qr, own, 1), 0.0)
+    if HAS_SEG:
+        seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
+        s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
+    vis = _rel_visible(offs_m, offs_k, b, Tq, Tk, mem_len, window,
+                       KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
+                       rank_q, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW) & owned
+    p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                           # [BLOCK_M, BAND]
+    if DROPOUT:
+        keep = _keep(seed, bh, offs_m, offs_k, Tq, Tk, p_drop)
+        dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+    ds = p * (dp - delta[:, None])
+    return tl.gather(ds, ii[:, None] + tl.arange(0, BLOCK_N)[None, :], 1)
+
+
+@triton.jit
 def _rel_attn_bwd_dr_kernel(
     Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
     DR,             # [B, H, R, D] fp32: batch b's dr, every element written (summed over b
@@ -801,6 +893,7 @@ def _rel_attn_bwd_dr_kernel(
     WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HALVES: tl.constexpr = False,   # the band of keys in two halves (see HALVES_MIN_BLOCK)
 ):
     """One program owns BLOCK_N rows of r (the diagonals j - i = m - c of the score matrix)
     of one (b, h) and walks down those diagonals, one query block at a time."""
@@ -813,7 +906,6 @@ def _rel_attn_bwd_dr_kernel(
     d0 = mr0 - c                              # its diagonal j - i
     ii = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, BLOCK_N)
-    band = tl.arange(0, BAND)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
     offs_r = mr0 + jj
@@ -839,10 +931,9 @@ def _rel_attn_bwd_dr_kernel(
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
-    own = band[None, :] - ii[:, None]                   # [BLOCK_M, BAND]: diagonal in the block
-    owned = (own >= 0) & (own < BLOCK_N)
-    own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
     diag = ii[:, None] + jj[None, :]                    # [BLOCK_M, BLOCK_N]: column in the band
+    diag_hi = diag >= BLOCK_N                           # ... in its second half of BLOCK_N keys
+    diag = tl.where(diag_hi, diag - BLOCK_N, diag)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
 
@@ -862,34 +953,41 @@ def _rel_attn_bwd_dr_kernel(
                              mask=offs_m < Tq, other=0)
         qu = (q + u[None, :]).to(K.dtype.element_ty)
         qw = (q + w[None, :]).to(K.dtype.element_ty)
-        # the band of keys the block's rows meet: j = m0 + d0 + [0, BAND); negative ones
-        # become Tk (invisible, never loaded)
-        offs_k = m0 + d0 + band
-        offs_k = tl.where(offs_k >= 0, offs_k, Tk)
-        kv_mask = (offs_k[:, None] < Tk) & d_ok
-        k = tl.load(k_base + offs_k[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)                                # [BAND, BLOCK_D]
-        v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        s = _dot(qu, tl.trans(k), UPCAST, PRECISION)                        # [BLOCK_M, BAND]
-        qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                       # [BLOCK_M, BLOCK_N]
-        s += tl.where(owned, tl.gather(qr, own, 1), 0.0)
+        seg_q = offs_m                                  # placeholders unless HAS_SEG
+        ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
+        ef_diff = ef_same
         if HAS_SEG:
             qs = q + rsb[None, :]
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
-            seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
-            s += _seg_term(seg_q, seg_k, tl.sum(qs * se0[None, :], 1),
-                           tl.sum(qs * se1[None, :], 1))[0]
-        vis = _rel_visible(offs_m, offs_k, b, Tq, Tk, mem_len, window,
-                           KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
-                           rank_q, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW) & owned
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                       # [BLOCK_M, BAND]
-        if DROPOUT:
-            keep = _keep(seed, bh, offs_m, offs_k, Tq, Tk, p_drop)
-            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
-        ds = p * (dp - delta[:, None])
-        ds_diag = tl.gather(ds, diag, 1)            # [BLOCK_M, BLOCK_N]: dS along the diagonals
+            ef_same = tl.sum(qs * se0[None, :], 1)
+            ef_diff = tl.sum(qs * se1[None, :], 1)
+        # the band of keys the block's rows meet, j = m0 + d0 + [0, 2·BLOCK_N)
+        qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                       # [BLOCK_M, BLOCK_N]
+        if HALVES:          # in two halves, each gathered into diagonal order before the next
+            ds_lo = _rel_dr_half(0, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
+                                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
+                                 stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
+                                 ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
+                                 stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+                                 CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+                                 WINDOW, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+            ds_diag = tl.where(diag_hi, 0.0, tl.gather(ds_lo, diag, 1))
+            ds_hi = _rel_dr_half(1, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
+                                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
+                                 stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
+                                 ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
+                                 stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+                                 CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+                                 WINDOW, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+            ds_diag += tl.where(diag_hi, tl.gather(ds_hi, diag, 1), 0.0)  # dS on the diagonals
+        else:               # the whole band at once
+            ds_diag = _rel_dr_band(qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
+                                   mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
+                                   stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
+                                   ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
+                                   stride_rank_b, stride_rank_t, rank_q, seed, qk_scale,
+                                   p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG,
+                                   DROPOUT, WINDOW, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
         dr += _dot(tl.trans(ds_diag).to(qw.dtype), qw, UPCAST, PRECISION)
 
     tl.store(DR + (bh * R_len + offs_r[:, None]) * D + offs_d[None, :], dr * sm_scale,
@@ -999,6 +1097,17 @@ def _dr_mode() -> str:
     if DR_MODE not in ("kernel", "atomic"):
         raise ValueError(f"CTXFAST_REL_BWD_DR must be 'kernel' or 'atomic', got {DR_MODE!r}")
     return DR_MODE
+
+
+#: Key blocks from which the dK/dV and dR kernels, which multiply a whole band per tile,
+#: take it in two halves of BLOCK_N one after the other (dK/dV: the two chunks of r rows
+#: of the position term; dR: the two halves of a query block's band of keys,
+#: :func:`_rel_dr_half`) instead of ``2·BLOCK_N`` at once: half the live band tile. sm_90
+#: spill stores per thread, causal, 64 x 64 bf16 tiles (D 64): dK/dV 40 B -> 0, dR 472 ->
+#: 148; with 32 x 32 tiles halves spill more (bf16 D 128: dK/dV 0 -> 168, dR 16 -> 96;
+#: fp32 D 128: dK/dV 248 -> 1,816, dR 612 -> 5,612), so they keep the whole band. Tests
+#: lower it to run halves in the interpreter.
+HALVES_MIN_BLOCK = 64
 
 
 #: Queries up to which the forward takes the decoding tile shape (see :func:`_config`).
@@ -1169,7 +1278,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         seed_arg = _seed_arg(q, dropout_p, seed)
         _rel_attn_bwd_dkdv_kernel[(cdiv(Tk, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
-            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"])
+            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
+            HALVES=bn >= HALVES_MIN_BLOCK)
         d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
         dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dq
         _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
@@ -1182,7 +1292,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             dr_b = _new_output((B, H, R, D), torch.float32, q.device)
             _rel_attn_bwd_dr_kernel[(cdiv(R, bn), B * H)](
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
-                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"])
+                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
+                HALVES=bn >= HALVES_MIN_BLOCK)
             dr = dr_b.sum(0) if B > 1 else dr_b[0]
     d_seg_embed = d_r_s_bias = None
     if has_seg:

@@ -110,3 +110,37 @@ def test_atomic_dr_against_reference(monkeypatch):
     monkeypatch.setattr(krel, "DR_MODE", "fast")
     with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)
+
+
+@needs_triton
+def test_band_in_two_halves_against_reference(monkeypatch):
+    """The dK/dV and dR kernels with HALVES (the band of r rows / of keys in two halves of
+    BLOCK_N, as on a GPU's 64 x 64 tiles; kernels.rel_attention.HALVES_MIN_BLOCK lowered to
+    the interpreter's 16): the module's reference checks, every gradient against float64
+    within 2x eager, and a spy that both kernels ran in halves."""
+    import test_rel_attention as rel_tests
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setattr(krel, "HALVES_MIN_BLOCK", 16)
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                seen.append((self.kernel.__name__, kwargs["HALVES"]))
+                return launch(*args, **kwargs)
+            return run
+    for name in ("_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"):
+        monkeypatch.setattr(krel, name, Spy(getattr(krel, name)))
+    test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
+    test_dr_against_float64(2, 3, 21, 0, 23, 22, 7, True)
+    test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
+    test_dr_bidirectional_with_every_mask()
+    rel_tests.test_rows_that_see_no_key()
+    rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
+    assert {name for name, _ in seen} == {"_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"}
+    assert all(halves for _, halves in seen), seen

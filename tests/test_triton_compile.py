@@ -59,16 +59,16 @@ FACT_KERNELS = ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kerne
 WGMMA_KERNELS = FACT_KERNELS[:3]
 
 #: rel_attention's kernels: registers and spills recorded too, and held to a ratchet on the
-#: training cases below, not to zero: the backward's 64 x 64 16-bit tiles still spill on
-#: sm_90 (benchmarks/NOTES.md "rel_attention: one query operand, two chunks"). A change
+#: training cases below, not to zero: the dQ and dR kernels' 64 x 64 16-bit tiles still
+#: spill on sm_90 (benchmarks/NOTES.md "rel_attention: one query operand, two chunks"). A change
 #: that spills more than this (bytes of spill stores per thread) fails; one that spills
 #: less should lower the number.
 REL_FACT_KERNELS = ["_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel",
                     "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"]
 REL_SPILL_BUDGET = {
     "rel_attention bf16 D=64 causal (training)": {
-        "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 40,
-        "_rel_attn_bwd_dq_kernel": 196, "_rel_attn_bwd_dr_kernel": 472},
+        "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
+        "_rel_attn_bwd_dq_kernel": 196, "_rel_attn_bwd_dr_kernel": 148},
     "rel_attention bf16 D=128 causal (training)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
         "_rel_attn_bwd_dq_kernel": 0, "_rel_attn_bwd_dr_kernel": 16},
