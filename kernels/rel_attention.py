@@ -800,7 +800,7 @@ def _rel_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _rel_dr_half(HALF: tl.constexpr, qu, qr, do, lse, delta, offs_m, j0, b, bh, Tq, Tk,
+def _rel_dr_half(HALF: tl.constexpr, t2, qu, qr, do, lse, delta, offs_m, j0, b, bh, Tq, Tk,
                  mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn, stride_kd,
                  stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q, ef_same, ef_diff,
                  KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -822,9 +822,12 @@ def _rel_dr_half(HALF: tl.constexpr, qu, qr, do, lse, delta, offs_m, j0, b, bh, 
                 mask=kv_mask, other=0.0)                                    # [BLOCK_N, BLOCK_D]
     v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0)
-    own = cc[None, :] + HALF * BLOCK_N - ii[:, None]    # the pair's diagonal in the block
-    owned = (own >= 0) & (own < BLOCK_N)
-    own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
+    # the pair's diagonal in the block, cc + HALF·BLOCK_N − ii, owned where in [0, BLOCK_N):
+    # from x = cc − ii + BLOCK_N + t2 (t2 a multiple of 2·BLOCK_N that keeps the index
+    # tensors in the caller's loop, see _rel_attn_bwd_dr_kernel), its low bits and bit BLOCK_N
+    x = cc[None, :] - ii[:, None] + BLOCK_N + t2
+    owned = ((x & BLOCK_N) != 0) == (HALF == 0)
+    own = x & (BLOCK_N - 1)
     s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + tl.where(owned, tl.gather(qr, own, 1), 0.0)
     if HAS_SEG:
         seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
@@ -940,9 +943,6 @@ def _rel_attn_bwd_dr_kernel(
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
-    diag = ii[:, None] + jj[None, :]                    # [BLOCK_M, BLOCK_N]: column in the band
-    diag_hi = diag >= BLOCK_N                           # ... in its second half of BLOCK_N keys
-    diag = tl.where(diag_hi, diag - BLOCK_N, diag)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
 
@@ -973,7 +973,15 @@ def _rel_attn_bwd_dr_kernel(
         # the band of keys the block's rows meet, j = m0 + d0 + [0, 2·BLOCK_N)
         qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                       # [BLOCK_M, BLOCK_N]
         if HALVES:          # in two halves, each gathered into diagonal order before the next
-            ds_lo = _rel_dr_half(0, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
+            # The index tensors formed per tile on purpose (hoisted, they stay live through
+            # the loop and spill): t2, a multiple of 2·BLOCK_N, only keeps them here. Pair
+            # (ii, jj) of the diagonal order is band column ii + jj: column diag of the
+            # second half where diag_hi, else of the first (square tiles).
+            t2 = (m0 - lo) // BLOCK_M * (2 * BLOCK_N)
+            diag = ii[:, None] + jj[None, :] + t2
+            diag_hi = (diag & BLOCK_N) != 0
+            diag = diag & (BLOCK_N - 1)
+            ds_lo = _rel_dr_half(0, t2, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
                                  mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
                                  stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
                                  ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
@@ -981,7 +989,7 @@ def _rel_attn_bwd_dr_kernel(
                                  CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
                                  WINDOW, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
             ds_diag = tl.where(diag_hi, 0.0, tl.gather(ds_lo, diag, 1))
-            ds_hi = _rel_dr_half(1, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
+            ds_hi = _rel_dr_half(1, t2, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
                                  mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
                                  stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
                                  ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
@@ -1113,7 +1121,7 @@ def _dr_mode() -> str:
 #: of the position term; dR: the two halves of a query block's band of keys,
 #: :func:`_rel_dr_half`) instead of ``2·BLOCK_N`` at once: half the live band tile. sm_90
 #: spill stores per thread, causal, 64 x 64 bf16 tiles (D 64): dK/dV 40 B -> 0, dR 472 ->
-#: 148; with 32 x 32 tiles halves spill more (bf16 D 128: dK/dV 0 -> 168, dR 16 -> 96;
+#: 148 (60 with its index tensors formed per tile); with 32 x 32 tiles halves spill more (bf16 D 128: dK/dV 0 -> 168, dR 16 -> 96;
 #: fp32 D 128: dK/dV 248 -> 1,816, dR 612 -> 5,612), so they keep the whole band. Tests
 #: lower it to run halves in the interpreter.
 HALVES_MIN_BLOCK = 64
