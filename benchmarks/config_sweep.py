@@ -38,6 +38,10 @@ REPS = 3
 # (op, B, H, Tq, mem, D): GPT-2 / BERT-sized and long causal attention; Transformer-XL.
 ATTENTION_CASES = ((16, 12, 1024, 0, 64), (4, 16, 4096, 0, 128))
 REL_CASES = ((4, 16, 512, 1024, 64),)
+# XL evaluation (fp32, forward only): 8 streams x 8 heads, 128 queries against 3,800 keys.
+# Its 32 x 32 tiles run tf32 on mma.sync; 64 x 64 would put it on wgmma but spills
+# 24-36 B per thread at 8 warps on sm_90 (benchmarks/NOTES.md): the candidates say which wins.
+XL_EVAL_CASES = ((8, 8, 128, 3672, 64),)
 
 # Candidates per kernel, the current rows first (so a cut sweep still has the baseline).
 ATTENTION_CANDIDATES = {
@@ -48,7 +52,7 @@ ATTENTION_CANDIDATES = {
     "dq": [None, (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3)],
 }
-REL_TILES = (None, 32, 128)             # None: the current tile (64 at 16-bit D 64)
+REL_TILES = (None, 32, 64, 128)         # None: the current tile; the same size is skipped
 REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
 KERNEL_NAMES = {
     ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",
@@ -81,12 +85,17 @@ def _kernel_us(fn, name: str, device) -> Optional[float]:
     return total / REPS if total > 0 else None
 
 
-def _call(op, B, H, Tq, mem, D, device, dtype):
+def _call(op, B, H, Tq, mem, D, device, dtype, forward_only=False):
     ins, g = make_inputs(op, B, H, Tq, mem, D, device, dtype)
     if op == "rel_attention":
         f = lambda: ctxfast.rel_attention(*ins, backend="triton")  # noqa: E731
     else:
         f = lambda: ctxfast.attention(*ins, causal=True, backend="triton")  # noqa: E731
+    if forward_only:
+        def fwd():
+            with torch.no_grad():
+                return f()
+        return fwd
     return lambda: torch.autograd.grad(f(), ins, g)
 
 
@@ -109,18 +118,27 @@ def sweep(device, dtype, budget_s: float, quick: bool) -> List[Dict]:
     rows: List[Dict] = []
     att_cases = ((1, 2, 16, 0, 16),) if quick else ATTENTION_CASES
     rel_cases = ((1, 2, 16, 16, 16),) if quick else REL_CASES
+    xl_cases = ((1, 2, 16, 16, 16),) if quick else XL_EVAL_CASES
     jobs = []
     for case in att_cases:
         for kernel, cands in ATTENTION_CANDIDATES.items():
             for cand in (cands[:2] if quick else cands):
                 jobs.append(("attention", case, kernel, cand, None))
+    def tiles(case, dt):
+        current = rel_k._config(case[4], case[2], dt)[0]
+        return [t for t in (REL_TILES[:1] if quick else REL_TILES) if t != current]
+
     for case in rel_cases:
-        for tile in (REL_TILES[:1] if quick else REL_TILES):
+        for tile in tiles(case, dtype):
             for kernel in ("fwd", "dkdv", "dq", "dr"):
                 for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
                     if tile is not None and launch is None and kernel != "fwd":
                         continue            # a new tile's default launch: measured once (fwd)
                     jobs.append(("rel_attention", case, kernel, launch, tile))
+    for case in xl_cases:                   # fp32 forward only (XL evaluation)
+        for tile in tiles(case, torch.float32):
+            for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
+                jobs.append(("rel_attention fp32 fwd", case, "fwd", launch, tile))
     calls = {}
     for op, case, kernel, cand, tile in jobs:
         if time.monotonic() - start > budget_s:
@@ -128,6 +146,7 @@ def sweep(device, dtype, budget_s: float, quick: bool) -> List[Dict]:
                          "tile": tile, "us": None, "error": "not run: time budget"})
             continue
         mod = attn_k if op == "attention" else rel_k
+        xl = op == "rel_attention fp32 fwd"
         mod.LAUNCH_OVERRIDE.clear()
         if cand is not None:
             mod.LAUNCH_OVERRIDE[kernel] = cand
@@ -135,9 +154,11 @@ def sweep(device, dtype, budget_s: float, quick: bool) -> List[Dict]:
             mod.LAUNCH_OVERRIDE["tile"] = tile
         key = (op, case)
         if key not in calls:
-            calls[key] = _call(op, *case, device, dtype)
+            calls[key] = (_call("rel_attention", *case, device, torch.float32, forward_only=True)
+                          if xl else _call(op, *case, device, dtype))
         try:
-            us, err = _measure(calls[key], KERNEL_NAMES[(op, kernel)], device)
+            us, err = _measure(calls[key], KERNEL_NAMES[("rel_attention" if xl else op, kernel)],
+                               device)
         finally:
             mod.LAUNCH_OVERRIDE.clear()
         row = {"op": op, "case": "B{} H{} Tq{} mem{} D{}".format(*case), "kernel": kernel,

@@ -1144,6 +1144,7 @@ def test_config_sweep_runs_every_step(tmp_path):
     data = json.loads(out.read_text())
     kernels = {(r["op"], r["kernel"]) for r in data["rows"]}
     assert kernels == {("attention", k) for k in ("fwd", "dkdv", "dq")} | {
-        ("rel_attention", k) for k in ("fwd", "dkdv", "dq", "dr")}
+        ("rel_attention", k) for k in ("fwd", "dkdv", "dq", "dr")} | {
+        ("rel_attention fp32 fwd", "fwd")}                  # XL evaluation's forward
     assert all(r["us"] and r["error"] is None for r in data["rows"])
-    assert len(data["summary"]) == 7
+    assert len(data["summary"]) == 8
