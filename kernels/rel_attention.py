@@ -1268,7 +1268,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     dr = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if not work else None
     seg_a = new((B, H, Tq, 2), torch.float32, q.device) if has_seg else dq   # never read
     if not work:
-        d_rw = d_rr = torch.zeros((H, D), dtype=torch.float32, device=q.device)
+        d_rw, d_rr = (torch.zeros((H, D), dtype=torch.float32, device=q.device) for _ in "rr")
     else:
         delta = _bwd_delta(do, out)                                        # [B, H, Tq]
         kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)

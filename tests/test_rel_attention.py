@@ -257,3 +257,25 @@ def test_bad_input(no_dispatch, case):
         ctxfast.rel_attention(**kw)
     for word in words:
         assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+@needs_triton
+@pytest.mark.parametrize("B, Tq, mem", [(0, 5, 3), (2, 0, 4)])
+def test_empty_inputs_through_the_dispatcher(B, Tq, mem):
+    """An empty batch or query block: zeros of the right shapes, forward and every gradient,
+    through the dispatcher (a TorchDispatchMode sends the ops through it, where the custom
+    op refuses outputs that alias each other: the two bias gradients must be two tensors)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Through(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    H, D, Tk = 2, 16, Tq + mem
+    ts = [t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk)]
+    with Through():
+        out = ctxfast.rel_attention(*ts, backend="triton")
+        grads = torch.autograd.grad(out.sum(), ts)
+    assert tuple(out.shape) == (B, H, Tq, D)
+    for t, g in zip(ts, grads):
+        assert g.shape == t.shape and not g.any()

@@ -65,6 +65,9 @@ WGMMA_KERNELS = FACT_KERNELS[:3]
 #: less should lower the number.
 REL_FACT_KERNELS = ["_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel",
                     "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"]
+#: The Triton release whose compiler the budgets were measured with (another compiles the
+#: same kernels differently: the ratchet skips there, the facts are still printed).
+REL_SPILL_BUDGET_TRITON = "3.9"
 REL_SPILL_BUDGET = {
     "rel_attention bf16 D=64 causal (training)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
@@ -632,6 +635,10 @@ def test_host_side_cdiv_and_next_pow2_match_triton():
 def test_rel_attention_spill_ratchet(compiled, kernel):
     """rel_attention's kernels on its training cases for sm_90: spill stores per thread no
     more than REL_SPILL_BUDGET, and the 16-bit D 64 case (64-row tiles) on wgmma only."""
+    import triton
+    if not triton.__version__.startswith(REL_SPILL_BUDGET_TRITON + "."):
+        pytest.skip(f"spill budgets measured with Triton {REL_SPILL_BUDGET_TRITON}.x's compiler; "
+                    f"this is {triton.__version__}")
     rows = {r["variant"]: r for r in compiled["rows"]
             if r["kernel"] == kernel and r["arch"] == 90 and r["ok"]}
     if all(r.get("regs") is None for r in rows.values()):
