@@ -1081,15 +1081,17 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
 def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
     """(num_warps, num_stages) of each backward kernel, on :func:`_config`'s tiles. Chosen
     without a GPU by the fewest register spills on sm_90 (``ptxas -v`` on Triton 3.9's PTX,
-    causal cases, benchmarks/NOTES.md "rel_attention: one query operand, two chunks"): 8
-    warps everywhere (at 4 every kernel spills 0.2-1.7 KB more per thread), one stage for
-    the dQ and dR kernels and for the 16-bit dK/dV kernel, two for the fp32 dK/dV kernel
-    (0 B there). Stages above one raise every 16-bit spill and put the dR kernel's 64 x 64
-    tiles over an A100's shared memory. Not yet timed on a GPU."""
+    causal cases, benchmarks/NOTES.md "rel_attention: one query operand, two chunks"; checked
+    with Triton 3.6's compiler too): 8 warps everywhere (at 4 every kernel spills 0.2-1.7 KB
+    more per thread); the 16-bit dQ kernel three stages (bf16 D 64: 16 B with 3.9's
+    compiler, 16 with 3.6's, against 96 / 88 at one), the fp32 one one stage (0 B); one for
+    the dR kernel and the 16-bit dK/dV kernel, two for the fp32 dK/dV kernel (0 B there). More
+    stages raise the other 16-bit spills and put the dR kernel's 64 x 64 tiles over an
+    A100's shared memory. Not yet timed on a GPU."""
     if _interpreting():
         return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
     wide = dtype.itemsize >= 4
-    launch = {"dkdv": (8, 2 if wide else 1), "dq": (8, 1), "dr": (8, 1)}
+    launch = {"dkdv": (8, 2 if wide else 1), "dq": (8, 1 if wide else 3), "dr": (8, 1)}
     if LAUNCH_OVERRIDE:
         launch.update({k: v for k, v in LAUNCH_OVERRIDE.items() if k in launch})
     return launch
