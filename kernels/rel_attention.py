@@ -1037,16 +1037,20 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     (tests/test_triton_compile.py) with every flag on:
 
     =========  ==========  ===================  ==================================
-    dtype      D           tile (M = N, band)   largest kernel (dQ), sm_90 / sm_80
+    dtype      D           tile (M = N, band)   largest kernel, sm_90 / sm_80
     =========  ==========  ===================  ==================================
-    16-bit     <= 64       64, 128              132 / 91 KB (D 64)
-    16-bit     <= 256      32, 64               197 / 148 KB (D 256)
-    fp32       <= 32       64, 128              115 / 123 KB (D 32)
-    fp32       <= 128      32, 64               148 / 148 KB (D 128, tf32)
-    fp32       <= 256      16, 32               164 / 164 KB (D 256, tf32)
+    16-bit     <= 64       64, 128              dQ 124 / 91 KB (D 64)
+    16-bit     <= 256      32, 64               dQ 78 / 78 KB (D 128)
+    fp32       <= 32       64, 128              (no compile case)
+    fp32       <= 128      32, 64               dK/dV 103 / 103 KB (D 128, tf32)
+    fp32       <= 256      16, 32               dK/dV 101 / 101 KB (D 256, tf32)
     =========  ==========  ===================  ==================================
 
-    (64-row tiles at fp32 D 64 need 181 KB on sm_80; at 16-bit D 128, 263 KB on sm_90.)
+    (Before the two-chunk rework 64-row tiles needed 181 KB on sm_80 at fp32 D 64 and
+    263 KB on sm_90 at 16-bit D 128; the rework shrank the forward and dQ kernels' r tiles,
+    and the fp32 D 64 forward at 64 x 64, 8 warps, 2 stages needs 115 KB: a candidate of
+    benchmarks/config_sweep.py, not the default before a GPU times it.)
+
     With a few queries (``Tq <= DECODE_MAX_Q``, forward only) a 16-row query block and
     key blocks of 64 (16-bit D <= 128, fp32 D <= 64), 32 (16-bit D 256, fp32 D <= 128) or
     16: a 64-row query block would be mostly padding.
