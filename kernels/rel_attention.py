@@ -800,34 +800,26 @@ def _rel_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _rel_dr_half(HALF: tl.constexpr, t2, qu, qr, do, lse, delta, offs_m, j0, b, bh, Tq, Tk,
-                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn, stride_kd,
-                 stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q, ef_same, ef_diff,
-                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
-                 seed, qk_scale, p_drop,
-                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-                 PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
-                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The dR kernel's dS ``[BLOCK_M, BLOCK_N]`` on half HALF of a query block's band of keys,
-    ``j = j0 + HALF·BLOCK_N + [0, BLOCK_N)`` (``j0 = m0 + d0``), 0 outside the pairs on the
-    program's diagonals (row ii owns keys ``j0 + ii + [0, BLOCK_N)``); qr: ``(q + v)`` times
-    the owned rows of r ``[BLOCK_M, BLOCK_N]``."""
-    ii = tl.arange(0, BLOCK_M)
-    cc = tl.arange(0, BLOCK_N)
-    offs_k = j0 + HALF * BLOCK_N + cc
+def _rel_dr_ds(K0: tl.constexpr, WIDTH: tl.constexpr, own, owned, qu, qr, do, lse, delta,
+               offs_m, j0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d, d_ok,
+               stride_kn, stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
+               ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
+               stride_rank_t, rank_q, seed, qk_scale, p_drop,
+               CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
+               PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
+               WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The dR kernel's dS ``[BLOCK_M, WIDTH]`` on keys ``j0 + K0 + [0, WIDTH)`` of a query
+    block's band (``j0 = m0 + d0``; the whole band, K0 0 and WIDTH 2·BLOCK_N, or one half),
+    0 outside the pairs on the program's diagonals: ``owned`` ``[BLOCK_M, WIDTH]``, where
+    pair (ii, cc) lies on owned diagonal ``own`` (row ii owns keys ``j0 + ii + [0,
+    BLOCK_N)``); qr: ``(q + v)`` times the owned rows of r ``[BLOCK_M, BLOCK_N]``."""
+    offs_k = j0 + K0 + tl.arange(0, WIDTH)
     offs_k = tl.where(offs_k >= 0, offs_k, Tk)          # before the keys: invisible, not loaded
     kv_mask = (offs_k[:, None] < Tk) & d_ok
     k = tl.load(k_base + offs_k[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)                                    # [BLOCK_N, BLOCK_D]
+                mask=kv_mask, other=0.0)                                    # [WIDTH, BLOCK_D]
     v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0)
-    # the pair's diagonal in the block, cc + HALF·BLOCK_N − ii, owned where in [0, BLOCK_N):
-    # from x = cc − ii + BLOCK_N + t2 (t2 a multiple of 2·BLOCK_N that keeps the index
-    # tensors in the caller's loop, see _rel_attn_bwd_dr_kernel), its low bits and bit BLOCK_N
-    x = cc[None, :] - ii[:, None] + BLOCK_N + t2
-    owned = ((x & BLOCK_N) != 0) == (HALF == 0)
-    own = x & (BLOCK_N - 1)
     s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + tl.where(owned, tl.gather(qr, own, 1), 0.0)
     if HAS_SEG:
         seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
@@ -836,52 +828,11 @@ def _rel_dr_half(HALF: tl.constexpr, t2, qu, qr, do, lse, delta, offs_m, j0, b, 
                        KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
                        rank_q, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW) & owned
     p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-    dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+    dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                           # [BLOCK_M, WIDTH]
     if DROPOUT:
         keep = _keep(seed, bh, offs_m, offs_k, Tq, Tk, p_drop)
         dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
     return p * (dp - delta[:, None])
-
-
-@triton.jit
-def _rel_dr_band(qu, qr, do, lse, delta, offs_m, j0, b, bh, Tq, Tk,
-                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn, stride_kd,
-                 stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q, ef_same, ef_diff,
-                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
-                 seed, qk_scale, p_drop,
-                 CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
-                 PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
-                 WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The dR kernel's dS in diagonal order ``[BLOCK_M, BLOCK_N]`` of a query block, from its
-    whole band of keys ``j0 + [0, 2·BLOCK_N)`` at once (:func:`_rel_dr_half` does it in two
-    halves); arguments as there."""
-    ii = tl.arange(0, BLOCK_M)
-    band = tl.arange(0, 2 * BLOCK_N)
-    offs_k = j0 + band
-    offs_k = tl.where(offs_k >= 0, offs_k, Tk)          # before the keys: invisible, not loaded
-    kv_mask = (offs_k[:, None] < Tk) & d_ok
-    k = tl.load(k_base + offs_k[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)                                    # [BAND, BLOCK_D]
-    v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
-    own = band[None, :] - ii[:, None]                   # [BLOCK_M, BAND]: diagonal in the block
-    owned = (own >= 0) & (own < BLOCK_N)
-    own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
-    s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + tl.where(owned, tl.gather(qr, own, 1), 0.0)
-    if HAS_SEG:
-        seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
-        s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
-    vis = _rel_visible(offs_m, offs_k, b, Tq, Tk, mem_len, window,
-                       KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
-                       rank_q, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW) & owned
-    p = tl.where(vis, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-    dp = _dot(do, tl.trans(v), UPCAST, PRECISION)                           # [BLOCK_M, BAND]
-    if DROPOUT:
-        keep = _keep(seed, bh, offs_m, offs_k, Tq, Tk, p_drop)
-        dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
-    ds = p * (dp - delta[:, None])
-    return tl.gather(ds, ii[:, None] + tl.arange(0, BLOCK_N)[None, :], 1)
 
 
 @triton.jit
@@ -976,35 +927,44 @@ def _rel_attn_bwd_dr_kernel(
             # The index tensors formed per tile on purpose (hoisted, they stay live through
             # the loop and spill): t2, a multiple of 2·BLOCK_N, only keeps them here. Pair
             # (ii, jj) of the diagonal order is band column ii + jj: column diag of the
-            # second half where diag_hi, else of the first (square tiles).
+            # second half where diag_hi, else of the first (square tiles). Pair (ii, cc) of
+            # half h lies on diagonal cc + h·BLOCK_N − ii, owned where in [0, BLOCK_N): from
+            # x = cc − ii + BLOCK_N + t2, its low bits and bit BLOCK_N.
             t2 = (m0 - lo) // BLOCK_M * (2 * BLOCK_N)
             diag = ii[:, None] + jj[None, :] + t2
             diag_hi = (diag & BLOCK_N) != 0
             diag = diag & (BLOCK_N - 1)
-            ds_lo = _rel_dr_half(0, t2, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
-                                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
-                                 stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
-                                 ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                                 stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
-                                 CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-                                 WINDOW, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+            x = jj[None, :] - ii[:, None] + BLOCK_N + t2
+            first = (x & BLOCK_N) != 0
+            own = x & (BLOCK_N - 1)
+            ds_lo = _rel_dr_ds(0, BLOCK_N, own, first, qu, qr, do, lse, delta, offs_m, m0 + d0,
+                               b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d, d_ok,
+                               stride_kn, stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b,
+                               seg_q, ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
+                               stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
+                               CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
+                               WINDOW, UPCAST, PRECISION)
             ds_diag = tl.where(diag_hi, 0.0, tl.gather(ds_lo, diag, 1))
-            ds_hi = _rel_dr_half(1, t2, qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
-                                 mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
-                                 stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
-                                 ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                                 stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
-                                 CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-                                 WINDOW, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+            ds_hi = _rel_dr_ds(BLOCK_N, BLOCK_N, own, ~first, qu, qr, do, lse, delta, offs_m,
+                               m0 + d0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d,
+                               d_ok, stride_kn, stride_kd, stride_vn, stride_vd, SEG_K,
+                               stride_sk_b, seg_q, ef_same, ef_diff, KPM, stride_kpm_b,
+                               stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed,
+                               qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT,
+                               HAS_SEG, DROPOUT, WINDOW, UPCAST, PRECISION)
             ds_diag += tl.where(diag_hi, tl.gather(ds_hi, diag, 1), 0.0)  # dS on the diagonals
         else:               # the whole band at once
-            ds_diag = _rel_dr_band(qu, qr, do, lse, delta, offs_m, m0 + d0, b, bh, Tq, Tk,
-                                   mem_len, window, k_base, v_base, offs_d, d_ok, stride_kn,
-                                   stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
-                                   ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                                   stride_rank_b, stride_rank_t, rank_q, seed, qk_scale,
-                                   p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG,
-                                   DROPOUT, WINDOW, BLOCK_M, BLOCK_N, UPCAST, PRECISION)
+            own = tl.arange(0, 2 * BLOCK_N)[None, :] - ii[:, None]  # [BLOCK_M, BAND]: diagonal
+            owned = (own >= 0) & (own < BLOCK_N)
+            own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
+            ds = _rel_dr_ds(0, 2 * BLOCK_N, own, owned, qu, qr, do, lse, delta, offs_m,
+                            m0 + d0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d,
+                            d_ok, stride_kn, stride_kd, stride_vn, stride_vd, SEG_K,
+                            stride_sk_b, seg_q, ef_same, ef_diff, KPM, stride_kpm_b,
+                            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed,
+                            qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG,
+                            DROPOUT, WINDOW, UPCAST, PRECISION)
+            ds_diag = tl.gather(ds, ii[:, None] + jj[None, :], 1)      # [BLOCK_M, BLOCK_N]
         dr += _dot(tl.trans(ds_diag).to(qw.dtype), qw, UPCAST, PRECISION)
 
     tl.store(DR + (bh * R_len + offs_r[:, None]) * D + offs_d[None, :], dr * sm_scale,
@@ -1125,10 +1085,10 @@ def _dr_mode() -> str:
 #: Key blocks from which the dK/dV and dR kernels, which multiply a whole band per tile,
 #: take it in two halves of BLOCK_N one after the other (dK/dV: the two chunks of r rows
 #: of the position term; dR: the two halves of a query block's band of keys,
-#: :func:`_rel_dr_half`) instead of ``2·BLOCK_N`` at once: half the live band tile. sm_90
-#: spill stores per thread, causal, 64 x 64 bf16 tiles (D 64): dK/dV 40 B -> 0, dR 472 ->
-#: 148 (60 with its index tensors formed per tile); with 32 x 32 tiles halves spill more (bf16 D 128: dK/dV 0 -> 168, dR 16 -> 96;
-#: fp32 D 128: dK/dV 248 -> 1,816, dR 612 -> 5,612), so they keep the whole band. Tests
+#: :func:`_rel_dr_ds` per half) instead of ``2·BLOCK_N`` at once: half the live band tile.
+#: sm_90 spill stores per thread, causal, 64 x 64 bf16 tiles (D 64): dK/dV 40 B -> 0, dR
+#: 472 -> 148 (60 with its index tensors formed per tile); with 32 x 32 tiles halves spill
+#: more (bf16 D 128: dK/dV 0 -> 168, dR 16 -> 96; fp32 D 128: dK/dV 248 -> 1,816, dR 612 -> 5,612), so they keep the whole band. Tests
 #: lower it to run halves in the interpreter.
 HALVES_MIN_BLOCK = 64
 

@@ -8,12 +8,25 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ctxfast
 from utils import CPU_BACKENDS, TRITON_ON_CPU, assert_equal
 
 needs_cpu = pytest.mark.skipif("cpu" not in CPU_BACKENDS or not hasattr(
     torch.ops.ctxfast, "rel_attention_fwd_cpu"), reason="ctxfast._C built without the ops")
+
+
+class _SeenOps(TorchDispatchMode):
+    """A dispatch mode that records the name of every op the dispatcher hands it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _leaves(*shapes):
@@ -170,17 +183,6 @@ def test_no_grad_call_starts_below_autograd_and_modes_still_see_it():
     key (the registered formula would only pass the call on): same output as the grad-mode
     call, no graph, inference tensors accepted, and a TorchDispatchMode still sees the op
     (FlopCounterMode, FSDP's and profilers' modes rely on that)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     q, k, v = (torch.randn(2, 3, 11, 8) for _ in range(3))
     leaf = q.clone().requires_grad_(True)
     with_grad = ctxfast.attention(leaf, k, v, causal=True, backend="cpu")
@@ -192,7 +194,7 @@ def test_no_grad_call_starts_below_autograd_and_modes_still_see_it():
         inf = ctxfast.attention(q.clone(), k.clone(), v.clone(), causal=True, backend="cpu")
     assert inf.is_inference()
     assert_equal(inf, plain, name="inference_mode call")
-    seen = Seen()
+    seen = _SeenOps()
     with seen, torch.no_grad():
         ctxfast.attention(q, k, v, causal=True, backend="cpu")
     assert any("ctxfast.attention_fwd_cpu" in o for o in seen.ops), seen.ops
@@ -292,7 +294,6 @@ def test_triton_ops_skip_the_dispatcher_only_where_nothing_else_must_see_them(mo
     dispatch mode still sees the op (and gets the same result), and FakeTensorMode gets the
     registered fake (no kernel runs), as through the dispatcher."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from ctxfast.ops import _common
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -307,15 +308,6 @@ def test_triton_ops_skip_the_dispatcher_only_where_nothing_else_must_see_them(mo
             return _fn(*args)
         monkeypatch.setitem(_common._IMPLS, op._qualified_op_name, spy)
 
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     q, k, v = (torch.randn(1, 2, 16, 16, device=dev, requires_grad=True) for _ in range(3))
     out = ctxfast.attention(q, k, v, causal=True, backend="triton")
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
@@ -325,7 +317,7 @@ def test_triton_ops_skip_the_dispatcher_only_where_nothing_else_must_see_them(mo
         plain = ctxfast.attention(q, k, v, causal=True, backend="triton")
     assert called == ["attention_fwd_triton"]
     called.clear()
-    seen = Seen()
+    seen = _SeenOps()
     with seen:
         moded = ctxfast.attention(q, k, v, causal=True, backend="triton")
         moded_grads = torch.autograd.grad(moded, (q, k, v), torch.ones_like(moded))
