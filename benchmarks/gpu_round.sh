@@ -18,7 +18,8 @@
 # (a fresh machine). BENCH_OPS (e.g. "rel_attention attention") limits the bench stage's
 # suites, BENCH_TIME its time budget (s), LSTM_COMPARE=0 skips the LSTM launch forms,
 # PROFILE_CHECK=1 adds --profile-check, SWEEP=1 runs benchmarks/config_sweep.py before the
-# suites. Output: $OUT/summary.txt (appended, one line per step with its exit status and
+# suites, BREAKDOWN=0 skips benchmarks/kernel_breakdown.py; SUITE_FILES (e.g. "tests/gpu
+# tests/test_rel_attention.py") limits the tests stage's suite to those files. Output: $OUT/summary.txt (appended, one line per step with its exit status and
 # the lines that matter) and $OUT/gpu_round-<stage>.tgz (every log and report of the
 # stage). OUT defaults to ./gpu_round_out; PYTHON to python3.
 set -uo pipefail
@@ -160,6 +161,8 @@ suite() {
     [[ " ${cpu_last[*]} " == *" $f "* ]] || files+=("$f")
   done
   files+=("${cpu_last[@]}")
+  # SUITE_FILES="tests/gpu tests/test_rel_attention.py ...": those files only (a short lease)
+  [ -n "${SUITE_FILES:-}" ] && read -r -a files <<< "$SUITE_FILES"
   step "tests (whole suite on CUDA, tests/gpu included)" "${1:-330}" tests.log \
     env OMP_NUM_THREADS=2 "$PY" -m pytest "${files[@]}" -v -ra --durations=25 \
     -p no:cacheprovider "${xdist[@]}" "${per_test[@]}"
@@ -219,7 +222,7 @@ stage_bench() {
   summarize lstm_launch_compare.log "ms" 20
   # Where one call's time goes (each kernel and torch op, host time per call), first: the
   # first H200 round could not tell kernel time from host time.
-  step "kernel breakdown" 240 kernel_breakdown.log \
+  (( ${BREAKDOWN:-1} )) && step "kernel breakdown" 240 kernel_breakdown.log \
     "$PY" benchmarks/kernel_breakdown.py --out "$R/kernel_breakdown.json"
   summarize kernel_breakdown.log "fwd\+bwd" 10
   # SWEEP=1: the attention and rel_attention kernels' launch rows against candidates, one
