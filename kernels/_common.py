@@ -275,11 +275,14 @@ def _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits):
     keys_per_split, o_target, l_target, o_strides, l_strides, split_strides). With splits,
     o_target [B, H, S, Tq, D] and l_target [B, H, S, Tq] are fp32 partials for
     :func:`_combine_splits`, each split whole key blocks (a count above the key blocks
-    gives one block each); without, out [B, H, Tq, D] and lse [B, H, Tq] themselves."""
+    gives one block each); without, out [B, H, Tq, D] and lse [B, H, Tq] themselves. A
+    count that leaves one split (keys within one block) is no split: the caller launches
+    one program per query block writing out and lse directly, and combines nothing."""
+    if num_splits > 1:
+        keys_per_split = cdiv(cdiv(Tk, num_splits), bn) * bn
+        num_splits = cdiv(Tk, keys_per_split)
     if num_splits <= 1:
         return 1, 0, out, lse, out.stride(), (H * Tq, Tq), (0, 0)
-    keys_per_split = cdiv(cdiv(Tk, num_splits), bn) * bn
-    num_splits = cdiv(Tk, keys_per_split)
     o_part = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=out.device)
     l_part = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=out.device)
     return (num_splits, keys_per_split, o_part, l_part,

@@ -111,9 +111,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _attn_combine_kernel, _bwd_delta, _dot, _interpreting, _keep,
+from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _interpreting, _keep,
                       _key_range, _mask_args, _new_output, _online_softmax_step, _seed_arg,
-                      _tf32_allowed, _visible, cdiv, next_pow2)
+                      _split_targets, _tf32_allowed, _visible, cdiv, next_pow2)
 
 
 @triton.jit
@@ -1174,20 +1174,9 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         num_splits = decode_splits(B, H, Tq, Tk, D, q.device, q.dtype)
     if num_splits < 1:
         raise ValueError(f"rel_attention_forward: num_splits must be >= 1, got {num_splits}")
+    num_splits, keys_per_split, o_target, l_target, o_strides, l_strides, split_strides = \
+        _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
     split = num_splits > 1
-    if split:   # whole key blocks per split; a count above the key blocks gives one block each
-        keys_per_split = cdiv(cdiv(Tk, num_splits), bn) * bn
-        num_splits = cdiv(Tk, keys_per_split)
-        o_target = torch.empty((B, H, num_splits, Tq, D), dtype=torch.float32, device=q.device)
-        l_target = torch.empty((B, H, num_splits, Tq), dtype=torch.float32, device=q.device)
-        o_strides = (o_target.stride(0), o_target.stride(1), o_target.stride(3),
-                     o_target.stride(4))
-        l_strides = (l_target.stride(0), l_target.stride(1))
-        split_strides = (o_target.stride(2), l_target.stride(2))
-    else:
-        keys_per_split = 0
-        o_target, l_target = out, lse
-        o_strides, l_strides, split_strides = out.stride(), (H * Tq, Tq), (0, 0)
     _rel_attn_fwd_kernel[(cdiv(Tq, bm), B * H, num_splits)](
         q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb,
         o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
@@ -1204,9 +1193,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         num_warps=warps, num_stages=stages,
     )
     if split:
-        _attn_combine_kernel[(Tq, B * H)](
-            o_target, l_target, out, lse, num_splits, Tq, D,
-            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=bd, num_warps=4)
+        _combine_splits(o_target, l_target, out, lse)
     return out, lse
 
 

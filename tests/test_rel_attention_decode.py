@@ -38,19 +38,22 @@ def _kernels():
     return rel, attn
 
 
-def expected_splits(Tq, Tk, D, n):
-    """Split count the forward runs with when n are asked for: whole key blocks per split,
-    so at most one split per key block."""
+def expected_combines(Tq, Tk, D, n):
+    """The combine launches (their split counts) of one forward asked for n splits: whole
+    key blocks per split, so at most one split per key block; one split is no split (the
+    forward writes out directly, nothing to combine)."""
     bn = _kernels()[0]._config(D, Tq)[1]
     per = _cdiv(_cdiv(Tk, n), bn) * bn
-    return _cdiv(Tk, per)
+    splits = _cdiv(Tk, per)
+    return [splits] if splits > 1 else []
 
 
 @pytest.fixture
 def combine_spy(monkeypatch):
-    """The split counts the combine kernel was launched with (one entry per split forward)."""
-    rel, _ = _kernels()
-    original, seen = rel._attn_combine_kernel, []
+    """The split counts the combine kernel was launched with (one entry per split forward;
+    kernels/_common.py launches it for both ops)."""
+    from ctxfast.kernels import _common
+    original, seen = _common._attn_combine_kernel, []
 
     class Spy:
         def __getitem__(self, grid):
@@ -61,7 +64,7 @@ def combine_spy(monkeypatch):
                 return launch(*args, **kwargs)
             return run
 
-    monkeypatch.setattr(rel, "_attn_combine_kernel", Spy())
+    monkeypatch.setattr(_common, "_attn_combine_kernel", Spy())
     return seen
 
 
@@ -106,7 +109,7 @@ def test_split_forward_and_every_gradient(force_splits, Tq, mem, n, kind):
                   perm_stream=kind.split("-")[1])
     dtype = torch.float16 if kind.endswith("fp16") else torch.float32
     check(B, H, Tq, Tk, D, dtype=dtype, **kw)
-    assert seen == [expected_splits(Tq, Tk, D, n)]
+    assert seen == expected_combines(Tq, Tk, D, n)
 
 
 @needs_triton
@@ -138,7 +141,7 @@ def test_rows_that_see_no_key_are_zero(force_splits):
     kpm[0] = True
     kpm[1, :20] = True
     out, grads = check(B, H, Tq, Tk, D, key_padding_mask=kpm)
-    assert seen == [expected_splits(Tq, Tk, D, 3)]
+    assert seen == expected_combines(Tq, Tk, D, 3)
     assert (out[0] == 0).all() and (grads[0][0] == 0).all()      # out, dq of row 0
     assert (grads[1][0] == 0).all() and (grads[2][0] == 0).all()  # dk, dv of row 0
     from ctxfast.kernels.rel_attention import rel_attention_forward
@@ -154,7 +157,7 @@ def test_dropout_with_splits_matches_reference_with_the_same_mask(force_splits):
     B, H, Tq, Tk, D = 2, 2, 2, 47, 16
     seen = force_splits(3)
     check_dropout(B, H, Tq, Tk, D, 0.3, seed=11)
-    assert seen == [expected_splits(Tq, Tk, D, 3)]
+    assert seen == expected_combines(Tq, Tk, D, 3)
 
 
 # --------------------------------------------------------------------------- split == unsplit
@@ -365,6 +368,7 @@ def test_forward_with_a_query_block_shorter_than_the_key_block(monkeypatch, forc
                   perm_rank=torch.stack([torch.randperm(Tq) for _ in range(B)]).to(DEVICE),
                   perm_stream="query")
     check(B, H, Tq, Tk, D, **kw)
-    assert rel._config(D, Tq)[:2] == (16, 32)
+    bm, bn = rel._config(D, Tq)[:2]
+    assert bm < bn, (bm, bn)          # the interpreter's 16 x 32; a GPU's 16 x 128
     if kind == "split":
         assert seen == [3]
