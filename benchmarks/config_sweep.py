@@ -13,10 +13,19 @@ compile or run (shared memory, registers) is recorded as failed.
     python benchmarks/config_sweep.py --out sweep.json [--time-budget 180]
     TRITON_INTERPRET=1 python benchmarks/config_sweep.py --quick   # CPU: the steps run
 
+Every candidate is also checked: its output and gradients against float64 references of
+the same inputs, each within 2x the error of the eager reference at the same dtype plus
+the tests' floor (tests/utils.py's rule). ``err`` is the worst error as a multiple of
+that bound (> 1: the candidate computes a wrong answer and is never "best"; the first
+H200 round of the reworked rel_attention found its default 16-bit dQ launch wrong this
+way, where the CPU interpreter could not).
+
+    python benchmarks/config_sweep.py --ops rel_attention --kernels dq   # a subset
+
 Output: one JSON row per (case, kernel, candidate) with ``us`` (device µs per call, or
-null and the error), and a printed table: per kernel, the current row's time and the
-fastest candidate's. Nothing is changed in the kernels: a row worth taking goes into the
-tables by hand, with the numbers in benchmarks/NOTES.md.
+null and the error) and ``err``, and a printed table: per kernel, the current row's time
+and the fastest correct candidate's. Nothing is changed in the kernels: a row worth
+taking goes into the tables by hand, with the numbers in benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ import ctxfast  # noqa: E402
 from kernel_breakdown import make_inputs  # noqa: E402
 
 REPS = 3
+#: The tests' floor of the error bound per dtype (tests/test_attention.py FLOOR).
+FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 # (op, B, H, Tq, mem, D): GPT-2 / BERT-sized and long causal attention; Transformer-XL.
 ATTENTION_CASES = ((16, 12, 1024, 0, 64), (4, 16, 4096, 0, 128))
@@ -85,8 +96,9 @@ def _kernel_us(fn, name: str, device) -> Optional[float]:
     return total / REPS if total > 0 else None
 
 
-def _call(op, B, H, Tq, mem, D, device, dtype, forward_only=False):
-    ins, g = make_inputs(op, B, H, Tq, mem, D, device, dtype)
+def _call(op, ins, g, forward_only=False):
+    """(timed call, checked call) on kernel_breakdown.make_inputs' (ins, g): the checked
+    one returns [out, *grads] (forward_only: [out])."""
     if op == "rel_attention":
         f = lambda: ctxfast.rel_attention(*ins, backend="triton")  # noqa: E731
     else:
@@ -95,8 +107,38 @@ def _call(op, B, H, Tq, mem, D, device, dtype, forward_only=False):
         def fwd():
             with torch.no_grad():
                 return f()
-        return fwd
-    return lambda: torch.autograd.grad(f(), ins, g)
+        return fwd, lambda: [fwd()]
+
+    def checked():
+        out = f()
+        return [out.detach(), *torch.autograd.grad(out, ins, g)]
+    return (lambda: torch.autograd.grad(f(), ins, g)), checked
+
+
+def _bounds(op, ins, g, forward_only=False):
+    """(float64 references, bounds) of [out, *grads] on the same inputs: bound_i =
+    2·‖eager_i − ref_i‖ + floor·max(‖ref_i‖, 1), eager the reference at the inputs' dtype."""
+    from ctxfast import reference
+    dtype = ins[0].dtype
+    fn = (reference.rel_attention if op == "rel_attention"
+          else lambda *a: reference.attention(*a, causal=True))
+
+    def run(tensors, grad):
+        leaves = [t.detach().clone().requires_grad_(not forward_only) for t in tensors]
+        out = fn(*leaves)
+        if forward_only:
+            return [out.detach()]
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+    refs = run([t.double() for t in ins], g.double())
+    same = run(ins, g)
+    bounds = [2 * (s.double() - r).norm().item() + FLOOR[dtype] * max(r.norm().item(), 1.0)
+              for s, r in zip(same, refs)]
+    return refs, bounds
+
+
+def _ratios(outs, refs, bounds) -> List[float]:
+    """‖ours − ref‖ / bound for each of [out, *grads]."""
+    return [round((o.double() - r).norm().item() / b, 3) for o, r, b in zip(outs, refs, bounds)]
 
 
 def _measure(fn, name, device) -> Tuple[Optional[float], Optional[str]]:
@@ -111,7 +153,7 @@ def _measure(fn, name, device) -> Tuple[Optional[float], Optional[str]]:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
-def sweep(device, dtype, budget_s: float, quick: bool) -> List[Dict]:
+def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -> List[Dict]:
     from ctxfast.kernels import attention as attn_k
     from ctxfast.kernels import rel_attention as rel_k
     start = time.monotonic()
@@ -139,7 +181,9 @@ def sweep(device, dtype, budget_s: float, quick: bool) -> List[Dict]:
         for tile in tiles(case, torch.float32):
             for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
                 jobs.append(("rel_attention fp32 fwd", case, "fwd", launch, tile))
-    calls = {}
+    jobs = [j for j in jobs if (not ops or j[0].split()[0] in ops)
+            and (not kernels or j[2] in kernels)]
+    calls, checks = {}, {}
     for op, case, kernel, cand, tile in jobs:
         if time.monotonic() - start > budget_s:
             rows.append({"op": op, "case": case, "kernel": kernel, "candidate": cand,
@@ -154,18 +198,31 @@ def sweep(device, dtype, budget_s: float, quick: bool) -> List[Dict]:
             mod.LAUNCH_OVERRIDE["tile"] = tile
         key = (op, case)
         if key not in calls:
-            calls[key] = (_call("rel_attention", *case, device, torch.float32, forward_only=True)
-                          if xl else _call(op, *case, device, dtype))
+            base_op, dt = ("rel_attention", torch.float32) if xl else (op, dtype)
+            ins, g = make_inputs(base_op, *case, device, dt)
+            calls[key] = _call(base_op, ins, g, forward_only=xl)
+            checks[key] = _bounds(base_op, ins, g, forward_only=xl)
+        worst, ratios = None, None
         try:
-            us, err = _measure(calls[key], KERNEL_NAMES[("rel_attention" if xl else op, kernel)],
+            us, err = _measure(calls[key][0], KERNEL_NAMES[("rel_attention" if xl else op, kernel)],
                                device)
+            if err is None:
+                ratios = _ratios(calls[key][1](), *checks[key])
+                worst = max(ratios)
         finally:
             mod.LAUNCH_OVERRIDE.clear()
+        names = ["out"] + (["q", "k", "v", "r", "r_w_bias", "r_r_bias"] if "rel" in op
+                           else ["q", "k", "v"])
         row = {"op": op, "case": "B{} H{} Tq{} mem{} D{}".format(*case), "kernel": kernel,
-               "candidate": cand, "tile": tile, "us": us, "error": err}
+               "candidate": cand, "tile": tile, "us": us, "error": err, "err": worst,
+               "errs": None if ratios is None else dict(zip(names, ratios))}
+        if worst is not None and worst > 1:
+            row["wrong"] = " ".join(n for n, x in zip(names, ratios) if x > 1)
         rows.append(row)
         print(f"{op:13s} {row['case']:24s} {kernel:5s} tile {tile or 'default':>7} "
-              f"{str(cand or 'default'):18s} " + (f"{us:9.1f} us" if us else f"failed: {err}"))
+              f"{str(cand or 'default'):18s} " + (f"{us:9.1f} us" if us else f"failed: {err}")
+              + (f"  err {worst:.2f}x bound" if worst is not None else "")
+              + (f"  WRONG ({row['wrong']})" if "wrong" in row else ""))
         sys.stdout.flush()
     return rows
 
@@ -175,7 +232,7 @@ def summary(rows: List[Dict]) -> List[str]:
     lines = []
     groups: Dict[tuple, List[Dict]] = {}
     for r in rows:
-        if r["us"]:
+        if r["us"] and "wrong" not in r:
             groups.setdefault((r["op"], r["case"], r["kernel"]), []).append(r)
     for (op, case, kernel), rs in groups.items():
         cur = next((r for r in rs if r["candidate"] is None and r["tile"] is None), None)
@@ -193,11 +250,17 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="two candidates, tiny case (CPU)")
     ap.add_argument("--time-budget", type=float, default=180.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ops", nargs="*", default=None, help="attention, rel_attention")
+    ap.add_argument("--kernels", nargs="*", default=None, help="fwd, dkdv, dq, dr")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = sweep(device, dtype, args.time_budget, args.quick or device.type != "cuda")
+    rows = sweep(device, dtype, args.time_budget, args.quick or device.type != "cuda",
+                 args.ops, args.kernels)
     lines = summary(rows)
+    wrong = [r for r in rows if "wrong" in r]
+    lines += [f"WRONG: {r['op']} {r['case']} {r['kernel']} tile {r['tile'] or 'default'} "
+              f"{r['candidate'] or 'default'}: {r['wrong']} {r['err']}x the bound" for r in wrong]
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

@@ -21,22 +21,33 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
 
+# Each ctxfast case first installs a SIGSEGV handler that prints the native stack
+# (ctxfast::probe_segv_backtrace); the probe resolves its frames with addr2line.
+_SETUP = "import torch, ctxfast\ntorch.ops.ctxfast.probe_segv_backtrace()\n"
 CASES = {
     "torch": "import torch\ntorch.ones(2).view(3)",
-    "_C": ("import torch, ctxfast\n"
-           "torch.ops.ctxfast.keep_mask_cpu(torch.ones(4), torch.tensor([1]), -0.1)"),
+    "_C": _SETUP + "torch.ops.ctxfast.keep_mask_cpu(torch.ones(4), torch.tensor([1]), -0.1)",
     # the same refusal three ways (csrc/bindings/module_cpu.cpp probe_throw): if only the
     # first crashes, capturing the backtrace at the throw is what fails there, and a check
     # that throws without one is the way out; if all three crash, unwinding through our
     # frames does
-    "_C TORCH_CHECK": "import torch, ctxfast\ntorch.ops.ctxfast.probe_throw(0)",
-    "_C c10 error, no backtrace": "import torch, ctxfast\ntorch.ops.ctxfast.probe_throw(1)",
-    "_C std::invalid_argument": "import torch, ctxfast\ntorch.ops.ctxfast.probe_throw(2)",
-    "_cuda": ("import torch, ctxfast\n"
+    "_C TORCH_CHECK": _SETUP + "torch.ops.ctxfast.probe_throw(0)",
+    "_C c10 error, no backtrace": _SETUP + "torch.ops.ctxfast.probe_throw(1)",
+    "_C std::invalid_argument": _SETUP + "torch.ops.ctxfast.probe_throw(2)",
+    # the message formats a number or sizes, as the ops' refusals do (0 formats a literal)
+    "_C TORCH_CHECK double": _SETUP + "torch.ops.ctxfast.probe_throw(3)",
+    "_C TORCH_CHECK int64": _SETUP + "torch.ops.ctxfast.probe_throw(4)",
+    "_C TORCH_CHECK sizes": _SETUP + "torch.ops.ctxfast.probe_throw(5)",
+    "_C ostringstream double": _SETUP + "torch.ops.ctxfast.probe_throw(6)",
+    "_C lstm (CPU)": _SETUP + ("torch.ops.ctxfast.lstm_recurrence_native(torch.zeros(2, 4), "
+                               "torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(4, 1), None, "
+                               "None, 1.0, float('inf'), float('inf'), False)"),
+    "_cuda": (_SETUP +
               "x = torch.zeros(2, 1, 4, dtype=torch.float64, device='cuda')\n"
               "h = torch.zeros(1, 1, dtype=torch.float64, device='cuda')\n"
               "torch.ops.ctxfast.lstm_recurrence_native(x, h, h, torch.zeros(4, 1, "
@@ -66,6 +77,21 @@ def _child(code: str) -> None:
         sys.exit(0)
     print("did not raise")
     sys.exit(3)
+
+
+def _resolve(line: str) -> str:
+    """A glibc backtrace frame ``/path/lib.so(+0x1a2b) [0x7f..]`` with the function and
+    source line addr2line gives for it (where addr2line is installed)."""
+    m = re.match(r"\s*(/\S+?)\(([^)]*)\)\s*\[", line)
+    tool = shutil.which("addr2line")
+    if not m or not tool or not m.group(2).startswith("+"):
+        return line
+    try:
+        out = subprocess.run([tool, "-f", "-C", "-i", "-e", m.group(1), m.group(2)[1:]],
+                             capture_output=True, text=True, timeout=20).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return line
+    return line + "".join(f"\n      {fn} at {loc}" for fn, loc in zip(out[::2], out[1::2]))
 
 
 def _compilers() -> None:
@@ -114,7 +140,7 @@ def main() -> int:
         for line in head[1:]:
             print(line)
         if not ok:
-            print("\n".join(proc.stderr.strip().splitlines()[:6]))
+            print("\n".join(_resolve(line) for line in proc.stderr.strip().splitlines()[:60]))
     return 1 if bad else 0
 
 

@@ -157,20 +157,65 @@ def _run_case(case, device, dtype, reps, mode) -> Dict:
     return row
 
 
+def host_profile(cases, device, dtype, calls: int, top: int = 25) -> List[Dict]:
+    """cProfile of `calls` forward+backward calls of each op's first case (default backward
+    modes), issued back to back: which Python functions the host time per call goes to.
+    Rows: function, calls per op call, own and cumulative µs per op call, largest own
+    time first."""
+    import cProfile
+    import pstats
+    rows = []
+    for op in dict.fromkeys(c[0] for c in cases):
+        _, B, H, Tq, mem, D, causal = next(c for c in cases if c[0] == op)
+        ins, g = make_inputs(op, B, H, Tq, mem, D, device, dtype)
+        call = _call(op, causal)
+
+        def fwd_bwd():
+            torch.autograd.grad(call(*ins), ins, g)
+        for _ in range(3):
+            fwd_bwd()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fwd_bwd()
+        prof.disable()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        stats = pstats.Stats(prof)
+        entries = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+        print(f"host profile: {op} B{B} H{H} Tq{Tq} mem{mem} D{D}, {calls} fwd+bwd calls "
+              f"(µs per call: own, cumulative; calls per call)")
+        for (path, line, name), (_, ncalls, tottime, cumtime, _) in entries:
+            where = f"{os.path.basename(path)}:{line}({name})"
+            row = {"op": op, "function": where, "calls": ncalls / calls,
+                   "own_us": tottime / calls * 1e6, "cum_us": cumtime / calls * 1e6}
+            rows.append(row)
+            print(f"    {row['own_us']:8.1f} {row['cum_us']:8.1f}  x{row['calls']:<5.3g} {where}")
+    sys.stdout.flush()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny cases (CPU check)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON file for the rows")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                    help="only cProfile CALLS fwd+bwd calls of each op (host time by function)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cases = QUICK_CASES if args.quick or device.type != "cuda" else CASES
-    rows = run(cases, device, dtype, 3 if device.type != "cuda" else args.reps)
+    if args.host_profile:
+        result = {"host_profile": host_profile(cases, device, dtype, args.host_profile)}
+    else:
+        result = {"rows": run(cases, device, dtype, 3 if device.type != "cuda" else args.reps)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda"
-                       else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+                       else "cpu", "torch": torch.__version__, **result}, f, indent=1)
     return 0
 
 

@@ -1147,4 +1147,34 @@ def test_config_sweep_runs_every_step(tmp_path):
         ("rel_attention", k) for k in ("fwd", "dkdv", "dq", "dr")} | {
         ("rel_attention fp32 fwd", "fwd")}                  # XL evaluation's forward
     assert all(r["us"] and r["error"] is None for r in data["rows"])
+    # every candidate checked against float64: the interpreter's answers are right
+    assert all(r["err"] is not None and r["err"] <= 1 and "wrong" not in r
+               for r in data["rows"]), [r for r in data["rows"] if not (r["err"] or 2) <= 1]
     assert len(data["summary"]) == 8
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels need a GPU or the interpreter")
+def test_config_sweep_flags_a_wrong_candidate(monkeypatch):
+    # A candidate whose answer is wrong is marked, and never the "best": a launch row that
+    # breaks the dQ kernel (here: its gradient scaled by 2 while the override is set).
+    sys.path.insert(0, str(BENCH_DIR))
+    import config_sweep
+    from ctxfast.kernels import rel_attention as rel_k
+    original = rel_k.rel_attention_backward
+
+    def broken(*a, **kw):
+        grads = original(*a, **kw)
+        if rel_k.LAUNCH_OVERRIDE.get("dq") == (4, 1):
+            return (grads[0] * 2, *grads[1:])
+        return grads
+    monkeypatch.setattr(rel_k, "rel_attention_backward", broken)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = config_sweep.sweep(device, torch.float32, 600, True, ops=["rel_attention"],
+                              kernels=["dq"])
+    assert {(r["op"], r["kernel"]) for r in rows} == {("rel_attention", "dq")}
+    bad = [r for r in rows if r["candidate"] == (4, 1)]
+    good = [r for r in rows if r["candidate"] is None]
+    assert bad and all(r.get("wrong") == "q" and r["err"] > 1 for r in bad), bad
+    assert good and all("wrong" not in r and r["err"] <= 1 for r in good), good
+    assert all("(4, 1)" not in line for line in config_sweep.summary(rows))

@@ -5,6 +5,11 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <sstream>
 #include <stdexcept>
 
 #include "cpu/output_cache.h"
@@ -62,10 +67,41 @@ TORCH_LIBRARY(ctxfast, m) {
   // where our refusals crash the process says which part crashes. kind 0: TORCH_CHECK_VALUE
   // (c10::ValueError, the backtrace captured at the throw, as every check here does);
   // 1: c10::ValueError with no backtrace captured; 2: std::invalid_argument (no c10).
+  // 3-5: TORCH_CHECK_VALUE with a double / an int64 / sizes in the message (what every op's
+  // refusal formats; 0 formats a literal only); 6: a double through std::ostringstream,
+  // then std::invalid_argument (formatting with no c10 involved).
   m.def("probe_throw(int kind) -> ()", [](int64_t kind) {
     if (kind == 1) throw c10::ValueError("probe_throw: c10::ValueError, no backtrace", nullptr);
     if (kind == 2) throw std::invalid_argument("probe_throw: std::invalid_argument");
+    if (kind == 3) TORCH_CHECK_VALUE(false, "probe_throw: a double ", 0.5);
+    if (kind == 4) TORCH_CHECK_VALUE(false, "probe_throw: an int64 ", kind);
+    if (kind == 5) {
+      const std::vector<int64_t> sizes{2, 3};
+      TORCH_CHECK_VALUE(false, "probe_throw: sizes ", at::IntArrayRef(sizes));
+    }
+    if (kind == 6) {
+      std::ostringstream os;
+      os << "probe_throw: ostringstream " << 0.5;
+      throw std::invalid_argument(os.str());
+    }
     TORCH_CHECK_VALUE(false, "probe_throw: TORCH_CHECK_VALUE");
+  });
+  // Diagnostics: on SIGSEGV print the native stack (glibc backtrace, to stderr), then die
+  // of the signal as before. The probe installs it in each case's process: Python's
+  // faulthandler names only the Python frames.
+  m.def("probe_segv_backtrace() -> ()", [] {
+    struct sigaction sa = {};
+    sa.sa_handler = [](int sig) {
+      void* frames[64];
+      const int n = backtrace(frames, 64);
+      static const char head[] = "native stack at the fault:\n";
+      if (write(STDERR_FILENO, head, sizeof(head) - 1) < 0) {}
+      backtrace_symbols_fd(frames, n, STDERR_FILENO);
+      signal(sig, SIG_DFL);
+      raise(sig);
+    };
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, nullptr);
   });
   // Transformer-XL / XLNet relative attention (csrc/bindings/rel_attention_cpu.cpp): the
   // `cpu` backend of ctxfast.rel_attention; window 0 = none; the four segment tensors all
