@@ -60,6 +60,17 @@ NVCC_FLAGS = [
     "-gencode", "arch=compute_90,code=sm_90",
 ]
 
+# libstdc++ as a shared library, always: torch's own code in the process uses the shared
+# one, and a second copy linked into our module (what a toolchain that passes
+# -static-libstdc++ did on the GPU machines' image) binds some of its symbols to the
+# shared library and keeps others: every number formatted into an error message crashed
+# the process there (the H200, 2026-11-26: std::ostream << double inside c10::str of
+# every refusal), and is silently dropped with GCC 12 (reproduced with
+# LDFLAGS=-static-libstdc++). An explicit -lstdc++ ahead of the driver's own resolves
+# every such symbol from the shared library, so no archive member is linked in.
+# tests/test_build_flags.py checks the built modules.
+LINK_SHARED_LIBSTDCXX = ["-lstdc++"]
+
 ext_modules = [
     cpp_extension.CppExtension(
         name="ctxfast._C",
@@ -67,7 +78,7 @@ ext_modules = [
                      + glob.glob(os.path.join(ROOT, "csrc", "bindings", "*_cpu.cpp"))),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": CXX_FLAGS},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp", *LINK_SHARED_LIBSTDCXX],
     )
 ]
 
@@ -80,6 +91,7 @@ if build_cuda:
                          + glob.glob(os.path.join(ROOT, "csrc", "bindings", "*_cuda.cpp"))),
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": NVCC_FLAGS},
+            extra_link_args=LINK_SHARED_LIBSTDCXX,
         )
     )
     print(f"ctxfast: building ctxfast._cuda ({cuda_reason})")

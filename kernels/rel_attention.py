@@ -1046,16 +1046,23 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
     """(num_warps, num_stages) of each backward kernel, on :func:`_config`'s tiles. Chosen
     without a GPU by the fewest register spills on sm_90 (``ptxas -v`` on Triton 3.9's PTX,
     causal cases, benchmarks/NOTES.md "rel_attention: one query operand, two chunks"; checked
-    with Triton 3.6's compiler too): 8 warps everywhere (at 4 every kernel spills 0.2-1.7 KB
-    more per thread); the 16-bit dQ kernel three stages (bf16 D 64: 16 B with 3.9's
-    compiler, 16 with 3.6's, against 96 / 88 at one), the fp32 one one stage (0 B); one for
-    the dR kernel and the 16-bit dK/dV kernel, two for the fp32 dK/dV kernel (0 B there). More
-    stages raise the other 16-bit spills and put the dR kernel's 64 x 64 tiles over an
-    A100's shared memory. Not yet timed on a GPU."""
+    with Triton 3.6's compiler too): 8 warps (at 4 every kernel spills 0.2-1.7 KB more per
+    thread); one stage for the dR kernel and the 16-bit dK/dV kernel, two for the fp32 dK/dV
+    kernel (0 B there); the fp32 dQ kernel one stage (0 B), the 16-bit one on 32 x 32
+    tiles (D > 64) three.
+
+    Except the 16-bit dQ kernel on 64 x 64 tiles (D <= 64): (4, 1), from the H200
+    (benchmarks/results/nvidia-h200/2026-11-26-dq-sweep.json, Triton 3.6, bf16 B4 H16 Tq512
+    mem1024): there it computes a wrong dq (25x the error bound, every element) at 8 warps
+    with two or three stages, the spill-chosen (8, 3) included, and a right one at (4, 1) /
+    (4, 2) / (4, 3) / (8, 1); (4, 1) was the fastest right one, 313 us against 377 at
+    (8, 1), though it spills 432 B per thread on sm_90. The interpreter cannot see this
+    (tests/gpu/test_rel_attention_gpu.py and benchmarks/config_sweep.py's check can)."""
     if _interpreting():
         return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
     wide = dtype.itemsize >= 4
-    launch = {"dkdv": (8, 2 if wide else 1), "dq": (8, 1 if wide else 3), "dr": (8, 1)}
+    dq = (8, 1) if wide else (4, 1) if next_pow2(D) <= 64 else (8, 3)
+    launch = {"dkdv": (8, 2 if wide else 1), "dq": dq, "dr": (8, 1)}
     if LAUNCH_OVERRIDE:
         launch.update({k: v for k, v in LAUNCH_OVERRIDE.items() if k in launch})
     return launch

@@ -96,3 +96,48 @@ def test_cuda_kernels_do_not_spill(tmp_path, source):
     spilling = [f for f in facts if f[0] == "sm_90" and (f[3] or f[4])]
     assert not spilling, f"{source}: kernels spill registers on sm_90: {spilling}"
     assert all(f[2] <= 255 for f in facts)
+
+
+# --------------------------------------------------------------------------- libstdc++
+
+def _built_modules():
+    import importlib.util
+    mods = []
+    for name in ("ctxfast._C", "ctxfast._cuda"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            mods.append(pathlib.Path(spec.origin))
+    return mods
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf (binutils) not found")
+def test_extensions_link_the_shared_libstdcxx():
+    """ctxfast._C and ctxfast._cuda need libstdc++.so and define none of its stream code.
+    The GPU machines' toolchain linked a static copy into them (-static-libstdc++): with
+    torch's shared copy in the same process, every refusal that formats a number killed
+    the process (the H200, 2026-11-26). setup.py's LINK_SHARED_LIBSTDCXX prevents it."""
+    mods = _built_modules()
+    assert mods, "ctxfast._C is not built"
+    for so in mods:
+        dyn = subprocess.run(["readelf", "-d", "-W", str(so)], capture_output=True,
+                             text=True, check=True).stdout
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
+        assert any(n.startswith("libstdc++.so") for n in needed), (so.name, needed)
+        syms = subprocess.run(["readelf", "--dyn-syms", "-W", str(so)], capture_output=True,
+                              text=True, check=True).stdout
+        own = [line.split()[-1] for line in syms.splitlines()
+               if " UND " not in line and re.search(r"\s_ZNSo9_M_insert|\s_ZNSt6locale", line)]
+        assert not own, f"{so.name} defines libstdc++'s own stream code: {own[:5]}"
+
+
+def test_refusals_format_numbers_and_sizes():
+    """A C++ refusal's message keeps the numbers and sizes it formats (a static libstdc++
+    copy dropped them with GCC 12 and crashed with GCC 13)."""
+    import torch
+    import ctxfast  # noqa: F401  (loads ctxfast._C)
+    for kind, text in ((3, "a double 0.5"), (4, "an int64 4"), (5, "sizes [2, 3]"),
+                       (6, "ostringstream 0.5")):
+        with pytest.raises(ValueError, match=re.escape(text)):
+            torch.ops.ctxfast.probe_throw(kind)
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\), got -0\.1"):
+        torch.ops.ctxfast.keep_mask_cpu(torch.ones(4), torch.tensor([1]), -0.1)
