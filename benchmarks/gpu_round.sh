@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_round.sh --stage bench       # the full benchmark set
 #   bash benchmarks/gpu_round.sh --stage all         # the three, one after the other
 #   bash benchmarks/gpu_round.sh --stage tests       # build and the suite only (a short lease)
+#   bash benchmarks/gpu_round.sh --stage ncu         # host-time split, ncu of the attention kernels
 #   bash benchmarks/gpu_round.sh --stage bench --dry-run # print the commands, run nothing
 #
 # Each stage fits in one command of under 10 minutes (STAGE_BUDGET seconds, default 560):
@@ -32,13 +33,13 @@ while (( $# )); do
     --stage=*) STAGE=${1#--stage=}; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|tests|sanitize|bench|all, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|tests|sanitize|bench|ncu|all, --dry-run)" >&2; exit 2 ;;
   esac
 done
 case $STAGE in
-  build-test|tests|sanitize|bench|all) ;;
-  "") echo "gpu_round: give --stage build-test|tests|sanitize|bench|all" >&2; exit 2 ;;
-  *) echo "gpu_round: unknown stage '$STAGE' (build-test|tests|sanitize|bench|all)" >&2; exit 2 ;;
+  build-test|tests|sanitize|bench|ncu|all) ;;
+  "") echo "gpu_round: give --stage build-test|tests|sanitize|bench|ncu|all" >&2; exit 2 ;;
+  *) echo "gpu_round: unknown stage '$STAGE' (build-test|tests|sanitize|bench|ncu|all)" >&2; exit 2 ;;
 esac
 
 PY=${PYTHON:-python3}
@@ -246,6 +247,23 @@ stage_bench() {
   summarize bench.log "report|note:|failed|speedup" 30
 }
 
+# Where the time goes, on the device: the host time of attention's forward+backward split
+# into its parts, then ncu (hardware counters; Firecracker machines only, clocks left
+# alone) over every kernel of one rel_attention and one attention forward+backward at
+# Transformer-XL's training shape: throughput of each unit, warp stalls, shared-memory
+# and local-memory (spill) traffic, occupancy.
+stage_ncu() {
+  build
+  step "host split" 90 host_split.log "$PY" benchmarks/kernel_breakdown.py --host-split \
+    --out "$R/host_split.json"
+  summarize host_split.log "us per call|^ +[0-9]" 12
+  step "ncu (rel_attention, attention fwd+bwd)" 420 ncu.log ncu --clock-control none \
+    --nvtx --nvtx-include "profile/" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+    --section Occupancy "$PY" benchmarks/kernel_breakdown.py --ncu-target
+  summarize ncu.log "==PROF==|_kernel|Compute \(SM\) Throughput|Memory Throughput|Duration" 60
+}
+
 pack() {
   (( DRY )) && { echo "[$STAGE_NOW] tar czf $OUT/gpu_round-$STAGE.tgz -C $OUT r summary.txt"; return 0; }
   note "done: $OUT/summary.txt, $OUT/gpu_round-$STAGE.tgz"
@@ -261,6 +279,7 @@ run_stage() {
     tests) stage_tests ;;
     sanitize) stage_sanitize ;;
     bench) stage_bench ;;
+    ncu) stage_ncu ;;
   esac
 }
 

@@ -14,6 +14,8 @@ host time that is; this script does, per case:
   torch's: fills, casts, sums), largest first, and their total.
 
     python benchmarks/kernel_breakdown.py --out breakdown.json          # CUDA cases
+    python benchmarks/kernel_breakdown.py --host-split                  # host time, by part
+    python benchmarks/kernel_breakdown.py --host-profile 30             # host time, cProfile
     TRITON_INTERPRET=1 python benchmarks/kernel_breakdown.py --quick    # CPU: runs, no GPU
 
 On a CPU (``--quick``, the interpreter) it only checks that every step runs: interpreter
@@ -197,6 +199,126 @@ def host_profile(cases, device, dtype, calls: int, top: int = 25) -> List[Dict]:
     return rows
 
 
+def _us_per_call(fn, device, calls: int) -> float:
+    """Host µs per call issued back to back (median of 5 rounds; synchronised at the ends
+    of each round only)."""
+    for _ in range(5):
+        fn()
+    rounds = []
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+class _Clone(torch.autograd.Function):
+    """The cheapest autograd op on the device: one copy forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clone()
+
+
+def host_split(device, dtype) -> List[Dict]:
+    """Where ctxfast.attention's host time per forward+backward goes, each part timed
+    alone (µs per call, issued back to back): the autograd engine's round trip (a
+    one-copy autograd Function), a Triton launch (a kernel of 4 arguments and one of 48),
+    our launchers called directly (kernels.attention forward / backward, no autograd),
+    the public op's forward, forward+backward, and the same with every Triton launch
+    replaced by a no-op (our Python and torch's, no launch)."""
+    import triton
+    import triton.language as tl
+    from ctxfast.kernels import attention as attn_k
+
+    @triton.jit
+    def _tiny(X, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(X + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
+
+    @triton.jit
+    def _wide(X, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+              a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30,
+              a31, a32, a33, a34, a35, a36, a37, a38, a39, a40, a41, a42, a43, a44, n,
+              BLOCK: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(X + offs, tl.load(X + offs, mask=offs < n) + a0 + a44, mask=offs < n)
+
+    x = torch.randn(64, device=device)
+    B, H, T, D = (4, 16, 512, 64) if device.type == "cuda" else (1, 1, 16, 16)
+    calls = 200 if device.type == "cuda" else 3
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(B, H, T, D, device=device, dtype=dtype)
+    xs = torch.randn(64, device=device, requires_grad=True)
+    out, lse = attn_k.attention_forward(q, k, v, causal=True)
+    parts = {
+        "autograd round trip (one-copy Function)":
+            lambda: torch.autograd.grad(_Clone.apply(xs), (xs,), torch.ones_like(xs)),
+        "Triton launch, 4 arguments": lambda: _tiny[(1,)](x, 64, BLOCK=64),
+        "Triton launch, 48 arguments": lambda: _wide[(1,)](x, *range(45), 64, BLOCK=64,
+                                                           F1=True, F2=False),
+        "kernels.attention_forward (direct)":
+            lambda: attn_k.attention_forward(q, k, v, causal=True),
+        "kernels.attention_backward (direct)":
+            lambda: attn_k.attention_backward(g, q, k, v, out, lse, causal=True),
+        "ctxfast.attention forward (grad on)":
+            lambda: ctxfast.attention(q, k, v, causal=True, backend="triton"),
+        "ctxfast.attention forward+backward":
+            lambda: torch.autograd.grad(ctxfast.attention(q, k, v, causal=True,
+                                                          backend="triton"), (q, k, v), g),
+    }
+    rows = [{"part": name, "us": round(_us_per_call(fn, device, calls), 1)}
+            for name, fn in parts.items()]
+    # every Triton launch a no-op: what is left is Python and torch (allocations, autograd)
+    kind = type(attn_k._attn_fwd_kernel)       # JITFunction (InterpretedFunction on a CPU)
+    saved = kind.__getitem__
+    kind.__getitem__ = lambda self, grid: (lambda *a, **kw: None)
+    try:
+        fb = parts["ctxfast.attention forward+backward"]
+        rows.append({"part": "ctxfast.attention forward+backward, launches stubbed",
+                     "us": round(_us_per_call(fb, device, calls), 1)})
+    finally:
+        kind.__getitem__ = saved
+    print(f"host split ({device.type}, {dtype}, B{B} H{H} T{T} D{D} causal): us per call")
+    for r in rows:
+        print(f"    {r['us']:8.1f}  {r['part']}")
+    sys.stdout.flush()
+    return rows
+
+
+def ncu_target(device, dtype) -> None:
+    """The calls `gpu_round.sh --stage ncu` profiles: rel_attention forward+backward (B4 H16
+    Tq512 mem3072 D64, Transformer-XL training) and ctxfast.attention's forward+backward at
+    the same shape, each warmed up (compiled) first, then once inside the NVTX range
+    "profile" (ncu --nvtx --nvtx-include "profile/" keeps only those launches)."""
+    calls = []
+    for op in ("rel_attention", "attention"):
+        ins, g = make_inputs(op, 4, 16, 512, 3072, 64, device, dtype)
+        call = _call(op, True)
+        calls.append(lambda call=call, ins=ins, g=g: torch.autograd.grad(call(*ins), ins, g))
+    for fn in calls:
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("profile")
+    for fn in calls:
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    print("ncu target: rel_attention and attention forward+backward, B4 H16 Tq512 mem3072 D64")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny cases (CPU check)")
@@ -204,11 +326,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for the rows")
     ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
                     help="only cProfile CALLS fwd+bwd calls of each op (host time by function)")
+    ap.add_argument("--ncu-target", action="store_true",
+                    help="only run the calls gpu_round.sh --stage ncu profiles")
+    ap.add_argument("--host-split", action="store_true",
+                    help="only time the parts of attention's host time alone (GPU)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cases = QUICK_CASES if args.quick or device.type != "cuda" else CASES
-    if args.host_profile:
+    if args.ncu_target:
+        ncu_target(device, dtype)
+        return 0
+    if args.host_split:
+        result = {"host_split": host_split(device, dtype)}
+    elif args.host_profile:
         result = {"host_profile": host_profile(cases, device, dtype, args.host_profile)}
     else:
         result = {"rows": run(cases, device, dtype, 3 if device.type != "cuda" else args.reps)}

@@ -862,7 +862,7 @@ def _dry_run(stage, tmp_path):
 def test_gpu_round_dry_run_prints_every_command(tmp_path):
     # The CPU check of the GPU round: each stage prints its commands and runs nothing.
     stages = {}
-    for stage in ("build-test", "sanitize", "bench"):
+    for stage in ("build-test", "sanitize", "bench", "ncu"):
         proc, out = _dry_run(stage, tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert not out.exists()                                 # nothing was run or written
@@ -903,6 +903,9 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     budget = float(bench[0].split("--time-budget ")[1].split()[0])
     assert budget <= 9 * 60 - 30                                 # the full set in < 9 min
     assert int(bench[0].split()[1]) <= 9 * 60
+    ncu = [c for c in stages["ncu"] if " ncu " in f" {c} "]
+    assert len(ncu) == 1 and "--clock-control none" in ncu[0] and "--ncu-target" in ncu[0]
+    assert any("--host-split" in c for c in stages["ncu"])
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):
@@ -1087,8 +1090,11 @@ def test_exception_probe_sees_the_cpu_op_raise():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "probe torch: ok: raised RuntimeError" in proc.stdout
     assert "probe _C: ok: raised ValueError: keep_mask_cpu: p must be in" in proc.stdout
-    for way in ("TORCH_CHECK", "c10 error, no backtrace", "std::invalid_argument"):
+    for way in ("TORCH_CHECK", "c10 error, no backtrace", "std::invalid_argument",
+                "TORCH_CHECK double", "TORCH_CHECK int64", "TORCH_CHECK sizes",
+                "ostringstream double"):
         assert f"probe _C {way}: ok: raised ValueError: probe_throw:" in proc.stdout
+    assert "probe _C lstm (CPU): ok: raised ValueError: lstm_recurrence_native" in proc.stdout
 
 
 def test_kernel_breakdown_runs_every_step(tmp_path):
@@ -1103,6 +1109,24 @@ def test_kernel_breakdown_runs_every_step(tmp_path):
     for r in rows:
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["host_fwd_bwd_us"] > 0
         assert r["kernels"] and all(k["us"] > 0 for k in r["kernels"])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels need a GPU or the interpreter")
+def test_kernel_breakdown_host_split_and_ncu_target(tmp_path):
+    # --host-split (gpu_round's ncu stage): every part timed, the launches restored after
+    # the stubbed row; --ncu-target runs its calls.
+    out = tmp_path / "split.json"
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "kernel_breakdown.py"),
+                           "--host-split", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["host_split"]
+    assert len(rows) == 8 and all(r["us"] > 0 for r in rows)
+    assert rows[-1]["part"].endswith("launches stubbed")
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "kernel_breakdown.py"),
+                           "--ncu-target"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ncu target" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_launch_override_reaches_the_launch_rows(monkeypatch):
