@@ -155,19 +155,31 @@ def _skew_chunks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rel_scores_chunked(qu, wu, k, r_new, qr_prev, skew_idx, skew_hi,
+def _rel_scores_chunked(qu, wu, k, r_new, pos_prev, skew_idx, skew_hi,
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """(scores [BLOCK_M, BLOCK_N], qr_new) of a tile of a loop over key blocks with the
+    """(scores [BLOCK_M, BLOCK_N], pos_new) of a tile of a loop over key blocks with the
     query block fixed (forward, dQ). Key block ``n`` reads the band of r rows ``row0 + n +
     [0, 2·BLOCK_N)``: chunks ``t = n / BLOCK_N`` and ``t + 1``; the next key block reads
     chunks ``t + 1`` and ``t + 2``. So each tile multiplies ``(q + v)`` by one new chunk
-    ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1) and keeps the product for the next
-    (``qr_prev`` = ``(q + v)·chunk_tᵀ``): the position term costs one ``[BLOCK_M,
-    BLOCK_N]`` product per tile, as the content term does, not a band twice as wide."""
+    ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1): the position term costs one
+    ``[BLOCK_M, BLOCK_N]`` product per tile, as the content term does, not a band twice as
+    wide. Pair (ii, jj) reads column ``skew_idx`` of the second chunk where ``skew_hi``,
+    else of the first; the skew is the same in every tile, so the first chunk's part is
+    the previous tile's gathered product, carried as ``pos_prev`` (one gather and one
+    layout conversion per tile instead of two: on sm_90 each gather is a round trip of the
+    ``[BLOCK_M, BLOCK_N]`` fp32 tile through shared memory into a row-per-warp layout)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
     qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + _row_bias(r_new, wu)[None, :]
-    pos = tl.where(skew_hi, tl.gather(qr_new, skew_idx, 1), tl.gather(qr_prev, skew_idx, 1))
-    return ac + pos, qr_new
+    pos_new = tl.gather(qr_new, skew_idx, 1)
+    return ac + tl.where(skew_hi, pos_new, pos_prev), pos_new
+
+
+@triton.jit
+def _first_chunk(qu, wu, r_first, skew_idx, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The ``pos_prev`` of a loop's first tile: ``(q + v)·chunkᵀ`` of the first chunk of
+    its band, gathered with the tiles' skew (see :func:`_rel_scores_chunked`)."""
+    qr = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + _row_bias(r_first, wu)[None, :]
+    return tl.gather(qr, skew_idx, 1)
 
 
 @triton.jit
@@ -236,7 +248,7 @@ def _interior_queries(n0, Tq, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl
 @triton.jit
 def _rel_fwd_inner(
     m_i, l_i, acc, start, end,      # running max, normaliser, output; key range [start, end)
-    qr_prev,                        # (q + v)·(rows row0 + start + [0, BLOCK_N) of r)ᵀ
+    pos_prev,                       # (q + v)·(rows row0 + start + [0, BLOCK_N) of r)ᵀ, gathered
     qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
     k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
     row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -250,7 +262,7 @@ def _rel_fwd_inner(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
-    fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, qr_prev),
+    fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, pos_prev),
     the last for the next loop over the following key blocks."""
     jj = tl.arange(0, BLOCK_N)
     skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
@@ -263,7 +275,7 @@ def _rel_fwd_inner(
                     mask=kv_mask, other=0.0)
         r = _r_rows(r_base, row0 + start_n + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
                     stride_rd)                                      # the band's second chunk
-        s, qr_prev = _rel_scores_chunked(qu, wu, k, r, qr_prev, skew_idx, skew_hi,
+        s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
                                          UPCAST, PRECISION)              # [BLOCK_M, BLOCK_N]
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
@@ -277,7 +289,7 @@ def _rel_fwd_inner(
                          s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
                                              Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
-    return m_i, l_i, acc, qr_prev
+    return m_i, l_i, acc, pos_prev
 
 
 @triton.jit
@@ -366,10 +378,11 @@ def _rel_attn_fwd_kernel(
     # the first chunk of the first tile's band (the loops carry it on)
     r_first = _r_rows(r_base, row0 + lo + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok,
                       stride_rm, stride_rd)
-    qr_prev = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + _row_bias(r_first, wu)[None, :]
+    pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
+                            PRECISION)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
-        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
-            m_i, l_i, acc, lo, hi, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+        m_i, l_i, acc, pos_prev = _rel_fwd_inner(
+            m_i, l_i, acc, lo, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -379,24 +392,24 @@ def _rel_attn_fwd_kernel(
     else:   # boundary tiles before the interior, the interior (no mask work), the rest
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
-        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
-            m_i, l_i, acc, lo, in_lo, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+        m_i, l_i, acc, pos_prev = _rel_fwd_inner(
+            m_i, l_i, acc, lo, in_lo, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
-        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
-            m_i, l_i, acc, in_lo, in_hi, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+        m_i, l_i, acc, pos_prev = _rel_fwd_inner(
+            m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
-        m_i, l_i, acc, qr_prev = _rel_fwd_inner(
-            m_i, l_i, acc, in_hi, hi, qr_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+        m_i, l_i, acc, pos_prev = _rel_fwd_inner(
+            m_i, l_i, acc, in_hi, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -543,7 +556,7 @@ def _rel_attn_bwd_dkdv_kernel(
 @triton.jit
 def _rel_bwd_dq_inner(
     dqu, dqw, a_diff, p_diff, ds_all,   # running d(q + u), d(q + v) (unscaled), segment sums
-    qr_prev, ds_prev, r_row,            # carried from tile to tile (see below)
+    pos_prev, ds_prev, r_row,           # carried from tile to tile (see below)
     start, end,                         # key range [start, end)
     in_lo, in_hi,                       # the interior key blocks (MASKED == 2)
     qu, wu, do, lse, delta, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
@@ -566,7 +579,7 @@ def _rel_bwd_dq_inner(
 
     Tile ``n`` reads the band of r rows ``row0 + n + [0, 2·BLOCK_N)``: two chunks, the
     second of which is the next tile's first. So the scores take one new chunk per tile
-    (:func:`_rel_scores_chunked`, carrying ``qr_prev``). Its dS band ``dS_band[ii, jj +
+    (:func:`_rel_scores_chunked`, carrying ``pos_prev``). Its dS band ``dS_band[ii, jj +
     BLOCK_M − 1 − ii] = dS[ii, jj]`` splits the same way into ``dS_lo`` (on the first
     chunk) and ``dS_hi`` (on the second), so ``d(q + v) += (dS_lo + dS_hi of the previous
     tile) · chunk``: one ``[BLOCK_M, BLOCK_N] x [BLOCK_N, BLOCK_D]`` product per tile on
@@ -605,7 +618,7 @@ def _rel_bwd_dq_inner(
                     mask=kv_mask, other=0.0)
         r = _r_rows(r_base, row0 + n0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
                     stride_rd)                                      # the band's second chunk
-        s, qr_prev = _rel_scores_chunked(qu, wu, k, r, qr_prev, skew_idx, skew_hi,
+        s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
                                          UPCAST, PRECISION)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
@@ -644,7 +657,7 @@ def _rel_bwd_dq_inner(
             a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
             p_diff += tl.sum(tl.where(same, 0.0, p), 1)
             ds_all += tl.sum(ds, 1)
-    return dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row
+    return dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row
 
 
 @triton.jit
@@ -750,11 +763,12 @@ def _rel_attn_bwd_dq_kernel(
     r_row = row0 + lo
     r_first = _r_rows(r_base, r_row + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok, stride_rm,
                       stride_rd)
-    qr_prev = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + _row_bias(r_first, wu)[None, :]
+    pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
+                            PRECISION)
     ds_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
-        dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row = _rel_bwd_dq_inner(
-            dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row,
+        dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
             lo, hi, in_lo, in_hi, qu, wu, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
@@ -763,8 +777,8 @@ def _rel_attn_bwd_dq_kernel(
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
             BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
     else:        # one loop, a runtime boundary test per tile
-        dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row = _rel_bwd_dq_inner(
-            dqu, dqw, a_diff, p_diff, ds_all, qr_prev, ds_prev, r_row,
+        dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
+            dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
             lo, hi, in_lo, in_hi, qu, wu, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
