@@ -65,6 +65,9 @@ ATTENTION_CANDIDATES = {
 }
 REL_TILES = (None, 32, 64, 128)         # None: the current tile; the same size is skipped
 REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
+# Variants of the rel_attention kernels (LAUNCH_OVERRIDE keys other than launches), each
+# timed at these launches of the kernels it changes: the carried gather (forward, dQ).
+REL_VARIANTS = {"carry": ({"carry": True}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 1), (8, 3)))}
 KERNEL_NAMES = {
     ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",
     ("attention", "dq"): "_attn_bwd_dq_kernel",
@@ -165,7 +168,7 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
     for case in att_cases:
         for kernel, cands in ATTENTION_CANDIDATES.items():
             for cand in (cands[:2] if quick else cands):
-                jobs.append(("attention", case, kernel, cand, None))
+                jobs.append(("attention", case, kernel, cand, None, None))
     def tiles(case, dt):
         current = rel_k._config(case[4], case[2], dt)[0]
         return [t for t in (REL_TILES[:1] if quick else REL_TILES) if t != current]
@@ -176,18 +179,23 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
                 for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
                     if tile is not None and launch is None and kernel != "fwd":
                         continue            # a new tile's default launch: measured once (fwd)
-                    jobs.append(("rel_attention", case, kernel, launch, tile))
+                    jobs.append(("rel_attention", case, kernel, launch, tile, None))
+        for variant, (_, kernels_of, launches) in REL_VARIANTS.items():
+            for kernel in kernels_of:
+                for launch in (launches[:2] if quick else launches):
+                    jobs.append(("rel_attention", case, kernel, launch, None, variant))
     for case in xl_cases:                   # fp32 forward only (XL evaluation)
         for tile in tiles(case, torch.float32):
             for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
-                jobs.append(("rel_attention fp32 fwd", case, "fwd", launch, tile))
+                jobs.append(("rel_attention fp32 fwd", case, "fwd", launch, tile, None))
     jobs = [j for j in jobs if (not ops or j[0].split()[0] in ops)
             and (not kernels or j[2] in kernels)]
     calls, checks = {}, {}
-    for op, case, kernel, cand, tile in jobs:
+    for op, case, kernel, cand, tile, variant in jobs:
         if time.monotonic() - start > budget_s:
             rows.append({"op": op, "case": case, "kernel": kernel, "candidate": cand,
-                         "tile": tile, "us": None, "error": "not run: time budget"})
+                         "tile": tile, "variant": variant, "us": None,
+                         "error": "not run: time budget"})
             continue
         mod = attn_k if op == "attention" else rel_k
         xl = op == "rel_attention fp32 fwd"
@@ -196,6 +204,8 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
             mod.LAUNCH_OVERRIDE[kernel] = cand
         if tile is not None:
             mod.LAUNCH_OVERRIDE["tile"] = tile
+        if variant is not None:
+            mod.LAUNCH_OVERRIDE.update(REL_VARIANTS[variant][0])
         key = (op, case)
         if key not in calls:
             base_op, dt = ("rel_attention", torch.float32) if xl else (op, dtype)
@@ -214,13 +224,14 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
         names = ["out"] + (["q", "k", "v", "r", "r_w_bias", "r_r_bias"] if "rel" in op
                            else ["q", "k", "v"])
         row = {"op": op, "case": "B{} H{} Tq{} mem{} D{}".format(*case), "kernel": kernel,
-               "candidate": cand, "tile": tile, "us": us, "error": err, "err": worst,
+               "candidate": cand, "tile": tile, "variant": variant, "us": us, "error": err,
+               "err": worst,
                "errs": None if ratios is None else dict(zip(names, ratios))}
         if worst is not None and worst > 1:
             row["wrong"] = " ".join(n for n, x in zip(names, ratios) if x > 1)
         rows.append(row)
         print(f"{op:13s} {row['case']:24s} {kernel:5s} tile {tile or 'default':>7} "
-              f"{str(cand or 'default'):18s} " + (f"{us:9.1f} us" if us else f"failed: {err}")
+              f"{str(cand or 'default'):18s} {variant or '':6s}" + (f"{us:9.1f} us" if us else f"failed: {err}")
               + (f"  err {worst:.2f}x bound" if worst is not None else "")
               + (f"  WRONG ({row['wrong']})" if "wrong" in row else ""))
         sys.stdout.flush()
@@ -235,12 +246,13 @@ def summary(rows: List[Dict]) -> List[str]:
         if r["us"] and "wrong" not in r:
             groups.setdefault((r["op"], r["case"], r["kernel"]), []).append(r)
     for (op, case, kernel), rs in groups.items():
-        cur = next((r for r in rs if r["candidate"] is None and r["tile"] is None), None)
+        cur = next((r for r in rs if r["candidate"] is None and r["tile"] is None
+                    and r.get("variant") is None), None)
         best = min(rs, key=lambda r: r["us"])
         lines.append(f"{op} {case} {kernel}: current "
                      f"{cur['us']:.1f} us" if cur else f"{op} {case} {kernel}: current n/a")
-        lines[-1] += (f"; best tile {best['tile'] or 'default'} {best['candidate'] or 'default'} "
-                      f"{best['us']:.1f} us"
+        lines[-1] += (f"; best tile {best['tile'] or 'default'} {best['candidate'] or 'default'}"
+                      f"{' ' + best['variant'] if best.get('variant') else ''} {best['us']:.1f} us"
                       + (f" ({cur['us'] / best['us']:.2f}x)" if cur else ""))
     return lines
 
@@ -260,7 +272,8 @@ def main(argv=None) -> int:
     lines = summary(rows)
     wrong = [r for r in rows if "wrong" in r]
     lines += [f"WRONG: {r['op']} {r['case']} {r['kernel']} tile {r['tile'] or 'default'} "
-              f"{r['candidate'] or 'default'}: {r['wrong']} {r['err']}x the bound" for r in wrong]
+              f"{r['candidate'] or 'default'}{' ' + r['variant'] if r.get('variant') else ''}: "
+              f"{r['wrong']} {r['err']}x the bound" for r in wrong]
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

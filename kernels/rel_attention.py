@@ -155,31 +155,42 @@ def _skew_chunks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rel_scores_chunked(qu, wu, k, r_new, pos_prev, skew_idx, skew_hi,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """(scores [BLOCK_M, BLOCK_N], pos_new) of a tile of a loop over key blocks with the
-    query block fixed (forward, dQ). Key block ``n`` reads the band of r rows ``row0 + n +
-    [0, 2·BLOCK_N)``: chunks ``t = n / BLOCK_N`` and ``t + 1``; the next key block reads
-    chunks ``t + 1`` and ``t + 2``. So each tile multiplies ``(q + v)`` by one new chunk
-    ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1): the position term costs one
-    ``[BLOCK_M, BLOCK_N]`` product per tile, as the content term does, not a band twice as
-    wide. Pair (ii, jj) reads column ``skew_idx`` of the second chunk where ``skew_hi``,
-    else of the first; the skew is the same in every tile, so the first chunk's part is
-    the previous tile's gathered product, carried as ``pos_prev`` (one gather and one
-    layout conversion per tile instead of two: on sm_90 each gather is a round trip of the
-    ``[BLOCK_M, BLOCK_N]`` fp32 tile through shared memory into a row-per-warp layout)."""
+def _rel_scores_chunked(qu, wu, k, r_new, prev, skew_idx, skew_hi,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr):
+    """(scores [BLOCK_M, BLOCK_N], the value to carry to the next tile) of a tile of a loop
+    over key blocks with the query block fixed (forward, dQ). Key block ``n`` reads the band
+    of r rows ``row0 + n + [0, 2·BLOCK_N)``: chunks ``t = n / BLOCK_N`` and ``t + 1``; the
+    next key block reads chunks ``t + 1`` and ``t + 2``. So each tile multiplies ``(q + v)``
+    by one new chunk ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1) and keeps the product
+    for the next: the position term costs one ``[BLOCK_M, BLOCK_N]`` product per tile, as
+    the content term does, not a band twice as wide. Pair (ii, jj) reads column
+    ``skew_idx`` of the second chunk where ``skew_hi``, else of the first.
+
+    CARRY False: ``prev`` is the previous chunk's product, gathered again here. CARRY True:
+    the skew is the same in every tile, so ``prev`` is the previous tile's *gathered*
+    product: one gather and one layout conversion per tile instead of two (on sm_90 each
+    gather is a round trip of the ``[BLOCK_M, BLOCK_N]`` fp32 tile through shared memory
+    into a row-per-warp layout; Triton 3.9's TTGIR: forward 3 -> 2 conversions of 2-D
+    tiles and 2 -> 1 gathers per tile, dQ 4 -> 3 and 3 -> 2). Off by default until a GPU
+    checks it: the H200 found Triton 3.6 compiling the dQ loop wrong at some launches, which
+    the interpreter cannot see (:data:`LAUNCH_OVERRIDE` ``{"carry": True}`` turns it on)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
     qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + _row_bias(r_new, wu)[None, :]
     pos_new = tl.gather(qr_new, skew_idx, 1)
-    return ac + tl.where(skew_hi, pos_new, pos_prev), pos_new
+    if CARRY:
+        return ac + tl.where(skew_hi, pos_new, prev), pos_new
+    return ac + tl.where(skew_hi, pos_new, tl.gather(prev, skew_idx, 1)), qr_new
 
 
 @triton.jit
-def _first_chunk(qu, wu, r_first, skew_idx, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The ``pos_prev`` of a loop's first tile: ``(q + v)·chunkᵀ`` of the first chunk of
-    its band, gathered with the tiles' skew (see :func:`_rel_scores_chunked`)."""
+def _first_chunk(qu, wu, r_first, skew_idx, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                 CARRY: tl.constexpr):
+    """The carried value of a loop's first tile (see :func:`_rel_scores_chunked`): ``(q +
+    v)·chunkᵀ`` of the first chunk of its band, gathered with the tiles' skew if CARRY."""
     qr = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + _row_bias(r_first, wu)[None, :]
-    return tl.gather(qr, skew_idx, 1)
+    if CARRY:
+        return tl.gather(qr, skew_idx, 1)
+    return qr
 
 
 @triton.jit
@@ -248,7 +259,8 @@ def _interior_queries(n0, Tq, mem_len, window, CAUSAL: tl.constexpr, HAS_KPM: tl
 @triton.jit
 def _rel_fwd_inner(
     m_i, l_i, acc, start, end,      # running max, normaliser, output; key range [start, end)
-    pos_prev,                       # (q + v)·(rows row0 + start + [0, BLOCK_N) of r)ᵀ, gathered
+    pos_prev,                       # (q + v)·(rows row0 + start + [0, BLOCK_N) of r)ᵀ
+                                    # (gathered if CARRY: _rel_scores_chunked)
     qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
     k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
     row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -259,7 +271,7 @@ def _rel_fwd_inner(
     WINDOW: tl.constexpr,
     MASKED: tl.constexpr,           # False: interior tiles, every pair visible, no mask work
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
 ):
     """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
     fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, pos_prev),
@@ -276,7 +288,7 @@ def _rel_fwd_inner(
         r = _r_rows(r_base, row0 + start_n + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
                     stride_rd)                                      # the band's second chunk
         s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
-                                         UPCAST, PRECISION)              # [BLOCK_M, BLOCK_N]
+                                          UPCAST, PRECISION, CARRY)      # [BLOCK_M, BLOCK_N]
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
@@ -323,6 +335,7 @@ def _rel_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BAND: tl.constexpr,     # power of two >= BLOCK_M + BLOCK_N - 1
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    CARRY: tl.constexpr = False,    # the gathered first chunk carried (_rel_scores_chunked)
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -379,7 +392,7 @@ def _rel_attn_fwd_kernel(
     r_first = _r_rows(r_base, row0 + lo + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok,
                       stride_rm, stride_rd)
     pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
-                            PRECISION)
+                            PRECISION, CARRY)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, lo, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
@@ -388,7 +401,7 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
     else:   # boundary tiles before the interior, the interior (no mask work), the rest
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
@@ -399,7 +412,7 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
@@ -407,7 +420,7 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, in_hi, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
@@ -415,7 +428,7 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION)
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -572,7 +585,7 @@ def _rel_bwd_dq_inner(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     dr_base, D,                     # ATOMIC_DR: dr accumulator rows of this head, row stride D
-    ATOMIC_DR: tl.constexpr,
+    ATOMIC_DR: tl.constexpr, CARRY: tl.constexpr,
 ):
     """The dQ kernel's loop over the key blocks ``[start, end)`` of one query block.
     Returns the two accumulators, the segment sums and the three carried values.
@@ -619,7 +632,7 @@ def _rel_bwd_dq_inner(
         r = _r_rows(r_base, row0 + n0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
                     stride_rd)                                      # the band's second chunk
         s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
-                                         UPCAST, PRECISION)
+                                          UPCAST, PRECISION, CARRY)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
@@ -700,6 +713,7 @@ def _rel_attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ATOMIC_DR: tl.constexpr = False,
+    CARRY: tl.constexpr = False,    # the gathered first chunk carried (_rel_scores_chunked)
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -764,7 +778,7 @@ def _rel_attn_bwd_dq_kernel(
     r_first = _r_rows(r_base, r_row + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok, stride_rm,
                       stride_rd)
     pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
-                            PRECISION)
+                            PRECISION, CARRY)
     ds_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
@@ -775,7 +789,7 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY)
     else:        # one loop, a runtime boundary test per tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
@@ -785,7 +799,7 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR)
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY)
     # the last tile's dS_hi, on the chunk after it
     r_last = _r_rows(r_base, r_row + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok, stride_rm,
                      stride_rd)
@@ -1083,10 +1097,17 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
 
 
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
-#: (num_warps, num_stages)}``: replaces :func:`_config`'s tile (not the decoding one) and
-#: :func:`_bwd_launch`'s rows for every call while set. Empty in normal use; the GPU config
-#: sweep (benchmarks/config_sweep.py) sets it to time candidates on the same inputs.
+#: (num_warps, num_stages), "carry": bool}``: replaces :func:`_config`'s tile (not the
+#: decoding one) and :func:`_bwd_launch`'s rows for every call while set, and "carry" turns
+#: on the forward's and dQ kernel's carried gather (:func:`_rel_scores_chunked`). Empty in
+#: normal use; the GPU config sweep (benchmarks/config_sweep.py) sets it to time (and
+#: check) candidates on the same inputs.
 LAUNCH_OVERRIDE: dict = {}
+
+
+def _carry() -> bool:
+    """Whether the forward and dQ kernels carry the gathered first chunk (off by default)."""
+    return bool(LAUNCH_OVERRIDE.get("carry", False))
 
 
 #: How the backward computes dr: "kernel" (the dR kernel along the score diagonals,
@@ -1211,7 +1232,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         WINDOW=window is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        CARRY=_carry(), num_warps=warps, num_stages=stages,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -1275,7 +1296,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dq
         _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
-            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic)
+            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic,
+            CARRY=_carry())
         d_rw, d_rr = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))           # [H, D] each
         if atomic:
             dr = dr_acc.mul_(scale)

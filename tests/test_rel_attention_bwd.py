@@ -144,3 +144,43 @@ def test_band_in_two_halves_against_reference(monkeypatch):
     rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
     assert {name for name, _ in seen} == {"_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"}
     assert all(halves for _, halves in seen), seen
+
+
+@needs_triton
+def test_carried_gather_against_reference(monkeypatch):
+    """LAUNCH_OVERRIDE {"carry": True} (the forward and dQ kernels carry the previous tile's
+    gathered position product; kernels.rel_attention._rel_scores_chunked): the module's
+    reference checks, forward and every gradient against float64 within 2x eager: memory,
+    a longer r, XLNet's order with segments and padding, a window, rows that see no key,
+    dropout, split decoding; and a spy that both kernels ran with CARRY."""
+    import test_rel_attention as rel_tests
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "carry", True)
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                seen.append((self.kernel.__name__, kwargs["CARRY"]))
+                return launch(*args, **kwargs)
+            return run
+    for name in ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"):
+        monkeypatch.setattr(krel, name, Spy(getattr(krel, name)))
+    test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
+    test_dr_against_float64(2, 3, 21, 0, 23, 22, 7, True)
+    test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
+    test_dr_bidirectional_with_every_mask()
+    rel_tests.test_rows_that_see_no_key()
+    rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
+    from ctxfast.kernels.rel_attention import rel_attention_forward
+    ts = _inputs(2, 2, 3, 70, 16, 70)
+    out3, lse3 = rel_attention_forward(*ts, num_splits=3)
+    out1, lse1 = rel_attention_forward(*ts, num_splits=1)
+    assert torch.allclose(out3, out1, rtol=1e-5, atol=1e-6)
+    assert {name for name, _ in seen} == {"_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"}
+    assert all(carry for _, carry in seen), seen
