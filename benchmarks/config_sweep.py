@@ -182,7 +182,7 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
                     jobs.append(("rel_attention", case, kernel, launch, tile, None))
         for variant, (_, kernels_of, launches) in REL_VARIANTS.items():
             for kernel in kernels_of:
-                for launch in (launches[:2] if quick else launches):
+                for launch in (launches[:1] if quick else launches):
                     jobs.append(("rel_attention", case, kernel, launch, None, variant))
     for case in xl_cases:                   # fp32 forward only (XL evaluation)
         for tile in tiles(case, torch.float32):
