@@ -137,9 +137,12 @@ def _row_bias(r, wu):
 
 @triton.jit
 def _r_rows(r_base, rows, R_len, offs_d, d_ok, stride_rm, stride_rd):
-    """Rows ``rows`` of r ``[len(rows), BLOCK_D]`` (0 outside ``[0, R_len)``)."""
+    """Rows ``rows`` of r ``[len(rows), BLOCK_D]``, rows outside ``[0, R_len)`` clamped to
+    it (they feed only pairs that are masked), columns from D on 0 (never read: past the
+    last row they are past the tensor, and in a view they may be anything, NaN included)."""
     rows = tl.minimum(tl.maximum(rows, 0), R_len - 1)
-    return tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd)
+    return tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                   mask=d_ok, other=0.0)
 
 
 @triton.jit
@@ -528,13 +531,15 @@ def _rel_attn_bwd_dkdv_kernel(
         qw = (q + w[None, :]).to(K.dtype.element_ty)
         row0 = c - m0 - BLOCK_M + 1 + n0                  # first row of the tile's band
         if HALVES:          # the band's two chunks one after the other
-            s = _dot(qu, tl.trans(k), UPCAST, PRECISION)
+            # both gathered halves joined where they are gathered, then one conversion
+            # back to the content product's layout (its accumulator): per tile three
+            # shared-memory round trips of the [BLOCK_M, BLOCK_N] fp32 tile, not four
             r = _r_rows(r_base, row0 + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            s += tl.where(skew_hi, 0.0, tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION),
-                                                  skew_idx, 1))
+            pos = tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew_idx, 1)
             r = _r_rows(r_base, row0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            s += tl.where(skew_hi, tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION),
-                                             skew_idx, 1), 0.0)
+            pos = tl.where(skew_hi, tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION),
+                                              skew_idx, 1), pos)
+            s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + pos
         else:               # the whole band at once
             r = _r_rows(r_base, row0 + band, R_len, offs_d, d_ok, stride_rm, stride_rd)
             s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
@@ -828,7 +833,7 @@ def _rel_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _rel_dr_ds(K0: tl.constexpr, WIDTH: tl.constexpr, own, owned, qu, qr, do, lse, delta,
+def _rel_dr_ds(K0: tl.constexpr, WIDTH: tl.constexpr, pos, owned, qu, do, lse, delta,
                offs_m, j0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d, d_ok,
                stride_kn, stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b, seg_q,
                ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
@@ -838,9 +843,10 @@ def _rel_dr_ds(K0: tl.constexpr, WIDTH: tl.constexpr, own, owned, qu, qr, do, ls
                WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The dR kernel's dS ``[BLOCK_M, WIDTH]`` on keys ``j0 + K0 + [0, WIDTH)`` of a query
     block's band (``j0 = m0 + d0``; the whole band, K0 0 and WIDTH 2·BLOCK_N, or one half),
-    0 outside the pairs on the program's diagonals: ``owned`` ``[BLOCK_M, WIDTH]``, where
-    pair (ii, cc) lies on owned diagonal ``own`` (row ii owns keys ``j0 + ii + [0,
-    BLOCK_N)``); qr: ``(q + v)`` times the owned rows of r ``[BLOCK_M, BLOCK_N]``."""
+    0 outside the pairs on the program's diagonals: ``owned`` ``[BLOCK_M, WIDTH]`` (row ii
+    owns keys ``j0 + ii + [0, BLOCK_N)``); pos ``[BLOCK_M, WIDTH]``: the position term of
+    each owned pair, ``(q + v)`` times the owned rows of r gathered into the key order (the
+    caller gathers once for both halves)."""
     offs_k = j0 + K0 + tl.arange(0, WIDTH)
     offs_k = tl.where(offs_k >= 0, offs_k, Tk)          # before the keys: invisible, not loaded
     kv_mask = (offs_k[:, None] < Tk) & d_ok
@@ -848,7 +854,7 @@ def _rel_dr_ds(K0: tl.constexpr, WIDTH: tl.constexpr, own, owned, qu, qr, do, ls
                 mask=kv_mask, other=0.0)                                    # [WIDTH, BLOCK_D]
     v = tl.load(v_base + offs_k[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                 mask=kv_mask, other=0.0)
-    s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + tl.where(owned, tl.gather(qr, own, 1), 0.0)
+    s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + tl.where(owned, pos, 0.0)
     if HAS_SEG:
         seg_k = tl.load(SEG_K + b * stride_sk_b + offs_k, mask=offs_k < Tk, other=-2)
         s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
@@ -965,28 +971,29 @@ def _rel_attn_bwd_dr_kernel(
             x = jj[None, :] - ii[:, None] + BLOCK_N + t2
             first = (x & BLOCK_N) != 0
             own = x & (BLOCK_N - 1)
-            ds_lo = _rel_dr_ds(0, BLOCK_N, own, first, qu, qr, do, lse, delta, offs_m, m0 + d0,
+            pos = tl.gather(qr, own, 1)              # the same gather serves both halves
+            ds_lo = _rel_dr_ds(0, BLOCK_N, pos, first, qu, do, lse, delta, offs_m, m0 + d0,
                                b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d, d_ok,
                                stride_kn, stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b,
                                seg_q, ef_same, ef_diff, KPM, stride_kpm_b, stride_kpm_n, RANK,
                                stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
                                CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
                                WINDOW, UPCAST, PRECISION)
-            ds_diag = tl.where(diag_hi, 0.0, tl.gather(ds_lo, diag, 1))
-            ds_hi = _rel_dr_ds(BLOCK_N, BLOCK_N, own, ~first, qu, qr, do, lse, delta, offs_m,
+            ds_diag = tl.gather(ds_lo, diag, 1)
+            ds_hi = _rel_dr_ds(BLOCK_N, BLOCK_N, pos, ~first, qu, do, lse, delta, offs_m,
                                m0 + d0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d,
                                d_ok, stride_kn, stride_kd, stride_vn, stride_vd, SEG_K,
                                stride_sk_b, seg_q, ef_same, ef_diff, KPM, stride_kpm_b,
                                stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed,
                                qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT,
                                HAS_SEG, DROPOUT, WINDOW, UPCAST, PRECISION)
-            ds_diag += tl.where(diag_hi, tl.gather(ds_hi, diag, 1), 0.0)  # dS on the diagonals
+            ds_diag = tl.where(diag_hi, tl.gather(ds_hi, diag, 1), ds_diag)  # dS on the diagonals
         else:               # the whole band at once
             own = tl.arange(0, 2 * BLOCK_N)[None, :] - ii[:, None]  # [BLOCK_M, BAND]: diagonal
             owned = (own >= 0) & (own < BLOCK_N)
             own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
-            ds = _rel_dr_ds(0, 2 * BLOCK_N, own, owned, qu, qr, do, lse, delta, offs_m,
-                            m0 + d0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d,
+            ds = _rel_dr_ds(0, 2 * BLOCK_N, tl.gather(qr, own, 1), owned, qu, do, lse, delta,
+                            offs_m, m0 + d0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d,
                             d_ok, stride_kn, stride_kd, stride_vn, stride_vd, SEG_K,
                             stride_sk_b, seg_q, ef_same, ef_diff, KPM, stride_kpm_b,
                             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed,

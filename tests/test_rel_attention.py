@@ -64,6 +64,34 @@ def test_head_dims(D):
 
 
 @needs_triton
+@pytest.mark.parametrize("D", [48, 96])
+def test_columns_past_the_head_dim_are_never_read(D):
+    """q, k, v and r as views of NaN-padded tensors ([..., :D] of a last dim of D + 16, a
+    head dim below the kernels' power-of-two BLOCK_D): a load that reaches a column >= D
+    reads NaN and poisons the output or a gradient (r's loads were unmasked in D, reading
+    past the end of r at its last row: a run-to-run flake of D 96 under the interpreter)."""
+    B, H, Tq, Tk = 2, 2, 19, 33
+
+    def padded(*shape):
+        base = torch.full((*shape[:-1], shape[-1] + 16), float("nan"), device=DEVICE)
+        base[..., :shape[-1]] = torch.randn(*shape, device=DEVICE)
+        return base[..., :shape[-1]]
+    views = [padded(B, H, Tq, D), padded(B, H, Tk, D), padded(B, H, Tk, D), padded(H, Tk, D)]
+    u, w = torch.randn(H, D, device=DEVICE), torch.randn(H, D, device=DEVICE)
+    leaves = [t.requires_grad_(True) for t in views] + [u.requires_grad_(True),
+                                                         w.requires_grad_(True)]
+    out = ctxfast.rel_attention(*leaves, backend="triton")
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    l64 = [t.detach().double().contiguous().requires_grad_(True) for t in leaves]
+    out64 = reference.rel_attention(*l64)
+    g64 = torch.autograd.grad(out64, l64, do.double())
+    for name, ours, ref in [("out", out, out64)] + list(zip(NAMES, grads, g64)):
+        assert torch.isfinite(ours).all(), f"{name}: NaN from a column past D"
+        assert rel_err(ours, ref) < 1e-4, (name, rel_err(ours, ref))
+
+
+@needs_triton
 @pytest.mark.parametrize("stream", ["content", "query"])
 def test_xlnet_bidirectional_perm_segments_padding(stream):
     B, Tq, Tk = 2, 19, 30
