@@ -174,16 +174,19 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
         return [t for t in (REL_TILES[:1] if quick else REL_TILES) if t != current]
 
     for case in rel_cases:
+        # the current tile's launches, then the variants, then the other tiles: a sweep cut
+        # by its time budget has measured what the next change would be chosen from
         for tile in tiles(case, dtype):
             for kernel in ("fwd", "dkdv", "dq", "dr"):
                 for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
                     if tile is not None and launch is None and kernel != "fwd":
                         continue            # a new tile's default launch: measured once (fwd)
                     jobs.append(("rel_attention", case, kernel, launch, tile, None))
-        for variant, (_, kernels_of, launches) in REL_VARIANTS.items():
-            for kernel in kernels_of:
-                for launch in (launches[:1] if quick else launches):
-                    jobs.append(("rel_attention", case, kernel, launch, None, variant))
+            if tile is None:
+                for variant, (_, kernels_of, launches) in REL_VARIANTS.items():
+                    for kernel in kernels_of:
+                        for launch in (launches[:1] if quick else launches):
+                            jobs.append(("rel_attention", case, kernel, launch, None, variant))
     for case in xl_cases:                   # fp32 forward only (XL evaluation)
         for tile in tiles(case, torch.float32):
             for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):

@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_round.sh --stage all         # the three, one after the other
 #   bash benchmarks/gpu_round.sh --stage tests       # build and the suite only (a short lease)
 #   bash benchmarks/gpu_round.sh --stage ncu         # host-time split, ncu of the attention kernels
+#   bash benchmarks/gpu_round.sh --stage verify      # one 15-minute lease: the GPU-only checks
+#                                                    # of the last changes, the rel sweep, host split
 #   bash benchmarks/gpu_round.sh --stage bench --dry-run # print the commands, run nothing
 #
 # Each stage fits in one command of under 10 minutes (STAGE_BUDGET seconds, default 560):
@@ -33,13 +35,13 @@ while (( $# )); do
     --stage=*) STAGE=${1#--stage=}; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|tests|sanitize|bench|ncu|all, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|tests|sanitize|bench|ncu|verify|all, --dry-run)" >&2; exit 2 ;;
   esac
 done
 case $STAGE in
-  build-test|tests|sanitize|bench|ncu|all) ;;
-  "") echo "gpu_round: give --stage build-test|tests|sanitize|bench|ncu|all" >&2; exit 2 ;;
-  *) echo "gpu_round: unknown stage '$STAGE' (build-test|tests|sanitize|bench|ncu|all)" >&2; exit 2 ;;
+  build-test|tests|sanitize|bench|ncu|verify|all) ;;
+  "") echo "gpu_round: give --stage build-test|tests|sanitize|bench|ncu|verify|all" >&2; exit 2 ;;
+  *) echo "gpu_round: unknown stage '$STAGE' (build-test|tests|sanitize|bench|ncu|verify|all)" >&2; exit 2 ;;
 esac
 
 PY=${PYTHON:-python3}
@@ -264,6 +266,26 @@ stage_ncu() {
   summarize ncu.log "==PROF==|_kernel|Compute \(SM\) Throughput|Memory Throughput|Duration" 60
 }
 
+# One short lease (15 minutes of device time, one call): the build and the refusal probe,
+# the test files whose kernels or build changed since the last GPU round (tests/gpu first),
+# the rel_attention launch sweep with every candidate checked against float64 (the carried
+# gather among them), and the host-time split. SUITE_FILES replaces the file list.
+VERIFY_FILES="tests/gpu tests/test_build_flags.py tests/test_cuda_bindings.py
+  tests/test_lstm_native.py tests/test_rel_attention.py tests/test_rel_attention_bwd.py
+  tests/test_rel_attention_decode.py tests/test_rel_attention_precision.py
+  tests/test_attention.py tests/test_grad_call.py"
+stage_verify() {
+  device_lines
+  build
+  SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
+  step "config sweep (rel_attention, checked)" 170 config_sweep.log "$PY" \
+    benchmarks/config_sweep.py --ops rel_attention --time-budget 140 --out "$R/config_sweep.json"
+  summarize config_sweep.log ": current|WRONG" 30
+  step "host split" 60 host_split.log "$PY" benchmarks/kernel_breakdown.py --host-split \
+    --out "$R/host_split.json"
+  summarize host_split.log "us per call|^ +[0-9]" 12
+}
+
 pack() {
   (( DRY )) && { echo "[$STAGE_NOW] tar czf $OUT/gpu_round-$STAGE.tgz -C $OUT r summary.txt"; return 0; }
   note "done: $OUT/summary.txt, $OUT/gpu_round-$STAGE.tgz"
@@ -280,6 +302,7 @@ run_stage() {
     sanitize) stage_sanitize ;;
     bench) stage_bench ;;
     ncu) stage_ncu ;;
+    verify) stage_verify ;;
   esac
 }
 

@@ -862,7 +862,7 @@ def _dry_run(stage, tmp_path):
 def test_gpu_round_dry_run_prints_every_command(tmp_path):
     # The CPU check of the GPU round: each stage prints its commands and runs nothing.
     stages = {}
-    for stage in ("build-test", "sanitize", "bench", "ncu"):
+    for stage in ("build-test", "sanitize", "bench", "ncu", "verify"):
         proc, out = _dry_run(stage, tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert not out.exists()                                 # nothing was run or written
@@ -906,6 +906,13 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     ncu = [c for c in stages["ncu"] if " ncu " in f" {c} "]
     assert len(ncu) == 1 and "--clock-control none" in ncu[0] and "--ncu-target" in ncu[0]
     assert any("--host-split" in c for c in stages["ncu"])
+    # verify: the changed kernels' test files (GPU-only ones first), the checked rel sweep
+    verify = stages["verify"]
+    vsuite = [c for c in verify if " -m pytest tests/gpu " in c]
+    assert len(vsuite) == 1 and "tests/test_build_flags.py" in vsuite[0]
+    for f in vsuite[0].split(" -m pytest ")[1].split(" -v ")[0].split():
+        assert (BENCH_DIR.parent / f).exists(), f
+    assert any("config_sweep.py --ops rel_attention" in c for c in verify)
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):
