@@ -67,7 +67,12 @@ REL_TILES = (None, 32, 64, 128)         # None: the current tile; the same size 
 REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
 # Variants of the rel_attention kernels (LAUNCH_OVERRIDE keys other than launches), each
 # timed at these launches of the kernels it changes: the carried gather (forward, dQ).
-REL_VARIANTS = {"carry": ({"carry": True}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 1), (8, 3)))}
+# dr by atomic adds from the dQ kernel (no dR kernel): compare its dQ row with the default
+# dQ + dR rows (the first H200 round timed it 11% faster at mem 3,072, unchecked then).
+REL_VARIANTS = {
+    "carry": ({"carry": True}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 1), (8, 3))),
+    "atomic_dr": ({"dr_mode": "atomic"}, ("dq",), (None, (4, 3), (8, 1))),
+}
 KERNEL_NAMES = {
     ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",
     ("attention", "dq"): "_attn_bwd_dq_kernel",
@@ -234,7 +239,7 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
             row["wrong"] = " ".join(n for n, x in zip(names, ratios) if x > 1)
         rows.append(row)
         print(f"{op:13s} {row['case']:24s} {kernel:5s} tile {tile or 'default':>7} "
-              f"{str(cand or 'default'):18s} {variant or '':6s}" + (f"{us:9.1f} us" if us else f"failed: {err}")
+              f"{str(cand or 'default'):18s} {variant or '':9s}" + (f"{us:9.1f} us" if us else f"failed: {err}")
               + (f"  err {worst:.2f}x bound" if worst is not None else "")
               + (f"  WRONG ({row['wrong']})" if "wrong" in row else ""))
         sys.stdout.flush()

@@ -1104,9 +1104,10 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
 
 
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
-#: (num_warps, num_stages), "carry": bool}``: replaces :func:`_config`'s tile (not the
-#: decoding one) and :func:`_bwd_launch`'s rows for every call while set, and "carry" turns
-#: on the forward's and dQ kernel's carried gather (:func:`_rel_scores_chunked`). Empty in
+#: (num_warps, num_stages), "carry": bool, "dr_mode": str}``: replaces :func:`_config`'s
+#: tile (not the decoding one) and :func:`_bwd_launch`'s rows for every call while set;
+#: "carry" turns on the forward's and dQ kernel's carried gather
+#: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`. Empty in
 #: normal use; the GPU config sweep (benchmarks/config_sweep.py) sets it to time (and
 #: check) candidates on the same inputs.
 LAUNCH_OVERRIDE: dict = {}
@@ -1126,9 +1127,11 @@ DR_MODE = os.environ.get("CTXFAST_REL_BWD_DR", "kernel")
 
 
 def _dr_mode() -> str:
-    if DR_MODE not in ("kernel", "atomic"):
-        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'kernel' or 'atomic', got {DR_MODE!r}")
-    return DR_MODE
+    """DR_MODE, or LAUNCH_OVERRIDE's "dr_mode" while the config sweep sets it."""
+    mode = LAUNCH_OVERRIDE.get("dr_mode", DR_MODE)
+    if mode not in ("kernel", "atomic"):
+        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'kernel' or 'atomic', got {mode!r}")
+    return mode
 
 
 #: Key blocks from which the dK/dV and dR kernels, which multiply a whole band per tile,

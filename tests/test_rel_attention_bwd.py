@@ -184,3 +184,32 @@ def test_carried_gather_against_reference(monkeypatch):
     assert torch.allclose(out3, out1, rtol=1e-5, atol=1e-6)
     assert {name for name, _ in seen} == {"_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"}
     assert all(carry for _, carry in seen), seen
+
+
+@needs_triton
+def test_launch_override_picks_the_dr_mode(monkeypatch):
+    """LAUNCH_OVERRIDE {"dr_mode": "atomic"} (the config sweep's variant) runs the atomic dr
+    path (the dQ kernel with ATOMIC_DR, no dR kernel) with the right gradients, and a bad
+    mode is refused before any launch."""
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "dr_mode", "atomic")
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                seen.append((self.kernel.__name__, kwargs.get("ATOMIC_DR")))
+                return launch(*args, **kwargs)
+            return run
+    for name in ("_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"):
+        monkeypatch.setattr(krel, name, Spy(getattr(krel, name)))
+    test_dr_against_float64(2, 2, 17, 17, 54, 35, None, True)
+    assert seen and seen == [("_rel_attn_bwd_dq_kernel", True)] * len(seen), seen
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "dr_mode", "fast")
+    with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
+        test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)
