@@ -270,8 +270,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="two candidates, tiny case (CPU)")
     ap.add_argument("--time-budget", type=float, default=180.0)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ops", nargs="*", default=None, help="attention, rel_attention")
-    ap.add_argument("--kernels", nargs="*", default=None, help="fwd, dkdv, dq, dr")
+    ap.add_argument("--ops", nargs="*", default=None, choices=["attention", "rel_attention"],
+                    help="only these ops' kernels")
+    ap.add_argument("--kernels", nargs="*", default=None, choices=["fwd", "dkdv", "dq", "dr"],
+                    help="only these kernels")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

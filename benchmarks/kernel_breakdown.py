@@ -64,18 +64,22 @@ def _call(op, causal) -> Callable:
     return lambda *a: ctxfast.attention(*a, causal=causal)
 
 
-def _host_us(fn, device, reps) -> float:
-    """CPU microseconds per call, issued back to back (synchronised only at the ends)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
+def _host_us(fn, device, calls: int, rounds: int = 5) -> float:
+    """CPU microseconds per call, issued back to back (synchronised only at the ends of a
+    round): the median of `rounds` rounds of `calls` calls, after a few warm-up calls."""
+    for _ in range(3):
         fn()
-    host = (time.perf_counter() - t0) / reps * 1e6
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return host
+    return sorted(times)[len(times) // 2]
 
 
 def _kernels(fn, device) -> List[Dict]:
@@ -138,12 +142,13 @@ def _run_case(case, device, dtype, reps, mode) -> Dict:
 
     kernels = _kernels(fwd_bwd, device)
     top = kernels[:15]
+    rounds = 5 if device.type == "cuda" else 1        # the interpreter: that every step runs
     row = {"op": op, "case": f"B{B} H{H} Tq{Tq} mem{mem} D{D}", "dtype": str(dtype),
            "backward_mode": mode,
            "fwd_ms": _common.median_timer(device, reps)(fwd),
            "fwd_bwd_ms": _common.median_timer(device, reps)(fwd_bwd),
-           "host_fwd_us": _host_us(fwd, device, reps),
-           "host_fwd_bwd_us": _host_us(fwd_bwd, device, reps),
+           "host_fwd_us": _host_us(fwd, device, reps, rounds),
+           "host_fwd_bwd_us": _host_us(fwd_bwd, device, reps, rounds),
            "kernels_total_us": round(sum(r["us"] for r in kernels if device.type != "cuda"
                                          or not r["name"].startswith(("aten::", "cuda",
                                                                        "autograd::",
@@ -197,24 +202,6 @@ def host_profile(cases, device, dtype, calls: int, top: int = 25) -> List[Dict]:
             print(f"    {row['own_us']:8.1f} {row['cum_us']:8.1f}  x{row['calls']:<5.3g} {where}")
     sys.stdout.flush()
     return rows
-
-
-def _us_per_call(fn, device, calls: int) -> float:
-    """Host µs per call issued back to back (median of 5 rounds; synchronised at the ends
-    of each round only)."""
-    for _ in range(5):
-        fn()
-    rounds = []
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
 
 
 class _Clone(torch.autograd.Function):
@@ -277,7 +264,7 @@ def host_split(device, dtype) -> List[Dict]:
             lambda: torch.autograd.grad(ctxfast.attention(q, k, v, causal=True,
                                                           backend="triton"), (q, k, v), g),
     }
-    rows = [{"part": name, "us": round(_us_per_call(fn, device, calls), 1)}
+    rows = [{"part": name, "us": round(_host_us(fn, device, calls), 1)}
             for name, fn in parts.items()]
     # every Triton launch a no-op: what is left is Python and torch (allocations, autograd)
     kind = type(attn_k._attn_fwd_kernel)       # JITFunction (InterpretedFunction on a CPU)
@@ -286,7 +273,7 @@ def host_split(device, dtype) -> List[Dict]:
     try:
         fb = parts["ctxfast.attention forward+backward"]
         rows.append({"part": "ctxfast.attention forward+backward, launches stubbed",
-                     "us": round(_us_per_call(fb, device, calls), 1)})
+                     "us": round(_host_us(fb, device, calls), 1)})
     finally:
         kind.__getitem__ = saved
     print(f"host split ({device.type}, {dtype}, B{B} H{H} T{T} D{D} causal): us per call")

@@ -1184,6 +1184,14 @@ def test_config_sweep_runs_every_step(tmp_path):
     assert len(data["summary"]) == 8
 
 
+def test_config_sweep_refuses_unknown_ops_and_kernels():
+    # a misspelt subset would otherwise sweep nothing and say so nowhere
+    for args, word in ((["--ops", "rel"], "--ops"), (["--kernels", "dQ"], "--kernels")):
+        proc = subprocess.run([sys.executable, str(BENCH_DIR / "config_sweep.py"), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and word in proc.stderr and "invalid choice" in proc.stderr
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton kernels need a GPU or the interpreter")
 def test_config_sweep_flags_a_wrong_candidate(monkeypatch):

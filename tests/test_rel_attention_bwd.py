@@ -10,6 +10,7 @@ import torch
 import ctxfast
 from test_attention import DEVICE, needs_triton
 from test_rel_attention import _inputs, check
+from utils import spy_launches
 
 
 @needs_triton
@@ -121,21 +122,9 @@ def test_band_in_two_halves_against_reference(monkeypatch):
     import test_rel_attention as rel_tests
     import ctxfast.kernels.rel_attention as krel
     monkeypatch.setattr(krel, "HALVES_MIN_BLOCK", 16)
-    seen = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launch = self.kernel[grid]
-
-            def run(*args, **kwargs):
-                seen.append((self.kernel.__name__, kwargs["HALVES"]))
-                return launch(*args, **kwargs)
-            return run
-    for name in ("_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"):
-        monkeypatch.setattr(krel, name, Spy(getattr(krel, name)))
+    seen = spy_launches(monkeypatch, krel,
+                        ("_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"),
+                        lambda args, kwargs: kwargs["HALVES"])
     test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
     test_dr_against_float64(2, 3, 21, 0, 23, 22, 7, True)
     test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
@@ -156,21 +145,9 @@ def test_carried_gather_against_reference(monkeypatch):
     import test_rel_attention as rel_tests
     import ctxfast.kernels.rel_attention as krel
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "carry", True)
-    seen = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launch = self.kernel[grid]
-
-            def run(*args, **kwargs):
-                seen.append((self.kernel.__name__, kwargs["CARRY"]))
-                return launch(*args, **kwargs)
-            return run
-    for name in ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"):
-        monkeypatch.setattr(krel, name, Spy(getattr(krel, name)))
+    seen = spy_launches(monkeypatch, krel,
+                        ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"),
+                        lambda args, kwargs: kwargs["CARRY"])
     test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
     test_dr_against_float64(2, 3, 21, 0, 23, 22, 7, True)
     test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
@@ -193,21 +170,9 @@ def test_launch_override_picks_the_dr_mode(monkeypatch):
     mode is refused before any launch."""
     import ctxfast.kernels.rel_attention as krel
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "dr_mode", "atomic")
-    seen = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launch = self.kernel[grid]
-
-            def run(*args, **kwargs):
-                seen.append((self.kernel.__name__, kwargs.get("ATOMIC_DR")))
-                return launch(*args, **kwargs)
-            return run
-    for name in ("_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"):
-        monkeypatch.setattr(krel, name, Spy(getattr(krel, name)))
+    seen = spy_launches(monkeypatch, krel,
+                        ("_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"),
+                        lambda args, kwargs: kwargs.get("ATOMIC_DR"))
     test_dr_against_float64(2, 2, 17, 17, 54, 35, None, True)
     assert seen and seen == [("_rel_attn_bwd_dq_kernel", True)] * len(seen), seen
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "dr_mode", "fast")

@@ -23,7 +23,7 @@ import ctxfast
 from ctxfast import reference
 from test_attention import DEVICE, needs_triton
 from test_rel_attention import NAMES, _inputs, check, check_dropout
-from utils import rel_err
+from utils import rel_err, spy_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,19 +53,8 @@ def combine_spy(monkeypatch):
     """The split counts the combine kernel was launched with (one entry per split forward;
     kernels/_common.py launches it for both ops)."""
     from ctxfast.kernels import _common
-    original, seen = _common._attn_combine_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = original[grid]
-
-            def run(*args, **kwargs):
-                seen.append(args[4])                      # S, the number of splits
-                return launch(*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(_common, "_attn_combine_kernel", Spy())
-    return seen
+    return spy_launches(monkeypatch, _common, ["_attn_combine_kernel"],
+                        lambda args, kwargs: args[4], with_name=False)    # S, the splits
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ import torch
 
 import ctxfast
 from ctxfast import reference
-from test_attention import DEVICE, FLOOR, needs_triton
+from test_attention import FLOOR, needs_triton
 from test_rel_attention import NAMES, _inputs
+from utils import spy_launches
 
 _matmul = torch.matmul
 
@@ -94,25 +95,12 @@ def test_every_kernel_gets_the_precision(monkeypatch, tf32_flag, allow_tf32):
     """The launchers pass the decided precision to all of their kernels (a constexpr)."""
     from ctxfast.kernels import rel_attention as kr
     tf32_flag(allow_tf32)
-    seen = {}
-
-    class Spy:
-        def __init__(self, name, fn):
-            self.name, self.fn = name, fn
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen[self.name] = kwargs["PRECISION"]
-                return self.fn[grid](*args, **kwargs)
-            return launch
-
     names = ["_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
              "_rel_attn_bwd_dr_kernel"]
-    for name in names:
-        monkeypatch.setattr(kr, name, Spy(name, getattr(kr, name)))
+    seen = spy_launches(monkeypatch, kr, names, lambda args, kwargs: kwargs["PRECISION"])
     ts = [t.requires_grad_(True) for t in _inputs(1, 2, 9, 14, 16, 14)]
     ctxfast.rel_attention(*ts, backend="triton").sum().backward()
-    assert seen == {name: "tf32" if allow_tf32 else "tf32x3" for name in names}
+    assert dict(seen) == {name: "tf32" if allow_tf32 else "tf32x3" for name in names}
 
 
 @pytest.mark.parametrize("mode, within", [("tf32x3", True), ("tf32", False)])

@@ -132,3 +132,26 @@ def assert_param_grads_within_2x_eager(fast: "torch.nn.Module", eager: "torch.nn
         assert g[name].abs().sum() > 0, f"{name}: zero gradient"
         assert_within_2x_eager(g[name], g_e[name], g64[name], floor, name=f"grad {name}",
                                min_scale=0.0)
+
+
+def spy_launches(monkeypatch, module, names, pick, with_name=True):
+    """Wrap the Triton kernels ``names`` of ``module`` (for this test only) so that each
+    launch records ``pick(args, kwargs)`` (with the kernel's name unless ``with_name`` is
+    False) and then runs as before. Returns the list of records, filled as launches happen."""
+    seen = []
+
+    class _Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                value = pick(args, kwargs)
+                seen.append((self.name, value) if with_name else value)
+                return launch(*args, **kwargs)
+            return run
+    for name in names:
+        monkeypatch.setattr(module, name, _Spy(name, getattr(module, name)))
+    return seen
