@@ -75,7 +75,8 @@ ext_modules = [
     cpp_extension.CppExtension(
         name="ctxfast._C",
         sources=_rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
-                     + glob.glob(os.path.join(ROOT, "csrc", "bindings", "*_cpu.cpp"))),
+                     + glob.glob(os.path.join(ROOT, "csrc", "bindings", "*_cpu.cpp"))
+                     + [os.path.join(ROOT, "csrc", "bindings", "launch_key.cpp")]),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=["-fopenmp", *LINK_SHARED_LIBSTDCXX],

@@ -222,10 +222,21 @@ def host_split(device, dtype) -> List[Dict]:
     one-copy autograd Function), a Triton launch (a kernel of 4 arguments and one of 48),
     our launchers called directly (kernels.attention forward / backward, no autograd),
     the public op's forward, forward+backward, and the same with every Triton launch
-    replaced by a no-op (our Python and torch's, no launch)."""
+    replaced by a no-op (our Python and torch's, no launch). Launches through Triton's JIT
+    and through the fast path (kernels/_launch.py), each."""
     import triton
     import triton.language as tl
+    from ctxfast.kernels import _launch
     from ctxfast.kernels import attention as attn_k
+
+    def launched(mode, fn):
+        def run():
+            saved, _launch.LAUNCH = _launch.LAUNCH, mode
+            try:
+                return fn()
+            finally:
+                _launch.LAUNCH = saved
+        return run
 
     @triton.jit
     def _tiny(X, n, BLOCK: tl.constexpr):
@@ -254,6 +265,9 @@ def host_split(device, dtype) -> List[Dict]:
         "Triton launch, 4 arguments": lambda: _tiny[(1,)](x, 64, BLOCK=64),
         "Triton launch, 48 arguments": lambda: _wide[(1,)](x, *range(45), 64, BLOCK=64,
                                                            F1=True, F2=False),
+        "fast-path launch, 4 arguments": lambda: _launch.fast(_tiny)[(1,)](x, 64, BLOCK=64),
+        "fast-path launch, 48 arguments":
+            lambda: _launch.fast(_wide)[(1,)](x, *range(45), 64, BLOCK=64, F1=True, F2=False),
         "kernels.attention_forward (direct)":
             lambda: attn_k.attention_forward(q, k, v, causal=True),
         "kernels.attention_backward (direct)":
@@ -264,6 +278,10 @@ def host_split(device, dtype) -> List[Dict]:
             lambda: torch.autograd.grad(ctxfast.attention(q, k, v, causal=True,
                                                           backend="triton"), (q, k, v), g),
     }
+    for name in [n for n in parts if n.startswith(("kernels.", "ctxfast."))]:
+        fn = parts.pop(name)
+        parts[name + ", JIT launches"] = launched("jit", fn)
+        parts[name + ", fast-path launches"] = launched("fast", fn)
     rows = [{"part": name, "us": round(_host_us(fn, device, calls), 1)}
             for name, fn in parts.items()]
     # every Triton launch a no-op: what is left is Python and torch (allocations, autograd)
@@ -271,7 +289,7 @@ def host_split(device, dtype) -> List[Dict]:
     saved = kind.__getitem__
     kind.__getitem__ = lambda self, grid: (lambda *a, **kw: None)
     try:
-        fb = parts["ctxfast.attention forward+backward"]
+        fb = parts["ctxfast.attention forward+backward, JIT launches"]  # (a stub on every launch)
         rows.append({"part": "ctxfast.attention forward+backward, launches stubbed",
                      "us": round(_host_us(fb, device, calls), 1)})
     finally:

@@ -292,8 +292,9 @@ def _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits):
 
 def _combine_splits(o_part, l_part, out, lse):
     """out [B, H, Tq, D], lse [B, H, Tq] (contiguous) from :func:`_split_targets`' partials."""
+    from ._launch import fast  # (here: _launch imports this module)
     B, H, S, Tq, D = o_part.shape
-    _attn_combine_kernel[(Tq, B * H)](
+    fast(_attn_combine_kernel)[(Tq, B * H)](
         o_part, l_part, out, lse, S, Tq, D,
         BLOCK_S=max(2, next_pow2(S)), BLOCK_D=max(16, next_pow2(D)),
         num_warps=4)
@@ -307,7 +308,8 @@ def _bwd_delta(do, out):
         return delta
     block_d = max(16, next_pow2(D))
     block_m = 16 if _interpreting() else max(1, min(64, 4096 // block_d))
-    _bwd_delta_kernel[(cdiv(Tq, block_m), B * H)](
+    from ._launch import fast  # (here: _launch imports this module)
+    fast(_bwd_delta_kernel)[(cdiv(Tq, block_m), B * H)](
         do, out, delta, *do.stride(), *out.stride(), H, Tq, D,
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     return delta

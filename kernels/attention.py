@@ -65,6 +65,7 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot,
                       _interpreting, _keep, _keep_t, _key_range, _mask_args, _new_output,
                       _online_softmax_step, _precision, _seed_arg, _seq_bounds,
                       _split_targets, _visible, cdiv, next_pow2)
+from ._launch import fast
 
 
 # --------------------------------------------------------------------------- tile-level pieces
@@ -849,7 +850,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     if num_splits == 1:
         l_strides = lse_strides
     split = num_splits > 1
-    _attn_fwd_kernel[(cdiv(max_q, bm), B * H, num_splits)](
+    fast(_attn_fwd_kernel)[(cdiv(max_q, bm), B * H, num_splits)](
         q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
         kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mstrides, *l_strides,
@@ -902,7 +903,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype, causal,
                                         kind, dropout_p > 0)
     dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
-    _attn_bwd_dkdv_kernel[(cdiv(max_k, bn), B * H)](
+    fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages)
@@ -910,7 +911,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         dq.copy_(dq_acc.mul_(scale))
         return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
-    _attn_bwd_dq_kernel[(cdiv(max_q, bm), B * H)](
+    fast(_attn_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages)
@@ -1041,5 +1042,5 @@ def dropout_keep_mask(seed, B, H, Tq, Tk, dropout_p):
     keep = torch.empty((B, H, Tq, Tk), dtype=torch.uint8, device=seed.device)
     if keep.numel():
         grid = (cdiv(Tq, 16), cdiv(Tk, 16), B * H)
-        _dropout_keep_kernel[grid](seed, keep, Tq, Tk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
+        fast(_dropout_keep_kernel)[grid](seed, keep, Tq, Tk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
     return keep.bool()

@@ -90,6 +90,7 @@ import triton
 import triton.language as tl
 
 from ._common import _dot, _interpreting, _precision, _tf32_allowed, cdiv, next_pow2
+from ._launch import fast
 
 
 @triton.jit
@@ -668,16 +669,16 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
               CELL_CLIP=not math.isinf(cell_clip), PROJ_CLIP=not math.isinf(proj_clip),
               **cfg, **_common(dtype))
     if grid is not None:                                     # one launch, every step
-        _lstm_fwd_kernel[(grid,)](*args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True,
+        fast(_lstm_fwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True,
                                   **kw, **options)
         return out, cells, gates
     n_bb = cdiv(B, cfg["BLOCK_B"])
     n_cell, n_proj = n_bb * cdiv(H, cfg["BLOCK_H"]), n_bb * cdiv(P, cfg["BLOCK_P"])
     for n in range(T):                                       # stepwise: a launch per phase
-        _lstm_fwd_kernel[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_PROJ=False,
+        fast(_lstm_fwd_kernel)[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_PROJ=False,
                                     SYNC=False, **kw)
         if w_hr is not None:
-            _lstm_fwd_kernel[(n_proj,)](*args, n, n + 1, RUN_CELL=False, RUN_PROJ=True,
+            fast(_lstm_fwd_kernel)[(n_proj,)](*args, n, n + 1, RUN_CELL=False, RUN_PROJ=True,
                                         SYNC=False, **kw)
     return out, cells, gates
 
@@ -735,15 +736,15 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
               CELL_CLIP=not math.isinf(cell_clip), PROJ_GATE=proj_gate, **cfg,
               **_common(dtype))
     if grid is not None:                                     # one launch, every step
-        _lstm_bwd_kernel[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True, SYNC=True,
+        fast(_lstm_bwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True, SYNC=True,
                                   **kw, **options)
     else:
         n_bb = cdiv(B, cfg["BLOCK_B"])
         n_cell, n_dh = n_bb * cdiv(H, cfg["BLOCK_H"]), n_bb * cdiv(P, cfg["BLOCK_P"])
         for n in range(T):                                   # stepwise: a launch per phase
-            _lstm_bwd_kernel[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_DH=False,
+            fast(_lstm_bwd_kernel)[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_DH=False,
                                         SYNC=False, **kw)
-            _lstm_bwd_kernel[(n_dh,)](*args, n, n + 1, RUN_CELL=False, RUN_DH=True,
+            fast(_lstm_bwd_kernel)[(n_dh,)](*args, n, n + 1, RUN_CELL=False, RUN_DH=True,
                                       SYNC=False, **kw)
 
     # weight gradients: one GEMM each over all T·B rows

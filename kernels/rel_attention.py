@@ -114,6 +114,7 @@ import triton.language as tl
 from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _interpreting, _keep,
                       _key_range, _mask_args, _new_output, _online_softmax_step, _seed_arg,
                       _split_targets, _tf32_allowed, _visible, cdiv, next_pow2)
+from ._launch import fast
 
 
 @triton.jit
@@ -1229,7 +1230,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     num_splits, keys_per_split, o_target, l_target, o_strides, l_strides, split_strides = \
         _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
     split = num_splits > 1
-    _rel_attn_fwd_kernel[(cdiv(Tq, bm), B * H, num_splits)](
+    fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
         q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb,
         o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
         *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
@@ -1298,13 +1299,13 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                   for k, (w_, s_) in _bwd_launch(D, q.dtype).items()}
         u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         seed_arg = _seed_arg(q, dropout_p, seed)
-        _rel_attn_bwd_dkdv_kernel[(cdiv(Tk, bn), B * H)](
+        fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
             HALVES=bn >= HALVES_MIN_BLOCK)
         d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
         dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dq
-        _rel_attn_bwd_dq_kernel[(cdiv(Tq, bm), B * H)](
+        fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic,
             CARRY=_carry())
@@ -1313,7 +1314,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             dr = dr_acc.mul_(scale)
         else:
             dr_b = _new_output((B, H, R, D), torch.float32, q.device)
-            _rel_attn_bwd_dr_kernel[(cdiv(R, bn), B * H)](
+            fast(_rel_attn_bwd_dr_kernel)[(cdiv(R, bn), B * H)](
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
                 HALVES=bn >= HALVES_MIN_BLOCK)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2
+from ._launch import fast
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def _launch(x: torch.Tensor, sign: int, out: torch.Tensor = None) -> torch.Tenso
     x3 = x.reshape(-1, Tq, Tk)                   # [N, Tq, Tk], a view when strides allow
     block_k = min(1024, next_pow2(Tk))
     grid = (x3.shape[0] * Tq, cdiv(Tk, block_k))
-    _rel_shift_kernel[grid](
+    fast(_rel_shift_kernel)[grid](
         x3, out, Tq, Tk, x3.stride(0), x3.stride(1), x3.stride(2),
         SIGN=sign, BLOCK_K=block_k, num_warps=4 if block_k >= 512 else 1,
     )

@@ -14,12 +14,18 @@
 
 #include "cpu/output_cache.h"
 
+namespace ctxfast {
+extern PyMethodDef kLaunchKeyMethod;  // csrc/bindings/launch_key.cpp
+}
+
 extern "C" {
-// An empty module: importing it runs the static registrations below.
+// The module: one Python function (launch_key, host glue of kernels/_launch.py); importing
+// it runs the static registrations of the ops below.
 PyMODINIT_FUNC PyInit__C(void) {
+  static PyMethodDef methods[] = {ctxfast::kLaunchKeyMethod, {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT, "_C", "ctxfast C++ CPU kernels (ops under torch.ops.ctxfast)",
-      -1, nullptr};
+      -1, methods};
   return PyModule_Create(&module_def);
 }
 }

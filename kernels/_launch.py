@@ -1,0 +1,211 @@
+"""A shorter host path from a launcher to a compiled Triton kernel, on a GPU.
+
+``kernel[grid](*args, **kwargs)`` runs ``JITFunction.run`` (Triton 3.6-3.9) at every launch:
+it reads the current device and stream, specialises every argument (its type; for a tensor
+its dtype and whether its address is a multiple of 16; for an int whether it is 1, its range
+and whether it is a multiple of 16), hashes that with the options into a cache key, looks up
+the compiled kernel, checks the globals the kernel read, builds launch metadata for the
+launch hooks, and only then calls the compiled kernel's launcher. On the H200 machine that
+took ~88 us of host time per launch (``benchmarks/results/nvidia-h200/2026-11-26-round2/
+host_profile.log``: attention's forward + backward makes 4 launches, rel_attention's 5),
+while the kernels of a GPT-2-size call take ~150 us in all: at short sequences the launches,
+not the kernels, set the time.
+
+:func:`fast` wraps a kernel so that the launch goes the same way on a first call (Triton's
+own path: compile or cache lookup, launch) and remembers the compiled kernel under a key
+that is at least as fine as Triton's own specialisation, so that a later call whose key
+matches is one that Triton would have given the same compiled kernel:
+
+* a tensor: its dtype and whether ``data_ptr() % 16 == 0``;
+* an int (not a bool): 1, or else its range (i32 / i64 / u64) and whether it is a multiple
+  of 16 -- the classes ``native_specialize_impl`` uses (``tests/test_launch.py`` checks the
+  implication against it);
+* any other value (float, bool, None, a string): its type and its value;
+* a positional argument of a ``tl.constexpr`` parameter, and every keyword argument
+  (constexprs, ``num_warps``, ``num_stages``): the value;
+* the current device, and the Triton knobs that enter the options (``debug``,
+  ``instrumentation_mode``).
+
+A matching call then reads the current stream and calls the launcher directly with the
+arguments in parameter order, exactly as ``JITFunction.run`` passes them
+(``*bound_args.values()``: positional arguments, then every later parameter from the
+keywords or its default). Triton's path is taken instead whenever a launch hook is set
+(profilers such as proton), the kernel has pre-run hooks, a global the kernel read has
+changed (Triton raises then), or the grid is not a tuple. ``CTXFAST_TRITON_LAUNCH=jit`` (at
+import) or ``LAUNCH = "jit"`` turns the fast path off; under the interpreter it is never on.
+"""
+import importlib
+import inspect
+import os
+
+import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from ._common import _interpreting
+
+#: "fast" (default): :func:`fast` returns the wrapper; "jit": the kernel itself (every
+#: launch through ``JITFunction.run``). From ``CTXFAST_TRITON_LAUNCH`` at import.
+LAUNCH = os.environ.get("CTXFAST_TRITON_LAUNCH", "fast")
+
+#: Compiled kernels remembered per wrapped kernel; past this many keys (calls whose shapes
+#: keep changing the int classes or alignments) the table starts again.
+MAX_KEYS = 256
+
+_I32_LO, _I32_HI = -(1 << 31), 1 << 31
+_I64_LO, _I64_HI = -(1 << 63), 1 << 63
+_MISSING = object()
+
+
+def arg_key(a):
+    """The key of one non-constexpr argument (module docstring). Exposed for the tests."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, not a.data_ptr() & 15
+    if type(a) is int:
+        if a == 1:
+            return 16
+        aligned = (a & 15) == 0
+        if _I32_LO <= a < _I32_HI:
+            return 2 | aligned
+        return (4 | aligned) if _I64_LO <= a < _I64_HI else (8 | aligned)
+    return type(a), a
+
+
+def _args_key_py(args):
+    return tuple([arg_key(a) for a in args])
+
+
+def _c_args_key():
+    """ctxfast._C.launch_key (the same classes in C, ~20x faster), or None if not built."""
+    try:
+        return importlib.import_module("ctxfast._C").launch_key
+    except (ImportError, AttributeError):
+        return None
+
+
+#: The key of a call's positional arguments: one entry per argument, with arg_key's
+#: classes (ctxfast._C.launch_key encodes them as small ints; the Python loop is the
+#: fallback where the extension is not built).
+args_key = _c_args_key() or _args_key_py
+
+
+def _knob_state():
+    """The knob values that enter Triton's options, or None when a hook is set (the launch
+    then goes through Triton, which calls the hooks with its launch metadata)."""
+    rt = knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
+            return None
+    if getattr(rt, "add_stages_inspection_hook", None) is not None:
+        return None
+    return rt.debug, knobs.compilation.instrumentation_mode
+
+
+_device_stream = None  # (get_current_device, get_current_stream) of Triton's active driver
+
+
+def _driver_calls():
+    global _device_stream
+    if _device_stream is None:
+        from triton.runtime import driver
+        _device_stream = (driver.active.get_current_device, driver.active.get_current_stream)
+    return _device_stream
+
+
+class FastKernel:
+    """``kernel[grid](*args, **kwargs)`` with a remembered compiled kernel (module
+    docstring). ``hits`` / ``misses`` count the launches each way."""
+
+    def __init__(self, fn: JITFunction):
+        self.fn = fn
+        params = list(inspect.signature(fn.fn).parameters.values())
+        self.names = [p.name for p in params]
+        self.defaults = [p.default for p in params]
+        constexpr = [getattr(kp, "is_constexpr", False) for kp in fn.params]
+        self.constexpr_pos = tuple(i for i, c in enumerate(constexpr) if c)
+        self._positional_constexprs = {}  # len(args) -> the constexpr positions among them
+        self.cache = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def key(self, args, kwargs, state):
+        """The call's key (module docstring), given the knob state."""
+        key = (state, tuple(kwargs.items()), args_key(args))
+        positional = self._positional_constexprs.get(len(args))
+        if positional is None:
+            positional = self._positional_constexprs[len(args)] = tuple(
+                i for i in self.constexpr_pos if i < len(args))
+        if positional:  # a constexpr passed by position: its value
+            key += tuple((i, type(args[i]), args[i]) for i in positional)
+        return key
+
+    def _globals_unchanged(self) -> bool:
+        for (name, _), (val, globals_dict) in self.fn.used_global_vals.items():
+            if globals_dict.get(name, _MISSING) != val:
+                return False
+        return True
+
+    def launch(self, grid, args, kwargs):
+        state = _knob_state()
+        if state is None or type(grid) is not tuple or self.fn.pre_run_hooks:
+            return self.fn[grid](*args, **kwargs)
+        current_device, current_stream = _driver_calls()
+        device = current_device()
+        key = (device, self.key(args, kwargs, state))
+        entry = self.cache.get(key)
+        if entry is None or not self._globals_unchanged():
+            return self._first(key, grid, args, kwargs)
+        kernel, run, function, packed, tail = entry
+        n = len(grid)
+        self.hits += 1
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, current_stream(device),
+            function, packed, None, None, None, *args, *tail)
+        return kernel
+
+    def tail(self, args, kwargs):
+        """The parameters after the positional ones, in order, from the keywords or their
+        defaults (what Triton's binder puts after ``args`` in ``bound_args``); None if one
+        has neither."""
+        tail = []
+        for name, default in zip(self.names[len(args):], self.defaults[len(args):]):
+            value = kwargs.get(name, default)
+            if value is inspect.Parameter.empty:
+                return None
+            tail.append(value)
+        return tuple(tail)
+
+    def _first(self, key, grid, args, kwargs):
+        """Triton's own launch; remember what it launched, with :meth:`tail`."""
+        self.misses += 1
+        kernel = self.fn[grid](*args, **kwargs)
+        tail = self.tail(args, kwargs)
+        if kernel is None or tail is None:
+            return kernel
+        if len(self.cache) >= MAX_KEYS:
+            self.cache.clear()
+        # The kernel itself is kept: its module is unloaded when it is collected.
+        self.cache[key] = (kernel, kernel.run, kernel.function, kernel.packed_metadata, tail)
+        return kernel
+
+
+_WRAPPED = {}
+
+
+def fast(kernel):
+    """The launch object for ``kernel``: a :class:`FastKernel` for a Triton kernel on the
+    GPU path, the kernel itself under the interpreter, with ``LAUNCH != "fast"``, or when
+    ``kernel`` is not a ``JITFunction`` (a test's recorder or spy)."""
+    if LAUNCH != "fast":
+        if LAUNCH != "jit":
+            raise ValueError(f"CTXFAST_TRITON_LAUNCH must be 'fast' or 'jit', got {LAUNCH!r}")
+        return kernel
+    if _interpreting() or not isinstance(kernel, JITFunction):
+        return kernel
+    # by identity: a JITFunction's own hash is its source's (computed on first use)
+    wrapped = _WRAPPED.get(id(kernel))
+    if wrapped is None or wrapped.fn is not kernel:
+        wrapped = _WRAPPED[id(kernel)] = FastKernel(kernel)
+    return wrapped
