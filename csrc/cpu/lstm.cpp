@@ -389,6 +389,24 @@ CTXFAST_AVX2 void pack_panel_trans_avx2(const float* src, const float* msk, floa
     }
   }
 }
+
+// One full panel (16 columns) of StepGemm's plain pack: dst[k][i] = W[k][n0 + i] (times
+// msk * sc when msk), k < K; W's rows ld apart. Two 8-float loads per row of the panel
+// (the scalar loop, with its mask and bounds tests per element, did not vectorise).
+CTXFAST_AVX2 void pack_panel_avx2(const float* src, const float* msk, float sc, int64_t ld,
+                                  int64_t n0, int64_t K, float* dst) {
+  const __m256 vs = _mm256_set1_ps(sc);
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t o = k * ld + n0;
+    __m256 lo = _mm256_loadu_ps(src + o), hi = _mm256_loadu_ps(src + o + 8);
+    if (msk != nullptr) {
+      lo = _mm256_mul_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(msk + o)), vs);
+      hi = _mm256_mul_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(msk + o + 8)), vs);
+    }
+    _mm256_storeu_ps(dst + k * kNR, lo);
+    _mm256_storeu_ps(dst + k * kNR + 8, hi);
+  }
+}
 #endif
 
 // W = w_hh * mask * scale as a tensor, for the ATen GEMMs (MKL cannot apply a mask on the
@@ -445,6 +463,12 @@ class StepGemm {
               dst[k * kNR + i] = i < nv ? w_at(n0 + i, k) : 0.0f;
           }
         } else {  // dst[k][i] = W[k][n0 + i]
+#ifdef CTXFAST_LSTM_AVX2
+          if (nv == kNR) {
+            pack_panel_avx2(src, msk, sc, ld, n0, K, dst);
+            continue;
+          }
+#endif
           for (int64_t k = 0; k < K; ++k) {
             for (int64_t i = 0; i < kNR; ++i) dst[k * kNR + i] = i < nv ? w_at(k, n0 + i) : 0.0f;
           }
