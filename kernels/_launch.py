@@ -24,7 +24,7 @@ matches is one that Triton would have given the same compiled kernel:
 * a positional argument of a ``tl.constexpr`` parameter, and every keyword argument
   (constexprs, ``num_warps``, ``num_stages``): the value;
 * the current device, and the Triton knobs that enter the options (``debug``,
-  ``instrumentation_mode``).
+  ``instrumentation_mode``, and with Triton 3.9 ``fpsan_homomorphic_casts``).
 
 A matching call then reads the current stream and calls the launcher directly with the
 arguments in parameter order, exactly as ``JITFunction.run`` passes them
@@ -98,7 +98,8 @@ def _knob_state():
             return None
     if getattr(rt, "add_stages_inspection_hook", None) is not None:
         return None
-    return rt.debug, knobs.compilation.instrumentation_mode
+    comp = knobs.compilation
+    return rt.debug, comp.instrumentation_mode, getattr(comp, "fpsan_homomorphic_casts", None)
 
 
 _device_stream = None  # (get_current_device, get_current_stream) of Triton's active driver

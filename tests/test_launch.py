@@ -204,8 +204,9 @@ def test_reused_kernel_gets_what_triton_passes(toy):
 
 
 @pytest.mark.parametrize("change", ["n=1", "n not a multiple of 16", "misaligned x",
-                                    "x dtype", "constexpr", "num_warps", "scale type"])
-def test_a_new_key_goes_through_triton(toy, change):
+                                    "x dtype", "constexpr", "num_warps", "scale type",
+                                    "debug knob"])
+def test_a_new_key_goes_through_triton(toy, change, monkeypatch):
     fk, log = toy
     fk[(1,)](_x(), 64, 0.5, True, W=4)
     args, kwargs = [_x(), 64, 0.5, True], dict(W=4)
@@ -221,6 +222,8 @@ def test_a_new_key_goes_through_triton(toy, change):
         kwargs["W"] = 8
     elif change == "num_warps":
         kwargs["num_warps"] = 8
+    elif change == "debug knob":                 # enters Triton's options
+        monkeypatch.setattr(triton.knobs.runtime, "debug", True)
     else:
         args[2] = 2                            # an int where a float was
     fk[(1,)](*args, **kwargs)
