@@ -217,7 +217,8 @@ class _Clone(torch.autograd.Function):
 
 
 def host_split(device, dtype) -> List[Dict]:
-    """Where ctxfast.attention's host time per forward+backward goes, each part timed
+    """Where ctxfast.attention's host time per forward+backward goes (and rel_attention's
+    total), each part timed
     alone (µs per call, issued back to back): the autograd engine's round trip (a
     one-copy autograd Function), a Triton launch (a kernel of 4 arguments and one of 48),
     our launchers called directly (kernels.attention forward / backward, no autograd),
@@ -258,6 +259,8 @@ def host_split(device, dtype) -> List[Dict]:
                for _ in range(3))
     g = torch.randn(B, H, T, D, device=device, dtype=dtype)
     xs = torch.randn(64, device=device, requires_grad=True)
+    rel = [q, k, v] + [torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+                       for shape in ((H, T, D), (H, D), (H, D))]   # r, r_w_bias, r_r_bias
     out, lse = attn_k.attention_forward(q, k, v, causal=True)
     parts = {
         "autograd round trip (one-copy Function)":
@@ -277,6 +280,8 @@ def host_split(device, dtype) -> List[Dict]:
         "ctxfast.attention forward+backward":
             lambda: torch.autograd.grad(ctxfast.attention(q, k, v, causal=True,
                                                           backend="triton"), (q, k, v), g),
+        "ctxfast.rel_attention forward+backward":
+            lambda: torch.autograd.grad(ctxfast.rel_attention(*rel, backend="triton"), rel, g),
     }
     for name in [n for n in parts if n.startswith(("kernels.", "ctxfast."))]:
         fn = parts.pop(name)

@@ -1129,11 +1129,12 @@ def test_kernel_breakdown_host_split_and_ncu_target(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["host_split"]
-    assert len(rows) == 14 and all(r["us"] > 0 for r in rows)
+    assert len(rows) == 16 and all(r["us"] > 0 for r in rows)
     parts = [r["part"] for r in rows]
     assert rows[-1]["part"].endswith("launches stubbed")
     # the launchers and the op timed with Triton's launches and with the fast path
-    for op in ("kernels.attention_forward (direct)", "ctxfast.attention forward+backward"):
+    for op in ("kernels.attention_forward (direct)", "ctxfast.attention forward+backward",
+               "ctxfast.rel_attention forward+backward"):
         assert {op + ", JIT launches", op + ", fast-path launches"} <= set(parts)
     proc = subprocess.run([sys.executable, str(BENCH_DIR / "kernel_breakdown.py"),
                            "--ncu-target"], capture_output=True, text=True, timeout=600)
