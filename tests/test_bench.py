@@ -1222,3 +1222,27 @@ def test_config_sweep_flags_a_wrong_candidate(monkeypatch):
     assert bad and all(r.get("wrong") == "q" and r["err"] > 1 for r in bad), bad
     assert good and all("wrong" not in r and r["err"] <= 1 for r in good), good
     assert all("(4, 1)" not in line for line in config_sweep.summary(rows))
+
+
+def test_model_steps_read_no_value_to_the_host_on_the_gpu_path(tmp_path):
+    # A value read (.item(), int(t), bool(t), torch.equal) is a host-device sync on a GPU;
+    # the models' input checks made 2-7 per training step. With the value checks of CPU
+    # tensors off (what a GPU step runs), every model's forward + loss and backward read
+    # none; with them on (a CPU step), the same count sees the checks' reads.
+    counts = {}
+    for flag in ("--as-on-gpu", None):
+        out = tmp_path / f"counts{flag or ''}.json"
+        proc = subprocess.run(
+            [sys.executable, str(BENCH_DIR / "count_dispatches.py"), "--model", "gpt", "bert",
+             "xlnet", "transformer_xl", "awd_lstm", "elmo", "--case", "tiny", "--backends",
+             "ctxfast", "--json", str(out), *([flag] if flag else [])],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        reads = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.item")
+        counts[flag] = {r["model"]: sum(n for phase in ("forward + loss", "backward")
+                                        for op, n in r["counts"]["ctxfast"][phase].items()
+                                        if op in reads)
+                        for r in json.loads(out.read_text())}
+    assert len(counts["--as-on-gpu"]) == 6
+    assert all(n == 0 for n in counts["--as-on-gpu"].values()), counts["--as-on-gpu"]
+    assert all(n > 0 for n in counts[None].values()), counts[None]

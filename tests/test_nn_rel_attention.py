@@ -121,3 +121,25 @@ def test_original_calling_convention_and_strict_load_of_an_original_layer():
         own(w, r, own.r_w_bias, own.r_r_bias, mask, mems)
     with pytest.raises(ValueError, match=r"r_r_bias must have shape \[n_head, d_head\] = \[2, 16\]"):
         m(w, r, own.r_w_bias, own.r_r_bias[:1], mask, mems)
+
+
+def test_one_mask_is_read_once_for_every_layer(monkeypatch):
+    # Reading the mask's values syncs a GPU: the layers of one forward share one mask
+    # (the original code builds dec_attn_mask once), so it is read once, and again only
+    # for another mask, the same one modified in place, or other lengths.
+    from ctxfast.nn import rel_attention as mod
+    reads = []
+    real = mod._read_window
+    monkeypatch.setattr(mod, "_read_window", lambda *a: reads.append(a) or real(*a))
+    mask = _mask(4, 3)
+    for _ in range(3):
+        assert mod._window_of(mask, 4, 7) is None
+    assert len(reads) == 1
+    other = _mask(4, 3, 5)
+    assert mod._window_of(other, 4, 7) == 5 and len(reads) == 2
+    other[0, 0] = other[0, 0]                   # in place: the version counter moves on
+    assert mod._window_of(other, 4, 7) == 5 and len(reads) == 3
+    with pytest.raises(NotImplementedError):
+        other[0, 0] = ~other[0, 0]              # no longer a mask of the original code
+        mod._window_of(other, 4, 7)
+    assert len(reads) == 4

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops._common import values_checked
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -194,7 +195,7 @@ def check_ids(name: str, ids: Tensor, vocab: int, max_len: Optional[int] = None,
     if max_len is not None and ids.shape[1] > max_len:
         raise ValueError(f"{name} has length T={ids.shape[1]} but only {max_len} positions "
                          f"are left (n_positions minus cached tokens)")
-    if ids.numel() and not torch.compiler.is_compiling():  # a host sync: skipped when traced
+    if values_checked(ids):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{name} must be in [0, {vocab}) ({what}), got values in "

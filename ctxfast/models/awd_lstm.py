@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from .. import reference
 from ..nn.lstm import EmbeddingDropout, LockedDropout, WeightDropLSTM, load_awd_lstm
-from ._common import check_backend, check_ids
+from ._common import check_backend, check_ids, values_checked
 
 # fastai's dropouts for the classifier (``awd_lstm_clas_config``); the config's defaults
 # are its language-model ones (``awd_lstm_lm_config``).
@@ -306,7 +306,7 @@ def _check_targets(targets: Tensor, input_ids: Tensor, vocab: int) -> None:
     if targets.shape != input_ids.shape:
         raise ValueError(f"targets must have the shape of input_ids [B, T] = "
                          f"{tuple(input_ids.shape)}, got {tuple(targets.shape)}")
-    if targets.numel() and not torch.compiler.is_compiling():
+    if values_checked(targets):
         bad = (targets != -100) & ((targets < 0) | (targets >= vocab))
         if bool(bad.any()):
             raise ValueError(f"targets must be in [0, {vocab}) (vocab_size) or -100 "
@@ -430,8 +430,7 @@ class AWDLSTMClassifier(nn.Module):
         elif padding_mask.shape != input_ids.shape:
             raise ValueError(f"padding_mask must have the shape of input_ids [B, T] = "
                              f"{tuple(input_ids.shape)}, got {tuple(padding_mask.shape)}")
-        if input_ids.numel() and not torch.compiler.is_compiling() \
-                and bool(padding_mask.all(1).any()):
+        if values_checked(padding_mask) and bool(padding_mask.all(1).any()):
             raise ValueError("every sequence of input_ids needs at least one non-padding "
                              "token (a row is all padding)")
         if targets is not None:
@@ -441,7 +440,8 @@ class AWDLSTMClassifier(nn.Module):
             if tuple(targets.shape) != (input_ids.shape[0],):
                 raise ValueError(f"targets must have shape [B] = [{input_ids.shape[0]}], got "
                                  f"{tuple(targets.shape)}")
-            if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= cfg.n_class):
+            if values_checked(targets) and (int(targets.min()) < 0
+                                            or int(targets.max()) >= cfg.n_class):
                 raise ValueError(f"targets must be in [0, {cfg.n_class}) (n_class), got values "
                                  f"in [{int(targets.min())}, {int(targets.max())}]")
         out = self.encode(input_ids)                                  # [B, T, E]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._common import (MLP, SelfAttention, activation, check_backend, check_ids, init_weights,
-                      pack, unpack)
+                      pack, unpack, values_checked)
 
 
 @dataclass
@@ -212,7 +212,7 @@ def _check_attention_mask(mask: Optional[Tensor], B: int, T: int, device) -> Opt
     if mask.device != torch.device(device):
         raise ValueError(f"attention_mask must be on {device}, got {mask.device}")
     if mask.dtype != torch.bool:
-        if mask.numel() and not torch.compiler.is_compiling() and bool(((mask != 0) & (mask != 1)).any()):
+        if values_checked(mask) and bool(((mask != 0) & (mask != 1)).any()):
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
         mask = mask != 0
     return mask
@@ -225,7 +225,7 @@ def _check_labels(name: str, labels: Optional[Tensor], shape: tuple, n: int) -> 
         raise TypeError(f"{name} must be an integer tensor {list(shape)}")
     if tuple(labels.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(labels.shape)}")
-    if labels.numel() and not torch.compiler.is_compiling():
+    if values_checked(labels):
         bad = (labels != -100) & ((labels < 0) | (labels >= n))
         if bool(bad.any()):
             raise ValueError(f"{name} must be in [0, {n}) or -100 (ignored), got "

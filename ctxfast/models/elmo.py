@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.lstm import WeightDropLSTM
-from ._common import check_backend
+from ._common import check_backend, values_checked
 
 # AllenNLP's ELMoCharacterMapper: byte values 0..255 and five special characters, stored
 # +1 so that 0 can mean "no character" (padding).
@@ -124,7 +124,7 @@ def _check_char_ids(char_ids: object, c: ElmoConfig) -> None:
     if char_ids.dim() != 3 or char_ids.shape[2] != c.max_characters_per_token:
         raise ValueError(f"char_ids must have shape [B, T, max_characters_per_token="
                          f"{c.max_characters_per_token}], got {tuple(char_ids.shape)}")
-    if char_ids.numel() and not torch.compiler.is_compiling():
+    if values_checked(char_ids):
         lo, hi = int(char_ids.min()), int(char_ids.max())
         if lo < 0 or hi >= c.n_characters:
             raise ValueError(f"char_ids must be in [0, {c.n_characters}) (n_characters), got "
@@ -166,7 +166,7 @@ def batch_to_ids(batch: Sequence[Sequence[str]], max_chars: int = 50) -> Tensor:
 def _prefix_lengths(mask: Tensor, name: str) -> Tensor:
     """Lengths of a right-padded bool mask ``[B, T]``; refuses padding before a token."""
     lengths = mask.sum(1)                                               # [B]
-    if mask.numel() and not torch.compiler.is_compiling():
+    if values_checked(mask):
         pos = torch.arange(mask.shape[1], device=mask.device)           # [T]
         if not torch.equal(mask, pos[None, :] < lengths[:, None]):
             raise ValueError(f"{name}: padding tokens (all character ids 0) must come after "
@@ -392,7 +392,7 @@ class ElmoBiLM(nn.Module):
         if tuple(word_ids.shape) != tuple(char_ids.shape[:2]):
             raise ValueError(f"word_ids must have shape [B, T] = {tuple(char_ids.shape[:2])} "
                              f"(char_ids' first two), got {tuple(word_ids.shape)}")
-        if word_ids.numel() and not torch.compiler.is_compiling():
+        if values_checked(word_ids):
             tok = (char_ids > 0).any(-1) & (word_ids != -100)
             bad = tok & ((word_ids < 0) | (word_ids >= V))
             if bool(bad.any()):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._common import (MLP, KVCache, SelfAttention, check_backend, check_ids, check_sampling,
-                      init_weights, next_token)
+                      init_weights, next_token, values_checked)
 
 
 @dataclass
@@ -182,7 +182,7 @@ def _check_targets(targets: Tensor, idx: Tensor, vocab: int) -> None:
     if targets.shape != idx.shape:
         raise ValueError(f"targets must have the shape of idx [B, T] = {tuple(idx.shape)}, "
                          f"got {tuple(targets.shape)}")
-    if targets.numel() and not torch.compiler.is_compiling():
+    if values_checked(targets):
         bad = (targets != -100) & ((targets < 0) | (targets >= vocab))
         if bool(bad.any()):
             raise ValueError(f"targets must be in [0, {vocab}) or -100 (ignored), got "

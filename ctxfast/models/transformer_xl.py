@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from .. import ops, reference
 from ..nn.rel_attention import RelPartialLearnableMultiHeadAttn as _RelAttnLayer
-from ._common import check_sampling, next_token
+from ._common import check_sampling, next_token, values_checked
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 
@@ -467,7 +467,7 @@ class TransformerXL(nn.Module):
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
             raise ValueError(f"TransformerXL: {name} must have shape [T, B] (time-major, "
                              f"T, B >= 1), got {tuple(ids.shape)}")
-        if not torch.compiler.is_compiling():            # a host sync: skipped when traced
+        if values_checked(ids):
             lo, hi = torch.aminmax(ids)
             lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= self.n_token:

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import reference
+from ._common import values_checked
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
            "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
@@ -424,7 +425,7 @@ class XLNetModel(nn.Module):
         device = self.word_embedding.weight.device
         if input_ids.device != device:
             raise ValueError(f"{name}: input_ids is on {input_ids.device}, the model on {device}")
-        if not torch.compiler.is_compiling():
+        if values_checked(input_ids):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= c.vocab_size:
                 raise ValueError(f"{name}: input_ids must be in [0, vocab_size) = "

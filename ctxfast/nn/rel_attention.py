@@ -15,6 +15,7 @@ as ``causal=True``, or that mask plus the original code's ``same_length`` part
 ``tril(ones(qlen, klen), -mask_shift_len)``, which runs as ``causal=True, window=mlen +
 mask_shift_len`` (= the model's ``mem_len``); other masks raise ``NotImplementedError``.
 """
+import weakref
 from typing import Optional
 
 import torch
@@ -121,10 +122,33 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         return w + out if self.pre_lnorm else self.layer_norm(w + out)
 
 
+# The last mask read by _window_of: (weak reference to it, its version counter, qlen, klen,
+# window). The original code hands the same dec_attn_mask to every layer of a forward.
+_last_mask = None
+
+
 def _window_of(attn_mask: Tensor, qlen: int, klen: int) -> Optional[int]:
     """The ``window`` of an original-code mask (True = masked, ``[qlen, klen]`` or
     ``[qlen, klen, 1]``): None for the causal mask, ``W`` for causal + same_length (masked
-    exactly where the distance ``mlen + i - j`` is ``< 0`` or ``>= W``)."""
+    exactly where the distance ``mlen + i - j`` is ``< 0`` or ``>= W``).
+
+    Reading the mask's values is a host-device synchronisation on a GPU (2-3 per read). The
+    original code builds one mask per forward and passes it to every layer: the answer for
+    the mask last read is kept (the same tensor object, unmodified since: its version
+    counter), so a forward of n layers synchronises once, not n times."""
+    global _last_mask
+    if torch.compiler.is_compiling():
+        return _read_window(attn_mask, qlen, klen)
+    last = _last_mask
+    if (last is not None and last[0]() is attn_mask and last[1] == attn_mask._version
+            and last[2:4] == (qlen, klen)):
+        return last[4]
+    window = _read_window(attn_mask, qlen, klen)
+    _last_mask = (weakref.ref(attn_mask), attn_mask._version, qlen, klen, window)
+    return window
+
+
+def _read_window(attn_mask: Tensor, qlen: int, klen: int) -> Optional[int]:
     mask = (attn_mask if attn_mask.dim() == 2 else attn_mask[..., 0]).bool()
     if tuple(mask.shape) == (qlen, klen):
         dist = (klen - qlen) + torch.arange(qlen, device=mask.device)[:, None] \

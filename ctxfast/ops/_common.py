@@ -90,6 +90,21 @@ def check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, d
         raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
 
 
+#: Devices whose tensors' values (ids, labels, mask entries) the models and ops check
+#: before they run. Reading a CUDA tensor's values is a host-device synchronisation: the
+#: host waits for every kernel queued before it, and a training step's forward paid it 2-7
+#: times (one model to the next) before this rule. On a GPU an id or label out of range is
+#: caught by torch's own device-side assert instead (embedding, cross_entropy).
+VALUE_CHECK_DEVICES = ("cpu",)
+
+
+def values_checked(t: Tensor) -> bool:
+    """Whether the models and ops check the values of ``t``: a tensor with elements on a
+    device of :data:`VALUE_CHECK_DEVICES`, outside torch.compile (a graph break there)."""
+    return (t.device.type in VALUE_CHECK_DEVICES and t.numel() > 0
+            and not torch.compiler.is_compiling())
+
+
 # The Triton kernels keep a whole head-dim row of q, k, v and the output accumulator in one
 # program (BLOCK_D = next power of two >= D): beyond 256 they exceed a GPU's registers and
 # shared memory. The eager backend has no such limit.

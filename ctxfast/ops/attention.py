@@ -41,6 +41,7 @@ from ._common import check_qkv as _check_qkv
 from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
 from ._common import shape as _shape
+from ._common import values_checked as _values_checked
 from ._common import MAX_HEAD_DIM  # noqa: F401  (re-exported: the Triton kernels' limit)
 
 # The C++ CPU kernels exist only once csrc/ has them and the extension was rebuilt.
@@ -374,7 +375,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"attention_varlen: {name} must be on {q.device}, got {cu.device}")
         if not isinstance(mx, int) or mx < 0:
             raise TypeError(f"attention_varlen: max_seqlen for {name} must be an int >= 0")
-        if not torch.compiler.is_compiling():   # one host sync: lengths out of range
+        if _values_checked(cu):   # on CPU: on CUDA a host sync per call (not checked there)
             vals = cu.tolist()
             lens = [b - a for a, b in zip(vals, vals[1:])]
             if vals[0] != 0 or any(n < 0 for n in lens) or vals[-1] > total:
@@ -397,7 +398,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     Args:
         q: ``[total_q, H, D]``; k, v: ``[total_k, H, D]``. Sequence ``b`` is rows
             ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and the same of
-            ``cu_seqlens_k`` for k, v (int32 ``[B + 1]``, starting at 0).
+            ``cu_seqlens_k`` for k, v (int32 ``[B + 1]``, starting at 0). Their values
+            (non-decreasing, within the totals and the max lengths) are checked on CPU
+            tensors only: on a GPU that check would synchronise the device at every call,
+            so there, as in FlashAttention, they are the caller's to get right.
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
         causal: per sequence, bottom-right aligned: query i sees key j iff
             ``j <= i + (len_k - len_q)``.

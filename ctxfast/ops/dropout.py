@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _dispatch
+from ._common import values_checked
 from .attention import draw_seed
 
 _CPU_MASK = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "keep_mask_cpu")
@@ -101,10 +102,9 @@ def locked_dropout(x: Tensor, p: float, *, batch_first: bool = False, training: 
 def check_ids_in_vocab(op: str, name: str, ids: Tensor, V: int) -> None:
     """ids out of ``[0, V)`` raise a ValueError naming the argument and the vocabulary size
     (F.embedding says only "index out of range in self"). Checked where it costs no device
-    sync and no graph break: on CPU, outside torch.compile (on CUDA an id out of range is
-    a device-side assert)."""
-    if (not isinstance(ids, Tensor) or ids.device.type != "cpu" or not ids.numel()
-            or torch.compiler.is_compiling()):
+    sync and no graph break (``ops._common.values_checked``: on CPU, outside torch.compile;
+    on CUDA an id out of range is a device-side assert)."""
+    if not isinstance(ids, Tensor) or not values_checked(ids):
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= V:
