@@ -82,6 +82,7 @@ Not yet measured on a GPU (written without one): the tile sizes and the program 
 first guesses, and the dots are plain ``tl.dot`` on the tensor cores (fp16/bf16; fp32 as
 tf32x3 by default, :data:`FP32_PRECISION`; fp64 as FMA).
 """
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -606,6 +607,7 @@ def _premask(w: torch.Tensor, mask: Optional[torch.Tensor], T: int):
     return w * mask, None
 
 
+@functools.lru_cache(maxsize=256)
 def _below(clip_s: float, dtype: torch.dtype) -> float:
     """The largest value of `dtype` below the stored clip (fp16/bf16; else clip_s)."""
     if math.isinf(clip_s) or dtype not in (torch.float16, torch.bfloat16):
@@ -614,14 +616,31 @@ def _below(clip_s: float, dtype: torch.dtype) -> float:
     return float(bits.view(dtype))
 
 
+#: _params' tensors by (device, accumulation dtype, values).
+_PARAMS: dict = {}
+
+
 def _params(device, dtype: torch.dtype, *values: float) -> torch.Tensor:
     """The kernels' float parameters (scale, clips) as a tensor in the accumulation dtype.
     Scalar kernel arguments would be fp32 on a GPU but fp64 in the interpreter; loading
-    them from memory gives both (and fp64 inputs) the same, exact values. inf -> 0 (unused)."""
+    them from memory gives both (and fp64 inputs) the same, exact values. inf -> 0 (unused).
+
+    Kept per (device, dtype, values), read-only: made from Python floats, the tensor is a
+    copy from pageable host memory, which synchronises a GPU's stream (the host waits for
+    every queued kernel); a model passes the same values at every step, so only its first
+    call pays that (and a CUDA graph can capture the later ones)."""
     _, acc = _acc_dtype(dtype)
-    return torch.tensor([0.0 if math.isinf(v) else v for v in values], dtype=acc, device=device)
+    key = (device, acc, values)
+    prm = _PARAMS.get(key)
+    if prm is None:
+        if len(_PARAMS) >= 256:
+            _PARAMS.clear()
+        prm = _PARAMS[key] = torch.tensor([0.0 if math.isinf(v) else v for v in values],
+                                          dtype=acc, device=device)
+    return prm
 
 
+@functools.lru_cache(maxsize=256)
 def _stored_clip(clip: float, dtype: torch.dtype) -> float:
     """The value a clamp to ±clip (in the accumulation dtype) leaves in a tensor of `dtype`:
     the backward compares the stored values with this."""
@@ -658,8 +677,8 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     w_hh, mask = _premask(w_hh, mask, T)
     w_hr = w_hr.to(dtype).contiguous() if w_hr is not None else None
     hp = xw.new_empty((B, H)) if w_hr is not None else out
-    prm = torch.cat([_clip_params(xw.device, dtype, scale, cell_clip),
-                     _clip_params(xw.device, dtype, 1.0, proj_clip)[1:]])
+    prm = _params(xw.device, dtype, *_clip_values(dtype, scale, cell_clip),
+                  *_clip_values(dtype, 1.0, proj_clip)[1:])
     cfg, grid, options = _plan(B, H, P, dtype, xw.device)
     sync = torch.zeros(1, dtype=torch.int32, device=xw.device)
     c_carry = c0.to(_acc_dtype(dtype)[1]).clone()                       # [B, H] fp32 (fp64)
@@ -683,10 +702,10 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     return out, cells, gates
 
 
-def _clip_params(device, dtype: torch.dtype, scale: float, clip: float) -> torch.Tensor:
-    """[scale, clip as stored in `dtype`, the stored value just below it]."""
+def _clip_values(dtype: torch.dtype, scale: float, clip: float) -> Tuple[float, float, float]:
+    """(scale, clip as stored in `dtype`, the stored value just below it)."""
     clip_s = _stored_clip(clip, dtype)
-    return _params(device, dtype, scale, clip_s, _below(clip_s, dtype))
+    return scale, clip_s, _below(clip_s, dtype)
 
 
 def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Tensor,

@@ -391,6 +391,31 @@ def test_triton_runs_all_steps_in_one_launch_each_way(monkeypatch):
 
 
 @needs_triton
+def test_triton_makes_no_tensor_from_host_values_after_the_first_call(monkeypatch):
+    """The kernels' scale and clips live in a small tensor; made from Python floats it is a
+    copy from host memory, which on a GPU synchronises the stream. A model passes the same
+    values every step: only the first call makes it (per device, dtype and values)."""
+    from ctxfast.kernels import lstm as lstm_kernels
+    args, kw = _inputs(4, 2, 5, 20, 12, mask=True)
+    kw.update(cell_clip=3.0, proj_clip=2.0)
+
+    def step():
+        out, h, c = _call(ctxfast.lstm, args, kw, backend="triton")
+        (out.sum() + h.sum() + c.sum()).backward()
+
+    step()                                          # the first call makes them
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    step()
+    assert made == []
+    a = lstm_kernels._params(torch.device("cpu"), torch.float16, 1.0, 2.0)
+    assert lstm_kernels._params(torch.device("cpu"), torch.float16, 1.0, 2.0) is a
+    assert lstm_kernels._params(torch.device("cpu"), torch.float16, 1.0, 3.0) is not a
+    assert lstm_kernels._params(torch.device("cpu"), torch.float32, 1.0, 2.0) is a  # fp32 acc
+
+
+@needs_triton
 def test_triton_premasked_weight_gives_the_same_bits(monkeypatch):
     """From PREMASK_MIN_T steps the launchers read one per-call copy w_hh · mask instead of
     the mask with every tile: exact for a 0/1 mask, so outputs and every gradient are
