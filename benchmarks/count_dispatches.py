@@ -17,7 +17,7 @@ same calls at this level, its kernels inside).
 
 Counts, not times; the op names say what each path does per step. ``host reads`` counts
 the ops that bring a tensor's value to the host (``.item()``, ``int(t)``, ``bool(t)``,
-``torch.equal``): on a GPU each is a host-device synchronisation, which stalls the queue
+``torch.equal``, and ``nonzero`` / boolean-mask indexing, whose output size is data): on a GPU each is a host-device synchronisation, which stalls the queue
 of launches. ``--as-on-gpu`` turns off the value checks the models and ops make on CPU
 tensors only (``ctxfast.ops._common.VALUE_CHECK_DEVICES``), so that the reads left are
 those a GPU step would make (the optimizer's are its step counters, CPU tensors there).
@@ -39,7 +39,8 @@ import bench_models as BM  # noqa: E402
 
 
 #: Ops that read a value to the host: a synchronisation on a GPU.
-HOST_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.item")
+HOST_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.item",
+              "aten.nonzero", "aten.masked_select")    # the last two: an output sized by data
 
 
 class CountOps(TorchDispatchMode):
