@@ -260,6 +260,13 @@ def test_hooks_globals_and_grids_keep_tritons_path(toy, monkeypatch):
     assert [e[0] for e in log].count("jit") == 4
 
 
+def test_an_unhashable_argument_takes_tritons_path(toy):
+    fk, log = toy
+    fk[(1,)](_x(), 64, 0.5, True, W=4, EXTRA=[1])      # a list: no key can hold it
+    assert fk.misses == 0 and fk.hits == 0
+    assert [e[0] for e in log] == ["jit", "launch"]
+
+
 def test_table_is_bounded(toy, monkeypatch):
     fk, _ = toy
     monkeypatch.setattr(_launch, "MAX_KEYS", 3)
