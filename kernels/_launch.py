@@ -28,10 +28,9 @@ matches is one that Triton would have given the same compiled kernel:
 
 The per-argument part is one C call (``ctxfast._C.launch_key``; a Python loop where the
 extension is not built cost about as much as it saved). A matching call then reads the
-current stream and calls the launcher directly with the
-arguments in parameter order, exactly as ``JITFunction.run`` passes them
-(``*bound_args.values()``: positional arguments, then every later parameter from the
-keywords or its default). Triton's path is taken instead whenever a launch hook is set
+current stream and calls the launcher directly with the arguments in parameter order,
+exactly as ``JITFunction.run`` passes them (``*bound_args.values()``: positional arguments,
+then every later parameter from the keywords or its default). Triton's path is taken instead whenever a launch hook is set
 (profilers such as proton), the kernel has pre-run hooks, a global the kernel read has
 changed (Triton raises then), or the grid is not a tuple. ``CTXFAST_TRITON_LAUNCH=jit`` (at
 import) or ``LAUNCH = "jit"`` turns the fast path off; under the interpreter it is never on.
