@@ -158,11 +158,11 @@ class FastKernel:
             return self.fn[grid](*args, **kwargs)
         current_device, current_stream = _driver_calls()
         device = current_device()
-        key = (device, self.key(args, kwargs, state))
         try:
+            key = (device, self.key(args, kwargs, state))
             entry = self.cache.get(key)
-        except TypeError:            # an unhashable argument (none of ours): Triton's path
-            return self.fn[grid](*args, **kwargs)
+        except (TypeError, ValueError):  # an unhashable argument, a tensor with no storage
+            return self.fn[grid](*args, **kwargs)   # (none of ours): Triton's own path
         if entry is None or not self._globals_unchanged():
             return self._first(key, grid, args, kwargs)
         kernel, run, function, packed, tail = entry

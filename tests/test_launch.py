@@ -267,6 +267,16 @@ def test_an_unhashable_argument_takes_tritons_path(toy):
     assert [e[0] for e in log] == ["jit", "launch"]
 
 
+def test_a_tensor_without_storage_takes_tritons_path(toy, monkeypatch):
+    fk, log = toy
+    monkeypatch.setattr(_launch, "args_key", KEY_FUNCTIONS["C"])
+    with pytest.raises(ValueError, match="no storage"):
+        _launch.args_key((torch.zeros(4).to_sparse(),))
+    with pytest.raises(RuntimeError, match="data pointer"):     # Triton's binder's own error
+        fk[(1,)](torch.zeros(32).to_sparse(), 64, 0.5, True, W=4)
+    assert fk.misses == 0 and fk.hits == 0 and log == []
+
+
 def test_table_is_bounded(toy, monkeypatch):
     fk, _ = toy
     monkeypatch.setattr(_launch, "MAX_KEYS", 3)
