@@ -32,7 +32,8 @@ current stream and calls the launcher directly with the arguments in parameter o
 exactly as ``JITFunction.run`` passes them (``*bound_args.values()``: positional arguments,
 then every later parameter from the keywords or its default). Triton's path is taken instead whenever a launch hook is set
 (profilers such as proton), the kernel has pre-run hooks, a global the kernel read has
-changed (Triton raises then), or the grid is not a tuple. ``CTXFAST_TRITON_LAUNCH=jit`` (at
+changed (Triton raises then), or the grid is not a tuple; and for good, with a warning, if a
+launcher ever refuses the arguments (a Triton release this path does not match). ``CTXFAST_TRITON_LAUNCH=jit`` (at
 import) or ``LAUNCH = "jit"`` turns the fast path off; under the interpreter it is never on.
 Host time before the launcher, measured on a CPU (``benchmarks/launch_overhead.py``): ~44
 us per launch through Triton, ~7.6 through the fast path.
@@ -40,6 +41,7 @@ us per launch through Triton, ~7.6 through the fast path.
 import importlib
 import inspect
 import os
+import warnings
 
 import torch
 from triton import knobs
@@ -167,9 +169,16 @@ class FastKernel:
             return self._first(key, grid, args, kwargs)
         kernel, run, function, packed, tail = entry
         n = len(grid)
+        try:
+            run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                current_stream(device), function, packed, None, None, None, *args, *tail)
+        except (TypeError, SystemError) as e:
+            # The launcher refused the arguments before launching anything (its argument
+            # parsing): a Triton release whose launcher this path does not match. Say so
+            # once, launch through Triton from now on.
+            _give_up(e)
+            return self.fn[grid](*args, **kwargs)
         self.hits += 1
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, current_stream(device),
-            function, packed, None, None, None, *args, *tail)
         return kernel
 
     def tail(self, args, kwargs):
@@ -199,6 +208,15 @@ class FastKernel:
 
 
 _WRAPPED = {}
+
+
+def _give_up(error: BaseException) -> None:
+    global LAUNCH
+    LAUNCH = "jit"
+    warnings.warn(f"ctxfast: the fast Triton launch path failed ({type(error).__name__}: "
+                  f"{error}); every launch goes through Triton's JITFunction.run from now on "
+                  "(CTXFAST_TRITON_LAUNCH=jit does this from the start)", RuntimeWarning,
+                  stacklevel=3)
 
 
 def fast(kernel):

@@ -277,6 +277,21 @@ def test_a_tensor_without_storage_takes_tritons_path(toy, monkeypatch):
     assert fk.misses == 0 and fk.hits == 0 and log == []
 
 
+def test_a_launcher_that_refuses_the_arguments_turns_the_path_off(toy, monkeypatch):
+    fk, log = toy
+    fk[(1,)](_x(), 64, 0.5, True, W=4)                   # remembered
+    kernel = fk.cache[next(iter(fk.cache))]
+
+    def refuse(*a):
+        raise TypeError("function takes exactly 13 arguments")
+    fk.cache[next(iter(fk.cache))] = (kernel[0], refuse, *kernel[2:])
+    with pytest.warns(RuntimeWarning, match="fast Triton launch path failed"):
+        fk[(1,)](_x(), 64, 0.5, True, W=4)               # Triton's path instead
+    assert _launch.LAUNCH == "jit" and fk.hits == 0
+    assert [e[0] for e in log] == ["jit", "launch", "jit", "launch"]
+    assert _launch.fast(_toy_kernel) is _toy_kernel      # and from now on
+
+
 def test_table_is_bounded(toy, monkeypatch):
     fk, _ = toy
     monkeypatch.setattr(_launch, "MAX_KEYS", 3)
