@@ -1,7 +1,7 @@
 """No host-device synchronisation in a training step on a GPU: every model's forward + loss
-and backward, and the Triton LSTM and varlen attention calls, run under
-``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising CUDA call
-(a value read to the host, a blocking copy from host memory). On the CPU,
+and backward, its evaluation forward, and the Triton LSTM and varlen attention calls run
+under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising CUDA
+call (a value read to the host, a blocking copy from host memory). On the CPU,
 ``benchmarks/count_dispatches.py --as-on-gpu`` counts the value reads of the same steps
 (``tests/test_bench.py``); this test also sees the copies that count cannot. Skipped
 without CUDA."""
@@ -33,7 +33,7 @@ def no_sync():
 
 
 @pytest.mark.parametrize("model", ["gpt", "bert", "xlnet", "transformer_xl", "awd_lstm", "elmo"])
-def test_train_step_does_not_synchronise(model):
+def test_train_step_and_evaluation_do_not_synchronise(model):
     case = next(c for c in BM.QUICK_CASES if c.model == model and c.label == "tiny")
     wl = BM.WORKLOADS[model]
     device = torch.device("cuda")
@@ -46,9 +46,16 @@ def test_train_step_does_not_synchronise(model):
         loss, _ = wl.run(net, batch)
         loss.backward()
 
-    step()                                        # compiles, and makes what is kept
-    with no_sync():
-        step()
+    def evaluate():
+        net.eval()
+        with torch.no_grad():
+            wl.run(net, batch)
+        net.train()
+
+    for fn in (step, evaluate):
+        fn()                                      # compiles, and makes what is kept
+        with no_sync():
+            fn()
 
 
 def test_triton_lstm_and_varlen_attention_do_not_synchronise():
