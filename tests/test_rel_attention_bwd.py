@@ -113,24 +113,32 @@ def test_atomic_dr_against_reference(monkeypatch):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)
 
 
-@needs_triton
-def test_band_in_two_halves_against_reference(monkeypatch):
-    """The dK/dV and dR kernels with HALVES (the band of r rows / of keys in two halves of
-    BLOCK_N, as on a GPU's 64 x 64 tiles; kernels.rel_attention.HALVES_MIN_BLOCK lowered to
-    the interpreter's 16): the module's reference checks, every gradient against float64
-    within 2x eager, and a spy that both kernels ran in halves."""
+def _variant_reference_checks():
+    """The reference checks a kernel variant runs (set by the caller's monkeypatch): dr and
+    every gradient against float64 within 2x eager with memory, a window, a longer r and
+    causal off, XLNet's bidirectional order with every mask, rows that see no key, and
+    dropout."""
     import test_rel_attention as rel_tests
-    import ctxfast.kernels.rel_attention as krel
-    monkeypatch.setattr(krel, "HALVES_MIN_BLOCK", 16)
-    seen = spy_launches(monkeypatch, krel,
-                        ("_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"),
-                        lambda args, kwargs: kwargs["HALVES"])
     test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
     test_dr_against_float64(2, 3, 21, 0, 23, 22, 7, True)
     test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
     test_dr_bidirectional_with_every_mask()
     rel_tests.test_rows_that_see_no_key()
     rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
+
+
+@needs_triton
+def test_band_in_two_halves_against_reference(monkeypatch):
+    """The dK/dV and dR kernels with HALVES (the band of r rows / of keys in two halves of
+    BLOCK_N, as on a GPU's 64 x 64 tiles; kernels.rel_attention.HALVES_MIN_BLOCK lowered to
+    the interpreter's 16): the module's reference checks, every gradient against float64
+    within 2x eager, and a spy that both kernels ran in halves."""
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setattr(krel, "HALVES_MIN_BLOCK", 16)
+    seen = spy_launches(monkeypatch, krel,
+                        ("_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"),
+                        lambda args, kwargs: kwargs["HALVES"])
+    _variant_reference_checks()
     assert {name for name, _ in seen} == {"_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dr_kernel"}
     assert all(halves for _, halves in seen), seen
 
@@ -142,18 +150,12 @@ def test_carried_gather_against_reference(monkeypatch):
     reference checks, forward and every gradient against float64 within 2x eager: memory,
     a longer r, XLNet's order with segments and padding, a window, rows that see no key,
     dropout, split decoding; and a spy that both kernels ran with CARRY."""
-    import test_rel_attention as rel_tests
     import ctxfast.kernels.rel_attention as krel
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "carry", True)
     seen = spy_launches(monkeypatch, krel,
                         ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"),
                         lambda args, kwargs: kwargs["CARRY"])
-    test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
-    test_dr_against_float64(2, 3, 21, 0, 23, 22, 7, True)
-    test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
-    test_dr_bidirectional_with_every_mask()
-    rel_tests.test_rows_that_see_no_key()
-    rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
+    _variant_reference_checks()
     from ctxfast.kernels.rel_attention import rel_attention_forward
     ts = _inputs(2, 2, 3, 70, 16, 70)
     out3, lse3 = rel_attention_forward(*ts, num_splits=3)
