@@ -1,7 +1,8 @@
 """How each LSTM implementation runs the recurrence, timed side by side (persistent against
 per-step launches): the Triton kernels in one persistent cooperative launch and launched per step
 (``kernels/lstm.py``'s ``LAUNCH``; the persistent one also with exact fp32 dots instead of
-tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent and per step
+tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and tensor cores,
+``persistent-mma``, where there is no projection) and per step
 (``CTXFAST_LSTM_CUDA_KERNEL``), and cuDNN's ``nn.LSTM`` with fastai-style WeightDropout
 (``bench_lstm.FastaiWeightDropLSTM``), one layer each at the benchmark's ULMFiT and ELMo
 sizes, forward and forward+backward, fp32 and bf16.
@@ -69,7 +70,7 @@ def _forms(device: torch.device) -> List[str]:
     if _dispatch.why_unavailable("triton", device) is None:
         forms += ["triton persistent", "triton stepwise", "triton persistent ieee"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
-        forms += ["cuda persistent", "cuda per-step"]
+        forms += ["cuda persistent", "cuda persistent-mma", "cuda per-step"]
     if device.type == "cuda":
         forms.append("cuDNN+WeightDropout")
     return forms
@@ -91,6 +92,8 @@ def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
             params = [ref.weight_ih_l0, ref.weight_hh_l0, ref.bias_ih_l0, ref.bias_hh_l0]
             w_hr = ref.weight_hr_l0 if P else None
             for form in _forms(device):
+                if form == "cuda persistent-mma" and P:
+                    continue                        # the tensor-core kernels: no projection yet
                 if form == "cuDNN+WeightDropout":
                     if clip is not None:
                         continue                                    # nn.LSTM cannot clip

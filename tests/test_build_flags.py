@@ -57,6 +57,16 @@ def test_cuda_kernels_have_no_approximate_transcendentals(tmp_path, source):
     found = sorted(set(re.findall(r"\b(tanh\.approx\.f32|div\.approx\.f32|div\.full\.f32|"
                                   r"sin\.approx\.f32|cos\.approx\.f32|lg2\.approx\.f32)", text)))
     assert not found, f"{source}: approximate float32 math in the PTX: {found}"
+    # The tensor-core LSTM kernels: every instantiation's products are tensor-core MMAs.
+    entries = {m.group(1): body for m, body in
+               ((re.match(r"\s*(\S+)\(", chunk), chunk) for chunk in text.split(".entry")[1:])
+               if m and "mma_kernel" in m.group(1)}
+    if source == "lstm.cu":
+        assert len(entries) == 6, sorted(entries)       # fwd and bwd x fp32, fp16, bf16
+        for name, body in entries.items():
+            assert "wmma.mma.sync" in body, f"{name}: no tensor-core MMA in the PTX"
+            if "kernelIf" in name:                      # float32: tf32 operands, split in two
+                assert ".tf32" in body and "cvt.rna.tf32.f32" in body, name
 
 
 def _ptxas_facts(text):

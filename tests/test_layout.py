@@ -34,7 +34,7 @@ def test_build_info_records_the_cuda_decision():
 
 
 def test_cuda_sources_include_no_torch_header():
-    for f in list((ROOT / "csrc" / "cuda").glob("*.cu")) + list((ROOT / "csrc" / "cuda").glob("*.h")):
+    for f in [p for ext in ("*.cu", "*.cuh", "*.h") for p in (ROOT / "csrc" / "cuda").glob(ext)]:
         for line in f.read_text().splitlines():
             if line.strip().startswith("#include"):
                 assert not any(t in line for t in ("torch/", "ATen/", "c10/", "pybind11")), \

@@ -8,8 +8,12 @@
 //    shared memory; chosen where lstm_*_persistent_plan says the slices fit on chip and the
 //    grid is co-resident (cudaOccupancy, opt-in shared memory, SM count);
 //  * per step: cuBLAS GEMMs (ATen, float32) + the fused cell kernels, otherwise.
-// CTXFAST_LSTM_CUDA_KERNEL = auto (default) | persistent | per_step forces one; asking
-// for "persistent" where it cannot run is an error, never a silent fallback.
+//  * persistent_mma: the same schedule with each step's products on the tensor cores
+//    (csrc/cuda/lstm_kernels.cuh; no projection). Opt-in until a GPU has measured it: its
+//    logic is checked on the CPU under an emulator (tests/test_lstm_cuda_emu.py) only.
+// CTXFAST_LSTM_CUDA_KERNEL = auto (default: persistent where it fits, else per_step) |
+// persistent | persistent_mma | per_step forces one; asking for a persistent kernel where
+// it cannot run is an error, never a silent fallback.
 // Dtypes: float32, float16, bfloat16 (float32 arithmetic and state); float64 is rejected
 // (use the cpu or eager backend). Non-contiguous inputs are made contiguous here.
 // Weight gradients are one GEMM each over all steps (float32), after the recurrence.
@@ -46,22 +50,27 @@ cuda::LstmDtype lstm_dtype(const char* op, at::ScalarType t) {
   return t == at::kHalf ? cuda::LstmDtype::kFloat16 : cuda::LstmDtype::kBFloat16;
 }
 
-enum class Path { kAuto, kPersistent, kPerStep };
+enum class Path { kAuto, kPersistent, kPersistentMma, kPerStep };
 
 Path requested_path(const char* op) {
   const char* v = std::getenv("CTXFAST_LSTM_CUDA_KERNEL");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Path::kAuto;
   if (std::strcmp(v, "persistent") == 0) return Path::kPersistent;
+  if (std::strcmp(v, "persistent_mma") == 0) return Path::kPersistentMma;
   TORCH_CHECK_VALUE(std::strcmp(v, "per_step") == 0, op, ": CTXFAST_LSTM_CUDA_KERNEL must "
-                    "be auto, persistent or per_step, got '", v, "'");
+                    "be auto, persistent, persistent_mma or per_step, got '", v, "'");
   return Path::kPerStep;
 }
 
-// The persistent plan, or plan.ok == false for the per-step path.
-cuda::LstmPlan choose(const char* op, Path path, const cuda::LstmPlan& plan) {
+// The persistent plan of the requested kernel, or plan.ok == false for the per-step path.
+template <typename PlanFn>
+cuda::LstmPlan choose(const char* op, Path path, PlanFn plan_for) {
   if (path == Path::kPerStep) return cuda::LstmPlan{false, 0, 0, 0, 0, "per_step requested"};
-  TORCH_CHECK(plan.ok || path == Path::kAuto, op, ": CTXFAST_LSTM_CUDA_KERNEL=persistent, but "
-              "the persistent kernel cannot run at these sizes: ", plan.why);
+  const cuda::LstmPlan plan = plan_for(path == Path::kPersistentMma ? cuda::LstmKernel::kMma
+                                                                    : cuda::LstmKernel::kFma);
+  TORCH_CHECK(plan.ok || path == Path::kAuto, op, ": CTXFAST_LSTM_CUDA_KERNEL=",
+              path == Path::kPersistentMma ? "persistent_mma" : "persistent",
+              ", but the persistent kernel cannot run at these sizes: ", plan.why);
   return plan;
 }
 
@@ -133,9 +142,21 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
   Tensor c32 = at::empty({d.B, d.H}, f32);  // c_{t-1}, float32
   c32.copy_(c0);
 
-  const cuda::LstmPlan plan = choose(
-      kFwd, path,
-      path == Path::kPerStep ? cuda::LstmPlan{} : cuda::lstm_forward_persistent_plan(cd, cdt, dev));
+  const cuda::LstmPlan plan = choose(kFwd, path, [&](cuda::LstmKernel k) {
+    return cuda::lstm_forward_persistent_plan(cd, cdt, dev, k);
+  });
+  if (plan.ok && plan.kernel == cuda::LstmKernel::kMma) {
+    // h_{t-1} as tensor-core operands, ping-pong, zero outside [B, P] (float32 storage:
+    // float32, split into tf32 halves in the kernel).
+    Tensor hop = at::zeros({2, plan.bpad, plan.kld}, opts);
+    const Tensor h0f = h0.to(at::kFloat).contiguous();
+    check_cuda(cuda::lstm_forward_persistent_mma(
+                   plan, cd, cdt, xw_c.data_ptr(), w_hh_c.data_ptr(), ptr_or_null(mask_c),
+                   h0f.data_ptr<float>(), hop.data_ptr(), c32.data_ptr<float>(),
+                   out.data_ptr(), cells.data_ptr(), gates.data_ptr(), stream),
+               kFwd, "the tensor-core persistent forward kernel launch");
+    return {out, cells, gates};
+  }
   if (plan.ok) {
     Tensor h32 = at::empty({2, d.B, d.P}, f32);  // ping-pong h_{t-1} / h_t
     h32[0].copy_(h0);
@@ -214,11 +235,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
   Tensor hp = d.proj ? at::empty({d.T, d.B, d.H}, f32) : Tensor();  // o tanh(c_t)
   Tensor gh0;
 
-  const cuda::LstmPlan plan = choose(
-      kBwd, path,
-      path == Path::kPerStep ? cuda::LstmPlan{}
-                             : cuda::lstm_backward_persistent_plan(cd, cdt, dev));
-  if (plan.ok) {
+  const cuda::LstmPlan plan = choose(kBwd, path, [&](cuda::LstmKernel k) {
+    return cuda::lstm_backward_persistent_plan(cd, cdt, dev, k);
+  });
+  if (plan.ok && plan.kernel == cuda::LstmKernel::kMma) {
+    Tensor part = at::empty({plan.blocks, plan.bpad, plan.kp}, f32);  // per-block partial dL/dh
+    gh0 = at::empty({d.B, d.P}, f32);
+    check_cuda(cuda::lstm_backward_persistent_mma(
+                   plan, cd, cdt, go.data_ptr(), gc.data_ptr(), out_c.data_ptr(),
+                   cells_c.data_ptr(), gates_c.data_ptr(), c0_c.data_ptr(), w_hh_c.data_ptr(),
+                   ptr_or_null(mask_c), dh_in.data_ptr<float>(), dc.data_ptr<float>(),
+                   part.data_ptr<float>(), dz.data_ptr<float>(), gh0.data_ptr<float>(), stream),
+               kBwd, "the tensor-core persistent backward kernel launch");
+  } else if (plan.ok) {
     const Tensor w_hr_t = d.proj ? w_hr_c.t().contiguous() : Tensor();  // [H, P]
     Tensor part = at::empty({plan.blocks, d.B, d.P}, f32);  // per-block partial dL/dh
     gh0 = at::empty({d.B, d.P}, f32);

@@ -15,6 +15,9 @@
 //    rows of w_hh of its hidden units (4 gate rows each) in shared memory for the whole
 //    call; grid.sync() separates the steps (and the projection phase). Used where the
 //    weight slices fit on chip and all blocks are co-resident (lstm_*_persistent_plan).
+//    Two kernels (LstmKernel): the step's products on the CUDA cores (kFma, any sizes,
+//    projection and clips), or on the tensor cores (kMma: WMMA tiles, bf16/fp16 operands
+//    as stored, float32 as tf32x3; no projection; sm_80 or newer).
 //  * per step: cuBLAS GEMMs issued by the binding (ATen) + the fused cell kernels below,
 //    one launch each per step. Used where the weights do not fit on chip.
 #pragma once
@@ -42,6 +45,8 @@ struct LstmDims {
   float proj_clip, proj_clip_s, proj_clip_below;
 };
 
+enum class LstmKernel : int { kFma = 0, kMma = 1 };
+
 // Launch configuration of a persistent kernel; ok == false says why not in `why`.
 struct LstmPlan {
   bool ok;
@@ -50,10 +55,16 @@ struct LstmPlan {
   int units;             // hidden units per block (the last block may have fewer)
   size_t smem_bytes;     // dynamic shared memory per block
   const char* why;       // reason when !ok (static string)
+  LstmKernel kernel = LstmKernel::kFma;
+  // kMma only: B and P rounded up to 16, the operand rows' leading dimension (kp + a
+  // 16-byte skew), the number of K slices of the forward's product.
+  int bpad = 0, kp = 0, kld = 0, ksplit = 0;
 };
 
-LstmPlan lstm_forward_persistent_plan(const LstmDims& d, LstmDtype dt, int device);
-LstmPlan lstm_backward_persistent_plan(const LstmDims& d, LstmDtype dt, int device);
+LstmPlan lstm_forward_persistent_plan(const LstmDims& d, LstmDtype dt, int device,
+                                      LstmKernel kernel = LstmKernel::kFma);
+LstmPlan lstm_backward_persistent_plan(const LstmDims& d, LstmDtype dt, int device,
+                                       LstmKernel kernel = LstmKernel::kFma);
 
 // ---------------------------------------------------------------- persistent kernels
 // Forward. In: xw [T,B,4H], w_hh [4H,P], mask [4H,P] or null, w_hr [P,H] or null.
@@ -78,6 +89,24 @@ cudaError_t lstm_backward_persistent(const LstmPlan& plan, const LstmDims& d, Ls
                                      const void* c0, const void* w_hh, const void* mask,
                                      const void* w_hr_t, float* dh_in, float* dc, float* part,
                                      float* dz, float* hp, float* grad_h0, cudaStream_t stream);
+
+// Tensor-core forward (plan.kernel == kMma; no projection, P == H). h0 [B,P] float;
+// hop [2, plan.bpad, plan.kld] operand-dtype workspace (float32 for float32 storage, else
+// the storage dtype), zero-filled by the caller; c32 [B,H] float (c0 in, c_T out).
+// Out: out [T,B,P], cells [T,B,H], gates [T,B,4H].
+cudaError_t lstm_forward_persistent_mma(const LstmPlan& plan, const LstmDims& d, LstmDtype dt,
+                                        const void* xw, const void* w_hh, const void* mask,
+                                        const float* h0, void* hop, float* c32, void* out,
+                                        void* cells, void* gates, cudaStream_t stream);
+
+// Tensor-core backward (no projection): as lstm_backward_persistent with
+// part [plan.blocks, plan.bpad, plan.kp] float and no w_hr_t / hp.
+cudaError_t lstm_backward_persistent_mma(const LstmPlan& plan, const LstmDims& d, LstmDtype dt,
+                                         const void* grad_out, const void* grad_cells,
+                                         const void* out, const void* cells, const void* gates,
+                                         const void* c0, const void* w_hh, const void* mask,
+                                         float* dh_in, float* dc, float* part, float* dz,
+                                         float* grad_h0, cudaStream_t stream);
 
 // ---------------------------------------------------------------- per-step kernels
 // Forward cell of one step: z = xw_t + zacc (zacc [B,4H] float = h_{t-1} @ W^T, scale

@@ -104,6 +104,31 @@ def test_elmo_size_bf16(path):
     check_cuda(4, 8, 4096, 512, True, True, 3.0, 3.0, True, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("use_mask, cc, reverse", [
+    (False, math.inf, False), (True, 0.9, True)], ids=["plain", "mask+cellclip+rev"])
+@pytest.mark.parametrize("T, B, H", [(1, 3, 13), (9, 37, 61), (5, 64, 256)],
+                         ids=["T1", "odd", "tiles"])
+def test_tensor_core_kernels_against_reference(monkeypatch, dtype, T, B, H, use_mask, cc,
+                                                reverse):
+    # The tensor-core persistent kernels (no projection): checked on the CPU under the
+    # emulator of tests/test_lstm_cuda_emu.py; here on the hardware.
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
+    check_cuda(T, B, H, 0, False, use_mask, cc, math.inf, reverse, dtype)
+
+
+def test_tensor_core_kernels_ulmfit_size_bf16(monkeypatch):
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
+    check_cuda(6, 64, 1152, 0, False, True, math.inf, math.inf, False, torch.bfloat16)
+
+
+def test_tensor_core_kernels_refuse_a_projection(monkeypatch):
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
+    args = [t.to("cuda", torch.float32) for t in make_inputs(2, 3, 8, 4, True, False)[:5]]
+    with pytest.raises(RuntimeError, match="no projection"):
+        torch.ops.ctxfast.lstm_recurrence_native(*args, None, 1.0, math.inf, math.inf, False)
+
+
 def test_auto_falls_back_to_per_step_where_weights_do_not_fit(monkeypatch):
     # 4H x P float32 = 64 MiB: more than any GPU's shared memory in total, so "auto" must
     # take the per-step path (and "persistent" must refuse, never silently fall back).

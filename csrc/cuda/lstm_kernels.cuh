@@ -1,0 +1,813 @@
+// LSTM recurrence, CUDA kernels: the persistent kernels (CUDA cores and tensor cores),
+// their shared device helpers, and the pure-host shape of their launches. Plain CUDA (no
+// torch); included by csrc/cuda/lstm.cu, which owns the launches, the device queries and
+// the per-step kernels, and by the CPU emulator test (tests/cuda_emu, built with
+// CTXFAST_CUDA_EMULATION), which runs these same kernels on a machine without a GPU.
+//
+// Persistent forward, CUDA cores (one cooperative launch for all T steps)
+//   Block k owns hidden units [k*U, k*U + U) and keeps their 4 gate rows of w_hh * mask
+//   (4U x P, storage dtype) in shared memory for the whole call: the recurrent weight is
+//   read from HBM once per call, not once per step, and the module's weight is never
+//   written. Per step:
+//   phase 1: for each batch tile of 8 rows, the block stages h_{t-1} (float32) in shared
+//            memory; each warp takes one unit and computes its 4 gates x 8 batch rows
+//            (32 dot products of length P, split over the lanes, then one 31-shuffle
+//            reduce-scatter that leaves lane l with gate l/8 of batch row l%8), applies
+//            the activations, gathers i, f, g, o into lanes 0..7 and updates c, h.
+//   grid.sync()
+//   phase 2 (projection only): the grid's warps split [P/4 row groups x B/8 batch tiles];
+//            a warp computes 4 rows of hp_t @ w_hr^T for 8 batch rows (w_hr from L2), clips
+//            and writes h_t.  grid.sync()
+// Persistent backward, CUDA cores: the same row split of w_hh on chip. Per step (last first):
+//   phase 1: each block runs the cell backward of its units (with a projection, dL/dhp =
+//            dh_in @ w_hr is computed there by the same warp dot, w_hr^T rows from L2),
+//            writes dz (float) and keeps its slice of dz in shared memory; then the
+//            block's partial of dL/dh_{t-1} = dz @ W over its 4U rows, all B x P, goes to
+//            its slot of a float workspace.  grid.sync()
+//   phase 2: the grid sums the partials over the blocks and forms dh_in of the next step
+//            (+ grad_out, projection clip mask), or grad_h0 after the first step.
+//            grid.sync()
+//   The weight gradients are one GEMM each over all steps, in the binding.
+// Tensor-core kernels: see "tensor-core kernels" below.
+//
+// Arithmetic is float32 (FMA on the CUDA cores; float32 accumulation on the tensor cores);
+// c and the gradients are carried in float32 workspaces.
+#pragma once
+
+#ifdef CTXFAST_CUDA_EMULATION
+#include "cuda_emu.h"  // tests/cuda_emu: threads, barriers, shuffles and WMMA on the CPU
+#else
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#define CTXFAST_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/lstm.h"
+
+namespace ctxfast {
+namespace cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kBT = 8;            // batch rows per tile (one warp item: 4 rows x 8 batch)
+constexpr int kMaxWarps = 16;
+constexpr int kMaxThreads = kMaxWarps * 32;
+constexpr int kElemThreads = 256; // per-step elementwise kernels
+
+// ------------------------------------------------------------------ dtype helpers
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Store a value v clipped at +-clip. An unclipped v (|v| < clip) that rounds onto the
+// stored clip +-clip_s is stored as +-below, so that the backward's |stored| < clip_s test
+// sees it as unclipped. (float32 storage: never, the rounding is exact.)
+template <typename T>
+__device__ __forceinline__ void store_clipped(T* dst, float v, float clip, float clip_s,
+                                              float below) {
+  T r = from_f<T>(v);
+  if (fabsf(v) < clip && !(fabsf(to_f(r)) < clip_s)) r = from_f<T>(copysignf(below, v));
+  *dst = r;
+}
+
+// Accurate activations (the extension is built without --use_fast_math: __expf, approximate
+// division and tanh.approx put the first GPU run 10-100x further from the float64 reference
+// than eager). sigmoid from exp of a non-positive argument only: no overflow, full relative
+// accuracy for large |x| on both sides.
+__device__ __forceinline__ float sigmoid_f(float x) {
+  const float e = expf(-fabsf(x));             // in (0, 1]
+  const float s = 1.0f / (1.0f + e);           // sigmoid(|x|)
+  return x >= 0.0f ? s : e * s;                // sigmoid(-|x|) = e / (1 + e)
+}
+__device__ __forceinline__ float clamp_f(float x, float c) { return fminf(fmaxf(x, -c), c); }
+
+__host__ __device__ __forceinline__ size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
+
+// ------------------------------------------------------------------ warp dot products
+// One step of the reduce-scatter: the lane keeps the half of its HALF*2 partial sums whose
+// index has bit log2(HALF) equal to its lane bit, adds the partner's copy of that half.
+template <int HALF>
+__device__ __forceinline__ void reduce_scatter_step(float (&v)[32], int lane) {
+  const bool upper = (lane & HALF) != 0;
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const float send = upper ? v[i] : v[i + HALF];
+    const float keep = upper ? v[i + HALF] : v[i];
+    v[i] = keep + __shfl_xor_sync(kFull, send, HALF);
+  }
+}
+
+// 32 partial sums per lane in, the warp-wide total of sum index `lane` out (31 shuffles).
+__device__ __forceinline__ float reduce_scatter32(float (&v)[32], int lane) {
+  reduce_scatter_step<16>(v, lane);
+  reduce_scatter_step<8>(v, lane);
+  reduce_scatter_step<4>(v, lane);
+  reduce_scatter_step<2>(v, lane);
+  reduce_scatter_step<1>(v, lane);
+  return v[0];
+}
+
+// Lane l returns dot(rows[l / 8], vecs[l % 8]) over k < K, for 4 rows (storage dtype TR)
+// and 8 vectors (TV), in shared or global memory. All 32 lanes must call it.
+template <typename TR, typename TV>
+__device__ __forceinline__ float warp_dot_4x8(const TR* const (&rows)[4],
+                                              const TV* const (&vecs)[kBT], int K, int lane) {
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+#pragma unroll 2
+  for (int k = lane; k < K; k += 32) {
+    float r[4], x[kBT];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) r[q] = to_f(rows[q][k]);
+#pragma unroll
+    for (int b = 0; b < kBT; ++b) x[b] = to_f(vecs[b][k]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+#pragma unroll
+      for (int b = 0; b < kBT; ++b) acc[q * kBT + b] = fmaf(r[q], x[b], acc[q * kBT + b]);
+    }
+  }
+  return reduce_scatter32(acc, lane);
+}
+
+// ------------------------------------------------------------------ shared cell math
+struct CellGrads {
+  float dz[4];   // dL/dz for i, f, g, o
+  float dc_prev; // dL/dc_{t-1}
+  float hp;      // o * tanh(c)
+};
+
+// Backward of one cell. dhp = dL/dhp_t, dc = dL/dc_t from the later step, gc = grad_cells;
+// cell_clip is the clip as stored (the gradient passes where |c| < cell_clip).
+__device__ __forceinline__ CellGrads cell_backward(float i, float f, float g, float o, float c,
+                                                   float c_prev, float dhp, float dc, float gc,
+                                                   float cell_clip) {
+  CellGrads r;
+  const float tc = tanhf(c);
+  r.hp = o * tc;
+  float dcv = dc + gc + dhp * o * (1.0f - tc * tc);
+  dcv = fabsf(c) < cell_clip ? dcv : 0.0f;
+  r.dc_prev = dcv * f;
+  r.dz[0] = dcv * g * i * (1.0f - i);
+  r.dz[1] = dcv * c_prev * f * (1.0f - f);
+  r.dz[2] = dcv * i * (1.0f - g * g);
+  r.dz[3] = dhp * tc * o * (1.0f - o);
+  return r;
+}
+
+// dL/dh_t as the step's input gradient: grad_out + carry, through the projection clip.
+__device__ __forceinline__ float dh_in_value(float grad_out, float carry, float out, bool proj,
+                                             float proj_clip) {
+  const float d = grad_out + carry;
+  return (!proj || fabsf(out) < proj_clip) ? d : 0.0f;
+}
+
+// ------------------------------------------------------------------ persistent kernels
+template <typename T>
+struct FwdParams {
+  const T* xw; const T* w_hh; const T* mask; const T* w_hr;
+  float* h32; float* c32; float* hp32;
+  T* out; T* cells; T* gates;
+  int T_, B, H, P, units;
+  bool proj, reverse;
+  float scale_eff, cell_clip, cell_clip_s, cell_below, proj_clip, proj_clip_s, proj_below;
+};
+
+// Shared memory of the persistent kernels: the block's rows of w_hh * mask, row-major
+// [4U, P] with local row 4*u + gate (u = unit within the block).
+template <typename T>
+__device__ void load_weight_slice(T* ws, const T* w_hh, const T* mask, int j0, int nu, int H,
+                                  int P) {
+  const int64_t n = int64_t(4) * nu * P;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int rl = static_cast<int>(e / P);
+    const int k = static_cast<int>(e - int64_t(rl) * P);
+    const int64_t src = (int64_t((rl & 3)) * H + j0 + (rl >> 2)) * P + k;
+    float w = to_f(w_hh[src]);
+    if (mask) w *= to_f(mask[src]);  // 0/1: exact in the storage dtype
+    ws[e] = from_f<T>(w);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads)
+lstm_fwd_persistent_kernel(const FwdParams<T> p) {
+  CTXFAST_DYNAMIC_SMEM(smem);
+  const int P = p.P, H = p.H, B = p.B;
+  T* ws = reinterpret_cast<T*>(smem);                                      // [4U, P]
+  const size_t ws_bytes = align16(sizeof(T) * 4 * size_t(p.units) * P);
+  float* hs = reinterpret_cast<float*>(smem + ws_bytes);                   // [8, P]
+  const int j0 = blockIdx.x * p.units;
+  const int nu = min(p.units, H - j0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int nbt = (B + kBT - 1) / kBT;
+  load_weight_slice(ws, p.w_hh, p.mask, j0, nu, H, P);
+  cg::grid_group grid = cg::this_grid();
+
+  for (int s = 0; s < p.T_; ++s) {
+    const int t = p.reverse ? p.T_ - 1 - s : s;
+    const float* hprev = p.h32 + int64_t(s & 1) * B * P;
+    float* hnext = p.h32 + int64_t((s + 1) & 1) * B * P;
+    // ---- phase 1: gates and cell of the block's units
+    for (int bt = 0; bt < nbt; ++bt) {
+      const int b0 = bt * kBT;
+      __syncthreads();  // the previous tile's readers are done (and the weights are loaded)
+      for (int e = threadIdx.x; e < kBT * P; e += blockDim.x) {
+        const int bb = e / P, k = e - bb * P;
+        hs[e] = (b0 + bb < B) ? hprev[int64_t(b0 + bb) * P + k] : 0.0f;
+      }
+      __syncthreads();
+      const float* const vecs[kBT] = {hs, hs + P, hs + 2 * P, hs + 3 * P,
+                                      hs + 4 * P, hs + 5 * P, hs + 6 * P, hs + 7 * P};
+      for (int u = warp; u < nu; u += nwarps) {  // warp-uniform
+        const int j = j0 + u;
+        const int q = lane >> 3, bb = lane & 7, b = b0 + bb;
+        const bool valid = b < B;
+        const int64_t zoff = (int64_t(t) * B + b) * 4 * H + int64_t(q) * H + j;
+        const float xv = valid ? to_f(p.xw[zoff]) : 0.0f;  // issued before the dot
+        const T* const rows[4] = {ws + int64_t(4 * u) * P, ws + int64_t(4 * u + 1) * P,
+                                  ws + int64_t(4 * u + 2) * P, ws + int64_t(4 * u + 3) * P};
+        const float acc = warp_dot_4x8(rows, vecs, P, lane);
+        const float z = fmaf(p.scale_eff, acc, xv);
+        const float a = (q == 2) ? tanhf(z) : sigmoid_f(z);
+        if (valid) p.gates[zoff] = from_f<T>(a);
+        const float ai = __shfl_sync(kFull, a, bb);
+        const float af = __shfl_sync(kFull, a, 8 + bb);
+        const float ag = __shfl_sync(kFull, a, 16 + bb);
+        const float ao = __shfl_sync(kFull, a, 24 + bb);
+        if (lane < kBT && valid) {
+          const int64_t ci = int64_t(b) * H + j;
+          const float c = clamp_f(fmaf(af, p.c32[ci], ai * ag), p.cell_clip);
+          p.c32[ci] = c;
+          store_clipped(p.cells + int64_t(t) * B * H + ci, c, p.cell_clip, p.cell_clip_s,
+                        p.cell_below);
+          const float hp = ao * tanhf(c);
+          if (p.proj) {
+            p.hp32[ci] = hp;
+          } else {
+            p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
+            hnext[int64_t(b) * P + j] = hp;
+          }
+        }
+      }
+    }
+    grid.sync();
+    if (!p.proj) continue;
+    // ---- phase 2: h_t = clamp(hp_t @ w_hr^T), 4 rows x 8 batch rows per warp item
+    const int npg = (P + 3) / 4;
+    const int nitems = npg * nbt;
+    const int gw = blockIdx.x * nwarps + warp, gstride = gridDim.x * nwarps;
+    for (int it = gw; it < nitems; it += gstride) {  // warp-uniform
+      const int pg = it / nbt, bt = it - pg * nbt, b0 = bt * kBT;
+      const T* rows[4];
+      const float* vecs[kBT];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) rows[r] = p.w_hr + int64_t(min(pg * 4 + r, P - 1)) * H;
+#pragma unroll
+      for (int bb = 0; bb < kBT; ++bb) vecs[bb] = p.hp32 + int64_t(min(b0 + bb, B - 1)) * H;
+      const float acc = warp_dot_4x8<T, float>(rows, vecs, H, lane);
+      const int pi = pg * 4 + (lane >> 3), b = b0 + (lane & 7);
+      if (pi < P && b < B) {
+        const float y = clamp_f(acc, p.proj_clip);
+        store_clipped(p.out + int64_t(t) * B * P + int64_t(b) * P + pi, y, p.proj_clip,
+                      p.proj_clip_s, p.proj_below);
+        hnext[int64_t(b) * P + pi] = y;
+      }
+    }
+    grid.sync();
+  }
+}
+
+template <typename T>
+struct BwdParams {
+  const T* grad_out; const T* grad_cells; const T* out; const T* cells; const T* gates;
+  const T* c0; const T* w_hh; const T* mask; const T* w_hr_t;
+  float* dh_in; float* dc; float* part; float* dz; float* hp; float* grad_h0;
+  int T_, B, H, P, units;
+  bool proj, reverse;
+  float scale_eff, cell_clip_s, proj_clip_s;  // the clips as stored (see lstm.h)
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxThreads)
+lstm_bwd_persistent_kernel(const BwdParams<T> p) {
+  CTXFAST_DYNAMIC_SMEM(smem);
+  const int P = p.P, H = p.H, B = p.B, U = p.units;
+  const int nbt = (B + kBT - 1) / kBT, Bpad = nbt * kBT;
+  const size_t ws_bytes = align16(sizeof(T) * 4 * size_t(U) * P);
+  const size_t dzs_bytes = align16(sizeof(float) * size_t(Bpad) * 4 * U);
+  T* ws = reinterpret_cast<T*>(smem);                                  // [4U, P]
+  float* dzs = reinterpret_cast<float*>(smem + ws_bytes);             // [Bpad, 4U]
+  float* hs = reinterpret_cast<float*>(smem + ws_bytes + dzs_bytes);  // [8, P] (proj)
+  const int j0 = blockIdx.x * U;
+  const int nu = min(U, H - j0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H, B4H = int64_t(B) * 4 * H;
+  load_weight_slice(ws, p.w_hh, p.mask, j0, nu, H, P);
+  for (int e = threadIdx.x; e < Bpad * 4 * U; e += blockDim.x) dzs[e] = 0.0f;
+  cg::grid_group grid = cg::this_grid();
+  const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
+
+  // dh_in of the first step processed (the forward's last): no carry yet.
+  {
+    const int t = p.reverse ? 0 : p.T_ - 1;
+    for (int64_t e = gtid; e < BP; e += gthreads) {
+      const int64_t o = int64_t(t) * BP + e;
+      p.dh_in[o] = dh_in_value(to_f(p.grad_out[o]), 0.0f, to_f(p.out[o]), p.proj, p.proj_clip_s);
+    }
+  }
+  grid.sync();
+
+  for (int s = p.T_ - 1; s >= 0; --s) {
+    const int t = p.reverse ? p.T_ - 1 - s : s;
+    const int tp = p.reverse ? t + 1 : t - 1;  // the forward's previous step (if s > 0)
+    const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
+    const float* dh_t = p.dh_in + int64_t(t) * BP;
+    // ---- phase 1: cell backward of the block's units; dz to global and shared memory
+    const int ngroups = (nu + 3) / 4;
+    for (int bt = 0; bt < nbt; ++bt) {
+      const int b0 = bt * kBT;
+      if (p.proj) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < kBT * P; e += blockDim.x) {
+          const int bb = e / P, k = e - bb * P;
+          hs[e] = (b0 + bb < B) ? dh_t[int64_t(b0 + bb) * P + k] : 0.0f;
+        }
+        __syncthreads();
+      }
+      for (int g = warp; g < ngroups; g += nwarps) {  // warp-uniform
+        const int u = g * 4 + (lane >> 3), b = b0 + (lane & 7);
+        const bool valid = u < nu && b < B;
+        const int j = j0 + u;
+        float dhp;
+        if (p.proj) {
+          // dL/dhp[b, j] = sum_p dh_in[b, p] * w_hr[p, j] = dh_in[b] . w_hr_t[j]
+          const T* rows[4];
+          const float* vecs[kBT];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) rows[r] = p.w_hr_t + int64_t(j0 + min(g * 4 + r, nu - 1)) * P;
+#pragma unroll
+          for (int bb = 0; bb < kBT; ++bb) vecs[bb] = hs + bb * P;
+          dhp = warp_dot_4x8<T, float>(rows, vecs, P, lane);
+        } else {
+          dhp = valid ? dh_t[int64_t(b) * P + j] : 0.0f;  // P == H
+        }
+        if (valid) {
+          const int64_t go = int64_t(t) * B4H + int64_t(b) * 4 * H + j;
+          const int64_t ci = int64_t(b) * H + j;
+          const int64_t co = int64_t(t) * BH + ci;
+          const CellGrads r = cell_backward(
+              to_f(p.gates[go]), to_f(p.gates[go + H]), to_f(p.gates[go + 2 * H]),
+              to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dhp, p.dc[ci],
+              to_f(p.grad_cells[co]), p.cell_clip_s);
+          p.dc[ci] = r.dc_prev;
+          if (p.proj) p.hp[co] = r.hp;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            p.dz[go + int64_t(q) * H] = r.dz[q];
+            dzs[b * 4 * U + 4 * u + q] = r.dz[q];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // ---- block partial of dL/dh_{t-1}[b, k] = sum over the block's rows of dz[b, r] W[r, k]
+    for (int bt = 0; bt < nbt; ++bt) {
+      const int b0 = bt * kBT;
+      for (int k = threadIdx.x; k < P; k += blockDim.x) {
+        float acc[kBT];
+#pragma unroll
+        for (int bb = 0; bb < kBT; ++bb) acc[bb] = 0.0f;
+        for (int r4 = 0; r4 < 4 * nu; r4 += 4) {
+          const float w0 = to_f(ws[int64_t(r4) * P + k]);
+          const float w1 = to_f(ws[int64_t(r4 + 1) * P + k]);
+          const float w2 = to_f(ws[int64_t(r4 + 2) * P + k]);
+          const float w3 = to_f(ws[int64_t(r4 + 3) * P + k]);
+#pragma unroll
+          for (int bb = 0; bb < kBT; ++bb) {
+            const float4 d = *reinterpret_cast<const float4*>(dzs + (b0 + bb) * 4 * U + r4);
+            acc[bb] = fmaf(d.x, w0, fmaf(d.y, w1, fmaf(d.z, w2, fmaf(d.w, w3, acc[bb]))));
+          }
+        }
+#pragma unroll
+        for (int bb = 0; bb < kBT; ++bb) {
+          if (b0 + bb < B) p.part[int64_t(blockIdx.x) * BP + int64_t(b0 + bb) * P + k] = acc[bb];
+        }
+      }
+    }
+    grid.sync();
+    // ---- phase 2: sum the partials; dh_in of the next step processed, or grad_h0
+    for (int64_t e = gtid; e < BP; e += gthreads) {
+      float carry = 0.0f;
+      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) carry += p.part[blk * BP + e];
+      carry *= p.scale_eff;
+      if (s > 0) {
+        const int64_t o = int64_t(tp) * BP + e;
+        p.dh_in[o] = dh_in_value(to_f(p.grad_out[o]), carry, to_f(p.out[o]), p.proj,
+                                 p.proj_clip_s);
+      } else {
+        p.grad_h0[e] = carry;
+      }
+    }
+    grid.sync();
+  }
+}
+
+
+// ------------------------------------------------------------------ tensor-core kernels
+// The same persistent schedule as above, with each step's products on the tensor cores
+// (WMMA: 16 x 16 tiles; bf16/fp16 operands as stored, float32 as tf32x3), no projection.
+//
+// Forward, block k (units [k*U, k*U + U), U a multiple of 4 so that its 4U weight rows are
+// whole 16-row tiles): the rows of w_hh * mask in shared memory as the operand type,
+// [4U, kld] (zero past P and past the last unit). h_{t-1} lives in a global operand buffer
+// hop[2][bpad][kld] (ping-pong by step parity, zero outside [B, P]), written by the step
+// that computed it. Per step:
+//   phase 1: z^T[4U, B] = W_slice . h_{t-1}^T: warp items are (batch tile of 16, slice of
+//            the K range); each holds 4U/16 accumulator tiles, reads h's tiles once from L2
+//            and the weight tiles from shared memory, and writes its partial sums to a
+//            shared [ksplit, 4U, bpad + 4] float buffer.  __syncthreads()
+//   phase 2: one (batch row, unit) per thread: the K slices summed, + xw, gates, cell,
+//            outputs, and h_t into the other operand buffer.  grid.sync()
+// Backward: phase 1 the cell backward of the block's (batch row, unit) pairs, dz to global
+// memory and its operand copy to shared memory [bpad, 4U + skew]; phase 2 the block's
+// partial of dL/dh_{t-1} = dz_slice[B, 4U] . W_slice[4U, P] on the tensor cores into its
+// slot of part[blocks][bpad][kp]; grid.sync(); phase 3 the partials summed as in the
+// FMA kernel.  grid.sync()
+// float32: every product as a_hi b_hi + a_hi b_lo + a_lo b_hi with tf32 halves (the
+// a_lo b_lo term, ~2^-22 relative, dropped): float32-level error on the tensor cores.
+namespace wmma = nvcuda::wmma;
+
+constexpr int kMmaMaxMT = 8;     // at most 8 row tiles per block: 4U <= 128 (U <= 32)
+constexpr int kMmaMaxUnits = 4 * kMmaMaxMT;
+constexpr int kMmaWarps = 8;
+
+template <typename T> struct MmaOperand;
+template <> struct MmaOperand<__nv_bfloat16> {
+  using Op = __nv_bfloat16;  // operand element in memory
+  using Frag = __nv_bfloat16;  // WMMA element type
+  static constexpr int K = 16;
+  static constexpr bool kSplit = false;
+};
+template <> struct MmaOperand<__half> {
+  using Op = __half;
+  using Frag = __half;
+  static constexpr int K = 16;
+  static constexpr bool kSplit = false;
+};
+template <> struct MmaOperand<float> {
+  using Op = float;
+  using Frag = wmma::precision::tf32;
+  static constexpr int K = 8;
+  static constexpr bool kSplit = true;
+};
+
+template <typename T, typename Layout>
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, MmaOperand<T>::K,
+                             typename MmaOperand<T>::Frag, Layout>;
+template <typename T, typename Layout>
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, MmaOperand<T>::K,
+                             typename MmaOperand<T>::Frag, Layout>;
+template <typename T>
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, MmaOperand<T>::K, float>;
+
+// x -> (hi, lo) tf32 halves, in place: hi = tf32(x), lo = tf32(x - hi).
+template <typename F>
+__device__ __forceinline__ void split_tf32(F& hi, F& lo) {
+#pragma unroll
+  for (int i = 0; i < hi.num_elements; ++i) {
+    const float v = hi.x[i];
+    const float h = wmma::__float_to_tf32(v);
+    hi.x[i] = h;
+    lo.x[i] = wmma::__float_to_tf32(v - h);
+  }
+}
+
+// acc += a . b; b_lo is b's low tf32 half (float32 only; unused otherwise). a is split here.
+template <typename T, typename FA, typename FB>
+__device__ __forceinline__ void mma_step(FragC<T>& acc, FA& a, const FB& b, const FB& b_lo) {
+  if constexpr (MmaOperand<T>::kSplit) {
+    FA a_lo;
+    split_tf32(a, a_lo);
+    wmma::mma_sync(acc, a_lo, b, acc);
+    wmma::mma_sync(acc, a, b_lo, acc);
+  }
+  wmma::mma_sync(acc, a, b, acc);
+}
+
+// Shared-memory row skew of an operand matrix (elements): 16 bytes, so that the rows of a
+// tile fall on different banks; keeps the leading dimension a multiple of 16 bytes.
+template <typename Op>
+__host__ __device__ constexpr int mma_skew() { return 16 / static_cast<int>(sizeof(Op)); }
+
+__host__ __device__ constexpr size_t align128(size_t n) { return (n + 127) & ~size_t(127); }
+
+// The block's rows of w_hh * mask as operands, [4U, kld], row 4u + gate; zero past P and
+// for units past the last one.
+template <typename T, typename Op>
+__device__ void load_weight_slice_mma(Op* ws, const T* w_hh, const T* mask, int j0, int nu,
+                                      int rows, int H, int P, int kld) {
+  const int64_t n = int64_t(rows) * kld;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int rl = static_cast<int>(e / kld);
+    const int k = static_cast<int>(e - int64_t(rl) * kld);
+    float w = 0.0f;
+    if ((rl >> 2) < nu && k < P) {
+      const int64_t src = (int64_t(rl & 3) * H + j0 + (rl >> 2)) * P + k;
+      w = to_f(w_hh[src]);
+      if (mask) w *= to_f(mask[src]);  // 0/1: exact
+    }
+    ws[e] = from_f<Op>(w);
+  }
+}
+
+template <typename T>
+struct FwdMmaParams {
+  const T* xw; const T* w_hh; const T* mask;
+  const float* h0;                      // [B, P]
+  typename MmaOperand<T>::Op* hop;      // [2, bpad, kld], zero-filled by the caller
+  float* c32;                           // [B, H]: c0 in, c_T out
+  T* out; T* cells; T* gates;
+  int T_, B, H, P, units, bpad, kp, kld, ksplit;
+  bool reverse;
+  float scale_eff, cell_clip, cell_clip_s, cell_below;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kMmaWarps * 32, 1)
+lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
+  using Op = typename MmaOperand<T>::Op;
+  constexpr int KK = MmaOperand<T>::K;
+  CTXFAST_DYNAMIC_SMEM(smem);
+  const int H = p.H, B = p.B, P = p.P, U = p.units, rows = 4 * U;
+  const int kld = p.kld, bpad = p.bpad, nld = bpad + 4;
+  const int MT = rows / 16, NT = bpad / 16, KT = p.kp / KK;
+  Op* ws = reinterpret_cast<Op*>(smem);                                          // [rows, kld]
+  float* zs = reinterpret_cast<float*>(smem + align128(sizeof(Op) * rows * kld));  // [ks, rows, nld]
+  const int j0 = blockIdx.x * U;
+  const int nu = min(U, H - j0);
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, rows, H, P, kld);
+  for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {  // h0, this block's columns
+    const int b = e / nu, u = e - b * nu;
+    p.hop[int64_t(b) * kld + j0 + u] = from_f<Op>(p.h0[int64_t(b) * P + j0 + u]);
+  }
+  cg::grid_group grid = cg::this_grid();
+  grid.sync();
+  const int items = NT * p.ksplit;
+
+  for (int s = 0; s < p.T_; ++s) {
+    const int t = p.reverse ? p.T_ - 1 - s : s;
+    const Op* hprev = p.hop + int64_t(s & 1) * bpad * kld;
+    Op* hnext = p.hop + int64_t((s + 1) & 1) * bpad * kld;
+    // ---- phase 1: z^T = W_slice . h_{t-1}^T, warp items (batch tile, K slice)
+    for (int it = warp; it < items; it += nwarps) {  // warp-uniform
+      const int nt = it % NT, ks = it / NT;
+      const int k_lo = ks * KT / p.ksplit, k_hi = (ks + 1) * KT / p.ksplit;
+      FragC<T> acc[kMmaMaxMT];
+#pragma unroll
+      for (int mt = 0; mt < kMmaMaxMT; ++mt) wmma::fill_fragment(acc[mt], 0.0f);
+      for (int kt = k_lo; kt < k_hi; ++kt) {
+        FragB<T, wmma::col_major> b, b_lo;  // h^T tile: element (k, n) at hprev[n * kld + k]
+        wmma::load_matrix_sync(b, hprev + int64_t(nt) * 16 * kld + kt * KK, kld);
+        if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
+#pragma unroll
+        for (int mt = 0; mt < kMmaMaxMT; ++mt) {
+          if (mt < MT) {
+            FragA<T, wmma::row_major> a;
+            wmma::load_matrix_sync(a, ws + int64_t(mt) * 16 * kld + kt * KK, kld);
+            mma_step<T>(acc[mt], a, b, b_lo);
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMmaMaxMT; ++mt) {
+        if (mt < MT) {
+          wmma::store_matrix_sync(zs + (int64_t(ks) * rows + mt * 16) * nld + nt * 16, acc[mt],
+                                  nld, wmma::mem_row_major);
+        }
+      }
+    }
+    __syncthreads();
+    // ---- phase 2: gates and cell, one (batch row, unit) per thread
+    for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
+      const int b = e / nu, u = e - b * nu, j = j0 + u;
+      const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
+      float z[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float acc = 0.0f;
+        for (int ks = 0; ks < p.ksplit; ++ks) acc += zs[(int64_t(ks) * rows + 4 * u + q) * nld + b];
+        z[q] = fmaf(p.scale_eff, acc, to_f(p.xw[go + int64_t(q) * H]));
+      }
+      const float ai = sigmoid_f(z[0]), af = sigmoid_f(z[1]), ag = tanhf(z[2]),
+                  ao = sigmoid_f(z[3]);
+      p.gates[go] = from_f<T>(ai);
+      p.gates[go + H] = from_f<T>(af);
+      p.gates[go + 2 * H] = from_f<T>(ag);
+      p.gates[go + 3 * H] = from_f<T>(ao);
+      const int64_t ci = int64_t(b) * H + j;
+      const float c = clamp_f(fmaf(af, p.c32[ci], ai * ag), p.cell_clip);
+      p.c32[ci] = c;
+      store_clipped(p.cells + int64_t(t) * B * H + ci, c, p.cell_clip, p.cell_clip_s,
+                    p.cell_below);
+      const float hp = ao * tanhf(c);
+      p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
+      hnext[int64_t(b) * kld + j] = from_f<Op>(hp);
+    }
+    grid.sync();
+  }
+}
+
+template <typename T>
+struct BwdMmaParams {
+  const T* grad_out; const T* grad_cells; const T* out; const T* cells; const T* gates;
+  const T* c0; const T* w_hh; const T* mask;
+  float* dh_in; float* dc; float* part; float* dz; float* grad_h0;  // part [blocks, bpad, kp]
+  int T_, B, H, P, units, bpad, kp, kld;
+  bool reverse;
+  float scale_eff, cell_clip_s;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kMmaWarps * 32, 1)
+lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
+  using Op = typename MmaOperand<T>::Op;
+  constexpr int KK = MmaOperand<T>::K;
+  CTXFAST_DYNAMIC_SMEM(smem);
+  const int H = p.H, B = p.B, P = p.P, U = p.units, rows = 4 * U;
+  const int kld = p.kld, bpad = p.bpad, kp = p.kp, dld = rows + mma_skew<Op>();
+  const int MT = bpad / 16, NT = kp / 16, KT = rows / KK;
+  Op* ws = reinterpret_cast<Op*>(smem);                                       // [rows, kld]
+  Op* dzs = reinterpret_cast<Op*>(smem + align128(sizeof(Op) * rows * kld));  // [bpad, dld]
+  const int j0 = blockIdx.x * U;
+  const int nu = min(U, H - j0);
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H, B4H = int64_t(B) * 4 * H;
+  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, rows, H, P, kld);
+  for (int e = threadIdx.x; e < bpad * dld; e += blockDim.x) dzs[e] = from_f<Op>(0.0f);
+  cg::grid_group grid = cg::this_grid();
+  const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
+  {  // dh_in of the first step processed (the forward's last): no carry yet
+    const int t = p.reverse ? 0 : p.T_ - 1;
+    for (int64_t e = gtid; e < BP; e += gthreads) {
+      const int64_t o = int64_t(t) * BP + e;
+      p.dh_in[o] = to_f(p.grad_out[o]);
+    }
+  }
+  grid.sync();
+
+  for (int s = p.T_ - 1; s >= 0; --s) {
+    const int t = p.reverse ? p.T_ - 1 - s : s;
+    const int tp = p.reverse ? t + 1 : t - 1;  // the forward's previous step (if s > 0)
+    const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
+    const float* dh_t = p.dh_in + int64_t(t) * BP;
+    // ---- phase 1: cell backward, one (batch row, unit) per thread
+    for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
+      const int b = e / nu, u = e - b * nu, j = j0 + u;
+      const int64_t go = int64_t(t) * B4H + int64_t(b) * 4 * H + j;
+      const int64_t ci = int64_t(b) * H + j;
+      const int64_t co = int64_t(t) * BH + ci;
+      const CellGrads r = cell_backward(
+          to_f(p.gates[go]), to_f(p.gates[go + H]), to_f(p.gates[go + 2 * H]),
+          to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dh_t[int64_t(b) * P + j],
+          p.dc[ci], to_f(p.grad_cells[co]), p.cell_clip_s);
+      p.dc[ci] = r.dc_prev;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        p.dz[go + int64_t(q) * H] = r.dz[q];
+        dzs[b * dld + 4 * u + q] = from_f<Op>(r.dz[q]);
+      }
+    }
+    __syncthreads();
+    // ---- phase 2: part[block] = dz_slice[bpad, 4U] . W_slice[4U, kp], 16 x 16 tiles per warp
+    float* part = p.part + int64_t(blockIdx.x) * bpad * kp;
+    for (int it = warp; it < MT * NT; it += nwarps) {  // warp-uniform
+      const int mt = it % MT, nt = it / MT;
+      FragC<T> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll 1
+      for (int kt = 0; kt < KT; ++kt) {
+        FragA<T, wmma::row_major> a;
+        FragB<T, wmma::row_major> b, b_lo;  // W rows: element (k, n) at ws[k * kld + n]
+        wmma::load_matrix_sync(a, dzs + mt * 16 * dld + kt * KK, dld);
+        wmma::load_matrix_sync(b, ws + int64_t(kt) * KK * kld + nt * 16, kld);
+        if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
+        mma_step<T>(acc, a, b, b_lo);
+      }
+      wmma::store_matrix_sync(part + int64_t(mt) * 16 * kp + nt * 16, acc, kp,
+                              wmma::mem_row_major);
+    }
+    grid.sync();
+    // ---- phase 3: sum the partials; dh_in of the next step processed, or grad_h0
+    for (int64_t e = gtid; e < BP; e += gthreads) {
+      const int64_t b = e / P, k = e - b * P;
+      float carry = 0.0f;
+      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk)
+        carry += p.part[(int64_t(blk) * bpad + b) * kp + k];
+      carry *= p.scale_eff;
+      if (s > 0) {
+        const int64_t o = int64_t(tp) * BP + e;
+        p.dh_in[o] = to_f(p.grad_out[o]) + carry;
+      } else {
+        p.grad_h0[e] = carry;
+      }
+    }
+    grid.sync();
+  }
+}
+
+
+// ------------------------------------------------------------------ launch shapes (host)
+inline size_t fwd_smem(const LstmDims& d, int units, size_t esize) {
+  return align16(esize * 4 * size_t(units) * d.P) + sizeof(float) * kBT * size_t(d.P);
+}
+
+inline size_t bwd_smem(const LstmDims& d, int units, size_t esize) {
+  const size_t bpad = size_t((d.B + kBT - 1) / kBT) * kBT;
+  return align16(esize * 4 * size_t(units) * d.P) + align16(sizeof(float) * bpad * 4 * units) +
+         (d.proj ? sizeof(float) * kBT * size_t(d.P) : 0);
+}
+
+inline size_t elem_size(LstmDtype dt) { return dt == LstmDtype::kFloat32 ? 4 : 2; }
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// The launch shape of a persistent kernel on a device with `sms` SMs and `smem_limit`
+// bytes of opt-in shared memory per block (one block per SM), or ok == false and why.
+// Pure host code: the device queries and the occupancy check are the caller's.
+inline LstmPlan persistent_shape(const LstmDims& d, LstmDtype dt, bool backward,
+                                 LstmKernel kernel, int sms, size_t smem_limit) {
+  LstmPlan plan{false, 0, 0, 0, 0, nullptr};
+  plan.kernel = kernel;
+  if (d.B < 1 || d.T < 1 || d.H < 1 || d.P < 1 || d.H > (1 << 24) || d.P > (1 << 24) ||
+      d.B > (1 << 24) || d.T > (1 << 30) || sms < 1) {
+    plan.why = "sizes out of the persistent kernel's range";
+    return plan;
+  }
+  const size_t esize = elem_size(dt);
+  int units, threads;
+  size_t smem;
+  if (kernel == LstmKernel::kFma) {
+    units = static_cast<int>((d.H + sms - 1) / sms);
+    smem = backward ? bwd_smem(d, units, esize) : fwd_smem(d, units, esize);
+    // Forward: one unit per warp item; backward: 4 units per warp item.
+    const int want = backward ? (units + 3) / 4 * static_cast<int>((d.B + kBT - 1) / kBT) : units;
+    const int warps = want < 4 ? 4 : (want > kMaxWarps ? kMaxWarps : want);
+    threads = warps * 32;
+  } else {
+    if (d.proj) {
+      plan.why = "the tensor-core kernels take no projection yet";
+      return plan;
+    }
+    units = static_cast<int>(4 * ((d.H + 4 * int64_t(sms) - 1) / (4 * int64_t(sms))));
+    if (units > kMmaMaxUnits) {
+      plan.why = "more than 32 hidden units per block (H above 32 x the SM count)";
+      return plan;
+    }
+    const int rows = 4 * units, kk = dt == LstmDtype::kFloat32 ? 8 : 16;
+    const int skew = static_cast<int>(16 / esize);
+    plan.bpad = static_cast<int>(round_up(d.B, 16));
+    plan.kp = static_cast<int>(round_up(d.P, 16));
+    plan.kld = plan.kp + skew;
+    const int nt = plan.bpad / 16, kt = plan.kp / kk;
+    const int ks = kMmaWarps / nt;
+    plan.ksplit = ks < 1 ? 1 : (ks > kt ? kt : ks);
+    smem = align128(esize * rows * plan.kld) +
+           (backward ? esize * plan.bpad * (rows + skew)
+                     : sizeof(float) * plan.ksplit * rows * (plan.bpad + 4));
+    threads = kMmaWarps * 32;
+  }
+  if (smem > smem_limit) {
+    plan.why = "the recurrent weight slices do not fit in shared memory";
+    return plan;
+  }
+  plan.ok = true;
+  plan.blocks = static_cast<int>((d.H + units - 1) / units);
+  plan.threads = threads;
+  plan.units = units;
+  plan.smem_bytes = smem;
+  return plan;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace ctxfast

@@ -1,0 +1,208 @@
+// Runs ctxfast's persistent LSTM kernels (csrc/cuda/lstm_kernels.cuh) on the CPU under
+// cuda_emu.h, with the launch shapes the CUDA build computes (persistent_shape) for a
+// pretend device of `sms` SMs. Driven by tests/test_lstm_cuda_emu.py:
+//   lstm_emu IN OUT
+// IN (little-endian): 12 int32 (kernel 0 = CUDA cores / 1 = tensor cores, dtype 0 = float32
+// / 1 = float16 / 2 = bfloat16, T, B, H, P, reverse, has_mask, sms, has_w_hr, backward,
+// smem_limit in bytes), 8 float32 (scale_eff, cell_clip, cell_clip_s, cell_clip_below,
+// proj_clip, proj_clip_s, proj_clip_below, unused), then float32 arrays: xw [T,B,4H],
+// h0 [B,P], c0 [B,H], w_hh [4H,P], mask [4H,P] (has_mask), w_hr [P,H] (has_w_hr),
+// grad_out [T,B,P], grad_cells [T,B,H].
+// OUT: 4 int32 (ok, blocks, threads, units), then float32 arrays: out, cells, gates (as
+// stored, widened), c_T [B,H]; with backward: dz [T,B,4H], grad_h0 [B,P], grad_c0 [B,H].
+// If the plan refuses the sizes: ok = 0 and the reason on stderr, exit status 3.
+#define CTXFAST_CUDA_EMULATION 1
+#include "cuda/lstm_kernels.cuh"
+
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace ctxfast::cuda;
+
+namespace {
+
+struct Reader {
+  FILE* f;
+  template <typename X>
+  X one() {
+    X x;
+    if (std::fread(&x, sizeof(X), 1, f) != 1) emu::fail("short input");
+    return x;
+  }
+  std::vector<float> floats(size_t n) {
+    std::vector<float> v(n);
+    if (n && std::fread(v.data(), 4, n, f) != n) emu::fail("short input");
+    return v;
+  }
+};
+
+template <typename T>
+T from_float(float x) { return static_cast<T>(x); }
+template <> __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+float to_float(float x) { return x; }
+float to_float(__half x) { return __half2float(x); }
+float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+std::vector<T> conv(const std::vector<float>& v) {
+  std::vector<T> r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) r[i] = from_float<T>(v[i]);
+  return r;
+}
+
+// Never-written memory reads as NaN (as cudaMalloc'd memory holds whatever it held).
+template <typename T>
+std::vector<T> poisoned(size_t n) {
+  return std::vector<T>(n, from_float<T>(std::numeric_limits<float>::quiet_NaN()));
+}
+
+template <typename T>
+void put(FILE* f, const std::vector<T>& v) {
+  for (const T& x : v) {
+    const float y = to_float(x);
+    std::fwrite(&y, 4, 1, f);
+  }
+}
+
+template <typename T>
+int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem_limit,
+        bool backward, Reader& in, bool has_mask, bool has_w_hr, FILE* out) {
+  const int64_t T_ = d.T, B = d.B, H = d.H, P = d.P;
+  const auto xw = conv<T>(in.floats(T_ * B * 4 * H));
+  const auto h0 = in.floats(B * P);
+  const auto c0 = in.floats(B * H);
+  const auto w_hh = conv<T>(in.floats(4 * H * P));
+  const auto mask = has_mask ? conv<T>(in.floats(4 * H * P)) : std::vector<T>();
+  const auto w_hr = has_w_hr ? conv<T>(in.floats(P * H)) : std::vector<T>();
+  const auto grad_out = conv<T>(in.floats(T_ * B * P));
+  const auto grad_cells = conv<T>(in.floats(T_ * B * H));
+
+  const LstmPlan fp = persistent_shape(d, dt, false, kernel, sms, smem_limit);
+  const LstmPlan bp = persistent_shape(d, dt, true, kernel, sms, smem_limit);
+  const int32_t head[4] = {fp.ok && (!backward || bp.ok), fp.blocks, fp.threads, fp.units};
+  std::fwrite(head, 4, 4, out);
+  if (!fp.ok || (backward && !bp.ok)) {
+    std::fprintf(stderr, "plan refused: %s\n", fp.ok ? bp.why : fp.why);
+    return 3;
+  }
+
+  auto outs = poisoned<T>(T_ * B * P), cells = poisoned<T>(T_ * B * H);
+  auto gates = poisoned<T>(T_ * B * 4 * H);
+  std::vector<float> c32(c0);
+  const T* mask_p = has_mask ? mask.data() : nullptr;
+  if (kernel == LstmKernel::kFma) {
+    std::vector<float> h32 = poisoned<float>(2 * B * P);
+    std::copy(h0.begin(), h0.end(), h32.begin());
+    std::vector<float> hp32 = has_w_hr ? poisoned<float>(B * H) : std::vector<float>();
+    FwdParams<T> p;
+    p.xw = xw.data(); p.w_hh = w_hh.data(); p.mask = mask_p;
+    p.w_hr = has_w_hr ? w_hr.data() : nullptr;
+    p.h32 = h32.data(); p.c32 = c32.data(); p.hp32 = has_w_hr ? hp32.data() : nullptr;
+    p.out = outs.data(); p.cells = cells.data(); p.gates = gates.data();
+    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = fp.units;
+    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
+    p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
+    p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
+    emu::launch(&lstm_fwd_persistent_kernel<T>, fp.blocks, fp.threads, fp.smem_bytes, p);
+  } else {
+    using Op = typename MmaOperand<T>::Op;
+    std::vector<Op> hop(size_t(2) * fp.bpad * fp.kld, from_float<Op>(0.0f));
+    FwdMmaParams<T> p;
+    p.xw = xw.data(); p.w_hh = w_hh.data(); p.mask = mask_p; p.h0 = h0.data();
+    p.hop = hop.data(); p.c32 = c32.data();
+    p.out = outs.data(); p.cells = cells.data(); p.gates = gates.data();
+    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = fp.units;
+    p.bpad = fp.bpad; p.kp = fp.kp; p.kld = fp.kld; p.ksplit = fp.ksplit;
+    p.reverse = d.reverse; p.scale_eff = d.scale_eff;
+    p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
+    emu::launch(&lstm_fwd_mma_kernel<T>, fp.blocks, fp.threads, fp.smem_bytes, p);
+  }
+  put(out, outs); put(out, cells); put(out, gates); put(out, c32);
+  if (!backward) return 0;
+
+  std::vector<float> dh_in = poisoned<float>(T_ * B * P), dc(B * H, 0.0f);
+  std::vector<float> dz = poisoned<float>(T_ * B * 4 * H), gh0 = poisoned<float>(B * P);
+  const auto c0s = conv<T>(c0);
+  if (kernel == LstmKernel::kFma) {
+    std::vector<float> part = poisoned<float>(size_t(bp.blocks) * B * P);
+    std::vector<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : std::vector<float>();
+    std::vector<T> w_hr_t;
+    if (has_w_hr) {  // [H, P]
+      w_hr_t.resize(H * P);
+      for (int64_t pi = 0; pi < P; ++pi)
+        for (int64_t j = 0; j < H; ++j) w_hr_t[j * P + pi] = w_hr[pi * H + j];
+    }
+    BwdParams<T> p;
+    p.grad_out = grad_out.data(); p.grad_cells = grad_cells.data(); p.out = outs.data();
+    p.cells = cells.data(); p.gates = gates.data(); p.c0 = c0s.data(); p.w_hh = w_hh.data();
+    p.mask = mask_p; p.w_hr_t = has_w_hr ? w_hr_t.data() : nullptr;
+    p.dh_in = dh_in.data(); p.dc = dc.data(); p.part = part.data(); p.dz = dz.data();
+    p.hp = has_w_hr ? hp.data() : nullptr; p.grad_h0 = gh0.data();
+    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = bp.units;
+    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
+    p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
+    emu::launch(&lstm_bwd_persistent_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
+  } else {
+    std::vector<float> part = poisoned<float>(size_t(bp.blocks) * bp.bpad * bp.kp);
+    BwdMmaParams<T> p;
+    p.grad_out = grad_out.data(); p.grad_cells = grad_cells.data(); p.out = outs.data();
+    p.cells = cells.data(); p.gates = gates.data(); p.c0 = c0s.data(); p.w_hh = w_hh.data();
+    p.mask = mask_p;
+    p.dh_in = dh_in.data(); p.dc = dc.data(); p.part = part.data(); p.dz = dz.data();
+    p.grad_h0 = gh0.data();
+    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = bp.units;
+    p.bpad = bp.bpad; p.kp = bp.kp; p.kld = bp.kld;
+    p.reverse = d.reverse; p.scale_eff = d.scale_eff; p.cell_clip_s = d.cell_clip_s;
+    emu::launch(&lstm_bwd_mma_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
+  }
+  put(out, dz); put(out, gh0); put(out, dc);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: lstm_emu IN OUT\n");
+    return 2;
+  }
+  FILE* fin = std::fopen(argv[1], "rb");
+  FILE* fout = std::fopen(argv[2], "wb");
+  if (!fin || !fout) emu::fail("cannot open the files");
+  Reader in{fin};
+  int32_t h[12];
+  for (int32_t& x : h) x = in.one<int32_t>();
+  float f[8];
+  for (float& x : f) x = in.one<float>();
+  LstmDims d;
+  d.T = h[2]; d.B = h[3]; d.H = h[4]; d.P = h[5]; d.reverse = h[6] != 0;
+  d.proj = h[9] != 0;
+  d.scale_eff = f[0];
+  d.cell_clip = f[1]; d.cell_clip_s = f[2]; d.cell_clip_below = f[3];
+  d.proj_clip = f[4]; d.proj_clip_s = f[5]; d.proj_clip_below = f[6];
+  const LstmKernel kernel = h[0] == 1 ? LstmKernel::kMma : LstmKernel::kFma;
+  const bool has_mask = h[7] != 0, backward = h[10] != 0;
+  const int sms = h[8];
+  const size_t smem_limit = static_cast<size_t>(h[11]);
+  int rc = 0;
+  switch (h[1]) {
+    case 0:
+      rc = run<float>(d, kernel, LstmDtype::kFloat32, sms, smem_limit, backward, in, has_mask,
+                      d.proj, fout);
+      break;
+    case 1:
+      rc = run<__half>(d, kernel, LstmDtype::kFloat16, sms, smem_limit, backward, in, has_mask,
+                       d.proj, fout);
+      break;
+    case 2:
+      rc = run<__nv_bfloat16>(d, kernel, LstmDtype::kBFloat16, sms, smem_limit, backward, in,
+                              has_mask, d.proj, fout);
+      break;
+    default: emu::fail("dtype must be 0, 1 or 2");
+  }
+  std::fclose(fout);
+  return rc;
+}
