@@ -185,6 +185,48 @@ def test_one_step_one_row(emulator, tmp_path, kernel):
     _check(emulator, tmp_path, kernel, torch.bfloat16, T=1, B=1, H=9, P=9, sms=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_core_row_tiles_that_overlap(emulator, tmp_path, dtype):
+    """4U not a multiple of 16: H 18 over 2 SMs gives U 9 (36 rows: tiles at rows 0, 16 and
+    20, the last overlapping; float32 stores 40 weight rows, so a tile at row 32 would run
+    past them); H 20 over 3 SMs U 7 (28 rows); H 10 over 4 SMs U 3 (12 rows, one tile
+    reading 4 zero rows) and a last block of one unit."""
+    got = _check(emulator, tmp_path, "mma", dtype, T=3, B=6, H=18, P=18, sms=2)
+    assert got["units"] == 9
+    got = _check(emulator, tmp_path, "mma", dtype, T=3, B=6, H=20, P=20, sms=3)
+    assert got["units"] == 7
+    got = _check(emulator, tmp_path, "mma", dtype, T=3, B=6, H=10, P=10, sms=4)
+    assert got["units"] == 3 and got["blocks"] == 4
+
+
+def _shapes(exe, tmp_path, kernel, dtype, T, B, H, P, sms):
+    """The launch shapes (forward, backward) the CUDA build computes: dicts of ok, blocks,
+    threads, units, smem, ksplit."""
+    head = struct.pack("<12i", KERNEL_CODE[kernel], DTYPE_CODE[dtype], T, B, H, P, 0, 1, sms,
+                       int(P != H), -1, SMEM_LIMIT) + struct.pack("<8f", *([1.0] * 8))
+    fin, fout = tmp_path / "shape.in", tmp_path / "shape.out"
+    fin.write_bytes(head)
+    run = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, ASAN_OPTIONS="detect_leaks=0"))
+    assert run.returncode == 0, run.stderr
+    vals = struct.unpack("<12i", fout.read_bytes())
+    keys = ("ok", "blocks", "threads", "units", "smem", "ksplit")
+    return dict(zip(keys, vals[:6])), dict(zip(keys, vals[6:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_core_plans_at_the_benchmark_sizes(emulator, tmp_path, dtype):
+    """On an H100/H200 (132 SMs, 227 KiB of shared memory per block): the ULMFiT layer
+    (H 1152, B 64) runs persistent on the tensor cores in float32 too (U 9: 36 weight rows
+    per block, no padding to 48), AWD-LSTM's 1150 likewise; H 4608 (U 35) is refused."""
+    for H in (1152, 1150):
+        fwd, bwd = _shapes(emulator, tmp_path, "mma", dtype, 70, 64, H, H, 132)
+        assert fwd["ok"] and bwd["ok"], (fwd, bwd)
+        assert fwd["units"] == 9 and fwd["blocks"] == 128 and fwd["smem"] <= SMEM_LIMIT
+    fwd, _ = _shapes(emulator, tmp_path, "mma", dtype, 70, 64, 4608, 4608, 132)
+    assert not fwd["ok"]
+
+
 def test_tensor_core_kernels_with_batch_tiles_and_k_slices(emulator, tmp_path):
     """B 33: three 16-row batch tiles (the last mostly padding); P 40: K padded to 48, so
     the forward splits K between warps (ksplit > 1) and sums the slices."""

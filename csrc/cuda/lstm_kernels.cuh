@@ -433,24 +433,31 @@ lstm_bwd_persistent_kernel(const BwdParams<T> p) {
 
 // ------------------------------------------------------------------ tensor-core kernels
 // The same persistent schedule as above, with each step's products on the tensor cores
-// (WMMA: 16 x 16 tiles; bf16/fp16 operands as stored, float32 as tf32x3), no projection.
+// (WMMA 16 x 16 tiles; bf16/fp16 operands as stored, float32 as tf32x3), no projection.
 //
-// Forward, block k (units [k*U, k*U + U), U a multiple of 4 so that its 4U weight rows are
-// whole 16-row tiles): the rows of w_hh * mask in shared memory as the operand type,
-// [4U, kld] (zero past P and past the last unit). h_{t-1} lives in a global operand buffer
-// hop[2][bpad][kld] (ping-pong by step parity, zero outside [B, P]), written by the step
-// that computed it. Per step:
-//   phase 1: z^T[4U, B] = W_slice . h_{t-1}^T: warp items are (batch tile of 16, slice of
-//            the K range); each holds 4U/16 accumulator tiles, reads h's tiles once from L2
-//            and the weight tiles from shared memory, and writes its partial sums to a
-//            shared [ksplit, 4U, bpad + 4] float buffer.  __syncthreads()
+// Block k owns units [k*U, k*U + U) as above: its 4U rows of w_hh * mask (row 4u + gate)
+// are kept in shared memory as operands, [wrows, kld]: wrows = 4U rounded up to the MMA's
+// K step (and at least 16), zero past P and past the last unit; kld = P rounded up to 16
+// plus a 32-byte skew (rows fall on different banks; every tile start stays 32-byte
+// aligned, as WMMA requires). 4U need not be a multiple of 16: the forward's row tiles
+// start at min(16 m, max(4U, 16) - 16), so the last one overlaps its neighbour (the
+// overlapped rows are computed twice, identically) instead of needing padding rows; this
+// is what lets the float32 weights of a 1152-wide layer fit (U = 9 on 132 SMs).
+//
+// Forward. h_{t-1} lives in a global operand buffer hop[2][bpad][kld] (ping-pong by step
+// parity, zero outside [B, P]), written by the step that computed it. Per step:
+//   phase 1: z^T[4U, B] = W_slice . h_{t-1}^T. Warp items are (batch tile of 16, slice of
+//            the K range); each holds its row tiles' accumulators, reads h's tiles from L2
+//            (the next K step's tile in flight while this one multiplies) and the weight
+//            tiles from shared memory, and writes its partial sums to a shared
+//            [ksplit, max(4U, 16), bpad + 8] float buffer.  __syncthreads()
 //   phase 2: one (batch row, unit) per thread: the K slices summed, + xw, gates, cell,
 //            outputs, and h_t into the other operand buffer.  grid.sync()
-// Backward: phase 1 the cell backward of the block's (batch row, unit) pairs, dz to global
-// memory and its operand copy to shared memory [bpad, 4U + skew]; phase 2 the block's
-// partial of dL/dh_{t-1} = dz_slice[B, 4U] . W_slice[4U, P] on the tensor cores into its
-// slot of part[blocks][bpad][kp]; grid.sync(); phase 3 the partials summed as in the
-// FMA kernel.  grid.sync()
+// Backward, per step: phase 1 the cell backward of the block's (batch row, unit) pairs, dz
+// to global memory and its operand copy to shared memory [bpad, wrows + skew] (zero
+// columns past 4U); phase 2 the block's partial of dL/dh_{t-1} = dz_slice[B, wrows] .
+// W_slice[wrows, P] on the tensor cores into its slot of part[blocks][bpad][kp];
+// grid.sync(); phase 3 the partials summed as in the CUDA-core kernel.  grid.sync()
 // float32: every product as a_hi b_hi + a_hi b_lo + a_lo b_hi with tf32 halves (the
 // a_lo b_lo term, ~2^-22 relative, dropped): float32-level error on the tensor cores.
 namespace wmma = nvcuda::wmma;
@@ -512,19 +519,24 @@ __device__ __forceinline__ void mma_step(FragC<T>& acc, FA& a, const FB& b, cons
   wmma::mma_sync(acc, a, b, acc);
 }
 
-// Shared-memory row skew of an operand matrix (elements): 16 bytes, so that the rows of a
-// tile fall on different banks; keeps the leading dimension a multiple of 16 bytes.
+// Row skew of an operand matrix in shared memory, in elements: 32 bytes.
 template <typename Op>
-__host__ __device__ constexpr int mma_skew() { return 16 / static_cast<int>(sizeof(Op)); }
+__host__ __device__ constexpr int mma_skew() { return 32 / static_cast<int>(sizeof(Op)); }
 
 __host__ __device__ constexpr size_t align128(size_t n) { return (n + 127) & ~size_t(127); }
 
-// The block's rows of w_hh * mask as operands, [4U, kld], row 4u + gate; zero past P and
-// for units past the last one.
+// Stored weight rows: 4U rounded up to the K step kk (the backward's products run over
+// them), at least one 16-row tile.
+__host__ __device__ constexpr int mma_weight_rows(int units, int kk) {
+  return ((4 * units + kk - 1) / kk * kk) < 16 ? 16 : (4 * units + kk - 1) / kk * kk;
+}
+
+// The block's rows of w_hh * mask as operands, [wrows, kld], row 4u + gate; zero past P
+// and for units past the last one (and in the rounding rows).
 template <typename T, typename Op>
 __device__ void load_weight_slice_mma(Op* ws, const T* w_hh, const T* mask, int j0, int nu,
-                                      int rows, int H, int P, int kld) {
-  const int64_t n = int64_t(rows) * kld;
+                                      int wrows, int H, int P, int kld) {
+  const int64_t n = int64_t(wrows) * kld;
   for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
     const int rl = static_cast<int>(e / kld);
     const int k = static_cast<int>(e - int64_t(rl) * kld);
@@ -550,6 +562,24 @@ struct FwdMmaParams {
   float scale_eff, cell_clip, cell_clip_s, cell_below;
 };
 
+// acc[m] += W rows of tile m . h tile b, for the block's row tiles (first row of tile m:
+// min(16 m, mrows - 16)); kt: the K step.
+template <typename T, typename Op, typename FB>
+__device__ __forceinline__ void fwd_tile_products(FragC<T> (&acc)[kMmaMaxMT], const Op* ws,
+                                                  int kld, int mrows, int MT, int kt, FB& b) {
+  FB b_lo;
+  if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
+#pragma unroll
+  for (int mt = 0; mt < kMmaMaxMT; ++mt) {
+    if (mt < MT) {
+      const int r0 = min(mt * 16, mrows - 16);
+      FragA<T, wmma::row_major> a;
+      wmma::load_matrix_sync(a, ws + int64_t(r0) * kld + kt * MmaOperand<T>::K, kld);
+      mma_step<T>(acc[mt], a, b, b_lo);
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kMmaWarps * 32, 1)
 lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
@@ -557,14 +587,15 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
   constexpr int KK = MmaOperand<T>::K;
   CTXFAST_DYNAMIC_SMEM(smem);
   const int H = p.H, B = p.B, P = p.P, U = p.units, rows = 4 * U;
-  const int kld = p.kld, bpad = p.bpad, nld = bpad + 4;
-  const int MT = rows / 16, NT = bpad / 16, KT = p.kp / KK;
-  Op* ws = reinterpret_cast<Op*>(smem);                                          // [rows, kld]
-  float* zs = reinterpret_cast<float*>(smem + align128(sizeof(Op) * rows * kld));  // [ks, rows, nld]
+  const int wrows = mma_weight_rows(U, KK), mrows = rows < 16 ? 16 : rows;
+  const int kld = p.kld, bpad = p.bpad, nld = bpad + 8;
+  const int MT = (mrows + 15) / 16, NT = bpad / 16, KT = p.kp / KK;
+  Op* ws = reinterpret_cast<Op*>(smem);                                            // [wrows, kld]
+  float* zs = reinterpret_cast<float*>(smem + align128(sizeof(Op) * wrows * kld));  // [ks, mrows, nld]
   const int j0 = blockIdx.x * U;
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, rows, H, P, kld);
+  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
   for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {  // h0, this block's columns
     const int b = e / nu, u = e - b * nu;
     p.hop[int64_t(b) * kld + j0 + u] = from_f<Op>(p.h0[int64_t(b) * P + j0 + u]);
@@ -581,26 +612,27 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
     for (int it = warp; it < items; it += nwarps) {  // warp-uniform
       const int nt = it % NT, ks = it / NT;
       const int k_lo = ks * KT / p.ksplit, k_hi = (ks + 1) * KT / p.ksplit;
+      const Op* hb = hprev + int64_t(nt) * 16 * kld;  // h^T tile (k, n) at hb[n * kld + k]
       FragC<T> acc[kMmaMaxMT];
 #pragma unroll
       for (int mt = 0; mt < kMmaMaxMT; ++mt) wmma::fill_fragment(acc[mt], 0.0f);
-      for (int kt = k_lo; kt < k_hi; ++kt) {
-        FragB<T, wmma::col_major> b, b_lo;  // h^T tile: element (k, n) at hprev[n * kld + k]
-        wmma::load_matrix_sync(b, hprev + int64_t(nt) * 16 * kld + kt * KK, kld);
-        if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
-#pragma unroll
-        for (int mt = 0; mt < kMmaMaxMT; ++mt) {
-          if (mt < MT) {
-            FragA<T, wmma::row_major> a;
-            wmma::load_matrix_sync(a, ws + int64_t(mt) * 16 * kld + kt * KK, kld);
-            mma_step<T>(acc[mt], a, b, b_lo);
-          }
+      // Two h tiles in flight: the next K step's load is issued before this one's products.
+      FragB<T, wmma::col_major> b0, b1;
+      if (k_lo < k_hi) wmma::load_matrix_sync(b0, hb + k_lo * KK, kld);
+      for (int kt = k_lo; kt < k_hi; kt += 2) {
+        const bool two = kt + 1 < k_hi;
+        if (two) wmma::load_matrix_sync(b1, hb + (kt + 1) * KK, kld);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, kt, b0);
+        if (two) {
+          if (kt + 2 < k_hi) wmma::load_matrix_sync(b0, hb + (kt + 2) * KK, kld);
+          fwd_tile_products<T>(acc, ws, kld, mrows, MT, kt + 1, b1);
         }
       }
 #pragma unroll
       for (int mt = 0; mt < kMmaMaxMT; ++mt) {
         if (mt < MT) {
-          wmma::store_matrix_sync(zs + (int64_t(ks) * rows + mt * 16) * nld + nt * 16, acc[mt],
+          const int r0 = min(mt * 16, mrows - 16);
+          wmma::store_matrix_sync(zs + (int64_t(ks) * mrows + r0) * nld + nt * 16, acc[mt],
                                   nld, wmma::mem_row_major);
         }
       }
@@ -614,7 +646,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         float acc = 0.0f;
-        for (int ks = 0; ks < p.ksplit; ++ks) acc += zs[(int64_t(ks) * rows + 4 * u + q) * nld + b];
+        for (int ks = 0; ks < p.ksplit; ++ks) acc += zs[(int64_t(ks) * mrows + 4 * u + q) * nld + b];
         z[q] = fmaf(p.scale_eff, acc, to_f(p.xw[go + int64_t(q) * H]));
       }
       const float ai = sigmoid_f(z[0]), af = sigmoid_f(z[1]), ag = tanhf(z[2]),
@@ -652,16 +684,16 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
   using Op = typename MmaOperand<T>::Op;
   constexpr int KK = MmaOperand<T>::K;
   CTXFAST_DYNAMIC_SMEM(smem);
-  const int H = p.H, B = p.B, P = p.P, U = p.units, rows = 4 * U;
-  const int kld = p.kld, bpad = p.bpad, kp = p.kp, dld = rows + mma_skew<Op>();
-  const int MT = bpad / 16, NT = kp / 16, KT = rows / KK;
-  Op* ws = reinterpret_cast<Op*>(smem);                                       // [rows, kld]
-  Op* dzs = reinterpret_cast<Op*>(smem + align128(sizeof(Op) * rows * kld));  // [bpad, dld]
+  const int H = p.H, B = p.B, P = p.P, U = p.units, wrows = mma_weight_rows(U, KK);
+  const int kld = p.kld, bpad = p.bpad, kp = p.kp, dld = wrows + mma_skew<Op>();
+  const int MT = bpad / 16, NT = kp / 16, KT = wrows / KK;
+  Op* ws = reinterpret_cast<Op*>(smem);                                        // [wrows, kld]
+  Op* dzs = reinterpret_cast<Op*>(smem + align128(sizeof(Op) * wrows * kld));  // [bpad, dld]
   const int j0 = blockIdx.x * U;
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H, B4H = int64_t(B) * 4 * H;
-  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, rows, H, P, kld);
+  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
   for (int e = threadIdx.x; e < bpad * dld; e += blockDim.x) dzs[e] = from_f<Op>(0.0f);
   cg::grid_group grid = cg::this_grid();
   const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -698,7 +730,7 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
       }
     }
     __syncthreads();
-    // ---- phase 2: part[block] = dz_slice[bpad, 4U] . W_slice[4U, kp], 16 x 16 tiles per warp
+    // ---- phase 2: part[block] = dz_slice[bpad, wrows] . W_slice[wrows, kp], 16 x 16 tiles
     float* part = p.part + int64_t(blockIdx.x) * bpad * kp;
     for (int it = warp; it < MT * NT; it += nwarps) {  // warp-uniform
       const int mt = it % MT, nt = it / MT;
@@ -734,7 +766,6 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     grid.sync();
   }
 }
-
 
 // ------------------------------------------------------------------ launch shapes (host)
 inline size_t fwd_smem(const LstmDims& d, int units, size_t esize) {
@@ -778,22 +809,23 @@ inline LstmPlan persistent_shape(const LstmDims& d, LstmDtype dt, bool backward,
       plan.why = "the tensor-core kernels take no projection yet";
       return plan;
     }
-    units = static_cast<int>(4 * ((d.H + 4 * int64_t(sms) - 1) / (4 * int64_t(sms))));
+    units = static_cast<int>((d.H + sms - 1) / sms);
     if (units > kMmaMaxUnits) {
       plan.why = "more than 32 hidden units per block (H above 32 x the SM count)";
       return plan;
     }
-    const int rows = 4 * units, kk = dt == LstmDtype::kFloat32 ? 8 : 16;
-    const int skew = static_cast<int>(16 / esize);
+    const int kk = dt == LstmDtype::kFloat32 ? 8 : 16;
+    const int skew = static_cast<int>(32 / esize);
+    const int wrows = mma_weight_rows(units, kk), mrows = 4 * units < 16 ? 16 : 4 * units;
     plan.bpad = static_cast<int>(round_up(d.B, 16));
     plan.kp = static_cast<int>(round_up(d.P, 16));
     plan.kld = plan.kp + skew;
     const int nt = plan.bpad / 16, kt = plan.kp / kk;
     const int ks = kMmaWarps / nt;
     plan.ksplit = ks < 1 ? 1 : (ks > kt ? kt : ks);
-    smem = align128(esize * rows * plan.kld) +
-           (backward ? esize * plan.bpad * (rows + skew)
-                     : sizeof(float) * plan.ksplit * rows * (plan.bpad + 4));
+    smem = align128(esize * wrows * plan.kld) +
+           (backward ? esize * plan.bpad * (wrows + skew)
+                     : sizeof(float) * plan.ksplit * mrows * (plan.bpad + 8));
     threads = kMmaWarps * 32;
   }
   if (smem > smem_limit) {

@@ -11,6 +11,8 @@
 // OUT: 4 int32 (ok, blocks, threads, units), then float32 arrays: out, cells, gates (as
 // stored, widened), c_T [B,H]; with backward: dz [T,B,4H], grad_h0 [B,P], grad_c0 [B,H].
 // If the plan refuses the sizes: ok = 0 and the reason on stderr, exit status 3.
+// backward = -1: the launch shapes only (no arrays read or run): OUT holds, for the forward
+// then the backward, 6 int32 (ok, blocks, threads, units, shared memory bytes, ksplit).
 #define CTXFAST_CUDA_EMULATION 1
 #include "cuda/lstm_kernels.cuh"
 
@@ -186,6 +188,19 @@ int main(int argc, char** argv) {
   const LstmKernel kernel = h[0] == 1 ? LstmKernel::kMma : LstmKernel::kFma;
   const bool has_mask = h[7] != 0, backward = h[10] != 0;
   const int sms = h[8];
+  if (h[1] < 0 || h[1] > 2) emu::fail("dtype must be 0, 1 or 2");
+  if (h[10] == -1) {
+    const LstmDtype dts[3] = {LstmDtype::kFloat32, LstmDtype::kFloat16, LstmDtype::kBFloat16};
+    for (bool bwd : {false, true}) {
+      const LstmPlan pl = persistent_shape(d, dts[h[1]], bwd, kernel, sms, size_t(h[11]));
+      const int32_t row[6] = {pl.ok, pl.blocks, pl.threads, pl.units,
+                              static_cast<int32_t>(pl.smem_bytes), pl.ksplit};
+      std::fwrite(row, 4, 6, fout);
+      if (!pl.ok) std::fprintf(stderr, "%s\n", pl.why);
+    }
+    std::fclose(fout);
+    return 0;
+  }
   const size_t smem_limit = static_cast<size_t>(h[11]);
   int rc = 0;
   switch (h[1]) {
