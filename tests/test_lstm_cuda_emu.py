@@ -218,11 +218,15 @@ def _shapes(exe, tmp_path, kernel, dtype, T, B, H, P, sms):
 def test_tensor_core_plans_at_the_benchmark_sizes(emulator, tmp_path, dtype):
     """On an H100/H200 (132 SMs, 227 KiB of shared memory per block): the ULMFiT layer
     (H 1152, B 64) runs persistent on the tensor cores in float32 too (U 9: 36 weight rows
-    per block, no padding to 48), AWD-LSTM's 1150 likewise; H 4608 (U 35) is refused."""
+    per block, no padding to 48), AWD-LSTM's 1150 likewise; ELMo's cell (H 4096, P 512,
+    B 32) in bfloat16 only (float32: 33.5 MB of w_hh, more than all the shared memory);
+    H 4608 (U 35) is refused."""
     for H in (1152, 1150):
         fwd, bwd = _shapes(emulator, tmp_path, "mma", dtype, 70, 64, H, H, 132)
         assert fwd["ok"] and bwd["ok"], (fwd, bwd)
         assert fwd["units"] == 9 and fwd["blocks"] == 128 and fwd["smem"] <= SMEM_LIMIT
+    fwd, bwd = _shapes(emulator, tmp_path, "mma", dtype, 50, 32, 4096, 512, 132)
+    assert (fwd["ok"] and bwd["ok"]) == (dtype == torch.bfloat16), (fwd, bwd)
     fwd, _ = _shapes(emulator, tmp_path, "mma", dtype, 70, 64, 4608, 4608, 132)
     assert not fwd["ok"]
 
@@ -233,15 +237,19 @@ def test_tensor_core_kernels_with_batch_tiles_and_k_slices(emulator, tmp_path):
     _check(emulator, tmp_path, "mma", torch.bfloat16, T=2, B=33, H=40, P=40, sms=4)
 
 
-def test_projection_on_the_cuda_cores(emulator, tmp_path):
-    """The CUDA-core kernels with a projection and both clips (ELMo's cell); the tensor-core
-    plan refuses a projection with its reason."""
-    _check(emulator, tmp_path, "fma", torch.float32, T=3, B=4, H=16, P=8, proj=True,
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+def test_projection_and_clips(emulator, tmp_path, kernel, dtype):
+    """ELMo's cell: a projection P < H and both clips biting, mask, several blocks (the
+    tensor-core forward sums per-block partial projections; its backward's dL/dhp is a
+    tensor-core product with K sliced over the warps)."""
+    _check(emulator, tmp_path, kernel, dtype, T=3, B=4, H=20, P=12, proj=True,
            cell_clip=0.5, proj_clip=0.3, sms=3)
-    ins = _inputs(2, 2, 8, 4, mask=False, proj=True, seed=1)
-    got, refused = _run_emu(emulator, tmp_path, "mma", torch.float32, ins, reverse=False,
-                            scale=1.0, cell_clip=math.inf, proj_clip=math.inf, sms=2)
-    assert got is None and "projection" in refused
+
+
+def test_projection_reverse_without_mask(emulator, tmp_path):
+    _check(emulator, tmp_path, "mma", torch.float32, T=2, B=17, H=9, P=24, proj=True,
+           mask=False, reverse=True, sms=2)
 
 
 def test_a_wrong_kernel_fails_the_check(emulator, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@
 //    grid is co-resident (cudaOccupancy, opt-in shared memory, SM count);
 //  * per step: cuBLAS GEMMs (ATen, float32) + the fused cell kernels, otherwise.
 //  * persistent_mma: the same schedule with each step's products on the tensor cores
-//    (csrc/cuda/lstm_kernels.cuh; no projection). Opt-in until a GPU has measured it: its
+//    (csrc/cuda/lstm_kernels.cuh). Opt-in until a GPU has measured it: its
 //    logic is checked on the CPU under an emulator (tests/test_lstm_cuda_emu.py) only.
 // CTXFAST_LSTM_CUDA_KERNEL = auto (default: persistent where it fits, else per_step) |
 // persistent | persistent_mma | per_step forces one; asking for a persistent kernel where
@@ -150,10 +150,12 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
     // float32, split into tf32 halves in the kernel).
     Tensor hop = at::zeros({2, plan.bpad, plan.kld}, opts);
     const Tensor h0f = h0.to(at::kFloat).contiguous();
+    Tensor ypart = d.proj ? at::empty({plan.blocks, plan.bpad, plan.kp}, f32) : Tensor();
     check_cuda(cuda::lstm_forward_persistent_mma(
                    plan, cd, cdt, xw_c.data_ptr(), w_hh_c.data_ptr(), ptr_or_null(mask_c),
-                   h0f.data_ptr<float>(), hop.data_ptr(), c32.data_ptr<float>(),
-                   out.data_ptr(), cells.data_ptr(), gates.data_ptr(), stream),
+                   ptr_or_null(w_hr_c), h0f.data_ptr<float>(), hop.data_ptr(),
+                   c32.data_ptr<float>(), fptr_or_null(ypart), out.data_ptr(), cells.data_ptr(),
+                   gates.data_ptr(), stream),
                kFwd, "the tensor-core persistent forward kernel launch");
     return {out, cells, gates};
   }
@@ -240,12 +242,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
   });
   if (plan.ok && plan.kernel == cuda::LstmKernel::kMma) {
     Tensor part = at::empty({plan.blocks, plan.bpad, plan.kp}, f32);  // per-block partial dL/dh
+    Tensor dhop = d.proj ? at::zeros({plan.bpad, plan.kld}, opts) : Tensor();  // dh_in operands
     gh0 = at::empty({d.B, d.P}, f32);
     check_cuda(cuda::lstm_backward_persistent_mma(
                    plan, cd, cdt, go.data_ptr(), gc.data_ptr(), out_c.data_ptr(),
                    cells_c.data_ptr(), gates_c.data_ptr(), c0_c.data_ptr(), w_hh_c.data_ptr(),
-                   ptr_or_null(mask_c), dh_in.data_ptr<float>(), dc.data_ptr<float>(),
-                   part.data_ptr<float>(), dz.data_ptr<float>(), gh0.data_ptr<float>(), stream),
+                   ptr_or_null(mask_c), ptr_or_null(w_hr_c), dh_in.data_ptr<float>(),
+                   dc.data_ptr<float>(), part.data_ptr<float>(), d.proj ? dhop.data_ptr() : nullptr,
+                   dz.data_ptr<float>(), fptr_or_null(hp), gh0.data_ptr<float>(), stream),
                kBwd, "the tensor-core persistent backward kernel launch");
   } else if (plan.ok) {
     const Tensor w_hr_t = d.proj ? w_hr_c.t().contiguous() : Tensor();  // [H, P]

@@ -202,23 +202,26 @@ cudaError_t launch_bwd(const LstmPlan& plan, const LstmDims& d, const void* grad
 
 template <typename T>
 cudaError_t launch_fwd_mma(const LstmPlan& plan, const LstmDims& d, const void* xw,
-                           const void* w_hh, const void* mask, const float* h0, void* hop,
-                           float* c32, void* out, void* cells, void* gates,
-                           cudaStream_t stream) {
+                           const void* w_hh, const void* mask, const void* w_hr,
+                           const float* h0, void* hop, float* c32, float* ypart, void* out,
+                           void* cells, void* gates, cudaStream_t stream) {
   FwdMmaParams<T> p;
   p.xw = static_cast<const T*>(xw);
   p.w_hh = static_cast<const T*>(w_hh);
   p.mask = static_cast<const T*>(mask);
+  p.w_hr = static_cast<const T*>(w_hr);
   p.h0 = h0;
   p.hop = static_cast<typename MmaOperand<T>::Op*>(hop);
   p.c32 = c32;
+  p.ypart = ypart;
   p.out = static_cast<T*>(out); p.cells = static_cast<T*>(cells); p.gates = static_cast<T*>(gates);
   p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
   p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
   p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
-  p.reverse = d.reverse;
+  p.proj = d.proj; p.reverse = d.reverse;
   p.scale_eff = d.scale_eff;
   p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
+  p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
   void* args[] = {&p};
   return cudaLaunchCooperativeKernel(fwd_kernel<T>(LstmKernel::kMma), dim3(plan.blocks),
                                      dim3(plan.threads), args, plan.smem_bytes, stream);
@@ -228,8 +231,9 @@ template <typename T>
 cudaError_t launch_bwd_mma(const LstmPlan& plan, const LstmDims& d, const void* grad_out,
                            const void* grad_cells, const void* out, const void* cells,
                            const void* gates, const void* c0, const void* w_hh,
-                           const void* mask, float* dh_in, float* dc, float* part, float* dz,
-                           float* grad_h0, cudaStream_t stream) {
+                           const void* mask, const void* w_hr, float* dh_in, float* dc,
+                           float* part, void* dhop, float* dz, float* hp, float* grad_h0,
+                           cudaStream_t stream) {
   BwdMmaParams<T> p;
   p.grad_out = static_cast<const T*>(grad_out);
   p.grad_cells = static_cast<const T*>(grad_cells);
@@ -239,12 +243,14 @@ cudaError_t launch_bwd_mma(const LstmPlan& plan, const LstmDims& d, const void* 
   p.c0 = static_cast<const T*>(c0);
   p.w_hh = static_cast<const T*>(w_hh);
   p.mask = static_cast<const T*>(mask);
-  p.dh_in = dh_in; p.dc = dc; p.part = part; p.dz = dz; p.grad_h0 = grad_h0;
+  p.w_hr = static_cast<const T*>(w_hr);
+  p.dh_in = dh_in; p.dc = dc; p.part = part; p.dz = dz; p.hp = hp; p.grad_h0 = grad_h0;
+  p.dhop = static_cast<typename MmaOperand<T>::Op*>(dhop);
   p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
   p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
-  p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld;
-  p.reverse = d.reverse;
-  p.scale_eff = d.scale_eff; p.cell_clip_s = d.cell_clip_s;
+  p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
+  p.proj = d.proj; p.reverse = d.reverse;
+  p.scale_eff = d.scale_eff; p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
   void* args[] = {&p};
   return cudaLaunchCooperativeKernel(bwd_kernel<T>(LstmKernel::kMma), dim3(plan.blocks),
                                      dim3(plan.threads), args, plan.smem_bytes, stream);
@@ -294,23 +300,25 @@ cudaError_t lstm_backward_persistent(const LstmPlan& plan, const LstmDims& d, Ls
 
 cudaError_t lstm_forward_persistent_mma(const LstmPlan& plan, const LstmDims& d, LstmDtype dt,
                                         const void* xw, const void* w_hh, const void* mask,
-                                        const float* h0, void* hop, float* c32, void* out,
-                                        void* cells, void* gates, cudaStream_t stream) {
+                                        const void* w_hr, const float* h0, void* hop,
+                                        float* c32, float* ypart, void* out, void* cells,
+                                        void* gates, cudaStream_t stream) {
   if (!plan.ok || plan.kernel != LstmKernel::kMma) return cudaErrorInvalidConfiguration;
-  CTXFAST_LSTM_DISPATCH(dt, return launch_fwd_mma<T>(plan, d, xw, w_hh, mask, h0, hop, c32, out,
-                                                     cells, gates, stream))
+  CTXFAST_LSTM_DISPATCH(dt, return launch_fwd_mma<T>(plan, d, xw, w_hh, mask, w_hr, h0, hop, c32,
+                                                     ypart, out, cells, gates, stream))
 }
 
 cudaError_t lstm_backward_persistent_mma(const LstmPlan& plan, const LstmDims& d, LstmDtype dt,
                                          const void* grad_out, const void* grad_cells,
                                          const void* out, const void* cells, const void* gates,
                                          const void* c0, const void* w_hh, const void* mask,
-                                         float* dh_in, float* dc, float* part, float* dz,
-                                         float* grad_h0, cudaStream_t stream) {
+                                         const void* w_hr, float* dh_in, float* dc, float* part,
+                                         void* dhop, float* dz, float* hp, float* grad_h0,
+                                         cudaStream_t stream) {
   if (!plan.ok || plan.kernel != LstmKernel::kMma) return cudaErrorInvalidConfiguration;
   CTXFAST_LSTM_DISPATCH(dt, return launch_bwd_mma<T>(plan, d, grad_out, grad_cells, out, cells,
-                                                     gates, c0, w_hh, mask, dh_in, dc, part, dz,
-                                                     grad_h0, stream))
+                                                     gates, c0, w_hh, mask, w_hr, dh_in, dc, part,
+                                                     dhop, dz, hp, grad_h0, stream))
 }
 
 cudaError_t lstm_cell_forward_step(const LstmDims& d, LstmDtype dt, const void* xw_t,

@@ -15,9 +15,9 @@
 //    rows of w_hh of its hidden units (4 gate rows each) in shared memory for the whole
 //    call; grid.sync() separates the steps (and the projection phase). Used where the
 //    weight slices fit on chip and all blocks are co-resident (lstm_*_persistent_plan).
-//    Two kernels (LstmKernel): the step's products on the CUDA cores (kFma, any sizes,
-//    projection and clips), or on the tensor cores (kMma: WMMA tiles, bf16/fp16 operands
-//    as stored, float32 as tf32x3; no projection; sm_80 or newer).
+//    Two kernels (LstmKernel): the step's products on the CUDA cores (kFma), or on the
+//    tensor cores (kMma: WMMA tiles, bf16/fp16 operands as stored, float32 as tf32x3;
+//    sm_80 or newer); both take the projection and the clips.
 //  * per step: cuBLAS GEMMs issued by the binding (ATen) + the fused cell kernels below,
 //    one launch each per step. Used where the weights do not fit on chip.
 #pragma once
@@ -90,23 +90,27 @@ cudaError_t lstm_backward_persistent(const LstmPlan& plan, const LstmDims& d, Ls
                                      const void* w_hr_t, float* dh_in, float* dc, float* part,
                                      float* dz, float* hp, float* grad_h0, cudaStream_t stream);
 
-// Tensor-core forward (plan.kernel == kMma; no projection, P == H). h0 [B,P] float;
-// hop [2, plan.bpad, plan.kld] operand-dtype workspace (float32 for float32 storage, else
-// the storage dtype), zero-filled by the caller; c32 [B,H] float (c0 in, c_T out).
-// Out: out [T,B,P], cells [T,B,H], gates [T,B,4H].
+// Tensor-core forward (plan.kernel == kMma). In: as lstm_forward_persistent, w_hr [P,H]
+// or null; h0 [B,P] float. Workspaces: hop [2, plan.bpad, plan.kld] in the operand dtype
+// (float32 for float32 storage, else the storage dtype), zero-filled by the caller;
+// c32 [B,H] float (c0 in, c_T out); ypart [plan.blocks, plan.bpad, plan.kp] float with a
+// projection (else null). Out: out [T,B,P], cells [T,B,H], gates [T,B,4H].
 cudaError_t lstm_forward_persistent_mma(const LstmPlan& plan, const LstmDims& d, LstmDtype dt,
                                         const void* xw, const void* w_hh, const void* mask,
-                                        const float* h0, void* hop, float* c32, void* out,
-                                        void* cells, void* gates, cudaStream_t stream);
+                                        const void* w_hr, const float* h0, void* hop,
+                                        float* c32, float* ypart, void* out, void* cells,
+                                        void* gates, cudaStream_t stream);
 
-// Tensor-core backward (no projection): as lstm_backward_persistent with
-// part [plan.blocks, plan.bpad, plan.kp] float and no w_hr_t / hp.
+// Tensor-core backward: as lstm_backward_persistent, with w_hr [P,H] (not transposed) or
+// null, part [plan.blocks, plan.bpad, plan.kp] float, and with a projection dhop
+// [plan.bpad, plan.kld] in the operand dtype (else null).
 cudaError_t lstm_backward_persistent_mma(const LstmPlan& plan, const LstmDims& d, LstmDtype dt,
                                          const void* grad_out, const void* grad_cells,
                                          const void* out, const void* cells, const void* gates,
                                          const void* c0, const void* w_hh, const void* mask,
-                                         float* dh_in, float* dc, float* part, float* dz,
-                                         float* grad_h0, cudaStream_t stream);
+                                         const void* w_hr, float* dh_in, float* dc, float* part,
+                                         void* dhop, float* dz, float* hp, float* grad_h0,
+                                         cudaStream_t stream);
 
 // ---------------------------------------------------------------- per-step kernels
 // Forward cell of one step: z = xw_t + zacc (zacc [B,4H] float = h_{t-1} @ W^T, scale

@@ -552,15 +552,21 @@ __device__ void load_weight_slice_mma(Op* ws, const T* w_hh, const T* mask, int 
 
 template <typename T>
 struct FwdMmaParams {
-  const T* xw; const T* w_hh; const T* mask;
+  const T* xw; const T* w_hh; const T* mask; const T* w_hr;  // w_hr [P, H] or null
   const float* h0;                      // [B, P]
   typename MmaOperand<T>::Op* hop;      // [2, bpad, kld], zero-filled by the caller
   float* c32;                           // [B, H]: c0 in, c_T out
+  float* ypart;                         // projection: [blocks, bpad, kp] partial h_t
   T* out; T* cells; T* gates;
   int T_, B, H, P, units, bpad, kp, kld, ksplit;
-  bool reverse;
-  float scale_eff, cell_clip, cell_clip_s, cell_below;
+  bool proj, reverse;
+  float scale_eff, cell_clip, cell_clip_s, cell_below, proj_clip, proj_clip_s, proj_below;
 };
+
+// The projection's operand rows per block: its units rounded up to the K step (>= 16).
+__host__ __device__ constexpr int mma_unit_rows(int units, int kk) {
+  return ((units + kk - 1) / kk * kk) < 16 ? 16 : (units + kk - 1) / kk * kk;
+}
 
 // acc[m] += W rows of tile m . h tile b, for the block's row tiles (first row of tile m:
 // min(16 m, mrows - 16)); kt: the K step.
@@ -580,6 +586,50 @@ __device__ __forceinline__ void fwd_tile_products(FragC<T> (&acc)[kMmaMaxMT], co
   }
 }
 
+// out[MT x NT tiles of 16 x 16, ldo] = A[MT*16, KT*kk] (row-major, lda) . B[KT*kk, NT*16]
+// (row-major, ldb), one output tile per warp item; A and B operands in memory.
+template <typename T, typename Op>
+__device__ __forceinline__ void block_tiles_product(const Op* A, int lda, const Op* Bm, int ldb,
+                                                    int MT, int NT, int KT, float* out,
+                                                    int64_t ldo, int warp, int nwarps) {
+  constexpr int KK = MmaOperand<T>::K;
+  for (int it = warp; it < MT * NT; it += nwarps) {  // warp-uniform
+    const int mt = it % MT, nt = it / MT;
+    FragC<T> acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      FragA<T, wmma::row_major> a;
+      FragB<T, wmma::row_major> b, b_lo;
+      wmma::load_matrix_sync(a, A + int64_t(mt) * 16 * lda + kt * KK, lda);
+      wmma::load_matrix_sync(b, Bm + int64_t(kt) * KK * ldb + nt * 16, ldb);
+      if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
+      mma_step<T>(acc, a, b, b_lo);
+    }
+    wmma::store_matrix_sync(out + int64_t(mt) * 16 * ldo + nt * 16, acc, static_cast<unsigned>(ldo),
+                            wmma::mem_row_major);
+  }
+}
+
+// Shared memory of the tensor-core forward, in order: ws [wrows, kld] operands, zs
+// [ksplit, mrows, bpad + 8] float, and with a projection wr [urows, kp + skew] operands
+// (wr[u][p] = w_hr[p, j0 + u]) and hps [bpad, urows + skew] operands (hp of the block's
+// units). Offsets of each, from the start; returns the total.
+struct FwdMmaSmem {
+  size_t zs, wr, hps, total;
+};
+__host__ __device__ inline FwdMmaSmem fwd_mma_smem(int units, int bpad, int kp, int kld,
+                                                   int ksplit, bool proj, int esize, int kk) {
+  const int wrows = mma_weight_rows(units, kk), mrows = 4 * units < 16 ? 16 : 4 * units;
+  const int skew = 32 / esize, urows = mma_unit_rows(units, kk);
+  FwdMmaSmem m;
+  m.zs = align128(size_t(esize) * wrows * kld);
+  m.wr = m.zs + align128(sizeof(float) * ksplit * mrows * (bpad + 8));
+  m.hps = m.wr + (proj ? align128(size_t(esize) * urows * (kp + skew)) : 0);
+  m.total = m.hps + (proj ? size_t(esize) * bpad * (urows + skew) : 0);
+  return m;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kMmaWarps * 32, 1)
 lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
@@ -588,17 +638,30 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
   CTXFAST_DYNAMIC_SMEM(smem);
   const int H = p.H, B = p.B, P = p.P, U = p.units, rows = 4 * U;
   const int wrows = mma_weight_rows(U, KK), mrows = rows < 16 ? 16 : rows;
-  const int kld = p.kld, bpad = p.bpad, nld = bpad + 8;
-  const int MT = (mrows + 15) / 16, NT = bpad / 16, KT = p.kp / KK;
-  Op* ws = reinterpret_cast<Op*>(smem);                                            // [wrows, kld]
-  float* zs = reinterpret_cast<float*>(smem + align128(sizeof(Op) * wrows * kld));  // [ks, mrows, nld]
+  const int kld = p.kld, bpad = p.bpad, kp = p.kp, nld = bpad + 8;
+  const int MT = (mrows + 15) / 16, NT = bpad / 16, KT = kp / KK;
+  const int urows = mma_unit_rows(U, KK), wld = kp + mma_skew<Op>(), hld = urows + mma_skew<Op>();
+  const FwdMmaSmem lay = fwd_mma_smem(U, bpad, kp, kld, p.ksplit, p.proj, sizeof(Op), KK);
+  Op* ws = reinterpret_cast<Op*>(smem);                  // [wrows, kld]
+  float* zs = reinterpret_cast<float*>(smem + lay.zs);   // [ksplit, mrows, nld]
+  Op* wr = reinterpret_cast<Op*>(smem + lay.wr);         // [urows, wld] (projection)
+  Op* hps = reinterpret_cast<Op*>(smem + lay.hps);       // [bpad, hld] (projection)
   const int j0 = blockIdx.x * U;
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
   load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
-  for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {  // h0, this block's columns
-    const int b = e / nu, u = e - b * nu;
-    p.hop[int64_t(b) * kld + j0 + u] = from_f<Op>(p.h0[int64_t(b) * P + j0 + u]);
+  if (p.proj) {
+    for (int e = threadIdx.x; e < urows * wld; e += blockDim.x) {
+      const int u = e / wld, k = e - u * wld;
+      wr[e] = from_f<Op>(u < nu && k < P ? to_f(p.w_hr[int64_t(k) * H + j0 + u]) : 0.0f);
+    }
+    for (int e = threadIdx.x; e < bpad * hld; e += blockDim.x) hps[e] = from_f<Op>(0.0f);
+  }
+  for (int64_t e = gtid; e < int64_t(B) * P; e += gthreads) {  // h0 as operands
+    const int64_t b = e / P, k = e - b * P;
+    p.hop[b * kld + k] = from_f<Op>(p.h0[e]);
   }
   cg::grid_group grid = cg::this_grid();
   grid.sync();
@@ -661,8 +724,29 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
       store_clipped(p.cells + int64_t(t) * B * H + ci, c, p.cell_clip, p.cell_clip_s,
                     p.cell_below);
       const float hp = ao * tanhf(c);
-      p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
-      hnext[int64_t(b) * kld + j] = from_f<Op>(hp);
+      if (p.proj) {
+        hps[b * hld + u] = from_f<Op>(hp);
+      } else {
+        p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
+        hnext[int64_t(b) * kld + j] = from_f<Op>(hp);
+      }
+    }
+    if (p.proj) {
+      // ---- phase 3: this block's part of h_t = hp_t . w_hr^T (its units), then the sum
+      __syncthreads();
+      block_tiles_product<T>(hps, hld, wr, wld, bpad / 16, kp / 16, urows / KK,
+                             p.ypart + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps);
+      grid.sync();
+      for (int64_t e = gtid; e < int64_t(B) * P; e += gthreads) {
+        const int64_t b = e / P, k = e - b * P;
+        float y = 0.0f;
+        for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk)
+          y += p.ypart[(int64_t(blk) * bpad + b) * kp + k];
+        y = clamp_f(y, p.proj_clip);
+        store_clipped(p.out + int64_t(t) * B * P + e, y, p.proj_clip, p.proj_clip_s,
+                      p.proj_below);
+        hnext[b * kld + k] = from_f<Op>(y);
+      }
     }
     grid.sync();
   }
@@ -671,12 +755,31 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
 template <typename T>
 struct BwdMmaParams {
   const T* grad_out; const T* grad_cells; const T* out; const T* cells; const T* gates;
-  const T* c0; const T* w_hh; const T* mask;
-  float* dh_in; float* dc; float* part; float* dz; float* grad_h0;  // part [blocks, bpad, kp]
-  int T_, B, H, P, units, bpad, kp, kld;
-  bool reverse;
-  float scale_eff, cell_clip_s;
+  const T* c0; const T* w_hh; const T* mask; const T* w_hr;  // w_hr [P, H] or null
+  float* dh_in; float* dc; float* part; float* dz; float* hp; float* grad_h0;
+  typename MmaOperand<T>::Op* dhop;  // projection: [bpad, kld] dh_in of the step, operands
+  int T_, B, H, P, units, bpad, kp, kld, ksplit;  // part [blocks, bpad, kp]
+  bool proj, reverse;
+  float scale_eff, cell_clip_s, proj_clip_s;
 };
+
+// Shared memory of the tensor-core backward, in order: ws [wrows, kld], dzs [bpad, wrows +
+// skew] operands, and with a projection wb [kp, uld] operands (wb[p][u] = w_hr[p, j0 + u],
+// uld = units rounded up to 16 + skew) and dhs [ksplit, bpad, units16 + 8] float.
+struct BwdMmaSmem {
+  size_t dzs, wb, dhs, total;
+};
+__host__ __device__ inline BwdMmaSmem bwd_mma_smem(int units, int bpad, int kp, int kld,
+                                                   int ksplit, bool proj, int esize, int kk) {
+  const int wrows = mma_weight_rows(units, kk), skew = 32 / esize;
+  const int u16 = (units + 15) / 16 * 16;
+  BwdMmaSmem m;
+  m.dzs = align128(size_t(esize) * wrows * kld);
+  m.wb = m.dzs + align128(size_t(esize) * bpad * (wrows + skew));
+  m.dhs = m.wb + (proj ? align128(size_t(esize) * kp * (u16 + skew)) : 0);
+  m.total = m.dhs + (proj ? sizeof(float) * ksplit * bpad * (u16 + 8) : 0);
+  return m;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kMmaWarps * 32, 1)
@@ -686,15 +789,24 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
   CTXFAST_DYNAMIC_SMEM(smem);
   const int H = p.H, B = p.B, P = p.P, U = p.units, wrows = mma_weight_rows(U, KK);
   const int kld = p.kld, bpad = p.bpad, kp = p.kp, dld = wrows + mma_skew<Op>();
-  const int MT = bpad / 16, NT = kp / 16, KT = wrows / KK;
-  Op* ws = reinterpret_cast<Op*>(smem);                                        // [wrows, kld]
-  Op* dzs = reinterpret_cast<Op*>(smem + align128(sizeof(Op) * wrows * kld));  // [bpad, dld]
+  const int u16 = (U + 15) / 16 * 16, uld = u16 + mma_skew<Op>(), dhld = u16 + 8;
+  const BwdMmaSmem lay = bwd_mma_smem(U, bpad, kp, kld, p.ksplit, p.proj, sizeof(Op), KK);
+  Op* ws = reinterpret_cast<Op*>(smem);                  // [wrows, kld]
+  Op* dzs = reinterpret_cast<Op*>(smem + lay.dzs);       // [bpad, dld]
+  Op* wb = reinterpret_cast<Op*>(smem + lay.wb);         // [kp, uld] (projection)
+  float* dhs = reinterpret_cast<float*>(smem + lay.dhs);  // [ksplit, bpad, dhld] (projection)
   const int j0 = blockIdx.x * U;
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H, B4H = int64_t(B) * 4 * H;
   load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
   for (int e = threadIdx.x; e < bpad * dld; e += blockDim.x) dzs[e] = from_f<Op>(0.0f);
+  if (p.proj) {
+    for (int e = threadIdx.x; e < kp * uld; e += blockDim.x) {
+      const int k = e / uld, u = e - k * uld;
+      wb[e] = from_f<Op>(u < nu && k < P ? to_f(p.w_hr[int64_t(k) * H + j0 + u]) : 0.0f);
+    }
+  }
   cg::grid_group grid = cg::this_grid();
   const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
@@ -702,27 +814,61 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     const int t = p.reverse ? 0 : p.T_ - 1;
     for (int64_t e = gtid; e < BP; e += gthreads) {
       const int64_t o = int64_t(t) * BP + e;
-      p.dh_in[o] = to_f(p.grad_out[o]);
+      const float d = dh_in_value(to_f(p.grad_out[o]), 0.0f, to_f(p.out[o]), p.proj,
+                                  p.proj_clip_s);
+      p.dh_in[o] = d;
+      if (p.proj) p.dhop[(e / P) * kld + e % P] = from_f<Op>(d);
     }
   }
   grid.sync();
+  const int dh_items = (bpad / 16) * (u16 / 16);
 
   for (int s = p.T_ - 1; s >= 0; --s) {
     const int t = p.reverse ? p.T_ - 1 - s : s;
     const int tp = p.reverse ? t + 1 : t - 1;  // the forward's previous step (if s > 0)
     const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
     const float* dh_t = p.dh_in + int64_t(t) * BP;
+    if (p.proj) {
+      // ---- phase 0: dL/dhp[b, u] = dh_t[b, :] . w_hr[:, j0 + u], K sliced over warps
+      const int KT = kp / KK;
+      for (int it = warp; it < dh_items * p.ksplit; it += nwarps) {  // warp-uniform
+        const int tile = it % dh_items, ks = it / dh_items;
+        const int mt = tile % (bpad / 16), nt = tile / (bpad / 16);
+        const int k_lo = ks * KT / p.ksplit, k_hi = (ks + 1) * KT / p.ksplit;
+        FragC<T> acc;
+        wmma::fill_fragment(acc, 0.0f);
+        for (int kt = k_lo; kt < k_hi; ++kt) {
+          FragA<T, wmma::row_major> a;
+          FragB<T, wmma::row_major> b, b_lo;
+          wmma::load_matrix_sync(a, p.dhop + int64_t(mt) * 16 * kld + kt * KK, kld);
+          wmma::load_matrix_sync(b, wb + int64_t(kt) * KK * uld + nt * 16, uld);
+          if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
+          mma_step<T>(acc, a, b, b_lo);
+        }
+        wmma::store_matrix_sync(dhs + (int64_t(ks) * bpad + mt * 16) * dhld + nt * 16, acc,
+                                dhld, wmma::mem_row_major);
+      }
+      __syncthreads();
+    }
     // ---- phase 1: cell backward, one (batch row, unit) per thread
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
       const int b = e / nu, u = e - b * nu, j = j0 + u;
       const int64_t go = int64_t(t) * B4H + int64_t(b) * 4 * H + j;
       const int64_t ci = int64_t(b) * H + j;
       const int64_t co = int64_t(t) * BH + ci;
+      float dhp;
+      if (p.proj) {
+        dhp = 0.0f;
+        for (int ks = 0; ks < p.ksplit; ++ks) dhp += dhs[(int64_t(ks) * bpad + b) * dhld + u];
+      } else {
+        dhp = dh_t[int64_t(b) * P + j];
+      }
       const CellGrads r = cell_backward(
           to_f(p.gates[go]), to_f(p.gates[go + H]), to_f(p.gates[go + 2 * H]),
-          to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dh_t[int64_t(b) * P + j],
-          p.dc[ci], to_f(p.grad_cells[co]), p.cell_clip_s);
+          to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dhp, p.dc[ci],
+          to_f(p.grad_cells[co]), p.cell_clip_s);
       p.dc[ci] = r.dc_prev;
+      if (p.proj) p.hp[co] = r.hp;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         p.dz[go + int64_t(q) * H] = r.dz[q];
@@ -731,23 +877,8 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     }
     __syncthreads();
     // ---- phase 2: part[block] = dz_slice[bpad, wrows] . W_slice[wrows, kp], 16 x 16 tiles
-    float* part = p.part + int64_t(blockIdx.x) * bpad * kp;
-    for (int it = warp; it < MT * NT; it += nwarps) {  // warp-uniform
-      const int mt = it % MT, nt = it / MT;
-      FragC<T> acc;
-      wmma::fill_fragment(acc, 0.0f);
-#pragma unroll 1
-      for (int kt = 0; kt < KT; ++kt) {
-        FragA<T, wmma::row_major> a;
-        FragB<T, wmma::row_major> b, b_lo;  // W rows: element (k, n) at ws[k * kld + n]
-        wmma::load_matrix_sync(a, dzs + mt * 16 * dld + kt * KK, dld);
-        wmma::load_matrix_sync(b, ws + int64_t(kt) * KK * kld + nt * 16, kld);
-        if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
-        mma_step<T>(acc, a, b, b_lo);
-      }
-      wmma::store_matrix_sync(part + int64_t(mt) * 16 * kp + nt * 16, acc, kp,
-                              wmma::mem_row_major);
-    }
+    block_tiles_product<T>(dzs, dld, ws, kld, bpad / 16, kp / 16, wrows / KK,
+                           p.part + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps);
     grid.sync();
     // ---- phase 3: sum the partials; dh_in of the next step processed, or grad_h0
     for (int64_t e = gtid; e < BP; e += gthreads) {
@@ -758,7 +889,10 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
       carry *= p.scale_eff;
       if (s > 0) {
         const int64_t o = int64_t(tp) * BP + e;
-        p.dh_in[o] = to_f(p.grad_out[o]) + carry;
+        const float d = dh_in_value(to_f(p.grad_out[o]), carry, to_f(p.out[o]), p.proj,
+                                    p.proj_clip_s);
+        p.dh_in[o] = d;
+        if (p.proj) p.dhop[b * kld + k] = from_f<Op>(d);
       } else {
         p.grad_h0[e] = carry;
       }
@@ -805,27 +939,29 @@ inline LstmPlan persistent_shape(const LstmDims& d, LstmDtype dt, bool backward,
     const int warps = want < 4 ? 4 : (want > kMaxWarps ? kMaxWarps : want);
     threads = warps * 32;
   } else {
-    if (d.proj) {
-      plan.why = "the tensor-core kernels take no projection yet";
-      return plan;
-    }
     units = static_cast<int>((d.H + sms - 1) / sms);
     if (units > kMmaMaxUnits) {
       plan.why = "more than 32 hidden units per block (H above 32 x the SM count)";
       return plan;
     }
     const int kk = dt == LstmDtype::kFloat32 ? 8 : 16;
-    const int skew = static_cast<int>(32 / esize);
-    const int wrows = mma_weight_rows(units, kk), mrows = 4 * units < 16 ? 16 : 4 * units;
     plan.bpad = static_cast<int>(round_up(d.B, 16));
     plan.kp = static_cast<int>(round_up(d.P, 16));
-    plan.kld = plan.kp + skew;
-    const int nt = plan.bpad / 16, kt = plan.kp / kk;
-    const int ks = kMmaWarps / nt;
+    plan.kld = plan.kp + static_cast<int>(32 / esize);
+    const int kt = plan.kp / kk;
+    // K slices: the forward's product has bpad/16 batch tiles; the backward's dL/dhp
+    // (projection) bpad/16 x units/16 output tiles.
+    const int items = backward ? plan.bpad / 16 * ((units + 15) / 16) : plan.bpad / 16;
+    const int ks = kMmaWarps / items;
     plan.ksplit = ks < 1 ? 1 : (ks > kt ? kt : ks);
-    smem = align128(esize * wrows * plan.kld) +
-           (backward ? esize * plan.bpad * (wrows + skew)
-                     : sizeof(float) * plan.ksplit * mrows * (plan.bpad + 8));
+    const int e = static_cast<int>(esize);
+    for (;;) {  // fewer K slices (smaller partial-sum buffers) where shared memory is short
+      smem = backward
+                 ? bwd_mma_smem(units, plan.bpad, plan.kp, plan.kld, plan.ksplit, d.proj, e, kk).total
+                 : fwd_mma_smem(units, plan.bpad, plan.kp, plan.kld, plan.ksplit, d.proj, e, kk).total;
+      if (smem <= smem_limit || plan.ksplit == 1) break;
+      --plan.ksplit;
+    }
     threads = kMmaWarps * 32;
   }
   if (smem > smem_limit) {

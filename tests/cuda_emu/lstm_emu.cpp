@@ -112,14 +112,19 @@ int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem
   } else {
     using Op = typename MmaOperand<T>::Op;
     std::vector<Op> hop(size_t(2) * fp.bpad * fp.kld, from_float<Op>(0.0f));
+    std::vector<float> ypart = has_w_hr ? poisoned<float>(size_t(fp.blocks) * fp.bpad * fp.kp)
+                                        : std::vector<float>();
     FwdMmaParams<T> p;
     p.xw = xw.data(); p.w_hh = w_hh.data(); p.mask = mask_p; p.h0 = h0.data();
+    p.w_hr = has_w_hr ? w_hr.data() : nullptr;
+    p.ypart = has_w_hr ? ypart.data() : nullptr;
     p.hop = hop.data(); p.c32 = c32.data();
     p.out = outs.data(); p.cells = cells.data(); p.gates = gates.data();
     p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = fp.units;
     p.bpad = fp.bpad; p.kp = fp.kp; p.kld = fp.kld; p.ksplit = fp.ksplit;
-    p.reverse = d.reverse; p.scale_eff = d.scale_eff;
+    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
     p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
+    p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
     emu::launch(&lstm_fwd_mma_kernel<T>, fp.blocks, fp.threads, fp.smem_bytes, p);
   }
   put(out, outs); put(out, cells); put(out, gates); put(out, c32);
@@ -148,16 +153,21 @@ int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem
     p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
     emu::launch(&lstm_bwd_persistent_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
   } else {
+    using Op = typename MmaOperand<T>::Op;
     std::vector<float> part = poisoned<float>(size_t(bp.blocks) * bp.bpad * bp.kp);
+    std::vector<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : std::vector<float>();
+    std::vector<Op> dhop(has_w_hr ? size_t(bp.bpad) * bp.kld : 0, from_float<Op>(0.0f));
     BwdMmaParams<T> p;
     p.grad_out = grad_out.data(); p.grad_cells = grad_cells.data(); p.out = outs.data();
     p.cells = cells.data(); p.gates = gates.data(); p.c0 = c0s.data(); p.w_hh = w_hh.data();
-    p.mask = mask_p;
+    p.mask = mask_p; p.w_hr = has_w_hr ? w_hr.data() : nullptr;
     p.dh_in = dh_in.data(); p.dc = dc.data(); p.part = part.data(); p.dz = dz.data();
-    p.grad_h0 = gh0.data();
+    p.hp = has_w_hr ? hp.data() : nullptr; p.grad_h0 = gh0.data();
+    p.dhop = has_w_hr ? dhop.data() : nullptr;
     p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = bp.units;
-    p.bpad = bp.bpad; p.kp = bp.kp; p.kld = bp.kld;
-    p.reverse = d.reverse; p.scale_eff = d.scale_eff; p.cell_clip_s = d.cell_clip_s;
+    p.bpad = bp.bpad; p.kp = bp.kp; p.kld = bp.kld; p.ksplit = bp.ksplit;
+    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
+    p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
     emu::launch(&lstm_bwd_mma_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
   }
   put(out, dz); put(out, gh0); put(out, dc);

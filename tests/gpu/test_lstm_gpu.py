@@ -105,27 +105,37 @@ def test_elmo_size_bf16(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("use_mask, cc, reverse", [
-    (False, math.inf, False), (True, 0.9, True)], ids=["plain", "mask+cellclip+rev"])
-@pytest.mark.parametrize("T, B, H", [(1, 3, 13), (9, 37, 61), (5, 64, 256)],
+@pytest.mark.parametrize("proj, use_mask, cc, pc, reverse", [
+    (False, False, math.inf, math.inf, False),
+    (False, True, 0.9, math.inf, True),
+    (True, True, 0.9, 0.35, False),
+], ids=["plain", "mask+cellclip+rev", "proj+mask+clips"])
+@pytest.mark.parametrize("T, B, H, P", [(1, 3, 13, 5), (9, 37, 61, 27), (5, 64, 256, 64)],
                          ids=["T1", "odd", "tiles"])
-def test_tensor_core_kernels_against_reference(monkeypatch, dtype, T, B, H, use_mask, cc,
-                                                reverse):
-    # The tensor-core persistent kernels (no projection): checked on the CPU under the
-    # emulator of tests/test_lstm_cuda_emu.py; here on the hardware.
+def test_tensor_core_kernels_against_reference(monkeypatch, dtype, T, B, H, P, proj, use_mask,
+                                                cc, pc, reverse):
+    # The tensor-core persistent kernels: checked on the CPU under the emulator of
+    # tests/test_lstm_cuda_emu.py; here on the hardware.
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
-    check_cuda(T, B, H, 0, False, use_mask, cc, math.inf, reverse, dtype)
+    check_cuda(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype)
 
 
-def test_tensor_core_kernels_ulmfit_size_bf16(monkeypatch):
+def test_tensor_core_kernels_ulmfit_size(monkeypatch):
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
     check_cuda(6, 64, 1152, 0, False, True, math.inf, math.inf, False, torch.bfloat16)
+    check_cuda(3, 64, 1152, 0, False, True, math.inf, math.inf, False, torch.float32)
 
 
-def test_tensor_core_kernels_refuse_a_projection(monkeypatch):
+def test_tensor_core_kernels_elmo_size_bf16(monkeypatch):
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
-    args = [t.to("cuda", torch.float32) for t in make_inputs(2, 3, 8, 4, True, False)[:5]]
-    with pytest.raises(RuntimeError, match="no projection"):
+    check_cuda(4, 32, 4096, 512, True, True, 3.0, 3.0, True, torch.bfloat16)
+
+
+def test_tensor_core_kernels_refuse_what_does_not_fit(monkeypatch):
+    # ELMo's cell in float32: 4 x 4096 x 512 x 4 B = 33.5 MB of w_hh, more than all SMs hold.
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
+    args = [t.to("cuda", torch.float32) for t in make_inputs(2, 3, 4096, 512, True, False)[:5]]
+    with pytest.raises(RuntimeError, match="persistent kernel cannot run"):
         torch.ops.ctxfast.lstm_recurrence_native(*args, None, 1.0, math.inf, math.inf, False)
 
 
