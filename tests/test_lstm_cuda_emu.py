@@ -231,6 +231,15 @@ def test_tensor_core_plans_at_the_benchmark_sizes(emulator, tmp_path, dtype):
     assert not fwd["ok"]
 
 
+@pytest.mark.parametrize("dtype, P", [(torch.float32, 72), (torch.bfloat16, 176)],
+                         ids=["float32", "bfloat16"])
+def test_tensor_core_forward_ring_of_h_tiles(emulator, tmp_path, dtype, P):
+    """Enough K steps per warp (10 and 11: B 129 gives 9 batch tiles, more than the 8
+    warps, so one K slice; K = P, the projection's width) that the forward's ring of four h
+    tiles wraps more than once and ends part-way through a round."""
+    _check(emulator, tmp_path, "mma", dtype, T=2, B=129, H=16, P=P, proj=True, sms=2)
+
+
 def test_tensor_core_kernels_with_batch_tiles_and_k_slices(emulator, tmp_path):
     """B 33: three 16-row batch tiles (the last mostly padding); P 40: K padded to 48, so
     the forward splits K between warps (ksplit > 1) and sums the slices."""

@@ -448,7 +448,7 @@ lstm_bwd_persistent_kernel(const BwdParams<T> p) {
 // parity, zero outside [B, P]), written by the step that computed it. Per step:
 //   phase 1: z^T[4U, B] = W_slice . h_{t-1}^T. Warp items are (batch tile of 16, slice of
 //            the K range); each holds its row tiles' accumulators, reads h's tiles from L2
-//            (the next K step's tile in flight while this one multiplies) and the weight
+//            (the next three K steps' tiles in flight while one multiplies) and the weight
 //            tiles from shared memory, and writes its partial sums to a shared
 //            [ksplit, max(4U, 16), bpad + 8] float buffer.  __syncthreads()
 //   phase 2: one (batch row, unit) per thread: the K slices summed, + xw, gates, cell,
@@ -679,17 +679,26 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
       FragC<T> acc[kMmaMaxMT];
 #pragma unroll
       for (int mt = 0; mt < kMmaMaxMT; ++mt) wmma::fill_fragment(acc[mt], 0.0f);
-      // Two h tiles in flight: the next K step's load is issued before this one's products.
-      FragB<T, wmma::col_major> b0, b1;
-      if (k_lo < k_hi) wmma::load_matrix_sync(b0, hb + k_lo * KK, kld);
-      for (int kt = k_lo; kt < k_hi; kt += 2) {
-        const bool two = kt + 1 < k_hi;
-        if (two) wmma::load_matrix_sync(b1, hb + (kt + 1) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, kt, b0);
-        if (two) {
-          if (kt + 2 < k_hi) wmma::load_matrix_sync(b0, hb + (kt + 2) * KK, kld);
-          fwd_tile_products<T>(acc, ws, kld, mrows, MT, kt + 1, b1);
-        }
+      // Four h tiles in a ring: the loads of the next three K steps are in flight (from
+      // L2) while this step's tile multiplies the weight rows.
+      FragB<T, wmma::col_major> b0, b1, b2, b3;
+      const int n_k = k_hi - k_lo;
+      const Op* hk = hb + k_lo * KK;
+      if (n_k > 0) wmma::load_matrix_sync(b0, hk, kld);
+      if (n_k > 1) wmma::load_matrix_sync(b1, hk + KK, kld);
+      if (n_k > 2) wmma::load_matrix_sync(b2, hk + 2 * KK, kld);
+      for (int i = 0; i < n_k; i += 4) {
+        if (i + 3 < n_k) wmma::load_matrix_sync(b3, hk + (i + 3) * KK, kld);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i, b0);
+        if (i + 1 >= n_k) break;
+        if (i + 4 < n_k) wmma::load_matrix_sync(b0, hk + (i + 4) * KK, kld);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 1, b1);
+        if (i + 2 >= n_k) break;
+        if (i + 5 < n_k) wmma::load_matrix_sync(b1, hk + (i + 5) * KK, kld);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 2, b2);
+        if (i + 3 >= n_k) break;
+        if (i + 6 < n_k) wmma::load_matrix_sync(b2, hk + (i + 6) * KK, kld);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 3, b3);
       }
 #pragma unroll
       for (int mt = 0; mt < kMmaMaxMT; ++mt) {
