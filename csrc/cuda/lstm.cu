@@ -151,6 +151,30 @@ LstmPlan make_plan(const LstmDims& d, LstmDtype dt, int device, bool backward, L
   return plan;
 }
 
+// The sizes and flags every persistent kernel's parameters carry.
+template <typename Params>
+void set_common(Params& p, const LstmPlan& plan, const LstmDims& d) {
+  p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
+  p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
+  p.proj = d.proj; p.reverse = d.reverse;
+  p.scale_eff = d.scale_eff;
+}
+
+// ... and the forward kernels' clips.
+template <typename Params>
+void set_clips(Params& p, const LstmDims& d) {
+  p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
+  p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
+}
+
+template <typename Params>
+cudaError_t launch_cooperative(const void* kernel, const LstmPlan& plan, Params& p,
+                               cudaStream_t stream) {
+  void* args[] = {&p};
+  return cudaLaunchCooperativeKernel(kernel, dim3(plan.blocks), dim3(plan.threads), args,
+                                     plan.smem_bytes, stream);
+}
+
 template <typename T>
 cudaError_t launch_fwd(const LstmPlan& plan, const LstmDims& d, const void* xw,
                        const void* w_hh, const void* mask, const void* w_hr, float* h32,
@@ -163,15 +187,9 @@ cudaError_t launch_fwd(const LstmPlan& plan, const LstmDims& d, const void* xw,
   p.w_hr = static_cast<const T*>(w_hr);
   p.h32 = h32; p.c32 = c32; p.hp32 = hp32;
   p.out = static_cast<T*>(out); p.cells = static_cast<T*>(cells); p.gates = static_cast<T*>(gates);
-  p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
-  p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
-  p.proj = d.proj; p.reverse = d.reverse;
-  p.scale_eff = d.scale_eff;
-  p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
-  p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
-  void* args[] = {&p};
-  return cudaLaunchCooperativeKernel(fwd_kernel<T>(LstmKernel::kFma), dim3(plan.blocks),
-                                     dim3(plan.threads), args, plan.smem_bytes, stream);
+  set_common(p, plan, d);
+  set_clips(p, d);
+  return launch_cooperative(fwd_kernel<T>(LstmKernel::kFma), plan, p, stream);
 }
 
 template <typename T>
@@ -191,13 +209,9 @@ cudaError_t launch_bwd(const LstmPlan& plan, const LstmDims& d, const void* grad
   p.mask = static_cast<const T*>(mask);
   p.w_hr_t = static_cast<const T*>(w_hr_t);
   p.dh_in = dh_in; p.dc = dc; p.part = part; p.dz = dz; p.hp = hp; p.grad_h0 = grad_h0;
-  p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
-  p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
-  p.proj = d.proj; p.reverse = d.reverse;
-  p.scale_eff = d.scale_eff; p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
-  void* args[] = {&p};
-  return cudaLaunchCooperativeKernel(bwd_kernel<T>(LstmKernel::kFma), dim3(plan.blocks),
-                                     dim3(plan.threads), args, plan.smem_bytes, stream);
+  set_common(p, plan, d);
+  p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
+  return launch_cooperative(bwd_kernel<T>(LstmKernel::kFma), plan, p, stream);
 }
 
 template <typename T>
@@ -215,16 +229,10 @@ cudaError_t launch_fwd_mma(const LstmPlan& plan, const LstmDims& d, const void* 
   p.c32 = c32;
   p.ypart = ypart;
   p.out = static_cast<T*>(out); p.cells = static_cast<T*>(cells); p.gates = static_cast<T*>(gates);
-  p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
-  p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
+  set_common(p, plan, d);
+  set_clips(p, d);
   p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
-  p.proj = d.proj; p.reverse = d.reverse;
-  p.scale_eff = d.scale_eff;
-  p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
-  p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
-  void* args[] = {&p};
-  return cudaLaunchCooperativeKernel(fwd_kernel<T>(LstmKernel::kMma), dim3(plan.blocks),
-                                     dim3(plan.threads), args, plan.smem_bytes, stream);
+  return launch_cooperative(fwd_kernel<T>(LstmKernel::kMma), plan, p, stream);
 }
 
 template <typename T>
@@ -246,14 +254,10 @@ cudaError_t launch_bwd_mma(const LstmPlan& plan, const LstmDims& d, const void* 
   p.w_hr = static_cast<const T*>(w_hr);
   p.dh_in = dh_in; p.dc = dc; p.part = part; p.dz = dz; p.hp = hp; p.grad_h0 = grad_h0;
   p.dhop = static_cast<typename MmaOperand<T>::Op*>(dhop);
-  p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
-  p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
+  set_common(p, plan, d);
+  p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
   p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
-  p.proj = d.proj; p.reverse = d.reverse;
-  p.scale_eff = d.scale_eff; p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
-  void* args[] = {&p};
-  return cudaLaunchCooperativeKernel(bwd_kernel<T>(LstmKernel::kMma), dim3(plan.blocks),
-                                     dim3(plan.threads), args, plan.smem_bytes, stream);
+  return launch_cooperative(bwd_kernel<T>(LstmKernel::kMma), plan, p, stream);
 }
 
 }  // namespace

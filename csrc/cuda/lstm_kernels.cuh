@@ -178,6 +178,27 @@ __device__ __forceinline__ float dh_in_value(float grad_out, float carry, float 
   return (!proj || fabsf(out) < proj_clip) ? d : 0.0f;
 }
 
+// The cell backward of step t, batch row b, unit j inside a persistent backward kernel
+// (BwdParams or BwdMmaParams: the forward's gates and cells, grad_cells, the carried dc,
+// hp and dz outputs): updates dc[b, j], writes hp (projection) and dz; returns the grads.
+template <typename Params, typename T>
+__device__ __forceinline__ CellGrads cell_backward_at(const Params& p, const T* c_prev, int t,
+                                                      int b, int j, float dhp) {
+  const int64_t H = p.H, BH = int64_t(p.B) * H;
+  const int64_t go = (int64_t(t) * p.B + b) * 4 * H + j;
+  const int64_t ci = int64_t(b) * H + j;
+  const int64_t co = int64_t(t) * BH + ci;
+  const CellGrads r = cell_backward(
+      to_f(p.gates[go]), to_f(p.gates[go + H]), to_f(p.gates[go + 2 * H]),
+      to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dhp, p.dc[ci],
+      to_f(p.grad_cells[co]), p.cell_clip_s);
+  p.dc[ci] = r.dc_prev;
+  if (p.proj) p.hp[co] = r.hp;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) p.dz[go + int64_t(q) * H] = r.dz[q];
+  return r;
+}
+
 // ------------------------------------------------------------------ persistent kernels
 template <typename T>
 struct FwdParams {
@@ -318,7 +339,7 @@ lstm_bwd_persistent_kernel(const BwdParams<T> p) {
   const int j0 = blockIdx.x * U;
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-  const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H, B4H = int64_t(B) * 4 * H;
+  const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
   load_weight_slice(ws, p.w_hh, p.mask, j0, nu, H, P);
   for (int e = threadIdx.x; e < Bpad * 4 * U; e += blockDim.x) dzs[e] = 0.0f;
   cg::grid_group grid = cg::this_grid();
@@ -370,20 +391,9 @@ lstm_bwd_persistent_kernel(const BwdParams<T> p) {
           dhp = valid ? dh_t[int64_t(b) * P + j] : 0.0f;  // P == H
         }
         if (valid) {
-          const int64_t go = int64_t(t) * B4H + int64_t(b) * 4 * H + j;
-          const int64_t ci = int64_t(b) * H + j;
-          const int64_t co = int64_t(t) * BH + ci;
-          const CellGrads r = cell_backward(
-              to_f(p.gates[go]), to_f(p.gates[go + H]), to_f(p.gates[go + 2 * H]),
-              to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dhp, p.dc[ci],
-              to_f(p.grad_cells[co]), p.cell_clip_s);
-          p.dc[ci] = r.dc_prev;
-          if (p.proj) p.hp[co] = r.hp;
+          const CellGrads r = cell_backward_at(p, c_prev, t, b, j, dhp);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            p.dz[go + int64_t(q) * H] = r.dz[q];
-            dzs[b * 4 * U + 4 * u + q] = r.dz[q];
-          }
+          for (int q = 0; q < 4; ++q) dzs[b * 4 * U + 4 * u + q] = r.dz[q];
         }
       }
     }
@@ -807,7 +817,7 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
   const int j0 = blockIdx.x * U;
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H, B4H = int64_t(B) * 4 * H;
+  const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
   load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
   for (int e = threadIdx.x; e < bpad * dld; e += blockDim.x) dzs[e] = from_f<Op>(0.0f);
   if (p.proj) {
@@ -862,9 +872,6 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     // ---- phase 1: cell backward, one (batch row, unit) per thread
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
       const int b = e / nu, u = e - b * nu, j = j0 + u;
-      const int64_t go = int64_t(t) * B4H + int64_t(b) * 4 * H + j;
-      const int64_t ci = int64_t(b) * H + j;
-      const int64_t co = int64_t(t) * BH + ci;
       float dhp;
       if (p.proj) {
         dhp = 0.0f;
@@ -872,17 +879,9 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
       } else {
         dhp = dh_t[int64_t(b) * P + j];
       }
-      const CellGrads r = cell_backward(
-          to_f(p.gates[go]), to_f(p.gates[go + H]), to_f(p.gates[go + 2 * H]),
-          to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dhp, p.dc[ci],
-          to_f(p.grad_cells[co]), p.cell_clip_s);
-      p.dc[ci] = r.dc_prev;
-      if (p.proj) p.hp[co] = r.hp;
+      const CellGrads r = cell_backward_at(p, c_prev, t, b, j, dhp);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        p.dz[go + int64_t(q) * H] = r.dz[q];
-        dzs[b * dld + 4 * u + q] = from_f<Op>(r.dz[q]);
-      }
+      for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = from_f<Op>(r.dz[q]);
     }
     __syncthreads();
     // ---- phase 2: part[block] = dz_slice[bpad, wrows] . W_slice[wrows, kp], 16 x 16 tiles
