@@ -268,8 +268,10 @@ stage_ncu() {
 
 # One short lease (15 minutes of device time, one call): the build and the refusal probe,
 # the test files whose kernels or build changed since the last GPU round (tests/gpu first),
-# the rel_attention launch sweep with every candidate checked against float64 (the carried
-# gather among them), and the host-time split (Triton's launches and the fast path's). SUITE_FILES replaces the file list.
+# the CUDA LSTM's kernels (CUDA cores, tensor cores) against cuDNN at the ULMFiT and ELMo
+# sizes, the rel_attention launch sweep with every candidate checked against float64 (the
+# carried gather among them), and the host-time split (Triton's launches and the fast
+# path's). SUITE_FILES replaces the file list.
 VERIFY_FILES="tests/gpu tests/test_build_flags.py tests/test_cuda_bindings.py
   tests/test_lstm_native.py tests/test_rel_attention.py tests/test_rel_attention_bwd.py
   tests/test_rel_attention_decode.py tests/test_rel_attention_precision.py
@@ -278,8 +280,12 @@ stage_verify() {
   device_lines
   build
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
-  step "config sweep (rel_attention, checked)" 170 config_sweep.log "$PY" \
-    benchmarks/config_sweep.py --ops rel_attention --time-budget 140 --out "$R/config_sweep.json"
+  step "lstm: CUDA kernels against cuDNN" 70 lstm_cuda_compare.log "$PY" \
+    benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent" \
+    "cuda persistent-mma" "cuDNN+WeightDropout" --out "$R/lstm_cuda_compare.json"
+  summarize lstm_cuda_compare.log "ms" 20
+  step "config sweep (rel_attention, checked)" 120 config_sweep.log "$PY" \
+    benchmarks/config_sweep.py --ops rel_attention --time-budget 95 --out "$R/config_sweep.json"
   summarize config_sweep.log ": current|WRONG" 30
   step "host split" 60 host_split.log "$PY" benchmarks/kernel_breakdown.py --host-split \
     --out "$R/host_split.json"

@@ -2,7 +2,7 @@
 per-step launches): the Triton kernels in one persistent cooperative launch and launched per step
 (``kernels/lstm.py``'s ``LAUNCH``; the persistent one also with exact fp32 dots instead of
 tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and tensor cores,
-``persistent-mma``, where there is no projection) and per step
+``persistent-mma``) and per step
 (``CTXFAST_LSTM_CUDA_KERNEL``), and cuDNN's ``nn.LSTM`` with fastai-style WeightDropout
 (``bench_lstm.FastaiWeightDropLSTM``), one layer each at the benchmark's ULMFiT and ELMo
 sizes, forward and forward+backward, fp32 and bf16.
@@ -76,7 +76,7 @@ def _forms(device: torch.device) -> List[str]:
     return forms
 
 
-def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
+def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     time_ms = _common.median_timer(device, reps)
     rows = []
@@ -92,8 +92,8 @@ def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
             params = [ref.weight_ih_l0, ref.weight_hh_l0, ref.bias_ih_l0, ref.bias_hh_l0]
             w_hr = ref.weight_hr_l0 if P else None
             for form in _forms(device):
-                if form == "cuda persistent-mma" and P:
-                    continue                        # the tensor-core kernels: no projection yet
+                if only and form not in only:
+                    continue
                 if form == "cuDNN+WeightDropout":
                     if clip is not None:
                         continue                                    # nn.LSTM cannot clip
@@ -134,13 +134,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dtypes", nargs="+", default=None,
                     help="default: float32 bfloat16 on a GPU, float32 on a CPU")
+    ap.add_argument("--forms", nargs="+", default=None,
+                    help='only these forms (e.g. "cuda persistent" "cuda persistent-mma")')
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
         print("lstm_launch_compare: the full sizes need a GPU (use --quick on a CPU)")
         return 2
     dtypes = args.dtypes or (["float32", "bfloat16"] if torch.cuda.is_available() else ["float32"])
-    rows = run(args.quick, args.reps, dtypes)
+    rows = run(args.quick, args.reps, dtypes, args.forms)
     if args.out:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with open(args.out, "w") as f:

@@ -913,6 +913,7 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     for f in vsuite[0].split(" -m pytest ")[1].split(" -v ")[0].split():
         assert (BENCH_DIR.parent / f).exists(), f
     assert any("config_sweep.py --ops rel_attention" in c for c in verify)
+    assert any("lstm_launch_compare.py" in c and "persistent-mma" in c for c in verify)
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):
