@@ -41,7 +41,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
-#define CTXFAST_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+// 128-byte aligned: WMMA tiles need 32-byte aligned shared-memory pointers, and the
+// kernels place their regions at 128-byte offsets from this base.
+#define CTXFAST_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 
 #include <cmath>
