@@ -623,6 +623,21 @@ __device__ __forceinline__ void block_tiles_product(const Op* A, int lda, const 
   }
 }
 
+// sum over blk < n of x[blk * stride]: the per-block partials of one element, read with
+// four loads in flight (four running sums, added in a fixed order: deterministic).
+__device__ __forceinline__ float sum_partials(const float* x, int64_t stride, int n) {
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+  int blk = 0;
+  for (; blk + 4 <= n; blk += 4) {
+    a0 += x[int64_t(blk) * stride];
+    a1 += x[int64_t(blk + 1) * stride];
+    a2 += x[int64_t(blk + 2) * stride];
+    a3 += x[int64_t(blk + 3) * stride];
+  }
+  for (; blk < n; ++blk) a0 += x[int64_t(blk) * stride];
+  return (a0 + a1) + (a2 + a3);
+}
+
 // Shared memory of the tensor-core forward, in order: ws [wrows, kld] operands, zs
 // [ksplit, mrows, bpad + 8] float, and with a projection wr [urows, kp + skew] operands
 // (wr[u][p] = w_hr[p, j0 + u]) and hps [bpad, urows + skew] operands (hp of the block's
@@ -760,9 +775,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
       grid.sync();
       for (int64_t e = gtid; e < int64_t(B) * P; e += gthreads) {
         const int64_t b = e / P, k = e - b * P;
-        float y = 0.0f;
-        for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk)
-          y += p.ypart[(int64_t(blk) * bpad + b) * kp + k];
+        float y = sum_partials(p.ypart + b * kp + k, int64_t(bpad) * kp, gridDim.x);
         y = clamp_f(y, p.proj_clip);
         store_clipped(p.out + int64_t(t) * B * P + e, y, p.proj_clip, p.proj_clip_s,
                       p.proj_below);
@@ -893,9 +906,7 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     // ---- phase 3: sum the partials; dh_in of the next step processed, or grad_h0
     for (int64_t e = gtid; e < BP; e += gthreads) {
       const int64_t b = e / P, k = e - b * P;
-      float carry = 0.0f;
-      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk)
-        carry += p.part[(int64_t(blk) * bpad + b) * kp + k];
+      float carry = sum_partials(p.part + b * kp + k, int64_t(bpad) * kp, gridDim.x);
       carry *= p.scale_eff;
       if (s > 0) {
         const int64_t o = int64_t(tp) * BP + e;
