@@ -100,6 +100,15 @@ __device__ __forceinline__ float clamp_f(float x, float c) { return fminf(fmaxf(
 
 __host__ __device__ __forceinline__ size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
 
+// Ask for the line holding p in L2 (no register, no wait). A no-op under the emulator.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef CTXFAST_CUDA_EMULATION
+  (void)p;
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // ------------------------------------------------------------------ warp dot products
 // One step of the reduce-scatter: the lane keeps the half of its HALF*2 partial sums whose
 // index has bit log2(HALF) equal to its lane bit, adds the partner's copy of that half.
@@ -738,9 +747,15 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
     }
     __syncthreads();
     // ---- phase 2: gates and cell, one (batch row, unit) per thread
+    const int t_next = p.reverse ? t - 1 : t + 1;
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
       const int b = e / nu, u = e - b * nu, j = j0 + u;
       const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
+      if (s + 1 < p.T_) {  // the next step's xw on its way to L2 while this step runs
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          prefetch_l2(p.xw + (int64_t(t_next) * B + b) * 4 * H + int64_t(q) * H + j);
+      }
       float z[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
