@@ -454,7 +454,8 @@ lstm_bwd_persistent_kernel(const BwdParams<T> p) {
 
 // ------------------------------------------------------------------ tensor-core kernels
 // The same persistent schedule as above, with each step's products on the tensor cores
-// (WMMA 16 x 16 tiles; bf16/fp16 operands as stored, float32 as tf32x3), no projection.
+// (WMMA 16 x 16 tiles; bf16/fp16 operands as stored, float32 as tf32x3), the projection's
+// included.
 //
 // Block k owns units [k*U, k*U + U) as above: its 4U rows of w_hh * mask (row 4u + gate)
 // are kept in shared memory as operands, [wrows, kld]: wrows = 4U rounded up to the MMA's
@@ -473,12 +474,21 @@ lstm_bwd_persistent_kernel(const BwdParams<T> p) {
 //            tiles from shared memory, and writes its partial sums to a shared
 //            [ksplit, max(4U, 16), bpad + 8] float buffer.  __syncthreads()
 //   phase 2: one (batch row, unit) per thread: the K slices summed, + xw, gates, cell,
-//            outputs, and h_t into the other operand buffer.  grid.sync()
-// Backward, per step: phase 1 the cell backward of the block's (batch row, unit) pairs, dz
-// to global memory and its operand copy to shared memory [bpad, wrows + skew] (zero
-// columns past 4U); phase 2 the block's partial of dL/dh_{t-1} = dz_slice[B, wrows] .
+//            outputs, and h_t into the other operand buffer (the next step's xw is
+//            prefetched into L2 meanwhile).  grid.sync()
+//   with a projection, phase 2 keeps hp_t of the block's units as operands in shared
+//   memory instead; phase 3: the block's partial of h_t = hp_t . w_hr^T over its units
+//   (tensor cores, its columns of w_hr held in shared memory) into ypart[block];
+//   grid.sync(); the partials summed, clipped, stored and written as h_t's operands.
+//   grid.sync()
+// Backward, per step: (with a projection, phase 0: dL/dhp of the block's units = dh_t .
+// w_hr[:, units] on the tensor cores, from dh_t's operand copy, K sliced over the warps;
+// __syncthreads()) phase 1 the cell backward of the block's (batch row, unit) pairs, dz to
+// global memory and its operand copy to shared memory [bpad, wrows + skew] (zero columns
+// past 4U); phase 2 the block's partial of dL/dh_{t-1} = dz_slice[B, wrows] .
 // W_slice[wrows, P] on the tensor cores into its slot of part[blocks][bpad][kp];
-// grid.sync(); phase 3 the partials summed as in the CUDA-core kernel.  grid.sync()
+// grid.sync(); phase 3 the partials summed (deterministically), dh_{t-1} and its operand
+// copy written.  grid.sync()
 // float32: every product as a_hi b_hi + a_hi b_lo + a_lo b_hi with tf32 halves (the
 // a_lo b_lo term, ~2^-22 relative, dropped): float32-level error on the tensor cores.
 namespace wmma = nvcuda::wmma;
