@@ -16,8 +16,10 @@
 // it cannot run is an error, never a silent fallback.
 // Dtypes: float32, float16, bfloat16 (float32 arithmetic and state); float64 is rejected
 // (use the cpu or eager backend). Non-contiguous inputs are made contiguous here.
-// Weight gradients are one GEMM each over all steps (float32), after the recurrence.
+// Weight gradients are one GEMM each over all steps, after the recurrence (in the storage
+// dtype: tensor cores for 16-bit, float32 accumulation).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
@@ -288,26 +290,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
     gh0 = carry;
   }
 
-  // dL/dW = sum_t dz_t^T h_{t-1}: one GEMM over the steps whose h_{t-1} is an output, plus
-  // the step that starts from h0 (float32).
+  // dL/dW = sum_t dz_t^T h_{t-1}: one GEMM over all steps (h_{t-1}: h0 for the first step
+  // processed, the previous output otherwise), in the storage dtype: 16-bit operands on the
+  // tensor cores with float32 accumulation and one rounding of the result (eager rounds
+  // each step's product and every accumulation in that dtype); float32 in float32.
   const int64_t T = d.T, B = d.B;
-  const int64_t first = reverse ? T - 1 : 0;
-  Tensor gw = at::mm(dz[first].t(), h0.to(at::kFloat));           // [4H, P]
-  if (T > 1) {
-    const Tensor out32 = out_c.to(at::kFloat);
-    const Tensor dz_rest = (reverse ? dz.narrow(0, 0, T - 1) : dz.narrow(0, 1, T - 1))
-                               .reshape({(T - 1) * B, 4 * d.H});
-    const Tensor h_rest = (reverse ? out32.narrow(0, 1, T - 1) : out32.narrow(0, 0, T - 1))
-                              .reshape({(T - 1) * B, d.P});
-    gw.addmm_(dz_rest.t(), h_rest);
-  }
-  if (mask_c.defined()) {
+  const Tensor dz_s = dz.to(dt);                                  // [T, B, 4H]; = grad_xw
+  const Tensor h0_s = h0.to(dt).unsqueeze(0);                     // [1, B, P]
+  const Tensor h_prev =                                           // [T, B, P], time order
+      T == 1 ? h0_s
+             : (reverse ? at::cat({out_c.narrow(0, 1, T - 1), h0_s}, 0)
+                        : at::cat({h0_s, out_c.narrow(0, 0, T - 1)}, 0));
+  Tensor gw = at::mm(dz_s.reshape({T * B, 4 * d.H}).t(), h_prev.reshape({T * B, d.P}));
+  if (mask_c.defined()) {                                         // [4H, P]
     gw.mul_(mask_c);
     if (scale != 1.0) gw.mul_(scale);
   }
-  Tensor gw_hr = d.proj ? at::mm(dh_in.reshape({T * B, d.P}).t(), hp.reshape({T * B, d.H})).to(dt)
+  Tensor gw_hr = d.proj ? at::mm(dh_in.reshape({T * B, d.P}).t().to(dt),  // [P, H]
+                                 hp.reshape({T * B, d.H}).to(dt))
                         : at::empty({0}, opts);
-  return {dz.to(dt), gh0.to(dt), dc.to(dt), gw.to(dt), gw_hr};
+  return {dz_s, gh0.to(dt), dc.to(dt), gw, gw_hr};
 }
 
 }  // namespace
