@@ -76,7 +76,9 @@ epilogue, or ``grad_h0`` after the first step (:func:`_dh_bwd_tile`). The weight
 are one GEMM each over all steps at the end::
 
     grad_w_hh = (Σ_t dz_tᵀ h_{t-1}) · mask · scale      grad_w_hr = Σ_t dh̃_tᵀ hp_t,
-    hp_t = o_t tanh(c_t) recomputed from the saved gates and cells.
+    hp_t = o_t tanh(c_t) recomputed from the saved gates and cells
+
+(fp16/bf16: GEMMs in that dtype, float32 accumulation; fp32 and fp64 in their own).
 
 Not yet measured on a GPU (written without one): the tile sizes and the program count are
 first guesses, and the dots are plain ``tl.dot`` on the tensor cores (fp16/bf16; fp32 as
@@ -766,17 +768,19 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
             fast(_lstm_bwd_kernel)[(n_dh,)](*args, n, n + 1, RUN_CELL=False, RUN_DH=True,
                                       SYNC=False, **kw)
 
-    # weight gradients: one GEMM each over all T·B rows
+    # weight gradients: one GEMM each over all T·B rows, 16-bit ones in their dtype (tensor
+    # cores, float32 accumulation, one rounding; eager rounds every step's product and sum)
+    gd = dtype if dtype in (torch.float16, torch.bfloat16) else acc
     if reverse:
         h_prev = torch.cat([out[1:], h0[None]])                         # [T, B, P]
     else:
         h_prev = torch.cat([h0[None], out[:-1]])                        # [T, B, P]
-    grad_w_hh = grad_xw.reshape(T * B, G).to(acc).t() @ h_prev.reshape(T * B, P).to(acc)  # [4H, P]
+    grad_w_hh = grad_xw.reshape(T * B, G).to(gd).t() @ h_prev.reshape(T * B, P).to(gd)  # [4H, P]
     if mask is not None:
-        grad_w_hh = grad_w_hh * mask_c.to(acc) * scale
+        grad_w_hh = grad_w_hh * mask_c.to(gd) * scale
     if has_proj:
-        hp = gates[..., 3 * H:].to(acc) * torch.tanh(cells.to(acc))     # [T, B, H]
-        grad_w_hr = (dh_all.reshape(T * B, P).t() @ hp.reshape(T * B, H)).to(w_hr.dtype)  # [P, H]
+        hp = (gates[..., 3 * H:].to(acc) * torch.tanh(cells.to(acc))).to(gd)   # [T, B, H]
+        grad_w_hr = (dh_all.reshape(T * B, P).t().to(gd) @ hp.reshape(T * B, H)).to(w_hr.dtype)  # [P, H]
     else:
         grad_w_hr = grad_out.new_empty((0,))
     return (grad_xw, grad_h0.to(h0.dtype), dc.to(c0.dtype), grad_w_hh.to(w_hh.dtype),
