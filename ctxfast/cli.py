@@ -41,6 +41,13 @@ def _triton_version() -> str:
 
 # --------------------------------------------------------------------------- info
 
+#: Environment variables that choose a backend, a kernel or a launch path (README): `info`
+#: prints those that are set, so that a log says what ran.
+_KERNEL_SETTINGS = ("CTXFAST_BACKEND", "CTXFAST_LSTM_CUDA_KERNEL", "CTXFAST_TRITON_LAUNCH",
+                    "CTXFAST_ATTN_BWD_DQ", "CTXFAST_REL_BWD_DR", "CTXFAST_ATTN_CPU_GEMM",
+                    "CTXFAST_LSTM_CPU_GEMM", "CTXFAST_CPU_CACHE_MB")
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     print(f"ctxfast {ctxfast.__version__}")
@@ -53,9 +60,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  ctxfast._C     {'built' if _dispatch.c_available() else 'MISSING: ' + str(_dispatch._C_ERROR)}")
     cuda_state = "built" if _dispatch.cuda_ext_available() else _dispatch._cuda_ext_reason()
     print(f"  ctxfast._cuda  {cuda_state}")
-    env = os.environ.get("CTXFAST_BACKEND", "")
-    if env:
-        print(f"CTXFAST_BACKEND={env}")
+    for name in _KERNEL_SETTINGS:       # the settings that pick a kernel or a path, if set
+        value = os.environ.get(name, "")
+        if value:
+            print(f"{name}={value}")
 
     devices = ["cpu", "cuda"]
     print("backends per op (* = default for that device; tensors on cpu | cuda):")

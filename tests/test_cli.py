@@ -6,8 +6,8 @@ import sys
 import ctxfast
 
 
-def _run(*args):
-    env = dict(os.environ)
+def _run(*args, **extra_env):
+    env = dict(os.environ, **extra_env)
     return subprocess.run([sys.executable, "-m", "ctxfast.cli", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
@@ -23,6 +23,16 @@ def test_info_lists_versions_extensions_and_backends():
     assert [r[1] for r in rows] == list(ctxfast.BACKENDS)
     cpu_row = next(r for r in rows if r[1] == "cpu")
     assert cpu_row[2] == "yes*"  # the default on CPU tensors
+
+
+def test_info_names_the_kernel_settings_that_are_set():
+    """A log of `ctxfast info` says which kernel or path a setting chose (the GPU round
+    prints it first); unset settings are not listed."""
+    r = _run("info", CTXFAST_LSTM_CUDA_KERNEL="persistent_mma", CTXFAST_TRITON_LAUNCH="jit")
+    assert r.returncode == 0, r.stderr
+    assert "CTXFAST_LSTM_CUDA_KERNEL=persistent_mma" in r.stdout
+    assert "CTXFAST_TRITON_LAUNCH=jit" in r.stdout
+    assert "CTXFAST_REL_BWD_DR=" not in _run("info", CTXFAST_REL_BWD_DR="").stdout
 
 
 def test_info_into_a_closed_pipe_ends_quietly():
@@ -94,6 +104,6 @@ def test_bench_prints_compact_tables_and_where_the_report_is(tmp_path):
                             "vs", "eager"]
     rows = [l for l in out.splitlines() if l.strip().startswith("B2 H4 Tq64 Tk128")]
     assert len(rows) == 2 and all(" cpu " in l and l.rstrip().endswith("x") for l in rows)
-    assert f"report (" in out and str(tmp_path) in out and ".md" in out
+    assert "report (" in out and str(tmp_path) in out and ".md" in out
     assert "benchmark '" not in out and "Name (time in" not in out    # no raw tables
     assert "rel_shift" in r.stderr                                    # the progress bar
