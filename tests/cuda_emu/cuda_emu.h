@@ -234,29 +234,21 @@ inline float operand(float x, bool tf32) { return tf32 ? float_of(bits_of(x) & ~
 inline float operand(__half x, bool) { return __half2float(x); }
 inline float operand(__nv_bfloat16 x, bool) { return __bfloat162float(x); }
 
-template <int M, int N, int K, typename T>
+// d = a . b + c over the whole tile. A warp-collective call: every lane must reach it (a
+// barrier here, so a divergent call hangs, as it would misbehave on a GPU).
+template <int M, int N, int K, typename T, typename LayoutB>
 void mma_sync(fragment<accumulator, M, N, K, float>& d,
               const fragment<matrix_a, M, N, K, T, row_major>& a,
-              const fragment<matrix_b, M, N, K, T, col_major>& b,
+              const fragment<matrix_b, M, N, K, T, LayoutB>& b,
               const fragment<accumulator, M, N, K, float>& c) {
-  mma_any(d, a.x, b.x, c, std::is_same_v<T, precision::tf32>);
-}
-template <int M, int N, int K, typename T>
-void mma_sync(fragment<accumulator, M, N, K, float>& d,
-              const fragment<matrix_a, M, N, K, T, row_major>& a,
-              const fragment<matrix_b, M, N, K, T, row_major>& b,
-              const fragment<accumulator, M, N, K, float>& c) {
-  mma_any(d, a.x, b.x, c, std::is_same_v<T, precision::tf32>);
-}
-template <int M, int N, int K, typename EA, typename EB>
-void mma_any(fragment<accumulator, M, N, K, float>& d, const EA* a, const EB* b,
-             const fragment<accumulator, M, N, K, float>& c, bool tf32) {
-  emu::same_pointer(&d == &c ? nullptr : nullptr, "WMMA mma");  // a warp-collective call
+  const bool tf32 = std::is_same_v<T, precision::tf32>;
+  emu::warp_sync();
   float out[M * N];
   for (int i = 0; i < M; ++i) {
     for (int j = 0; j < N; ++j) {
       float s = c.x[i * N + j];
-      for (int k = 0; k < K; ++k) s = std::fma(operand(a[i * K + k], tf32), operand(b[k * N + j], tf32), s);
+      for (int k = 0; k < K; ++k)
+        s = std::fma(operand(a.x[i * K + k], tf32), operand(b.x[k * N + j], tf32), s);
       out[i * N + j] = s;
     }
   }
