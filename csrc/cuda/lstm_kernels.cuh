@@ -770,7 +770,8 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         float acc = 0.0f;
-        for (int ks = 0; ks < p.ksplit; ++ks) acc += zs[(int64_t(ks) * mrows + 4 * u + q) * nld + b];
+        for (int ks = 0; ks < p.ksplit; ++ks)
+          acc += zs[(int64_t(ks) * mrows + 4 * u + q) * nld + b];
         z[q] = fmaf(p.scale_eff, acc, to_f(p.xw[go + int64_t(q) * H]));
       }
       const float ai = sigmoid_f(z[0]), af = sigmoid_f(z[1]), ag = tanhf(z[2]),
@@ -910,8 +911,22 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
       __syncthreads();
     }
     // ---- phase 1: cell backward, one (batch row, unit) per thread
+    if (s > 0) {  // what phase 3 reads (grad_out, out of step tp) on its way to L2
+      for (int64_t e = gtid; e < BP; e += gthreads) {
+        prefetch_l2(p.grad_out + int64_t(tp) * BP + e);
+        prefetch_l2(p.out + int64_t(tp) * BP + e);
+      }
+    }
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
       const int b = e / nu, u = e - b * nu, j = j0 + u;
+      if (s > 0) {  // the next step's cell inputs (step tp) on their way to L2
+        const int64_t go = (int64_t(tp) * B + b) * 4 * H + j;
+        const int64_t co = int64_t(tp) * BH + int64_t(b) * H + j;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) prefetch_l2(p.gates + go + int64_t(q) * H);
+        prefetch_l2(p.cells + co);
+        prefetch_l2(p.grad_cells + co);
+      }
       float dhp;
       if (p.proj) {
         dhp = 0.0f;
@@ -1002,9 +1017,9 @@ inline LstmPlan persistent_shape(const LstmDims& d, LstmDtype dt, bool backward,
     plan.ksplit = ks < 1 ? 1 : (ks > kt ? kt : ks);
     const int e = static_cast<int>(esize);
     for (;;) {  // fewer K slices (smaller partial-sum buffers) where shared memory is short
-      smem = backward
-                 ? bwd_mma_smem(units, plan.bpad, plan.kp, plan.kld, plan.ksplit, d.proj, e, kk).total
-                 : fwd_mma_smem(units, plan.bpad, plan.kp, plan.kld, plan.ksplit, d.proj, e, kk).total;
+      const int bp = plan.bpad, kp = plan.kp, kld = plan.kld, ksp = plan.ksplit;
+      smem = backward ? bwd_mma_smem(units, bp, kp, kld, ksp, d.proj, e, kk).total
+                      : fwd_mma_smem(units, bp, kp, kld, ksp, d.proj, e, kk).total;
       if (smem <= smem_limit || plan.ksplit == 1) break;
       --plan.ksplit;
     }
