@@ -53,17 +53,19 @@ def make_inputs(T, B, H, P, proj, use_mask):
     return xw, h0, c0, w_hh, w_hr, mask
 
 
-def reference_all(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse, grad_out, grad_cells):
-    """Float64 reference forward and the gradients of sum(out*grad_out) + sum(cells*grad_cells)
-    w.r.t. xw, h0, c0, w_hh, w_hr (None where w_hr is None)."""
-    leaves = [t.detach().double().requires_grad_() for t in (xw, h0, c0, w_hh)]
-    w_hr64 = w_hr.detach().double().requires_grad_() if w_hr is not None else None
-    mask64 = mask.double() if mask is not None else None
+def reference_all(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse, grad_out, grad_cells,
+                  dtype=torch.float64):
+    """Reference forward and the gradients of sum(out*grad_out) + sum(cells*grad_cells)
+    w.r.t. xw, h0, c0, w_hh, w_hr (None where w_hr is None), computed in `dtype` (float64:
+    the reference; the kernels' dtype: eager's own error, for the 2x-eager rule)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (xw, h0, c0, w_hh)]
+    w_hr64 = w_hr.detach().to(dtype).requires_grad_() if w_hr is not None else None
+    mask64 = mask.to(dtype) if mask is not None else None
     out, cells, gates = reference.lstm_recurrence(*leaves, w_hr64, mask64, scale, cc, pc, reverse)
     inputs = leaves + ([w_hr64] if w_hr64 is not None else [])
     if out.numel() or cells.numel():
         grads = torch.autograd.grad((out, cells), inputs,
-                                    (grad_out.double(), grad_cells.double()), allow_unused=True)
+                                    (grad_out.to(dtype), grad_cells.to(dtype)), allow_unused=True)
         grads = [torch.zeros_like(i) if gr is None else gr for gr, i in zip(grads, inputs)]
     else:
         grads = [torch.zeros_like(i) for i in inputs]

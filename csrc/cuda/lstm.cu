@@ -151,22 +151,6 @@ LstmPlan make_plan(const LstmDims& d, LstmDtype dt, int device, bool backward, L
   return plan;
 }
 
-// The sizes and flags every persistent kernel's parameters carry.
-template <typename Params>
-void set_common(Params& p, const LstmPlan& plan, const LstmDims& d) {
-  p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
-  p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
-  p.proj = d.proj; p.reverse = d.reverse;
-  p.scale_eff = d.scale_eff;
-}
-
-// ... and the forward kernels' clips.
-template <typename Params>
-void set_clips(Params& p, const LstmDims& d) {
-  p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
-  p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
-}
-
 template <typename Params>
 cudaError_t launch_cooperative(const void* kernel, const LstmPlan& plan, Params& p,
                                cudaStream_t stream) {
@@ -199,14 +183,7 @@ cudaError_t launch_bwd(const LstmPlan& plan, const LstmDims& d, const void* grad
                        const void* w_hr_t, float* dh_in, float* dc, float* part, float* dz,
                        float* hp, float* grad_h0, cudaStream_t stream) {
   BwdParams<T> p;
-  p.grad_out = static_cast<const T*>(grad_out);
-  p.grad_cells = static_cast<const T*>(grad_cells);
-  p.out = static_cast<const T*>(out);
-  p.cells = static_cast<const T*>(cells);
-  p.gates = static_cast<const T*>(gates);
-  p.c0 = static_cast<const T*>(c0);
-  p.w_hh = static_cast<const T*>(w_hh);
-  p.mask = static_cast<const T*>(mask);
+  set_bwd_inputs(p, grad_out, grad_cells, out, cells, gates, c0, w_hh, mask);
   p.w_hr_t = static_cast<const T*>(w_hr_t);
   p.dh_in = dh_in; p.dc = dc; p.part = part; p.dz = dz; p.hp = hp; p.grad_h0 = grad_h0;
   set_common(p, plan, d);
@@ -231,7 +208,7 @@ cudaError_t launch_fwd_mma(const LstmPlan& plan, const LstmDims& d, const void* 
   p.out = static_cast<T*>(out); p.cells = static_cast<T*>(cells); p.gates = static_cast<T*>(gates);
   set_common(p, plan, d);
   set_clips(p, d);
-  p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
+  set_mma_shape(p, plan);
   return launch_cooperative(fwd_kernel<T>(LstmKernel::kMma), plan, p, stream);
 }
 
@@ -243,20 +220,13 @@ cudaError_t launch_bwd_mma(const LstmPlan& plan, const LstmDims& d, const void* 
                            float* part, void* dhop, float* dz, float* hp, float* grad_h0,
                            cudaStream_t stream) {
   BwdMmaParams<T> p;
-  p.grad_out = static_cast<const T*>(grad_out);
-  p.grad_cells = static_cast<const T*>(grad_cells);
-  p.out = static_cast<const T*>(out);
-  p.cells = static_cast<const T*>(cells);
-  p.gates = static_cast<const T*>(gates);
-  p.c0 = static_cast<const T*>(c0);
-  p.w_hh = static_cast<const T*>(w_hh);
-  p.mask = static_cast<const T*>(mask);
+  set_bwd_inputs(p, grad_out, grad_cells, out, cells, gates, c0, w_hh, mask);
   p.w_hr = static_cast<const T*>(w_hr);
   p.dh_in = dh_in; p.dc = dc; p.part = part; p.dz = dz; p.hp = hp; p.grad_h0 = grad_h0;
   p.dhop = static_cast<typename MmaOperand<T>::Op*>(dhop);
   set_common(p, plan, d);
   p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
-  p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
+  set_mma_shape(p, plan);
   return launch_cooperative(bwd_kernel<T>(LstmKernel::kMma), plan, p, stream);
 }
 

@@ -49,6 +49,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/lstm.h"
 
@@ -1035,6 +1036,48 @@ inline LstmPlan persistent_shape(const LstmDims& d, LstmDtype dt, bool backward,
   plan.units = units;
   plan.smem_bytes = smem;
   return plan;
+}
+
+
+// ------------------------------------------------------------------ kernel parameters (host)
+// Filled the same way by the launchers (lstm.cu) and the emulator driver (tests/cuda_emu).
+
+// The sizes and flags every persistent kernel's parameters carry.
+template <typename Params>
+void set_common(Params& p, const LstmPlan& plan, const LstmDims& d) {
+  p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
+  p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
+  p.proj = d.proj; p.reverse = d.reverse;
+  p.scale_eff = d.scale_eff;
+}
+
+// ... the forward kernels' clips.
+template <typename Params>
+void set_clips(Params& p, const LstmDims& d) {
+  p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
+  p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
+}
+
+// ... the tensor-core kernels' padded sizes.
+template <typename Params>
+void set_mma_shape(Params& p, const LstmPlan& plan) {
+  p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
+}
+
+// ... the backward kernels' inputs from the forward and the upstream gradients.
+template <typename Params>
+void set_bwd_inputs(Params& p, const void* grad_out, const void* grad_cells, const void* out,
+                    const void* cells, const void* gates, const void* c0, const void* w_hh,
+                    const void* mask) {
+  using T = std::remove_const_t<std::remove_pointer_t<decltype(p.gates)>>;
+  p.grad_out = static_cast<const T*>(grad_out);
+  p.grad_cells = static_cast<const T*>(grad_cells);
+  p.out = static_cast<const T*>(out);
+  p.cells = static_cast<const T*>(cells);
+  p.gates = static_cast<const T*>(gates);
+  p.c0 = static_cast<const T*>(c0);
+  p.w_hh = static_cast<const T*>(w_hh);
+  p.mask = static_cast<const T*>(mask);
 }
 
 }  // namespace

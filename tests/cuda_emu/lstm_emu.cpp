@@ -25,6 +25,24 @@ using namespace ctxfast::cuda;
 
 namespace {
 
+// Device buffers: 256-byte aligned, as cudaMalloc's (and torch's CUDA allocator's) are; the
+// kernels' 32-byte WMMA alignment of global tiles rests on it.
+template <typename T>
+struct DeviceAlloc {
+  using value_type = T;
+  DeviceAlloc() = default;
+  template <typename U>
+  DeviceAlloc(const DeviceAlloc<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(std::max<size_t>(n, 1) * sizeof(T), std::align_val_t(256)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(256)); }
+  bool operator==(const DeviceAlloc&) const { return true; }
+  bool operator!=(const DeviceAlloc&) const { return false; }
+};
+template <typename T>
+using dvec = std::vector<T, DeviceAlloc<T>>;
+
 struct Reader {
   FILE* f;
   template <typename X>
@@ -33,8 +51,8 @@ struct Reader {
     if (std::fread(&x, sizeof(X), 1, f) != 1) emu::fail("short input");
     return x;
   }
-  std::vector<float> floats(size_t n) {
-    std::vector<float> v(n);
+  dvec<float> floats(size_t n) {
+    dvec<float> v(n);
     if (n && std::fread(v.data(), 4, n, f) != n) emu::fail("short input");
     return v;
   }
@@ -49,20 +67,20 @@ float to_float(__half x) { return __half2float(x); }
 float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 template <typename T>
-std::vector<T> conv(const std::vector<float>& v) {
-  std::vector<T> r(v.size());
+dvec<T> conv(const dvec<float>& v) {
+  dvec<T> r(v.size());
   for (size_t i = 0; i < v.size(); ++i) r[i] = from_float<T>(v[i]);
   return r;
 }
 
 // Never-written memory reads as NaN (as cudaMalloc'd memory holds whatever it held).
 template <typename T>
-std::vector<T> poisoned(size_t n) {
-  return std::vector<T>(n, from_float<T>(std::numeric_limits<float>::quiet_NaN()));
+dvec<T> poisoned(size_t n) {
+  return dvec<T>(n, from_float<T>(std::numeric_limits<float>::quiet_NaN()));
 }
 
 template <typename T>
-void put(FILE* f, const std::vector<T>& v) {
+void put(FILE* f, const dvec<T>& v) {
   for (const T& x : v) {
     const float y = to_float(x);
     std::fwrite(&y, 4, 1, f);
@@ -77,8 +95,8 @@ int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem
   const auto h0 = in.floats(B * P);
   const auto c0 = in.floats(B * H);
   const auto w_hh = conv<T>(in.floats(4 * H * P));
-  const auto mask = has_mask ? conv<T>(in.floats(4 * H * P)) : std::vector<T>();
-  const auto w_hr = has_w_hr ? conv<T>(in.floats(P * H)) : std::vector<T>();
+  const auto mask = has_mask ? conv<T>(in.floats(4 * H * P)) : dvec<T>();
+  const auto w_hr = has_w_hr ? conv<T>(in.floats(P * H)) : dvec<T>();
   const auto grad_out = conv<T>(in.floats(T_ * B * P));
   const auto grad_cells = conv<T>(in.floats(T_ * B * H));
 
@@ -93,80 +111,74 @@ int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem
 
   auto outs = poisoned<T>(T_ * B * P), cells = poisoned<T>(T_ * B * H);
   auto gates = poisoned<T>(T_ * B * 4 * H);
-  std::vector<float> c32(c0);
+  dvec<float> c32(c0);
   const T* mask_p = has_mask ? mask.data() : nullptr;
   if (kernel == LstmKernel::kFma) {
-    std::vector<float> h32 = poisoned<float>(2 * B * P);
+    dvec<float> h32 = poisoned<float>(2 * B * P);
     std::copy(h0.begin(), h0.end(), h32.begin());
-    std::vector<float> hp32 = has_w_hr ? poisoned<float>(B * H) : std::vector<float>();
+    dvec<float> hp32 = has_w_hr ? poisoned<float>(B * H) : dvec<float>();
     FwdParams<T> p;
     p.xw = xw.data(); p.w_hh = w_hh.data(); p.mask = mask_p;
     p.w_hr = has_w_hr ? w_hr.data() : nullptr;
     p.h32 = h32.data(); p.c32 = c32.data(); p.hp32 = has_w_hr ? hp32.data() : nullptr;
     p.out = outs.data(); p.cells = cells.data(); p.gates = gates.data();
-    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = fp.units;
-    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
-    p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
-    p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
+    set_common(p, fp, d);
+    set_clips(p, d);
     emu::launch(&lstm_fwd_persistent_kernel<T>, fp.blocks, fp.threads, fp.smem_bytes, p);
   } else {
     using Op = typename MmaOperand<T>::Op;
-    std::vector<Op> hop(size_t(2) * fp.bpad * fp.kld, from_float<Op>(0.0f));
-    std::vector<float> ypart = has_w_hr ? poisoned<float>(size_t(fp.blocks) * fp.bpad * fp.kp)
-                                        : std::vector<float>();
+    dvec<Op> hop(size_t(2) * fp.bpad * fp.kld, from_float<Op>(0.0f));
+    dvec<float> ypart = has_w_hr ? poisoned<float>(size_t(fp.blocks) * fp.bpad * fp.kp)
+                                        : dvec<float>();
     FwdMmaParams<T> p;
     p.xw = xw.data(); p.w_hh = w_hh.data(); p.mask = mask_p; p.h0 = h0.data();
     p.w_hr = has_w_hr ? w_hr.data() : nullptr;
     p.ypart = has_w_hr ? ypart.data() : nullptr;
     p.hop = hop.data(); p.c32 = c32.data();
     p.out = outs.data(); p.cells = cells.data(); p.gates = gates.data();
-    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = fp.units;
-    p.bpad = fp.bpad; p.kp = fp.kp; p.kld = fp.kld; p.ksplit = fp.ksplit;
-    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
-    p.cell_clip = d.cell_clip; p.cell_clip_s = d.cell_clip_s; p.cell_below = d.cell_clip_below;
-    p.proj_clip = d.proj_clip; p.proj_clip_s = d.proj_clip_s; p.proj_below = d.proj_clip_below;
+    set_common(p, fp, d);
+    set_clips(p, d);
+    set_mma_shape(p, fp);
     emu::launch(&lstm_fwd_mma_kernel<T>, fp.blocks, fp.threads, fp.smem_bytes, p);
   }
   put(out, outs); put(out, cells); put(out, gates); put(out, c32);
   if (!backward) return 0;
 
-  std::vector<float> dh_in = poisoned<float>(T_ * B * P), dc(B * H, 0.0f);
-  std::vector<float> dz = poisoned<float>(T_ * B * 4 * H), gh0 = poisoned<float>(B * P);
+  dvec<float> dh_in = poisoned<float>(T_ * B * P), dc(B * H, 0.0f);
+  dvec<float> dz = poisoned<float>(T_ * B * 4 * H), gh0 = poisoned<float>(B * P);
   const auto c0s = conv<T>(c0);
   if (kernel == LstmKernel::kFma) {
-    std::vector<float> part = poisoned<float>(size_t(bp.blocks) * B * P);
-    std::vector<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : std::vector<float>();
-    std::vector<T> w_hr_t;
+    dvec<float> part = poisoned<float>(size_t(bp.blocks) * B * P);
+    dvec<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : dvec<float>();
+    dvec<T> w_hr_t;
     if (has_w_hr) {  // [H, P]
       w_hr_t.resize(H * P);
       for (int64_t pi = 0; pi < P; ++pi)
         for (int64_t j = 0; j < H; ++j) w_hr_t[j * P + pi] = w_hr[pi * H + j];
     }
     BwdParams<T> p;
-    p.grad_out = grad_out.data(); p.grad_cells = grad_cells.data(); p.out = outs.data();
-    p.cells = cells.data(); p.gates = gates.data(); p.c0 = c0s.data(); p.w_hh = w_hh.data();
-    p.mask = mask_p; p.w_hr_t = has_w_hr ? w_hr_t.data() : nullptr;
+    set_bwd_inputs(p, grad_out.data(), grad_cells.data(), outs.data(), cells.data(),
+                   gates.data(), c0s.data(), w_hh.data(), mask_p);
+    p.w_hr_t = has_w_hr ? w_hr_t.data() : nullptr;
     p.dh_in = dh_in.data(); p.dc = dc.data(); p.part = part.data(); p.dz = dz.data();
     p.hp = has_w_hr ? hp.data() : nullptr; p.grad_h0 = gh0.data();
-    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = bp.units;
-    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
+    set_common(p, bp, d);
     p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
     emu::launch(&lstm_bwd_persistent_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
   } else {
     using Op = typename MmaOperand<T>::Op;
-    std::vector<float> part = poisoned<float>(size_t(bp.blocks) * bp.bpad * bp.kp);
-    std::vector<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : std::vector<float>();
-    std::vector<Op> dhop(has_w_hr ? size_t(bp.bpad) * bp.kld : 0, from_float<Op>(0.0f));
+    dvec<float> part = poisoned<float>(size_t(bp.blocks) * bp.bpad * bp.kp);
+    dvec<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : dvec<float>();
+    dvec<Op> dhop(has_w_hr ? size_t(bp.bpad) * bp.kld : 0, from_float<Op>(0.0f));
     BwdMmaParams<T> p;
-    p.grad_out = grad_out.data(); p.grad_cells = grad_cells.data(); p.out = outs.data();
-    p.cells = cells.data(); p.gates = gates.data(); p.c0 = c0s.data(); p.w_hh = w_hh.data();
-    p.mask = mask_p; p.w_hr = has_w_hr ? w_hr.data() : nullptr;
+    set_bwd_inputs(p, grad_out.data(), grad_cells.data(), outs.data(), cells.data(),
+                   gates.data(), c0s.data(), w_hh.data(), mask_p);
+    p.w_hr = has_w_hr ? w_hr.data() : nullptr;
     p.dh_in = dh_in.data(); p.dc = dc.data(); p.part = part.data(); p.dz = dz.data();
     p.hp = has_w_hr ? hp.data() : nullptr; p.grad_h0 = gh0.data();
     p.dhop = has_w_hr ? dhop.data() : nullptr;
-    p.T_ = int(T_); p.B = int(B); p.H = int(H); p.P = int(P); p.units = bp.units;
-    p.bpad = bp.bpad; p.kp = bp.kp; p.kld = bp.kld; p.ksplit = bp.ksplit;
-    p.proj = d.proj; p.reverse = d.reverse; p.scale_eff = d.scale_eff;
+    set_common(p, bp, d);
+    set_mma_shape(p, bp);
     p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
     emu::launch(&lstm_bwd_mma_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
   }
