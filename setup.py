@@ -61,15 +61,31 @@ NVCC_FLAGS = [
 ]
 
 # libstdc++ as a shared library, always: torch's own code in the process uses the shared
-# one, and a second copy linked into our module (what a toolchain that passes
-# -static-libstdc++ did on the GPU machines' image) binds some of its symbols to the
-# shared library and keeps others: every number formatted into an error message crashed
-# the process there (the H200, 2026-11-26: std::ostream << double inside c10::str of
-# every refusal), and is silently dropped with GCC 12 (reproduced with
-# LDFLAGS=-static-libstdc++). An explicit -lstdc++ ahead of the driver's own resolves
-# every such symbol from the shared library, so no archive member is linked in.
-# tests/test_build_flags.py checks the built modules.
-LINK_SHARED_LIBSTDCXX = ["-lstdc++"]
+# one, and a second copy linked into our module binds some of its symbols to the shared
+# library and keeps others: every number formatted into an error message crashed the
+# process on the H200 (2026-11-26, twice: std::ostream << double inside c10::str of every
+# refusal), and is silently dropped with GCC 12. A plain -lstdc++ is not enough: on the
+# H200 the modules still came out with no libstdc++.so among their NEEDED entries (the
+# linker found the archive first), and a -L to a folder holding only libstdc++.a
+# reproduces that here. So the module links the very libstdc++.so.6 this process (torch)
+# has loaded, by its path: the linker sees a shared object, resolves every libstdc++
+# symbol from it, and pulls no archive member. tests/test_build_flags.py checks the
+# built modules.
+def _shared_libstdcxx():
+    """The linker argument that names the shared libstdc++: the file torch loaded, from
+    /proc/self/maps (Linux), else what the compiler finds, else -lstdc++."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "/libstdc++.so" in path and os.path.isfile(path):
+                    return path
+    except OSError:
+        pass
+    return "-lstdc++"
+
+
+LINK_SHARED_LIBSTDCXX = [_shared_libstdcxx()]
 
 ext_modules = [
     cpp_extension.CppExtension(

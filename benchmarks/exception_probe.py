@@ -107,6 +107,9 @@ def _compilers() -> None:
         except (OSError, subprocess.SubprocessError, IndexError) as e:
             first = f"(no version: {e})"
         print(f"compiler {name}: {path} -> {first}")
+    for var in ("CC", "CXX", "LDFLAGS", "LDSHARED", "CFLAGS", "CXXFLAGS"):
+        if os.environ.get(var):
+            print(f"env {var}={os.environ[var]}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for so in sorted(glob.glob(os.path.join(root, "ctxfast", "_*.so"))):
         try:

@@ -97,7 +97,9 @@ build() {
     echo "build: ctxfast._cuda already imports" | tee -a "$S"; return 0
   fi
   # The README's command, with the index switched off: it must work offline (pyproject.toml).
-  step "build" 400 build.log env PIP_NO_INDEX=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
+  # -v: the log keeps the compile and link lines (the H200's modules came out with a static
+  # libstdc++ and a quiet log could not say from which link line).
+  step "build" 400 build.log env PIP_NO_INDEX=1 "$PY" -m pip install --no-build-isolation --no-deps -e . -v
   summarize build.log "Successfully|ERROR|error:" 5
   (( DRY )) && { probe; return 0; }
   "$PY" -c "import ctxfast._cuda, ctxfast.kernels" >> "$S" 2>&1 \

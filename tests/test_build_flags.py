@@ -151,3 +151,54 @@ def test_refusals_format_numbers_and_sizes():
             torch.ops.ctxfast.probe_throw(kind)
     with pytest.raises(ValueError, match=r"p must be in \[0, 1\), got -0\.1"):
         torch.ops.ctxfast.keep_mask_cpu(torch.ones(4), torch.tensor([1]), -0.1)
+
+
+def _setup_link_arg():
+    """setup.py's ``_shared_libstdcxx()`` run in this process (which has torch loaded, as
+    setup.py's has), read from setup.py's source rather than copied here."""
+    import os
+    import torch  # noqa: F401  (loads libstdc++.so, as setup.py's import of torch does)
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    fn = next((n for n in tree.body
+               if isinstance(n, ast.FunctionDef) and n.name == "_shared_libstdcxx"), None)
+    assert fn is not None, "setup.py no longer defines _shared_libstdcxx()"
+    scope = {"os": os}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "setup.py", "exec"), scope)
+    return scope["_shared_libstdcxx"]()
+
+
+def _needed(so):
+    dyn = subprocess.run(["readelf", "-d", "-W", str(so)], capture_output=True, text=True,
+                         check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None or shutil.which("c++") is None,
+                    reason="needs readelf and a C++ compiler")
+def test_link_argument_survives_a_linker_that_finds_the_archive_first(tmp_path):
+    """The H200's build linked libstdc++ statically even with an explicit -lstdc++: the
+    linker found the archive first. Here a -L to a folder holding only libstdc++.a does the
+    same to a plain -lstdc++ (the control: it must come out static, or this test proves
+    nothing), and setup.py's link argument must still give a module that needs
+    libstdc++.so, so that no second copy of the stream code can meet torch's."""
+    archive = subprocess.run(["c++", "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True).stdout.strip()
+    if not pathlib.Path(archive).is_file():
+        pytest.skip("the compiler has no libstdc++.a to simulate the static-first linker")
+    only = tmp_path / "static-only"
+    only.mkdir()
+    (only / "libstdc++.a").symlink_to(archive)
+    src = tmp_path / "m.cpp"
+    src.write_text('#include <sstream>\n#include <string>\n'
+                   'std::string fmt(double x) { std::ostringstream s; s << x; return s.str(); }\n')
+    arg = _setup_link_arg()
+
+    def link(name, lib):
+        so = tmp_path / name
+        subprocess.run(["c++", "-shared", "-fPIC", "-O1", f"-L{only}", str(src), "-o", str(so),
+                        lib], check=True, capture_output=True)
+        return _needed(so)
+    assert not any(n.startswith("libstdc++.so") for n in link("plain.so", "-lstdc++")), \
+        "control: with only the archive on the path, -lstdc++ should have linked it statically"
+    needed = link("ours.so", arg)
+    assert any(n.startswith("libstdc++.so") for n in needed), (arg, needed)

@@ -104,15 +104,18 @@ def test_split_forward_and_every_gradient(force_splits, Tq, mem, n, kind):
 @needs_triton
 @pytest.mark.parametrize("n", [8, 64])
 def test_more_splits_than_key_blocks(combine_spy, n):
-    """A split count above the number of key blocks runs one block per split."""
+    """A split count above the number of key blocks runs one block per split. The keys
+    span three blocks and a bit of whatever block the device uses (32 keys under the
+    interpreter, 128 on a GPU, where 43 keys were one block and no split at all)."""
     from ctxfast.kernels.rel_attention import rel_attention_backward, rel_attention_forward
-    B, H, Tq, Tk, D = 2, 2, 2, 43, 16
+    B, H, Tq, D = 2, 2, 2, 16
+    bn = _kernels()[0]._config(D, Tq)[1]
+    Tk = 2 * bn + 11
     q, k, v, r, u, w = _inputs(B, H, Tq, Tk, D, Tk)
     out, lse = rel_attention_forward(q, k, v, r, u, w, num_splits=n)
     l64 = [t.double().requires_grad_(True) for t in (q, k, v, r, u, w)]
     ref = reference.rel_attention(*l64)
     assert rel_err(out, ref) < 1e-5 and not torch.isnan(out).any()
-    bn = _kernels()[0]._config(D, Tq)[1]
     assert combine_spy == [_cdiv(Tk, bn)] and _cdiv(Tk, bn) < n
     do = torch.randn_like(out)
     grads = rel_attention_backward(do, q, k, v, r, u, w, out, lse)[:6]
@@ -345,7 +348,10 @@ def test_forward_with_a_query_block_shorter_than_the_key_block(monkeypatch, forc
         return (bm, 2 * bn, bd, 4 * bn, warps, stages) if Tq is not None else \
             (bm, bn, bd, band, warps, stages)
     monkeypatch.setattr(rel, "_config", decode_tile)
-    B, H, Tq, mem, D = 2, 2, 13, 75, 16
+    B, H, Tq, D = 2, 2, 13, 16
+    # keys over three of the decoding tile's blocks (32 keys under the interpreter, 128 or
+    # more on a GPU, where a fixed 88 keys were one block: nothing to split)
+    mem = 2 * rel._config(D, Tq)[1] + 11
     Tk = Tq + mem
     seen = force_splits(3 if kind == "split" else 1)
     kw = {}
