@@ -65,9 +65,9 @@ NVCC_FLAGS = [
 # library and keeps others: every number formatted into an error message crashed the
 # process on the H200 (2026-11-26, twice: std::ostream << double inside c10::str of every
 # refusal), and is silently dropped with GCC 12. A plain -lstdc++ is not enough: on the
-# H200 the modules still came out with no libstdc++.so among their NEEDED entries (the
-# linker found the archive first), and a -L to a folder holding only libstdc++.a
-# reproduces that here. So the module links the very libstdc++.so.6 this process (torch)
+# H200 the modules still came out with no libstdc++.so among their NEEDED entries (a
+# linker that finds libstdc++.a first does that: a -L to a folder holding only the
+# archive reproduces it here; what did it there is not known yet). So the module links the very libstdc++.so.6 this process (torch)
 # has loaded, by its path: the linker sees a shared object, resolves every libstdc++
 # symbol from it, and pulls no archive member. tests/test_build_flags.py checks the
 # built modules.

@@ -4,14 +4,16 @@
 // ctxfast._cuda only.
 //
 // Paths (csrc/cuda/lstm.h):
-//  * persistent: one cooperative kernel for all T steps with the masked w_hh slices held in
-//    shared memory; chosen where lstm_*_persistent_plan says the slices fit on chip and the
-//    grid is co-resident (cudaOccupancy, opt-in shared memory, SM count);
+//  * persistent_mma: one cooperative kernel for all T steps with the masked w_hh slices
+//    held in shared memory and each step's products on the tensor cores
+//    (csrc/cuda/lstm_kernels.cuh); chosen where lstm_*_persistent_plan says the slices fit
+//    on chip and the grid is co-resident (cudaOccupancy, opt-in shared memory, SM count).
+//    Measured on an H200 (benchmarks/results/nvidia-h200/2026-11-26-round3): faster than
+//    the CUDA-core kernel at every measured size (ULMFiT bf16 forward 1.94 ms vs 8.02).
+//  * persistent: the same schedule with the products on the CUDA cores (FMA), where the
+//    tensor-core kernel's plan does not fit and this one does;
 //  * per step: cuBLAS GEMMs (ATen, float32) + the fused cell kernels, otherwise.
-//  * persistent_mma: the same schedule with each step's products on the tensor cores
-//    (csrc/cuda/lstm_kernels.cuh). Opt-in until a GPU has measured it: its
-//    logic is checked on the CPU under an emulator (tests/test_lstm_cuda_emu.py) only.
-// CTXFAST_LSTM_CUDA_KERNEL = auto (default: persistent where it fits, else per_step) |
+// CTXFAST_LSTM_CUDA_KERNEL = auto (default: the first of the three that runs) |
 // persistent | persistent_mma | per_step forces one; asking for a persistent kernel where
 // it cannot run is an error, never a silent fallback.
 // Dtypes: float32, float16, bfloat16 (float32 arithmetic and state); float64 is rejected
@@ -65,12 +67,17 @@ Path requested_path(const char* op) {
 }
 
 // The persistent plan of the requested kernel, or plan.ok == false for the per-step path.
+// auto: the tensor-core kernel where it fits, else the CUDA-core one, else per step.
 template <typename PlanFn>
 cuda::LstmPlan choose(const char* op, Path path, PlanFn plan_for) {
   if (path == Path::kPerStep) return cuda::LstmPlan{false, 0, 0, 0, 0, "per_step requested"};
+  if (path == Path::kAuto) {
+    const cuda::LstmPlan mma = plan_for(cuda::LstmKernel::kMma);
+    return mma.ok ? mma : plan_for(cuda::LstmKernel::kFma);
+  }
   const cuda::LstmPlan plan = plan_for(path == Path::kPersistentMma ? cuda::LstmKernel::kMma
                                                                     : cuda::LstmKernel::kFma);
-  TORCH_CHECK(plan.ok || path == Path::kAuto, op, ": CTXFAST_LSTM_CUDA_KERNEL=",
+  TORCH_CHECK(plan.ok, op, ": CTXFAST_LSTM_CUDA_KERNEL=",
               path == Path::kPersistentMma ? "persistent_mma" : "persistent",
               ", but the persistent kernel cannot run at these sizes: ", plan.why);
   return plan;

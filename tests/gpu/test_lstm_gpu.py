@@ -204,3 +204,25 @@ def test_float64_default_runs_off_the_fp32_cuda_kernel():
     assert rel_err(out, ref) < 1e-10
     with pytest.raises(ctxfast.BackendUnavailable, match="float64"):
         ctxfast.lstm(*args, backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_runs_the_tensor_core_kernels_where_they_fit(monkeypatch, dtype):
+    """auto = the tensor-core persistent kernels first (faster than the CUDA-core ones at
+    every size the H200 measured): its outputs and gradients are bit for bit those of
+    persistent_mma at a size both persistent kernels fit."""
+    xw, h0, c0, w_hh, _, mask = make_inputs(6, 5, 48, 0, False, True)   # no projection
+    args = [t.to("cuda", dtype) for t in (xw, h0, c0, w_hh, None, mask) if t is not None]
+    args.insert(4, None)
+    res = {}
+    for p in ("auto", "persistent_mma"):
+        monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", p)
+        out, cells, gates = torch.ops.ctxfast.lstm_recurrence_native(
+            *args[:4], None, args[5], 1.25, math.inf, math.inf, False)
+        go, gc = torch.ones_like(out), torch.full_like(cells, 0.5)
+        grads = torch.ops.ctxfast.lstm_recurrence_backward_native(
+            go, gc, args[1], args[2], args[3], None, args[5], 1.25, math.inf, math.inf, False,
+            out, cells, gates)
+        res[p] = (out, cells, gates, *grads[:4])
+    for a, b in zip(res["auto"], res["persistent_mma"]):
+        assert torch.equal(a, b)
