@@ -66,11 +66,15 @@ ATTENTION_CANDIDATES = {
 REL_TILES = (None, 32, 64, 128)         # None: the current tile; the same size is skipped
 REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
 # Variants of the rel_attention kernels (LAUNCH_OVERRIDE keys other than launches), each
-# timed at these launches of the kernels it changes: the carried gather (forward, dQ).
+# timed at these launches of the kernels it changes: the carried gather (forward, dQ)
+# on and off.
 # dr by atomic adds from the dQ kernel (no dR kernel): compare its dQ row with the default
 # dQ + dR rows (the first H200 round timed it 11% faster at mem 3,072, unchecked then).
 REL_VARIANTS = {
     "carry": ({"carry": True}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 1), (8, 3))),
+    # the default carries where kernels/rel_attention.py _carry says so (16-bit D <= 64):
+    # the other way, timed beside it
+    "no_carry": ({"carry": False}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 3))),
     "atomic_dr": ({"dr_mode": "atomic"}, ("dq",), (None, (4, 3), (8, 1))),
 }
 KERNEL_NAMES = {

@@ -175,9 +175,8 @@ def _rel_scores_chunked(qu, wu, k, r_new, prev, skew_idx, skew_hi,
     product: one gather and one layout conversion per tile instead of two (on sm_90 each
     gather is a round trip of the ``[BLOCK_M, BLOCK_N]`` fp32 tile through shared memory
     into a row-per-warp layout; Triton 3.9's TTGIR: forward 3 -> 2 conversions of 2-D
-    tiles and 2 -> 1 gathers per tile, dQ 4 -> 3 and 3 -> 2). Off by default until a GPU
-    checks it: the H200 found Triton 3.6 compiling the dQ loop wrong at some launches, which
-    the interpreter cannot see (:data:`LAUNCH_OVERRIDE` ``{"carry": True}`` turns it on)."""
+    tiles and 2 -> 1 gathers per tile, dQ 4 -> 3 and 3 -> 2). :func:`_carry` chooses (on
+    for 16-bit 64 x 64 tiles on a GPU, where the H200 timed it right and faster)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
     qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + _row_bias(r_new, wu)[None, :]
     pos_new = tl.gather(qr_new, skew_idx, 1)
@@ -1055,7 +1054,12 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     of Triton 3.9's PTX, causal, benchmarks/NOTES.md "rel_attention: one query operand,
     two chunks"): 16-bit 64 x 64 tiles (8, 3), 0 B (at 4 warps 12-24 B); 32 x 32 tiles
     (4, 3), 0 B, except fp32 D 128 (8, 1), 92 B (every other choice 116-580 B). Other
-    sizes keep (4, 2) / (8, 2). Not yet timed on a GPU."""
+    sizes keep (4, 2) / (8, 2).
+
+    Timed since, on the H200 for 16-bit 64 x 64 tiles (benchmarks/results/nvidia-h200/
+    2026-11-26-round3/config_sweep.json, Triton 3.6, bf16 B4 H16 Tq512 mem1024 D64 causal,
+    every candidate checked against float64): (4, 3) 150 us against the spill-chosen
+    (8, 3)'s 237 (139 us with the carried gather, :func:`_carry`), so (4, 3) there."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         return 16, 16, block_d, 32, 1, 1
@@ -1067,7 +1071,7 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     bm = 64 if block_d <= (32 if wide else 64) else 32 if block_d <= 128 or not wide else 16
     stages = 2
     if bm == 64 and not wide:
-        warps, stages = 8, 3
+        warps, stages = 4, 3       # measured, H200 (see the docstring)
     elif bm == 32 and block_d <= (64 if wide else 128):
         warps, stages = 4, 3
     elif bm == 32 and wide and block_d == 128:
@@ -1093,12 +1097,18 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
     with two or three stages, the spill-chosen (8, 3) included, and a right one at (4, 1) /
     (4, 2) / (4, 3) / (8, 1); (4, 1) was the fastest right one, 313 us against 377 at
     (8, 1), though it spills 432 B per thread on sm_90. The interpreter cannot see this
-    (tests/gpu/test_rel_attention_gpu.py and benchmarks/config_sweep.py's check can)."""
+    (tests/gpu/test_rel_attention_gpu.py and benchmarks/config_sweep.py's check can).
+
+    The 16-bit dK/dV and dR kernels on 64 x 64 tiles: (4, 1), from the round-3 H200 sweep
+    (benchmarks/results/nvidia-h200/2026-11-26-round3/config_sweep.json, the same case):
+    dK/dV 223 us against 318 at (8, 1), dR 403 against 517; every launch right there."""
     if _interpreting():
         return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
     wide = dtype.itemsize >= 4
-    dq = (8, 1) if wide else (4, 1) if next_pow2(D) <= 64 else (8, 3)
-    launch = {"dkdv": (8, 2 if wide else 1), "dq": dq, "dr": (8, 1)}
+    small = not wide and next_pow2(D) <= 64                  # 16-bit 64 x 64 tiles
+    dq = (8, 1) if wide else (4, 1) if small else (8, 3)
+    launch = {"dkdv": (4, 1) if small else (8, 2 if wide else 1), "dq": dq,
+              "dr": (4, 1) if small else (8, 1)}
     if LAUNCH_OVERRIDE:
         launch.update({k: v for k, v in LAUNCH_OVERRIDE.items() if k in launch})
     return launch
@@ -1114,9 +1124,15 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
 LAUNCH_OVERRIDE: dict = {}
 
 
-def _carry() -> bool:
-    """Whether the forward and dQ kernels carry the gathered first chunk (off by default)."""
-    return bool(LAUNCH_OVERRIDE.get("carry", False))
+def _carry(D: int, dtype: torch.dtype) -> bool:
+    """Whether the forward and dQ kernels carry the gathered first chunk
+    (:func:`_rel_scores_chunked`): on a GPU for 16-bit 64 x 64 tiles, where the H200 timed
+    it right and faster (forward 139 us against 150, dQ 286 against 310; benchmarks/results/
+    nvidia-h200/2026-11-26-round3/config_sweep.json); elsewhere off until a GPU times it.
+    :data:`LAUNCH_OVERRIDE`'s "carry" replaces the choice."""
+    if "carry" in LAUNCH_OVERRIDE:
+        return bool(LAUNCH_OVERRIDE["carry"])
+    return not _interpreting() and dtype.itemsize == 2 and next_pow2(D) <= 64
 
 
 #: How the backward computes dr: "kernel" (the dR kernel along the score diagonals,
@@ -1243,7 +1259,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         WINDOW=window is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype),
-        CARRY=_carry(), num_warps=warps, num_stages=stages,
+        CARRY=_carry(D, q.dtype), num_warps=warps, num_stages=stages,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -1308,7 +1324,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic,
-            CARRY=_carry())
+            CARRY=_carry(D, q.dtype))
         d_rw, d_rr = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))           # [H, D] each
         if atomic:
             dr = dr_acc.mul_(scale)
