@@ -119,9 +119,21 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
                 def fwd_bwd():
                     return torch.autograd.grad(fwd(), leaves, g, allow_unused=True)
                 with _form(form):
-                    row = dict(case=name, dtype=dt_name, form=form,
-                               fwd_ms=round(time_ms(fwd_nograd), 4),
-                               fwd_bwd_ms=round(time_ms(fwd_bwd), 4))
+                    try:
+                        row = dict(case=name, dtype=dt_name, form=form,
+                                   fwd_ms=round(time_ms(fwd_nograd), 4),
+                                   fwd_bwd_ms=round(time_ms(fwd_bwd), 4))
+                    except RuntimeError as e:
+                        # a forced kernel that cannot run at this size refuses (never a
+                        # silent fallback): a row that says so, and the run goes on
+                        if "cannot run at these sizes" not in str(e):
+                            raise
+                        why = str(e).split("cannot run at these sizes: ")[-1].splitlines()[0]
+                        rows.append(dict(case=name, dtype=dt_name, form=form, fwd_ms=None,
+                                         fwd_bwd_ms=None, refused=why))
+                        print(f"{name:22s} {dt_name:9s} {form:22s} does not run here: {why}",
+                              flush=True)
+                        continue
                 rows.append(row)
                 print(f"{name:22s} {dt_name:9s} {form:22s} fwd {row['fwd_ms']:9.3f} ms   "
                       f"fwd+bwd {row['fwd_bwd_ms']:9.3f} ms", flush=True)
