@@ -283,8 +283,8 @@ stage_verify() {
   build
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
   step "lstm: CUDA kernels against cuDNN" 70 lstm_cuda_compare.log "$PY" \
-    benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent" \
-    "cuda persistent-mma" "cuDNN+WeightDropout" --out "$R/lstm_cuda_compare.json"
+    benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma" \
+    "cuda persistent-mma groups" "cuDNN+WeightDropout" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
   step "config sweep (rel_attention, checked)" 120 config_sweep.log "$PY" \
     benchmarks/config_sweep.py --ops rel_attention --time-budget 95 --out "$R/config_sweep.json"

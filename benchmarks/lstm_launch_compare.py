@@ -47,6 +47,7 @@ def _form(name: str):
     from ctxfast.kernels import lstm as lstm_kernels
     saved_launch, saved_precision = lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION
     saved_env = os.environ.get("CTXFAST_LSTM_CUDA_KERNEL")
+    saved_reduce = os.environ.get("CTXFAST_LSTM_CUDA_BWD_REDUCE")
     if name == "triton stepwise":
         lstm_kernels.LAUNCH = "stepwise"
     elif name.startswith("triton persistent"):
@@ -55,14 +56,18 @@ def _form(name: str):
             lstm_kernels.FP32_PRECISION = "ieee"
     elif name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
+        if name.endswith(" groups"):              # the grouped tensor-core backward
+            os.environ["CTXFAST_LSTM_CUDA_BWD_REDUCE"] = "groups"
     try:
         yield
     finally:
         lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION = saved_launch, saved_precision
-        if saved_env is None:
-            os.environ.pop("CTXFAST_LSTM_CUDA_KERNEL", None)
-        else:
-            os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = saved_env
+        for var, saved in (("CTXFAST_LSTM_CUDA_KERNEL", saved_env),
+                           ("CTXFAST_LSTM_CUDA_BWD_REDUCE", saved_reduce)):
+            if saved is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = saved
 
 
 def _forms(device: torch.device) -> List[str]:
@@ -70,7 +75,8 @@ def _forms(device: torch.device) -> List[str]:
     if _dispatch.why_unavailable("triton", device) is None:
         forms += ["triton persistent", "triton stepwise", "triton persistent ieee"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
-        forms += ["cuda persistent", "cuda persistent-mma", "cuda per-step"]
+        forms += ["cuda persistent", "cuda persistent-mma", "cuda persistent-mma groups",
+                  "cuda per-step"]
     if device.type == "cuda":
         forms.append("cuDNN+WeightDropout")
     return forms

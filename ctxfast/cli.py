@@ -43,7 +43,8 @@ def _triton_version() -> str:
 
 #: Environment variables that choose a backend, a kernel or a launch path (README): `info`
 #: prints those that are set, so that a log says what ran.
-_KERNEL_SETTINGS = ("CTXFAST_BACKEND", "CTXFAST_LSTM_CUDA_KERNEL", "CTXFAST_TRITON_LAUNCH",
+_KERNEL_SETTINGS = ("CTXFAST_BACKEND", "CTXFAST_LSTM_CUDA_KERNEL", "CTXFAST_LSTM_CUDA_BWD_REDUCE",
+                    "CTXFAST_TRITON_LAUNCH",
                     "CTXFAST_ATTN_BWD_DQ", "CTXFAST_REL_BWD_DR", "CTXFAST_ATTN_CPU_GEMM",
                     "CTXFAST_LSTM_CPU_GEMM", "CTXFAST_CPU_CACHE_MB")
 

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emu"
 FLOOR = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-KERNEL_CODE = {"fma": 0, "mma": 1}
+# "grouped": the tensor-core forward, the grouped tensor-core backward
+KERNEL_CODE = {"fma": 0, "mma": 1, "grouped": 2}
 SMEM_LIMIT = 232448          # an H100's opt-in shared memory per block
 
 
@@ -229,7 +230,7 @@ def test_tensor_core_row_tiles_that_overlap(emulator, tmp_path, dtype):
 
 def _shapes(exe, tmp_path, kernel, dtype, T, B, H, P, sms):
     """The launch shapes (forward, backward) the CUDA build computes: dicts of ok, blocks,
-    threads, units, smem, ksplit."""
+    threads, units, smem, ksplit, groups, chunks."""
     head = struct.pack("<12i", KERNEL_CODE[kernel], DTYPE_CODE[dtype], T, B, H, P, 0, 1, sms,
                        int(P != H), -1, SMEM_LIMIT) + struct.pack("<8f", *([1.0] * 8))
     fin, fout = tmp_path / "shape.in", tmp_path / "shape.out"
@@ -237,9 +238,9 @@ def _shapes(exe, tmp_path, kernel, dtype, T, B, H, P, sms):
     run = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, ASAN_OPTIONS="detect_leaks=0"))
     assert run.returncode == 0, run.stderr
-    vals = struct.unpack("<12i", fout.read_bytes())
-    keys = ("ok", "blocks", "threads", "units", "smem", "ksplit")
-    return dict(zip(keys, vals[:6])), dict(zip(keys, vals[6:]))
+    vals = struct.unpack("<16i", fout.read_bytes())
+    keys = ("ok", "blocks", "threads", "units", "smem", "ksplit", "groups", "chunks")
+    return dict(zip(keys, vals[:8])), dict(zip(keys, vals[8:]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -305,6 +306,59 @@ def test_dropped_units_and_everything_dropped(emulator, tmp_path, kernel):
     for drop in (rows, everything):
         _check(emulator, tmp_path, kernel, torch.float32, T=3, B=5, H=15, P=15, sms=3,
                drop=drop)
+
+
+# ------------------------------------------------------------ the grouped backward
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_backward_against_reference(emulator, tmp_path, dtype):
+    """The grouped tensor-core backward (a 2-D distribution of w_hh for dL/dh's product):
+    H 40 over 10 SMs in groups x chunks that the plan picks (4 x 2 in float32, 3 x 3 in
+    16 bits: a short last group, chunks padded to 16 or 32 columns), B 5, mask and scale, a
+    cell clip that bites, three steps; forward and every gradient against the reference."""
+    fwd, bwd = _shapes(emulator, tmp_path, "grouped", dtype, 3, 5, 40, 40, 10)
+    assert bwd["ok"] and bwd["groups"] > 1 and bwd["chunks"] > 1, bwd
+    assert bwd["groups"] * bwd["chunks"] <= bwd["blocks"] == 10
+    _check(emulator, tmp_path, "grouped", dtype, T=3, B=5, H=40, P=40, clips=True, sms=10)
+
+
+@pytest.mark.parametrize("sms", [1, 2, 5])
+def test_grouped_backward_shapes(emulator, tmp_path, sms):
+    """One block (one group, one chunk; H 30: the forward takes at most 32 units a block),
+    and 2 and 5 blocks over odd sizes (H 37, B 17: two batch tiles), reverse, T 1 and B 1,
+    no mask."""
+    H = 30 if sms == 1 else 37
+    _check(emulator, tmp_path, "grouped", torch.bfloat16, T=3, B=17, H=H, P=H, sms=sms,
+           reverse=True)
+    _check(emulator, tmp_path, "grouped", torch.float32, T=1, B=1, H=9, P=9, sms=sms,
+           mask=False)
+
+
+def test_grouped_backward_dropped_units(emulator, tmp_path):
+    """Masks that drop whole units and gates, then everything (W = 0)."""
+    def rows(m):
+        H = m.shape[0] // 4
+        for g in range(4):
+            m[g * H:g * H + 5] = 0
+        m[2 * H:3 * H] = 0
+
+    def everything(m):
+        m.zero_()
+    for drop in (rows, everything):
+        _check(emulator, tmp_path, "grouped", torch.float32, T=3, B=5, H=15, P=15, sms=4,
+               drop=drop)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_backward_plans(emulator, tmp_path, dtype):
+    """At ULMFiT's layer (H 1152, B 64, 132 SMs: 128 blocks) the grouped backward fits in
+    both dtypes with a few groups (the partials per element) and its weight tile under the
+    limit; with a projection it refuses (the plain tensor-core backward runs there)."""
+    _, bwd = _shapes(emulator, tmp_path, "grouped", dtype, 70, 64, 1152, 1152, 132)
+    assert bwd["ok"] and bwd["blocks"] == 128 and bwd["smem"] <= SMEM_LIMIT, bwd
+    assert 2 <= bwd["groups"] <= 16 and 96 <= bwd["groups"] * bwd["chunks"] <= 128, bwd
+    _, bwd = _shapes(emulator, tmp_path, "grouped", dtype, 50, 32, 4096, 512, 132)
+    assert not bwd["ok"]
 
 
 def test_a_wrong_kernel_fails_the_check(emulator, tmp_path, monkeypatch):

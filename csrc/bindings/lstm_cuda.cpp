@@ -16,6 +16,11 @@
 // CTXFAST_LSTM_CUDA_KERNEL = auto (default: the first of the three that runs) |
 // persistent | persistent_mma | per_step forces one; asking for a persistent kernel where
 // it cannot run is an error, never a silent fallback.
+// CTXFAST_LSTM_CUDA_BWD_REDUCE = blocks (default) | groups: how the tensor-core backward
+// sums its partial dL/dh_{t-1} per step: one partial per block (all P columns of the
+// block's rows), or the grouped kernel (lstm_kernels.cuh: a 2-D distribution of w_hh, a
+// few partials per element; layers without a projection, elsewhere blocks). groups is
+// opt-in until a GPU times it.
 // Dtypes: float32, float16, bfloat16 (float32 arithmetic and state); float64 is rejected
 // (use the cpu or eager backend). Non-contiguous inputs are made contiguous here.
 // Weight gradients are one GEMM each over all steps, after the recurrence (in the storage
@@ -64,6 +69,14 @@ Path requested_path(const char* op) {
   TORCH_CHECK_VALUE(std::strcmp(v, "per_step") == 0, op, ": CTXFAST_LSTM_CUDA_KERNEL must "
                     "be auto, persistent, persistent_mma or per_step, got '", v, "'");
   return Path::kPerStep;
+}
+
+bool grouped_backward(const char* op) {
+  const char* v = std::getenv("CTXFAST_LSTM_CUDA_BWD_REDUCE");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "blocks") == 0) return false;
+  TORCH_CHECK_VALUE(std::strcmp(v, "groups") == 0, op, ": CTXFAST_LSTM_CUDA_BWD_REDUCE must be "
+                    "blocks or groups, got '", v, "'");
+  return true;
 }
 
 // The persistent plan of the requested kernel, or plan.ok == false for the per-step path.
@@ -223,6 +236,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
   const at::ScalarType dt = gates.scalar_type();
   const cuda::LstmDtype cdt = lstm_dtype(kBwd, dt);
   const Path path = requested_path(kBwd);
+  const bool grouped = grouped_backward(kBwd);
   const c10::cuda::CUDAGuard guard(gates.device());
   const auto opts = gates.options();
   const auto f32 = opts.dtype(at::kFloat);
@@ -247,10 +261,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
   Tensor gh0;
 
   const cuda::LstmPlan plan = choose(kBwd, path, [&](cuda::LstmKernel k) {
+    if (k == cuda::LstmKernel::kMma && grouped) {  // where it applies, else the blocks' sums
+      const cuda::LstmPlan g =
+          cuda::lstm_backward_persistent_plan(cd, cdt, dev, cuda::LstmKernel::kMmaGrouped);
+      if (g.ok) return g;
+    }
     return cuda::lstm_backward_persistent_plan(cd, cdt, dev, k);
   });
-  if (plan.ok && plan.kernel == cuda::LstmKernel::kMma) {
-    Tensor part = at::empty({plan.blocks, plan.bpad, plan.kp}, f32);  // per-block partial dL/dh
+  if (plan.ok && plan.kernel != cuda::LstmKernel::kFma) {
+    const bool grp = plan.kernel == cuda::LstmKernel::kMmaGrouped;
+    // partial dL/dh: per block [blocks, bpad, kp], or per unit group [groups, bpad, chunks x
+    // gcolp]; the grouped kernel's dz operands [bpad, dzld], zero outside [B, 4H]
+    Tensor part = grp ? at::empty({plan.groups, plan.bpad, int64_t(plan.chunks) * plan.gcolp}, f32)
+                      : at::empty({plan.blocks, plan.bpad, plan.kp}, f32);
+    Tensor dzop = grp ? at::zeros({plan.bpad, plan.dzld}, opts) : Tensor();
     Tensor dhop = d.proj ? at::zeros({plan.bpad, plan.kld}, opts) : Tensor();  // dh_in operands
     gh0 = at::empty({d.B, d.P}, f32);
     check_cuda(cuda::lstm_backward_persistent_mma(
@@ -258,7 +282,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
                    cells_c.data_ptr(), gates_c.data_ptr(), c0_c.data_ptr(), w_hh_c.data_ptr(),
                    ptr_or_null(mask_c), ptr_or_null(w_hr_c), dh_in.data_ptr<float>(),
                    dc.data_ptr<float>(), part.data_ptr<float>(), d.proj ? dhop.data_ptr() : nullptr,
-                   dz.data_ptr<float>(), fptr_or_null(hp), gh0.data_ptr<float>(), stream),
+                   grp ? dzop.data_ptr() : nullptr, dz.data_ptr<float>(), fptr_or_null(hp),
+                   gh0.data_ptr<float>(), stream),
                kBwd, "the tensor-core persistent backward kernel launch");
   } else if (plan.ok) {
     const Tensor w_hr_t = d.proj ? w_hr_c.t().contiguous() : Tensor();  // [H, P]

@@ -95,6 +95,8 @@ const void* fwd_kernel(LstmKernel k) {
 }
 template <typename T>
 const void* bwd_kernel(LstmKernel k) {
+  if (k == LstmKernel::kMmaGrouped)
+    return reinterpret_cast<const void*>(&lstm_bwd_mma_grouped_kernel<T>);
   return k == LstmKernel::kMma ? reinterpret_cast<const void*>(&lstm_bwd_mma_kernel<T>)
                                : reinterpret_cast<const void*>(&lstm_bwd_persistent_kernel<T>);
 }
@@ -126,7 +128,7 @@ LstmPlan make_plan(const LstmDims& d, LstmDtype dt, int device, bool backward, L
     plan.why = "the device does not support cooperative launches";
     return plan;
   }
-  if (k == LstmKernel::kMma && major < 8) {
+  if (k != LstmKernel::kFma && major < 8) {
     plan.why = "the tensor-core kernels need compute capability 8.0 or newer";
     return plan;
   }
@@ -217,17 +219,19 @@ cudaError_t launch_bwd_mma(const LstmPlan& plan, const LstmDims& d, const void* 
                            const void* grad_cells, const void* out, const void* cells,
                            const void* gates, const void* c0, const void* w_hh,
                            const void* mask, const void* w_hr, float* dh_in, float* dc,
-                           float* part, void* dhop, float* dz, float* hp, float* grad_h0,
-                           cudaStream_t stream) {
+                           float* part, void* dhop, void* dzop, float* dz, float* hp,
+                           float* grad_h0, cudaStream_t stream) {
   BwdMmaParams<T> p;
   set_bwd_inputs(p, grad_out, grad_cells, out, cells, gates, c0, w_hh, mask);
   p.w_hr = static_cast<const T*>(w_hr);
   p.dh_in = dh_in; p.dc = dc; p.part = part; p.dz = dz; p.hp = hp; p.grad_h0 = grad_h0;
   p.dhop = static_cast<typename MmaOperand<T>::Op*>(dhop);
+  p.dzop = static_cast<typename MmaOperand<T>::Op*>(dzop);
   set_common(p, plan, d);
   p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
   set_mma_shape(p, plan);
-  return launch_cooperative(bwd_kernel<T>(LstmKernel::kMma), plan, p, stream);
+  set_groups(p, plan);
+  return launch_cooperative(bwd_kernel<T>(plan.kernel), plan, p, stream);
 }
 
 }  // namespace
@@ -287,12 +291,13 @@ cudaError_t lstm_backward_persistent_mma(const LstmPlan& plan, const LstmDims& d
                                          const void* out, const void* cells, const void* gates,
                                          const void* c0, const void* w_hh, const void* mask,
                                          const void* w_hr, float* dh_in, float* dc, float* part,
-                                         void* dhop, float* dz, float* hp, float* grad_h0,
-                                         cudaStream_t stream) {
-  if (!plan.ok || plan.kernel != LstmKernel::kMma) return cudaErrorInvalidConfiguration;
+                                         void* dhop, void* dzop, float* dz, float* hp,
+                                         float* grad_h0, cudaStream_t stream) {
+  if (!plan.ok || plan.kernel == LstmKernel::kFma) return cudaErrorInvalidConfiguration;
+  if (plan.kernel == LstmKernel::kMmaGrouped && dzop == nullptr) return cudaErrorInvalidValue;
   CTXFAST_LSTM_DISPATCH(dt, return launch_bwd_mma<T>(plan, d, grad_out, grad_cells, out, cells,
                                                      gates, c0, w_hh, mask, w_hr, dh_in, dc, part,
-                                                     dhop, dz, hp, grad_h0, stream))
+                                                     dhop, dzop, dz, hp, grad_h0, stream))
 }
 
 cudaError_t lstm_cell_forward_step(const LstmDims& d, LstmDtype dt, const void* xw_t,

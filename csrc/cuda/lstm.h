@@ -45,7 +45,9 @@ struct LstmDims {
   float proj_clip, proj_clip_s, proj_clip_below;
 };
 
-enum class LstmKernel : int { kFma = 0, kMma = 1 };
+// kMmaGrouped: the tensor-core backward with its product on a 2-D distribution of w_hh
+// (groups of units x column chunks; backward only, no projection; lstm_kernels.cuh).
+enum class LstmKernel : int { kFma = 0, kMma = 1, kMmaGrouped = 2 };
 
 // Launch configuration of a persistent kernel; ok == false says why not in `why`.
 struct LstmPlan {
@@ -59,6 +61,10 @@ struct LstmPlan {
   // kMma only: B and P rounded up to 16, the operand rows' leading dimension (kp + a
   // 16-byte skew), the number of K slices of the forward's product.
   int bpad = 0, kp = 0, kld = 0, ksplit = 0;
+  // kMmaGrouped only: `groups` x `chunks` product blocks; group g = units [g*gunits,
+  // (g+1)*gunits), chunk c = columns [c*gcols, (c+1)*gcols) (gcolp: gcols rounded up to 16);
+  // dzld: the leading dimension of the dz operand buffer [bpad, dzld].
+  int groups = 0, chunks = 0, gunits = 0, gcols = 0, gcolp = 0, dzld = 0;
 };
 
 LstmPlan lstm_forward_persistent_plan(const LstmDims& d, LstmDtype dt, int device,
@@ -103,14 +109,16 @@ cudaError_t lstm_forward_persistent_mma(const LstmPlan& plan, const LstmDims& d,
 
 // Tensor-core backward: as lstm_backward_persistent, with w_hr [P,H] (not transposed) or
 // null, part [plan.blocks, plan.bpad, plan.kp] float, and with a projection dhop
-// [plan.bpad, plan.kld] in the operand dtype (else null).
+// [plan.bpad, plan.kld] in the operand dtype (else null). With plan.kernel kMmaGrouped:
+// part [plan.groups, plan.bpad, plan.chunks * plan.gcolp] float, dzop [plan.bpad,
+// plan.dzld] in the operand dtype, zero-filled by the caller (dhop null).
 cudaError_t lstm_backward_persistent_mma(const LstmPlan& plan, const LstmDims& d, LstmDtype dt,
                                          const void* grad_out, const void* grad_cells,
                                          const void* out, const void* cells, const void* gates,
                                          const void* c0, const void* w_hh, const void* mask,
                                          const void* w_hr, float* dh_in, float* dc, float* part,
-                                         void* dhop, float* dz, float* hp, float* grad_h0,
-                                         cudaStream_t stream);
+                                         void* dhop, void* dzop, float* dz, float* hp,
+                                         float* grad_h0, cudaStream_t stream);
 
 // ---------------------------------------------------------------- per-step kernels
 // Forward cell of one step: z = xw_t + zacc (zacc [B,4H] float = h_{t-1} @ W^T, scale

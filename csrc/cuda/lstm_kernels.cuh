@@ -822,6 +822,10 @@ struct BwdMmaParams {
   int T_, B, H, P, units, bpad, kp, kld, ksplit;  // part [blocks, bpad, kp]
   bool proj, reverse;
   float scale_eff, cell_clip_s, proj_clip_s;
+  // the grouped kernel only: dz's operands [bpad, dzld] (zero-filled by the caller), the
+  // product blocks' shape (LstmPlan); part is [groups, bpad, chunks * gcolp] there
+  typename MmaOperand<T>::Op* dzop;
+  int groups, chunks, gunits, gcols, gcolp, dzld;
 };
 
 // Shared memory of the tensor-core backward, in order: ws [wrows, kld], dzs [bpad, wrows +
@@ -963,6 +967,100 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
   }
 }
 
+// Grouped tensor-core backward (no projection). The kernel above sums, per step, one
+// partial dL/dh_{t-1} of all B x P elements from every block (each holds all P columns of
+// its 4U rows): 128 partials at ULMFiT size, 37.7 MB written and read per step. Here the
+// product runs on a second distribution of W: product block (g, c) of groups x chunks holds
+// W[rows of unit group g, columns of chunk c] in shared memory (rows 4u + gate of units
+// [g*gunits, (g+1)*gunits), columns [c*gcols, (c+1)*gcols), zero past H, P and the chunk),
+// reads the group's dz columns as operands from a global buffer (L2) and writes
+// part[g][:, chunk c]: `groups` partials per element (8 at ULMFiT size: ~2.4 MB written
+// and read, plus ~9 MB of dz operand reads from L2, per step). The cell phase keeps each
+// block's own units as above and sums the `groups` partials of its units' columns (P = H).
+// Per step (last first): phase 1 the cell backward of the block's (batch row, unit)
+// pairs: dL/dh_t = grad_out + scale * sum_g part[g], dz (float, an output) and its operand
+// copy in dzop; grid.sync(); phase 2 the product blocks' tiles into part; grid.sync().
+// After the first step: grad_h0 = scale * sum_g part[g]. Deterministic (fixed orders).
+template <typename T>
+__global__ void __launch_bounds__(kMmaWarps * 32, 1)
+lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
+  using Op = typename MmaOperand<T>::Op;
+  constexpr int KK = MmaOperand<T>::K;
+  CTXFAST_DYNAMIC_SMEM(smem);
+  const int H = p.H, B = p.B, P = p.P, U = p.units, bpad = p.bpad;
+  const int G = p.groups, C = p.chunks, grows = 4 * p.gunits;
+  const int gld = p.gcolp + mma_skew<Op>(), pld = C * p.gcolp;  // part's row length
+  const int64_t gstride = int64_t(bpad) * pld;                   // one group's partials
+  Op* ws = reinterpret_cast<Op*>(smem);                          // [grows, gld]
+  const int j0 = blockIdx.x * U;
+  const int nu = min(U, H - j0);
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const bool product = static_cast<int>(blockIdx.x) < G * C;
+  const int g = blockIdx.x / C, c = blockIdx.x - (blockIdx.x / C) * C;
+  const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
+  if (product) {  // W[rows of group g, columns of chunk c] as operands
+    for (int64_t e = threadIdx.x; e < int64_t(grows) * gld; e += blockDim.x) {
+      const int rl = static_cast<int>(e / gld), n = static_cast<int>(e - int64_t(rl) * gld);
+      const int u = g * p.gunits + (rl >> 2), k = c * p.gcols + n;
+      float w = 0.0f;
+      if (u < H && n < p.gcols && k < P) {
+        const int64_t src = (int64_t(rl & 3) * H + u) * P + k;
+        w = to_f(p.w_hh[src]);
+        if (p.mask) w *= to_f(p.mask[src]);  // 0/1: exact
+      }
+      ws[e] = from_f<Op>(w);
+    }
+  }
+  cg::grid_group grid = cg::this_grid();
+  const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
+
+  for (int s = p.T_ - 1; s >= 0; --s) {
+    const int t = p.reverse ? p.T_ - 1 - s : s;
+    const int tp = p.reverse ? t + 1 : t - 1;  // the forward's previous step (if s > 0)
+    const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
+    const bool first = s == p.T_ - 1;          // no carry into the forward's last step
+    // ---- phase 1: cell backward, one (batch row, unit) per thread
+    for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
+      const int b = e / nu, u = e - b * nu, j = j0 + u;
+      if (s > 0) {  // the next step's inputs on their way to L2
+        const int64_t go = (int64_t(tp) * B + b) * 4 * H + j;
+        const int64_t co = int64_t(tp) * BH + int64_t(b) * H + j;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) prefetch_l2(p.gates + go + int64_t(q) * H);
+        prefetch_l2(p.cells + co);
+        prefetch_l2(p.grad_cells + co);
+        prefetch_l2(p.grad_out + int64_t(tp) * BP + int64_t(b) * P + j);
+      }
+      float carry = 0.0f;
+      if (!first) {
+        const int cj = j / p.gcols, n = j - cj * p.gcols;
+        carry = sum_partials(p.part + int64_t(b) * pld + int64_t(cj) * p.gcolp + n, gstride, G) *
+                p.scale_eff;
+      }
+      const int64_t o = int64_t(t) * BP + int64_t(b) * P + j;
+      const float dh = dh_in_value(to_f(p.grad_out[o]), carry, 0.0f, false, 0.0f);
+      p.dh_in[o] = dh;
+      const CellGrads r = cell_backward_at(p, c_prev, t, b, j, dh);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) p.dzop[int64_t(b) * p.dzld + 4 * j + q] = from_f<Op>(r.dz[q]);
+    }
+    grid.sync();
+    // ---- phase 2: part[g][:, chunk c] = dz[:, rows of g] . W[rows of g, chunk c]
+    if (product) {
+      block_tiles_product<T>(p.dzop + int64_t(g) * grows, p.dzld, ws, gld, bpad / 16,
+                             p.gcolp / 16, grows / KK, p.part + g * gstride + int64_t(c) * p.gcolp,
+                             pld, warp, nwarps);
+    }
+    grid.sync();
+  }
+  for (int64_t e = gtid; e < BP; e += gthreads) {  // grad_h0 = dL/dh_{-1}
+    const int64_t b = e / P, k = e - b * P;
+    const int64_t cj = k / p.gcols, n = k - cj * p.gcols;
+    p.grad_h0[e] = sum_partials(p.part + b * pld + cj * p.gcolp + n, gstride, G) * p.scale_eff;
+  }
+}
+
 // ------------------------------------------------------------------ launch shapes (host)
 inline size_t fwd_smem(const LstmDims& d, int units, size_t esize) {
   return align16(esize * 4 * size_t(units) * d.P) + sizeof(float) * kBT * size_t(d.P);
@@ -1000,6 +1098,41 @@ inline LstmPlan persistent_shape(const LstmDims& d, LstmDtype dt, bool backward,
     const int want = backward ? (units + 3) / 4 * static_cast<int>((d.B + kBT - 1) / kBT) : units;
     const int warps = want < 4 ? 4 : (want > kMaxWarps ? kMaxWarps : want);
     threads = warps * 32;
+  } else if (kernel == LstmKernel::kMmaGrouped) {
+    if (!backward || d.proj) {
+      plan.why = "the grouped tensor-core kernel is a backward for layers without a projection";
+      return plan;
+    }
+    units = static_cast<int>((d.H + sms - 1) / sms);
+    const int64_t blocks = (d.H + units - 1) / units;
+    const int e = static_cast<int>(esize), skew = 32 / e;
+    plan.bpad = static_cast<int>(round_up(d.B, 16));
+    plan.kp = static_cast<int>(round_up(d.P, 16));
+    plan.kld = plan.kp + skew;
+    plan.ksplit = 1;
+    // groups x chunks = the product blocks: the fewest bytes per batch row and step (the dz
+    // operand reads, chunks x 4H, and the partials written and read, 2 x groups x P floats)
+    // among the shapes whose weight tile fits; unit groups of a multiple of 4 units (the
+    // group's dz columns start 32-byte aligned).
+    int64_t best = -1;
+    smem = smem_limit + 1;
+    for (int64_t G = 1; G <= blocks; ++G) {
+      const int64_t C = blocks / G;
+      const int64_t gunits = round_up((d.H + G - 1) / G, 4), gcols = (d.P + C - 1) / C;
+      const int64_t gcolp = round_up(gcols, 16);
+      const size_t need = align128(size_t(esize) * 4 * gunits * (gcolp + skew));
+      const int64_t cost = C * 4 * d.H * e + 8 * G * d.P;
+      if (need > smem_limit || (best >= 0 && cost >= best)) continue;
+      best = cost;
+      smem = need;
+      plan.groups = static_cast<int>(G);
+      plan.chunks = static_cast<int>(C);
+      plan.gunits = static_cast<int>(gunits);
+      plan.gcols = static_cast<int>(gcols);
+      plan.gcolp = static_cast<int>(gcolp);
+      plan.dzld = static_cast<int>(G * 4 * gunits + skew);
+    }
+    threads = kMmaWarps * 32;
   } else {
     units = static_cast<int>((d.H + sms - 1) / sms);
     if (units > kMmaMaxUnits) {
@@ -1062,6 +1195,13 @@ void set_clips(Params& p, const LstmDims& d) {
 template <typename Params>
 void set_mma_shape(Params& p, const LstmPlan& plan) {
   p.bpad = plan.bpad; p.kp = plan.kp; p.kld = plan.kld; p.ksplit = plan.ksplit;
+}
+
+// ... the grouped backward's product blocks.
+template <typename Params>
+void set_groups(Params& p, const LstmPlan& plan) {
+  p.groups = plan.groups; p.chunks = plan.chunks; p.gunits = plan.gunits;
+  p.gcols = plan.gcols; p.gcolp = plan.gcolp; p.dzld = plan.dzld;
 }
 
 // ... the backward kernels' inputs from the forward and the upstream gradients.

@@ -2,7 +2,8 @@
 // cuda_emu.h, with the launch shapes the CUDA build computes (persistent_shape) for a
 // pretend device of `sms` SMs. Driven by tests/test_lstm_cuda_emu.py:
 //   lstm_emu IN OUT
-// IN (little-endian): 12 int32 (kernel 0 = CUDA cores / 1 = tensor cores, dtype 0 = float32
+// IN (little-endian): 12 int32 (kernel 0 = CUDA cores / 1 = tensor cores / 2 = tensor cores
+// with the grouped backward (lstm_bwd_mma_grouped_kernel), dtype 0 = float32
 // / 1 = float16 / 2 = bfloat16, T, B, H, P, reverse, has_mask, sms, has_w_hr, backward,
 // smem_limit in bytes), 8 float32 (scale_eff, cell_clip, cell_clip_s, cell_clip_below,
 // proj_clip, proj_clip_s, proj_clip_below, unused), then float32 arrays: xw [T,B,4H],
@@ -12,7 +13,8 @@
 // stored, widened), c_T [B,H]; with backward: dz [T,B,4H], grad_h0 [B,P], grad_c0 [B,H].
 // If the plan refuses the sizes: ok = 0 and the reason on stderr, exit status 3.
 // backward = -1: the launch shapes only (no arrays read or run): OUT holds, for the forward
-// then the backward, 6 int32 (ok, blocks, threads, units, shared memory bytes, ksplit).
+// then the backward, 8 int32 (ok, blocks, threads, units, shared memory bytes, ksplit,
+// groups, chunks).
 #define CTXFAST_CUDA_EMULATION 1
 #include "cuda/lstm_kernels.cuh"
 
@@ -88,8 +90,8 @@ void put(FILE* f, const dvec<T>& v) {
 }
 
 template <typename T>
-int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem_limit,
-        bool backward, Reader& in, bool has_mask, bool has_w_hr, FILE* out) {
+int run(const LstmDims& d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, int sms,
+        size_t smem_limit, bool backward, Reader& in, bool has_mask, bool has_w_hr, FILE* out) {
   const int64_t T_ = d.T, B = d.B, H = d.H, P = d.P;
   const auto xw = conv<T>(in.floats(T_ * B * 4 * H));
   const auto h0 = in.floats(B * P);
@@ -101,7 +103,7 @@ int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem
   const auto grad_cells = conv<T>(in.floats(T_ * B * H));
 
   const LstmPlan fp = persistent_shape(d, dt, false, kernel, sms, smem_limit);
-  const LstmPlan bp = persistent_shape(d, dt, true, kernel, sms, smem_limit);
+  const LstmPlan bp = persistent_shape(d, dt, true, bkernel, sms, smem_limit);
   const int32_t head[4] = {fp.ok && (!backward || bp.ok), fp.blocks, fp.threads, fp.units};
   std::fwrite(head, 4, 4, out);
   if (!fp.ok || (backward && !bp.ok)) {
@@ -165,6 +167,21 @@ int run(const LstmDims& d, LstmKernel kernel, LstmDtype dt, int sms, size_t smem
     set_common(p, bp, d);
     p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
     emu::launch(&lstm_bwd_persistent_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
+  } else if (bkernel == LstmKernel::kMmaGrouped) {
+    using Op = typename MmaOperand<T>::Op;
+    dvec<float> part = poisoned<float>(size_t(bp.groups) * bp.bpad * bp.chunks * bp.gcolp);
+    dvec<Op> dzop(size_t(bp.bpad) * bp.dzld, from_float<Op>(0.0f));  // zero-filled, as the binding's
+    BwdMmaParams<T> p;
+    set_bwd_inputs(p, grad_out.data(), grad_cells.data(), outs.data(), cells.data(),
+                   gates.data(), c0s.data(), w_hh.data(), mask_p);
+    p.w_hr = nullptr; p.hp = nullptr; p.dhop = nullptr;
+    p.dh_in = dh_in.data(); p.dc = dc.data(); p.part = part.data(); p.dz = dz.data();
+    p.grad_h0 = gh0.data(); p.dzop = dzop.data();
+    set_common(p, bp, d);
+    set_mma_shape(p, bp);
+    set_groups(p, bp);
+    p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
+    emu::launch(&lstm_bwd_mma_grouped_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
   } else {
     using Op = typename MmaOperand<T>::Op;
     dvec<float> part = poisoned<float>(size_t(bp.blocks) * bp.bpad * bp.kp);
@@ -207,17 +224,21 @@ int main(int argc, char** argv) {
   d.scale_eff = f[0];
   d.cell_clip = f[1]; d.cell_clip_s = f[2]; d.cell_clip_below = f[3];
   d.proj_clip = f[4]; d.proj_clip_s = f[5]; d.proj_clip_below = f[6];
-  const LstmKernel kernel = h[0] == 1 ? LstmKernel::kMma : LstmKernel::kFma;
+  if (h[0] < 0 || h[0] > 2) emu::fail("kernel must be 0, 1 or 2");
+  const LstmKernel kernel = h[0] == 0 ? LstmKernel::kFma : LstmKernel::kMma;
+  const LstmKernel bkernel = h[0] == 2 ? LstmKernel::kMmaGrouped : kernel;
   const bool has_mask = h[7] != 0, backward = h[10] != 0;
   const int sms = h[8];
   if (h[1] < 0 || h[1] > 2) emu::fail("dtype must be 0, 1 or 2");
   if (h[10] == -1) {
     const LstmDtype dts[3] = {LstmDtype::kFloat32, LstmDtype::kFloat16, LstmDtype::kBFloat16};
     for (bool bwd : {false, true}) {
-      const LstmPlan pl = persistent_shape(d, dts[h[1]], bwd, kernel, sms, size_t(h[11]));
-      const int32_t row[6] = {pl.ok, pl.blocks, pl.threads, pl.units,
-                              static_cast<int32_t>(pl.smem_bytes), pl.ksplit};
-      std::fwrite(row, 4, 6, fout);
+      const LstmPlan pl =
+          persistent_shape(d, dts[h[1]], bwd, bwd ? bkernel : kernel, sms, size_t(h[11]));
+      const int32_t row[8] = {pl.ok, pl.blocks, pl.threads, pl.units,
+                              static_cast<int32_t>(pl.smem_bytes), pl.ksplit, pl.groups,
+                              pl.chunks};
+      std::fwrite(row, 4, 8, fout);
       if (!pl.ok) std::fprintf(stderr, "%s\n", pl.why);
     }
     std::fclose(fout);
@@ -227,15 +248,15 @@ int main(int argc, char** argv) {
   int rc = 0;
   switch (h[1]) {
     case 0:
-      rc = run<float>(d, kernel, LstmDtype::kFloat32, sms, smem_limit, backward, in, has_mask,
+      rc = run<float>(d, kernel, bkernel, LstmDtype::kFloat32, sms, smem_limit, backward, in, has_mask,
                       d.proj, fout);
       break;
     case 1:
-      rc = run<__half>(d, kernel, LstmDtype::kFloat16, sms, smem_limit, backward, in, has_mask,
+      rc = run<__half>(d, kernel, bkernel, LstmDtype::kFloat16, sms, smem_limit, backward, in, has_mask,
                        d.proj, fout);
       break;
     case 2:
-      rc = run<__nv_bfloat16>(d, kernel, LstmDtype::kBFloat16, sms, smem_limit, backward, in,
+      rc = run<__nv_bfloat16>(d, kernel, bkernel, LstmDtype::kBFloat16, sms, smem_limit, backward, in,
                               has_mask, d.proj, fout);
       break;
     default: emu::fail("dtype must be 0, 1 or 2");

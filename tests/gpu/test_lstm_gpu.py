@@ -120,6 +120,31 @@ def test_tensor_core_kernels_against_reference(monkeypatch, dtype, T, B, H, P, p
     check_cuda(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("T, B, H, reverse, use_mask, cc", [
+    (1, 3, 13, False, False, math.inf), (9, 37, 61, True, True, 0.9),
+    (5, 64, 256, False, True, math.inf), (3, 64, 1152, False, True, math.inf)],
+    ids=["T1", "odd", "tiles", "ulmfit"])
+def test_grouped_tensor_core_backward(monkeypatch, dtype, T, B, H, reverse, use_mask, cc):
+    # CTXFAST_LSTM_CUDA_BWD_REDUCE=groups: the backward's product on groups x chunks of
+    # w_hh (lstm_bwd_mma_grouped_kernel; layers without a projection), checked on the CPU
+    # under the emulator; here on the hardware.
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_BWD_REDUCE", "groups")
+    check_cuda(T, B, H, 0, False, use_mask, cc, math.inf, reverse, dtype)
+
+
+def test_grouped_backward_bad_setting(monkeypatch):
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_BWD_REDUCE", "tree")
+    args = [t.to("cuda", torch.float32) for t in make_inputs(2, 2, 4, 0, False, False)[:4]]
+    out, cells, gates = torch.ops.ctxfast.lstm_recurrence_native(
+        *args, None, None, 1.0, math.inf, math.inf, False)
+    with pytest.raises(ValueError, match="CTXFAST_LSTM_CUDA_BWD_REDUCE must be"):
+        torch.ops.ctxfast.lstm_recurrence_backward_native(
+            torch.ones_like(out), torch.ones_like(cells), args[1], args[2], args[3], None, None,
+            1.0, math.inf, math.inf, False, out, cells, gates)
+
+
 def test_tensor_core_kernels_ulmfit_size(monkeypatch):
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
     check_cuda(6, 64, 1152, 0, False, True, math.inf, math.inf, False, torch.bfloat16)
