@@ -58,10 +58,13 @@ XL_EVAL_CASES = ((8, 8, 128, 3672, 64),)
 ATTENTION_CANDIDATES = {
     "fwd": [None, (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3),
             (128, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2)],
+    # dK/dV and dQ also at Triton's fused-attention tutorial's backward shapes (a 32-row
+    # query loop against 128 keys, and its transpose, 4 warps, deeper pipelines): 8-warp
+    # rows were the slow ones in rel_attention's H200 sweep
     "dkdv": [None, (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2),
-             (128, 128, 8, 2), (64, 128, 4, 3)],
+             (128, 128, 8, 2), (64, 128, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5)],
     "dq": [None, (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2),
-           (64, 32, 4, 3)],
+           (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
 }
 REL_TILES = (None, 32, 64, 128)         # None: the current tile; the same size is skipped
 REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))

@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_round.sh --stage tests       # build and the suite only (a short lease)
 #   bash benchmarks/gpu_round.sh --stage ncu         # host-time split, ncu of the attention kernels
 #   bash benchmarks/gpu_round.sh --stage verify      # one 15-minute lease: the GPU-only checks
-#                                                    # of the last changes, the rel sweep, host split
+#                                                    # of the last changes, LSTM vs cuDNN, attention sweep
 #   bash benchmarks/gpu_round.sh --stage bench --dry-run # print the commands, run nothing
 #
 # Each stage fits in one command of under 10 minutes (STAGE_BUDGET seconds, default 560):
@@ -270,10 +270,9 @@ stage_ncu() {
 
 # One short lease (15 minutes of device time, one call): the build and the refusal probe,
 # the test files whose kernels or build changed since the last GPU round (tests/gpu first),
-# the CUDA LSTM's kernels (CUDA cores, tensor cores) against cuDNN at the ULMFiT and ELMo
-# sizes, the rel_attention launch sweep with every candidate checked against float64 (the
-# carried gather among them), and the host-time split (Triton's launches and the fast
-# path's). SUITE_FILES replaces the file list.
+# the CUDA LSTM's tensor-core kernels (the blocks' and the grouped backward) against cuDNN
+# at the ULMFiT and ELMo sizes, and the attention launch sweep with every candidate checked
+# against float64. SUITE_FILES replaces the file list.
 VERIFY_FILES="tests/gpu tests/test_build_flags.py tests/test_cuda_bindings.py
   tests/test_lstm_native.py tests/test_rel_attention.py tests/test_rel_attention_bwd.py
   tests/test_rel_attention_decode.py tests/test_rel_attention_precision.py
@@ -286,12 +285,10 @@ stage_verify() {
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma" \
     "cuda persistent-mma groups" "cuDNN+WeightDropout" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
-  step "config sweep (rel_attention, checked)" 120 config_sweep.log "$PY" \
-    benchmarks/config_sweep.py --ops rel_attention --time-budget 95 --out "$R/config_sweep.json"
+  # attention's launches (rel_attention's were swept in the third H200 round and adopted)
+  step "config sweep (attention, checked)" 150 config_sweep.log "$PY" \
+    benchmarks/config_sweep.py --ops attention --time-budget 120 --out "$R/config_sweep.json"
   summarize config_sweep.log ": current|WRONG" 30
-  step "host split" 60 host_split.log "$PY" benchmarks/kernel_breakdown.py --host-split \
-    --out "$R/host_split.json"
-  summarize host_split.log "us per call|^ +[0-9]" 20
 }
 
 pack() {

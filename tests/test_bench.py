@@ -906,13 +906,13 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     ncu = [c for c in stages["ncu"] if " ncu " in f" {c} "]
     assert len(ncu) == 1 and "--clock-control none" in ncu[0] and "--ncu-target" in ncu[0]
     assert any("--host-split" in c for c in stages["ncu"])
-    # verify: the changed kernels' test files (GPU-only ones first), the checked rel sweep
+    # verify: the changed kernels' test files (GPU-only ones first), the checked sweep
     verify = stages["verify"]
     vsuite = [c for c in verify if " -m pytest tests/gpu " in c]
     assert len(vsuite) == 1 and "tests/test_build_flags.py" in vsuite[0]
     for f in vsuite[0].split(" -m pytest ")[1].split(" -v ")[0].split():
         assert (BENCH_DIR.parent / f).exists(), f
-    assert any("config_sweep.py --ops rel_attention" in c for c in verify)
+    assert any("config_sweep.py --ops attention" in c for c in verify)
     assert any("lstm_launch_compare.py" in c and "persistent-mma" in c for c in verify)
 
 
