@@ -49,6 +49,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/lstm.h"
@@ -108,6 +109,47 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #else
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #endif
+}
+
+// rows x row_bytes (a multiple of 16) from src (leading dimension src_ld bytes) to dst
+// (dst_ld bytes), every address 16-byte aligned: 16-byte units, four loads in flight per
+// thread before their stores (the block's threads together; a global-to-shared copy).
+struct alignas(16) Bytes16 { uint32_t w[4]; };
+#ifdef CTXFAST_CUDA_EMULATION
+inline void load16(Bytes16& v, const unsigned char* p) { std::memcpy(&v, p, 16); }
+inline void store16(unsigned char* p, const Bytes16& v) { std::memcpy(p, &v, 16); }
+#else
+__device__ __forceinline__ void load16(Bytes16& v, const unsigned char* p) {
+  v = *reinterpret_cast<const Bytes16*>(p);  // one 128-bit load
+}
+__device__ __forceinline__ void store16(unsigned char* p, const Bytes16& v) {
+  *reinterpret_cast<Bytes16*>(p) = v;
+}
+#endif
+__device__ __forceinline__ void copy_rows16(unsigned char* dst, int64_t dst_ld,
+                                           const unsigned char* src, int64_t src_ld, int rows,
+                                           int row_bytes) {
+  const int upr = row_bytes / 16;
+  const int total = rows * upr;
+  for (int e0 = threadIdx.x; e0 < total; e0 += 4 * blockDim.x) {
+    Bytes16 v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = e0 + i * blockDim.x;
+      if (e < total) {
+        const int r = e / upr, u = e - r * upr;
+        load16(v[i], src + r * src_ld + u * 16);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = e0 + i * blockDim.x;
+      if (e < total) {
+        const int r = e / upr, u = e - r * upr;
+        store16(dst + r * dst_ld + u * 16, v[i]);
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------ warp dot products
@@ -973,8 +1015,8 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
 // product runs on a second distribution of W: product block (g, c) of groups x chunks holds
 // W[rows of unit group g, columns of chunk c] in shared memory (rows 4u + gate of units
 // [g*gunits, (g+1)*gunits), columns [c*gcols, (c+1)*gcols), zero past H, P and the chunk),
-// reads the group's dz columns as operands from a global buffer (L2) and writes
-// part[g][:, chunk c]: `groups` partials per element (8 at ULMFiT size: ~2.4 MB written
+// copies the group's dz columns from a global operand buffer (L2) into shared memory, and
+// writes part[g][:, chunk c]: `groups` partials per element (8 at ULMFiT size: ~2.4 MB written
 // and read, plus ~9 MB of dz operand reads from L2, per step). The cell phase keeps each
 // block's own units as above and sums the `groups` partials of its units' columns (P = H).
 // Per step (last first): phase 1 the cell backward of the block's (batch row, unit)
@@ -991,7 +1033,9 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
   const int G = p.groups, C = p.chunks, grows = 4 * p.gunits;
   const int gld = p.gcolp + mma_skew<Op>(), pld = C * p.gcolp;  // part's row length
   const int64_t gstride = int64_t(bpad) * pld;                   // one group's partials
+  const int dzsld = grows + mma_skew<Op>();
   Op* ws = reinterpret_cast<Op*>(smem);                          // [grows, gld]
+  Op* dzs = reinterpret_cast<Op*>(smem + align128(sizeof(Op) * size_t(grows) * gld));  // [bpad, dzsld]
   const int j0 = blockIdx.x * U;
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -1046,9 +1090,15 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
       for (int q = 0; q < 4; ++q) p.dzop[int64_t(b) * p.dzld + 4 * j + q] = from_f<Op>(r.dz[q]);
     }
     grid.sync();
-    // ---- phase 2: part[g][:, chunk c] = dz[:, rows of g] . W[rows of g, chunk c]
+    // ---- phase 2: part[g][:, chunk c] = dz[:, rows of g] . W[rows of g, chunk c], the
+    // group's dz columns staged in shared memory first (one pass over L2, many loads in
+    // flight, instead of a dependent L2 load per MMA step)
     if (product) {
-      block_tiles_product<T>(p.dzop + int64_t(g) * grows, p.dzld, ws, gld, bpad / 16,
+      copy_rows16(reinterpret_cast<unsigned char*>(dzs), int64_t(dzsld) * sizeof(Op),
+                  reinterpret_cast<const unsigned char*>(p.dzop + int64_t(g) * grows),
+                  int64_t(p.dzld) * sizeof(Op), bpad, grows * static_cast<int>(sizeof(Op)));
+      __syncthreads();
+      block_tiles_product<T>(dzs, dzsld, ws, gld, bpad / 16,
                              p.gcolp / 16, grows / KK, p.part + g * gstride + int64_t(c) * p.gcolp,
                              pld, warp, nwarps);
     }
@@ -1120,7 +1170,9 @@ inline LstmPlan persistent_shape(const LstmDims& d, LstmDtype dt, bool backward,
       const int64_t C = blocks / G;
       const int64_t gunits = round_up((d.H + G - 1) / G, 4), gcols = (d.P + C - 1) / C;
       const int64_t gcolp = round_up(gcols, 16);
-      const size_t need = align128(size_t(esize) * 4 * gunits * (gcolp + skew));
+      // the weight tile [4 gunits, gcolp + skew] and the staged dz [bpad, 4 gunits + skew]
+      const size_t need = align128(size_t(esize) * 4 * gunits * (gcolp + skew)) +
+                          size_t(esize) * plan.bpad * (4 * gunits + skew);
       const int64_t cost = C * 4 * d.H * e + 8 * G * d.P;
       if (need > smem_limit || (best >= 0 && cost >= best)) continue;
       best = cost;
