@@ -253,6 +253,19 @@ __device__ __forceinline__ CellGrads cell_backward_at(const Params& p, const T* 
   return r;
 }
 
+// The cell inputs of step t (gates, cells, grad_cells) of batch row b, unit j, on their way
+// to L2 (a persistent backward asks for the next step's while it runs this one).
+template <typename Params>
+__device__ __forceinline__ void prefetch_cell_inputs(const Params& p, int t, int b, int j) {
+  const int64_t H = p.H;
+  const int64_t go = (int64_t(t) * p.B + b) * 4 * H + j;
+  const int64_t co = (int64_t(t) * p.B + b) * H + j;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) prefetch_l2(p.gates + go + int64_t(q) * H);
+  prefetch_l2(p.cells + co);
+  prefetch_l2(p.grad_cells + co);
+}
+
 // ------------------------------------------------------------------ persistent kernels
 template <typename T>
 struct FwdParams {
@@ -966,14 +979,7 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     }
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
       const int b = e / nu, u = e - b * nu, j = j0 + u;
-      if (s > 0) {  // the next step's cell inputs (step tp) on their way to L2
-        const int64_t go = (int64_t(tp) * B + b) * 4 * H + j;
-        const int64_t co = int64_t(tp) * BH + int64_t(b) * H + j;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) prefetch_l2(p.gates + go + int64_t(q) * H);
-        prefetch_l2(p.cells + co);
-        prefetch_l2(p.grad_cells + co);
-      }
+      if (s > 0) prefetch_cell_inputs(p, tp, b, j);  // the next step's, on their way to L2
       float dhp;
       if (p.proj) {
         dhp = 0.0f;
@@ -1068,12 +1074,7 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
       const int b = e / nu, u = e - b * nu, j = j0 + u;
       if (s > 0) {  // the next step's inputs on their way to L2
-        const int64_t go = (int64_t(tp) * B + b) * 4 * H + j;
-        const int64_t co = int64_t(tp) * BH + int64_t(b) * H + j;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) prefetch_l2(p.gates + go + int64_t(q) * H);
-        prefetch_l2(p.cells + co);
-        prefetch_l2(p.grad_cells + co);
+        prefetch_cell_inputs(p, tp, b, j);
         prefetch_l2(p.grad_out + int64_t(tp) * BP + int64_t(b) * P + j);
       }
       float carry = 0.0f;
