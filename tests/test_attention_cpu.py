@@ -100,11 +100,21 @@ def test_masks_with_memory(kind, mem):
     check_cpu(q, k, v, **_masks(kind, B, Tq, Tq + mem))
 
 
-# 8, 40: head dims that end in a partial panel of 16 columns (the tile kernels' masked lanes)
-@pytest.mark.parametrize("D", [8, 16, 40, 64, 96])
+# 8, 40: head dims that end in a partial panel of 16 columns (the tile kernels' masked
+# lanes); 56: a 32-column panel of the AVX-512 kernel whose second register is partial
+@pytest.mark.parametrize("D", [8, 16, 40, 56, 64, 96])
 def test_head_dims(D):
     q, k, v = _inputs(1, 2, 19, 140, D)
     check_cpu(q, k, v, causal=True)
+
+
+# every height of a block of rows in the tile kernels (up to 12 rows on the AVX-512 one, 6
+# on the AVX2 one), in the forward's products (queries) and the backward's (keys), with a
+# head dim that ends in a partial register
+@pytest.mark.parametrize("T", list(range(2, 14)))
+def test_tile_row_blocks(T):
+    q, k, v = _inputs(1, 2, T, T, 56)
+    check_cpu(q, k, v)
 
 
 def _tests_pass_in_fresh_process(tests, **env):
@@ -140,23 +150,29 @@ def _setting_refused_in_fresh_process(var, value):
     assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("gemm", ["blas", "own"])
-def test_tile_products_on_either_gemm(gemm):
-    """The tile products run on the BLAS or on the project's AVX2 kernel, chosen once per
-    process from the CPU (with AVX-512: the BLAS), so one machine runs only one of them in
-    the rest of the suite. CTXFAST_ATTN_CPU_GEMM forces either: each runs here in a fresh
-    process over the head dims (partial 16-column panels), odd lengths, rows that see no
-    key, every mask with memory (the rank order, the staircase tiles) and rel_attention's
-    band (long rows of r, odd D, the sliding window)."""
+@pytest.mark.parametrize("gemm, simd", [("blas", None), ("own", None), ("own", "avx2")])
+def test_tile_products_on_either_gemm(gemm, simd):
+    """The tile products run on the BLAS or on the project's own kernel (AVX-512 where the
+    CPU has it, else AVX2), chosen once per process from the CPU (the BLAS on an Intel CPU
+    with AVX-512), so one machine runs only one of them in the rest of the suite.
+    CTXFAST_ATTN_CPU_GEMM forces either, and CTXFAST_ATTN_CPU_SIMD=avx2 the AVX2 kernel
+    on an AVX-512 CPU: each runs here in a fresh process over the head dims (partial
+    panels), every height of a block of rows, odd lengths, rows that see no key, every mask
+    with memory (the rank order, the staircase tiles) and rel_attention's band (long rows
+    of r, odd D, the sliding window)."""
+    env = {"CTXFAST_ATTN_CPU_GEMM": gemm}
+    if simd is not None:
+        env["CTXFAST_ATTN_CPU_SIMD"] = simd
     _tests_pass_in_fresh_process(
         ["test_attention_cpu.py::test_head_dims",
+         "test_attention_cpu.py::test_tile_row_blocks",
          "test_attention_cpu.py::test_odd_lengths",
          "test_attention_cpu.py::test_rows_that_see_no_key",
          "test_attention_cpu.py::test_masks_with_memory",
          "test_rel_attention_cpu.py::test_transformer_xl_memory",
          "test_rel_attention_cpu.py::test_head_dims",
          "test_rel_attention_cpu.py::test_long_band_window_slides"],
-        CTXFAST_ATTN_CPU_GEMM=gemm)
+        **env)
 
 
 def test_cpu_without_avx2():

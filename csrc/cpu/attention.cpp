@@ -14,6 +14,7 @@
 #include "cpu/attention.h"
 #include "cpu/output_cache.h"
 #include "cpu/tile_avx2.h"
+#include "cpu/tile_avx512.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -605,13 +606,31 @@ bool gemv_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, con
   return true;
 }
 
+bool has_avx512();
+
+// bcast_gemm below on the AVX-512 kernel (tile_avx512.h): blocks of avx512::row_block rows
+// (at most 12) x 32 columns.
+template <bool TA>
+CTXFAST_TILE512_FN __attribute__((noinline)) void bcast_gemm512(
+    int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+    int64_t ldb, const float* Cin, int64_t ldi, float* C, int64_t ldc) {
+  for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
+    mr = avx512::row_block(M, m0);
+    const float* a = TA ? A + m0 : A + m0 * lda;
+    const float* ci = Cin != nullptr ? Cin + m0 * ldi : nullptr;
+    avx512::row_panels<TA>(mr, a, lda, B, ldb, K, alpha, ci, ldi, C + m0 * ldc, ldc, N);
+  }
+}
+
 // C [M, N] = alpha op(A) B (+ Cin [M, N], rows ldi apart, where not null; Cin == C
 // accumulates) on the shared broadcast-A kernel (tile_avx2.h): blocks of avx2::row_block
-// rows (which stay in L1 across the panels) x 16 columns.
+// rows (which stay in L1 across the panels) x 16 columns; on the AVX-512 kernel where the
+// CPU has it (bcast_gemm512).
 template <bool TA>
 CTXFAST_AVX2_FN void bcast_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                                 int64_t lda, const float* B, int64_t ldb, const float* Cin,
                                 int64_t ldi, float* C, int64_t ldc) {
+  if (has_avx512()) return bcast_gemm512<TA>(M, N, K, alpha, A, lda, B, ldb, Cin, ldi, C, ldc);
   for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
     mr = avx2::row_block(M, m0);
     const float* a = TA ? A + m0 : A + m0 * lda;
@@ -646,20 +665,31 @@ CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int
   }
 }
 
-bool has_avx512();
+// Whether the CPU is Intel's: MKL (the BLAS torch's x86 wheels link) runs its AVX-512
+// kernels on Intel CPUs only; on an AMD CPU with AVX-512 (Zen 4 / 5) it runs its AVX2 ones
+// (benchmarks/NOTES.md measured sgemm there at AVX2 speed, whatever MKL_ENABLE_INSTRUCTIONS
+// says).
+bool intel_cpu() {
+  static const bool on = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return on;
+}
 
-
-// Where the CPU has AVX-512, MKL's sgemm runs 16 lanes wide to this kernel's 8, and an
-// in-place AVX-512 kernel measured slower than MKL there (benchmarks/NOTES.md): the BLAS
-// stays. CTXFAST_ATTN_CPU_GEMM=blas / own forces either (own needs AVX2 and FMA); the
-// entry points refuse any other value, and own on a CPU without them, before any kernel
-// runs (check_gemm_setting).
+// The own kernels (16 lanes where the CPU has AVX-512, else 8) run the tile products
+// except on an Intel CPU with AVX-512: MKL runs 16 lanes there, and an in-place AVX-512
+// kernel measured slower than it on such a host (benchmarks/NOTES.md). On an AMD CPU with
+// AVX-512 MKL runs 8 lanes (intel_cpu above) and the own kernels won, the AVX2 one already.
+// CTXFAST_ATTN_CPU_GEMM=blas / own forces either (own needs AVX2 and FMA); the entry points
+// refuse any other value, and own on a CPU without them, before any kernel runs
+// (check_gemm_setting).
 bool own_gemm() {
   static const bool on = [] {
     const std::string& v = gemm_setting();
     if (v == "blas") return false;
     if (v == "own") return has_avx2();
-    return has_avx2() && !has_avx512();
+    return has_avx2() && !(has_avx512() && intel_cpu());
   }();
   return on;
 }
