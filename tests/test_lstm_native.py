@@ -7,6 +7,9 @@ empty inputs; non-contiguous inputs; opcheck; gradcheck; bad inputs.
 Non-contiguous inputs are made contiguous by the binding (csrc/bindings/lstm_cpu.cpp).
 float16/bfloat16 are computed in float32 by the CPU binding (outputs rounded back)."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -147,6 +150,31 @@ def test_larger_odd_sizes_float32():
     # batches cut into row tiles of near-equal height (B 8: 4 + 4, B 13: 5 + 5 + 3)
     check(4, 8, 37, 0, False, True, math.inf, math.inf, False, torch.float32)
     check(4, 13, 21, 11, True, False, 1.5, math.inf, True, torch.float32)
+
+
+# The recurrent GEMM's blocks on the AVX-512 kernel (csrc/cpu/tile_avx512.h, pairs of
+# 16-column panels, blocks of up to 12 batch rows) where the CPU has AVX-512, else on the
+# AVX2 one (6 rows x 16 columns): 4H 16 / P 32 (one full register / two), 4H 48 (a pair and
+# a lone panel), P 24 (a pair whose second register is partial), B 1, 12 and 25 (blocks of
+# 1, 12, 9 + 8 + 8 rows).
+@pytest.mark.parametrize("T, B, H, P", [(3, 12, 4, 32), (3, 25, 12, 24), (2, 1, 12, 0),
+                                        (3, 7, 8, 0)])
+def test_recurrent_gemm_blocks_float32(T, B, H, P):
+    check(T, B, H, P, P > 0, True, math.inf, math.inf, False, torch.float32)
+
+
+def test_recurrent_gemm_on_the_avx2_kernel():
+    """CTXFAST_LSTM_CPU_GEMM=avx2 keeps the recurrent GEMM on the AVX2 kernel where the
+    CPU has AVX-512 (read once per process): the odd-size checks pass there too, in a fresh
+    process (on a CPU without AVX-512 this is the kernel the rest of the suite runs)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = [os.path.join(here, "test_lstm_native.py::" + t) for t in
+             ("test_larger_odd_sizes_float32", "test_recurrent_gemm_blocks_float32")]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+                         + tests, env=dict(os.environ, CTXFAST_LSTM_CPU_GEMM="avx2"),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
 
 def test_small_activations_keep_relative_precision():

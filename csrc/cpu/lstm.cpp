@@ -10,6 +10,7 @@
 // one GEMM over all steps at the end (dZ^T @ H_prev), not T small ones.
 #include "cpu/lstm.h"
 #include "cpu/tile_avx2.h"
+#include "cpu/tile_avx512.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
@@ -46,7 +47,8 @@ constexpr int64_t kGrain = 2048;
 
 // AVX2 + FMA kernels (the recurrent GEMM, the float32 cell loops) are compiled for that
 // target only (function attributes) and used where the CPU has both, checked at run time;
-// scalar/ATen code otherwise. CTXFAST_LSTM_CPU_GEMM=aten turns them off (comparisons).
+// scalar/ATen code otherwise. CTXFAST_LSTM_CPU_GEMM=aten turns them off, =avx2 keeps the
+// recurrent GEMM on the AVX2 kernel where the CPU has AVX-512 (comparisons, tests).
 bool cpu_has_avx2() {
 #ifdef CTXFAST_LSTM_AVX2
   static const bool ok = [] {
@@ -54,6 +56,22 @@ bool cpu_has_avx2() {
     if (v && std::strcmp(v, "aten") == 0) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// The recurrent GEMM on the AVX-512 kernel (tile_avx512.h) where the CPU has AVX-512
+// (and CTXFAST_LSTM_CPU_GEMM is not avx2 or aten).
+bool cpu_has_avx512() {
+#ifdef CTXFAST_LSTM_AVX2
+  static const bool ok = [] {
+    const char* v = std::getenv("CTXFAST_LSTM_CPU_GEMM");
+    if (v && (std::strcmp(v, "aten") == 0 || std::strcmp(v, "avx2") == 0)) return false;
+    __builtin_cpu_init();
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f");
   }();
   return ok;
 #else
@@ -517,6 +535,7 @@ class StepGemm {
       // EPYC, T 70, B 16: 97 -> 67-73 ms on 2 threads).
       // The rows in blocks of avx2::row_block (M 8: 4 + 4, not 6 + 2: a block of 2 rows
       // has 4 accumulators, fewer than the FMA latency needs to keep both FMA pipes busy).
+      if (cpu_has_avx512()) return run_packed512(M, A, C, Cin);
       at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
           const int64_t n0 = p * kNR, nv = std::min(kNR, N - n0);
@@ -530,6 +549,34 @@ class StepGemm {
         }
       });
     }
+  }
+
+  // run_packed on the AVX-512 kernel: pairs of panels (32 columns, two zmm registers a
+  // row, the second panel K x 16 floats after the first), row blocks of avx512::row_block
+  // (at most 12), the next pair prefetched into L2 by the first block.
+  static CTXFAST_TILE512_FN void run_pairs512(int64_t M, int64_t N, int64_t K,
+                                              const float* bp, const float* A, float* C,
+                                              const float* Cin, int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t n0 = q * 2 * kNR, nv = std::min(2 * kNR, N - n0);
+      const float* b = bp + q * 2 * K * kNR;
+      const float* next = q + 1 < end ? b + 2 * K * kNR : nullptr;
+      for (int64_t m0 = 0, mr = 0; m0 < M; m0 += mr) {
+        mr = avx512::row_block(M, m0);
+        avx512::block<false>(mr, A + m0 * K, K, b, kNR, K * kNR, K, 1.0f,
+                             Cin != nullptr ? Cin + m0 * N + n0 : nullptr, N,
+                             C + m0 * N + n0, N, nv, m0 == 0 ? next : nullptr);
+      }
+    }
+  }
+
+  void run_packed512(int64_t M, const float* A, float* C, const float* Cin) const {
+    const int64_t N = N_, K = K_;
+    const float* bp = aligned(packed_.data_ptr<float>());
+    const int64_t pairs = (N + 2 * kNR - 1) / (2 * kNR);
+    at::parallel_for(0, pairs, 2, [&](int64_t begin, int64_t end) {
+      run_pairs512(M, N, K, bp, A, C, Cin, begin, end);
+    });
   }
 #endif
 

@@ -22,15 +22,19 @@ inline __mmask16 lanes(int64_t n) {
                  : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// C[0:MR, 0:nv] = alpha sum_k A(m, k) B[k, 0:nv], plus Cin[0:MR, 0:nv] where Cin is not
+// C[0:MR, 0:nv] = alpha sum_k A(m, k) B(k, 0:nv), plus Cin[0:MR, 0:nv] where Cin is not
 // null (Cin == C, ldi == ldc accumulates in place); nv <= 16 NV. A(m, k) is A[m lda + k] (TA
-// false) or A[k lda + m] (TA true); B's rows are ldb apart, read in place. FULL (nv == 16
-// NV) is a template argument so that the k loop tests nothing.
-template <int MR, int NV, bool TA, bool FULL>
+// false) or A[k lda + m] (TA true). B(k, 0:16) is B[k ldb + 0:16] and B(k, 16:32) is
+// B[hoff + k ldb + 0:16]: a row-major B has hoff 16, the LSTM's packed 16-column panels
+// the panel's size. `next` (used where PF): another B of the same layout to prefetch into
+// L2, row k at step k. FULL (nv == 16 NV) and PF are template arguments so that the k loop
+// tests nothing.
+template <int MR, int NV, bool TA, bool FULL, bool PF = false>
 CTXFAST_TILE512_FN inline void kernel(const float* __restrict__ A, int64_t lda,
-                                      const float* __restrict__ B, int64_t ldb, int64_t K,
-                                      float alpha, const float* Cin, int64_t ldi, float* C,
-                                      int64_t ldc, int64_t nv) {
+                                      const float* __restrict__ B, int64_t ldb, int64_t hoff,
+                                      int64_t K, float alpha, const float* Cin, int64_t ldi,
+                                      float* C, int64_t ldc, int64_t nv,
+                                      const float* next = nullptr) {
   static_assert(NV == 1 || NV == 2, "one or two registers a row");
   __m512 c0[MR], c1[MR];
 #pragma GCC unroll 12
@@ -38,14 +42,19 @@ CTXFAST_TILE512_FN inline void kernel(const float* __restrict__ A, int64_t lda,
   const __mmask16 k0 = lanes(nv), k1 = lanes(nv - 16);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * ldb), _MM_HINT_T1);
+      if constexpr (NV == 2)
+        _mm_prefetch(reinterpret_cast<const char*>(next + hoff + k * ldb), _MM_HINT_T1);
+    }
     const float* b = B + k * ldb;
     __m512 b0, b1 = _mm512_setzero_ps();
     if constexpr (FULL) {
       b0 = _mm512_loadu_ps(b);
-      if constexpr (NV == 2) b1 = _mm512_loadu_ps(b + 16);
+      if constexpr (NV == 2) b1 = _mm512_loadu_ps(b + hoff);
     } else {
       b0 = _mm512_maskz_loadu_ps(k0, b);
-      if constexpr (NV == 2) b1 = _mm512_maskz_loadu_ps(k1, b + 16);
+      if constexpr (NV == 2) b1 = _mm512_maskz_loadu_ps(k1, b + hoff);
     }
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
@@ -82,13 +91,13 @@ CTXFAST_TILE512_FN inline void row_panels_mr(const float* A, int64_t lda, const 
   auto cin = [&](int64_t n0) { return Cin != nullptr ? Cin + n0 : nullptr; };
   int64_t n0 = 0;
   for (; n0 + 32 <= N; n0 += 32)
-    kernel<MR, 2, TA, true>(A, lda, B + n0, ldb, K, alpha, cin(n0), ldi, C + n0, ldc, 32);
+    kernel<MR, 2, TA, true>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, 32);
   if (N - n0 > 16)
-    kernel<MR, 2, TA, false>(A, lda, B + n0, ldb, K, alpha, cin(n0), ldi, C + n0, ldc, N - n0);
+    kernel<MR, 2, TA, false>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, N - n0);
   else if (N - n0 == 16)
-    kernel<MR, 1, TA, true>(A, lda, B + n0, ldb, K, alpha, cin(n0), ldi, C + n0, ldc, 16);
+    kernel<MR, 1, TA, true>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, 16);
   else if (N > n0)
-    kernel<MR, 1, TA, false>(A, lda, B + n0, ldb, K, alpha, cin(n0), ldi, C + n0, ldc, N - n0);
+    kernel<MR, 1, TA, false>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, N - n0);
 }
 
 // row_panels_mr for a run-time mr in [1, 12].
@@ -114,6 +123,56 @@ CTXFAST_TILE512_FN inline void row_panels(int64_t mr, const float* A, int64_t ld
     CTXFAST_ROWS512(3)
     CTXFAST_ROWS512(2)
     default: row_panels_mr<1, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
+  }
+#undef CTXFAST_ROWS512
+}
+
+// One block of C [MR, nv] (nv <= 32) from B in the layout of `kernel` (hoff), prefetching
+// `next` where not null: the kernel for nv and next chosen once for the block.
+template <int MR, bool TA>
+CTXFAST_TILE512_FN inline void block_mr(const float* A, int64_t lda, const float* B,
+                                        int64_t ldb, int64_t hoff, int64_t K, float alpha,
+                                        const float* Cin, int64_t ldi, float* C, int64_t ldc,
+                                        int64_t nv, const float* next) {
+#define CTXFAST_BLOCK512(NV, FULL, PF) \
+  kernel<MR, NV, TA, FULL, PF>(A, lda, B, ldb, hoff, K, alpha, Cin, ldi, C, ldc, nv, next)
+  if (next != nullptr) {
+    if (nv == 32) CTXFAST_BLOCK512(2, true, true);
+    else if (nv > 16) CTXFAST_BLOCK512(2, false, true);
+    else if (nv == 16) CTXFAST_BLOCK512(1, true, true);
+    else CTXFAST_BLOCK512(1, false, true);
+  } else {
+    if (nv == 32) CTXFAST_BLOCK512(2, true, false);
+    else if (nv > 16) CTXFAST_BLOCK512(2, false, false);
+    else if (nv == 16) CTXFAST_BLOCK512(1, true, false);
+    else CTXFAST_BLOCK512(1, false, false);
+  }
+#undef CTXFAST_BLOCK512
+}
+
+// block_mr for a run-time mr in [1, 12].
+template <bool TA>
+CTXFAST_TILE512_FN inline void block(int64_t mr, const float* A, int64_t lda, const float* B,
+                                     int64_t ldb, int64_t hoff, int64_t K, float alpha,
+                                     const float* Cin, int64_t ldi, float* C, int64_t ldc,
+                                     int64_t nv, const float* next) {
+#define CTXFAST_ROWS512(R)                                                                 \
+  case R:                                                                                  \
+    block_mr<R, TA>(A, lda, B, ldb, hoff, K, alpha, Cin, ldi, C, ldc, nv, next);           \
+    break;
+  switch (mr) {
+    CTXFAST_ROWS512(12)
+    CTXFAST_ROWS512(11)
+    CTXFAST_ROWS512(10)
+    CTXFAST_ROWS512(9)
+    CTXFAST_ROWS512(8)
+    CTXFAST_ROWS512(7)
+    CTXFAST_ROWS512(6)
+    CTXFAST_ROWS512(5)
+    CTXFAST_ROWS512(4)
+    CTXFAST_ROWS512(3)
+    CTXFAST_ROWS512(2)
+    default: block_mr<1, TA>(A, lda, B, ldb, hoff, K, alpha, Cin, ldi, C, ldc, nv, next); break;
   }
 #undef CTXFAST_ROWS512
 }
