@@ -7,6 +7,9 @@ On CPU the Triton kernels run in the interpreter (blocks of 16 there), so the si
 small: H = 20 and P = 20 cross a block edge, B = 3 and I = 7 are odd.
 """
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -314,14 +317,15 @@ def test_gradcheck_triton_fp64():
 
 
 @needs_triton
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph(backend):
     torch._dynamo.reset()
     args, kw = _inputs(3, 2, 5, 16, 12, mask=True)
     kw.update(cell_clip=0.5, proj_clip=0.3)
 
     def f(x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr):
         out, (h, c) = ctxfast.lstm(x * 1.5, (h0, c0), w_ih, w_hh, b_ih, b_hh, w_hr,
-                                   backend="triton", **kw)
+                                   backend=backend, **kw)
         return out.sum() + h.sum() + 2 * c.sum()
 
     leaves = list(args.values())
@@ -596,3 +600,49 @@ def test_bad_input_raises_before_dispatch(no_dispatch, case):
         ctxfast.lstm(*pos, **kw)
     for w in words:
         assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+# --------------------------------------------------------------------------- cpu: large products
+
+def _lstm_tests_in_fresh_process(tests, **env):
+    """Runs `tests` (names in this file) with pytest in a fresh process with `env` added
+    (settings read once per process); every one must pass, none skip."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + [
+        os.path.join(here, "test_lstm.py::" + t) for t in tests]
+    run = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, f"{env}:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.skipif(not _NATIVE or DEVICE != "cpu", reason="the C++ LSTM on CPU tensors")
+@pytest.mark.parametrize("path", ["onednn", "aten"])
+def test_cpu_projection_and_weight_gradients_on_either_path(path):
+    """The cpu backend's input projection (and its gradients) and the recurrence's weight
+    gradients run on oneDNN where MKL runs below the CPU (an AMD CPU with AVX-512), else on
+    ATen: one machine runs one of them in the rest of the suite. CTXFAST_CPU_LINEAR forces
+    either, here in a fresh process: every fp32 case against the float64 reference (all
+    gradients), and torch.compile (which takes F.linear for the projection)."""
+    if path == "onednn" and not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        pytest.skip("this torch build has no oneDNN linear (mkldnn::_linear_pointwise)")
+    _lstm_tests_in_fresh_process(
+        [f"test_fp32_against_reference[{c[0]}-cpu]" for c in CASES]
+        + ["test_torch_compile_fullgraph[cpu]"], CTXFAST_CPU_LINEAR=path)
+
+
+@pytest.mark.skipif(not _NATIVE or DEVICE != "cpu", reason="the C++ LSTM on CPU tensors")
+def test_cpu_linear_setting_is_refused_before_any_kernel():
+    """A CTXFAST_CPU_LINEAR other than onednn / aten is a ValueError naming it from the
+    cpu backend (never silently replaced), in a fresh process (read once)."""
+    code = (
+        "import torch, ctxfast\n"
+        "x = torch.randn(3, 2, 4); w_ih = torch.randn(16, 4); w_hh = torch.randn(16, 4)\n"
+        "try:\n"
+        "    ctxfast.lstm(x, None, w_ih, w_hh, backend='cpu')\n"
+        "except ValueError as e:\n"
+        "    assert 'CTXFAST_CPU_LINEAR' in str(e) and 'mkl' in str(e), str(e)\n"
+        "    print('refused')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, CTXFAST_CPU_LINEAR="mkl"), timeout=300)
+    assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "cpu/cpu_gemm.h"
 #include "cpu/output_cache.h"
 
 namespace ctxfast {
@@ -69,6 +70,9 @@ TORCH_LIBRARY(ctxfast, m) {
   // CTXFAST_CPU_CACHE_MB): free every cached block (returns the bytes), or the bytes held.
   m.def("cpu_cache_release() -> int", [] { return ctxfast::cpu::cache_release(); });
   m.def("cpu_cache_held() -> int", [] { return ctxfast::cpu::cache_held(); });
+  // Where large fp32 products go (csrc/cpu/cpu_gemm.h): "onednn", "aten", or "bad: ..."
+  // (an unusable CTXFAST_CPU_LINEAR, which the callers refuse).
+  m.def("cpu_linear_path() -> str", [] { return ctxfast::cpu::linear_path(); });
   // Diagnostics (benchmarks/exception_probe.py): raise on purpose, three ways, so a machine
   // where our refusals crash the process says which part crashes. kind 0: TORCH_CHECK_VALUE
   // (c10::ValueError, the backtrace captured at the throw, as every check here does);

@@ -9,6 +9,7 @@
 // grad_xw[t] and carries dc; one GEMM gives dh_{t-1} = dz_t @ W. The weight gradients are
 // one GEMM over all steps at the end (dZ^T @ H_prev), not T small ones.
 #include "cpu/lstm.h"
+#include "cpu/cpu_gemm.h"
 #include "cpu/tile_avx2.h"
 #include "cpu/tile_avx512.h"
 
@@ -738,7 +739,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward(
                                  .reshape({(T - 1) * B, H4});
       const Tensor h_rest = (reverse ? out.narrow(0, 1, T - 1) : out.narrow(0, 0, T - 1))
                                 .reshape({(T - 1) * B, P});
-      grad_w.addmm_(dz_rest.t(), h_rest);
+      if (linear_path() == "onednn") grad_w.add_(linear_nt(dz_rest.t(), h_rest.t()));
+      else grad_w.addmm_(dz_rest.t(), h_rest);
     }
     if (mask.defined()) {
       grad_w.mul_(mask);
@@ -751,7 +753,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward(
   } else if (T == 0) {
     grad_w_hr = at::zeros({P, H}, opts);
   } else {
-    grad_w_hr = at::mm(dh_pre.reshape({T * B, P}).t(), hp_all.reshape({T * B, H}));  // [P, H]
+    grad_w_hr = linear_nt(dh_pre.reshape({T * B, P}).t(), hp_all.reshape({T * B, H}).t());  // [P, H]
   }
   return {grad_xw, carry, dc, grad_w, grad_w_hr};
 }

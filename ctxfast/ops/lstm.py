@@ -256,6 +256,55 @@ def _check(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask, weight_dropout, cel
 
 # --------------------------------------------------------------------------- public op
 
+# Where the cpu backend's large fp32 products go (csrc/cpu/cpu_gemm.h, decided once): the
+# input projection and its gradients below, and the recurrence's weight gradients in C++.
+# "onednn" where MKL (ATen's BLAS) runs below the CPU (AVX2 code on an AMD CPU with
+# AVX-512), "aten" otherwise, "bad: ..." for an unusable CTXFAST_CPU_LINEAR (refused).
+_LINEAR = (torch.ops.ctxfast.cpu_linear_path() if _NATIVE
+           and hasattr(torch.ops.ctxfast, "cpu_linear_path") else "aten")
+
+
+class _OneDnnProjection(torch.autograd.Function):
+    """``x2 [M, I] @ w [N, I]ᵀ + b [N]`` and its gradients on oneDNN's linear
+    (``mkldnn::_linear_pointwise``, which takes the transposed operands of the backward
+    as strided views, no copies)."""
+
+    generate_vmap_rule = True   # torch.func.vmap: the ops below run per sample
+
+    @staticmethod
+    def forward(x2: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x2, w, b = inputs
+        ctx.save_for_backward(x2, w)
+        ctx.has_bias = b is not None
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        x2, w = ctx.saved_tensors
+        lin = torch.ops.mkldnn._linear_pointwise
+        gx = lin(g, w.t(), None, "none", [], "") if ctx.needs_input_grad[0] else None
+        gw = lin(g.t(), x2.t(), None, "none", [], "") if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def _projection(x: Tensor, w_ih: Tensor, bias: Optional[Tensor], name: str) -> Tensor:
+    """``xw = x @ w_ihᵀ + bias`` [T, B, 4H]: F.linear, or oneDNN for the cpu backend's fp32
+    where _LINEAR says so (eager only: under torch.compile the compiler takes F.linear)."""
+    if name == "cpu" and _LINEAR.startswith("bad"):
+        raise ValueError(f"ctxfast.lstm: {_LINEAR[5:]}")
+    if (name != "cpu" or _LINEAR != "onednn" or x.dtype != torch.float32
+            or x.numel() == 0 or torch.compiler.is_compiling()):
+        return F.linear(x, w_ih, bias)
+    T, B, I = x.shape
+    xw = _OneDnnProjection.apply(x.reshape(T * B, I), w_ih, bias)   # [T B, 4H]
+    return xw.view(T, B, -1)                                       # [T, B, 4H]
+
+
 def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
          b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
          w_hr: Optional[Tensor] = None, *, weight_mask: Optional[Tensor] = None,
@@ -324,7 +373,7 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         mask = weight_mask.detach().to(w_hh.dtype)
         scale = 1.0 / (1.0 - float(weight_dropout))
     bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
-    xw = F.linear(x, w_ih, bias)                                  # [T, B, 4H]
+    xw = _projection(x, w_ih, bias, name)                         # [T, B, 4H]
     op = _recurrence_triton if name == "triton" else _recurrence_native
     out, cells, _ = op(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
     last = 0 if reverse else T - 1
