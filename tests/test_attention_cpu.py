@@ -197,6 +197,12 @@ def test_gemm_setting_is_checked_before_any_kernel():
     _setting_refused_in_fresh_process("CTXFAST_ATTN_CPU_GEMM", "mkl")
 
 
+def test_simd_setting_is_checked_before_any_kernel():
+    """CTXFAST_ATTN_CPU_SIMD takes avx2 / off only: another value is a ValueError naming it
+    (not silently the CPU's choice), in a fresh process."""
+    _setting_refused_in_fresh_process("CTXFAST_ATTN_CPU_SIMD", "avx3")
+
+
 def test_no_task_writes_past_its_rows():
     """Outputs come from a cache of used blocks, and the rank order's tasks each scatter
     their rows back from a thread's copy: an element no task writes would keep a previous

@@ -177,6 +177,27 @@ def test_recurrent_gemm_on_the_avx2_kernel():
     assert "passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
 
+@pytest.mark.parametrize("var, value", [("CTXFAST_LSTM_CPU_GEMM", "fast"),
+                                        ("CTXFAST_CPU_LINEAR", "mkl")])
+def test_bad_settings_are_refused_before_any_kernel(var, value):
+    """The native ops refuse an unusable CTXFAST_LSTM_CPU_GEMM / CTXFAST_CPU_LINEAR with a
+    ValueError naming the variable and the value (read once: a fresh process), forward and
+    backward, not silently the CPU's choice."""
+    code = (
+        "import torch, ctxfast\n"
+        "xw = torch.randn(2, 3, 16); h0 = torch.randn(3, 4); c0 = torch.randn(3, 4)\n"
+        "w = torch.randn(16, 4)\n"
+        "args = (xw, h0, c0, w, None, None, 1.0, float('inf'), float('inf'), False)\n"
+        "try:\n"
+        "    torch.ops.ctxfast.lstm_recurrence_native(*args)\n"
+        "except ValueError as e:\n"
+        f"    assert {var!r} in str(e) and {value!r} in str(e), str(e)\n"
+        "    print('refused')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, **{var: value}), timeout=300)
+    assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
 def test_small_activations_keep_relative_precision():
     # Everything near 0 (inputs x 0.01): tanh computed as (1 - e) / (1 + e) would lose
     # ~eps/|x| of relative accuracy there (measured: out 1.3e-6 against eager's 9e-8). Rule

@@ -824,6 +824,12 @@ void check_gemm_setting() {
   const DebugSetting& d = debug_setting();
   TORCH_CHECK_VALUE(d.bad.empty(), "CTXFAST_ATTN_CPU_DEBUG must be a comma-separated list of "
                     "'poison' and 'reverse' (or unset), got '", d.value, "'");
+  static const std::string simd = [] {
+    const char* e = std::getenv("CTXFAST_ATTN_CPU_SIMD");
+    return std::string(e != nullptr ? e : "");
+  }();
+  TORCH_CHECK_VALUE(simd.empty() || simd == "avx2" || simd == "off",
+                    "CTXFAST_ATTN_CPU_SIMD must be 'avx2', 'off' or unset, got '", simd, "'");
   const std::string& v = gemm_setting();
   if (v.empty() || v == "blas") return;
   TORCH_CHECK_VALUE(v == "own", "CTXFAST_ATTN_CPU_GEMM must be 'blas', 'own' or unset, got '",

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <optional>
 #include <type_traits>
 
@@ -756,6 +757,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward(
     grad_w_hr = linear_nt(dh_pre.reshape({T * B, P}).t(), hp_all.reshape({T * B, H}).t());  // [P, H]
   }
   return {grad_xw, carry, dc, grad_w, grad_w_hr};
+}
+
+void check_lstm_settings() {
+  static const std::string gemm = [] {
+    const char* v = std::getenv("CTXFAST_LSTM_CPU_GEMM");
+    return std::string(v != nullptr ? v : "");
+  }();
+  TORCH_CHECK_VALUE(gemm.empty() || gemm == "avx2" || gemm == "aten",
+                    "CTXFAST_LSTM_CPU_GEMM must be 'avx2', 'aten' or unset, got '", gemm, "'");
+  const std::string& linear = linear_path();
+  if (linear.rfind("bad: ", 0) == 0) TORCH_CHECK_VALUE(false, linear.substr(5));
 }
 
 }  // namespace cpu

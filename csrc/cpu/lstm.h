@@ -22,6 +22,11 @@ namespace cpu {
 //   xw [T, B, 4H], h0 [B, P], c0 [B, H], w_hh [4H, P],
 //   w_hr [P, H] or undefined (then P == H), mask [4H, P] or undefined.
 // Returns (out [T, B, P], cells [T, B, H] post-clip, gates [T, B, 4H] post-activation).
+// The process's CPU settings for these kernels (read once): CTXFAST_LSTM_CPU_GEMM (unset,
+// "avx2" or "aten") and CTXFAST_CPU_LINEAR (cpu_gemm.h). Any other value is a ValueError
+// naming the variable, raised by the entry points before any kernel runs.
+void check_lstm_settings();
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_recurrence_forward(
     const at::Tensor& xw, const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& w_hh,
     const at::Tensor& w_hr, const at::Tensor& mask, double scale, double cell_clip,
