@@ -93,15 +93,26 @@ def bench_device(device: Optional[str] = None) -> torch.device:
 
 @functools.lru_cache(maxsize=None)
 def _cpu_model() -> str:
+    """The CPU's model name, and its widest vector ISA where /proc/cpuinfo lists AVX-512 or
+    AVX2 (", AVX-512"): a VM may name only the vendor ("AMD EPYC"), and the cpu kernels take
+    different code on either (csrc/cpu/tile_avx512.h), so records of an AVX2 host and an
+    AVX-512 host with the same name land in different results folders."""
+    name, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.lower().startswith("model name"):
-                    return " ".join(line.split(":", 1)[1].split())
+                key = line.split(":", 1)[0].strip().lower()
+                if key == "model name" and not name:
+                    name = " ".join(line.split(":", 1)[1].split())
+                elif key == "flags" and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    import platform
-    return platform.processor() or platform.machine() or "unknown CPU"
+    if not name:
+        import platform
+        name = platform.processor() or platform.machine() or "unknown CPU"
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return f"{name}, {isa}" if isa else name
 
 
 def device_name(device: "torch.device | str") -> str:

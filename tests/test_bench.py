@@ -372,6 +372,24 @@ def test_describe(common):
     assert info["torch"] == torch.__version__ and info["T"] == 128 and info["flops"] == 10
 
 
+def test_cpu_name_says_its_vector_isa(common):
+    """A CPU's device name (and so its results folder) carries its widest vector ISA from
+    /proc/cpuinfo: the cpu kernels run different code on AVX2 and AVX-512 hosts that a VM
+    may give the same model name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(l.split(":", 1)[1].split()) for l in f
+                          if l.lower().startswith("flags")), set())
+    except OSError:
+        flags = set()
+    name = common.device_name("cpu")
+    want = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    if want is None:
+        assert "AVX" not in name, name
+    else:
+        assert f", {want} (" in name, name
+
+
 # --------------------------------------------------------------------------- records
 
 def test_records_pair_with_baseline(report):
