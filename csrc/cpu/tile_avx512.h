@@ -1,6 +1,6 @@
 // AVX-512 form of tile_avx2.h's broadcast-A micro-kernel, for the attention kernels' tile
-// products where the CPU has AVX-512 (and the BLAS does not run it: see own_gemm in
-// attention.cpp). Same contract as avx2::kernel, 16 lanes to a register: C blocks of up to
+// products (where the own kernels run at all: see own_gemm in attention.cpp) and the LSTM's
+// recurrent GEMM (lstm.cpp), where the CPU has AVX-512. Same contract as avx2::kernel, 16 lanes to a register: C blocks of up to
 // 12 rows x 32 columns in 24 of the 32 zmm registers (2 per row; 1 where the block is at
 // most 16 columns wide), op(A) entries broadcast, B's rows read in place, lanes past the
 // columns masked (a masked-off lane is neither read nor written, so no tail can fault).
