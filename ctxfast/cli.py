@@ -62,6 +62,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  ctxfast._C     {'built' if _dispatch.c_available() else 'MISSING: ' + str(_dispatch._C_ERROR)}")
     cuda_state = "built" if _dispatch.cuda_ext_available() else _dispatch._cuda_ext_reason()
     print(f"  ctxfast._cuda  {cuda_state}")
+    if _dispatch.c_available() and hasattr(torch.ops.ctxfast, "cpu_code_paths"):
+        print(f"CPU code: {torch.ops.ctxfast.cpu_code_paths()}")
     for name in _KERNEL_SETTINGS:       # the settings that pick a kernel or a path, if set
         value = os.environ.get(name, "")
         if value:

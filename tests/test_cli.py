@@ -35,6 +35,20 @@ def test_info_names_the_kernel_settings_that_are_set():
     assert "CTXFAST_REL_BWD_DR=" not in _run("info", CTXFAST_REL_BWD_DR="").stdout
 
 
+def test_info_says_what_code_the_cpu_kernels_run():
+    """`ctxfast info` names the code the CPU kernels chose in that process (own AVX-512 /
+    AVX2 tiles or the BLAS, the recurrence's kernel, oneDNN or ATen for the LSTM's large
+    products), and follows the settings that force them."""
+    line = next(l for l in _run("info").stdout.splitlines() if l.startswith("CPU code: "))
+    assert any(f"attention tiles: {p};" in line for p in ("own AVX-512", "own AVX2", "BLAS"))
+    assert any(f"LSTM recurrence: {p};" in line for p in ("AVX-512", "AVX2", "ATen"))
+    assert line.endswith(("weight gradients: onednn", "weight gradients: aten")), line
+    forced = _run("info", CTXFAST_ATTN_CPU_GEMM="blas", CTXFAST_LSTM_CPU_GEMM="aten",
+                  CTXFAST_CPU_LINEAR="aten").stdout
+    assert ("CPU code: attention tiles: BLAS; LSTM recurrence: ATen; LSTM projections and "
+            "weight gradients: aten") in forced, forced
+
+
 def test_info_into_a_closed_pipe_ends_quietly():
     """`ctxfast info | head -3`: the reader goes away before the output is written; no
     BrokenPipeError traceback (the read end is closed before the child writes anything)."""

@@ -12,7 +12,9 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "cpu/attention.h"
 #include "cpu/cpu_gemm.h"
+#include "cpu/lstm.h"
 #include "cpu/output_cache.h"
 
 namespace ctxfast {
@@ -73,6 +75,12 @@ TORCH_LIBRARY(ctxfast, m) {
   // Where large fp32 products go (csrc/cpu/cpu_gemm.h): "onednn", "aten", or "bad: ..."
   // (an unusable CTXFAST_CPU_LINEAR, which the callers refuse).
   m.def("cpu_linear_path() -> str", [] { return ctxfast::cpu::linear_path(); });
+  // What code the CPU kernels run on in this process, one line (`ctxfast info`).
+  m.def("cpu_code_paths() -> str", [] {
+    return "attention tiles: " + ctxfast::cpu::attention_tile_path() +
+           "; LSTM recurrence: " + ctxfast::cpu::lstm_gemm_path() +
+           "; LSTM projections and weight gradients: " + ctxfast::cpu::linear_path();
+  });
   // Diagnostics (benchmarks/exception_probe.py): raise on purpose, three ways, so a machine
   // where our refusals crash the process says which part crashes. kind 0: TORCH_CHECK_VALUE
   // (c10::ValueError, the backtrace captured at the throw, as every check here does);

@@ -2641,5 +2641,13 @@ Tensor keep_mask(const Tensor& like, uint64_t seed, double p) {
   return ct == like.scalar_type() ? out : out.to(like.scalar_type());
 }
 
+std::string attention_tile_path() {
+  if (!own_gemm()) return "BLAS";
+#ifdef CTXFAST_ATTN_AVX2
+  if (has_avx512()) return "own AVX-512";
+#endif
+  return "own AVX2";
+}
+
 }  // namespace cpu
 }  // namespace ctxfast

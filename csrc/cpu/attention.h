@@ -23,6 +23,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -112,6 +114,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
 // word w of counter 8 b + l, kept iff its uniform (the attention dropout's conversion) is
 // >= p. Filled in parallel (at::parallel_for over chunks), AVX2 where the CPU has it.
 at::Tensor keep_mask(const at::Tensor& like, uint64_t seed, double p);
+
+// The code this process's attention tile products run on: "own AVX-512", "own AVX2" or
+// "BLAS" (own_gemm and the CPU's flags; `ctxfast info` prints it).
+std::string attention_tile_path();
 
 }  // namespace cpu
 }  // namespace ctxfast

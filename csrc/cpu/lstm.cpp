@@ -759,6 +759,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward(
   return {grad_xw, carry, dc, grad_w, grad_w_hr};
 }
 
+std::string lstm_gemm_path() {
+  return cpu_has_avx512() ? "AVX-512" : cpu_has_avx2() ? "AVX2" : "ATen";
+}
+
 void check_lstm_settings() {
   static const std::string gemm = [] {
     const char* v = std::getenv("CTXFAST_LSTM_CPU_GEMM");

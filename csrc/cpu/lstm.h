@@ -12,6 +12,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <tuple>
 
 namespace ctxfast {
@@ -26,6 +27,10 @@ namespace cpu {
 // "avx2" or "aten") and CTXFAST_CPU_LINEAR (cpu_gemm.h). Any other value is a ValueError
 // naming the variable, raised by the entry points before any kernel runs.
 void check_lstm_settings();
+
+// The code this process's recurrent GEMM runs on: "AVX-512", "AVX2" or "ATen" (for fp32
+// batches up to 64; `ctxfast info` prints it).
+std::string lstm_gemm_path();
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_recurrence_forward(
     const at::Tensor& xw, const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& w_hh,
