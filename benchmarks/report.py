@@ -643,6 +643,10 @@ def run(out_dir, quick: bool = True, ops: Optional[Iterable[str]] = None,
                      "started: CPU timings are noisy"
                      + ("" if threads == 1 else " (with other work running, `--threads 1` "
                         "avoids the worst of it: threads waiting for a descheduled peer)"))
+    if _common.bench_device(device).type == "cpu":
+        paths = cpu_code_paths()
+        if paths:
+            notes.append(f"CPU code: {paths}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = free_stem(out_dir, _dt.date.today().isoformat())
@@ -715,6 +719,19 @@ def run(out_dir, quick: bool = True, ops: Optional[Iterable[str]] = None,
     return {**report, "json_path": str(written["json"]), "md_path": str(written["md"]),
             "failed": failed, "skipped_budget": skipped_budget,
             "wall_s": time.perf_counter() - t0}
+
+
+def cpu_code_paths() -> Optional[str]:
+    """What code ctxfast's CPU kernels take in a process with this environment (own AVX-512
+    / AVX2 tiles or the BLAS, ...: ``torch.ops.ctxfast.cpu_code_paths``), for the report's
+    notes: the same name of CPU can run different code. None where ctxfast._C is missing."""
+    try:
+        import torch
+
+        import ctxfast  # noqa: F401  (registers the ops)
+        return str(torch.ops.ctxfast.cpu_code_paths())
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 def cpu_busy_fraction(interval_s: float = 0.5) -> Optional[float]:

@@ -103,6 +103,8 @@ def test_quick_run_writes_report(report, tmp_path, monkeypatch):
     cpu_name = report.device_name("cpu").replace(f"({torch.get_num_threads()} threads)",
                                                  "(1 threads)")
     assert data["device"] == cpu_name and cpu_name.endswith("(1 threads)")
+    # the notes say what code the CPU kernels took (the same CPU name can run different code)
+    assert f"CPU code: {torch.ops.ctxfast.cpu_code_paths()}" in data["notes"], data["notes"]
     records = data["records"]
     assert records == result["records"]
 
