@@ -143,9 +143,9 @@ def test_half_types_store_clipped_values_exactly(dtype):
 
 def test_larger_odd_sizes_float32():
     # H = 37: the AVX2 cell loops and their scalar tails; 19 and 37 columns: partial panels
-    # of the packed GEMM. B = 70 > 64 takes ATen's GEMM instead on an AVX2 CPU (and under
-    # CTXFAST_LSTM_CPU_GEMM=avx2: test_recurrent_gemm_on_the_avx2_kernel), the AVX-512
-    # kernel (row blocks 12, 12, 12, 12, 11, 11) on an AVX-512 one (csrc/cpu/lstm.cpp).
+    # of the packed GEMM. B = 70 > 64 takes ATen's GEMM instead, except on an AMD CPU with
+    # AVX-512 (the AVX-512 kernel, row blocks 12, 12, 12, 12, 11, 11; ATen there under
+    # CTXFAST_LSTM_CPU_GEMM=avx2: test_recurrent_gemm_on_the_avx2_kernel) (csrc/cpu/lstm.cpp).
     check(9, 5, 37, 19, True, True, 1.5, 0.8, True, torch.float32)
     check(9, 5, 37, 0, False, False, math.inf, math.inf, False, torch.float32)
     check(3, 70, 9, 5, True, True, 1.5, 0.8, False, torch.float32)

@@ -21,17 +21,19 @@ const std::optional<c10::OperatorHandle>& onednn_linear() {
   return op;
 }
 
-// MKL runs AVX2 code where the CPU has AVX-512 but is not Intel's.
+}  // namespace
+
 bool blas_below_cpu() {
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && !__builtin_cpu_is("intel");
+  static const bool below = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && !__builtin_cpu_is("intel");
+  }();
+  return below;
 #else
   return false;
 #endif
 }
-
-}  // namespace
 
 const std::string& linear_path() {
   static const std::string path = []() -> std::string {

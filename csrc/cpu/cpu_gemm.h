@@ -17,6 +17,10 @@
 namespace ctxfast {
 namespace cpu {
 
+// Whether ATen's BLAS (MKL) runs below this CPU: AVX2 code on a CPU with AVX-512 that is
+// not Intel's (decided once).
+bool blas_below_cpu();
+
 // "onednn" or "aten": where large fp32 products go (decided once per process). Setting
 // CTXFAST_CPU_LINEAR=onednn / aten forces either; any other value, or onednn where the
 // torch build has no oneDNN linear, comes back as "bad: <reason>" (callers refuse it with a

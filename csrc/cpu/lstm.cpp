@@ -376,8 +376,8 @@ void clip_inplace(S* x, int64_t n, S clip) {
 // (the classic broadcast-A form): ~60 GFLOP/s on
 // the same machine and sizes (the forward recurrence of T 70 went from 478 to 236 ms).
 // Used for float32 with M <= kMaxM where the CPU has AVX2 and FMA (checked at run time),
-// for any M where it has AVX-512 (tile_avx512.h); ATen's mm otherwise (float64, large
-// batches on AVX2 CPUs, other CPUs). At B 128 on a Zen 5 host (AVX-512; MKL runs its AVX2
+// for any M where it has AVX-512 and MKL runs AVX2 code on it (cpu_gemm.h: AMD); ATen's mm
+// otherwise (float64, large batches elsewhere, other CPUs). At B 128 on a Zen 5 host (AVX-512; MKL runs its AVX2
 // code there) the AVX-512 kernel took a ULMFiT layer's forward from 691 to 401 ms and
 // forward+backward from 1882 to 1280 ms against ATen (nn.LSTM: 299-312 / 1000-1020).
 constexpr int64_t kNR = 16;  // columns per panel (two 8-float registers)
@@ -454,7 +454,7 @@ class StepGemm {
     N_ = trans ? b.size(0) : b.size(1);
     K_ = trans ? b.size(1) : b.size(0);
     if (b.scalar_type() != at::kFloat || !cpu_has_avx2() || N_ == 0 || K_ == 0 || M == 0 ||
-        (M > kMaxM && !cpu_has_avx512())) {
+        (M > kMaxM && !(cpu_has_avx512() && blas_below_cpu()))) {
       w_ = masked_weight(b, mask, scale);
       return;
     }
