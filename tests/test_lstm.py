@@ -620,8 +620,9 @@ def _lstm_tests_in_fresh_process(tests, **env):
 @pytest.mark.parametrize("path", ["onednn", "aten"])
 def test_cpu_projection_and_weight_gradients_on_either_path(path):
     """The cpu backend's input projection (and its gradients) and the recurrence's weight
-    gradients run on oneDNN where MKL runs below the CPU (an AMD CPU with AVX-512), else on
-    ATen: one machine runs one of them in the rest of the suite. CTXFAST_CPU_LINEAR forces
+    gradients (csrc/cpu/cpu_gemm.cpp's linear_nt: w_hh's and w_hr's) run on oneDNN where
+    MKL runs below the CPU (an AMD CPU with AVX-512), else on ATen: one machine runs one of
+    them in the rest of the suite. CTXFAST_CPU_LINEAR forces
     either, here in a fresh process: every fp32 case against the float64 reference (all
     gradients), and torch.compile (which takes F.linear for the projection)."""
     if path == "onednn" and not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -629,6 +630,38 @@ def test_cpu_projection_and_weight_gradients_on_either_path(path):
     _lstm_tests_in_fresh_process(
         [f"test_fp32_against_reference[{c[0]}-cpu]" for c in CASES]
         + ["test_torch_compile_fullgraph[cpu]"], CTXFAST_CPU_LINEAR=path)
+
+
+def _cpuinfo():
+    """(vendor_id, flags) of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return vendor, flags
+
+
+@pytest.mark.skipif(not _NATIVE, reason="the C++ LSTM is not built")
+def test_cpu_gemm_path_follows_the_cpu():
+    """csrc/cpu/cpu_gemm.cpp decides once per process where the cpu LSTM's large fp32
+    products go: oneDNN where this torch has its linear and the CPU has AVX-512 but is not
+    Intel's (MKL runs its AVX2 code there), ATen otherwise; CTXFAST_CPU_LINEAR overrides."""
+    vendor, flags = _cpuinfo()
+    forced = os.environ.get("CTXFAST_CPU_LINEAR", "")
+    if forced:
+        expected = forced
+    else:
+        onednn = (hasattr(torch.ops.mkldnn, "_linear_pointwise") and "avx512f" in flags
+                  and vendor not in ("", "GenuineIntel"))
+        expected = "onednn" if onednn else "aten"
+    assert torch.ops.ctxfast.cpu_linear_path() == expected, (vendor, sorted(flags)[:5])
 
 
 @pytest.mark.skipif(not _NATIVE or DEVICE != "cpu", reason="the C++ LSTM on CPU tensors")

@@ -81,52 +81,6 @@ CTXFAST_TILE512_FN inline void kernel(const float* __restrict__ A, int64_t lda,
   }
 }
 
-// C[0:MR, 0:N] for one block of MR rows, every 32-column panel of B in turn (the last one
-// 16 columns wide where at most 16 are left).
-template <int MR, bool TA>
-CTXFAST_TILE512_FN inline void row_panels_mr(const float* A, int64_t lda, const float* B,
-                                             int64_t ldb, int64_t K, float alpha,
-                                             const float* Cin, int64_t ldi, float* C,
-                                             int64_t ldc, int64_t N) {
-  auto cin = [&](int64_t n0) { return Cin != nullptr ? Cin + n0 : nullptr; };
-  int64_t n0 = 0;
-  for (; n0 + 32 <= N; n0 += 32)
-    kernel<MR, 2, TA, true>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, 32);
-  if (N - n0 > 16)
-    kernel<MR, 2, TA, false>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, N - n0);
-  else if (N - n0 == 16)
-    kernel<MR, 1, TA, true>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, 16);
-  else if (N > n0)
-    kernel<MR, 1, TA, false>(A, lda, B + n0, ldb, 16, K, alpha, cin(n0), ldi, C + n0, ldc, N - n0);
-}
-
-// row_panels_mr for a run-time mr in [1, 12].
-template <bool TA>
-CTXFAST_TILE512_FN inline void row_panels(int64_t mr, const float* A, int64_t lda,
-                                          const float* B, int64_t ldb, int64_t K, float alpha,
-                                          const float* Cin, int64_t ldi, float* C,
-                                          int64_t ldc, int64_t N) {
-#define CTXFAST_ROWS512(R)                                                        \
-  case R:                                                                         \
-    row_panels_mr<R, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N);          \
-    break;
-  switch (mr) {
-    CTXFAST_ROWS512(12)
-    CTXFAST_ROWS512(11)
-    CTXFAST_ROWS512(10)
-    CTXFAST_ROWS512(9)
-    CTXFAST_ROWS512(8)
-    CTXFAST_ROWS512(7)
-    CTXFAST_ROWS512(6)
-    CTXFAST_ROWS512(5)
-    CTXFAST_ROWS512(4)
-    CTXFAST_ROWS512(3)
-    CTXFAST_ROWS512(2)
-    default: row_panels_mr<1, TA>(A, lda, B, ldb, K, alpha, Cin, ldi, C, ldc, N); break;
-  }
-#undef CTXFAST_ROWS512
-}
-
 // One block of C [MR, nv] (nv <= 32) from B in the layout of `kernel` (hoff), prefetching
 // `next` where not null: the kernel for nv and next chosen once for the block.
 template <int MR, bool TA>
@@ -175,6 +129,18 @@ CTXFAST_TILE512_FN inline void block(int64_t mr, const float* A, int64_t lda, co
     default: block_mr<1, TA>(A, lda, B, ldb, hoff, K, alpha, Cin, ldi, C, ldc, nv, next); break;
   }
 #undef CTXFAST_ROWS512
+}
+
+// C[0:mr, 0:N] for one block of mr rows (mr in [1, 12]), every 32-column panel of a
+// row-major B in turn (the last one masked where N is not a multiple of 32).
+template <bool TA>
+CTXFAST_TILE512_FN inline void row_panels(int64_t mr, const float* A, int64_t lda,
+                                          const float* B, int64_t ldb, int64_t K, float alpha,
+                                          const float* Cin, int64_t ldi, float* C,
+                                          int64_t ldc, int64_t N) {
+  for (int64_t n0 = 0; n0 < N; n0 += 32)
+    block<TA>(mr, A, lda, B + n0, ldb, 16, K, alpha, Cin != nullptr ? Cin + n0 : nullptr, ldi,
+              C + n0, ldc, std::min<int64_t>(32, N - n0), nullptr);
 }
 
 // Rows of C in the block that starts at row m0 of M: M split into ceil(M / 12) blocks of
