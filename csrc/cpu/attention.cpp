@@ -13,6 +13,7 @@
 // XLNet permutation masks run in rank order (RankOrder below): about half the tiles.
 #include "cpu/attention.h"
 #include "cpu/output_cache.h"
+#include "cpu/cpu_gemm.h"
 #include "cpu/tile_avx2.h"
 #include "cpu/tile_avx512.h"
 
@@ -665,22 +666,11 @@ CTXFAST_AVX2_FN void transpose_rows(const float* src, int64_t ld, int64_t N, int
   }
 }
 
-// Whether the CPU is Intel's: MKL (the BLAS torch's x86 wheels link) runs its AVX-512
-// kernels on Intel CPUs only; on an AMD CPU with AVX-512 (Zen 4 / 5) it runs its AVX2 ones
-// (benchmarks/NOTES.md measured sgemm there at AVX2 speed, whatever MKL_ENABLE_INSTRUCTIONS
-// says).
-bool intel_cpu() {
-  static const bool on = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return on;
-}
-
 // The own kernels (16 lanes where the CPU has AVX-512, else 8) run the tile products
 // except on an Intel CPU with AVX-512: MKL runs 16 lanes there, and an in-place AVX-512
 // kernel measured slower than it on such a host (benchmarks/NOTES.md). On an AMD CPU with
-// AVX-512 MKL runs 8 lanes (intel_cpu above) and the own kernels won, the AVX2 one already.
+// AVX-512 MKL runs 8 lanes (blas_below_cpu, cpu_gemm.h: measured at AVX2 speed there,
+// whatever MKL_ENABLE_INSTRUCTIONS says) and the own kernels won, the AVX2 one already.
 // CTXFAST_ATTN_CPU_GEMM=blas / own forces either (own needs AVX2 and FMA); the entry points
 // refuse any other value, and own on a CPU without them, before any kernel runs
 // (check_gemm_setting).
@@ -689,7 +679,7 @@ bool own_gemm() {
     const std::string& v = gemm_setting();
     if (v == "blas") return false;
     if (v == "own") return has_avx2();
-    return has_avx2() && !(has_avx512() && intel_cpu());
+    return has_avx2() && !(has_avx512() && !blas_below_cpu());
   }();
   return on;
 }
