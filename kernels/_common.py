@@ -6,11 +6,13 @@ split-K (flash-decoding) combine kernel and its buffers, and the host-side helpe
 
 Shapes and the visibility rules are those of ``kernels/attention.py``'s docstring.
 """
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 
@@ -58,6 +60,34 @@ def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, m
         p = tl.where(keep, p / (1.0 - p_drop), 0.0)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_rows(ptrs, offs_r, lim_r, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile; rows offs_r >= lim_r read as 0 when ROW_MASK, columns past D
+    as 0 unless EVEN_D (BLOCK_D == D)."""
+    if ROW_MASK:
+        x = tl.load(ptrs, mask=(offs_r[:, None] < lim_r) & d_ok, other=0.0)
+    elif EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=d_ok, other=0.0)
+    return x
+
+
+@triton.jit
+def _tile_rows(desc, ptrs, b, h, r0, offs_r, lim_r, d_ok, ROW_MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+               TMA: tl.constexpr):
+    """Rows r0 .. r0 + BLOCK_R of sequence (b, h), a [BLOCK_R, BLOCK_D] tile: through the
+    tensor descriptor ``desc`` (:class:`RowTiles`, a TMA load on sm_90+: rows past the
+    sequence and columns past D read as 0, no masks) when TMA, else from the pointer tile
+    ``ptrs`` (:func:`_load_rows`; ``offs_r`` = r0 + arange(BLOCK_R) there)."""
+    if TMA:
+        x = desc.load([b, h, r0, 0]).reshape(BLOCK_R, BLOCK_D)
+    else:
+        x = _load_rows(ptrs, offs_r, lim_r, d_ok, ROW_MASK, EVEN_D)
+    return x
 
 
 @triton.jit
@@ -226,6 +256,48 @@ def _mask_args(q, key_padding_mask, perm_rank):
     else:
         rank, rank_strides = dummy, (0, 0)
     return kpm, rank, kv_end, (*kpm_strides, *rank_strides)
+
+
+class RowTiles(TensorDescriptor):
+    """A host-side tensor descriptor (TMA on sm_90+) of a ``[B, H, T, D]`` tensor read in
+    ``[1, 1, rows, BLOCK_D]`` tiles (:func:`_tile_rows`).
+
+    Equal and hashed as Triton specialises a descriptor argument (its dtype and block
+    shape: ``tensordesc<bf16[1, 1, 64, 128]>``), not by value, so that the fast launch path
+    (``_launch.py``) can key a call that passes one exactly as Triton would: two of these
+    with the same dtype and block are the same compiled kernel. Nothing else compares
+    them."""
+
+    def _spec(self):
+        return self.base.dtype, tuple(self.block_shape)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and self._spec() == other._spec()
+
+    def __hash__(self):
+        return hash(self._spec())
+
+
+def row_tiles(x, rows: int, block_d: int):
+    """:class:`RowTiles` of x ``[B, H, T, D]`` in ``[1, 1, rows, block_d]`` tiles, or None
+    where TMA cannot address x: the last dim not contiguous, a base or stride that is not a
+    multiple of 16 bytes, a zero stride (a broadcast dim) or an empty dim. (Rows past T and
+    columns past D need nothing: TMA reads them as 0.)"""
+    if x.dim() != 4 or x.stride(3) != 1 or x.data_ptr() % 16 or 0 in x.shape:
+        return None
+    es = x.element_size()
+    if any(stride <= 0 or stride * es % 16 for stride in x.stride()[:3]):
+        return None
+    return RowTiles(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """The device can run TMA descriptor loads: a CUDA GPU of compute capability 9 or later
+    (Hopper, Blackwell), or the interpreter (which emulates them)."""
+    if _interpreting():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _seed_arg(q, dropout_p, seed):

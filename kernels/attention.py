@@ -61,10 +61,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot,
-                      _interpreting, _keep, _keep_t, _key_range, _mask_args, _new_output,
-                      _online_softmax_step, _precision, _seed_arg, _seq_bounds,
-                      _split_targets, _visible, cdiv, next_pow2)
+from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _has_tma,
+                      _interpreting, _keep, _keep_t, _key_range, _load_rows, _mask_args,
+                      _new_output, _online_softmax_step, _precision, _seed_arg, _seq_bounds,
+                      _split_targets, _tile_rows, _visible, cdiv, next_pow2, row_tiles)
 from ._launch import fast
 
 
@@ -76,19 +76,6 @@ from ._launch import fast
 # the full `_visible` test. With a padding or permutation mask an interior tile is classed
 # from its block bounds first (`_interior_keys`): none visible -> skipped, all visible -> no
 # element mask, else the element mask of that kind only.
-
-
-@triton.jit
-def _load_rows(ptrs, offs_r, lim_r, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
-    """A [rows, BLOCK_D] tile; rows offs_r >= lim_r read as 0 when ROW_MASK, columns past D
-    as 0 unless EVEN_D (BLOCK_D == D)."""
-    if ROW_MASK:
-        x = tl.load(ptrs, mask=(offs_r[:, None] < lim_r) & d_ok, other=0.0)
-    elif EVEN_D:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=d_ok, other=0.0)
-    return x
 
 
 @triton.jit
@@ -208,21 +195,26 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
+               KD, VD, h,
                BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
                HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               TMA: tl.constexpr):
     """Fold the key tiles [lo, hi) into (acc, l_i, m_i): boundary tiles with the full
     visibility test, interior ones classed from block bounds. offs_m / offs_n index the
-    problem (masks), rows_m / rows_n the tensors (loads, dropout counters)."""
+    problem (masks), rows_m / rows_n the tensors (loads, dropout counters). TMA: k and v
+    tiles through the descriptors KD, VD (never with SORTED: their rows are gathered)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
         k_ptrs = k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         if BOUNDARY:
-            k = _load_rows(k_ptrs, offs_n, Tk, d_ok, True, EVEN_D)
-            v = _load_rows(v_ptrs, offs_n, Tk, d_ok, True, EVEN_D)
+            k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, True, EVEN_D,
+                           BLOCK_N, BLOCK_D, TMA)
+            v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, True, EVEN_D,
+                           BLOCK_N, BLOCK_D, TMA)
             s = _scores(q, k, qk_scale, UPCAST, PRECISION)
             vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
                            RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -236,8 +228,10 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                 offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
                 RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
             if any_vis:
-                k = _load_rows(k_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
-                v = _load_rows(v_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
+                k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
+                               BLOCK_N, BLOCK_D, TMA)
+                v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
+                               BLOCK_N, BLOCK_D, TMA)
                 s = _scores(q, k, qk_scale, UPCAST, PRECISION)
                 if all_vis == 0:
                     vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
@@ -247,8 +241,10 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                                                      rows_n, max_q, max_k, p_drop, DROPOUT,
                                                      UPCAST, PRECISION)
         else:
-            k = _load_rows(k_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
-            v = _load_rows(v_ptrs, offs_n, Tk, d_ok, False, EVEN_D)
+            k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
+                           BLOCK_N, BLOCK_D, TMA)
+            v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
+                           BLOCK_N, BLOCK_D, TMA)
             s = _scores(q, k, qk_scale, UPCAST, PRECISION)
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
@@ -312,6 +308,8 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,   # BLOCK_D == D: no column masks
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KD=None, VD=None,       # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
+    TMA: tl.constexpr = False,  # key tiles through KD, VD (not with SORTED or VARLEN)
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
@@ -364,14 +362,16 @@ def _attn_fwd_kernel(
                                d_ok, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                lo, mid, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed,
                                p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
-                               stride_rank_t, ORDER, False, CAUSAL, HAS_KPM, HAS_PERM,
-                               PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
+                               stride_rank_t, ORDER, KD, VD, h, False, CAUSAL, HAS_KPM, HAS_PERM,
+                               PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, BLOCK_D, UPCAST,
+                               PRECISION, TMA)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
                                d_ok, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                mid, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed,
                                p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
-                               stride_rank_t, ORDER, True, CAUSAL, HAS_KPM, HAS_PERM,
-                               PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, UPCAST, PRECISION)
+                               stride_rank_t, ORDER, KD, VD, h, True, CAUSAL, HAS_KPM, HAS_PERM,
+                               PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, BLOCK_D, UPCAST,
+                               PRECISION, TMA)
     _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + rows_m[:, None] * stride_om
                   + offs_d[None, :] * stride_od, LSE + rows_m, offs_m, Tq, d_ok, SPLIT_K)
 
@@ -396,21 +396,22 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, 
                 q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
                 lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
-                dqa_base, D,
+                dqa_base, D, QD, DOD, h,
                 BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
                 HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                 DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr):
     """Accumulate the query tiles [lo, hi) into one key block's (dk, dv) [BLOCK_N, BLOCK_D],
     transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows). offs index the
     problem (masks), rows the tensors (loads, dropout counters). ATOMIC_DQ: also add each
-    tile's ``dS K`` (unscaled) into the fp32 accumulator rows at dqa_base (row stride D)."""
+    tile's ``dS K`` (unscaled) into the fp32 accumulator rows at dqa_base (row stride D).
+    TMA: q and dO tiles through the descriptors QD, DOD (not with SORTED)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows_m = _query_rows(offs_m, b, Tq, ORDER, SORTED)
-        q = _load_rows(q_base + rows_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                       offs_m, Tq, d_ok, BOUNDARY, EVEN_D)
+        q = _tile_rows(QD, q_base + rows_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                       b, h, start_m, offs_m, Tq, d_ok, BOUNDARY, EVEN_D, BLOCK_M, BLOCK_D, TMA)
         rank_q = offs_m
         if HAS_PERM:
             rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
@@ -430,8 +431,9 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, 
                     any_vis = any_vis & (kmin <= qmax)
                     all_vis = all_vis & (kmax <= qmin)
         if any_vis:
-            do = _load_rows(do_base + rows_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                            offs_m, Tq, d_ok, BOUNDARY, EVEN_D)
+            do = _tile_rows(DOD, do_base + rows_m[:, None] * stride_dom
+                            + offs_d[None, :] * stride_dod, b, h, start_m, offs_m, Tq, d_ok,
+                            BOUNDARY, EVEN_D, BLOCK_M, BLOCK_D, TMA)
             if BOUNDARY:
                 lse = tl.load(LSE + rows_m, mask=offs_m < Tq, other=float("inf"))
                 delta = tl.load(DELTA + rows_m, mask=offs_m < Tq, other=0.0)
@@ -490,6 +492,8 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False,
+    QD=None, DOD=None,      # TMA: RowTiles of q, do ([1, 1, BLOCK_M, BLOCK_D] tiles)
+    TMA: tl.constexpr = False,  # query tiles through QD, DOD (not with SORTED or VARLEN)
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -557,23 +561,23 @@ def _attn_bwd_dkdv_kernel(
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, True, CAUSAL,
-                         HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M,
-                         BLOCK_N, UPCAST, PRECISION, ATOMIC_DQ)
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, True,
+                         CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
+                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, False, CAUSAL,
-                         HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M,
-                         BLOCK_N, UPCAST, PRECISION, ATOMIC_DQ)
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, False,
+                         CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
+                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, True, CAUSAL,
-                         HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_M,
-                         BLOCK_N, UPCAST, PRECISION, ATOMIC_DQ)
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, True,
+                         CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
+                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
 
     out_off = rows_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -586,12 +590,15 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
               k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
               KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
+              KD, VD, h,
               BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
               HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
               DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
     """Accumulate the key tiles [lo, hi) into a query block's dq [BLOCK_M, BLOCK_D]. offs
-    index the problem (masks), rows the tensors (loads, dropout counters)."""
+    index the problem (masks), rows the tensors (loads, dropout counters). TMA: k and v
+    tiles through the descriptors KD, VD (not with SORTED)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         any_vis = tl.min(offs_n, 0) >= 0          # True (a scalar tensor)
@@ -605,10 +612,12 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
                     RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
         if any_vis:
             rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
-            k = _load_rows(k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                           offs_n, Tk, d_ok, BOUNDARY, EVEN_D)
-            v = _load_rows(v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                           offs_n, Tk, d_ok, BOUNDARY, EVEN_D)
+            k = _tile_rows(KD, k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                           b, h, start_n, offs_n, Tk, d_ok, BOUNDARY, EVEN_D, BLOCK_N, BLOCK_D,
+                           TMA)
+            v = _tile_rows(VD, v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                           b, h, start_n, offs_n, Tk, d_ok, BOUNDARY, EVEN_D, BLOCK_N, BLOCK_D,
+                           TMA)
             p = tl.exp2(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None])
             if BOUNDARY:
                 vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
@@ -650,6 +659,8 @@ def _attn_bwd_dq_kernel(
     VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KD=None, VD=None,       # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
+    TMA: tl.constexpr = False,  # key tiles through KD, VD (not with SORTED or VARLEN)
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
@@ -697,14 +708,14 @@ def _attn_bwd_dq_kernel(
                    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, mid,
                    b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
-                   False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
-                   BLOCK_N, UPCAST, PRECISION)
+                   KD, VD, h, False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT,
+                   EVEN_D, BLOCK_N, BLOCK_D, UPCAST, PRECISION, TMA)
     dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_ok,
                    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, mid, hi,
                    b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
-                   True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
-                   BLOCK_N, UPCAST, PRECISION)
+                   KD, VD, h, True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT,
+                   EVEN_D, BLOCK_N, BLOCK_D, UPCAST, PRECISION, TMA)
     tl.store(DQ + rows_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_ok)
 
@@ -760,13 +771,23 @@ _DROPOUT_CONFIGS = {
 }
 
 
+#: Rows replacing :data:`_DROPOUT_CONFIGS`' for a permutation mask with causal (the
+#: original order: a rank tile per query and key block beside the padding and the Philox
+#: draw): at 128 x 64 the 16-bit D 64 forward spilled 40 B per thread on sm_90 and dQ 8 B
+#: (tests/test_triton_compile.py's "causal+kpm+perm+dropout" case); 128 x 32 spills none.
+_PERM_CAUSAL_DROPOUT_CONFIGS = {
+    ("fwd", 64, True): (128, 32, 8, 3), ("dq", 64, True): (128, 32, 8, 3),
+}
+
+
 def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask: str = "none",
             dropout: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of kernel "fwd", "dkdv" or "dq".
 
     Keyed on head dim and dtype from :data:`_CONFIGS`; ``causal`` and ``mask`` (the mask
     kind: "none", "kpm", "perm") are part of the key so that measured rows per kind can be
-    added, but no H100 measurement separates them yet, so they pick the same row. A table
+    added; no H100 measurement separates them yet, and only dropout with a permutation
+    mask and causal takes its own rows (:data:`_PERM_CAUSAL_DROPOUT_CONFIGS`, for spills). A table
     rather than ``triton.autotune``: one compile per kernel on a first call, and the
     launchers stay plain ``kernel[grid]`` calls (the compile test records them). Cached
     (a dict lookup a call: the launchers ask up to four times per op call).
@@ -793,7 +814,12 @@ def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
     bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
     narrow = dtype in (torch.float16, torch.bfloat16)
     key = (kernel, bucket, narrow)
-    bm, bn, warps, stages = (_DROPOUT_CONFIGS.get(key) if dropout else None) or _CONFIGS[key]
+    row = None
+    if dropout:
+        if causal and mask == "perm":
+            row = _PERM_CAUSAL_DROPOUT_CONFIGS.get(key)
+        row = row or _DROPOUT_CONFIGS.get(key)
+    bm, bn, warps, stages = row or _CONFIGS[key]
     return bm, bn, block_d, warps, stages
 
 
@@ -832,6 +858,44 @@ def _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict, perm_order):
     return key_padding_mask, rank_sorted, (order, span.to(torch.int32).contiguous())
 
 
+#: "off" (default) or "on": the kernels' main loops read their tiles (the forward's and dQ's
+#: k and v, dK/dV's q and dO) through host-side tensor descriptors, i.e. TMA loads on sm_90+
+#: (Hopper): no address tiles in registers, no masks (rows past a sequence and columns past
+#: D read as 0). "on" applies where the device has TMA (compute capability >= 9; the
+#: interpreter emulates it), the dtype is in :data:`TMA_DTYPES`, the call is dense (not
+#: varlen) and not in rank order, and every such tensor is addressable
+#: (:func:`_common.row_tiles`); other calls load pointer tiles as with "off". Off by default
+#: until a GPU round has timed it (the sm_90 compile facts are in benchmarks/NOTES.md).
+#: From ``CTXFAST_ATTN_TMA`` at import.
+TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "off")
+
+#: Dtypes whose calls TMA_MODE "on" serves: 16-bit only. fp32's tf32 dots run on mma.sync
+#: tiles of 16-64 rows, and with TMA the dK/dV and dQ kernels spilled 116 and 48 B per
+#: thread on sm_90 where the pointer tiles spill none (benchmarks/NOTES.md).
+TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _tma_mode() -> bool:
+    if TMA_MODE not in ("off", "on"):
+        raise ValueError(f"CTXFAST_ATTN_TMA must be 'off' or 'on', got {TMA_MODE!r}")
+    return TMA_MODE == "on"
+
+
+def _tma_args(names, tensors, rows, block_d, device, cu, order):
+    """Keyword arguments that turn a launch's TMA loads on: ``{name: RowTiles, ...,
+    "TMA": True}`` for the tensors read in ``[rows, block_d]`` tiles, or ``{}`` (pointer
+    tiles) where :data:`TMA_MODE` is off or the call cannot use TMA."""
+    if (not _tma_mode() or cu is not None or order is not None
+            or tensors[0].dtype not in TMA_DTYPES or not _has_tma(device)):
+        return {}
+    descs = {"TMA": True}
+    for name, x in zip(names, tensors):
+        descs[name] = row_tiles(x, rows, block_d)
+        if descs[name] is None:
+            return {}
+    return descs
+
+
 def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,
                     perm_rank, perm_strict, scale, dropout_p, seed, cu=None, num_splits=1,
                     order=None):
@@ -850,6 +914,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     if num_splits == 1:
         l_strides = lse_strides
     split = num_splits > 1
+    tma = _tma_args(("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
     fast(_attn_fwd_kernel)[(cdiv(max_q, bm), B * H, num_splits)](
         q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
         kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
@@ -861,7 +926,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         VARLEN=cu is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **tma,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -903,18 +968,21 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype, causal,
                                         kind, dropout_p > 0)
     dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
+    tma = _tma_args(("QD", "DOD"), (q, do), bm, bd, q.device, cu, order)
     fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages)
+        BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
+        **tma)
     if atomic:
         dq.copy_(dq_acc.mul_(scale))
         return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
+    tma = _tma_args(("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
     fast(_attn_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        EVEN_D=bd == D, num_warps=warps, num_stages=stages)
+        EVEN_D=bd == D, num_warps=warps, num_stages=stages, **tma)
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,

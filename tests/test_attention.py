@@ -563,3 +563,122 @@ def test_atomic_dq_backward_against_reference(monkeypatch, check):
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 5, 5, 16))
     with pytest.raises(ValueError, match="CTXFAST_ATTN_BWD_DQ"):
         ctxfast.attention(q, k, v, backend="triton").sum().backward()
+
+
+# --------------------------------------------------------------------------- TMA tiles
+
+@needs_triton
+@pytest.mark.parametrize("check", ["odd_lengths", "tiles", "head_dims_and_dtypes", "layout",
+                                   "rows_that_see_no_key", "dropout", "split_k", "atomic_dq"])
+def test_tma_tiles_against_reference(monkeypatch, check):
+    """kernels.attention.TMA_MODE = "on": the loops read their tiles (forward and dQ: k, v;
+    dK/dV: q, dO) through tensor descriptors, which the interpreter emulates as TMA does
+    (rows past a sequence and columns past D read as 0). The module's own checks run in
+    that mode, forward and every gradient against float64 within 2x eager, and every launch
+    of them took the descriptors (none fell back to pointer tiles)."""
+    import ctxfast.kernels.attention as kattn
+    if "CTXFAST_ATTN_TMA" not in os.environ:
+        assert kattn.TMA_MODE == "off"            # opt-in until a GPU has timed it
+    monkeypatch.setattr(kattn, "TMA_MODE", "on")
+    # GPUs take TMA for 16-bit calls only (fp32 spilled there); the addressing does not
+    # depend on the dtype, and the interpreter's exact fp32 lets these checks run as they are
+    monkeypatch.setattr(kattn, "TMA_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    used = []
+    real = kattn._tma_args
+
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
+        used.append(bool(got))
+        return got
+    monkeypatch.setattr(kattn, "_tma_args", spy)
+    if check == "odd_lengths":
+        for Tq, Tk, kind in ((37, 53, "causal-pad"), (1, 1, "causal"), (97, 97, "causal"),
+                             (17, 5, "none"), (1, 40, "causal"), (33, 64, "causal-pad")):
+            test_odd_lengths(Tq, Tk, kind)
+    elif check == "tiles":
+        for Tq, Tk, kind in ((20, 45, "causal"), (48, 80, "causal"), (40, 40, "pad-end-21"),
+                             (48, 48, "pad-block"), (48, 55, "perm-blocks-query-causal")):
+            test_interior_and_boundary_tiles(Tq, Tk, kind)
+    elif check == "head_dims_and_dtypes":
+        for D in (16, 40, 96, 256):               # 40, 96: BLOCK_D past D (zero columns)
+            test_head_dims(D)
+        for dtype in (torch.float16, torch.bfloat16):
+            test_dtypes(dtype)
+    elif check == "layout":
+        test_non_contiguous_bthd_layout()         # [B, T, H, D] storage: 4-D strides
+    elif check == "rows_that_see_no_key":
+        test_rows_that_see_no_key("all-padding")
+    elif check == "dropout":
+        for kind in ("none", "causal-pad"):
+            test_dropout_matches_reference_with_the_same_mask(kind)
+    elif check == "split_k":
+        for Tq, Tk, kind in ((1, 100, "causal"), (4, 90, "pad"), (2, 12, "pad")):
+            test_split_k_decoding_matches_reference(Tq, Tk, kind)
+    else:
+        monkeypatch.setattr(kattn, "DQ_MODE", "atomic")
+        for Tq, Tk, kind in ((37, 53, "causal-pad"), (1, 97, "pad")):
+            test_odd_lengths(Tq, Tk, kind)
+    assert used and all(used), used
+
+
+@needs_triton
+def test_tma_falls_back_where_tma_cannot_read(monkeypatch):
+    """With TMA_MODE "on", calls that TMA cannot serve load pointer tiles and are still
+    right: rows of 24 bytes (fp16 D 12: a stride that is not a multiple of 16 bytes), a
+    permutation without causal (rank order: gathered rows), fp32 (not in TMA_DTYPES) and
+    packed (varlen) sequences, while the same fp16 call with 16 columns takes it. Any other
+    setting is refused by name."""
+    import ctxfast.kernels.attention as kattn
+    from ctxfast.kernels._common import row_tiles
+    monkeypatch.setattr(kattn, "TMA_MODE", "on")
+    used = []
+    real = kattn._tma_args
+
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
+        used.append(bool(got))
+        return got
+    monkeypatch.setattr(kattn, "_tma_args", spy)
+    q, k, v = _inputs(1, 2, 21, 30, 12, dtype=torch.float16)
+    assert row_tiles(q, 16, 16) is None
+    check_against_reference(q, k, v, causal=True)
+    q, k, v = _inputs(2, 2, 33, 33, 16, dtype=torch.float16)
+    check_against_reference(q, k, v, **_masks("perm-query", 2, 33, 33))
+    q, k, v = _inputs(1, 2, 21, 30, 16)                         # fp32: not in TMA_DTYPES
+    check_against_reference(q, k, v, causal=True)
+    assert used == [False] * 9, used
+    check_against_reference(*(t.half() for t in (q, k, v)), causal=True)
+    assert used[9:] == [True] * 3, used
+    used.clear()
+    from test_attention_varlen import test_varlen_matches_per_sequence_reference as varlen
+    varlen(True, [3, 20], [9, 31])
+    assert used and not any(used), used
+    monkeypatch.setattr(kattn, "TMA_MODE", "yes")
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 5, 5, 16))
+    with pytest.raises(ValueError, match="CTXFAST_ATTN_TMA"):
+        ctxfast.attention(q, k, v, backend="triton")
+
+
+def test_row_tiles_rules_and_launch_key():
+    """kernels._common.row_tiles: a descriptor for a [B, H, T, D] tensor that TMA can
+    address, None otherwise; two descriptors of the same dtype and block are one launch
+    key (as Triton specialises them: ``tensordesc<fp16[1, 1, 16, 32]>``), another dtype
+    or block another key."""
+    from ctxfast.kernels._common import RowTiles, row_tiles
+    from ctxfast.kernels._launch import args_key
+    x = torch.randn(2, 3, 10, 32, dtype=torch.float16)
+    d = row_tiles(x, 16, 32)
+    assert isinstance(d, RowTiles) and list(d.shape) == [2, 3, 10, 32]
+    assert list(d.block_shape) == [1, 1, 16, 32] and list(d.strides) == list(x.stride())
+    assert row_tiles(x.transpose(1, 2), 16, 32) is not None         # [B, T, H, D] storage
+    assert row_tiles(x[..., 1:], 16, 32) is None                     # base 2 bytes off
+    assert row_tiles(x.transpose(2, 3), 16, 32) is None              # last dim strided
+    assert row_tiles(torch.randn(2, 3, 10, 12, dtype=torch.float16), 16, 16) is None
+    assert row_tiles(x[:1].expand(2, -1, -1, -1), 16, 32) is None    # stride 0
+    assert row_tiles(x[:, :, :0], 16, 32) is None                    # empty
+    same = row_tiles(torch.randn(1, 1, 99, 32, dtype=torch.float16), 16, 32)
+    assert args_key((d,)) == args_key((same,)) and hash(d) == hash(same)
+    assert args_key((d,)) != args_key((row_tiles(x, 32, 32),))
+    assert args_key((d,)) != args_key((row_tiles(x.float(), 16, 32),))
+    from triton.runtime.jit import mangle_type
+    assert mangle_type(d) == "tensordesc<fp16[1, 1, 16, 32]>"

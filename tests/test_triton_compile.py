@@ -191,6 +191,12 @@ def _cases():
     atomic_dq = setting(attention, "DQ_MODE", "atomic")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
 
+    def tma(fn):
+        """fn with the attention loops' tiles through TMA descriptors (TMA_MODE "on"), as
+        on an sm_90 GPU (the recording's CPU tensors have no TMA of their own)."""
+        return setting(attention, "TMA_MODE", "on")(
+            setting(attention, "_has_tma", lambda device: True)(fn))
+
     f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
     sm90, both = (90,), (90, 80)
     every_mask = dict(causal=True, kpm=True, perm=True, perm_strict=True, dropout=0.1)
@@ -246,6 +252,13 @@ def _cases():
          atomic_dq(lambda: attn(bf16, 128, causal=True))),
         ("attention bf16 D=64 causal+dropout, atomic dQ", sm90,
          atomic_dq(lambda: attn(bf16, 64, causal=True, dropout=0.1))),
+        # the loops' tiles through TMA descriptors (TMA_MODE "on"; sm_90 only)
+        ("attention bf16 D=128 causal, TMA", sm90, tma(lambda: attn(bf16, 128, causal=True))),
+        ("attention bf16 D=64 causal, TMA", sm90, tma(lambda: attn(bf16, 64, causal=True))),
+        ("attention fp16 D=64 causal+kpm+perm+dropout", sm90,
+         lambda: attn(f16, 64, causal=True, kpm=True, perm=True, dropout=0.1)),
+        ("attention fp16 D=64 causal+kpm+perm+dropout, TMA", sm90,
+         tma(lambda: attn(f16, 64, causal=True, kpm=True, perm=True, dropout=0.1))),
         ("attention split-K fp16 D=128 causal+kpm+dropout", sm90,
          lambda: attn(f16, 128, causal=True, kpm=True, dropout=0.1, Tq=4, Tk=1024,
                       num_splits=8, backward=False)),
@@ -328,6 +341,8 @@ def _specialise(fn, args, kwargs):
     equal to 1 become the constant 1, others are i32 (i64 if large), marked divisible by 16
     when they are; floats are fp32; what is not an argument (num_warps, ...) is an option."""
     import torch
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
     bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in fn.arg_names})
@@ -341,6 +356,8 @@ def _specialise(fn, args, kwargs):
             signature[name] = "*" + _TYPES[str(value.dtype).removeprefix("torch.")]
             if value.data_ptr() % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, TensorDescriptor):      # e.g. "tensordesc<bf16[1, 1, 64, 128]>"
+            signature[name] = mangle_type(value)
         elif isinstance(value, bool):
             signature[name] = "u1"
         elif isinstance(value, int):
@@ -402,6 +419,7 @@ def _ptxas_facts(ptx, arch):
 
     facts = {"wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
              "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+             "tma": len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
              "regs": None, "spill_stores": None, "spill_loads": None}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
@@ -547,8 +565,8 @@ def _sixteen_bit(row):
 def facts_table(rows):
     """Markdown table of the FACT_KERNELS' sm_90 compiles (benchmarks/NOTES.md's
     "Compile facts (sm_90)" comes from it: ``python tests/test_triton_compile.py --facts``)."""
-    lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma | mma.sync |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma | mma.sync | TMA |",
+             "|---|---|---|---|---|---|---|---|---|"]
     order = FACT_KERNELS + REL_FACT_KERNELS
     for r in sorted((r for r in rows if r["kernel"] in order and r["arch"] == 90),
                     key=lambda r: (order.index(r["kernel"]), r["variant"])):
@@ -557,7 +575,7 @@ def facts_table(rows):
         lines.append(f"| {r['kernel']} | {r['variant']} ({blocks}) | {opts.get('num_warps')}/"
                      f"{opts.get('num_stages')} | {r.get('regs')} | {r.get('spill_stores')}/"
                      f"{r.get('spill_loads')} | {r['shared']} | {r.get('wgmma')} | "
-                     f"{r.get('mma_sync')} |")
+                     f"{r.get('mma_sync')} | {r.get('tma')} |")
     return "\n".join(lines)
 
 
@@ -622,6 +640,8 @@ def test_kernel_compile_facts(compiled, kernel):
                             f"{r['spill_loads']} B loads ({r['regs']} registers)")
         if kernel in WGMMA_KERNELS and _sixteen_bit(r) and (r["wgmma"] == 0 or r["mma_sync"] > 0):
             problems.append(f"{where}: {r['wgmma']} wgmma, {r['mma_sync']} mma.sync in the PTX")
+        if ("TMA=True" in r["launch"]) != bool(r.get("tma")):   # TMA loads where asked only
+            problems.append(f"{where}: {r.get('tma')} TMA loads (cp.async.bulk.tensor)")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
 
