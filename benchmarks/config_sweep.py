@@ -66,6 +66,15 @@ ATTENTION_CANDIDATES = {
     "dq": [None, (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
 }
+# The attention kernels with their loops' tiles through TMA descriptors (kernels/attention.py
+# TMA_MODE "on", off by default until timed): the current rows, then rows that TMA's
+# fewer registers make spill-free on sm_90 (benchmarks/NOTES.md). Timed right after each
+# kernel's current row, so that a sweep cut by its budget has the comparison.
+ATTENTION_TMA_CANDIDATES = {
+    "fwd": [None, (128, 64, 8, 3), (128, 128, 8, 2)],
+    "dkdv": [None, (64, 128, 8, 2)],
+    "dq": [None, (128, 128, 8, 2)],
+}
 REL_TILES = (None, 32, 64, 128)         # None: the current tile; the same size is skipped
 REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
 # Variants of the rel_attention kernels (LAUNCH_OVERRIDE keys other than launches), each
@@ -178,9 +187,14 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
     xl_cases = ((1, 2, 16, 16, 16),) if quick else XL_EVAL_CASES
     jobs = []
     for case in att_cases:
+        for kernel, cands in ATTENTION_CANDIDATES.items():   # current row: pointers, TMA
+            jobs += [("attention", case, kernel, None, None, None),
+                     ("attention", case, kernel, None, None, "tma")]
         for kernel, cands in ATTENTION_CANDIDATES.items():
-            for cand in (cands[:2] if quick else cands):
+            for cand in (cands[1:2] if quick else cands[1:]):
                 jobs.append(("attention", case, kernel, cand, None, None))
+            for cand in ATTENTION_TMA_CANDIDATES[kernel][1:2 if quick else None]:
+                jobs.append(("attention", case, kernel, cand, None, "tma"))
     def tiles(case, dt):
         current = rel_k._config(case[4], case[2], dt)[0]
         return [t for t in (REL_TILES[:1] if quick else REL_TILES) if t != current]
@@ -206,6 +220,7 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
     jobs = [j for j in jobs if (not ops or j[0].split()[0] in ops)
             and (not kernels or j[2] in kernels)]
     calls, checks = {}, {}
+    tma_mode = attn_k.TMA_MODE
     for op, case, kernel, cand, tile, variant in jobs:
         if time.monotonic() - start > budget_s:
             rows.append({"op": op, "case": case, "kernel": kernel, "candidate": cand,
@@ -219,7 +234,9 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
             mod.LAUNCH_OVERRIDE[kernel] = cand
         if tile is not None:
             mod.LAUNCH_OVERRIDE["tile"] = tile
-        if variant is not None:
+        if variant == "tma":
+            attn_k.TMA_MODE = "on"
+        elif variant is not None:
             mod.LAUNCH_OVERRIDE.update(REL_VARIANTS[variant][0])
         key = (op, case)
         if key not in calls:
@@ -236,6 +253,7 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
                 worst = max(ratios)
         finally:
             mod.LAUNCH_OVERRIDE.clear()
+            attn_k.TMA_MODE = tma_mode
         names = ["out"] + (["q", "k", "v", "r", "r_w_bias", "r_r_bias"] if "rel" in op
                            else ["q", "k", "v"])
         row = {"op": op, "case": "B{} H{} Tq{} mem{} D{}".format(*case), "kernel": kernel,

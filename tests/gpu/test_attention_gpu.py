@@ -49,3 +49,32 @@ def test_float64_default_runs_on_eager():
     assert torch.equal(out, ctxfast.attention(q, k, v, causal=True, backend="eager"))
     with pytest.raises(ctxfast.BackendUnavailable, match="float64"):
         ctxfast.attention(q, k, v, causal=True, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Tq, Tk, kind", [(1025, 1025, "causal"), (512, 1536, "causal-pad"),
+                                          (777, 777, "none"), (4, 4096, "causal")])
+def test_tma_tiles_large(monkeypatch, dtype, D, Tq, Tk, kind):
+    """TMA_MODE "on" on the GPU (TMA loads on sm_90+) at sizes the interpreter cannot
+    reach, with the [B, T, H, D] layout models use: forward and every gradient within 2x
+    eager against float64, every launch through the descriptors."""
+    import ctxfast.kernels.attention as kattn
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9 or later")
+    from test_attention import _masks
+    B, H = 2, 4
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+               for T in (Tq, Tk, Tk))
+    kw = _masks(kind, B, Tq, Tk)
+    used = []
+    real = kattn._tma_args
+
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
+        used.append(bool(got))
+        return got
+    monkeypatch.setattr(kattn, "_tma_args", spy)
+    monkeypatch.setattr(kattn, "TMA_MODE", "on")
+    check_against_reference(q, k, v, **kw)
+    assert used and all(used), used
