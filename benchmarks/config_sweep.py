@@ -88,6 +88,10 @@ REL_VARIANTS = {
     # the other way, timed beside it
     "no_carry": ({"carry": False}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 3))),
     "atomic_dr": ({"dr_mode": "atomic"}, ("dq",), (None, (4, 3), (8, 1))),
+    # k, v and r's chunks through TMA descriptors (kernels/rel_attention.py TMA_MODE, off
+    # by default until timed); the forward's bf16 D 64 spills 48 B per thread there, 212 B
+    # with pointer tiles (benchmarks/NOTES.md)
+    "tma": ({"tma": "on"}, ("fwd", "dq"), (None, (4, 1), (8, 3))),
 }
 KERNEL_NAMES = {
     ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",

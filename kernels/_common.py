@@ -291,6 +291,25 @@ def row_tiles(x, rows: int, block_d: int):
     return RowTiles(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
 
 
+def tma_args(names, tensors, rows: int, block_d: int):
+    """Keyword arguments that turn a launch's TMA loads on: ``{name: RowTiles, ...,
+    "TMA": True}`` for ``tensors`` (each ``[B, H, T, D]``) read in ``[rows, block_d]``
+    tiles, or ``{}`` (pointer tiles) if :func:`row_tiles` cannot address one of them."""
+    descs = {"TMA": True}
+    for name, x in zip(names, tensors):
+        descs[name] = row_tiles(x, rows, block_d)
+        if descs[name] is None:
+            return {}
+    return descs
+
+
+def check_tma_mode(mode: str) -> bool:
+    """``CTXFAST_ATTN_TMA``'s value ("off" | "on") as a bool; anything else is refused."""
+    if mode not in ("off", "on"):
+        raise ValueError(f"CTXFAST_ATTN_TMA must be 'off' or 'on', got {mode!r}")
+    return mode == "on"
+
+
 @functools.lru_cache(maxsize=None)
 def _has_tma(device: torch.device) -> bool:
     """The device can run TMA descriptor loads: a CUDA GPU of compute capability 9 or later

@@ -64,7 +64,8 @@ import triton.language as tl
 from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _has_tma,
                       _interpreting, _keep, _keep_t, _key_range, _load_rows, _mask_args,
                       _new_output, _online_softmax_step, _precision, _seed_arg, _seq_bounds,
-                      _split_targets, _tile_rows, _visible, cdiv, next_pow2, row_tiles)
+                      _split_targets, _tile_rows, _visible, cdiv, check_tma_mode,
+                      next_pow2, tma_args)
 from ._launch import fast
 
 
@@ -875,25 +876,14 @@ TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "off")
 TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _tma_mode() -> bool:
-    if TMA_MODE not in ("off", "on"):
-        raise ValueError(f"CTXFAST_ATTN_TMA must be 'off' or 'on', got {TMA_MODE!r}")
-    return TMA_MODE == "on"
-
-
 def _tma_args(names, tensors, rows, block_d, device, cu, order):
-    """Keyword arguments that turn a launch's TMA loads on: ``{name: RowTiles, ...,
-    "TMA": True}`` for the tensors read in ``[rows, block_d]`` tiles, or ``{}`` (pointer
-    tiles) where :data:`TMA_MODE` is off or the call cannot use TMA."""
-    if (not _tma_mode() or cu is not None or order is not None
+    """Keyword arguments that turn a launch's TMA loads on (:func:`_common.tma_args`) for
+    the tensors read in ``[rows, block_d]`` tiles, or ``{}`` (pointer tiles) where
+    :data:`TMA_MODE` is off or the call cannot use TMA."""
+    if (not check_tma_mode(TMA_MODE) or cu is not None or order is not None
             or tensors[0].dtype not in TMA_DTYPES or not _has_tma(device)):
         return {}
-    descs = {"TMA": True}
-    for name, x in zip(names, tensors):
-        descs[name] = row_tiles(x, rows, block_d)
-        if descs[name] is None:
-            return {}
-    return descs
+    return tma_args(names, tensors, rows, block_d)
 
 
 def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,

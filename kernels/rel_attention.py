@@ -111,9 +111,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _interpreting, _keep,
-                      _key_range, _mask_args, _new_output, _online_softmax_step, _seed_arg,
-                      _split_targets, _tf32_allowed, _visible, cdiv, next_pow2)
+from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _has_tma, _interpreting,
+                      _keep, _key_range, _mask_args, _new_output, _online_softmax_step,
+                      _seed_arg, _split_targets, _tf32_allowed, _tile_rows, _visible, cdiv,
+                      check_tma_mode, next_pow2, tma_args)
 from ._launch import fast
 
 
@@ -144,6 +145,21 @@ def _r_rows(r_base, rows, R_len, offs_d, d_ok, stride_rm, stride_rd):
     rows = tl.minimum(tl.maximum(rows, 0), R_len - 1)
     return tl.load(r_base + rows[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                    mask=d_ok, other=0.0)
+
+
+@triton.jit
+def _r_tile(RD, r_base, h, row_start, R_len, offs_d, d_ok, stride_rm, stride_rd,
+            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``row_start + [0, BLOCK_R)`` of r (head h), ``[BLOCK_R, BLOCK_D]``: through the
+    descriptor RD of r as ``[1, H, R, D]`` when TMA (rows outside ``[0, R_len)`` read as
+    0, as the clamped ones of :func:`_r_rows` they feed only masked pairs), else
+    :func:`_r_rows`."""
+    if TMA:
+        x = RD.load([0, h, row_start, 0]).reshape(BLOCK_R, BLOCK_D)
+    else:
+        x = _r_rows(r_base, row_start + tl.arange(0, BLOCK_R), R_len, offs_d, d_ok,
+                    stride_rm, stride_rd)
+    return x
 
 
 @triton.jit
@@ -275,6 +291,7 @@ def _rel_fwd_inner(
     MASKED: tl.constexpr,           # False: interior tiles, every pair visible, no mask work
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
+    KD, VD, RD, h, BLOCK_D: tl.constexpr, TMA: tl.constexpr,    # TMA: tiles via KD, VD, RD
 ):
     """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
     fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, pos_prev),
@@ -283,13 +300,12 @@ def _rel_fwd_inner(
     skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + jj
-        kv_mask = (offs_n[:, None] < Tk) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        r = _r_rows(r_base, row0 + start_n + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
-                    stride_rd)                                      # the band's second chunk
+        k = _tile_rows(KD, k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       b, h, start_n, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
+        v = _tile_rows(VD, v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       b, h, start_n, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
+        r = _r_tile(RD, r_base, h, row0 + start_n + BLOCK_N, R_len, offs_d, d_ok, stride_rm,
+                    stride_rd, BLOCK_N, BLOCK_D, TMA)               # the band's second chunk
         s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
                                           UPCAST, PRECISION, CARRY)      # [BLOCK_M, BLOCK_N]
         if HAS_SEG:
@@ -339,6 +355,9 @@ def _rel_attn_fwd_kernel(
     BAND: tl.constexpr,     # power of two >= BLOCK_M + BLOCK_N - 1
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     CARRY: tl.constexpr = False,    # the gathered first chunk carried (_rel_scores_chunked)
+    KD=None, VD=None, RD=None,      # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
+                                    # and of r as [1, H, R, D]
+    TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -392,8 +411,8 @@ def _rel_attn_fwd_kernel(
     r_base = R + h * stride_rh
     row0 = c - m0 - BLOCK_M + 1          # first row of r in the band of key block 0
     # the first chunk of the first tile's band (the loops carry it on)
-    r_first = _r_rows(r_base, row0 + lo + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok,
-                      stride_rm, stride_rd)
+    r_first = _r_tile(RD, r_base, h, row0 + lo, R_len, offs_d, d_ok, stride_rm, stride_rd,
+                      BLOCK_N, BLOCK_D, TMA)
     pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
                             PRECISION, CARRY)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
@@ -404,7 +423,8 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
+            BLOCK_D, TMA)
     else:   # boundary tiles before the interior, the interior (no mask work), the rest
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
@@ -415,7 +435,8 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
+            BLOCK_D, TMA)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
@@ -423,7 +444,8 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
+            WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
+            BLOCK_D, TMA)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, in_hi, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
@@ -431,7 +453,8 @@ def _rel_attn_fwd_kernel(
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
-            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY)
+            WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
+            BLOCK_D, TMA)
 
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -591,6 +614,7 @@ def _rel_bwd_dq_inner(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     dr_base, D,                     # ATOMIC_DR: dr accumulator rows of this head, row stride D
     ATOMIC_DR: tl.constexpr, CARRY: tl.constexpr,
+    KD, VD, RD, h, BLOCK_D: tl.constexpr, TMA: tl.constexpr,    # TMA: tiles via KD, VD, RD
 ):
     """The dQ kernel's loop over the key blocks ``[start, end)`` of one query block.
     Returns the two accumulators, the segment sums and the three carried values.
@@ -629,13 +653,12 @@ def _rel_bwd_dq_inner(
         unskew = jj[None, :] - (BLOCK_M - 1 - ii[:, None]) + BLOCK_N + t2
         unskew_lo = (unskew & BLOCK_N) != 0
         unskew = unskew & (BLOCK_N - 1)
-        kv_mask = (offs_n[:, None] < Tk) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        r = _r_rows(r_base, row0 + n0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm,
-                    stride_rd)                                      # the band's second chunk
+        k = _tile_rows(KD, k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       b, h, n0, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
+        v = _tile_rows(VD, v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       b, h, n0, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
+        r = _r_tile(RD, r_base, h, row0 + n0 + BLOCK_N, R_len, offs_d, d_ok, stride_rm,
+                    stride_rd, BLOCK_N, BLOCK_D, TMA)               # the band's second chunk
         s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
                                           UPCAST, PRECISION, CARRY)
         if HAS_SEG:
@@ -664,7 +687,8 @@ def _rel_bwd_dq_inner(
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
         ds_chunks = tl.gather(ds, unskew, 1)                          # [BLOCK_M, BLOCK_N]
         ds_first = tl.where(unskew_lo, ds_chunks, 0.0) + ds_prev      # dS on chunk r_row
-        r_first = _r_rows(r_base, r_row + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
+        r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
+                          BLOCK_N, BLOCK_D, TMA)
         dqw += _dot(ds_first.to(r.dtype), r_first, UPCAST, PRECISION)
         if ATOMIC_DR:
             _rel_dr_atomic(dr_base, r_row, ds_first, qu, wu, R_len, D, offs_d, d_ok,
@@ -719,6 +743,9 @@ def _rel_attn_bwd_dq_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ATOMIC_DR: tl.constexpr = False,
     CARRY: tl.constexpr = False,    # the gathered first chunk carried (_rel_scores_chunked)
+    KD=None, VD=None, RD=None,      # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
+                                    # and of r as [1, H, R, D]
+    TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -780,8 +807,8 @@ def _rel_attn_bwd_dq_kernel(
                                   BLOCK_M, BLOCK_N)
     # the first chunk of the first tile's band, carried through the loops (_rel_bwd_dq_inner)
     r_row = row0 + lo
-    r_first = _r_rows(r_base, r_row + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok, stride_rm,
-                      stride_rd)
+    r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
+                      BLOCK_N, BLOCK_D, TMA)
     pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
                             PRECISION, CARRY)
     ds_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -794,7 +821,8 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY)
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY, KD, VD, RD, h,
+            BLOCK_D, TMA)
     else:        # one loop, a runtime boundary test per tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
@@ -804,10 +832,11 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY)
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY, KD, VD, RD, h,
+            BLOCK_D, TMA)
     # the last tile's dS_hi, on the chunk after it
-    r_last = _r_rows(r_base, r_row + tl.arange(0, BLOCK_N), R_len, offs_d, d_ok, stride_rm,
-                     stride_rd)
+    r_last = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
+                     BLOCK_N, BLOCK_D, TMA)
     dqw += _dot(ds_prev.to(r_last.dtype), r_last, UPCAST, PRECISION)
     if ATOMIC_DR:
         _rel_dr_atomic(dr_base, r_row, ds_prev, qu, wu, R_len, D, offs_d, d_ok, UPCAST,
@@ -1143,6 +1172,25 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 DR_MODE = os.environ.get("CTXFAST_REL_BWD_DR", "kernel")
 
 
+#: "off" (default) or "on": as ``kernels.attention.TMA_MODE`` (the same setting,
+#: ``CTXFAST_ATTN_TMA``, read at import): the forward's and dQ's loops read k, v and r's
+#: chunks through TMA descriptors on sm_90+ for fp16/bf16 calls. The dK/dV and dR kernels
+#: keep pointer tiles: dK/dV's q and dO through descriptors spilled more on sm_90 (bf16
+#: D 64 164 -> 236 B per thread, D 128 0 -> 80; benchmarks/NOTES.md).
+#: ``LAUNCH_OVERRIDE["tma"]`` overrides it while the config sweep sets it.
+TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "off")
+TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _tma_args(names, tensors, rows, block_d):
+    """Keyword arguments turning a launch's TMA tiles on (``_common.tma_args``), or ``{}``
+    where TMA_MODE is off or the call cannot use them (device, dtype, addressing)."""
+    if (not check_tma_mode(LAUNCH_OVERRIDE.get("tma", TMA_MODE))
+            or tensors[0].dtype not in TMA_DTYPES or not _has_tma(tensors[0].device)):
+        return {}
+    return tma_args(names, tensors, rows, block_d)
+
+
 def _dr_mode() -> str:
     """DR_MODE, or LAUNCH_OVERRIDE's "dr_mode" while the config sweep sets it."""
     mode = LAUNCH_OVERRIDE.get("dr_mode", DR_MODE)
@@ -1246,6 +1294,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     num_splits, keys_per_split, o_target, l_target, o_strides, l_strides, split_strides = \
         _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
     split = num_splits > 1
+    tma = _tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bn, bd)
     fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
         q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb,
         o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
@@ -1259,7 +1308,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         WINDOW=window is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype),
-        CARRY=_carry(D, q.dtype), num_warps=warps, num_stages=stages,
+        CARRY=_carry(D, q.dtype), num_warps=warps, num_stages=stages, **tma,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -1324,7 +1373,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
             q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
             kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic,
-            CARRY=_carry(D, q.dtype))
+            CARRY=_carry(D, q.dtype), **_tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)),
+                                                  bn, bd))
         d_rw, d_rr = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))           # [H, D] each
         if atomic:
             dr = dr_acc.mul_(scale)

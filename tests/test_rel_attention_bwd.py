@@ -180,3 +180,43 @@ def test_launch_override_picks_the_dr_mode(monkeypatch):
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "dr_mode", "fast")
     with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)
+
+
+@needs_triton
+@pytest.mark.parametrize("halves", [False, True])
+def test_tma_tiles_against_reference(monkeypatch, halves):
+    """kernels.rel_attention.TMA_MODE = "on" (``CTXFAST_ATTN_TMA``): the forward and dQ
+    kernels read k, v and r's chunks through tensor descriptors, which the interpreter
+    emulates as TMA does (rows outside the tensor, negative ones included, read as 0). The
+    module's reference checks in that mode (with and without the dK/dV band in halves),
+    with the carried gather too and split decoding, forward and every gradient against
+    float64 within 2x eager; a spy sees every launch of the two kernels take the
+    descriptors. fp32 is let in here (GPUs take TMA for 16-bit calls only): the addressing
+    does not depend on the dtype."""
+    import ctxfast.kernels.rel_attention as krel
+    if "CTXFAST_ATTN_TMA" not in os.environ:
+        assert krel.TMA_MODE == "off"             # opt-in until a GPU has timed it
+    monkeypatch.setattr(krel, "TMA_MODE", "on")
+    monkeypatch.setattr(krel, "TMA_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    if halves:
+        monkeypatch.setattr(krel, "HALVES_MIN_BLOCK", 16)
+    seen = spy_launches(monkeypatch, krel, ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"),
+                        lambda args, kwargs: kwargs.get("TMA", False))
+    _variant_reference_checks()
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "carry", True)
+    test_dr_against_float64(2, 3, 21, 0, 23, 22, 7, True)
+    monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "carry")
+    import test_rel_attention as rel_tests
+    rel_tests.test_half_dtypes(torch.float16)
+    from ctxfast import reference
+    from ctxfast.kernels.rel_attention import rel_attention_forward
+    ts = _inputs(2, 2, 3, 70, 16, 70)
+    out3, _ = rel_attention_forward(*ts, num_splits=3)
+    ref = reference.rel_attention(*(t.double() for t in ts))
+    assert (out3.double() - ref).abs().max() < 1e-5
+    kernels = {name for name, _ in seen}
+    assert kernels == {"_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"}, kernels
+    assert all(tma for _, tma in seen), seen
+    monkeypatch.setattr(krel, "TMA_MODE", "yes")
+    with pytest.raises(ValueError, match="CTXFAST_ATTN_TMA"):
+        test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)

@@ -192,10 +192,11 @@ def _cases():
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
 
     def tma(fn):
-        """fn with the attention loops' tiles through TMA descriptors (TMA_MODE "on"), as
-        on an sm_90 GPU (the recording's CPU tensors have no TMA of their own)."""
-        return setting(attention, "TMA_MODE", "on")(
-            setting(attention, "_has_tma", lambda device: True)(fn))
+        """fn with the attention and rel_attention loops' tiles through TMA descriptors
+        (TMA_MODE "on"), as on an sm_90 GPU (the recording's CPU tensors have no TMA)."""
+        for mod in (attention, rel_attention):
+            fn = setting(mod, "TMA_MODE", "on")(setting(mod, "_has_tma", lambda device: True)(fn))
+        return fn
 
     f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
     sm90, both = (90,), (90, 80)
@@ -205,6 +206,10 @@ def _cases():
         ("rel_attention bf16 D=64 causal (training)", sm90, lambda: rel(bf16, 64, causal=True)),
         ("rel_attention bf16 D=128 causal (training)", sm90,
          lambda: rel(bf16, 128, causal=True)),
+        ("rel_attention bf16 D=64 causal (training), TMA", sm90,
+         tma(lambda: rel(bf16, 64, causal=True))),
+        ("rel_attention bf16 D=128 causal (training), TMA", sm90,
+         tma(lambda: rel(bf16, 128, causal=True))),
         ("rel_attention fp32/tf32 D=64 causal (training, XL evaluation)", sm90,
          tf32(lambda: rel(f32, 64, causal=True))),
         # rel_attention: forward, dK/dV and dQ; decoding: split-K forward + combine. The
@@ -640,14 +645,24 @@ def test_kernel_compile_facts(compiled, kernel):
                             f"{r['spill_loads']} B loads ({r['regs']} registers)")
         if kernel in WGMMA_KERNELS and _sixteen_bit(r) and (r["wgmma"] == 0 or r["mma_sync"] > 0):
             problems.append(f"{where}: {r['wgmma']} wgmma, {r['mma_sync']} mma.sync in the PTX")
-        if ("TMA=True" in r["launch"]) != bool(r.get("tma")):   # TMA loads where asked only
-            problems.append(f"{where}: {r.get('tma')} TMA loads (cp.async.bulk.tensor)")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+def test_tma_loads_where_asked(compiled):
+    """The attention and rel_attention kernels launched with TMA=True (their TMA_MODE "on")
+    load through the Hopper tensor-memory accelerator (``cp.async.bulk.tensor`` in the sm_90
+    PTX), and no other launch does."""
+    rows = [r for r in compiled["rows"] if r["arch"] == 90 and r["ok"] and "tma" in r]
+    asked = [r for r in rows if "TMA=True" in r["launch"]]
+    assert asked, "no launch with TMA=True was compiled"
+    problems = [f"{r['kernel']} [{r['variant']}]: {r['tma']} TMA loads" for r in rows
+                if ("TMA=True" in r["launch"]) != bool(r["tma"])]
+    assert not problems, "\n".join(problems)
 
 
 def test_host_side_cdiv_and_next_pow2_match_triton():
