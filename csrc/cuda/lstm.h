@@ -43,6 +43,10 @@ struct LstmDims {
   float scale_eff;  // scale where a mask is given, else 1
   float cell_clip, cell_clip_s, cell_clip_below;
   float proj_clip, proj_clip_s, proj_clip_below;
+  // float32 on the tensor cores (kMma, kMmaGrouped): each product as one tf32 product
+  // (TF32's rounding of the operands, as cuDNN's RNNs where torch allows TF32 for them)
+  // instead of tf32x3 (float32-level error, three products). Ignored otherwise.
+  bool tf32_one = false;
 };
 
 // kMmaGrouped: the tensor-core backward with its product on a 2-D distribution of w_hh

@@ -274,6 +274,7 @@ struct FwdParams {
   T* out; T* cells; T* gates;
   int T_, B, H, P, units;
   bool proj, reverse;
+  bool tf32_one;  // unused by the CUDA-core kernels (LstmDims::tf32_one)
   float scale_eff, cell_clip, cell_clip_s, cell_below, proj_clip, proj_clip_s, proj_below;
 };
 
@@ -389,6 +390,7 @@ struct BwdParams {
   float* dh_in; float* dc; float* part; float* dz; float* hp; float* grad_h0;
   int T_, B, H, P, units;
   bool proj, reverse;
+  bool tf32_one;  // unused by the CUDA-core kernels (LstmDims::tf32_one)
   float scale_eff, cell_clip_s, proj_clip_s;  // the clips as stored (see lstm.h)
 };
 
@@ -546,7 +548,9 @@ lstm_bwd_persistent_kernel(const BwdParams<T> p) {
 // grid.sync(); phase 3 the partials summed (deterministically), dh_{t-1} and its operand
 // copy written.  grid.sync()
 // float32: every product as a_hi b_hi + a_hi b_lo + a_lo b_hi with tf32 halves (the
-// a_lo b_lo term, ~2^-22 relative, dropped): float32-level error on the tensor cores.
+// a_lo b_lo term, ~2^-22 relative, dropped): float32-level error on the tensor cores; or,
+// with tf32_one (torch allows TF32 for cuDNN's RNNs, as nn.LSTM reads it), one product
+// a_hi b_hi: TF32's error, a third of the MMAs and no operand splits.
 namespace wmma = nvcuda::wmma;
 
 constexpr int kMmaMaxMT = 8;     // at most 8 row tiles per block: 4U <= 128 (U <= 32)
@@ -594,14 +598,40 @@ __device__ __forceinline__ void split_tf32(F& hi, F& lo) {
   }
 }
 
-// acc += a . b; b_lo is b's low tf32 half (float32 only; unused otherwise). a is split here.
-template <typename T, typename FA, typename FB>
-__device__ __forceinline__ void mma_step(FragC<T>& acc, FA& a, const FB& b, const FB& b_lo) {
+// x -> tf32(x), in place (the one-product mode's operands).
+template <typename F>
+__device__ __forceinline__ void round_tf32(F& x) {
+#pragma unroll
+  for (int i = 0; i < x.num_elements; ++i) x.x[i] = wmma::__float_to_tf32(x.x[i]);
+}
+
+// A B operand as mma_step takes it (float32 only; nothing otherwise): split into tf32
+// halves (b, b_lo), or rounded to tf32 when `one`.
+template <typename T, typename FB>
+__device__ __forceinline__ void prepare_b(FB& b, FB& b_lo, bool one) {
   if constexpr (MmaOperand<T>::kSplit) {
-    FA a_lo;
-    split_tf32(a, a_lo);
-    wmma::mma_sync(acc, a_lo, b, acc);
-    wmma::mma_sync(acc, a, b_lo, acc);
+    if (one) {
+      round_tf32(b);
+    } else {
+      split_tf32(b, b_lo);
+    }
+  }
+}
+
+// acc += a . b; b_lo is b's low tf32 half (float32 without `one` only; unused otherwise).
+// a is split (or, with `one`, rounded) here.
+template <typename T, typename FA, typename FB>
+__device__ __forceinline__ void mma_step(FragC<T>& acc, FA& a, const FB& b, const FB& b_lo,
+                                         bool one) {
+  if constexpr (MmaOperand<T>::kSplit) {
+    if (one) {
+      round_tf32(a);
+    } else {
+      FA a_lo;
+      split_tf32(a, a_lo);
+      wmma::mma_sync(acc, a_lo, b, acc);
+      wmma::mma_sync(acc, a, b_lo, acc);
+    }
   }
   wmma::mma_sync(acc, a, b, acc);
 }
@@ -647,6 +677,7 @@ struct FwdMmaParams {
   T* out; T* cells; T* gates;
   int T_, B, H, P, units, bpad, kp, kld, ksplit;
   bool proj, reverse;
+  bool tf32_one;  // float32: one tf32 product per MMA instead of tf32x3 (LstmDims::tf32_one)
   float scale_eff, cell_clip, cell_clip_s, cell_below, proj_clip, proj_clip_s, proj_below;
 };
 
@@ -659,16 +690,17 @@ __host__ __device__ constexpr int mma_unit_rows(int units, int kk) {
 // min(16 m, mrows - 16)); kt: the K step.
 template <typename T, typename Op, typename FB>
 __device__ __forceinline__ void fwd_tile_products(FragC<T> (&acc)[kMmaMaxMT], const Op* ws,
-                                                  int kld, int mrows, int MT, int kt, FB& b) {
+                                                  int kld, int mrows, int MT, int kt, FB& b,
+                                                  bool one) {
   FB b_lo;
-  if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
+  prepare_b<T>(b, b_lo, one);
 #pragma unroll
   for (int mt = 0; mt < kMmaMaxMT; ++mt) {
     if (mt < MT) {
       const int r0 = min(mt * 16, mrows - 16);
       FragA<T, wmma::row_major> a;
       wmma::load_matrix_sync(a, ws + int64_t(r0) * kld + kt * MmaOperand<T>::K, kld);
-      mma_step<T>(acc[mt], a, b, b_lo);
+      mma_step<T>(acc[mt], a, b, b_lo, one);
     }
   }
 }
@@ -678,7 +710,8 @@ __device__ __forceinline__ void fwd_tile_products(FragC<T> (&acc)[kMmaMaxMT], co
 template <typename T, typename Op>
 __device__ __forceinline__ void block_tiles_product(const Op* A, int lda, const Op* Bm, int ldb,
                                                     int MT, int NT, int KT, float* out,
-                                                    int64_t ldo, int warp, int nwarps) {
+                                                    int64_t ldo, int warp, int nwarps,
+                                                    bool one) {
   constexpr int KK = MmaOperand<T>::K;
   for (int it = warp; it < MT * NT; it += nwarps) {  // warp-uniform
     const int mt = it % MT, nt = it / MT;
@@ -690,8 +723,8 @@ __device__ __forceinline__ void block_tiles_product(const Op* A, int lda, const 
       FragB<T, wmma::row_major> b, b_lo;
       wmma::load_matrix_sync(a, A + int64_t(mt) * 16 * lda + kt * KK, lda);
       wmma::load_matrix_sync(b, Bm + int64_t(kt) * KK * ldb + nt * 16, ldb);
-      if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
-      mma_step<T>(acc, a, b, b_lo);
+      prepare_b<T>(b, b_lo, one);
+      mma_step<T>(acc, a, b, b_lo, one);
     }
     wmma::store_matrix_sync(out + int64_t(mt) * 16 * ldo + nt * 16, acc, static_cast<unsigned>(ldo),
                             wmma::mem_row_major);
@@ -791,16 +824,16 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
       if (n_k > 2) wmma::load_matrix_sync(b2, hk + 2 * KK, kld);
       for (int i = 0; i < n_k; i += 4) {
         if (i + 3 < n_k) wmma::load_matrix_sync(b3, hk + (i + 3) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i, b0);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i, b0, p.tf32_one);
         if (i + 1 >= n_k) break;
         if (i + 4 < n_k) wmma::load_matrix_sync(b0, hk + (i + 4) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 1, b1);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 1, b1, p.tf32_one);
         if (i + 2 >= n_k) break;
         if (i + 5 < n_k) wmma::load_matrix_sync(b1, hk + (i + 5) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 2, b2);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 2, b2, p.tf32_one);
         if (i + 3 >= n_k) break;
         if (i + 6 < n_k) wmma::load_matrix_sync(b2, hk + (i + 6) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 3, b3);
+        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 3, b3, p.tf32_one);
       }
 #pragma unroll
       for (int mt = 0; mt < kMmaMaxMT; ++mt) {
@@ -853,7 +886,8 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
       // ---- phase 3: this block's part of h_t = hp_t . w_hr^T (its units), then the sum
       __syncthreads();
       block_tiles_product<T>(hps, hld, wr, wld, bpad / 16, kp / 16, urows / KK,
-                             p.ypart + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps);
+                             p.ypart + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps,
+                             p.tf32_one);
       grid.sync();
       for (int64_t e = gtid; e < int64_t(B) * P; e += gthreads) {
         const int64_t b = e / P, k = e - b * P;
@@ -876,6 +910,7 @@ struct BwdMmaParams {
   typename MmaOperand<T>::Op* dhop;  // projection: [bpad, kld] dh_in of the step, operands
   int T_, B, H, P, units, bpad, kp, kld, ksplit;  // part [blocks, bpad, kp]
   bool proj, reverse;
+  bool tf32_one;  // float32: one tf32 product per MMA instead of tf32x3 (LstmDims::tf32_one)
   float scale_eff, cell_clip_s, proj_clip_s;
   // the grouped kernel only: dz's operands [bpad, dzld] (zero-filled by the caller), the
   // product blocks' shape (LstmPlan); part is [groups, bpad, chunks * gcolp] there
@@ -962,8 +997,8 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
           FragB<T, wmma::row_major> b, b_lo;
           wmma::load_matrix_sync(a, p.dhop + int64_t(mt) * 16 * kld + kt * KK, kld);
           wmma::load_matrix_sync(b, wb + int64_t(kt) * KK * uld + nt * 16, uld);
-          if constexpr (MmaOperand<T>::kSplit) split_tf32(b, b_lo);
-          mma_step<T>(acc, a, b, b_lo);
+          prepare_b<T>(b, b_lo, p.tf32_one);
+          mma_step<T>(acc, a, b, b_lo, p.tf32_one);
         }
         wmma::store_matrix_sync(dhs + (int64_t(ks) * bpad + mt * 16) * dhld + nt * 16, acc,
                                 dhld, wmma::mem_row_major);
@@ -994,7 +1029,8 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     __syncthreads();
     // ---- phase 2: part[block] = dz_slice[bpad, wrows] . W_slice[wrows, kp], 16 x 16 tiles
     block_tiles_product<T>(dzs, dld, ws, kld, bpad / 16, kp / 16, wrows / KK,
-                           p.part + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps);
+                           p.part + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps,
+                           p.tf32_one);
     grid.sync();
     // ---- phase 3: sum the partials; dh_in of the next step processed, or grad_h0
     for (int64_t e = gtid; e < BP; e += gthreads) {
@@ -1101,7 +1137,7 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
       __syncthreads();
       block_tiles_product<T>(dzs, dzsld, ws, gld, bpad / 16,
                              p.gcolp / 16, grows / KK, p.part + g * gstride + int64_t(c) * p.gcolp,
-                             pld, warp, nwarps);
+                             pld, warp, nwarps, p.tf32_one);
     }
     grid.sync();
   }
@@ -1234,6 +1270,7 @@ void set_common(Params& p, const LstmPlan& plan, const LstmDims& d) {
   p.T_ = static_cast<int>(d.T); p.B = static_cast<int>(d.B);
   p.H = static_cast<int>(d.H); p.P = static_cast<int>(d.P); p.units = plan.units;
   p.proj = d.proj; p.reverse = d.reverse;
+  p.tf32_one = d.tf32_one;
   p.scale_eff = d.scale_eff;
 }
 

@@ -6,7 +6,8 @@
 // with the grouped backward (lstm_bwd_mma_grouped_kernel), dtype 0 = float32
 // / 1 = float16 / 2 = bfloat16, T, B, H, P, reverse, has_mask, sms, has_w_hr, backward,
 // smem_limit in bytes), 8 float32 (scale_eff, cell_clip, cell_clip_s, cell_clip_below,
-// proj_clip, proj_clip_s, proj_clip_below, unused), then float32 arrays: xw [T,B,4H],
+// proj_clip, proj_clip_s, proj_clip_below, tf32_one: nonzero = LstmDims::tf32_one), then
+// float32 arrays: xw [T,B,4H],
 // h0 [B,P], c0 [B,H], w_hh [4H,P], mask [4H,P] (has_mask), w_hr [P,H] (has_w_hr),
 // grad_out [T,B,P], grad_cells [T,B,H].
 // OUT: 4 int32 (ok, blocks, threads, units), then float32 arrays: out, cells, gates (as
@@ -224,6 +225,7 @@ int main(int argc, char** argv) {
   d.scale_eff = f[0];
   d.cell_clip = f[1]; d.cell_clip_s = f[2]; d.cell_clip_below = f[3];
   d.proj_clip = f[4]; d.proj_clip_s = f[5]; d.proj_clip_below = f[6];
+  d.tf32_one = f[7] != 0.0f;
   if (h[0] < 0 || h[0] > 2) emu::fail("kernel must be 0, 1 or 2");
   const LstmKernel kernel = h[0] == 0 ? LstmKernel::kFma : LstmKernel::kMma;
   const LstmKernel bkernel = h[0] == 2 ? LstmKernel::kMmaGrouped : kernel;
