@@ -283,7 +283,8 @@ stage_verify() {
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
   step "lstm: CUDA kernels against cuDNN" 70 lstm_cuda_compare.log "$PY" \
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma" \
-    "cuda persistent-mma groups" "cuDNN+WeightDropout" --out "$R/lstm_cuda_compare.json"
+    "cuda persistent-mma groups" "cuda persistent-mma tf32x3" "cuDNN+WeightDropout" \
+    "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
   # attention's launches (rel_attention's were swept in the third H200 round and adopted)
   step "config sweep (attention, checked)" 150 config_sweep.log "$PY" \

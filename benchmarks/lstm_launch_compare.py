@@ -7,6 +7,10 @@ tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and te
 (``bench_lstm.FastaiWeightDropLSTM``), one layer each at the benchmark's ULMFiT and ELMo
 sizes, forward and forward+backward, fp32 and bf16.
 
+float32: both cuDNN and the CUDA tensor-core kernels follow torch's TF32 setting for cuDNN
+RNNs (on by default: one TF32 product per MMA). The forms ending in " tf32x3" (ours:
+three TF32 products, float32-level error) and " ieee" (cuDNN) run with that setting off.
+
     python benchmarks/lstm_launch_compare.py [--quick] [--out FILE.json]
 
 Timing: CUDA events around each call, median of ``--reps`` after 3 warm-up calls (the first
@@ -48,6 +52,9 @@ def _form(name: str):
     saved_launch, saved_precision = lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION
     saved_env = os.environ.get("CTXFAST_LSTM_CUDA_KERNEL")
     saved_reduce = os.environ.get("CTXFAST_LSTM_CUDA_BWD_REDUCE")
+    saved_tf32 = torch.backends.cudnn.allow_tf32
+    if name.startswith(("cuda ", "cuDNN")) and name.endswith((" tf32x3", " ieee")):
+        torch.backends.cudnn.allow_tf32 = False   # float32 without TF32 (ours: tf32x3)
     if name == "triton stepwise":
         lstm_kernels.LAUNCH = "stepwise"
     elif name.startswith("triton persistent"):
@@ -56,11 +63,12 @@ def _form(name: str):
             lstm_kernels.FP32_PRECISION = "ieee"
     elif name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
-        if name.endswith(" groups"):              # the grouped tensor-core backward
+        if " groups" in name:                     # the grouped tensor-core backward
             os.environ["CTXFAST_LSTM_CUDA_BWD_REDUCE"] = "groups"
     try:
         yield
     finally:
+        torch.backends.cudnn.allow_tf32 = saved_tf32
         lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION = saved_launch, saved_precision
         for var, saved in (("CTXFAST_LSTM_CUDA_KERNEL", saved_env),
                            ("CTXFAST_LSTM_CUDA_BWD_REDUCE", saved_reduce)):
@@ -76,9 +84,10 @@ def _forms(device: torch.device) -> List[str]:
         forms += ["triton persistent", "triton stepwise", "triton persistent ieee"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
         forms += ["cuda persistent", "cuda persistent-mma", "cuda persistent-mma groups",
+                  "cuda persistent-mma tf32x3", "cuda persistent-mma groups tf32x3",
                   "cuda per-step"]
     if device.type == "cuda":
-        forms.append("cuDNN+WeightDropout")
+        forms += ["cuDNN+WeightDropout", "cuDNN+WeightDropout ieee"]
     return forms
 
 
@@ -100,7 +109,7 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
             for form in _forms(device):
                 if only and form not in only:
                     continue
-                if form == "cuDNN+WeightDropout":
+                if form.startswith("cuDNN+WeightDropout"):
                     if clip is not None:
                         continue                                    # nn.LSTM cannot clip
                     from bench_lstm import FastaiWeightDropLSTM

@@ -25,6 +25,11 @@
 // (use the cpu or eager backend). Non-contiguous inputs are made contiguous here.
 // Weight gradients are one GEMM each over all steps, after the recurrence (in the storage
 // dtype: tensor cores for 16-bit, float32 accumulation).
+// float32 on the tensor cores follows torch's TF32 setting for cuDNN's RNNs, which is what
+// nn.LSTM reads (torch.backends.cudnn.rnn.fp32_precision, or cudnn.allow_tf32 before it;
+// on by default): allowed, each product is one TF32 product (LstmDims::tf32_one); not
+// allowed, tf32x3 (float32-level error). Read at every call (rnn_tf32_allowed).
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -96,6 +101,30 @@ cuda::LstmPlan choose(const char* op, Path path, PlanFn plan_for) {
   return plan;
 }
 
+// Whether torch allows TF32 in cuDNN's RNNs. The C++ API of that setting changed across the
+// torch releases we support: allowTF32CuDNN(Float32Op) (enum, with at::str2op), before it
+// allowTF32CuDNN(const std::string& op), before that allowTF32CuDNN() alone. Overloads
+// ranked by the 0 argument (int, long, ...) pick the first that compiles here; str2op is
+// looked up when the call is instantiated (a dependent call), so a torch without it drops
+// that overload instead of failing to build.
+namespace tf32_api {
+using namespace at;  // str2op, where this torch has it
+template <typename Ctx, typename S>
+auto rnn(const Ctx& c, const S& op, int) -> decltype(c.allowTF32CuDNN(str2op(op))) {
+  return c.allowTF32CuDNN(str2op(op));
+}
+template <typename Ctx, typename S>
+auto rnn(const Ctx& c, const S& op, long) -> decltype(c.allowTF32CuDNN(op)) {
+  return c.allowTF32CuDNN(op);
+}
+template <typename Ctx, typename S>
+bool rnn(const Ctx& c, const S&, ...) {
+  return c.allowTF32CuDNN();
+}
+}  // namespace tf32_api
+
+bool rnn_tf32_allowed() { return tf32_api::rnn(at::globalContext(), std::string("rnn"), 0); }
+
 cuda::LstmDims make_dims(const lstm::Dims& d, at::ScalarType dt, bool has_mask, double scale,
                          double cell_clip, double proj_clip, bool reverse) {
   cuda::LstmDims r;
@@ -113,6 +142,7 @@ cuda::LstmDims make_dims(const lstm::Dims& d, at::ScalarType dt, bool has_mask, 
   r.proj_clip = static_cast<float>(proj_clip);
   r.proj_clip_s = static_cast<float>(ps);
   r.proj_clip_below = static_cast<float>(lstm::clip_below(ps, dt));
+  r.tf32_one = dt == at::kFloat && rnn_tf32_allowed();
   return r;
 }
 

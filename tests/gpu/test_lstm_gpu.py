@@ -120,6 +120,33 @@ def test_tensor_core_kernels_against_reference(monkeypatch, dtype, T, B, H, P, p
     check_cuda(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype)
 
 
+@pytest.mark.parametrize("reduce", ["blocks", "groups"])
+@pytest.mark.parametrize("proj", [False, True], ids=["plain", "proj"])
+def test_tensor_core_float32_follows_cudnn_tf32(monkeypatch, proj, reduce):
+    """torch.backends.cudnn.allow_tf32 on (torch's default, which nn.LSTM reads; the suite
+    turns it off, tests/conftest.py): the tensor-core kernels' float32 products are one
+    TF32 product each (csrc/bindings/lstm_cuda.cpp rnn_tf32_allowed): forward and every
+    gradient within 2x the error of eager with TF32 products (cuBLAS with
+    torch.backends.cuda.matmul.allow_tf32) against float64; and further from float64 than
+    with the setting off, so the setting reaches the kernels. No clips (TF32's rounding
+    is larger than the margin the clip cases keep from their boundary)."""
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_BWD_REDUCE", reduce)
+    T, B, H, P = 9, 37, 61, (27 if proj else 61)
+    torch.manual_seed(3)
+    exact, _ = check_cuda(T, B, H, P, proj, True, math.inf, math.inf, False, torch.float32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    torch.manual_seed(3)
+    one, _ = check_cuda(T, B, H, P, proj, True, math.inf, math.inf, False, torch.float32)
+    torch.manual_seed(3)
+    cpu = make_inputs(T, B, H, P, proj, True)                # the same inputs again
+    ref64, _ = reference_all(*cpu, 1.0 / 0.7, math.inf, math.inf, False,
+                             torch.zeros(T, B, P, dtype=torch.float64),
+                             torch.zeros(T, B, H, dtype=torch.float64))
+    assert rel_err(one.cpu(), ref64[0]) > 10 * rel_err(exact.cpu(), ref64[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("T, B, H, reverse, use_mask, cc", [
     (1, 3, 13, False, False, math.inf), (9, 37, 61, True, True, 0.9),
