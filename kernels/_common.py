@@ -349,6 +349,22 @@ def _tf32_allowed() -> bool:
     return precision == "tf32"
 
 
+def _rnn_tf32_allowed() -> bool:
+    """torch allows TF32 in cuDNN's RNNs, the setting ``nn.LSTM`` reads for float32 (default:
+    allowed): ``torch.backends.cudnn.rnn.fp32_precision`` where torch has it ("none" defers
+    to cuDNN's, then to the global one), else ``torch.backends.cudnn.allow_tf32``. The CUDA
+    LSTM's binding reads the same setting in C++ (``csrc/bindings/lstm_cuda.cpp``)."""
+    cudnn = torch.backends.cudnn
+    precision = getattr(getattr(cudnn, "rnn", None), "fp32_precision", None)
+    if precision is None:
+        return bool(cudnn.allow_tf32)
+    if precision == "none":
+        precision = getattr(cudnn, "fp32_precision", "none")
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
+
+
 def _auto_splits(B, H, Tq, Tk, bm, bn, device) -> int:
     """Flash-decoding: split the keys when the (b, h, query-block) programs cannot fill the
     GPU (few queries, long keys). Heuristic, not yet tuned on a GPU."""

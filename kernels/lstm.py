@@ -92,7 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, _interpreting, _precision, _tf32_allowed, cdiv, next_pow2
+from ._common import _dot, _interpreting, _precision, _rnn_tf32_allowed, cdiv, next_pow2
 from ._launch import fast
 
 
@@ -526,7 +526,8 @@ def _cooperative_supported() -> bool:
 _COOPERATIVE = _cooperative_supported()
 
 
-#: ``tl.dot``'s input precision for fp32 inputs when torch does not allow TF32 (its default):
+#: ``tl.dot``'s input precision for fp32 inputs when torch does not allow TF32 for cuDNN's
+#: RNNs (``torch.backends.cudnn.allow_tf32 = False`` or ``cudnn.rnn.fp32_precision = "ieee"``):
 #: ``"tf32x3"`` (each operand split into a TF32 head and tail, three tensor-core products,
 #: ~fp32 error; the rel_attention kernels' choice) or ``"ieee"`` (exact products, an FMA loop
 #: on the CUDA cores). Compiled for sm_90, tf32x3 puts the ULMFiT-size step on wgmma with no
@@ -535,13 +536,14 @@ FP32_PRECISION: str = "tf32x3"
 
 
 def lstm_precision(dtype: torch.dtype) -> str:
-    """The recurrence dots' input precision: fp64 exact, fp32 :data:`FP32_PRECISION` (or
-    ``"tf32"`` where torch allows TF32 for fp32 matmuls), 16-bit operands as Triton does.
-    The interpreter computes every fp32 dot exactly, whatever the string."""
+    """The recurrence dots' input precision: fp64 exact, fp32 ``"tf32"`` where torch allows
+    TF32 for cuDNN's RNNs (what nn.LSTM and the CUDA kernels follow; torch's default), else
+    :data:`FP32_PRECISION`; 16-bit operands as Triton does. The interpreter computes every
+    fp32 dot exactly, whatever the string."""
     if dtype == torch.float64:
         return "ieee"
     if dtype == torch.float32:
-        return "tf32" if _tf32_allowed() else FP32_PRECISION
+        return "tf32" if _rnn_tf32_allowed() else FP32_PRECISION
     return _precision(dtype)
 
 

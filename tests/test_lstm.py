@@ -464,16 +464,40 @@ def test_triton_fp16_carries_the_cell_state_in_fp32():
 
 
 def test_triton_lstm_dot_precision(monkeypatch):
-    """fp32 recurrence dots: tf32x3 by default (tensor cores, ~fp32 error), plain TF32 when
-    torch allows TF32 for fp32 matmuls, exact with FP32_PRECISION = "ieee"; fp64 exact."""
+    """fp32 recurrence dots: plain TF32 where torch allows TF32 for cuDNN's RNNs (as nn.LSTM
+    and the CUDA kernels), else tf32x3 (tensor cores, ~fp32 error), exact with
+    FP32_PRECISION = "ieee"; fp64 exact."""
     lstm_kernels = pytest.importorskip("ctxfast.kernels.lstm")
-    monkeypatch.setattr(lstm_kernels, "_tf32_allowed", lambda: False)
+    monkeypatch.setattr(lstm_kernels, "_rnn_tf32_allowed", lambda: False)
     assert lstm_kernels.lstm_precision(torch.float32) == "tf32x3"
     assert lstm_kernels.lstm_precision(torch.float64) == "ieee"
     monkeypatch.setattr(lstm_kernels, "FP32_PRECISION", "ieee")
     assert lstm_kernels.lstm_precision(torch.float32) == "ieee"
-    monkeypatch.setattr(lstm_kernels, "_tf32_allowed", lambda: True)
+    monkeypatch.setattr(lstm_kernels, "_rnn_tf32_allowed", lambda: True)
     assert lstm_kernels.lstm_precision(torch.float32) == "tf32"
+
+
+def test_rnn_tf32_setting_is_read_as_torch_sets_it():
+    """kernels._common._rnn_tf32_allowed follows torch's TF32 setting for cuDNN's RNNs (the
+    one nn.LSTM reads): the legacy flag, and where torch has it the per-op
+    ``cudnn.rnn.fp32_precision`` (which may differ from conv's: then the legacy flag cannot
+    be read at all, and ours still can)."""
+    from ctxfast.kernels._common import _rnn_tf32_allowed
+    cudnn = torch.backends.cudnn
+    old = cudnn.allow_tf32
+    try:
+        cudnn.allow_tf32 = False
+        assert _rnn_tf32_allowed() is False
+        cudnn.allow_tf32 = True
+        assert _rnn_tf32_allowed() is True
+        rnn = getattr(cudnn, "rnn", None)
+        if rnn is not None and hasattr(rnn, "fp32_precision"):
+            rnn.fp32_precision = "ieee"              # conv stays "tf32": the two differ
+            assert _rnn_tf32_allowed() is False
+            rnn.fp32_precision = "tf32"
+            assert _rnn_tf32_allowed() is True
+    finally:
+        cudnn.allow_tf32 = old
 
 
 def test_triton_launch_plan_on_a_gpu(monkeypatch):
