@@ -682,3 +682,9 @@ def test_row_tiles_rules_and_launch_key():
     assert args_key((d,)) != args_key((row_tiles(x.float(), 16, 32),))
     from triton.runtime.jit import mangle_type
     assert mangle_type(d) == "tensordesc<fp16[1, 1, 16, 32]>"
+    # built without TensorDescriptor's checks: the same object its constructor makes
+    from ctxfast.kernels._common import _unchecked_desc_ok
+    assert _unchecked_desc_ok()
+    full = RowTiles(x, list(x.shape), list(x.stride()), [1, 1, 16, 32])
+    assert vars(d).keys() == vars(full).keys() and d.base is full.base
+    assert all(vars(d)[k] == vars(full)[k] for k in vars(d) if k != "base")
