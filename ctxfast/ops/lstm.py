@@ -320,6 +320,12 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         c_t = clamp(f * c_{t-1} + i * g, ±cell_clip);  hp = o * tanh(c_t)
         h_t = clamp(hp @ w_hrᵀ, ±proj_clip)  (h_t = hp without w_hr)
 
+    Precision: fp16/bf16 operands with fp32 arithmetic and state. fp32 on a GPU as
+    ``nn.LSTM`` computes it: where torch allows TF32 for cuDNN's RNNs
+    (``torch.backends.cudnn.allow_tf32`` / ``cudnn.rnn.fp32_precision``, allowed by default)
+    the recurrent products are TF32 products, else float32-level (tf32x3 on the tensor
+    cores); the input projection GEMM follows cuBLAS's own setting, as in PyTorch.
+
     Args:
         x: ``[T, B, I]``, time-major; any strides. fp16, bf16, fp32 (fp64 for tests).
         hx: ``(h0 [B, P], c0 [B, H])`` or None (zeros). One layer: no layer dimension.
