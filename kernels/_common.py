@@ -280,9 +280,11 @@ class RowTiles(TensorDescriptor):
 
 
 #: TensorDescriptor's fields that have defaults (``padding`` and others, by Triton release):
-#: :func:`row_tiles` sets them without running the dataclass's own checks.
-_DESC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
-                  if f.default is not dataclasses.MISSING}
+#: :func:`row_tiles` sets them without running the dataclass's own checks. None where
+#: TensorDescriptor is not a dataclass (then only the checked constructor is used).
+_DESC_DEFAULTS = ({f.name: f.default for f in dataclasses.fields(TensorDescriptor)
+                   if f.default is not dataclasses.MISSING}
+                  if dataclasses.is_dataclass(TensorDescriptor) else None)
 
 
 def row_tiles(x, rows: int, block_d: int):
@@ -322,6 +324,8 @@ def _unchecked_desc_ok() -> bool:
     """A descriptor built by :func:`_unchecked_desc` holds exactly what the dataclass's own
     constructor makes (checked once, on a small CPU tensor): else (a Triton release whose
     ``__post_init__`` sets more) :func:`row_tiles` takes the checked constructor."""
+    if _DESC_DEFAULTS is None:
+        return False
     x = torch.zeros(1, 1, 16, 16)
     args = (x, [1, 1, 16, 16], list(x.stride()), [1, 1, 16, 16])
     return vars(_unchecked_desc(*args)) == vars(RowTiles(*args))
