@@ -346,7 +346,6 @@ def _specialise(fn, args, kwargs):
     equal to 1 become the constant 1, others are i32 (i64 if large), marked divisible by 16
     when they are; floats are fp32; what is not an argument (num_warps, ...) is an option."""
     import torch
-    from triton.runtime.jit import mangle_type
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
@@ -362,6 +361,7 @@ def _specialise(fn, args, kwargs):
             if value.data_ptr() % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, TensorDescriptor):      # e.g. "tensordesc<bf16[1, 1, 64, 128]>"
+            from triton.runtime.jit import mangle_type
             signature[name] = mangle_type(value)
         elif isinstance(value, bool):
             signature[name] = "u1"
