@@ -129,6 +129,7 @@ class FastKernel:
         self.defaults = [p.default for p in params]
         constexpr = [getattr(kp, "is_constexpr", False) for kp in fn.params]
         self.constexpr_pos = tuple(i for i, c in enumerate(constexpr) if c)
+        self.constexpr_names = frozenset(self.names[i] for i in self.constexpr_pos)
         self._positional_constexprs = {}  # len(args) -> the constexpr positions among them
         self.cache = {}
         self.hits = 0
@@ -167,7 +168,11 @@ class FastKernel:
             return self.fn[grid](*args, **kwargs)   # (none of ours): Triton's own path
         if entry is None or not self._globals_unchanged():
             return self._first(key, grid, args, kwargs)
-        kernel, run, function, packed, tail = entry
+        kernel, run, function, packed, tail, fresh = entry
+        if fresh:   # keyword arguments passed at run time (descriptors): this call's own
+            tail = list(tail)
+            for i, name in fresh:
+                tail[i] = kwargs[name]
         n = len(grid)
         try:
             run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
@@ -194,7 +199,10 @@ class FastKernel:
         return tuple(tail)
 
     def _first(self, key, grid, args, kwargs):
-        """Triton's own launch; remember what it launched, with :meth:`tail`."""
+        """Triton's own launch; remember what it launched, with :meth:`tail`. A keyword
+        argument of a parameter that is not a constexpr (a tensor descriptor: keyed by its
+        dtype and block, as Triton specialises it, not by its tensor) is remembered by
+        position and taken from each call's keywords, never from the first call's."""
         self.misses += 1
         kernel = self.fn[grid](*args, **kwargs)
         tail = self.tail(args, kwargs)
@@ -202,8 +210,15 @@ class FastKernel:
             return kernel
         if len(self.cache) >= MAX_KEYS:
             self.cache.clear()
+        names = self.names[len(args):]
+        fresh = tuple((i, name) for i, name in enumerate(names)
+                      if name in kwargs and name not in self.constexpr_names)
+        if fresh:   # the first call's descriptors (and their tensors) are not kept
+            fresh_names = {name for _, name in fresh}
+            tail = tuple(None if name in fresh_names else v for name, v in zip(names, tail))
         # The kernel itself is kept: its module is unloaded when it is collected.
-        self.cache[key] = (kernel, kernel.run, kernel.function, kernel.packed_metadata, tail)
+        self.cache[key] = (kernel, kernel.run, kernel.function, kernel.packed_metadata, tail,
+                           fresh)
         return kernel
 
 

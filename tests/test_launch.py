@@ -231,6 +231,47 @@ def test_a_new_key_goes_through_triton(toy, change, monkeypatch):
     assert [e[0] for e in log].count("jit") == 2
 
 
+def _toy_desc(x_ptr, n, W: tl.constexpr, D=None, TMA: tl.constexpr = False):
+    pass
+
+
+_toy_desc_kernel = JITFunction(_toy_desc)
+
+
+def test_descriptor_keywords_are_each_calls_own(toy, monkeypatch):
+    """A tensor descriptor passed by keyword (the attention kernels' KD / VD / QD / DOD) is
+    keyed as Triton specialises it (dtype and block: kernels._common.RowTiles), so two
+    calls on different tensors share the compiled kernel; the second launch must get the
+    second call's descriptor, not the first's (which the table does not keep alive)."""
+    from ctxfast.kernels._common import row_tiles
+    _, log = toy
+    compiled = {}
+    binder = _binder(_toy_desc_kernel)
+
+    def jit_run(*args, grid, warmup, **kwargs):
+        bound, spec, options = binder(*args, **kwargs)
+        kernel = compiled.setdefault((repr(spec), repr(sorted(options.items()))),
+                                     _FakeCompiled(log))
+        log.append(("jit",))
+        kernel.run(grid[0], 1, 1, 99, kernel.function, kernel.packed_metadata, None, None,
+                   None, *bound.values())
+        return kernel
+    monkeypatch.setattr(_toy_desc_kernel, "run", jit_run, raising=False)
+    fk = _launch.fast(_toy_desc_kernel)
+    a, b = (torch.randn(2, 3, 40, 16, dtype=torch.float16) for _ in range(2))
+    da, db = row_tiles(a, 16, 16), row_tiles(b, 16, 16)
+    x = _x()
+    fk[(1,)](x, 64, W=4, D=da, TMA=True)
+    assert all(v is not da for v in fk.cache[next(iter(fk.cache))][4])   # not kept
+    fk[(2,)](x, 80, W=4, D=db, TMA=True)
+    assert fk.misses == 1 and fk.hits == 1
+    launches = [e for e in log if e[0] == "launch"]
+    assert launches[0][-1][3] is da and launches[1][-1][3] is db, launches
+    assert launches[1][-1] == (x, 80, 4, db, True)
+    fk[(1,)](x, 64, W=4, D=row_tiles(b, 32, 16), TMA=True)          # another block: new key
+    assert fk.misses == 2
+
+
 def test_constexpr_passed_by_position_is_keyed_by_value(toy):
     fk, log = toy
     fk[(1,)](_x(), 64, 0.5, True, 4)
