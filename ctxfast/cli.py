@@ -47,7 +47,7 @@ _KERNEL_SETTINGS = ("CTXFAST_BACKEND", "CTXFAST_LSTM_CUDA_KERNEL", "CTXFAST_LSTM
                     "CTXFAST_TRITON_LAUNCH",
                     "CTXFAST_ATTN_BWD_DQ", "CTXFAST_REL_BWD_DR", "CTXFAST_ATTN_CPU_GEMM",
                     "CTXFAST_LSTM_CPU_GEMM", "CTXFAST_CPU_LINEAR", "CTXFAST_ATTN_CPU_SIMD",
-                    "CTXFAST_CPU_CACHE_MB")
+                    "CTXFAST_CPU_CACHE_MB", "CTXFAST_ATTN_TMA")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -64,6 +64,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  ctxfast._cuda  {cuda_state}")
     if _dispatch.c_available() and hasattr(torch.ops.ctxfast, "cpu_code_paths"):
         print(f"CPU code: {torch.ops.ctxfast.cpu_code_paths()}")
+    try:                                # what float32 products may round to on a GPU
+        from ctxfast.kernels._common import _rnn_tf32_allowed, _tf32_allowed
+        print(f"float32 on a GPU: attention products {'TF32' if _tf32_allowed() else 'float32'}"
+              f" (cuBLAS's setting), LSTM recurrence "
+              f"{'TF32' if _rnn_tf32_allowed() else 'float32'} (cuDNN RNNs' setting)")
+    except ImportError:                 # no triton: the settings' readers live beside it
+        pass
     for name in _KERNEL_SETTINGS:       # the settings that pick a kernel or a path, if set
         value = os.environ.get(name, "")
         if value:

@@ -35,6 +35,17 @@ def test_info_names_the_kernel_settings_that_are_set():
     assert "CTXFAST_REL_BWD_DR=" not in _run("info", CTXFAST_REL_BWD_DR="").stdout
 
 
+def test_info_says_what_float32_rounds_to_on_a_gpu():
+    """`ctxfast info` says whether float32 products may be TF32 on a GPU: attention follows
+    cuBLAS's matmul setting, the LSTM cuDNN's RNN setting (torch's defaults: float32 and
+    TF32); and lists CTXFAST_ATTN_TMA when set."""
+    out = _run("info", CTXFAST_ATTN_TMA="on").stdout
+    line = next(l for l in out.splitlines() if l.startswith("float32 on a GPU: "))
+    assert line == ("float32 on a GPU: attention products float32 (cuBLAS's setting), "
+                    "LSTM recurrence TF32 (cuDNN RNNs' setting)"), line
+    assert "CTXFAST_ATTN_TMA=on" in out
+
+
 def test_info_says_what_code_the_cpu_kernels_run():
     """`ctxfast info` names the code the CPU kernels chose in that process (own AVX-512 /
     AVX2 tiles or the BLAS, the recurrence's kernel, oneDNN or ATen for the LSTM's large
