@@ -567,6 +567,19 @@ def test_atomic_dq_backward_against_reference(monkeypatch, check):
 
 # --------------------------------------------------------------------------- TMA tiles
 
+def spy_tma(monkeypatch, module):
+    """Record, per launch, whether ``module._tma_args`` turned TMA tiles on (a list of
+    bools, filled as launches happen); the launches run as before."""
+    used = []
+    real = module._tma_args
+
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
+        used.append(bool(got))
+        return got
+    monkeypatch.setattr(module, "_tma_args", spy)
+    return used
+
 @needs_triton
 @pytest.mark.parametrize("check", ["odd_lengths", "tiles", "head_dims_and_dtypes", "layout",
                                    "rows_that_see_no_key", "dropout", "split_k", "atomic_dq"])
@@ -583,14 +596,7 @@ def test_tma_tiles_against_reference(monkeypatch, check):
     # GPUs take TMA for 16-bit calls only (fp32 spilled there); the addressing does not
     # depend on the dtype, and the interpreter's exact fp32 lets these checks run as they are
     monkeypatch.setattr(kattn, "TMA_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-    used = []
-    real = kattn._tma_args
-
-    def spy(*args, **kwargs):
-        got = real(*args, **kwargs)
-        used.append(bool(got))
-        return got
-    monkeypatch.setattr(kattn, "_tma_args", spy)
+    used = spy_tma(monkeypatch, kattn)
     if check == "odd_lengths":
         for Tq, Tk, kind in ((37, 53, "causal-pad"), (1, 1, "causal"), (97, 97, "causal"),
                              (17, 5, "none"), (1, 40, "causal"), (33, 64, "causal-pad")):
@@ -631,14 +637,7 @@ def test_tma_falls_back_where_tma_cannot_read(monkeypatch):
     import ctxfast.kernels.attention as kattn
     from ctxfast.kernels._common import row_tiles
     monkeypatch.setattr(kattn, "TMA_MODE", "on")
-    used = []
-    real = kattn._tma_args
-
-    def spy(*args, **kwargs):
-        got = real(*args, **kwargs)
-        used.append(bool(got))
-        return got
-    monkeypatch.setattr(kattn, "_tma_args", spy)
+    used = spy_tma(monkeypatch, kattn)
     q, k, v = _inputs(1, 2, 21, 30, 12, dtype=torch.float16)
     assert row_tiles(q, 16, 16) is None
     check_against_reference(q, k, v, causal=True)

@@ -62,19 +62,12 @@ def test_tma_tiles_large(monkeypatch, dtype, D, Tq, Tk, kind):
     import ctxfast.kernels.attention as kattn
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9 or later")
-    from test_attention import _masks
+    from test_attention import _masks, spy_tma
     B, H = 2, 4
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=dtype).transpose(1, 2)
                for T in (Tq, Tk, Tk))
     kw = _masks(kind, B, Tq, Tk)
-    used = []
-    real = kattn._tma_args
-
-    def spy(*args, **kwargs):
-        got = real(*args, **kwargs)
-        used.append(bool(got))
-        return got
-    monkeypatch.setattr(kattn, "_tma_args", spy)
+    used = spy_tma(monkeypatch, kattn)
     monkeypatch.setattr(kattn, "TMA_MODE", "on")
     check_against_reference(q, k, v, **kw)
     assert used and all(used), used
