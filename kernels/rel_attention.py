@@ -163,6 +163,23 @@ def _r_tile(RD, r_base, h, row_start, R_len, offs_d, d_ok, stride_rm, stride_rd,
 
 
 @triton.jit
+def _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               stride_rm, stride_rd, b, h, n0, offs_n, Tk, row0, R_len, offs_d, d_ok,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """(k, v, r) of the key tile at n0 in the forward's and dQ's loops: k and v rows
+    ``offs_n`` (past Tk: 0), and the second chunk of its band of r, rows ``row0 + n0 +
+    BLOCK_N + [0, BLOCK_N)`` (the first is the previous tile's second); through the
+    descriptors when TMA."""
+    k = _tile_rows(KD, k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   b, h, n0, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
+    v = _tile_rows(VD, v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   b, h, n0, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
+    r = _r_tile(RD, r_base, h, row0 + n0 + BLOCK_N, R_len, offs_d, d_ok, stride_rm, stride_rd,
+                BLOCK_N, BLOCK_D, TMA)
+    return k, v, r
+
+
+@triton.jit
 def _skew_chunks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(idx, hi) ``[BLOCK_M, BLOCK_N]``: pair (ii, jj) reads column ``jj + BLOCK_M − 1 − ii``
     of its tile's band of r rows; as two chunks of BLOCK_N rows, that is column ``idx`` of
@@ -300,12 +317,9 @@ def _rel_fwd_inner(
     skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + jj
-        k = _tile_rows(KD, k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                       b, h, start_n, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
-        v = _tile_rows(VD, v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                       b, h, start_n, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
-        r = _r_tile(RD, r_base, h, row0 + start_n + BLOCK_N, R_len, offs_d, d_ok, stride_rm,
-                    stride_rd, BLOCK_N, BLOCK_D, TMA)               # the band's second chunk
+        k, v, r = _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd,
+                             stride_vn, stride_vd, stride_rm, stride_rd, b, h, start_n, offs_n,
+                             Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
         s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
                                           UPCAST, PRECISION, CARRY)      # [BLOCK_M, BLOCK_N]
         if HAS_SEG:
@@ -653,12 +667,9 @@ def _rel_bwd_dq_inner(
         unskew = jj[None, :] - (BLOCK_M - 1 - ii[:, None]) + BLOCK_N + t2
         unskew_lo = (unskew & BLOCK_N) != 0
         unskew = unskew & (BLOCK_N - 1)
-        k = _tile_rows(KD, k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                       b, h, n0, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
-        v = _tile_rows(VD, v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                       b, h, n0, offs_n, Tk, d_ok, True, False, BLOCK_N, BLOCK_D, TMA)
-        r = _r_tile(RD, r_base, h, row0 + n0 + BLOCK_N, R_len, offs_d, d_ok, stride_rm,
-                    stride_rd, BLOCK_N, BLOCK_D, TMA)               # the band's second chunk
+        k, v, r = _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd,
+                             stride_vn, stride_vd, stride_rm, stride_rd, b, h, n0, offs_n,
+                             Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
         s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
                                           UPCAST, PRECISION, CARRY)
         if HAS_SEG:
