@@ -83,15 +83,15 @@ REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
 # dr by atomic adds from the dQ kernel (no dR kernel): compare its dQ row with the default
 # dQ + dR rows (the first H200 round timed it 11% faster at mem 3,072, unchecked then).
 REL_VARIANTS = {
+    # k, v and r's chunks through TMA descriptors (kernels/rel_attention.py TMA_MODE, off
+    # by default until timed); the forward's bf16 D 64 spills 48 B per thread there, 212 B
+    # with pointer tiles (benchmarks/NOTES.md)
+    "tma": ({"tma": "on"}, ("fwd", "dq"), (None, (4, 1), (8, 3))),
     "carry": ({"carry": True}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 1), (8, 3))),
     # the default carries where kernels/rel_attention.py _carry says so (16-bit D <= 64):
     # the other way, timed beside it
     "no_carry": ({"carry": False}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 3))),
     "atomic_dr": ({"dr_mode": "atomic"}, ("dq",), (None, (4, 3), (8, 1))),
-    # k, v and r's chunks through TMA descriptors (kernels/rel_attention.py TMA_MODE, off
-    # by default until timed); the forward's bf16 D 64 spills 48 B per thread there, 212 B
-    # with pointer tiles (benchmarks/NOTES.md)
-    "tma": ({"tma": "on"}, ("fwd", "dq"), (None, (4, 1), (8, 3))),
 }
 KERNEL_NAMES = {
     ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",
@@ -204,18 +204,25 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
         return [t for t in (REL_TILES[:1] if quick else REL_TILES) if t != current]
 
     for case in rel_cases:
-        # the current tile's launches, then the variants, then the other tiles: a sweep cut
-        # by its time budget has measured what the next change would be chosen from
+        # the current rows, each variant at the current launch (TMA tiles, the carried
+        # gather, atomic dr), the current tile's other launches, the variants' other
+        # launches, then the other tiles: a sweep cut by its time budget has measured what
+        # the next change would be chosen from
+        rel_kernels = ("fwd", "dkdv", "dq", "dr")
+        jobs += [("rel_attention", case, kernel, None, None, None) for kernel in rel_kernels]
+        jobs += [("rel_attention", case, kernel, launches[0], None, variant)
+                 for variant, (_, kernels_of, launches) in REL_VARIANTS.items()
+                 for kernel in kernels_of]
         for tile in tiles(case, dtype):
-            for kernel in ("fwd", "dkdv", "dq", "dr"):
+            for kernel in rel_kernels:
                 for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
-                    if tile is not None and launch is None and kernel != "fwd":
-                        continue            # a new tile's default launch: measured once (fwd)
-                    jobs.append(("rel_attention", case, kernel, launch, tile, None))
-            if tile is None:
+                    if launch is None and (tile is None or kernel != "fwd"):
+                        continue            # the current row: above; a new tile's default
+                    jobs.append(("rel_attention", case, kernel, launch, tile, None))  # (fwd)
+            if tile is None and not quick:
                 for variant, (_, kernels_of, launches) in REL_VARIANTS.items():
                     for kernel in kernels_of:
-                        for launch in (launches[:1] if quick else launches):
+                        for launch in launches[1:]:
                             jobs.append(("rel_attention", case, kernel, launch, None, variant))
     for case in xl_cases:                   # fp32 forward only (XL evaluation)
         for tile in tiles(case, torch.float32):
