@@ -1020,6 +1020,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     dv = _new_output((B, H, Tk, D), v.dtype, v.device)
     if q.numel() == 0 or Tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    check_tma_mode(TMA_MODE)                    # refused before the first launch (delta)
     delta = _bwd_delta(do, out)                                 # [B, H, Tq] fp32
     kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
                                      perm_order)

@@ -1338,6 +1338,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     scale = D ** -0.5 if scale is None else scale
     has_seg = seg_embed is not None
     atomic = _dr_mode() == "atomic"                 # refused before any launch
+    check_tma_mode(LAUNCH_OVERRIDE.get("tma", TMA_MODE))     # so is this
     # every element below is written by a kernel (the grids cover all rows; each program
     # stores unconditionally), so no zero fill, except when there is nothing to compute
     work = q.numel() > 0 and Tk > 0

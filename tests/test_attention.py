@@ -656,6 +656,15 @@ def test_tma_falls_back_where_tma_cannot_read(monkeypatch):
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 5, 5, 16))
     with pytest.raises(ValueError, match="CTXFAST_ATTN_TMA"):
         ctxfast.attention(q, k, v, backend="triton")
+    # the backward refuses it before its first launch (the row term's kernel)
+    monkeypatch.setattr(kattn, "TMA_MODE", "on")
+    out, lse = kattn.attention_forward(q.detach(), k.detach(), v.detach())
+    monkeypatch.setattr(kattn, "TMA_MODE", "yes")
+    import ctxfast.kernels._common as kcommon
+    monkeypatch.setattr(kcommon, "_bwd_delta_kernel", None)   # any launch would fail here
+    with pytest.raises(ValueError, match="CTXFAST_ATTN_TMA"):
+        kattn.attention_backward(torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+                                 out, lse)
 
 
 def test_row_tiles_rules_and_launch_key():

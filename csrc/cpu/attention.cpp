@@ -102,8 +102,7 @@ struct DebugSetting {
 const DebugSetting& debug_setting() {
   static const DebugSetting d = [] {
     DebugSetting r;
-    const char* e = std::getenv("CTXFAST_ATTN_CPU_DEBUG");
-    r.value = e != nullptr ? e : "";
+    r.value = env_setting("CTXFAST_ATTN_CPU_DEBUG");
     size_t at = 0;
     while (at <= r.value.size() && !r.value.empty()) {
       const size_t comma = std::min(r.value.find(',', at), r.value.size());
@@ -296,10 +295,7 @@ void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
 
 // CTXFAST_ATTN_CPU_GEMM as the process first read it ("" when unset).
 const std::string& gemm_setting() {
-  static const std::string v = [] {
-    const char* e = std::getenv("CTXFAST_ATTN_CPU_GEMM");
-    return std::string(e != nullptr ? e : "");
-  }();
+  static const std::string v = env_setting("CTXFAST_ATTN_CPU_GEMM");
   return v;
 }
 
@@ -309,8 +305,7 @@ const std::string& gemm_setting() {
 
 bool has_avx2() {
   static const bool ok = [] {
-    const char* v = std::getenv("CTXFAST_ATTN_CPU_SIMD");
-    if (v && std::strcmp(v, "off") == 0) return false;
+    if (env_setting("CTXFAST_ATTN_CPU_SIMD") == "off") return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
@@ -733,8 +728,8 @@ bool gemm_add_own(int64_t M, int64_t N, int64_t K, float alpha, const float* A, 
 
 bool has_avx512() {
   static const bool ok = [] {
-    const char* v = std::getenv("CTXFAST_ATTN_CPU_SIMD");
-    if (v && (std::strcmp(v, "off") == 0 || std::strcmp(v, "avx2") == 0)) return false;
+    const std::string v = env_setting("CTXFAST_ATTN_CPU_SIMD");
+    if (v == "off" || v == "avx2") return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") != 0;
   }();
@@ -814,10 +809,7 @@ void check_gemm_setting() {
   const DebugSetting& d = debug_setting();
   TORCH_CHECK_VALUE(d.bad.empty(), "CTXFAST_ATTN_CPU_DEBUG must be a comma-separated list of "
                     "'poison' and 'reverse' (or unset), got '", d.value, "'");
-  static const std::string simd = [] {
-    const char* e = std::getenv("CTXFAST_ATTN_CPU_SIMD");
-    return std::string(e != nullptr ? e : "");
-  }();
+  static const std::string simd = env_setting("CTXFAST_ATTN_CPU_SIMD");
   TORCH_CHECK_VALUE(simd.empty() || simd == "avx2" || simd == "off",
                     "CTXFAST_ATTN_CPU_SIMD must be 'avx2', 'off' or unset, got '", simd, "'");
   const std::string& v = gemm_setting();

@@ -23,6 +23,11 @@ const std::optional<c10::OperatorHandle>& onednn_linear() {
 
 }  // namespace
 
+std::string env_setting(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? v : "";
+}
+
 bool blas_below_cpu() {
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
   static const bool below = [] {
@@ -37,8 +42,7 @@ bool blas_below_cpu() {
 
 const std::string& linear_path() {
   static const std::string path = []() -> std::string {
-    const char* v = std::getenv("CTXFAST_CPU_LINEAR");
-    const std::string s = v != nullptr ? v : "";
+    const std::string s = env_setting("CTXFAST_CPU_LINEAR");
     const bool have = onednn_linear().has_value();
     if (s == "aten") return "aten";
     if (s == "onednn")

@@ -17,6 +17,11 @@
 namespace ctxfast {
 namespace cpu {
 
+// The value of the environment variable `name`, "" when unset. The CPU kernels' settings
+// (CTXFAST_ATTN_CPU_*, CTXFAST_LSTM_CPU_GEMM, CTXFAST_CPU_LINEAR) are read through this,
+// each once per process into a function-local static where it is used.
+std::string env_setting(const char* name);
+
 // Whether ATen's BLAS (MKL) runs below this CPU: AVX2 code on a CPU with AVX-512 that is
 // not Intel's (decided once).
 bool blas_below_cpu();

@@ -54,8 +54,7 @@ constexpr int64_t kGrain = 2048;
 bool cpu_has_avx2() {
 #ifdef CTXFAST_LSTM_AVX2
   static const bool ok = [] {
-    const char* v = std::getenv("CTXFAST_LSTM_CPU_GEMM");
-    if (v && std::strcmp(v, "aten") == 0) return false;
+    if (env_setting("CTXFAST_LSTM_CPU_GEMM") == "aten") return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
@@ -70,8 +69,8 @@ bool cpu_has_avx2() {
 bool cpu_has_avx512() {
 #ifdef CTXFAST_LSTM_AVX2
   static const bool ok = [] {
-    const char* v = std::getenv("CTXFAST_LSTM_CPU_GEMM");
-    if (v && (std::strcmp(v, "aten") == 0 || std::strcmp(v, "avx2") == 0)) return false;
+    const std::string v = env_setting("CTXFAST_LSTM_CPU_GEMM");
+    if (v == "aten" || v == "avx2") return false;
     __builtin_cpu_init();
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f");
   }();
@@ -767,10 +766,7 @@ std::string lstm_gemm_path() {
 }
 
 void check_lstm_settings() {
-  static const std::string gemm = [] {
-    const char* v = std::getenv("CTXFAST_LSTM_CPU_GEMM");
-    return std::string(v != nullptr ? v : "");
-  }();
+  static const std::string gemm = env_setting("CTXFAST_LSTM_CPU_GEMM");
   TORCH_CHECK_VALUE(gemm.empty() || gemm == "avx2" || gemm == "aten",
                     "CTXFAST_LSTM_CPU_GEMM must be 'avx2', 'aten' or unset, got '", gemm, "'");
   const std::string& linear = linear_path();
