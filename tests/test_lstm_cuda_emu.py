@@ -317,11 +317,14 @@ def test_projection_reverse_without_mask(emulator, tmp_path):
            mask=False, reverse=True, sms=2)
 
 
-@pytest.mark.parametrize("kernel", ["fma", "mma", "grouped"])
-def test_dropped_units_and_everything_dropped(emulator, tmp_path, kernel):
+@pytest.mark.parametrize("kernel, tf32_one", [("fma", False), ("mma", False),
+                                              ("grouped", False), ("mma", True),
+                                              ("grouped", True)])
+def test_dropped_units_and_everything_dropped(emulator, tmp_path, kernel, tf32_one):
     """DropConnect masks that drop whole rows: every gate row of units 0-4 (the first
     block's units: its weight slice all zero) and every row of gate g; then a mask that
-    drops everything (W = 0: only xw drives the cell). No NaN, same results as eager."""
+    drops everything (W = 0: only xw drives the cell). No NaN, same results as eager (with
+    tf32_one: as eager with TF32 products)."""
     def rows(m):
         H = m.shape[0] // 4
         for g in range(4):
@@ -332,7 +335,7 @@ def test_dropped_units_and_everything_dropped(emulator, tmp_path, kernel):
         m.zero_()
     for drop in (rows, everything):
         _check(emulator, tmp_path, kernel, torch.float32, T=3, B=5, H=15, P=15, sms=3,
-               drop=drop)
+               drop=drop, tf32_one=tf32_one)
 
 
 # ------------------------------------------------------------ the grouped backward
