@@ -66,6 +66,7 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _h
                       _new_output, _online_softmax_step, _precision, _seed_arg, _seq_bounds,
                       _split_targets, _tile_rows, _visible, cdiv, check_tma_mode,
                       next_pow2, tma_args)
+from . import _tune
 from ._launch import fast
 
 
@@ -792,19 +793,30 @@ def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask:
     rather than ``triton.autotune``: one compile per kernel on a first call, and the
     launchers stay plain ``kernel[grid]`` calls (the compile test records them). Cached
     (a dict lookup a call: the launchers ask up to four times per op call).
-    :data:`LAUNCH_OVERRIDE` replaces a kernel's row (benchmarks/config_sweep.py)."""
-    if LAUNCH_OVERRIDE:
-        row = LAUNCH_OVERRIDE.get(kernel)
-        if row is not None:
-            bm, bn, warps, stages = row
-            return bm, bn, max(16, next_pow2(D)), warps, stages
+    The rows tuned for the call in progress (``kernels._tune``, ``CTXFAST_AUTOTUNE=on``),
+    then :data:`LAUNCH_OVERRIDE` (benchmarks/config_sweep.py), replace a kernel's row."""
+    row = _override(kernel)
+    if row is not None:
+        bm, bn, warps, stages = row
+        return bm, bn, max(16, next_pow2(D)), warps, stages
     return _config_of(kernel, D, dtype, causal, mask, dropout, _interpreting())
 
 
-#: ``{"fwd" | "dkdv" | "dq": (BLOCK_M, BLOCK_N, num_warps, num_stages)}``: launch rows that
-#: replace :func:`_config`'s for every call while set. Empty in normal use; the GPU config
-#: sweep (benchmarks/config_sweep.py) sets it to time candidates on the same inputs.
+#: ``{"fwd" | "dkdv" | "dkdv_atomic" | "dq": (BLOCK_M, BLOCK_N, num_warps, num_stages),
+#: "<kernel>:tma": bool, "dq_mode": "kernel" | "atomic"}``: launch rows that replace
+#: :func:`_config`'s (and :data:`TMA_MODE` for that kernel, :data:`DQ_MODE`) for every call
+#: while set. Empty in normal use; the GPU config sweep (benchmarks/config_sweep.py) sets it
+#: to time candidates on the same inputs. The tuner's rows (``kernels/_tune.py``) use the
+#: same names and come first.
 LAUNCH_OVERRIDE: dict = {}
+
+
+def _override(name):
+    """The value the tuned call in progress or :data:`LAUNCH_OVERRIDE` gives ``name``, or None."""
+    rows = _tune.current()
+    if rows and name in rows:
+        return rows[name]
+    return LAUNCH_OVERRIDE.get(name) if LAUNCH_OVERRIDE else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -822,6 +834,79 @@ def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
         row = row or _DROPOUT_CONFIGS.get(key)
     bm, bn, warps, stages = row or _CONFIGS[key]
     return bm, bn, block_d, warps, stages
+
+
+#: What the tuner (``CTXFAST_AUTOTUNE=on``, kernels/_tune.py) times per kernel of a 16-bit call
+#: besides the table row: ``(row, tma)``, row ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` or
+#: None (the table's), tma whether the kernel's loop tiles come through TMA descriptors (taken
+#: only where the call can: :func:`_tma_possible`). Keyed (kernel, head-dim bucket). Every row
+#: compiles for sm_90 without spills and with every dot a wgmma (bf16, causal:
+#: tests/test_triton_compile.py's "tuning candidates" cases; registers in benchmarks/NOTES.md):
+#: the rows of the H100 and H200 sweeps and Triton's fused-attention tutorial that do. fp32
+#: and D > 128 keep their rows; with dropout or a permutation mask (more tiles live: these
+#: rows spill there) only the table row and its TMA twin are timed.
+_TUNE_CANDIDATES = {
+    ("fwd", 64): [(None, True), ((128, 64, 4, 3), False), ((128, 128, 8, 2), False),
+                  ((64, 64, 4, 3), False), ((128, 128, 8, 2), True)],
+    ("fwd", 128): [(None, True), ((128, 64, 8, 3), False), ((128, 128, 8, 2), False),
+                   ((128, 64, 8, 3), True), ((128, 128, 8, 2), True)],
+    ("dkdv", 64): [(None, True), ((32, 128, 4, 3), False), ((64, 64, 4, 3), False),
+                   ((32, 128, 8, 2), False), ((32, 128, 4, 3), True)],
+    ("dkdv", 128): [(None, True), ((32, 64, 4, 2), False)],
+    ("dq", 64): [(None, True), ((64, 64, 4, 2), False), ((128, 128, 8, 2), False),
+                 ((128, 32, 4, 3), False), ((128, 128, 8, 2), True)],
+    ("dq", 128): [(None, True), ((64, 64, 4, 2), False), ((128, 128, 8, 2), False),
+                  ((128, 128, 8, 2), True), ((64, 64, 4, 2), True)],
+}
+
+#: The same under the interpreter (tests: every dtype, rows of its small tiles).
+_TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), False)]
+
+
+def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
+    """The tuner's candidates for one kernel of a call: dicts of override names
+    (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. dK/dV also tries dQ by atomic
+    adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 64 without dropout: at D 128 its row
+    spills), which launches no dQ kernel: dQ's list is then a function of the rows chosen
+    before it (``{}`` alone after atomic adds)."""
+    block_d = max(16, next_pow2(D))
+    if _interpreting():
+        listing = _TUNE_INTERPRETED
+    elif dtype in TMA_DTYPES and block_d <= 128:
+        listing = _TUNE_CANDIDATES[(kernel, 64 if block_d <= 64 else 128)]
+        if dropout or mask == "perm":
+            listing = [c for c in listing if c[0] is None]
+    else:
+        listing = []
+    table_tma = check_tma_mode(TMA_MODE) and tma_ok
+    out = [{}]
+    for row, tma in listing:
+        if (tma and not tma_ok) or (row is None and tma == table_tma):
+            continue
+        out.append({kernel + ":tma": tma, **({kernel: row} if row is not None else {})})
+    if kernel == "dkdv" and dense and not dropout and DQ_MODE != "atomic" and (
+            _interpreting() or (dtype in TMA_DTYPES and block_d <= 64)):
+        out.append({"dq_mode": "atomic"})
+    if kernel == "dq":
+        return lambda chosen: [{}] if chosen.get("dq_mode") == "atomic" else out
+    return out
+
+
+def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs):
+    """``run()`` (a launcher call writing ``outputs``), through the tuner where it is on for
+    q's device (kernels/_tune.py): the first call of each kind times :func:`_candidates`
+    for ``kernels`` in order and keeps the fastest whose outputs agree with the table's."""
+    if not _tune.wanted(q.device):
+        return run()
+    B, H, Tq, Tk, D, max_q, max_k = dims
+    tma_ok = _tma_possible(q.dtype, q.device, cu, order)
+    size = _tune.size_class
+    kind = ("attention", kernels, D, q.dtype, _precision(q.dtype), causal, mask, dropout,
+            cu is not None, order is not None, tma_ok, TMA_MODE, DQ_MODE,
+            size(B * H), size(max_q), size(max_k))
+    stages = [(name, _candidates(name, D, q.dtype, mask, dropout, cu is None, tma_ok))
+              for name in kernels]
+    return _tune.call(kind, stages, run, outputs, q.device)
 
 
 def _mask_kind(key_padding_mask, perm_rank) -> str:
@@ -876,14 +961,21 @@ TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "off")
 TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _tma_args(names, tensors, rows, block_d, device, cu, order):
-    """Keyword arguments that turn a launch's TMA loads on (:func:`_common.tma_args`) for
+def _tma_args(kernel, names, tensors, rows, block_d, device, cu, order):
+    """Keyword arguments that turn kernel's TMA loads on (:func:`_common.tma_args`) for
     the tensors read in ``[rows, block_d]`` tiles, or ``{}`` (pointer tiles) where
-    :data:`TMA_MODE` is off or the call cannot use TMA."""
-    if (not check_tma_mode(TMA_MODE) or cu is not None or order is not None
-            or tensors[0].dtype not in TMA_DTYPES or not _has_tma(device)):
+    :data:`TMA_MODE` (or the override ``"<kernel>:tma"``) is off or the call cannot use TMA."""
+    on = check_tma_mode(TMA_MODE)
+    want = _override(kernel + ":tma")
+    if (not (on if want is None else want) or not _tma_possible(tensors[0].dtype, device, cu,
+                                                                   order)):
         return {}
     return tma_args(names, tensors, rows, block_d)
+
+
+def _tma_possible(dtype, device, cu, order) -> bool:
+    """A call of this dtype, device and kind can read its tiles through descriptors."""
+    return cu is None and order is None and dtype in TMA_DTYPES and _has_tma(device)
 
 
 def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding_mask,
@@ -904,7 +996,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     if num_splits == 1:
         l_strides = lse_strides
     split = num_splits > 1
-    tma = _tma_args(("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
+    tma = _tma_args("fwd", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
     fast(_attn_fwd_kernel)[(cdiv(max_q, bm), B * H, num_splits)](
         q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
         kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
@@ -931,9 +1023,10 @@ DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
 
 
 def _dq_mode() -> str:
+    """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``."""
     if DQ_MODE not in ("kernel", "atomic"):
         raise ValueError(f"CTXFAST_ATTN_BWD_DQ must be 'kernel' or 'atomic', got {DQ_MODE!r}")
-    return DQ_MODE
+    return _override("dq_mode") or DQ_MODE
 
 
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
@@ -958,7 +1051,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype, causal,
                                         kind, dropout_p > 0)
     dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
-    tma = _tma_args(("QD", "DOD"), (q, do), bm, bd, q.device, cu, order)
+    tma = _tma_args("dkdv", ("QD", "DOD"), (q, do), bm, bd, q.device, cu, order)
     fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
@@ -968,7 +1061,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         dq.copy_(dq_acc.mul_(scale))
         return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
-    tma = _tma_args(("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
+    tma = _tma_args("dq", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
     fast(_attn_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
@@ -1002,9 +1095,18 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
         num_splits = _auto_splits(B, H, Tq, Tk, bm, bn, q.device)
     kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
                                      perm_order)
-    _launch_forward(q, k, v, out, lse, (H * Tq, Tq), (B, H, Tq, Tk, D, Tq, Tk), causal=causal,
-                    key_padding_mask=kpm, perm_rank=rank, perm_strict=perm_strict, scale=scale,
-                    dropout_p=dropout_p, seed=seed, num_splits=num_splits, order=order)
+    dims = (B, H, Tq, Tk, D, Tq, Tk)
+
+    def run():
+        _launch_forward(q, k, v, out, lse, (H * Tq, Tq), dims, causal=causal,
+                        key_padding_mask=kpm, perm_rank=rank, perm_strict=perm_strict,
+                        scale=scale, dropout_p=dropout_p, seed=seed, num_splits=num_splits,
+                        order=order)
+    if num_splits > 1:          # decoding: split by the table's key block (not tuned)
+        run()
+    else:
+        _tuned(("fwd",), q, dims, causal, _mask_kind(kpm, rank), dropout_p > 0, None, order,
+               run, (out, lse))
     return out, lse
 
 
@@ -1024,10 +1126,15 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     delta = _bwd_delta(do, out)                                 # [B, H, Tq] fp32
     kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
                                      perm_order)
-    _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, (H * Tq, Tq),
-                     (B, H, Tq, Tk, D, Tq, Tk), causal=causal, key_padding_mask=kpm,
-                     perm_rank=rank, perm_strict=perm_strict, scale=scale, dropout_p=dropout_p,
-                     seed=seed, order=order)
+    dims = (B, H, Tq, Tk, D, Tq, Tk)
+
+    def run():
+        _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, (H * Tq, Tq), dims,
+                         causal=causal, key_padding_mask=kpm, perm_rank=rank,
+                         perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed,
+                         order=order)
+    _tuned(("dkdv", "dq"), q, dims, causal, _mask_kind(kpm, rank), dropout_p > 0, None, order,
+           run, (dq, dk, dv))
     return dq, dk, dv
 
 
@@ -1053,10 +1160,14 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return out.zero_(), lse
     out.zero_()   # rows of sequences that have no keys are not visited
     q4, k4, v4, out4 = (_packed_view(t, B) for t in (q, k, v, out))
-    _launch_forward(q4, k4, v4, out4, lse, (0, total_q),
-                    (B, H, 0, 0, D, max_seqlen_q, max_seqlen_k), causal=causal,
-                    key_padding_mask=None, perm_rank=None, perm_strict=False, scale=scale,
-                    dropout_p=dropout_p, seed=seed, cu=(cu_seqlens_q, cu_seqlens_k))
+    dims = (B, H, 0, 0, D, max_seqlen_q, max_seqlen_k)
+    cu = (cu_seqlens_q, cu_seqlens_k)
+
+    def run():
+        _launch_forward(q4, k4, v4, out4, lse, (0, total_q), dims, causal=causal,
+                        key_padding_mask=None, perm_rank=None, perm_strict=False, scale=scale,
+                        dropout_p=dropout_p, seed=seed, cu=cu)
+    _tuned(("fwd",), q, dims, causal, "none", dropout_p > 0, cu, None, run, (out, lse))
     return out, lse
 
 
@@ -1073,10 +1184,14 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         return dq, dk, dv
     delta = (do.float() * out.float()).sum(-1).t().contiguous()  # [H, total_q]
     do4, q4, k4, v4, dq4, dk4, dv4 = (_packed_view(t, B) for t in (do, q, k, v, dq, dk, dv))
-    _launch_backward(do4, q4, k4, v4, lse, delta, dq4, dk4, dv4, (0, total_q),
-                     (B, H, 0, 0, D, max_seqlen_q, max_seqlen_k), causal=causal,
-                     key_padding_mask=None, perm_rank=None, perm_strict=False, scale=scale,
-                     dropout_p=dropout_p, seed=seed, cu=(cu_seqlens_q, cu_seqlens_k))
+    dims = (B, H, 0, 0, D, max_seqlen_q, max_seqlen_k)
+    cu = (cu_seqlens_q, cu_seqlens_k)
+
+    def run():
+        _launch_backward(do4, q4, k4, v4, lse, delta, dq4, dk4, dv4, (0, total_q), dims,
+                         causal=causal, key_padding_mask=None, perm_rank=None,
+                         perm_strict=False, scale=scale, dropout_p=dropout_p, seed=seed, cu=cu)
+    _tuned(("dkdv", "dq"), q, dims, causal, "none", dropout_p > 0, cu, None, run, (dq, dk, dv))
     return dq, dk, dv
 
 

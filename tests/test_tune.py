@@ -1,0 +1,244 @@
+"""kernels/_tune.py: launch rows timed at a first call (``CTXFAST_AUTOTUNE=on``).
+
+The tuner runs each candidate row of each kernel on the call's own inputs, keeps the
+fastest whose outputs agree with the table row's, and launches later calls of the same
+kind with it. On CPU the interpreter's kernels are tuned (``_tune.ON_CPU``) with their own
+small candidate rows; where a test needs a given row to win, a stand-in timer
+(``_tune.TIMER``) says which. Every tuned call is checked against the float64 reference
+(the 2x-eager rule of tests/test_attention.py).
+"""
+import math
+import os
+
+import pytest
+import torch
+
+import ctxfast
+import test_attention as ta
+from ctxfast import reference
+from ctxfast.kernels import _tune
+from ctxfast.kernels import attention as kattn
+from utils import DEVICE, assert_within_2x_eager, spy_launches
+
+pytestmark = ta.needs_triton
+
+
+@pytest.fixture
+def tuning(monkeypatch):
+    """Tuning on for this test (CPU tensors too), from an empty table, emptied after."""
+    monkeypatch.setattr(_tune, "MODE", "on")
+    monkeypatch.setattr(_tune, "ON_CPU", True)
+    _tune.reset()
+    yield
+    _tune.reset()
+
+
+def _call(B=1, H=2, Tq=40, Tk=40, D=32, dtype=torch.float32, **kw):
+    """ctxfast.attention forward + backward on fresh inputs: (inputs, out, grads)."""
+    q, k, v = (t.requires_grad_() for t in ta._inputs(B, H, Tq, Tk, D, dtype=dtype))
+    out = ctxfast.attention(q, k, v, backend="triton", **kw)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    return (q, k, v), out, grads
+
+
+def _kinds():
+    return {r["kind"] for r in _tune.records()}
+
+
+def test_off_by_default():
+    if "CTXFAST_AUTOTUNE" not in os.environ:
+        assert _tune.MODE == "off"            # opt-in until a GPU round has timed it
+    assert not _tune.wanted(torch.device("cpu")) or _tune.ON_CPU
+
+
+@pytest.mark.parametrize("check", ["odd_lengths", "rows_that_see_no_key", "dropout", "dtypes",
+                                   "varlen"])
+def test_tuned_calls_against_reference(tuning, check):
+    """The module's own reference checks with tuning on: every call of a new kind tunes
+    (several candidates run, each checked against the table row's outputs), and what the
+    call returns is within 2x eager of float64, forward and every gradient."""
+    if check == "odd_lengths":
+        for Tq, Tk, kind in ((37, 53, "causal-pad"), (17, 33, "perm-query"), (1, 97, "pad")):
+            ta.test_odd_lengths(Tq, Tk, kind)
+    elif check == "rows_that_see_no_key":
+        for how in ("all-padding", "query-stream-lowest-rank"):
+            ta.test_rows_that_see_no_key(how)
+    elif check == "dropout":
+        ta.test_dropout_matches_reference_with_the_same_mask("causal-pad")
+    elif check == "dtypes":
+        for dtype in (torch.float16, torch.bfloat16):
+            ta.test_dtypes(dtype)
+    else:
+        import test_attention_varlen as tv
+        tv.test_varlen_matches_per_sequence_reference(True, [9, 5], [4, 5])
+        tv.test_varlen_matches_per_sequence_reference(False, [7, 0, 12], [7, 4, 12])
+    runs = {}
+    for r in _tune.records():
+        runs[r["kind"]] = runs.get(r["kind"], 0) + 1
+    assert runs and min(runs.values()) >= 3, runs     # candidates of every kind ran
+    assert all(r["gap"] is not None and r["gap"] <= 1 for r in _tune.records()
+               if r["error"] is None), "a candidate ran outside the agreement bound"
+
+
+def _favour(rows_wanted):
+    """A stand-in timer under which the trial with exactly ``rows_wanted`` in force is the
+    fastest (1 µs) and every other 10 µs."""
+    return lambda once, rows: 1.0 if rows == rows_wanted else 10.0
+
+
+def _fwd_candidates(Tq=40, D=32, dtype=torch.float32):
+    return kattn._candidates("fwd", D, dtype, "none", False, True,
+                             kattn._tma_possible(dtype, torch.device(DEVICE), None, None))
+
+
+def test_fastest_agreeing_row_is_chosen_and_launched(tuning, monkeypatch):
+    favourite = _fwd_candidates()[-1]
+    assert favourite.get("fwd"), "the test needs a candidate with its own tile"
+    monkeypatch.setattr(_tune, "TIMER", _favour(favourite))
+    _call(causal=True)
+    chosen = [r for r in _tune.records() if r["chosen"] and r["kernel"] == "fwd"]
+    assert [r["candidate"] for r in chosen] == [favourite]
+    # the next call of the kind launches the forward with that row, without tuning again
+    n = len(_tune.records())
+    seen = spy_launches(monkeypatch, kattn, ["_attn_fwd_kernel"],
+                        lambda a, kw: (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"],
+                                       kw["num_stages"]), with_name=False)
+    (q, k, v), out, _ = _call(causal=True)
+    assert seen == [favourite["fwd"]]
+    assert len(_tune.records()) == n
+    assert _tune.current() == {}                   # nothing left in force after the call
+    ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    same = reference.attention(q, k, v, causal=True)
+    assert_within_2x_eager(out, same, ref, ta.FLOOR[q.dtype])
+
+
+@pytest.mark.parametrize("fault", ["one element", "every element"])
+def test_row_whose_outputs_disagree_is_never_chosen(tuning, monkeypatch, fault):
+    """A candidate computing a wrong answer (as the H200 found a miscompiled launch do:
+    here the forward's output changed under it, in one element or everywhere) is turned
+    away even when it is the fastest, and the call's output is right."""
+    favourite = _fwd_candidates()[-1]
+    monkeypatch.setattr(_tune, "TIMER", _favour(favourite))
+    real = kattn._launch_forward
+
+    def launch(q, k, v, out, *args, **kwargs):
+        real(q, k, v, out, *args, **kwargs)
+        if _tune.current() == favourite:
+            if fault == "one element":
+                out[0, 0, -1, 0] += 0.5
+            else:
+                out.mul_(1.01)
+    monkeypatch.setattr(kattn, "_launch_forward", launch)
+    (q, k, v), out, _ = _call(causal=True)
+    rec = next(r for r in _tune.records() if r["candidate"] == favourite)
+    assert rec["error"] == "outputs disagree with the table row's" and rec["gap"] > 1
+    assert not rec["chosen"]
+    assert not any(r["candidate"] == favourite and r["chosen"] for r in _tune.records())
+    ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    same = reference.attention(q, k, v, causal=True)
+    assert_within_2x_eager(out, same, ref, ta.FLOOR[q.dtype])
+
+
+def test_row_that_cannot_run_is_skipped_but_the_table_row_raises(tuning, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+    favourite = _fwd_candidates()[-1]
+    monkeypatch.setattr(_tune, "TIMER", _favour(favourite))
+    real = kattn._launch_forward
+
+    def launch(*args, **kwargs):
+        if _tune.current() == favourite:
+            raise OutOfResources(300000, 232448, "shared memory")
+        real(*args, **kwargs)
+    monkeypatch.setattr(kattn, "_launch_forward", launch)
+    _call(causal=True)
+    rec = next(r for r in _tune.records() if r["candidate"] == favourite)
+    assert rec["error"].startswith("OutOfResources") and rec["us"] is None
+    assert any(r["chosen"] and r["kernel"] == "fwd" for r in _tune.records())
+
+    _tune.reset()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the table row fails")
+    monkeypatch.setattr(kattn, "_launch_forward", broken)
+    with pytest.raises(RuntimeError, match="the table row fails"):
+        _call(causal=True)
+
+
+def test_one_tuning_per_kind(tuning):
+    """Calls of one kind tune once; a new size class (queries, keys or batch x heads to the
+    next power of two), dtype or mask kind tunes again."""
+    _call(Tq=40, Tk=40)
+    kinds = _kinds()
+    assert len(kinds) == 2                                   # forward, backward
+    n = len(_tune.records())
+    _call(Tq=33, Tk=60)                                      # same classes: 64, 64
+    assert len(_tune.records()) == n
+    for kw in (dict(Tq=70, Tk=70), dict(B=3), dict(dtype=torch.float16), dict(causal=True)):
+        before = _kinds()
+        _call(**kw)
+        assert len(_kinds() - before) == 2, kw
+
+
+def test_atomic_dq_is_a_candidate_and_dq_is_not_tuned_after_it(tuning, monkeypatch):
+    """dK/dV's candidates include dQ by atomic adds (no dQ kernel); when it wins, the dQ
+    kernel's rows are not timed (it does not run), and the call is right."""
+    atomic = {"dq_mode": "atomic"}
+    monkeypatch.setattr(_tune, "TIMER", _favour(atomic))
+    seen = spy_launches(monkeypatch, kattn, ["_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"],
+                        lambda a, kw: kw.get("ATOMIC_DQ", False))
+    (q, k, v), out, grads = _call(causal=True, dtype=torch.float16)
+    assert any(r["candidate"] == atomic and r["chosen"] for r in _tune.records())
+    assert not any(r["kernel"] == "dq" for r in _tune.records())
+    seen.clear()
+    _, _, grads = _call(causal=True, dtype=torch.float16)
+    assert seen == [("_attn_bwd_dkdv_kernel", True)]
+
+
+def test_agreement_measure():
+    ref = torch.tensor([1.0, -2.0, float("inf"), 0.5])
+    assert _tune._gap([ref.clone()], [ref]) == 0.0                  # equal infinities agree
+    one_ulp = ref.clone()
+    one_ulp[1] = -2.0 * (1 + 2 ** -9)                               # 2^-8 of max |ref|
+    assert _tune._gap([one_ulp.half()], [ref.half()]) == pytest.approx(0.0, abs=1.0)
+    wrong = ref.clone()
+    wrong[3] = 0.6                                                  # 5% of max |ref|
+    assert _tune._gap([wrong], [ref]) > 1
+    nan = ref.clone()
+    nan[0] = float("nan")
+    assert _tune._gap([nan], [ref]) == math.inf
+    assert _tune._gap([torch.ones(3), torch.empty(0)], [torch.ones(3), torch.empty(0)]) == 0
+
+
+def test_when_calls_are_tuned(monkeypatch):
+    monkeypatch.setattr(_tune, "MODE", "on")
+    monkeypatch.setattr(_tune, "ON_CPU", False)
+    assert not _tune.wanted(torch.device("cpu"))                    # a GPU's calls only
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not _tune.wanted(torch.device("cuda"))                   # never inside a graph
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert _tune.wanted(torch.device("cuda"))
+    monkeypatch.setattr(_tune, "MODE", "yes")
+    with pytest.raises(ValueError, match="CTXFAST_AUTOTUNE must be 'off' or 'on', got 'yes'"):
+        _tune.wanted(torch.device("cpu"))
+    with pytest.raises(ValueError, match="CTXFAST_AUTOTUNE"):
+        _call()
+
+
+def test_rows_in_force_nest_and_are_per_thread():
+    import threading
+    assert _tune.current() == {}
+    with _tune.active({"fwd": (1, 2, 3, 4)}):
+        with _tune.active({"dq": (5, 6, 7, 8)}):
+            assert _tune.current() == {"dq": (5, 6, 7, 8)}
+        assert _tune.current() == {"fwd": (1, 2, 3, 4)}
+        other = []
+        t = threading.Thread(target=lambda: other.append(_tune.current()))
+        t.start()
+        t.join()
+        assert other == [{}]
+    assert _tune.current() == {}
+
+
+def test_torch_compile_fullgraph_tuned(tuning):
+    ta.test_torch_compile_fullgraph()
+    assert len(_kinds()) == 2
