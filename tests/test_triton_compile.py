@@ -17,8 +17,9 @@ launch is specialised as Triton's JIT does it (argument types; ints equal to 1 b
 constants; ints divisible by 16 and 16-byte aligned pointers are marked so), then compiled
 for sm_90, and for sm_80 where the case says so (the heaviest case of each kernel).
 
-The cases cover every kernel the launchers launch, fp16, bf16 and fp32, and each constexpr
-flag on in at least one case; not the full cross product (a cold compile takes seconds per
+The cases cover every kernel the launchers launch, fp16, bf16 and fp32, each constexpr
+flag on in at least one case, and every launch row the tuner (``kernels/_tune.py``) times
+for a 16-bit attention call at D 64 and 128; not the full cross product (a cold compile takes seconds per
 kernel). fp32 attention is compiled with ``input_precision="tf32"`` (torch's allow_tf32
 on; in the heavy variants measured it needs more shared memory on sm_90 than exact fp32);
 exact-fp32 ("ieee", torch's default for attention) dots are compiled for the LSTM only
@@ -198,10 +199,31 @@ def _cases():
             fn = setting(mod, "TMA_MODE", "on")(setting(mod, "_has_tma", lambda device: True)(fn))
         return fn
 
+    def tuned(rows):
+        """fn run with the tuner's rows in force (kernels/_tune.py), as a tuned call on an
+        sm_90 GPU runs them (TMA possible: the recording's CPU tensors have none)."""
+        from ctxfast.kernels import _tune
+
+        def wrap(fn):
+            def run():
+                with _tune.active(rows):
+                    fn()
+            return setting(attention, "_has_tma", lambda device: True)(run)
+        return wrap
+
     f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
     sm90, both = (90,), (90, 80)
     every_mask = dict(causal=True, kpm=True, perm=True, perm_strict=True, dropout=0.1)
-    return [
+    # every candidate the tuner times for a 16-bit call (CTXFAST_AUTOTUNE=on), at the
+    # headline cases: held to the same facts as the table rows (no spills, wgmma)
+    tuning = []
+    for D in (64, 128):
+        for kernel in ("fwd", "dkdv", "dq"):
+            cands = attention._candidates(kernel, D, bf16, "none", False, True, True)
+            for rows in (cands({}) if callable(cands) else cands)[1:]:
+                tuning.append((f"attention bf16 D={D} causal, tuning candidate {rows}", sm90,
+                               tuned(rows)(lambda D=D: attn(bf16, D, causal=True))))
+    return tuning + [
         # rel_attention's training cases (REL_SPILL_BUDGET): causal with memory, no flag
         ("rel_attention bf16 D=64 causal (training)", sm90, lambda: rel(bf16, 64, causal=True)),
         ("rel_attention bf16 D=128 causal (training)", sm90,
