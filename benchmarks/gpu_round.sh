@@ -286,10 +286,12 @@ stage_verify() {
     "cuda persistent-mma groups" "cuda persistent-mma tf32x3" "cuDNN+WeightDropout" \
     "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
-  # attention's launches (rel_attention's were swept in the third H200 round and adopted)
-  step "config sweep (attention, checked)" 150 config_sweep.log "$PY" \
-    benchmarks/config_sweep.py --ops attention --time-budget 120 --out "$R/config_sweep.json"
-  summarize config_sweep.log ": current|WRONG" 30
+  # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
+  # checked against the table row) against the table rows and SDPA, per headline case: the
+  # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
+  step "tune report (attention)" 170 tune_report.log "$PY" \
+    benchmarks/tune_report.py --time-budget 130 --out "$R/tune_report.json"
+  summarize tune_report.log "x\)|chosen|Error|error" 40
 }
 
 pack() {

@@ -932,7 +932,7 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     assert len(vsuite) == 1 and "tests/test_build_flags.py" in vsuite[0]
     for f in vsuite[0].split(" -m pytest ")[1].split(" -v ")[0].split():
         assert (BENCH_DIR.parent / f).exists(), f
-    assert any("config_sweep.py --ops attention" in c for c in verify)
+    assert any("tune_report.py" in c and "--out" in c for c in verify)
     assert any("lstm_launch_compare.py" in c and "persistent-mma" in c for c in verify)
 
 
@@ -1208,6 +1208,26 @@ def test_config_sweep_runs_every_step(tmp_path):
     assert all(r["err"] is not None and r["err"] <= 1 and "wrong" not in r
                for r in data["rows"]), [r for r in data["rows"] if not (r["err"] or 2) <= 1]
     assert len(data["summary"]) == 8
+
+
+def test_tune_report_runs_every_step(tmp_path):
+    # benchmarks/tune_report.py on a CPU: each case timed with the table rows, tuned (every
+    # candidate run, checked, timed) and against SDPA; the chosen rows and every trial are
+    # in the JSON.
+    out = tmp_path / "tune.json"
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "tune_report.py"), "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 2 and all("error" not in r for r in data["rows"]), data["rows"]
+    for row in data["rows"]:
+        for mode in ("fwd", "fwd+bwd"):
+            us = row["us"][mode]
+            assert us["table"] > 0 and us["tuned"] > 0 and us["sdpa"] > 0
+        assert row["trials"] >= 6                      # forward and backward candidates ran
+    assert len(data["chosen"]) == 4                    # fwd and bwd kinds of both cases
+    assert all(r["error"] is None and r["gap"] <= 1 for r in data["records"])
+    assert sum(r["chosen"] for r in data["records"]) >= 4
 
 
 def test_config_sweep_refuses_unknown_ops_and_kernels():

@@ -38,12 +38,12 @@ def test_info_names_the_kernel_settings_that_are_set():
 def test_info_says_what_float32_rounds_to_on_a_gpu():
     """`ctxfast info` says whether float32 products may be TF32 on a GPU: attention follows
     cuBLAS's matmul setting, the LSTM cuDNN's RNN setting (torch's defaults: float32 and
-    TF32); and lists CTXFAST_ATTN_TMA when set."""
-    out = _run("info", CTXFAST_ATTN_TMA="on").stdout
+    TF32); and lists CTXFAST_ATTN_TMA and CTXFAST_AUTOTUNE when set."""
+    out = _run("info", CTXFAST_ATTN_TMA="on", CTXFAST_AUTOTUNE="on").stdout
     line = next(l for l in out.splitlines() if l.startswith("float32 on a GPU: "))
     assert line == ("float32 on a GPU: attention products float32 (cuBLAS's setting), "
                     "LSTM recurrence TF32 (cuDNN RNNs' setting)"), line
-    assert "CTXFAST_ATTN_TMA=on" in out
+    assert "CTXFAST_ATTN_TMA=on" in out and "CTXFAST_AUTOTUNE=on" in out
 
 
 def test_info_says_what_code_the_cpu_kernels_run():

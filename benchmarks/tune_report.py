@@ -1,0 +1,157 @@
+"""What first-call tuning (``CTXFAST_AUTOTUNE=on``, kernels/_tune.py) gives on this GPU:
+per case, ctxfast.attention (triton) with the table rows and with the rows the tuner
+chose, against SDPA, forward and forward + backward, and which rows won.
+
+For each case of ``CASES`` (the benchmark's headline CUDA cases, bf16): time the op with
+tuning off (the tables), call it once with tuning on (which tunes its forward and its
+backward: every candidate compiled, run on these inputs, checked against the table row's
+outputs, timed), time it tuned, then time the table rows again and SDPA (where SDPA can
+express the mask). Timing is the tuner's own (``_tune._time_us``: CUDA events over
+back-to-back calls queued behind a spin kernel, best of 3 rounds of ~5 ms), the same for
+every column; "table" is the better of the two table timings (before and after), so a
+drift between them shows in ``table_us_runs``. The tuned rows' outputs are checked only
+against the table row's (the tuner's agreement rule); the table rows are the ones the
+tests check against float64.
+
+    python benchmarks/tune_report.py --out tune.json [--time-budget 240]
+    TRITON_INTERPRET=1 python benchmarks/tune_report.py --quick     # CPU: the steps run
+
+Output: a printed table (µs, and tuned / table, tuned / SDPA speedups) and with --out a
+JSON of the cases, the rows chosen per kind and every trial run's record (kernel,
+candidate, µs, agreement, error): the rows to adopt into the tables come from it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ctxfast  # noqa: E402
+from bench_attention import Case, _mask_kwargs, _op, flops  # noqa: E402
+from ctxfast.kernels import _tune  # noqa: E402
+
+CASES = (
+    Case("causal", (16, 12, 1024, 1024, 64), "GPT-2", ("cuda",)),
+    Case("padding", (32, 12, 512, 512, 64), "BERT-base", ("cuda",)),
+    Case("causal", (4, 32, 4096, 4096, 64), "sweep", ("cuda",)),
+    Case("causal", (4, 16, 4096, 4096, 128), "sweep", ("cuda",)),
+    Case("causal-memory", (22, 8, 512, 1024, 64), "TXL-enwik8", ("cuda",)),
+    Case("perm-query", (32, 12, 512, 512, 64), "XLNet-base", ("cuda",)),
+)
+QUICK_CASES = (Case("causal", (1, 2, 40, 40, 32)), Case("padding", (1, 2, 24, 24, 32)))
+
+
+def _calls(case, device, dtype):
+    """{name: (fwd, fwd+bwd)} callables on one set of inputs: ctxfast.attention (triton)
+    and SDPA (None where it cannot take the mask)."""
+    B, H, Tq, Tk, D = case.shape
+    mk = lambda T: torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
+    q, k, v = mk(Tq), mk(Tk), mk(Tk)
+    g = torch.randn(B, H, Tq, D, device=device, dtype=dtype)
+    mask_kw = _mask_kwargs(case, device)
+    ops = {"triton": _op("triton", case, mask_kw, device)[0]}
+    if not case.mask.startswith("perm"):
+        ops["sdpa"] = _op("sdpa", case, mask_kw, device)[0]
+    out = {}
+    for name, op in ops.items():
+        def fwd(op=op):
+            with torch.no_grad():
+                op(q, k, v)
+
+        def fwd_bwd(op=op):
+            torch.autograd.grad(op(q, k, v), (q, k, v), g)
+        out[name] = (fwd, fwd_bwd)
+    return out
+
+
+def _time(fn, device):
+    fn()                                           # compiled (and tuned) before timing
+    return _tune._time_us(fn, {}, device)
+
+
+def report(device, dtype, cases, budget_s):
+    start = time.monotonic()
+    rows = []
+    for case in cases:
+        if time.monotonic() - start > budget_s:
+            rows.append({"case": case.name, "error": "not run: time budget"})
+            continue
+        calls = _calls(case, device, dtype)
+        row = {"case": case.name, "us": {}, "table_us_runs": {}}
+        saved = _tune.MODE
+        try:
+            for i, mode in enumerate(("fwd", "fwd+bwd")):
+                _tune.MODE = "off"
+                before = _time(calls["triton"][i], device)
+                _tune.MODE = "on"
+                n = len(_tune.records())
+                tuned = _time(calls["triton"][i], device)   # the first call tunes
+                row.setdefault("trials", 0)
+                row["trials"] += len(_tune.records()) - n
+                _tune.MODE = "off"
+                after = _time(calls["triton"][i], device)
+                row["table_us_runs"][mode] = [before, after]
+                row["us"][mode] = {"table": min(before, after), "tuned": tuned}
+                if "sdpa" in calls:
+                    row["us"][mode]["sdpa"] = _time(calls["sdpa"][i], device)
+                row["us"][mode]["tflops_tuned"] = flops(case, mode) / tuned / 1e6
+        except Exception as e:  # noqa: BLE001  (one case's failure must not end the report)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        finally:
+            _tune.MODE = saved
+        rows.append(row)
+        print(_line(row))
+        sys.stdout.flush()
+    return rows
+
+
+def _line(row):
+    if "error" in row:
+        return f"{row['case']:44s} {row['error']}"
+    parts = [f"{row['case']:44s}"]
+    for mode, us in row["us"].items():
+        part = (f"{mode:7s} table {us['table']:9.1f} tuned {us['tuned']:9.1f} us "
+                f"({us['table'] / us['tuned']:.2f}x)")
+        if "sdpa" in us:
+            part += f" sdpa {us['sdpa']:9.1f} ({us['sdpa'] / us['tuned']:.2f}x)"
+        parts.append(part)
+    return "\n    ".join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny cases (the CPU interpreter)")
+    ap.add_argument("--time-budget", type=float, default=240.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        _tune.ON_CPU = True
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    quick = args.quick or device.type != "cuda"
+    rows = report(device, dtype, QUICK_CASES if quick else CASES, args.time_budget)
+    chosen = [{"kind": [str(x) for x in kind], "rows": {k: list(v) if isinstance(v, tuple)
+                                                       else v for k, v in r.items()}}
+              for kind, r in _tune.tuned().items()]
+    for c in chosen:
+        print("chosen", " ".join(c["kind"][:9]), c["rows"] or "table rows")
+    if args.out:
+        records = [dict(r, kind=[str(x) for x in r["kind"]],
+                        candidate={k: list(v) if isinstance(v, tuple) else v
+                                   for k, v in r["candidate"].items()})
+                   for r in _tune.records()]
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda"
+                       else "cpu", "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "rows": rows,
+                       "chosen": chosen, "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
