@@ -117,9 +117,11 @@ def wanted(device: torch.device) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def call(kind, kernels, run, outputs, device):
-    """``run()`` (a launcher call writing the tensors ``outputs``) with the rows tuned for
-    ``kind``, tuning them first if this is the kind's first call.
+def call(kind, kernels, run, outputs, device, dtype):
+    """``run()`` (a launcher call writing the tensors ``outputs``, or a function returning
+    them after a run) with the rows tuned for ``kind``, tuning them first if this is the
+    kind's first call. dtype: the call's input dtype, whose ``AGREE`` bounds every output
+    (an fp32 output of 16-bit inputs carries their rounding).
 
     kernels: ``[(name, candidates), ...]`` in launch order; candidates a list of dicts of
     override names and values, the first ``{}`` (the table row), or a function of the rows
@@ -129,7 +131,8 @@ def call(kind, kernels, run, outputs, device):
     with _LOCK:
         rows = _TUNED.get(kind)
         if rows is None:
-            rows = _tune(kind, kernels, run, outputs, device)
+            tol = AGREE.get(dtype, AGREE[torch.float32])
+            rows = _tune(kind, kernels, run, outputs, device, tol)
             _TUNED[kind] = rows
     with active(rows):
         return run()
@@ -169,14 +172,15 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _gap(outs, refs) -> float:
-    """max over outputs of max |out − ref| / max |ref| (finite elements), in units of the
-    output dtype's AGREE; inf if an output is not finite where its reference is."""
+def _gap(outs, refs, tol=None) -> float:
+    """max over outputs of max |out − ref| / max |ref| (finite elements), in units of
+    ``tol`` (default: the output dtype's AGREE); inf if an output is not finite where its
+    reference is."""
     worst = 0.0
     for o, r in zip(outs, refs):
         if o.numel() == 0:
             continue
-        tol = AGREE.get(o.dtype, AGREE[torch.float32])
+        t = AGREE.get(o.dtype, AGREE[torch.float32]) if tol is None else tol
         wide = torch.float64 if o.dtype == torch.float64 else torch.float32
         o, r = o.detach().to(wide), r.to(wide)
         same = o == r                                   # equal infinities too
@@ -187,7 +191,7 @@ def _gap(outs, refs) -> float:
         diff = float((o - r).abs().masked_fill(same, 0.0).max())
         if diff == 0.0:
             continue
-        worst = max(worst, diff / (max(scale, 1e-30) * tol))
+        worst = max(worst, diff / (max(scale, 1e-30) * t))
     return worst
 
 
@@ -221,10 +225,11 @@ def _time_us(once, rows, device) -> float:
     return best * 1e3
 
 
-def _tune(kind, kernels, run, outputs, device) -> dict:
+def _tune(kind, kernels, run, outputs, device, tol) -> dict:
     """The rows for ``kind``: per kernel in order, the fastest candidate that runs and agrees
-    with the first run (all table rows)."""
+    (within ``tol``) with the first run (all table rows)."""
     skippable = _skippable()
+    written = outputs if callable(outputs) else (lambda: outputs)
     chosen: dict = {}
     ref = None
     for name, candidates in kernels:
@@ -246,13 +251,14 @@ def _tune(kind, kernels, run, outputs, device) -> dict:
                 if not cand:
                     raise                       # the table row: what runs without tuning
                 _sync(device)
-                rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                rec["error"] = f"{type(e).__name__}: {first}"
                 continue
             if ref is None:
-                ref = [o.detach().clone() for o in outputs]
+                ref = [o.detach().clone() for o in written()]
                 rec["gap"] = 0.0
             else:
-                rec["gap"] = _gap(outputs, ref)
+                rec["gap"] = _gap(written(), ref, tol)
                 if rec["gap"] > 1.0:
                     rec["error"] = "outputs disagree with the table row's"
                     continue

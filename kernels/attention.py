@@ -906,7 +906,7 @@ def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs):
             size(B * H), size(max_q), size(max_k))
     stages = [(name, _candidates(name, D, q.dtype, mask, dropout, cu is None, tma_ok))
               for name in kernels]
-    return _tune.call(kind, stages, run, outputs, q.device)
+    return _tune.call(kind, stages, run, outputs, q.device, q.dtype)
 
 
 def _mask_kind(key_padding_mask, perm_rank) -> str:

@@ -115,6 +115,7 @@ from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _has_tma, _inter
                       _keep, _key_range, _mask_args, _new_output, _online_softmax_step,
                       _seed_arg, _split_targets, _tf32_allowed, _tile_rows, _visible, cdiv,
                       check_tma_mode, next_pow2, tma_args)
+from . import _tune
 from ._launch import fast
 
 
@@ -1116,9 +1117,8 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
         warps, stages = 4, 3
     elif bm == 32 and wide and block_d == 128:
         warps, stages = 8, 1
-    if LAUNCH_OVERRIDE:                                   # benchmarks/config_sweep.py
-        bm = LAUNCH_OVERRIDE.get("tile", bm)
-        warps, stages = LAUNCH_OVERRIDE.get("fwd", (warps, stages))
+    bm = _override("tile", bm)               # the tuner's rows, benchmarks/config_sweep.py
+    warps, stages = _override("fwd", (warps, stages))
     return bm, bm, block_d, 2 * bm, warps, stages
 
 
@@ -1149,19 +1149,28 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
     dq = (8, 1) if wide else (4, 1) if small else (8, 3)
     launch = {"dkdv": (4, 1) if small else (8, 2 if wide else 1), "dq": dq,
               "dr": (4, 1) if small else (8, 1)}
-    if LAUNCH_OVERRIDE:
-        launch.update({k: v for k, v in LAUNCH_OVERRIDE.items() if k in launch})
-    return launch
+    return {k: _override(k, v) for k, v in launch.items()}
 
 
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
-#: (num_warps, num_stages), "carry": bool, "dr_mode": str}``: replaces :func:`_config`'s
-#: tile (not the decoding one) and :func:`_bwd_launch`'s rows for every call while set;
-#: "carry" turns on the forward's and dQ kernel's carried gather
-#: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`. Empty in
-#: normal use; the GPU config sweep (benchmarks/config_sweep.py) sets it to time (and
-#: check) candidates on the same inputs.
+#: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str}``: replaces
+#: :func:`_config`'s tile (not the decoding one) and :func:`_bwd_launch`'s rows for every
+#: call while set; "carry" turns on the forward's and dQ kernel's carried gather
+#: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`, "tma"
+#: :data:`TMA_MODE`. Empty in normal use; the GPU config sweep
+#: (benchmarks/config_sweep.py) sets it to time (and check) candidates on the same inputs.
+#: The tuner's rows (kernels/_tune.py, ``CTXFAST_AUTOTUNE=on``) use the same names and come
+#: first.
 LAUNCH_OVERRIDE: dict = {}
+
+
+def _override(name, default=None):
+    """The value the tuned call in progress or :data:`LAUNCH_OVERRIDE` gives ``name``, else
+    ``default``."""
+    rows = _tune.current()
+    if rows and name in rows:
+        return rows[name]
+    return LAUNCH_OVERRIDE.get(name, default) if LAUNCH_OVERRIDE else default
 
 
 def _carry(D: int, dtype: torch.dtype) -> bool:
@@ -1169,9 +1178,10 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
     (:func:`_rel_scores_chunked`): on a GPU for 16-bit 64 x 64 tiles, where the H200 timed
     it right and faster (forward 139 us against 150, dQ 286 against 310; benchmarks/results/
     nvidia-h200/2026-11-26-round3/config_sweep.json); elsewhere off until a GPU times it.
-    :data:`LAUNCH_OVERRIDE`'s "carry" replaces the choice."""
-    if "carry" in LAUNCH_OVERRIDE:
-        return bool(LAUNCH_OVERRIDE["carry"])
+    The override "carry" (:func:`_override`) replaces the choice."""
+    carry = _override("carry")
+    if carry is not None:
+        return bool(carry)
     return not _interpreting() and dtype.itemsize == 2 and next_pow2(D) <= 64
 
 
@@ -1196,18 +1206,81 @@ TMA_DTYPES = (torch.float16, torch.bfloat16)
 def _tma_args(names, tensors, rows, block_d):
     """Keyword arguments turning a launch's TMA tiles on (``_common.tma_args``), or ``{}``
     where TMA_MODE is off or the call cannot use them (device, dtype, addressing)."""
-    if (not check_tma_mode(LAUNCH_OVERRIDE.get("tma", TMA_MODE))
+    if (not check_tma_mode(_override("tma", TMA_MODE))
             or tensors[0].dtype not in TMA_DTYPES or not _has_tma(tensors[0].device)):
         return {}
     return tma_args(names, tensors, rows, block_d)
 
 
 def _dr_mode() -> str:
-    """DR_MODE, or LAUNCH_OVERRIDE's "dr_mode" while the config sweep sets it."""
-    mode = LAUNCH_OVERRIDE.get("dr_mode", DR_MODE)
+    """DR_MODE, or the override "dr_mode" (the tuner's row, the config sweep's)."""
+    mode = _override("dr_mode", DR_MODE)
     if mode not in ("kernel", "atomic"):
         raise ValueError(f"CTXFAST_REL_BWD_DR must be 'kernel' or 'atomic', got {mode!r}")
     return mode
+
+
+#: What the tuner (``CTXFAST_AUTOTUNE=on``, kernels/_tune.py) times per kernel besides the
+#: table launch, keyed (kernel, tile, 16-bit?): override dicts (:data:`LAUNCH_OVERRIDE`'s
+#: names: launches (num_warps, num_stages), the carried gather, TMA chunks, dr by atomic
+#: adds). The tile is not tuned (a call's kernels share it). From the H200 sweeps
+#: (benchmarks/results/nvidia-h200/2026-11-26-round3/config_sweep.json, bf16 D 64): the
+#: launches within ~1.3x of the fastest right one there, each variant at its best launch;
+#: at 32 x 32 tiles 4 warps ran 1.5-2x faster than 8 there. dQ at 8 warps with 2 or 3
+#: stages is left out (wrong answers on the H200: the agreement check would turn it away,
+#: after a compile). fp32 (XL evaluation's forward): its forward only.
+_TUNE_CANDIDATES = {
+    ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "on", "fwd": (4, 1)},
+                        {"carry": False}],
+    ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}],
+    ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)}],
+    ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
+    ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
+    ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
+    ("dq", 32, True): [{"dq": (4, 3)}, {"dq": (4, 1)}, {"tma": "on"}],
+    ("dr", 32, True): [{"dr": (4, 3)}, {"dr": (4, 1)}],
+    ("fwd", 32, False): [{"fwd": (4, 1)}, {"fwd": (8, 3)}],
+}
+
+#: The same under the interpreter (tests): the variants' code paths.
+_TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}], "dkdv": [{"dkdv": (2, 1)}],
+                     "dq": [{"carry": True}, {"tma": "on"}, {"dr_mode": "atomic"}],
+                     "dr": [{"dr": (2, 1)}]}
+
+
+def _candidates(kernel, D, dtype, tma_ok):
+    """The tuner's candidates for one kernel: ``{}`` (the table launch) first, then those of
+    :data:`_TUNE_CANDIDATES` that can differ from it here (TMA where the call can take it,
+    the carried gather where it is not the default, atomic dr where it is not the mode).
+    dR's list is a function of the rows chosen before it (nothing after atomic dr: no dR
+    kernel runs)."""
+    if _interpreting():
+        listing = _TUNE_INTERPRETED[kernel]
+    else:
+        tile = _config(D, None, dtype)[0]
+        listing = _TUNE_CANDIDATES.get((kernel, tile, dtype.itemsize == 2), [])
+    carry = _carry(D, dtype)
+    out = [{}] + [c for c in listing
+                  if (tma_ok or "tma" not in c) and c.get("carry", not carry) != carry
+                  and (DR_MODE != "atomic" or "dr_mode" not in c)]
+    if kernel == "dr":
+        return lambda chosen: [{}] if chosen.get("dr_mode") == "atomic" else out
+    return out
+
+
+def _tuned(kernels, q, dims, flags, run, outputs):
+    """``run()`` (a launcher call writing ``outputs``, a list or a function returning it),
+    through the tuner where it is on for q's device (kernels/_tune.py). flags: what else
+    makes a call of another kind (mask and term flags, split-K)."""
+    if not _tune.wanted(q.device):
+        return run()
+    B, H, Tq, Tk, D = dims
+    tma_ok = q.dtype in TMA_DTYPES and _has_tma(q.device)
+    size = _tune.size_class
+    kind = ("rel_attention", kernels, D, q.dtype, dot_precision(q.dtype), *flags, tma_ok,
+            TMA_MODE, DR_MODE, size(B * H), size(Tq), size(Tk))
+    stages = [(name, _candidates(name, D, q.dtype, tma_ok)) for name in kernels]
+    return _tune.call(kind, stages, run, outputs, q.device, q.dtype)
 
 
 #: Key blocks from which the dK/dV and dR kernels, which multiply a whole band per tile,
@@ -1305,24 +1378,36 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     num_splits, keys_per_split, o_target, l_target, o_strides, l_strides, split_strides = \
         _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
     split = num_splits > 1
-    tma = _tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bn, bd)
-    fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
-        q, k, v, r, r_w_bias.contiguous(), r_r_bias.contiguous(), sq, sk, se, rsb,
-        o_target, l_target, kpm, rank, kv_end, _seed_arg(q, dropout_p, seed),
-        *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
-        *split_strides, keys_per_split, *mstrides,
-        sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
-        H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, window or 0, scale * LOG2E,
-        float(dropout_p),
-        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, HAS_SEG=has_seg, DROPOUT=dropout_p > 0,
-        WINDOW=window is not None, SPLIT_K=split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype),
-        CARRY=_carry(D, q.dtype), num_warps=warps, num_stages=stages, **tma,
-    )
-    if split:
-        _combine_splits(o_target, l_target, out, lse)
+    u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
+    seed_arg = _seed_arg(q, dropout_p, seed)
+
+    def run():          # the launch rows read here: the tuner's when it has chosen some
+        warps, stages = _config(D, Tq, q.dtype)[4:]
+        tma = _tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bn, bd)
+        fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
+            q, k, v, r, u, w, sq, sk, se, rsb, o_target, l_target, kpm, rank, kv_end, seed_arg,
+            *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
+            *split_strides, keys_per_split, *mstrides,
+            sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
+            H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, window or 0, scale * LOG2E,
+            float(dropout_p),
+            CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
+            HAS_PERM=perm_rank is not None, PERM_STRICT=perm_strict, HAS_SEG=has_seg,
+            DROPOUT=dropout_p > 0, WINDOW=window is not None, SPLIT_K=split,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+            PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
+            num_warps=warps, num_stages=stages, **tma,
+        )
+        if split:
+            _combine_splits(o_target, l_target, out, lse)
+    if Tq <= DECODE_MAX_Q:          # the decoding tile: one launch row, nothing to tune
+        run()
+    else:
+        _tuned(("fwd",), q, (B, H, Tq, Tk, D), (causal, key_padding_mask is not None,
+                                                perm_rank is not None, has_seg,
+                                                dropout_p > 0, window is not None, split),
+               run, (out, lse))
     return out, lse
 
 
@@ -1337,8 +1422,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     pos_start = Tk - 1 if pos_start is None else pos_start
     scale = D ** -0.5 if scale is None else scale
     has_seg = seg_embed is not None
-    atomic = _dr_mode() == "atomic"                 # refused before any launch
-    check_tma_mode(LAUNCH_OVERRIDE.get("tma", TMA_MODE))     # so is this
+    _dr_mode()                                      # refused before any launch
+    check_tma_mode(_override("tma", TMA_MODE))               # so is this
     # every element below is written by a kernel (the grids cover all rows; each program
     # stores unconditionally), so no zero fill, except when there is nothing to compute
     work = q.numel() > 0 and Tk > 0
@@ -1360,7 +1445,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
         else:
             sq = sk = se = rsb = kv_end
-        bm, bn, bd, band, _, _ = _config(D, None, q.dtype)
+        bm, bn, bd, band, _, _ = _config(D, None, q.dtype)      # (tiles are not tuned)
         common = (
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *r.stride(), *mstrides,
             sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
@@ -1372,31 +1457,42 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             WINDOW=window is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype))
-        launch = {k: dict(num_warps=w_, num_stages=s_)
-                  for k, (w_, s_) in _bwd_launch(D, q.dtype).items()}
         u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         seed_arg = _seed_arg(q, dropout_p, seed)
-        fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
-            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
-            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
-            HALVES=bn >= HALVES_MIN_BLOCK)
-        d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
-        dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) if atomic else dq
-        fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
-            q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
-            kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"], ATOMIC_DR=atomic,
-            CARRY=_carry(D, q.dtype), **_tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)),
-                                                  bn, bd))
-        d_rw, d_rr = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))           # [H, D] each
-        if atomic:
-            dr = dr_acc.mul_(scale)
-        else:
-            dr_b = _new_output((B, H, R, D), torch.float32, q.device)
-            fast(_rel_attn_bwd_dr_kernel)[(cdiv(R, bn), B * H)](
-                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
-                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
+        done = {}
+
+        def run():      # the launch rows read here: the tuner's when it has chosen some
+            atomic = _dr_mode() == "atomic"
+            launch = {k: dict(num_warps=w_, num_stages=s_)
+                      for k, (w_, s_) in _bwd_launch(D, q.dtype).items()}
+            fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
+                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
+                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
                 HALVES=bn >= HALVES_MIN_BLOCK)
-            dr = dr_b.sum(0) if B > 1 else dr_b[0]
+            d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
+            dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) \
+                if atomic else dq
+            fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
+                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
+                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"],
+                ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype),
+                **_tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bn, bd))
+            done["d_rw"], done["d_rr"] = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))  # [H, D]
+            if atomic:
+                done["dr"] = dr_acc.mul_(scale)
+            else:
+                dr_b = _new_output((B, H, R, D), torch.float32, q.device)
+                fast(_rel_attn_bwd_dr_kernel)[(cdiv(R, bn), B * H)](
+                    q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
+                    kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
+                    HALVES=bn >= HALVES_MIN_BLOCK)
+                done["dr"] = dr_b.sum(0) if B > 1 else dr_b[0]
+        _tuned(("dkdv", "dq", "dr"), q, (B, H, Tq, Tk, D),
+               (causal, key_padding_mask is not None, perm_rank is not None, has_seg,
+                dropout_p > 0, window is not None, False), run,
+               lambda: [dq, dk, dv, done["dr"], done["d_rw"], done["d_rr"]]
+               + ([seg_a] if has_seg else []))
+        d_rw, d_rr, dr = done["d_rw"], done["d_rr"], done["dr"]
     d_seg_embed = d_r_s_bias = None
     if has_seg:
         se = seg_embed.float()                                            # [2, H, D]

@@ -9,6 +9,7 @@ small candidate rows; where a test needs a given row to win, a stand-in timer
 """
 import math
 import os
+import zlib
 
 import pytest
 import torch
@@ -23,11 +24,20 @@ from utils import DEVICE, assert_within_2x_eager, spy_launches
 pytestmark = ta.needs_triton
 
 
+def _stand_in_time(once, rows):
+    """A timer that runs nothing (the trial run has checked the candidate already) and
+    ranks the rows in a fixed, arbitrary order, so that table and other rows both win
+    somewhere and the calls after tuning run them."""
+    return float(zlib.crc32(repr(sorted(rows.items())).encode()) % 1000)
+
+
 @pytest.fixture
 def tuning(monkeypatch):
-    """Tuning on for this test (CPU tensors too), from an empty table, emptied after."""
+    """Tuning on for this test (CPU tensors too; timed by :func:`_stand_in_time`: the
+    interpreter's wall clock says nothing), from an empty table, emptied after."""
     monkeypatch.setattr(_tune, "MODE", "on")
     monkeypatch.setattr(_tune, "ON_CPU", True)
+    monkeypatch.setattr(_tune, "TIMER", _stand_in_time)
     _tune.reset()
     yield
     _tune.reset()
@@ -173,7 +183,7 @@ def test_one_tuning_per_kind(tuning):
     n = len(_tune.records())
     _call(Tq=33, Tk=60)                                      # same classes: 64, 64
     assert len(_tune.records()) == n
-    for kw in (dict(Tq=70, Tk=70), dict(B=3), dict(dtype=torch.float16), dict(causal=True)):
+    for kw in (dict(Tq=70, Tk=70), dict(B=3), dict(causal=True)):
         before = _kinds()
         _call(**kw)
         assert len(_kinds() - before) == 2, kw
@@ -242,3 +252,59 @@ def test_rows_in_force_nest_and_are_per_thread():
 def test_torch_compile_fullgraph_tuned(tuning):
     ta.test_torch_compile_fullgraph()
     assert len(_kinds()) == 2
+
+
+# --------------------------------------------------------------------------- rel_attention
+
+def test_wall_clock_timing_on_a_cpu(tuning, monkeypatch):
+    """Without a stand-in timer a CPU call is timed by the wall clock (one more run)."""
+    monkeypatch.setattr(_tune, "TIMER", None)
+    calls = []
+    us = _tune._time_us(lambda: calls.append(1), {}, torch.device("cpu"))
+    assert calls == [1] and us > 0
+
+
+def test_rel_attention_tuned_against_reference(tuning):
+    """rel_attention's reference checks with tuning on (its forward and its backward's
+    dK/dV, dQ and dR launches, the carried gather, TMA chunks, dr by atomic adds among the
+    candidates): dr and every gradient against float64 within 2x eager with memory and
+    odd sizes, a window and a longer r with causal off, XLNet's order with every mask,
+    dropout, and 16-bit (the interpreter's variant reference checks, cut to the calls of
+    distinct kinds)."""
+    import test_rel_attention as rel_tests
+    import test_rel_attention_bwd as rel_bwd
+    rel_bwd.test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
+    rel_bwd.test_dr_against_float64(2, 2, 17, 17, 54, 35, 7, False)
+    rel_bwd.test_dr_bidirectional_with_every_mask()
+    rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
+    rel_tests.test_half_dtypes(torch.float16)
+    kinds = {r["kind"][:2] for r in _tune.records()}
+    assert {("rel_attention", ("fwd",)), ("rel_attention", ("dkdv", "dq", "dr"))} <= kinds
+    tried = [r["candidate"] for r in _tune.records() if r["kind"][0] == "rel_attention"]
+    assert {"dr_mode": "atomic"} in tried and {"carry": True} in tried
+    assert all(r["gap"] <= 1 for r in _tune.records() if r["error"] is None)
+
+
+def test_rel_attention_checks_every_gradient(tuning, monkeypatch):
+    """dr is among the outputs a rel_attention candidate is checked on: a candidate whose
+    dr alone is wrong (atomic dr, corrupted after its dQ kernel here) is turned away even
+    when fastest, and the call's gradients are right."""
+    import test_rel_attention_bwd as rel_bwd
+    from ctxfast.kernels import rel_attention as krel
+    atomic = {"dr_mode": "atomic"}
+    monkeypatch.setattr(_tune, "TIMER", _favour(atomic))
+    real = krel._rel_attn_bwd_dq_kernel
+
+    class Corrupting:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*args, **kwargs):
+                launch(*args, **kwargs)
+                if kwargs["ATOMIC_DR"]:
+                    args[16].add_(1.0)                # the dr accumulator
+            return run
+    monkeypatch.setattr(krel, "_rel_attn_bwd_dq_kernel", Corrupting())
+    rel_bwd.test_dr_against_float64(2, 2, 17, 17, 54, 35, None, True)
+    rec = next(r for r in _tune.records() if r["candidate"] == atomic)
+    assert rec["error"] == "outputs disagree with the table row's" and not rec["chosen"]
