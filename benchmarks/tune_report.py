@@ -1,6 +1,7 @@
 """What first-call tuning (``CTXFAST_AUTOTUNE=on``, kernels/_tune.py) gives on this GPU:
-per case, ctxfast.attention (triton) with the table rows and with the rows the tuner
-chose, against SDPA, forward and forward + backward, and which rows won.
+per case, ctxfast.attention and ctxfast.rel_attention (triton) with the table rows and with
+the rows the tuner chose (attention also against SDPA), forward and forward + backward, and
+which rows won.
 
 For each case of ``CASES`` (the benchmark's headline CUDA cases, bf16): time the op with
 tuning off (the tables), call it once with tuning on (which tunes its forward and its
@@ -35,38 +36,66 @@ import ctxfast  # noqa: E402
 from bench_attention import Case, _mask_kwargs, _op, flops  # noqa: E402
 from ctxfast.kernels import _tune  # noqa: E402
 
+class RelCase(tuple):
+    """A rel_attention case: (B, H, Tq, mem, D, dtype, modes)."""
+
+    @property
+    def name(self):
+        B, H, Tq, mem, D, dtype, _ = self
+        return f"rel_attention {str(dtype)[6:]} B{B} H{H} Tq{Tq} mem{mem} D{D}"
+
+
+#: In the order a budget-cut report should have them: attention's GPT-2 and long causal
+#: D 64 / 128 cases, Transformer-XL training (rel_attention bf16) and XL evaluation's
+#: forward (fp32, 128 queries against 3,800 keys), then BERT, Transformer-XL's attention
+#: with memory, XLNet.
 CASES = (
     Case("causal", (16, 12, 1024, 1024, 64), "GPT-2", ("cuda",)),
-    Case("padding", (32, 12, 512, 512, 64), "BERT-base", ("cuda",)),
+    RelCase((4, 16, 512, 1024, 64, torch.bfloat16, ("fwd", "fwd+bwd"))),
     Case("causal", (4, 32, 4096, 4096, 64), "sweep", ("cuda",)),
     Case("causal", (4, 16, 4096, 4096, 128), "sweep", ("cuda",)),
+    RelCase((8, 8, 128, 3672, 64, torch.float32, ("fwd",))),
+    Case("padding", (32, 12, 512, 512, 64), "BERT-base", ("cuda",)),
     Case("causal-memory", (22, 8, 512, 1024, 64), "TXL-enwik8", ("cuda",)),
     Case("perm-query", (32, 12, 512, 512, 64), "XLNet-base", ("cuda",)),
 )
-QUICK_CASES = (Case("causal", (1, 2, 40, 40, 32)), Case("padding", (1, 2, 24, 24, 32)))
+QUICK_CASES = (Case("causal", (1, 2, 40, 40, 32)), Case("padding", (1, 2, 24, 24, 32)),
+               RelCase((1, 2, 24, 16, 16, torch.float32, ("fwd", "fwd+bwd"))))
+
+
+def _fwd_and_bwd(op, ins, g):
+    """(fwd, fwd+bwd) callables of op(*ins) with upstream gradient g."""
+    def fwd():
+        with torch.no_grad():
+            op(*ins)
+
+    def fwd_bwd():
+        torch.autograd.grad(op(*ins), ins, g)
+    return fwd, fwd_bwd
+
+
+def _rel_calls(case, device):
+    from kernel_breakdown import make_inputs
+    B, H, Tq, mem, D, dtype, _ = case
+    ins, g = make_inputs("rel_attention", B, H, Tq, mem, D, device, dtype)
+    return {"triton": _fwd_and_bwd(lambda *a: ctxfast.rel_attention(*a, backend="triton"),
+                                   ins, g)}
 
 
 def _calls(case, device, dtype):
     """{name: (fwd, fwd+bwd)} callables on one set of inputs: ctxfast.attention (triton)
-    and SDPA (None where it cannot take the mask)."""
+    and SDPA (None where it cannot take the mask); rel_attention (triton) for a RelCase."""
+    if isinstance(case, RelCase):
+        return _rel_calls(case, device)
     B, H, Tq, Tk, D = case.shape
-    mk = lambda T: torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
-    q, k, v = mk(Tq), mk(Tk), mk(Tk)
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True)
+               for T in (Tq, Tk, Tk))
     g = torch.randn(B, H, Tq, D, device=device, dtype=dtype)
     mask_kw = _mask_kwargs(case, device)
     ops = {"triton": _op("triton", case, mask_kw, device)[0]}
     if not case.mask.startswith("perm"):
         ops["sdpa"] = _op("sdpa", case, mask_kw, device)[0]
-    out = {}
-    for name, op in ops.items():
-        def fwd(op=op):
-            with torch.no_grad():
-                op(q, k, v)
-
-        def fwd_bwd(op=op):
-            torch.autograd.grad(op(q, k, v), (q, k, v), g)
-        out[name] = (fwd, fwd_bwd)
-    return out
+    return {name: _fwd_and_bwd(op, (q, k, v), g) for name, op in ops.items()}
 
 
 def _time(fn, device):
@@ -84,8 +113,11 @@ def report(device, dtype, cases, budget_s):
         calls = _calls(case, device, dtype)
         row = {"case": case.name, "us": {}, "table_us_runs": {}}
         saved = _tune.MODE
+        modes = case[6] if isinstance(case, RelCase) else case.modes
         try:
             for i, mode in enumerate(("fwd", "fwd+bwd")):
+                if mode not in modes:
+                    continue
                 _tune.MODE = "off"
                 before = _time(calls["triton"][i], device)
                 _tune.MODE = "on"
@@ -99,7 +131,8 @@ def report(device, dtype, cases, budget_s):
                 row["us"][mode] = {"table": min(before, after), "tuned": tuned}
                 if "sdpa" in calls:
                     row["us"][mode]["sdpa"] = _time(calls["sdpa"][i], device)
-                row["us"][mode]["tflops_tuned"] = flops(case, mode) / tuned / 1e6
+                if not isinstance(case, RelCase):
+                    row["us"][mode]["tflops_tuned"] = flops(case, mode) / tuned / 1e6
         except Exception as e:  # noqa: BLE001  (one case's failure must not end the report)
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         finally:

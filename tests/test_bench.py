@@ -1212,20 +1212,21 @@ def test_config_sweep_runs_every_step(tmp_path):
 
 def test_tune_report_runs_every_step(tmp_path):
     # benchmarks/tune_report.py on a CPU: each case timed with the table rows, tuned (every
-    # candidate run, checked, timed) and against SDPA; the chosen rows and every trial are
-    # in the JSON.
+    # candidate run, checked, timed) and (attention) against SDPA; the chosen rows and
+    # every trial are in the JSON.
     out = tmp_path / "tune.json"
     proc = subprocess.run([sys.executable, str(BENCH_DIR / "tune_report.py"), "--quick",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    assert len(data["rows"]) == 2 and all("error" not in r for r in data["rows"]), data["rows"]
+    assert len(data["rows"]) == 3 and all("error" not in r for r in data["rows"]), data["rows"]
     for row in data["rows"]:
+        rel = row["case"].startswith("rel_attention")
         for mode in ("fwd", "fwd+bwd"):
             us = row["us"][mode]
-            assert us["table"] > 0 and us["tuned"] > 0 and us["sdpa"] > 0
+            assert us["table"] > 0 and us["tuned"] > 0 and ("sdpa" in us) != rel
         assert row["trials"] >= 6                      # forward and backward candidates ran
-    assert len(data["chosen"]) == 4                    # fwd and bwd kinds of both cases
+    assert len(data["chosen"]) == 6                    # fwd and bwd kinds of the three cases
     assert all(r["error"] is None and r["gap"] <= 1 for r in data["records"])
     assert sum(r["chosen"] for r in data["records"]) >= 4
 

@@ -19,9 +19,13 @@ import test_attention as ta
 from ctxfast import reference
 from ctxfast.kernels import _tune
 from ctxfast.kernels import attention as kattn
-from utils import DEVICE, assert_within_2x_eager, spy_launches
+from utils import DEVICE, assert_within_2x_eager, needs_interpreter, spy_launches
 
 pytestmark = ta.needs_triton
+
+#: The dtype of the tests that need candidates: a GPU tunes 16-bit calls only (its fp32
+#: rows are kept); the interpreter tunes every dtype, and its fp32 is exact.
+DTYPE = torch.float16 if DEVICE == "cuda" else torch.float32
 
 
 def _stand_in_time(once, rows):
@@ -43,7 +47,7 @@ def tuning(monkeypatch):
     _tune.reset()
 
 
-def _call(B=1, H=2, Tq=40, Tk=40, D=32, dtype=torch.float32, **kw):
+def _call(B=1, H=2, Tq=40, Tk=40, D=32, dtype=DTYPE, **kw):
     """ctxfast.attention forward + backward on fresh inputs: (inputs, out, grads)."""
     q, k, v = (t.requires_grad_() for t in ta._inputs(B, H, Tq, Tk, D, dtype=dtype))
     out = ctxfast.attention(q, k, v, backend="triton", **kw)
@@ -85,7 +89,8 @@ def test_tuned_calls_against_reference(tuning, check):
     runs = {}
     for r in _tune.records():
         runs[r["kind"]] = runs.get(r["kind"], 0) + 1
-    assert runs and min(runs.values()) >= 3, runs     # candidates of every kind ran
+    if DEVICE == "cpu" or check == "dtypes":          # (a GPU tunes 16-bit calls only)
+        assert runs and min(runs.values()) >= 3, runs  # candidates of every kind ran
     assert all(r["gap"] is not None and r["gap"] <= 1 for r in _tune.records()
                if r["error"] is None), "a candidate ran outside the agreement bound"
 
@@ -96,7 +101,7 @@ def _favour(rows_wanted):
     return lambda once, rows: 1.0 if rows == rows_wanted else 10.0
 
 
-def _fwd_candidates(Tq=40, D=32, dtype=torch.float32):
+def _fwd_candidates(D=32, dtype=DTYPE):
     return kattn._candidates("fwd", D, dtype, "none", False, True,
                              kattn._tma_possible(dtype, torch.device(DEVICE), None, None))
 
@@ -183,7 +188,7 @@ def test_one_tuning_per_kind(tuning):
     n = len(_tune.records())
     _call(Tq=33, Tk=60)                                      # same classes: 64, 64
     assert len(_tune.records()) == n
-    for kw in (dict(Tq=70, Tk=70), dict(B=3), dict(causal=True)):
+    for kw in (dict(Tq=70, Tk=70), dict(B=3), dict(causal=True), dict(dtype=torch.bfloat16)):
         before = _kinds()
         _call(**kw)
         assert len(_kinds() - before) == 2, kw
@@ -281,10 +286,11 @@ def test_rel_attention_tuned_against_reference(tuning):
     kinds = {r["kind"][:2] for r in _tune.records()}
     assert {("rel_attention", ("fwd",)), ("rel_attention", ("dkdv", "dq", "dr"))} <= kinds
     tried = [r["candidate"] for r in _tune.records() if r["kind"][0] == "rel_attention"]
-    assert {"dr_mode": "atomic"} in tried and {"carry": True} in tried
+    assert any("dr_mode" in c for c in tried) and any("carry" in c for c in tried)
     assert all(r["gap"] <= 1 for r in _tune.records() if r["error"] is None)
 
 
+@needs_interpreter
 def test_rel_attention_checks_every_gradient(tuning, monkeypatch):
     """dr is among the outputs a rel_attention candidate is checked on: a candidate whose
     dr alone is wrong (atomic dr, corrupted after its dQ kernel here) is turned away even
