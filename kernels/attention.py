@@ -418,20 +418,14 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, 
         if HAS_PERM:
             rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
                              mask=offs_m < Tq, other=0)
-        any_vis = tl.min(offs_m, 0) >= 0          # True (a scalar tensor)
-        all_vis = any_vis
+        # constexprs unless the masks class the tile: the loop body then has no branch,
+        # which Triton's software pipeliner needs to multi-buffer the q and dO loads
+        any_vis = True
+        all_vis = True
         if not BOUNDARY:
-            if HAS_KPM:
-                any_vis = n_ok > 0
-                all_vis = n_ok == BLOCK_N
-            if HAS_PERM:
-                qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
-                if PERM_STRICT:
-                    any_vis = any_vis & (kmin < qmax)
-                    all_vis = all_vis & (kmax < qmin)
-                else:
-                    any_vis = any_vis & (kmin <= qmax)
-                    all_vis = all_vis & (kmax <= qmin)
+            if HAS_KPM or HAS_PERM:
+                any_vis, all_vis = _query_tile_class(rank_q, offs_m, Tq, n_ok, kmin, kmax,
+                                                     HAS_KPM, HAS_PERM, PERM_STRICT, BLOCK_N)
         if any_vis:
             do = _tile_rows(DOD, do_base + rows_m[:, None] * stride_dom
                             + offs_d[None, :] * stride_dod, b, h, start_m, offs_m, Tq, d_ok,
@@ -468,6 +462,29 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, 
                 tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
                               dq_part, mask=(offs_m[:, None] < Tq) & d_ok)
     return dk, dv
+
+
+@triton.jit
+def _query_tile_class(rank_q, offs_m, Tq, n_ok, kmin, kmax, HAS_KPM: tl.constexpr,
+                      HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(any_visible, all_visible) of an interior query tile for a key block with n_ok unpadded
+    keys (HAS_KPM) and ranks in [kmin, kmax] (HAS_PERM): dK/dV's counterpart of
+    :func:`_interior_keys` (called only with a padding or permutation mask)."""
+    if HAS_PERM:
+        qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
+        if PERM_STRICT:
+            any_vis = kmin < qmax
+            all_vis = kmax < qmin
+        else:
+            any_vis = kmin <= qmax
+            all_vis = kmax <= qmin
+        if HAS_KPM:
+            any_vis = any_vis & (n_ok > 0)
+            all_vis = all_vis & (n_ok == BLOCK_N)
+    else:
+        any_vis = n_ok > 0
+        all_vis = n_ok == BLOCK_N
+    return any_vis, all_vis
 
 
 @triton.jit
@@ -603,8 +620,10 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
     tiles through the descriptors KD, VD (not with SORTED)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        any_vis = tl.min(offs_n, 0) >= 0          # True (a scalar tensor)
-        all_vis = any_vis
+        # constexprs unless the masks class the tile: the loop body then has no branch,
+        # which Triton's software pipeliner needs to multi-buffer the k and v loads
+        any_vis = True
+        all_vis = True
         key_ok = offs_n >= 0
         rank_k = offs_n
         if not BOUNDARY:
@@ -770,8 +789,19 @@ _DROPOUT_CONFIGS = {
     ("dkdv", 64, True): (32, 128, 8, 2),
     ("dkdv_atomic", 64, True): (32, 128, 8, 2), ("dkdv_atomic", 128, True): (16, 128, 8, 2),
     ("dkdv_atomic", 128, False): (16, 32, 4, 2),
+    # fp32 (tf32) dQ at D 128 with every mask: 48 B spilled per thread pipelined, 0 at one stage
+    ("dq", 128, False): (64, 32, 4, 1),
 }
 
+
+#: Rows replacing :data:`_CONFIGS`' for a permutation mask without dropout: dK/dV unpipelined
+#: (one stage). Pipelined (the loop's q and dO loads multi-buffered, as every other row is
+#: since the loops lost their branch on tiles no mask classes) the rank tiles beside them
+#: spilled on sm_90: 16-bit D 64 kpm+perm_strict 12 B per thread (2 stages: 76 B), D 128
+#: perm 44 B; at one stage 0 (the loop as it ran before, when none was pipelined).
+_PERM_CONFIGS = {
+    ("dkdv", 64, True): (64, 128, 8, 1), ("dkdv", 128, True): (32, 128, 8, 1),
+}
 
 #: Rows replacing :data:`_DROPOUT_CONFIGS`' for a permutation mask with causal (the
 #: original order: a rank tile per query and key block beside the padding and the Philox
@@ -832,6 +862,8 @@ def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
         if causal and mask == "perm":
             row = _PERM_CAUSAL_DROPOUT_CONFIGS.get(key)
         row = row or _DROPOUT_CONFIGS.get(key)
+    elif mask == "perm":
+        row = _PERM_CONFIGS.get(key)
     bm, bn, warps, stages = row or _CONFIGS[key]
     return bm, bn, block_d, warps, stages
 
@@ -850,13 +882,13 @@ _TUNE_CANDIDATES = {
                   ((64, 64, 4, 3), False), ((128, 128, 8, 2), True)],
     ("fwd", 128): [(None, True), ((128, 64, 8, 3), False), ((128, 128, 8, 2), False),
                    ((128, 64, 8, 3), True), ((128, 128, 8, 2), True)],
-    ("dkdv", 64): [(None, True), ((32, 128, 4, 3), False), ((64, 64, 4, 3), False),
-                   ((32, 128, 8, 2), False), ((32, 128, 4, 3), True)],
-    ("dkdv", 128): [(None, True), ((32, 64, 4, 2), False)],
+    ("dkdv", 64): [(None, True), ((32, 128, 8, 3), False), ((64, 64, 4, 3), False),
+                   ((64, 64, 8, 3), False), ((32, 128, 8, 3), True)],
+    ("dkdv", 128): [(None, True), ((32, 64, 8, 2), False), ((32, 64, 8, 3), False)],
     ("dq", 64): [(None, True), ((64, 64, 4, 2), False), ((128, 128, 8, 2), False),
                  ((128, 32, 4, 3), False), ((128, 128, 8, 2), True)],
-    ("dq", 128): [(None, True), ((64, 64, 4, 2), False), ((128, 128, 8, 2), False),
-                  ((128, 128, 8, 2), True), ((64, 64, 4, 2), True)],
+    ("dq", 128): [(None, True), ((64, 64, 4, 2), False), ((64, 64, 8, 2), False),
+                  ((128, 64, 8, 3), False), ((128, 128, 8, 2), True), ((64, 64, 4, 2), True)],
 }
 
 #: The same under the interpreter (tests: every dtype, rows of its small tiles).
@@ -866,8 +898,8 @@ _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), Fal
 def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     """The tuner's candidates for one kernel of a call: dicts of override names
     (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. dK/dV also tries dQ by atomic
-    adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 64 without dropout: at D 128 its row
-    spills), which launches no dQ kernel: dQ's list is then a function of the rows chosen
+    adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 64 without dropout or a permutation
+    mask: elsewhere its row spills), which launches no dQ kernel: dQ's list is then a function of the rows chosen
     before it (``{}`` alone after atomic adds)."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
@@ -884,8 +916,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
         if (tma and not tma_ok) or (row is None and tma == table_tma):
             continue
         out.append({kernel + ":tma": tma, **({kernel: row} if row is not None else {})})
-    if kernel == "dkdv" and dense and not dropout and DQ_MODE != "atomic" and (
-            _interpreting() or (dtype in TMA_DTYPES and block_d <= 64)):
+    if kernel == "dkdv" and dense and not dropout and mask != "perm" and DQ_MODE != "atomic" \
+            and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 64)):
         out.append({"dq_mode": "atomic"})
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") == "atomic" else out
