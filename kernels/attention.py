@@ -15,11 +15,14 @@ Interior and boundary tiles: each loop over tiles runs twice, first over the int
 element test), then over the few boundary tiles (the full ``_visible`` test). For a query
 block starting at row ``m0`` the keys ``j <= m0 + mem_len`` are causally visible to every row;
 for a key block ending at ``n1`` every query ``i >= n1 - 1 - mem_len`` sees all of it. With a
-padding or permutation mask an interior tile is first classed from bounds: a key tile with no
-unpadded key, or whose smallest rank is above the query block's largest (``>=`` for the query
-stream), is skipped; one with no padded key and largest rank below the query block's
-smallest (``<=``) is all visible (no element mask); only the rest take an element mask.
-Causal grids hand the last query blocks (the longest rows) to the first programs.
+padding or permutation mask an interior tile is first classed from bounds: one with no
+padded key and largest rank below the query block's smallest (``<`` for the query stream) is
+all visible (no element mask); the rest take an element mask. No tile inside the loop
+bounds is skipped: a loop whose body branches around its loads is not software-pipelined
+by Triton (its loads are not multi-buffered: shared memory the same at 1, 2 or 3 stages on
+sm_90, measured), and the loop bounds already leave out the key blocks past the last
+unpadded key and, in rank order, above the staircase. Causal grids hand the last query
+blocks (the longest rows) to the first programs.
 
 Permutation masks in rank order (``SORTED``: a permutation mask without causal): the
 launchers sort each batch's current tokens by rank once per call, ``order = argsort(rank[b])``
@@ -76,8 +79,9 @@ from ._launch import fast
 # ends (Tq, Tk) and the last unpadded key (KV_END) cannot cut, are loaded without masks and
 # scored without an element mask; boundary tiles (the few on the diagonal or at an end) take
 # the full `_visible` test. With a padding or permutation mask an interior tile is classed
-# from its block bounds first (`_interior_keys`): none visible -> skipped, all visible -> no
-# element mask, else the element mask of that kind only.
+# from its block bounds first (`_interior_keys`): all visible -> no element mask, else the
+# element mask of that kind only. No branch around a tile's loads (Triton pipelines only
+# loops without one: the module docstring).
 
 
 @triton.jit
@@ -137,31 +141,27 @@ def _key_ranks(offs_n, b, mem_len, RANK, stride_rank_b, stride_rank_t):
 def _interior_keys(offs_n, b, mem_len, qmin, qmax,
                    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
                    HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr):
-    """Class of an interior key tile for a query block with ranks in [qmin, qmax], from
-    block bounds: (key_ok [BLOCK_N] (unpadded), rank_k [BLOCK_N], any_visible, all_visible).
-    Permutation: all visible when max rank_k < qmin (<= without PERM_STRICT), none when
-    min rank_k >= qmax (> without)."""
+    """An interior key tile's masks for a query block with ranks in [qmin, qmax]: (key_ok
+    [BLOCK_N] (unpadded), rank_k [BLOCK_N], all_visible), all_visible from block bounds (no
+    padded key; permutation: max rank_k < qmin, <= without PERM_STRICT). Called only with a
+    padding or permutation mask."""
     key_ok = offs_n >= 0
     rank_k = offs_n
-    any_vis = tl.min(offs_n, 0) >= 0           # True (a scalar tensor)
-    all_vis = any_vis
     if HAS_KPM:
         pad = tl.load(KPM + b * stride_kpm_b + offs_n * stride_kpm_n)
         key_ok = pad == 0
-        n_ok = tl.sum(key_ok.to(tl.int32), 0)
-        any_vis = n_ok > 0
-        all_vis = n_ok == offs_n.shape[0]
+        all_vis = tl.sum(key_ok.to(tl.int32), 0) == offs_n.shape[0]
     if HAS_PERM:
         rank_k = _key_ranks(offs_n, b, mem_len, RANK, stride_rank_b, stride_rank_t)
-        kmin = tl.min(rank_k, 0)
-        kmax = tl.max(rank_k, 0)
         if PERM_STRICT:
-            any_vis = any_vis & (kmin < qmax)
-            all_vis = all_vis & (kmax < qmin)
+            below = tl.max(rank_k, 0) < qmin
         else:
-            any_vis = any_vis & (kmin <= qmax)
-            all_vis = all_vis & (kmax <= qmin)
-    return key_ok, rank_k, any_vis, all_vis
+            below = tl.max(rank_k, 0) <= qmin
+        if HAS_KPM:
+            all_vis = all_vis & below
+        else:
+            all_vis = below
+    return key_ok, rank_k, all_vis
 
 
 @triton.jit
@@ -226,22 +226,21 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
                                                  PRECISION)
         elif HAS_KPM or HAS_PERM:
-            key_ok, rank_k, any_vis, all_vis = _interior_keys(
+            key_ok, rank_k, all_vis = _interior_keys(
                 offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
                 RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
-            if any_vis:
-                k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
-                               BLOCK_N, BLOCK_D, TMA)
-                v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
-                               BLOCK_N, BLOCK_D, TMA)
-                s = _scores(q, k, qk_scale, UPCAST, PRECISION)
-                if all_vis == 0:
-                    vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
-                                         PERM_STRICT)
-                    s = tl.where(vis, s, float("-inf"))
-                m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m,
-                                                     rows_n, max_q, max_k, p_drop, DROPOUT,
-                                                     UPCAST, PRECISION)
+            k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
+                           BLOCK_N, BLOCK_D, TMA)
+            v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
+                           BLOCK_N, BLOCK_D, TMA)
+            s = _scores(q, k, qk_scale, UPCAST, PRECISION)
+            if all_vis == 0:
+                vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
+                                     PERM_STRICT)
+                s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m,
+                                                 rows_n, max_q, max_k, p_drop, DROPOUT,
+                                                 UPCAST, PRECISION)
         else:
             k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
@@ -394,7 +393,7 @@ def _bwd_bases(Q, K, V, DO, LSE, DELTA, b, h, q_start, k_start,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, offs_d, d_ok,
+def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d, d_ok,
                 q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
                 lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
@@ -418,73 +417,66 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok, 
         if HAS_PERM:
             rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
                              mask=offs_m < Tq, other=0)
-        # constexprs unless the masks class the tile: the loop body then has no branch,
-        # which Triton's software pipeliner needs to multi-buffer the q and dO loads
-        any_vis = True
-        all_vis = True
+        all_vis = True              # constexpr unless a mask classes the tile
         if not BOUNDARY:
             if HAS_KPM or HAS_PERM:
-                any_vis, all_vis = _query_tile_class(rank_q, offs_m, Tq, n_ok, kmin, kmax,
-                                                     HAS_KPM, HAS_PERM, PERM_STRICT, BLOCK_N)
-        if any_vis:
-            do = _tile_rows(DOD, do_base + rows_m[:, None] * stride_dom
-                            + offs_d[None, :] * stride_dod, b, h, start_m, offs_m, Tq, d_ok,
-                            BOUNDARY, EVEN_D, BLOCK_M, BLOCK_D, TMA)
-            if BOUNDARY:
-                lse = tl.load(LSE + rows_m, mask=offs_m < Tq, other=float("inf"))
-                delta = tl.load(DELTA + rows_m, mask=offs_m < Tq, other=0.0)
-            else:
-                lse = tl.load(LSE + rows_m)
-                delta = tl.load(DELTA + rows_m)
-            p_t = tl.exp2(_scores(k, q, qk_scale, UPCAST, PRECISION) - lse[None, :])  # [N, M]
-            if BOUNDARY:
-                vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
-                               stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
-                               CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
-                p_t = tl.where(tl.trans(vis), p_t, 0.0)
-            elif HAS_KPM or HAS_PERM:
-                if all_vis == 0:
-                    vis_t = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM,
-                                           HAS_PERM, PERM_STRICT)
-                    p_t = tl.where(tl.trans(vis_t), p_t, 0.0)
-            dp_t = _dot(v, tl.trans(do), UPCAST, PRECISION)                  # (dO Vᵀ)ᵀ
-            if DROPOUT:   # out used P_d = P * keep / (1 - p): dV = P_dᵀ dO, dP = dP_d * keep / (1 - p)
-                keep_t = _keep_t(seed, bh, rows_m, rows_n, max_q, max_k, p_drop)
-                dv += _dot(tl.where(keep_t, p_t / (1.0 - p_drop), 0.0).to(do.dtype), do,
-                           UPCAST, PRECISION)
-                dp_t = tl.where(keep_t, dp_t / (1.0 - p_drop), 0.0)
-            else:
-                dv += _dot(p_t.to(do.dtype), do, UPCAST, PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
-            if ATOMIC_DQ:                                   # dQ_tile = dS K, [BLOCK_M, BLOCK_D]
-                dq_part = _dot(tl.trans(ds_t).to(k.dtype), k, UPCAST, PRECISION)
-                tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
-                              dq_part, mask=(offs_m[:, None] < Tq) & d_ok)
+                all_vis = _query_tile_all_visible(rank_q, offs_m, Tq, n_ok, kmax,
+                                                  HAS_KPM, HAS_PERM, PERM_STRICT, BLOCK_N)
+        do = _tile_rows(DOD, do_base + rows_m[:, None] * stride_dom
+                        + offs_d[None, :] * stride_dod, b, h, start_m, offs_m, Tq, d_ok,
+                        BOUNDARY, EVEN_D, BLOCK_M, BLOCK_D, TMA)
+        if BOUNDARY:
+            lse = tl.load(LSE + rows_m, mask=offs_m < Tq, other=float("inf"))
+            delta = tl.load(DELTA + rows_m, mask=offs_m < Tq, other=0.0)
+        else:
+            lse = tl.load(LSE + rows_m)
+            delta = tl.load(DELTA + rows_m)
+        p_t = tl.exp2(_scores(k, q, qk_scale, UPCAST, PRECISION) - lse[None, :])  # [N, M]
+        if BOUNDARY:
+            vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
+                           stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                           CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+            p_t = tl.where(tl.trans(vis), p_t, 0.0)
+        elif HAS_KPM or HAS_PERM:
+            if all_vis == 0:
+                vis_t = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM,
+                                       HAS_PERM, PERM_STRICT)
+                p_t = tl.where(tl.trans(vis_t), p_t, 0.0)
+        dp_t = _dot(v, tl.trans(do), UPCAST, PRECISION)                  # (dO Vᵀ)ᵀ
+        if DROPOUT:   # out used P_d = P * keep / (1 - p): dV = P_dᵀ dO, dP = dP_d * keep / (1 - p)
+            keep_t = _keep_t(seed, bh, rows_m, rows_n, max_q, max_k, p_drop)
+            dv += _dot(tl.where(keep_t, p_t / (1.0 - p_drop), 0.0).to(do.dtype), do,
+                       UPCAST, PRECISION)
+            dp_t = tl.where(keep_t, dp_t / (1.0 - p_drop), 0.0)
+        else:
+            dv += _dot(p_t.to(do.dtype), do, UPCAST, PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
+        if ATOMIC_DQ:                                   # dQ_tile = dS K, [BLOCK_M, BLOCK_D]
+            dq_part = _dot(tl.trans(ds_t).to(k.dtype), k, UPCAST, PRECISION)
+            tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
+                          dq_part, mask=(offs_m[:, None] < Tq) & d_ok)
     return dk, dv
 
 
 @triton.jit
-def _query_tile_class(rank_q, offs_m, Tq, n_ok, kmin, kmax, HAS_KPM: tl.constexpr,
-                      HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(any_visible, all_visible) of an interior query tile for a key block with n_ok unpadded
-    keys (HAS_KPM) and ranks in [kmin, kmax] (HAS_PERM): dK/dV's counterpart of
+def _query_tile_all_visible(rank_q, offs_m, Tq, n_ok, kmax, HAS_KPM: tl.constexpr,
+                            HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """Whether an interior query tile sees all of a key block with n_ok unpadded keys
+    (HAS_KPM) and largest rank kmax (HAS_PERM): dK/dV's counterpart of
     :func:`_interior_keys` (called only with a padding or permutation mask)."""
     if HAS_PERM:
-        qmin, qmax = _rank_bounds(rank_q, offs_m, Tq)
+        qmin, _ = _rank_bounds(rank_q, offs_m, Tq)
         if PERM_STRICT:
-            any_vis = kmin < qmax
             all_vis = kmax < qmin
         else:
-            any_vis = kmin <= qmax
             all_vis = kmax <= qmin
         if HAS_KPM:
-            any_vis = any_vis & (n_ok > 0)
             all_vis = all_vis & (n_ok == BLOCK_N)
     else:
-        any_vis = n_ok > 0
         all_vis = n_ok == BLOCK_N
-    return any_vis, all_vis
+    return all_vis
 
 
 @triton.jit
@@ -546,13 +538,11 @@ def _attn_bwd_dkdv_kernel(
         key_ok = pad == 0
         n_ok = tl.sum(key_ok.to(tl.int32), 0)
     rank_k = offs_n
-    kmin = 0
     kmax = 0
     if HAS_PERM:
         t = offs_n - mem_len
         rank_k = tl.load(RANK + b * stride_rank_b + t * stride_rank_t,
                          mask=(t >= 0) & (offs_n < Tk), other=-2147483648)
-        kmin = tl.min(rank_k, 0)
         kmax = tl.max(rank_k, 0)
 
     lo = 0
@@ -576,21 +566,21 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # diagonal tiles, interior tiles, the last partial query block
-    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, True,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, False,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmin, kmax, n_ok,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
@@ -620,42 +610,38 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
     tiles through the descriptors KD, VD (not with SORTED)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # constexprs unless the masks class the tile: the loop body then has no branch,
-        # which Triton's software pipeliner needs to multi-buffer the k and v loads
-        any_vis = True
-        all_vis = True
+        all_vis = True              # constexpr unless a mask classes the tile
         key_ok = offs_n >= 0
         rank_k = offs_n
         if not BOUNDARY:
             if HAS_KPM or HAS_PERM:
-                key_ok, rank_k, any_vis, all_vis = _interior_keys(
+                key_ok, rank_k, all_vis = _interior_keys(
                     offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
                     RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
-        if any_vis:
-            rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
-            k = _tile_rows(KD, k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                           b, h, start_n, offs_n, Tk, d_ok, BOUNDARY, EVEN_D, BLOCK_N, BLOCK_D,
-                           TMA)
-            v = _tile_rows(VD, v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                           b, h, start_n, offs_n, Tk, d_ok, BOUNDARY, EVEN_D, BLOCK_N, BLOCK_D,
-                           TMA)
-            p = tl.exp2(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None])
-            if BOUNDARY:
-                vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
-                               stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
-                               CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+        rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
+        k = _tile_rows(KD, k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       b, h, start_n, offs_n, Tk, d_ok, BOUNDARY, EVEN_D, BLOCK_N, BLOCK_D,
+                       TMA)
+        v = _tile_rows(VD, v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       b, h, start_n, offs_n, Tk, d_ok, BOUNDARY, EVEN_D, BLOCK_N, BLOCK_D,
+                       TMA)
+        p = tl.exp2(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None])
+        if BOUNDARY:
+            vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
+                           stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
+                           CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
+            p = tl.where(vis, p, 0.0)
+        elif HAS_KPM or HAS_PERM:
+            if all_vis == 0:
+                vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
+                                     PERM_STRICT)
                 p = tl.where(vis, p, 0.0)
-            elif HAS_KPM or HAS_PERM:
-                if all_vis == 0:
-                    vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
-                                         PERM_STRICT)
-                    p = tl.where(vis, p, 0.0)
-            dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
-            if DROPOUT:
-                keep = _keep(seed, bh, rows_m, rows_n, max_q, max_k, p_drop)
-                dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
-            ds = p * (dp - delta[:, None])
-            dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        if DROPOUT:
+            keep = _keep(seed, bh, rows_m, rows_n, max_q, max_k, p_drop)
+            dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
     return dq
 
 
@@ -789,8 +775,9 @@ _DROPOUT_CONFIGS = {
     ("dkdv", 64, True): (32, 128, 8, 2),
     ("dkdv_atomic", 64, True): (32, 128, 8, 2), ("dkdv_atomic", 128, True): (16, 128, 8, 2),
     ("dkdv_atomic", 128, False): (16, 32, 4, 2),
-    # fp32 (tf32) dQ at D 128 with every mask: 48 B spilled per thread pipelined, 0 at one stage
-    ("dq", 128, False): (64, 32, 4, 1),
+    # fp32 (tf32) dQ at D 128 with every mask: 64 x 32 spilled 48 B per thread once
+    # pipelined (8 B at one stage); 64 x 16 (2 stages, wgmma) none
+    ("dq", 128, False): (64, 16, 4, 2),
 }
 
 
