@@ -470,6 +470,33 @@ def _ptxas_facts(ptx, arch):
     return facts
 
 
+def _loop_facts(ttgir):
+    """{"loops", "unpipelined"}: the ``scf.for`` loops of a kernel's TTGIR that load tiles
+    (``tt.load`` of more than one element, or asynchronous copies), and of those the ones
+    with no asynchronous copy (``cp.async`` or TMA) in their body: loops whose loads Triton's
+    software pipeliner did not multi-buffer (e.g. a body that branches around its loads)."""
+    import re
+
+    lines = ttgir.splitlines()
+    loops = unpipelined = 0
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = []
+        for inner in lines[i + 1:]:
+            if len(inner) - len(inner.lstrip()) <= indent and inner.strip().startswith("}"):
+                break
+            body.append(inner)
+        body = "\n".join(body)
+        copies = len(re.findall(r"async(_tma)?_copy_global_to_local", body))
+        tile_loads = len(re.findall(r"= tt\.load .*tensor<\d+x\d+x", body))
+        if copies or tile_loads:
+            loops += 1
+            unpipelined += copies == 0
+    return {"loops": loops, "unpipelined": unpipelined}
+
+
 def _probe():
     """None if Triton can compile a trivial kernel for every target here (each has its
     own ptxas), else why it cannot."""
@@ -533,6 +560,7 @@ def main(claims: str, out_path: str):
                     row["ok"] = True
                     if arch == 90 and kernel.__name__ in FACT_KERNELS + REL_FACT_KERNELS:
                         row.update(_ptxas_facts(compiled.asm["ptx"], arch))
+                        row.update(_loop_facts(compiled.asm["ttgir"]))
                 except Exception as e:  # noqa: BLE001 - reported by the test
                     log.seek(0)
                     row["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + log.read()[-3000:]
@@ -673,6 +701,21 @@ def test_kernel_compile_facts(compiled, kernel):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+def test_attention_loops_are_pipelined(compiled):
+    """Every tile loop of the attention kernels launched with num_stages >= 2 is software-
+    pipelined on sm_90 (its loads are asynchronous copies, multi-buffered): a loop whose
+    body branches around its loads is not (Triton's pipeliner leaves it alone: the backward
+    kernels' loops were so until 2026-11-27, shared memory the same at 1, 2 or 3 stages)."""
+    rows = [r for r in compiled["rows"] if r["ok"] and r["kernel"] in WGMMA_KERNELS
+            and r["arch"] == 90 and r.get("loops") is not None]
+    assert rows, "no attention kernel compiled for sm_90"
+    staged = [r for r in rows if int(r["launch"].split("num_stages=")[1].split()[0]) >= 2]
+    assert staged
+    bad = [f"{r['kernel']} [{r['variant']}]: {r['unpipelined']} of {r['loops']} loops"
+           for r in staged if r["unpipelined"]]
+    assert not bad, "loops not pipelined:\n" + "\n".join(bad)
 
 
 def test_tma_loads_where_asked(compiled):
