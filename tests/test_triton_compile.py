@@ -704,11 +704,13 @@ if __name__ == "__main__":
 
 
 def test_attention_loops_are_pipelined(compiled):
-    """Every tile loop of the attention kernels launched with num_stages >= 2 is software-
-    pipelined on sm_90 (its loads are asynchronous copies, multi-buffered): a loop whose
-    body branches around its loads is not (Triton's pipeliner leaves it alone: the backward
-    kernels' loops were so until 2026-11-27, shared memory the same at 1, 2 or 3 stages)."""
-    rows = [r for r in compiled["rows"] if r["ok"] and r["kernel"] in WGMMA_KERNELS
+    """Every tile loop of the attention and rel_attention kernels launched with num_stages
+    >= 2 is software-pipelined on sm_90 (its loads are asynchronous copies, multi-buffered):
+    a loop whose body branches around its loads is not (Triton's pipeliner leaves it alone:
+    attention's backward loops were so until 2026-11-27, shared memory the same at 1, 2 or
+    3 stages)."""
+    rows = [r for r in compiled["rows"] if r["ok"]
+            and r["kernel"] in WGMMA_KERNELS + REL_FACT_KERNELS
             and r["arch"] == 90 and r.get("loops") is not None]
     assert rows, "no attention kernel compiled for sm_90"
     staged = [r for r in rows if int(r["launch"].split("num_stages=")[1].split()[0]) >= 2]
