@@ -735,11 +735,9 @@ def _attn_bwd_dq_kernel(
 #: the best there at T 1024 (218); the backward rows follow the FA2 schedule (dK/dV: the key
 #: block is the MMA's 128 rows; dQ: the query block is), chosen so that every 16-bit dot is a
 #: wgmma and nothing spills (tests/test_triton_compile.py, benchmarks/NOTES.md); not timed.
-#: fp32 (tf32) rows are sized to fit in registers without spills.
-#: Loads are pointer tiles, not tensor descriptors (TMA): ``tl.make_tensor_descriptor`` works
-#: under Triton 3.9's interpreter (checked: out-of-bounds rows read as 0, needs
-#: ``triton.set_allocator``), but it is not verified on Triton 3.6-3.8 nor timed on an H100,
-#: and the interior tiles already load without masks; left for a GPU round.
+#: fp32 (tf32) rows are sized to fit in registers without spills. Every loop of a row with
+#: 2+ stages is software-pipelined (tests/test_triton_compile.py). Loads are pointer tiles
+#: unless :data:`TMA_MODE` (or the tuner) asks for descriptors.
 _CONFIGS = {
     ("fwd", 64, True): (128, 64, 8, 3), ("fwd", 128, True): (64, 64, 4, 3),
     ("fwd", 256, True): (64, 32, 8, 2),
