@@ -25,9 +25,9 @@ A candidate is chosen only if
   every element): the check turns it away.
 
 Timing (:func:`_time_us`): CUDA events around ``n`` back-to-back calls, queued behind a spin
-kernel (``torch.cuda._sleep``) that holds the GPU while the host issues them, so that the
-launcher's host time per call (tens of µs of Python) cannot hide the kernels' time; the best
-of ``ROUNDS`` rounds of about ``ROUND_MS`` each. Nothing is tuned while a CUDA graph is being
+kernel (``torch.cuda._sleep``) that holds the GPU for 1.5x the host time of issuing them, so
+that the launcher's host time per call (tens of µs of Python) cannot hide the kernels' time;
+the best of ``ROUNDS`` rounds of about ``ROUND_MS`` each. Nothing is tuned while a CUDA graph is being
 captured (the table rows run; nothing is cached).
 
 Cost of a first call: one compile per candidate kernel (Triton caches compiles on disk, so
@@ -60,9 +60,11 @@ AGREE = {torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6, torch.float32: 2.0
 ROUND_MS = 5.0
 ROUNDS = 3
 MAX_CALLS = 100
-#: Spin cycles queued per call ahead of a timed round (~0.15 ms of host time per call at
-#: 2 GHz: what the launchers' Python takes on the H200 machine, with room).
-HOLD_CYCLES_PER_CALL = 300_000
+#: The spin kernel ahead of a timed round holds the GPU for HOLD_MARGIN times the host time
+#: the round's calls take (measured on the first timed call), counted in cycles of a clock
+#: of HOLD_CLOCK_HZ (a GPU clocked lower holds longer: more margin, not less).
+HOLD_MARGIN = 1.5
+HOLD_CLOCK_HZ = 2.0e9
 
 #: Also tune calls on CPU tensors (the interpreter's kernels, wall-clock timing): for tests.
 ON_CPU = False
@@ -206,16 +208,19 @@ def _time_us(once, rows, device) -> float:
         once()
         return (time.perf_counter() - t0) * 1e6
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     start.record()
     once()
     end.record()
+    host_s = time.perf_counter() - t0                  # the host's time to issue one call
     end.synchronize()
     calls = max(1, min(MAX_CALLS, int(ROUND_MS / max(start.elapsed_time(end), 1e-3))))
     hold = getattr(torch.cuda, "_sleep", None)
+    cycles = int(calls * max(host_s, 20e-6) * HOLD_MARGIN * HOLD_CLOCK_HZ)
     best = math.inf
     for _ in range(ROUNDS):
         if hold is not None:
-            hold(calls * HOLD_CYCLES_PER_CALL)
+            hold(cycles)
         start.record()
         for _ in range(calls):
             once()

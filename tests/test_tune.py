@@ -269,6 +269,40 @@ def test_wall_clock_timing_on_a_cpu(tuning, monkeypatch):
     assert calls == [1] and us > 0
 
 
+def test_gpu_timing_protocol(monkeypatch):
+    """_time_us's CUDA path, with stand-in events and spin kernel: one call estimates the
+    time per call (and the host's time to issue it); each of ROUNDS rounds queues a spin of
+    1.5x the host time of its calls, then that many calls between two events; the best
+    round's time per call comes back."""
+    log, elapsed = [], iter([0.5, 5.0, 4.0, 6.0])   # ms: the estimate, then three rounds
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            log.append("event")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(elapsed)
+    monkeypatch.setattr(_tune, "TIMER", None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(cycles), raising=False)
+    calls = []
+    us = _tune._time_us(lambda: calls.append(1) or log.append("call"), {}, torch.device("cuda"))
+    assert us == pytest.approx(4.0 / 10 * 1e3)                 # 10 calls a round (5 ms / 0.5)
+    assert len(calls) == 1 + _tune.ROUNDS * 10
+    spins = [x for x in log if isinstance(x, int)]
+    assert len(spins) == _tune.ROUNDS
+    assert all(c >= 10 * 20e-6 * _tune.HOLD_MARGIN * _tune.HOLD_CLOCK_HZ for c in spins)
+    first_round = log[log.index(spins[0]):]
+    assert first_round[:3] == [spins[0], "event", "call"]      # spin, start, the calls, end
+    assert first_round[2:12] == ["call"] * 10 and first_round[12] == "event"
+
+
 def test_rel_attention_tuned_against_reference(tuning):
     """rel_attention's reference checks with tuning on (its forward and its backward's
     dK/dV, dQ and dR launches, the carried gather, TMA chunks, dr by atomic adds among the
