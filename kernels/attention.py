@@ -876,6 +876,12 @@ _TUNE_CANDIDATES = {
                   ((128, 64, 8, 3), False), ((128, 128, 8, 2), True), ((64, 64, 4, 2), True)],
 }
 
+#: With a permutation mask (no dropout) dK/dV's table row runs one stage (pipelined, its rank
+#: tiles spilled: :data:`_PERM_CONFIGS`); these rows are pipelined without spilling (sm_90,
+#: bf16 perm and kpm+perm_strict: 195-218 registers).
+_TUNE_PERM_CANDIDATES = {("dkdv", 64): [((32, 128, 8, 3), False)],
+                         ("dkdv", 128): [((32, 64, 8, 3), False)]}
+
 #: The same under the interpreter (tests: every dtype, rows of its small tiles).
 _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), False)]
 
@@ -890,9 +896,12 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     if _interpreting():
         listing = _TUNE_INTERPRETED
     elif dtype in TMA_DTYPES and block_d <= 128:
-        listing = _TUNE_CANDIDATES[(kernel, 64 if block_d <= 64 else 128)]
+        bucket = 64 if block_d <= 64 else 128
+        listing = _TUNE_CANDIDATES[(kernel, bucket)]
         if dropout or mask == "perm":
             listing = [c for c in listing if c[0] is None]
+            if not dropout:
+                listing = listing + _TUNE_PERM_CANDIDATES.get((kernel, bucket), [])
     else:
         listing = []
     table_tma = check_tma_mode(TMA_MODE) and tma_ok

@@ -223,6 +223,11 @@ def _cases():
             for rows in (cands({}) if callable(cands) else cands)[1:]:
                 tuning.append((f"attention bf16 D={D} causal, tuning candidate {rows}", sm90,
                                tuned(rows)(lambda D=D: attn(bf16, D, causal=True))))
+        # with a permutation mask (rank order; padding and the query stream as XLNet's)
+        for rows in attention._candidates("dkdv", D, bf16, "perm", False, True, False)[1:]:
+            tuning.append((f"attention bf16 D={D} kpm+perm_strict, tuning candidate {rows}",
+                           sm90, tuned(rows)(lambda D=D: attn(bf16, D, kpm=True, perm=True,
+                                                              perm_strict=True))))
     return [
         # rel_attention's training cases (REL_SPILL_BUDGET): causal with memory, no flag
         ("rel_attention bf16 D=64 causal (training)", sm90, lambda: rel(bf16, 64, causal=True)),
