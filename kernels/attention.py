@@ -138,10 +138,10 @@ def _key_ranks(offs_n, b, mem_len, RANK, stride_rank_b, stride_rank_t):
 
 
 @triton.jit
-def _interior_keys(offs_n, b, mem_len, qmin, qmax,
+def _interior_keys(offs_n, b, mem_len, qmin,
                    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t,
                    HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr):
-    """An interior key tile's masks for a query block with ranks in [qmin, qmax]: (key_ok
+    """An interior key tile's masks for a query block whose smallest rank is qmin: (key_ok
     [BLOCK_N] (unpadded), rank_k [BLOCK_N], all_visible), all_visible from block bounds (no
     padded key; permutation: max rank_k < qmin, <= without PERM_STRICT). Called only with a
     padding or permutation mask."""
@@ -227,7 +227,7 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                                                  PRECISION)
         elif HAS_KPM or HAS_PERM:
             key_ok, rank_k, all_vis = _interior_keys(
-                offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
+                offs_n, b, mem_len, qmin, KPM, stride_kpm_b, stride_kpm_n,
                 RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
             k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
@@ -616,7 +616,7 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
         if not BOUNDARY:
             if HAS_KPM or HAS_PERM:
                 key_ok, rank_k, all_vis = _interior_keys(
-                    offs_n, b, mem_len, qmin, qmax, KPM, stride_kpm_b, stride_kpm_n,
+                    offs_n, b, mem_len, qmin, KPM, stride_kpm_b, stride_kpm_n,
                     RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
         rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
         k = _tile_rows(KD, k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
