@@ -27,8 +27,8 @@ A candidate is chosen only if
 Timing (:func:`_time_us`): CUDA events around ``n`` back-to-back calls, queued behind a spin
 kernel (``torch.cuda._sleep``) that holds the GPU for 1.5x the host time of issuing them, so
 that the launcher's host time per call (tens of µs of Python) cannot hide the kernels' time;
-the best of ``ROUNDS`` rounds of about ``ROUND_MS`` each. Nothing is tuned while a CUDA graph is being
-captured (the table rows run; nothing is cached).
+the best of ``ROUNDS`` rounds of about ``ROUND_MS`` each. Nothing is tuned while a CUDA
+graph is being captured (the table rows run; nothing is cached).
 
 Cost of a first call: one compile per candidate kernel (Triton caches compiles on disk, so
 a later process pays only the timing, a few ms per candidate) and a copy of the call's
@@ -102,6 +102,16 @@ def active(rows: dict):
         yield
     finally:
         _LOCAL.rows = saved
+
+
+def override(table: dict, name: str, default=None):
+    """The value of launch setting ``name``: the tuned call's rows in force (:func:`current`)
+    first, then ``table`` (a kernel module's ``LAUNCH_OVERRIDE``, set by the config sweep),
+    else ``default``."""
+    rows = current()
+    if rows and name in rows:
+        return rows[name]
+    return table.get(name, default) if table else default
 
 
 def size_class(n: int) -> int:

@@ -225,28 +225,20 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
                                                  PRECISION)
-        elif HAS_KPM or HAS_PERM:
-            key_ok, rank_k, all_vis = _interior_keys(
-                offs_n, b, mem_len, qmin, KPM, stride_kpm_b, stride_kpm_n,
-                RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
+        else:               # interior: no row mask; an element mask only where a mask kind needs it
             k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
             v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
             s = _scores(q, k, qk_scale, UPCAST, PRECISION)
-            if all_vis == 0:
-                vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM, HAS_PERM,
-                                     PERM_STRICT)
-                s = tl.where(vis, s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m,
-                                                 rows_n, max_q, max_k, p_drop, DROPOUT,
-                                                 UPCAST, PRECISION)
-        else:
-            k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
-                           BLOCK_N, BLOCK_D, TMA)
-            v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
-                           BLOCK_N, BLOCK_D, TMA)
-            s = _scores(q, k, qk_scale, UPCAST, PRECISION)
+            if HAS_KPM or HAS_PERM:
+                key_ok, rank_k, all_vis = _interior_keys(
+                    offs_n, b, mem_len, qmin, KPM, stride_kpm_b, stride_kpm_n,
+                    RANK, stride_rank_b, stride_rank_t, HAS_KPM, HAS_PERM, PERM_STRICT)
+                if all_vis == 0:
+                    vis = _interior_mask(key_ok, rank_k, rank_q, offs_n, mem_len, HAS_KPM,
+                                         HAS_PERM, PERM_STRICT)
+                    s = tl.where(vis, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
                                                  PRECISION)
@@ -828,10 +820,7 @@ LAUNCH_OVERRIDE: dict = {}
 
 def _override(name):
     """The value the tuned call in progress or :data:`LAUNCH_OVERRIDE` gives ``name``, or None."""
-    rows = _tune.current()
-    if rows and name in rows:
-        return rows[name]
-    return LAUNCH_OVERRIDE.get(name) if LAUNCH_OVERRIDE else None
+    return _tune.override(LAUNCH_OVERRIDE, name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -890,8 +879,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     """The tuner's candidates for one kernel of a call: dicts of override names
     (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. dK/dV also tries dQ by atomic
     adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 64 without dropout or a permutation
-    mask: elsewhere its row spills), which launches no dQ kernel: dQ's list is then a function of the rows chosen
-    before it (``{}`` alone after atomic adds)."""
+    mask: elsewhere its row spills), which launches no dQ kernel: dQ's list is then a
+    function of the rows chosen before it (``{}`` alone after atomic adds)."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         listing = _TUNE_INTERPRETED
@@ -1149,6 +1138,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
     if q.numel() == 0 or Tk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     check_tma_mode(TMA_MODE)                    # refused before the first launch (delta)
+    _tune.check_mode()                          # so is CTXFAST_AUTOTUNE
     delta = _bwd_delta(do, out)                                 # [B, H, Tq] fp32
     kpm, rank, order = _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict,
                                      perm_order)
@@ -1208,6 +1198,7 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     if total_q == 0 or k.shape[0] == 0 or B == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return dq, dk, dv
+    _tune.check_mode()                          # refused before any work
     delta = (do.float() * out.float()).sum(-1).t().contiguous()  # [H, total_q]
     do4, q4, k4, v4, dq4, dk4, dv4 = (_packed_view(t, B) for t in (do, q, k, v, dq, dk, dv))
     dims = (B, H, 0, 0, D, max_seqlen_q, max_seqlen_k)

@@ -1167,10 +1167,7 @@ LAUNCH_OVERRIDE: dict = {}
 def _override(name, default=None):
     """The value the tuned call in progress or :data:`LAUNCH_OVERRIDE` gives ``name``, else
     ``default``."""
-    rows = _tune.current()
-    if rows and name in rows:
-        return rows[name]
-    return LAUNCH_OVERRIDE.get(name, default) if LAUNCH_OVERRIDE else default
+    return _tune.override(LAUNCH_OVERRIDE, name, default)
 
 
 def _carry(D: int, dtype: torch.dtype) -> bool:
@@ -1424,6 +1421,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     has_seg = seg_embed is not None
     _dr_mode()                                      # refused before any launch
     check_tma_mode(_override("tma", TMA_MODE))               # so is this
+    _tune.check_mode()                                       # and CTXFAST_AUTOTUNE
     # every element below is written by a kernel (the grids cover all rows; each program
     # stores unconditionally), so no zero fill, except when there is nothing to compute
     work = q.numel() > 0 and Tk > 0

@@ -20,6 +20,10 @@ import torch
 
 BENCH_DIR = Path(__file__).parents[1] / "benchmarks"
 REPORT_PY = BENCH_DIR / "report.py"
+#: The scripts that run Triton kernels need a GPU or the interpreter.
+needs_triton_kernels = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the Triton kernels need a GPU or the interpreter")
 KEYS = {"op", "case", "mode", "backend", "baseline", "ms", "baseline_ms", "speedup",
         "tflops", "gbps", "tokens_per_s", "baseline_tokens_per_s", "peak_mem_bytes", "baseline_peak_mem_bytes", "ms_min", "ms_max",
         "spread", "baseline_spread", "T", "series", "note", "dtype", "device", "torch",
@@ -1145,8 +1149,7 @@ def test_kernel_breakdown_runs_every_step(tmp_path):
         assert r["kernels"] and all(k["us"] > 0 for k in r["kernels"])
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the Triton kernels need a GPU or the interpreter")
+@needs_triton_kernels
 def test_kernel_breakdown_host_split_and_ncu_target(tmp_path):
     # --host-split (gpu_round's ncu stage): every part timed, the launches restored after
     # the stubbed row; --ncu-target runs its calls.
@@ -1195,8 +1198,7 @@ def test_launch_override_reaches_the_launch_rows(monkeypatch):
     assert rel_k._bwd_launch(64, torch.bfloat16) == launch
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the Triton kernels need a GPU or the interpreter")
+@needs_triton_kernels
 def test_config_sweep_runs_every_step(tmp_path):
     # benchmarks/config_sweep.py on a CPU: the steps run (override, compile, time, restore)
     # and every candidate gets a row; the overrides are empty afterwards.
@@ -1212,8 +1214,7 @@ def test_config_sweep_runs_every_step(tmp_path):
     assert len(data["summary"]) == 8
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the Triton kernels need a GPU or the interpreter")
+@needs_triton_kernels
 def test_tune_report_runs_every_step(tmp_path):
     # benchmarks/tune_report.py on a CPU: each case timed with the table rows, tuned (every
     # candidate run, checked, timed) and (attention) against SDPA; the chosen rows and
@@ -1239,8 +1240,7 @@ def test_config_sweep_refuses_unknown_ops_and_kernels():
         assert proc.returncode == 2 and word in proc.stderr and "invalid choice" in proc.stderr
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the Triton kernels need a GPU or the interpreter")
+@needs_triton_kernels
 def test_config_sweep_flags_a_wrong_candidate(monkeypatch):
     # A candidate whose answer is wrong is marked, and never the "best": a launch row that
     # breaks the dQ kernel (here: its gradient scaled by 2 while the override is set).

@@ -19,8 +19,8 @@ for sm_90, and for sm_80 where the case says so (the heaviest case of each kerne
 
 The cases cover every kernel the launchers launch, fp16, bf16 and fp32, each constexpr
 flag on in at least one case, and every launch row the tuner (``kernels/_tune.py``) times
-for a 16-bit attention call at D 64 and 128; not the full cross product (a cold compile takes seconds per
-kernel). fp32 attention is compiled with ``input_precision="tf32"`` (torch's allow_tf32
+for a 16-bit attention call at D 64 and 128; not the full cross product (a cold compile
+takes seconds per kernel). fp32 attention is compiled with ``input_precision="tf32"`` (torch's allow_tf32
 on; in the heavy variants measured it needs more shared memory on sm_90 than exact fp32);
 exact-fp32 ("ieee", torch's default for attention) dots are compiled for the LSTM only
 (whose fp32 default is tf32x3, with "ieee" as a variant): lowered to FMA loops they take

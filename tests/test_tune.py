@@ -239,6 +239,30 @@ def test_when_calls_are_tuned(monkeypatch):
         _call()
 
 
+def test_bad_setting_refused_before_any_backward_launch(monkeypatch):
+    """A bad CTXFAST_AUTOTUNE is refused by both backwards before their first launch (the
+    row term's kernel, which runs before the tuned launches)."""
+    import ctxfast.kernels._common as kcommon
+    import test_rel_attention as rel_tests
+    from ctxfast.kernels import rel_attention as krel
+    q, k, v = ta._inputs(1, 1, 5, 5, 16)
+    out, lse = kattn.attention_forward(q, k, v)
+    ts = rel_tests._inputs(1, 1, 5, 5, 16, 5)
+    rout, rlse = krel.rel_attention_forward(*ts)
+    monkeypatch.setattr(_tune, "MODE", "yes")
+    monkeypatch.setattr(kcommon, "_bwd_delta_kernel", None)   # any launch would fail here
+    with pytest.raises(ValueError, match="CTXFAST_AUTOTUNE"):
+        kattn.attention_backward(torch.randn_like(out), q, k, v, out, lse)
+    with pytest.raises(ValueError, match="CTXFAST_AUTOTUNE"):
+        krel.rel_attention_backward(torch.randn_like(rout), *ts, rout, rlse)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    q1, k1, v1 = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))   # [5, 1, 16]
+    monkeypatch.setattr(kattn, "_launch_backward", None)
+    with pytest.raises(ValueError, match="CTXFAST_AUTOTUNE"):
+        kattn.attention_varlen_backward(torch.randn_like(q1), q1, k1, v1, q1, lse[0], cu, cu,
+                                        5, 5)
+
+
 def test_rows_in_force_nest_and_are_per_thread():
     import threading
     assert _tune.current() == {}
@@ -308,13 +332,14 @@ def test_rel_attention_tuned_against_reference(tuning):
     dK/dV, dQ and dR launches, the carried gather, TMA chunks, dr by atomic adds among the
     candidates): dr and every gradient against float64 within 2x eager with memory and
     odd sizes, a window and a longer r with causal off, XLNet's order with every mask,
-    dropout, and 16-bit (the interpreter's variant reference checks, cut to the calls of
+    rows that see no key, dropout, and 16-bit (the interpreter's variant reference checks, cut to the calls of
     distinct kinds)."""
     import test_rel_attention as rel_tests
     import test_rel_attention_bwd as rel_bwd
     rel_bwd.test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
     rel_bwd.test_dr_against_float64(2, 2, 17, 17, 54, 35, 7, False)
     rel_bwd.test_dr_bidirectional_with_every_mask()
+    rel_tests.test_rows_that_see_no_key()
     rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
     rel_tests.test_half_dtypes(torch.float16)
     kinds = {r["kind"][:2] for r in _tune.records()}
