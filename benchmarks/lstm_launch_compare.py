@@ -63,8 +63,8 @@ def _form(name: str):
             lstm_kernels.FP32_PRECISION = "ieee"
     elif name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
-        if " groups" in name:                     # the grouped tensor-core backward
-            os.environ["CTXFAST_LSTM_CUDA_BWD_REDUCE"] = "groups"
+        # the grouped tensor-core backward (the default), or one partial per block
+        os.environ["CTXFAST_LSTM_CUDA_BWD_REDUCE"] = "groups" if " groups" in name else "blocks"
     try:
         yield
     finally:

@@ -343,11 +343,14 @@ def tma_args(names, tensors, rows: int, block_d: int):
     return descs
 
 
-def check_tma_mode(mode: str) -> bool:
-    """``CTXFAST_ATTN_TMA``'s value ("off" | "on") as a bool; anything else is refused."""
-    if mode not in ("off", "on"):
-        raise ValueError(f"CTXFAST_ATTN_TMA must be 'off' or 'on', got {mode!r}")
-    return mode == "on"
+def check_tma_mode(mode: str, table: bool = False) -> bool:
+    """Whether a kernel reads its tiles through TMA descriptors under ``CTXFAST_ATTN_TMA``'s
+    value: "on" everywhere, "off" nowhere, "auto" where the launch table says (``table``:
+    the kernels whose table rows a GPU timed faster with descriptors). Anything else is
+    refused."""
+    if mode not in ("auto", "off", "on"):
+        raise ValueError(f"CTXFAST_ATTN_TMA must be 'auto', 'off' or 'on', got {mode!r}")
+    return mode == "on" or (mode == "auto" and table)
 
 
 @functools.lru_cache(maxsize=None)

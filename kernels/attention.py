@@ -723,23 +723,27 @@ def _attn_bwd_dq_kernel(
 
 #: (kernel, head-dim bucket, 16-bit?) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) on sm_90.
 #: "fwd" D 128 16-bit is the best of the H100 sweep of the previous forward
-#: (gpu-runs/2026-11-22-h100/attention_config_sweep.txt: 418 TFLOP/s, causal T 8k), "fwd" D 64
-#: the best there at T 1024 (218); the backward rows follow the FA2 schedule (dK/dV: the key
-#: block is the MMA's 128 rows; dQ: the query block is), chosen so that every 16-bit dot is a
-#: wgmma and nothing spills (tests/test_triton_compile.py, benchmarks/NOTES.md); not timed.
-#: fp32 (tf32) rows are sized to fit in registers without spills. Every loop of a row with
-#: 2+ stages is software-pipelined (tests/test_triton_compile.py). Loads are pointer tiles
-#: unless :data:`TMA_MODE` (or the tuner) asks for descriptors.
+#: (gpu-runs/2026-11-22-h100/attention_config_sweep.txt: 418 TFLOP/s, causal T 8k). 16-bit
+#: D 64 "fwd" and "dkdv" and D 128 "dq" are the tuner's choices on the H200 (bf16 causal,
+#: benchmarks/results/nvidia-h200/2026-11-27-round4: fwd 64 x 64 x 4 x 3 92 us against the
+#: previous 128 x 64 x 8 x 3's 102 at GPT-2 size, 682 against 713 at T 4096; dK/dV
+#: 64 x 64 x 4 x 3 faster in all three cases, 1.11-1.13x the backward; dQ D 128 3 stages
+#: 2012 against 2227 us). The other 16-bit backward rows follow the FA2 schedule (dK/dV: the
+#: key block is the MMA's 128 rows; dQ: the query block is). Every 16-bit dot is a wgmma and
+#: nothing spills (tests/test_triton_compile.py, benchmarks/NOTES.md). fp32 (tf32) rows are
+#: sized to fit in registers without spills. Every loop of a row with 2+ stages is
+#: software-pipelined (tests/test_triton_compile.py). Loads are pointer tiles unless
+#: :data:`TMA_MODE` (its default "auto": :data:`_TMA_ROWS`) or the tuner asks for descriptors.
 _CONFIGS = {
-    ("fwd", 64, True): (128, 64, 8, 3), ("fwd", 128, True): (64, 64, 4, 3),
+    ("fwd", 64, True): (64, 64, 4, 3), ("fwd", 128, True): (64, 64, 4, 3),
     ("fwd", 256, True): (64, 32, 8, 2),
     ("fwd", 64, False): (64, 64, 4, 2), ("fwd", 128, False): (32, 32, 4, 2),
     ("fwd", 256, False): (32, 32, 8, 2),
-    ("dkdv", 64, True): (64, 128, 8, 3), ("dkdv", 128, True): (32, 128, 8, 2),
+    ("dkdv", 64, True): (64, 64, 4, 3), ("dkdv", 128, True): (32, 128, 8, 2),
     ("dkdv", 256, True): (32, 64, 8, 2),
     ("dkdv", 64, False): (32, 64, 4, 2), ("dkdv", 128, False): (16, 64, 8, 2),
     ("dkdv", 256, False): (16, 32, 8, 2),
-    ("dq", 64, True): (128, 64, 8, 3), ("dq", 128, True): (128, 64, 8, 2),
+    ("dq", 64, True): (128, 64, 8, 3), ("dq", 128, True): (128, 64, 8, 3),
     ("dq", 256, True): (64, 32, 8, 2),
     ("dq", 64, False): (64, 32, 4, 2), ("dq", 128, False): (64, 32, 4, 2),
     ("dq", 256, False): (32, 16, 8, 2),
@@ -771,6 +775,13 @@ _DROPOUT_CONFIGS = {
 }
 
 
+#: Rows replacing :data:`_CONFIGS`' with a key padding mask (no dropout, no permutation), timed
+#: on the H200 (bf16 BERT-base B32 H12 T512 D64, round 4): there the forward's 128-row query
+#: block stays faster (109 us against 64 x 64's 122) and dQ's 64 x 64 x 4 x 2 is (264 against
+#: the 128-row block's 328).
+_KPM_CONFIGS = {("fwd", 64, True): (128, 64, 8, 3), ("dq", 64, True): (64, 64, 4, 2)}
+
+
 #: Rows replacing :data:`_CONFIGS`' for a permutation mask without dropout: dK/dV unpipelined
 #: (one stage). Pipelined (the loop's q and dO loads multi-buffered, as every other row is
 #: since the loops lost their branch on tiles no mask classes) the rank tiles beside them
@@ -794,9 +805,10 @@ def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of kernel "fwd", "dkdv" or "dq".
 
     Keyed on head dim and dtype from :data:`_CONFIGS`; ``causal`` and ``mask`` (the mask
-    kind: "none", "kpm", "perm") are part of the key so that measured rows per kind can be
-    added; no H100 measurement separates them yet, and only dropout with a permutation
-    mask and causal takes its own rows (:data:`_PERM_CAUSAL_DROPOUT_CONFIGS`, for spills). A table
+    kind: "none", "kpm", "perm") are part of the key: a padding mask takes the rows the H200
+    timed for it (:data:`_KPM_CONFIGS`), a permutation mask its spill-free ones
+    (:data:`_PERM_CONFIGS`), and dropout with a permutation mask and causal its own
+    (:data:`_PERM_CAUSAL_DROPOUT_CONFIGS`, for spills). A table
     rather than ``triton.autotune``: one compile per kernel on a first call, and the
     launchers stay plain ``kernel[grid]`` calls (the compile test records them). Cached
     (a dict lookup a call: the launchers ask up to four times per op call).
@@ -838,6 +850,8 @@ def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
         row = row or _DROPOUT_CONFIGS.get(key)
     elif mask == "perm":
         row = _PERM_CONFIGS.get(key)
+    elif mask == "kpm":
+        row = _KPM_CONFIGS.get(key)
     bm, bn, warps, stages = row or _CONFIGS[key]
     return bm, bn, block_d, warps, stages
 
@@ -852,17 +866,18 @@ def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
 #: and D > 128 keep their rows; with dropout or a permutation mask (more tiles live: these
 #: rows spill there) only the table row and its TMA twin are timed.
 _TUNE_CANDIDATES = {
-    ("fwd", 64): [(None, True), ((128, 64, 4, 3), False), ((128, 128, 8, 2), False),
-                  ((64, 64, 4, 3), False), ((128, 128, 8, 2), True)],
-    ("fwd", 128): [(None, True), ((128, 64, 8, 3), False), ((128, 128, 8, 2), False),
-                   ((128, 64, 8, 3), True), ((128, 128, 8, 2), True)],
-    ("dkdv", 64): [(None, True), ((32, 128, 8, 3), False), ((64, 64, 4, 3), False),
-                   ((64, 64, 8, 3), False), ((32, 128, 8, 3), True)],
+    ("fwd", 64): [(None, True), ((128, 64, 8, 3), False), ((128, 64, 4, 3), False),
+                  ((128, 128, 8, 2), False), ((64, 64, 4, 3), False), ((128, 128, 8, 2), True)],
+    ("fwd", 128): [(None, True), (None, False), ((128, 64, 8, 3), False),
+                   ((128, 128, 8, 2), False), ((128, 64, 8, 3), True), ((128, 128, 8, 2), True)],
+    ("dkdv", 64): [(None, True), ((64, 128, 8, 3), False), ((32, 128, 8, 3), False),
+                   ((64, 64, 4, 3), False), ((64, 64, 8, 3), False), ((32, 128, 8, 3), True)],
     ("dkdv", 128): [(None, True), ((32, 64, 8, 2), False), ((32, 64, 8, 3), False)],
-    ("dq", 64): [(None, True), ((64, 64, 4, 2), False), ((128, 128, 8, 2), False),
-                 ((128, 32, 4, 3), False), ((128, 128, 8, 2), True)],
-    ("dq", 128): [(None, True), ((64, 64, 4, 2), False), ((64, 64, 8, 2), False),
-                  ((128, 64, 8, 3), False), ((128, 128, 8, 2), True), ((64, 64, 4, 2), True)],
+    ("dq", 64): [(None, True), ((128, 64, 8, 3), False), ((64, 64, 4, 2), False),
+                 ((128, 128, 8, 2), False), ((128, 32, 4, 3), False), ((128, 128, 8, 2), True)],
+    ("dq", 128): [(None, True), ((128, 64, 8, 2), False), ((64, 64, 4, 2), False),
+                  ((64, 64, 8, 2), False), ((128, 64, 8, 3), False), ((128, 128, 8, 2), True),
+                  ((64, 64, 4, 2), True)],
 }
 
 #: With a permutation mask (no dropout) dK/dV's table row runs one stage (pipelined, its rank
@@ -893,11 +908,18 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
                 listing = listing + _TUNE_PERM_CANDIDATES.get((kernel, bucket), [])
     else:
         listing = []
-    table_tma = check_tma_mode(TMA_MODE) and tma_ok
+    table_tma = check_tma_mode(TMA_MODE, _table_tma(kernel, block_d, dtype, dropout)) and tma_ok
+    table_row = None
+    if listing and not _interpreting():
+        bm, bn, _, warps, stages = _config_of(kernel, D, dtype, False, mask, dropout, False)
+        table_row = (bm, bn, warps, stages)
+    seen = {(table_row, table_tma)}           # a launch is timed once (the table's first)
     out = [{}]
     for row, tma in listing:
-        if (tma and not tma_ok) or (row is None and tma == table_tma):
+        launch = (table_row if row is None else row, tma)
+        if (tma and not tma_ok) or launch in seen:
             continue
+        seen.add(launch)
         out.append({kernel + ":tma": tma, **({kernel: row} if row is not None else {})})
     if kernel == "dkdv" and dense and not dropout and mask != "perm" and DQ_MODE != "atomic" \
             and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 64)):
@@ -959,16 +981,31 @@ def _rank_ordered(key_padding_mask, perm_rank, causal, perm_strict, perm_order):
     return key_padding_mask, rank_sorted, (order, span.to(torch.int32).contiguous())
 
 
-#: "off" (default) or "on": the kernels' main loops read their tiles (the forward's and dQ's
-#: k and v, dK/dV's q and dO) through host-side tensor descriptors, i.e. TMA loads on sm_90+
-#: (Hopper): no address tiles in registers, no masks (rows past a sequence and columns past
-#: D read as 0). "on" applies where the device has TMA (compute capability >= 9; the
-#: interpreter emulates it), the dtype is in :data:`TMA_DTYPES`, the call is dense (not
-#: varlen) and not in rank order, and every such tensor is addressable
-#: (:func:`_common.row_tiles`); other calls load pointer tiles as with "off". Off by default
-#: until a GPU round has timed it (the sm_90 compile facts are in benchmarks/NOTES.md).
-#: From ``CTXFAST_ATTN_TMA`` at import.
-TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "off")
+#: "auto" (default), "on" or "off": whether the kernels' main loops read their tiles (the
+#: forward's and dQ's k and v, dK/dV's q and dO) through host-side tensor descriptors, i.e.
+#: TMA loads on sm_90+ (Hopper): no address tiles in registers, no masks (rows past a
+#: sequence and columns past D read as 0). Where the device has TMA (compute capability
+#: >= 9; the interpreter emulates it), the dtype is in :data:`TMA_DTYPES`, the call is dense
+#: (not varlen) and not in rank order, and every such tensor is addressable
+#: (:func:`_common.row_tiles`), "on" loads descriptors in every kernel and "auto" in the
+#: kernels of :data:`_TMA_ROWS`; other calls load pointer tiles as with "off". From
+#: ``CTXFAST_ATTN_TMA`` at import.
+TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "auto")
+
+#: (kernel, head-dim bucket) whose table rows (:data:`_CONFIGS`, 16-bit, no dropout) read
+#: through TMA descriptors under :data:`TMA_MODE` "auto": where the H200 timed them faster
+#: (benchmarks/results/nvidia-h200/2026-11-27-round4, bf16 causal T 4096): the D 128 forward
+#: (552 us against 596 with pointer tiles). At D 64 descriptors tied in the forward (102
+#: against 102) and lost in dK/dV (324 against 305) and dQ (305 against 273).
+_TMA_ROWS = {("fwd", 128)}
+
+
+def _table_tma(kernel, D, dtype, dropout) -> bool:
+    """The launch table's TMA choice for ``kernel`` (:data:`_TMA_ROWS`): not where the tuner
+    or :data:`LAUNCH_OVERRIDE` replaces the kernel's row, nor with dropout (other rows)."""
+    bucket = 64 if D <= 64 else 128 if D <= 128 else 256
+    return (not dropout and dtype in TMA_DTYPES and (kernel, bucket) in _TMA_ROWS
+            and _override(kernel) is None)
 
 #: Dtypes whose calls TMA_MODE "on" serves: 16-bit only. fp32's tf32 dots run on mma.sync
 #: tiles of 16-64 rows, and with TMA the dK/dV and dQ kernels spilled 116 and 48 B per
@@ -976,11 +1013,12 @@ TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "off")
 TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _tma_args(kernel, names, tensors, rows, block_d, device, cu, order):
+def _tma_args(kernel, names, tensors, rows, block_d, device, cu, order, dropout):
     """Keyword arguments that turn kernel's TMA loads on (:func:`_common.tma_args`) for
     the tensors read in ``[rows, block_d]`` tiles, or ``{}`` (pointer tiles) where
-    :data:`TMA_MODE` (or the override ``"<kernel>:tma"``) is off or the call cannot use TMA."""
-    on = check_tma_mode(TMA_MODE)
+    :data:`TMA_MODE` (or the override ``"<kernel>:tma"``) is off for it or the call cannot
+    use TMA."""
+    on = check_tma_mode(TMA_MODE, _table_tma(kernel, block_d, tensors[0].dtype, dropout))
     want = _override(kernel + ":tma")
     if (not (on if want is None else want) or not _tma_possible(tensors[0].dtype, device, cu,
                                                                    order)):
@@ -1011,7 +1049,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     if num_splits == 1:
         l_strides = lse_strides
     split = num_splits > 1
-    tma = _tma_args("fwd", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
+    tma = _tma_args("fwd", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0)
     fast(_attn_fwd_kernel)[(cdiv(max_q, bm), B * H, num_splits)](
         q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
         kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
@@ -1066,7 +1104,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype, causal,
                                         kind, dropout_p > 0)
     dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
-    tma = _tma_args("dkdv", ("QD", "DOD"), (q, do), bm, bd, q.device, cu, order)
+    tma = _tma_args("dkdv", ("QD", "DOD"), (q, do), bm, bd, q.device, cu, order, dropout_p > 0)
     fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
@@ -1076,7 +1114,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         dq.copy_(dq_acc.mul_(scale))
         return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
-    tma = _tma_args("dq", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order)
+    tma = _tma_args("dq", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0)
     fast(_attn_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,

@@ -1102,8 +1102,9 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     every candidate checked against float64): (4, 3) 150 us against the spill-chosen
     (8, 3)'s 237 (139 us with the carried gather, :func:`_carry`), so (4, 3) there."""
     block_d = max(16, next_pow2(D))
-    if _interpreting():
-        return 16, 16, block_d, 32, 1, 1
+    if _interpreting():                      # small tiles, unless a test sets "tile"
+        bm = _override("tile", 16)
+        return bm, bm, block_d, 2 * bm, 1, 1
     warps = 4 if block_d <= 64 else 8
     wide = dtype.itemsize >= 4
     if Tq is not None and Tq <= DECODE_MAX_Q:
@@ -1190,23 +1191,33 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 DR_MODE = os.environ.get("CTXFAST_REL_BWD_DR", "kernel")
 
 
-#: "off" (default) or "on": as ``kernels.attention.TMA_MODE`` (the same setting,
+#: "auto" (default), "on" or "off": as ``kernels.attention.TMA_MODE`` (the same setting,
 #: ``CTXFAST_ATTN_TMA``, read at import): the forward's and dQ's loops read k, v and r's
-#: chunks through TMA descriptors on sm_90+ for fp16/bf16 calls. The dK/dV and dR kernels
+#: chunks through TMA descriptors on sm_90+ for fp16/bf16 calls, "on" in both kernels,
+#: "auto" in the forward with 64-row tiles (:func:`_table_tma`). The dK/dV and dR kernels
 #: keep pointer tiles: dK/dV's q and dO through descriptors spilled more on sm_90 (bf16
 #: D 64 164 -> 236 B per thread, D 128 0 -> 80; benchmarks/NOTES.md).
 #: ``LAUNCH_OVERRIDE["tma"]`` overrides it while the config sweep sets it.
-TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "off")
+TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "auto")
 TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _tma_args(names, tensors, rows, block_d):
-    """Keyword arguments turning a launch's TMA tiles on (``_common.tma_args``), or ``{}``
-    where TMA_MODE is off or the call cannot use them (device, dtype, addressing)."""
-    if (not check_tma_mode(_override("tma", TMA_MODE))
+def _table_tma(kernel, bm, bn) -> bool:
+    """Where :data:`TMA_MODE` "auto" reads descriptors: the forward with 64 x 64 tiles
+    (16-bit D <= 64; not the decoding tiles), which the H200 timed faster with them (bf16 B4 H16 Tq512 mem1024 D64
+    causal: 112 us against 139; benchmarks/results/nvidia-h200/2026-11-27-round4). dQ tied
+    there (950 against 949 us) and keeps pointer tiles; 32-row tiles are not timed."""
+    return kernel == "fwd" and bm == bn == 64
+
+
+def _tma_args(kernel, names, tensors, bm, bn, block_d):
+    """Keyword arguments turning the TMA tiles (``[bn, block_d]``) of ``kernel`` ("fwd" or
+    "dq", query block bm) on (``_common.tma_args``), or ``{}`` where TMA_MODE is off for it
+    or the call cannot use them (device, dtype, addressing)."""
+    if (not check_tma_mode(_override("tma", TMA_MODE), _table_tma(kernel, bm, bn))
             or tensors[0].dtype not in TMA_DTYPES or not _has_tma(tensors[0].device)):
         return {}
-    return tma_args(names, tensors, rows, block_d)
+    return tma_args(names, tensors, bn, block_d)
 
 
 def _dr_mode() -> str:
@@ -1227,8 +1238,8 @@ def _dr_mode() -> str:
 #: stages is left out (wrong answers on the H200: the agreement check would turn it away,
 #: after a compile). fp32 (XL evaluation's forward): its forward only.
 _TUNE_CANDIDATES = {
-    ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "on", "fwd": (4, 1)},
-                        {"carry": False}],
+    ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "off"},
+                        {"tma": "on", "fwd": (4, 1)}, {"carry": False}],
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
@@ -1251,15 +1262,18 @@ def _candidates(kernel, D, dtype, tma_ok):
     the carried gather where it is not the default, atomic dr where it is not the mode).
     dR's list is a function of the rows chosen before it (nothing after atomic dr: no dR
     kernel runs)."""
+    tile = _config(D, None, dtype)[0]
     if _interpreting():
         listing = _TUNE_INTERPRETED[kernel]
     else:
-        tile = _config(D, None, dtype)[0]
         listing = _TUNE_CANDIDATES.get((kernel, tile, dtype.itemsize == 2), [])
     carry = _carry(D, dtype)
+    table = _table_tma(kernel, tile, tile)
+    same_tma = (lambda c: c.keys() == {"tma"}        # TMA as the table has it: its launch
+                and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
     out = [{}] + [c for c in listing
                   if (tma_ok or "tma" not in c) and c.get("carry", not carry) != carry
-                  and (DR_MODE != "atomic" or "dr_mode" not in c)]
+                  and (DR_MODE != "atomic" or "dr_mode" not in c) and not same_tma(c)]
     if kernel == "dr":
         return lambda chosen: [{}] if chosen.get("dr_mode") == "atomic" else out
     return out
@@ -1380,7 +1394,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
 
     def run():          # the launch rows read here: the tuner's when it has chosen some
         warps, stages = _config(D, Tq, q.dtype)[4:]
-        tma = _tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bn, bd)
+        tma = _tma_args("fwd", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
         fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
             q, k, v, r, u, w, sq, sk, se, rsb, o_target, l_target, kpm, rank, kv_end, seed_arg,
             *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
@@ -1474,7 +1488,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"],
                 ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype),
-                **_tma_args(("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bn, bd))
+                **_tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn,
+                            bd))
             done["d_rw"], done["d_rr"] = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))  # [H, D]
             if atomic:
                 done["dr"] = dr_acc.mul_(scale)

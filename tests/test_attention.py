@@ -591,7 +591,7 @@ def test_tma_tiles_against_reference(monkeypatch, check):
     of them took the descriptors (none fell back to pointer tiles)."""
     import ctxfast.kernels.attention as kattn
     if "CTXFAST_ATTN_TMA" not in os.environ:
-        assert kattn.TMA_MODE == "off"            # opt-in until a GPU has timed it
+        assert kattn.TMA_MODE == "auto"           # the table's kernels (test below)
     monkeypatch.setattr(kattn, "TMA_MODE", "on")
     # GPUs take TMA for 16-bit calls only (fp32 spilled there); the addressing does not
     # depend on the dtype, and the interpreter's exact fp32 lets these checks run as they are
@@ -625,6 +625,36 @@ def test_tma_tiles_against_reference(monkeypatch, check):
         for Tq, Tk, kind in ((37, 53, "causal-pad"), (1, 97, "pad")):
             test_odd_lengths(Tq, Tk, kind)
     assert used and all(used), used
+
+
+@needs_triton
+def test_tma_auto_follows_the_table(monkeypatch):
+    """TMA_MODE "auto" (the default): descriptors in the kernels of the table's
+    ``_TMA_ROWS`` only (the 16-bit D 128 forward, which the H200 timed faster with them),
+    not with dropout (other rows), not at D 64; "off" nowhere (nor "auto" with the table
+    emptied). Every call right against
+    float64; a spy says which launches took descriptors (forward, dK/dV, dQ in order)."""
+    import ctxfast.kernels.attention as kattn
+    monkeypatch.setattr(kattn, "TMA_MODE", "auto")
+    used = spy_tma(monkeypatch, kattn)
+    q, k, v = _inputs(1, 2, 21, 37, 128, dtype=torch.float16)
+    check_against_reference(q, k, v, causal=True)
+    assert used == [True, False, False], used
+    used.clear()
+    q, k, v = _inputs(1, 2, 21, 37, 64, dtype=torch.float16)
+    check_against_reference(q, k, v, causal=True)
+    assert used and not any(used), used
+    assert kattn._tma_args("fwd", ("KD", "VD"), (k, v), 16, 128, k.device, None, None,
+                           False)                                  # D 128: the table's
+    assert not kattn._tma_args("fwd", ("KD", "VD"), (k, v), 16, 128, k.device, None, None,
+                               True)                               # with dropout: not
+    for mode, rows in (("off", kattn._TMA_ROWS), ("auto", set())):
+        monkeypatch.setattr(kattn, "TMA_MODE", mode)
+        monkeypatch.setattr(kattn, "_TMA_ROWS", rows)
+        used.clear()
+        q, k, v = _inputs(1, 1, 9, 9, 128, dtype=torch.float16)
+        check_against_reference(q, k, v)
+        assert used == [False] * 3, (mode, used)
 
 
 @needs_triton

@@ -183,6 +183,33 @@ def test_launch_override_picks_the_dr_mode(monkeypatch):
 
 
 @needs_triton
+def test_tma_auto_reads_descriptors_in_the_forward_at_64_tiles(monkeypatch):
+    """TMA_MODE "auto" (the default): the forward with 64 x 64 tiles reads descriptors (the
+    H200 timed it faster with them), dQ keeps pointer tiles; with other tiles (the
+    interpreter's 16, decoding's 16-row query block) it does not, nor with "off". Right
+    against float64 with 64-row tiles forced (the "tile" override); a spy sees the flags."""
+    import ctxfast.kernels.rel_attention as krel
+    import test_rel_attention as rel_tests
+    monkeypatch.setattr(krel, "TMA_MODE", "auto")
+    seen = spy_launches(monkeypatch, krel, ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"),
+                        lambda args, kwargs: kwargs.get("TMA", False))
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "tile", 64)
+    rel_tests.test_half_dtypes(torch.float16)
+    assert seen == [("_rel_attn_fwd_kernel", True), ("_rel_attn_bwd_dq_kernel", False)], seen
+    monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "tile")
+    if DEVICE == "cpu":
+        seen.clear()
+        rel_tests.test_half_dtypes(torch.float16)                 # the interpreter's 16 x 16
+        assert seen and not any(tma for _, tma in seen), seen
+    k = torch.randn(1, 1, 70, 16, dtype=torch.float16, device=DEVICE)
+    assert not krel._tma_args("fwd", ("KD",), (k,), 16, 64, 16)    # decoding's tiles
+    monkeypatch.setattr(krel, "TMA_MODE", "off")
+    assert not krel._tma_args("fwd", ("KD",), (k,), 64, 64, 16)
+    monkeypatch.setattr(krel, "TMA_MODE", "auto")
+    assert krel._tma_args("fwd", ("KD",), (k,), 64, 64, 16)
+
+
+@needs_triton
 @pytest.mark.parametrize("halves", [False, True])
 def test_tma_tiles_against_reference(monkeypatch, halves):
     """kernels.rel_attention.TMA_MODE = "on" (``CTXFAST_ATTN_TMA``): the forward and dQ
@@ -195,7 +222,7 @@ def test_tma_tiles_against_reference(monkeypatch, halves):
     does not depend on the dtype."""
     import ctxfast.kernels.rel_attention as krel
     if "CTXFAST_ATTN_TMA" not in os.environ:
-        assert krel.TMA_MODE == "off"             # opt-in until a GPU has timed it
+        assert krel.TMA_MODE == "auto"            # the forward at 64 x 64 (test below)
     monkeypatch.setattr(krel, "TMA_MODE", "on")
     monkeypatch.setattr(krel, "TMA_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
     if halves:

@@ -152,12 +152,14 @@ def test_tensor_core_float32_follows_cudnn_tf32(monkeypatch, proj, reduce):
     (1, 3, 13, False, False, math.inf), (9, 37, 61, True, True, 0.9),
     (5, 64, 256, False, True, math.inf), (3, 64, 1152, False, True, math.inf)],
     ids=["T1", "odd", "tiles", "ulmfit"])
-def test_grouped_tensor_core_backward(monkeypatch, dtype, T, B, H, reverse, use_mask, cc):
-    # CTXFAST_LSTM_CUDA_BWD_REDUCE=groups: the backward's product on groups x chunks of
-    # w_hh (lstm_bwd_mma_grouped_kernel; layers without a projection), checked on the CPU
-    # under the emulator; here on the hardware.
+@pytest.mark.parametrize("reduce", ["groups", "blocks"])
+def test_tensor_core_backward_reductions(monkeypatch, dtype, T, B, H, reverse, use_mask, cc,
+                                         reduce):
+    # CTXFAST_LSTM_CUDA_BWD_REDUCE=groups (the default): the backward's product on groups x
+    # chunks of w_hh (lstm_bwd_mma_grouped_kernel; layers without a projection), checked on
+    # the CPU under the emulator; here on the hardware; and "blocks", one partial per block.
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
-    monkeypatch.setenv("CTXFAST_LSTM_CUDA_BWD_REDUCE", "groups")
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_BWD_REDUCE", reduce)
     check_cuda(T, B, H, 0, False, use_mask, cc, math.inf, reverse, dtype)
 
 
