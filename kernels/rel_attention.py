@@ -1123,7 +1123,7 @@ def _config(D: int, Tq: Optional[int] = None, dtype: torch.dtype = torch.float16
     return bm, bm, block_d, 2 * bm, warps, stages
 
 
-def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
+def _bwd_launch(D: int, dtype: torch.dtype, atomic: bool = False) -> dict:
     """(num_warps, num_stages) of each backward kernel, on :func:`_config`'s tiles. Chosen
     without a GPU by the fewest register spills on sm_90 (``ptxas -v`` on Triton 3.9's PTX,
     causal cases, benchmarks/NOTES.md "rel_attention: one query operand, two chunks"; checked
@@ -1142,12 +1142,14 @@ def _bwd_launch(D: int, dtype: torch.dtype) -> dict:
 
     The 16-bit dK/dV and dR kernels on 64 x 64 tiles: (4, 1), from the round-3 H200 sweep
     (benchmarks/results/nvidia-h200/2026-11-26-round3/config_sweep.json, the same case):
-    dK/dV 223 us against 318 at (8, 1), dR 403 against 517; every launch right there."""
+    dK/dV 223 us against 318 at (8, 1), dR 403 against 517; every launch right there.
+    With dr by atomic adds (``atomic``, :func:`_dr_mode`) that dQ kernel runs (8, 1): the
+    round-4 tuner's choice there (benchmarks/results/nvidia-h200/2026-11-27-round4)."""
     if _interpreting():
         return {k: (1, 1) for k in ("dkdv", "dq", "dr")}
     wide = dtype.itemsize >= 4
     small = not wide and next_pow2(D) <= 64                  # 16-bit 64 x 64 tiles
-    dq = (8, 1) if wide else (4, 1) if small else (8, 3)
+    dq = (8, 1) if wide or (small and atomic) else (4, 1) if small else (8, 3)
     launch = {"dkdv": (4, 1) if small else (8, 2 if wide else 1), "dq": dq,
               "dr": (4, 1) if small else (8, 1)}
     return {k: _override(k, v) for k, v in launch.items()}
@@ -1184,11 +1186,16 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 
 
 #: How the backward computes dr: "kernel" (the dR kernel along the score diagonals,
-#: recomputing S and dP; deterministic) or "atomic" (the dQ kernel adds each tile's
+#: recomputing S and dP; deterministic), "atomic" (the dQ kernel adds each tile's
 #: ``dS_bandᵀ (q + v)`` into an fp32 ``[H, R, D]`` accumulator with atomic adds: the dS band
-#: it forms for d(q + v) anyway, no third recompute; sums in no fixed order). From
-#: ``CTXFAST_REL_BWD_DR`` at import. Which is faster on a GPU is not measured yet.
-DR_MODE = os.environ.get("CTXFAST_REL_BWD_DR", "kernel")
+#: it forms for d(q + v) anyway, no third recompute; sums in no fixed order) or "auto" (the
+#: default): atomic on 16-bit 64 x 64 tiles, where the H200 timed it faster (with dQ at 8
+#: warps, 1 stage: 900 us against 949 per backward, bf16 B4 H16 Tq512 mem1024 D64;
+#: benchmarks/results/nvidia-h200/2026-11-27-round4), unless torch's deterministic
+#: algorithms are on (``torch.use_deterministic_algorithms``), and the kernel elsewhere (not
+#: timed). "atomic" asked for while deterministic algorithms are on is refused, as torch
+#: refuses its own nondeterministic ops. From ``CTXFAST_REL_BWD_DR`` at import.
+DR_MODE = os.environ.get("CTXFAST_REL_BWD_DR", "auto")
 
 
 #: "auto" (default), "on" or "off": as ``kernels.attention.TMA_MODE`` (the same setting,
@@ -1204,9 +1211,10 @@ TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 def _table_tma(kernel, bm, bn) -> bool:
     """Where :data:`TMA_MODE` "auto" reads descriptors: the forward with 64 x 64 tiles
-    (16-bit D <= 64; not the decoding tiles), which the H200 timed faster with them (bf16 B4 H16 Tq512 mem1024 D64
-    causal: 112 us against 139; benchmarks/results/nvidia-h200/2026-11-27-round4). dQ tied
-    there (950 against 949 us) and keeps pointer tiles; 32-row tiles are not timed."""
+    (16-bit D <= 64; not the decoding tiles), which the H200 timed faster with them (bf16
+    B4 H16 Tq512 mem1024 D64 causal: 112 us against 139; benchmarks/results/nvidia-h200/
+    2026-11-27-round4). dQ tied there (950 against 949 us) and keeps pointer tiles; 32-row
+    tiles are not timed."""
     return kernel == "fwd" and bm == bn == 64
 
 
@@ -1220,11 +1228,24 @@ def _tma_args(kernel, names, tensors, bm, bn, block_d):
     return tma_args(names, tensors, bn, block_d)
 
 
-def _dr_mode() -> str:
-    """DR_MODE, or the override "dr_mode" (the tuner's row, the config sweep's)."""
+def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
+    """"kernel" or "atomic" for a backward of head dim D and dtype: DR_MODE, or the override
+    "dr_mode" (the tuner's row, the config sweep's), with "auto" resolved (see DR_MODE).
+    Refuses a bad setting, and "atomic" under torch's deterministic algorithms."""
     mode = _override("dr_mode", DR_MODE)
-    if mode not in ("kernel", "atomic"):
-        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'kernel' or 'atomic', got {mode!r}")
+    if mode not in ("auto", "kernel", "atomic"):
+        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'auto', 'kernel' or 'atomic', "
+                         f"got {mode!r}")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if mode == "auto":
+        tile = _config(D, None, dtype)[0]
+        return "atomic" if tile == 64 and dtype.itemsize == 2 and not deterministic \
+            else "kernel"
+    if mode == "atomic" and deterministic \
+            and not torch.is_deterministic_algorithms_warn_only_enabled():
+        raise RuntimeError("rel_attention backward: CTXFAST_REL_BWD_DR=atomic sums dr with "
+                           "atomic adds, in no fixed order, but torch.use_deterministic_"
+                           "algorithms(True) is in force; use 'kernel' or 'auto'")
     return mode
 
 
@@ -1241,7 +1262,8 @@ _TUNE_CANDIDATES = {
     ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "off"},
                         {"tma": "on", "fwd": (4, 1)}, {"carry": False}],
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}],
-    ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)}],
+    ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
+                       {"dr_mode": "kernel", "dq": (4, 1)}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
     ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
     ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
@@ -1271,11 +1293,12 @@ def _candidates(kernel, D, dtype, tma_ok):
     table = _table_tma(kernel, tile, tile)
     same_tma = (lambda c: c.keys() == {"tma"}        # TMA as the table has it: its launch
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
+    dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     out = [{}] + [c for c in listing
                   if (tma_ok or "tma" not in c) and c.get("carry", not carry) != carry
-                  and (DR_MODE != "atomic" or "dr_mode" not in c) and not same_tma(c)]
+                  and ("dr_mode" not in c or c["dr_mode"] != dr) and not same_tma(c)]
     if kernel == "dr":
-        return lambda chosen: [{}] if chosen.get("dr_mode") == "atomic" else out
+        return lambda chosen: [{}] if chosen.get("dr_mode", dr) == "atomic" else out
     return out
 
 
@@ -1289,7 +1312,8 @@ def _tuned(kernels, q, dims, flags, run, outputs):
     tma_ok = q.dtype in TMA_DTYPES and _has_tma(q.device)
     size = _tune.size_class
     kind = ("rel_attention", kernels, D, q.dtype, dot_precision(q.dtype), *flags, tma_ok,
-            TMA_MODE, DR_MODE, size(B * H), size(Tq), size(Tk))
+            TMA_MODE, DR_MODE, torch.are_deterministic_algorithms_enabled(),
+            size(B * H), size(Tq), size(Tk))
     stages = [(name, _candidates(name, D, q.dtype, tma_ok)) for name in kernels]
     return _tune.call(kind, stages, run, outputs, q.device, q.dtype)
 
@@ -1433,7 +1457,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     pos_start = Tk - 1 if pos_start is None else pos_start
     scale = D ** -0.5 if scale is None else scale
     has_seg = seg_embed is not None
-    _dr_mode()                                      # refused before any launch
+    _dr_mode(D, q.dtype)                            # refused before any launch
     check_tma_mode(_override("tma", TMA_MODE))               # so is this
     _tune.check_mode()                                       # and CTXFAST_AUTOTUNE
     # every element below is written by a kernel (the grids cover all rows; each program
@@ -1474,9 +1498,9 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         done = {}
 
         def run():      # the launch rows read here: the tuner's when it has chosen some
-            atomic = _dr_mode() == "atomic"
+            atomic = _dr_mode(D, q.dtype) == "atomic"
             launch = {k: dict(num_warps=w_, num_stages=s_)
-                      for k, (w_, s_) in _bwd_launch(D, q.dtype).items()}
+                      for k, (w_, s_) in _bwd_launch(D, q.dtype, atomic).items()}
             fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],

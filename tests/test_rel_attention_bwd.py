@@ -73,11 +73,11 @@ def test_backward_is_bitwise_deterministic():
         assert torch.equal(a, b)
 
 
-def test_no_atomics_in_the_default_kernels():
+def test_atomics_only_in_the_dr_branch():
     """The interpreter's atomics are sequential: the bitwise test above cannot catch a GPU
-    race, so the default backward uses none. The one atomic add is the opt-in
-    DR_MODE "atomic" branch (in _rel_dr_atomic, called only under ``if ATOMIC_DR:``), and
-    that mode is not the default."""
+    race. The one atomic add is the DR_MODE "atomic" branch (in _rel_dr_atomic, called only
+    under ``if ATOMIC_DR:``), which "auto" (the default) takes on 16-bit 64 x 64 tiles
+    unless deterministic algorithms are asked for (the next test)."""
     pytest.importorskip("triton")
     from ctxfast.kernels import rel_attention
     lines = inspect.getsource(rel_attention).splitlines()
@@ -88,7 +88,44 @@ def test_no_atomics_in_the_default_kernels():
              and "def _rel_dr_atomic(" not in line]
     assert calls and all("if ATOMIC_DR:" in lines[n - 1] for n in calls), calls
     if "CTXFAST_REL_BWD_DR" not in os.environ:
-        assert rel_attention.DR_MODE == "kernel"
+        assert rel_attention.DR_MODE == "auto"
+
+
+@needs_triton
+def test_dr_mode_auto_and_deterministic_algorithms(monkeypatch):
+    """DR_MODE "auto": dr by atomic adds on 16-bit 64 x 64 tiles (the H200 timed it faster),
+    the dR kernel on other tiles, in fp32, and whenever torch's deterministic algorithms are
+    on; "atomic" asked for under them is refused (warn-only lets it run). Right against
+    float64 both ways at 64-row tiles (the "tile" override); a spy sees which path ran."""
+    import test_rel_attention as rel_tests
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setattr(krel, "DR_MODE", "auto")
+    f16 = torch.float16
+    assert krel._dr_mode(64, f16) == ("atomic" if krel._config(64, None, f16)[0] == 64
+                                      else "kernel")
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "tile", 64)
+    assert krel._dr_mode(64, f16) == "atomic" and krel._dr_mode(64, torch.float32) == "kernel"
+    seen = spy_launches(monkeypatch, krel,
+                        ("_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"),
+                        lambda args, kwargs: kwargs.get("ATOMIC_DR"))
+    rel_tests.test_half_dtypes(f16)                               # D 64 fp16, 64 x 64 tiles
+    assert seen == [("_rel_attn_bwd_dq_kernel", True)], seen
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert krel._dr_mode(64, f16) == "kernel"
+        seen.clear()
+        rel_tests.test_half_dtypes(f16)
+        assert seen == [("_rel_attn_bwd_dq_kernel", False),
+                        ("_rel_attn_bwd_dr_kernel", None)], seen          # (no such flag)
+        monkeypatch.setattr(krel, "DR_MODE", "atomic")
+        assert krel._dr_mode(64, f16) == "atomic"                 # warn-only: allowed
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="CTXFAST_REL_BWD_DR=atomic"):
+            krel._dr_mode(64, f16)
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 @needs_triton
