@@ -78,8 +78,12 @@ REL_SPILL_BUDGET = {
     # with the carried gather 139 us against 237 at the spill-free (8, 3); dK/dV (4, 1) 223
     # against 318; dR (4, 1) 403 against 517), which spill on sm_90 with Triton 3.9; dQ's
     # spill-chosen (8, 3) computes a wrong dq there (kernels/rel_attention._bwd_launch)
+    # (by default dr by atomic adds from the dQ kernel at (8, 1) there: no dR kernel runs;
+    # the H200's round-4 tuner chose it, 900 us a backward against 949)
     "rel_attention bf16 D=64 causal (training)": {
         "_rel_attn_fwd_kernel": 212, "_rel_attn_bwd_dkdv_kernel": 164,
+        "_rel_attn_bwd_dq_kernel": 304},
+    "rel_attention bf16 D=64 causal (training, dR kernel)": {
         "_rel_attn_bwd_dq_kernel": 464, "_rel_attn_bwd_dr_kernel": 440},
     "rel_attention bf16 D=128 causal (training)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
@@ -191,6 +195,7 @@ def _cases():
     ieee = setting(lstm, "FP32_PRECISION", "ieee")
     atomic_dq = setting(attention, "DQ_MODE", "atomic")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
+    dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
 
     def tma(fn):
         """fn with the attention and rel_attention loops' tiles through TMA descriptors
@@ -231,6 +236,8 @@ def _cases():
     return [
         # rel_attention's training cases (REL_SPILL_BUDGET): causal with memory, no flag
         ("rel_attention bf16 D=64 causal (training)", sm90, lambda: rel(bf16, 64, causal=True)),
+        ("rel_attention bf16 D=64 causal (training, dR kernel)", sm90,
+         dr_kernel(lambda: rel(bf16, 64, causal=True))),
         ("rel_attention bf16 D=128 causal (training)", sm90,
          lambda: rel(bf16, 128, causal=True)),
         ("rel_attention bf16 D=64 causal (training), TMA", sm90,
@@ -762,6 +769,8 @@ def test_rel_attention_spill_ratchet(compiled, kernel):
         pytest.skip("no ptxas for sm_90a in this Triton: registers and spills unknown")
     problems = []
     for case, budget in REL_SPILL_BUDGET.items():
+        if kernel not in budget:              # a kernel the case does not launch
+            continue
         r = rows.get(case)
         if r is None:
             problems.append(f"{case}: not compiled for sm_90")
