@@ -1,6 +1,7 @@
 """The backward of ctxfast.rel_attention (Triton): dr from its own kernel (a program per
-block of r rows walking down the score matrix's diagonals, no atomics) against the float64
-reference, and the whole backward deterministic (two runs, bitwise-equal gradients)."""
+block of r rows walking down the score matrix's diagonals, no atomics) or by atomic adds
+from the dQ kernel, against the float64 reference, and the whole backward deterministic
+where it should be (two runs, bitwise-equal gradients)."""
 import inspect
 import os
 
@@ -49,17 +50,21 @@ def test_interior_tiles_at_the_window_edge(causal, window):
 
 
 @needs_triton
-def test_backward_is_bitwise_deterministic():
+@pytest.mark.parametrize("how", ["fp32", "fp16-deterministic-algorithms"])
+def test_backward_is_bitwise_deterministic(how):
     """Two backward runs on the same inputs (dropout with the same seed, segments, padding,
-    window): every gradient bitwise equal."""
+    window): every gradient bitwise equal, in fp32 (the dR kernel by default) and in fp16
+    under torch.use_deterministic_algorithms (which turns the default atomic dr of 16-bit
+    D <= 64 calls on a GPU off)."""
     B, H, Tq, Tk, D = 3, 2, 13, 30, 16
-    ts = _inputs(B, H, Tq, Tk, D, Tk + 3, seg=True)
+    dtype = torch.float32 if how == "fp32" else torch.float16
+    ts = _inputs(B, H, Tq, Tk, D, Tk + 3, dtype, seg=True)
     kpm = torch.zeros(B, Tk, dtype=torch.bool, device=DEVICE)
     kpm[1, 26:] = True
     kw = dict(seg_q=torch.randint(0, 2, (B, Tq), device=DEVICE),
               seg_k=torch.randint(0, 2, (B, Tk), device=DEVICE), key_padding_mask=kpm,
               window=11, dropout_p=0.2, backend="triton")
-    do = torch.randn(B, H, Tq, D, device=DEVICE)
+    do = torch.randn(B, H, Tq, D, dtype=dtype, device=DEVICE)
 
     def grads():
         leaves = [t.clone().requires_grad_(True) for t in ts]
@@ -67,7 +72,14 @@ def test_backward_is_bitwise_deterministic():
                                     generator=torch.Generator(DEVICE).manual_seed(3), **kw)
         return torch.autograd.grad(out, leaves, do)
 
-    first, second = grads(), grads()
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        if how != "fp32":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        first, second = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     for a, b in zip(first, second):
         assert a.abs().sum() > 0
         assert torch.equal(a, b)
