@@ -319,20 +319,23 @@ def ncu_target(device, dtype) -> None:
         call = _call(op, True)
         calls.append(lambda call=call, ins=ins, g=g: torch.autograd.grad(call(*ins), ins, g))
     lstm = device.type == "cuda" and ctxfast._dispatch.cuda_ext_available()
-    if lstm:
-        # the CUDA LSTM's persistent kernels (auto: the tensor-core ones) at the ULMFiT
-        # layer, T 70 B 64 H 1152 with DropConnect: where a step's 28 us (forward) and 57 us
-        # (backward) go on the H200 (third round) is the question
+    # the CUDA LSTM's persistent kernels (auto: the tensor-core ones) at the ULMFiT layer,
+    # T 70 B 64 H 1152 with DropConnect: where a step's 28 us (bf16 forward) and 82 us
+    # (float32 forward, one TF32 product at torch's default) go on the H200 is the question
+    # (rounds 3 and 4: the float32 kernel is not bound by its products)
+    for lstm_dtype in ((dtype, torch.float32) if lstm else ()):
         T, B, H = 70, 64, 1152
-        mk = lambda *s: (torch.randn(*s, device=device, dtype=dtype) * 0.03).requires_grad_()  # noqa: E731
+        mk = lambda *s, dt=lstm_dtype: (  # noqa: E731
+            torch.randn(*s, device=device, dtype=dt) * 0.03).requires_grad_()
         x, w_ih, w_hh = mk(T, B, H), mk(4 * H, H), mk(4 * H, H)
         b_ih, b_hh = mk(4 * H), mk(4 * H)
-        mask = (torch.rand(4 * H, H, device=device) >= 0.2).to(dtype)
-        gl = torch.randn(T, B, H, device=device, dtype=dtype)
+        mask = (torch.rand(4 * H, H, device=device) >= 0.2).to(lstm_dtype)
+        gl = torch.randn(T, B, H, device=device, dtype=lstm_dtype)
         leaves = [x, w_ih, w_hh, b_ih, b_hh]
-        calls.append(lambda: torch.autograd.grad(ctxfast.lstm(
-            x, None, w_ih, w_hh, b_ih, b_hh, weight_mask=mask, weight_dropout=0.2,
-            backend="cuda")[0], leaves, gl))
+        calls.append(lambda x=x, w_ih=w_ih, w_hh=w_hh, b_ih=b_ih, b_hh=b_hh, mask=mask, gl=gl,
+                     leaves=leaves: torch.autograd.grad(ctxfast.lstm(
+                         x, None, w_ih, w_hh, b_ih, b_hh, weight_mask=mask, weight_dropout=0.2,
+                         backend="cuda")[0], leaves, gl))
     for fn in calls:
         fn()
     if device.type == "cuda":
@@ -344,7 +347,8 @@ def ncu_target(device, dtype) -> None:
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
     print("ncu target: rel_attention and attention forward+backward, B4 H16 Tq512 mem3072 D64"
-          + ("; the CUDA LSTM forward+backward, T70 B64 H1152" if lstm else ""))
+          + ("; the CUDA LSTM forward+backward, T70 B64 H1152, bf16 and float32" if lstm
+             else ""))
 
 
 def main(argv=None) -> int:
