@@ -1007,11 +1007,12 @@ TMA_MODE = os.environ.get("CTXFAST_ATTN_TMA", "auto")
 _TMA_ROWS = {("fwd", 128)}
 
 
-def _table_tma(kernel, D, dtype, dropout) -> bool:
+def _table_tma(kernel, D, dtype, dropout, split=False) -> bool:
     """The launch table's TMA choice for ``kernel`` (:data:`_TMA_ROWS`): not where the tuner
-    or :data:`LAUNCH_OVERRIDE` replaces the kernel's row, nor with dropout (other rows)."""
+    or :data:`LAUNCH_OVERRIDE` replaces the kernel's row, nor with dropout (other rows), nor
+    for split-K decoding (not timed)."""
     bucket = 64 if D <= 64 else 128 if D <= 128 else 256
-    return (not dropout and dtype in TMA_DTYPES and (kernel, bucket) in _TMA_ROWS
+    return (not dropout and not split and dtype in TMA_DTYPES and (kernel, bucket) in _TMA_ROWS
             and _override(kernel) is None)
 
 #: Dtypes whose calls TMA_MODE "on" serves: 16-bit only. fp32's tf32 dots run on mma.sync
@@ -1020,12 +1021,12 @@ def _table_tma(kernel, D, dtype, dropout) -> bool:
 TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _tma_args(kernel, names, tensors, rows, block_d, device, cu, order, dropout):
+def _tma_args(kernel, names, tensors, rows, block_d, device, cu, order, dropout, split=False):
     """Keyword arguments that turn kernel's TMA loads on (:func:`_common.tma_args`) for
     the tensors read in ``[rows, block_d]`` tiles, or ``{}`` (pointer tiles) where
     :data:`TMA_MODE` (or the override ``"<kernel>:tma"``) is off for it or the call cannot
     use TMA."""
-    on = check_tma_mode(TMA_MODE, _table_tma(kernel, block_d, tensors[0].dtype, dropout))
+    on = check_tma_mode(TMA_MODE, _table_tma(kernel, block_d, tensors[0].dtype, dropout, split))
     want = _override(kernel + ":tma")
     if (not (on if want is None else want) or not _tma_possible(tensors[0].dtype, device, cu,
                                                                    order)):
@@ -1056,7 +1057,8 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     if num_splits == 1:
         l_strides = lse_strides
     split = num_splits > 1
-    tma = _tma_args("fwd", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0)
+    tma = _tma_args("fwd", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0,
+                    split)
     fast(_attn_fwd_kernel)[(cdiv(max_q, bm), B * H, num_splits)](
         q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
         kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,

@@ -631,9 +631,9 @@ def test_tma_tiles_against_reference(monkeypatch, check):
 def test_tma_auto_follows_the_table(monkeypatch):
     """TMA_MODE "auto" (the default): descriptors in the kernels of the table's
     ``_TMA_ROWS`` only (the 16-bit D 128 forward, which the H200 timed faster with them),
-    not with dropout (other rows), not at D 64; "off" nowhere (nor "auto" with the table
-    emptied). Every call right against
-    float64; a spy says which launches took descriptors (forward, dK/dV, dQ in order)."""
+    not with dropout (other rows) nor split-K, not at D 64; "off" nowhere (nor "auto" with
+    the table emptied). Every call right against float64; a spy says which launches took
+    descriptors (forward, dK/dV, dQ in order)."""
     import ctxfast.kernels.attention as kattn
     monkeypatch.setattr(kattn, "TMA_MODE", "auto")
     used = spy_tma(monkeypatch, kattn)
@@ -648,6 +648,8 @@ def test_tma_auto_follows_the_table(monkeypatch):
                            False)                                  # D 128: the table's
     assert not kattn._tma_args("fwd", ("KD", "VD"), (k, v), 16, 128, k.device, None, None,
                                True)                               # with dropout: not
+    assert not kattn._tma_args("fwd", ("KD", "VD"), (k, v), 16, 128, k.device, None, None,
+                               False, True)                        # split-K: not
     for mode, rows in (("off", kattn._TMA_ROWS), ("auto", set())):
         monkeypatch.setattr(kattn, "TMA_MODE", mode)
         monkeypatch.setattr(kattn, "_TMA_ROWS", rows)
