@@ -48,8 +48,9 @@ term gives per-row sums ``A_same, A_diff =
 seg_embed and r_s_bias. Each row of dS sums to 0, so they are taken as
 ``A_diff = Σ_diff dS − (Σ_diff P)(Σ_j dS)`` and ``A_same = −A_diff``: exact in exact
 arithmetic, and free of the rounding of Δ (an error e in Δ moves dS_ij by −e·P_ij).
-Three kernels, none with atomics (by default; see :data:`DR_MODE`): dK/dV (a program per
-key block), dQ (a program per query block) and dR.
+Three kernels without atomics: dK/dV (a program per key block), dQ (a program per query
+block) and dR; or two, the dQ kernel adding dr with atomic adds (:data:`DR_MODE`: the
+default for 16-bit calls at D <= 64 unless torch's deterministic algorithms are on).
 
 dR. Row ``m`` of r is used by the pairs on one diagonal of the score matrix,
 ``j − i = m − c``, so
