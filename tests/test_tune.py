@@ -209,6 +209,44 @@ def test_atomic_dq_is_a_candidate_and_dq_is_not_tuned_after_it(tuning, monkeypat
     assert seen == [("_attn_bwd_dkdv_kernel", True)]
 
 
+@pytest.mark.parametrize("mask", ["none", "kpm", "perm"])
+def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
+    """The GPU candidates (as an sm_90 call with TMA gets them): no two candidates of a kernel
+    launch the same row with the same tiles, and none repeats the table's launch (the
+    table's winners are its rows now; timing them twice is a compile and trials for
+    nothing). rel_attention's likewise repeat neither the table's TMA nor its dr mode."""
+    monkeypatch.setattr(kattn, "_interpreting", lambda: False)
+    for D in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            for kernel in ("fwd", "dkdv", "dq"):
+                cands = kattn._candidates(kernel, D, dtype, mask, False, True, mask != "perm")
+                cands = cands({}) if callable(cands) else cands
+                bm, bn, _, warps, stages = kattn._config_of(kernel, D, dtype, False, mask,
+                                                           False, False)
+                table = ((bm, bn, warps, stages),
+                         kattn.check_tma_mode(kattn.TMA_MODE,
+                                              kattn._table_tma(kernel, D, dtype, False))
+                         and mask != "perm")
+                launches = [table]
+                for c in cands[1:]:
+                    if "dq_mode" in c:
+                        continue
+                    launches.append((c.get(kernel, table[0]), c.get(kernel + ":tma", table[1])))
+                assert len(set(launches)) == len(launches), (D, dtype, kernel, launches)
+    from ctxfast.kernels import rel_attention as krel
+    monkeypatch.setattr(krel, "_interpreting", lambda: False)
+    monkeypatch.setattr(krel, "TMA_MODE", "auto")
+    monkeypatch.setattr(krel, "DR_MODE", "auto")
+    for kernel in ("fwd", "dkdv", "dq"):
+        cands = krel._candidates(kernel, 64, torch.bfloat16, True)
+        assert len(cands) == len({repr(sorted(c.items())) for c in cands}), cands
+        if kernel == "fwd":                   # the table's forward reads descriptors
+            assert {"tma": "on"} not in cands and {"tma": "off"} in cands, cands
+        if kernel == "dq":                    # the table's dr is atomic (16-bit D 64)
+            assert {"dr_mode": "atomic", "dq": (8, 1)} not in cands, cands
+            assert {"dr_mode": "kernel", "dq": (4, 1)} in cands, cands
+
+
 def test_agreement_measure():
     ref = torch.tensor([1.0, -2.0, float("inf"), 0.5])
     assert _tune._gap([ref.clone()], [ref]) == 0.0                  # equal infinities agree
