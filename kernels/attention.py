@@ -865,26 +865,33 @@ def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
 #: the rows of the H100 and H200 sweeps and Triton's fused-attention tutorial that do, and
 #: (after the H200's round 4 made its winners the table) spill-free neighbours of the new
 #: rows: more stages, the other block shape; at D 128 32 x 128 and 16 x 128 dK/dV with 3
-#: stages (64-row dK/dV blocks spill 24-220 B there), dQ 128 x 32 and 64 x 128. fp32
+#: stages (64-row dK/dV blocks spill 24-220 B there, except 64 x 64 at 8 warps, 2 stages),
+#: dQ 128 x 32 and 64 x 128; forward rows of 128 x 128 (3 stages, TMA: 230 KB of shared
+#: memory: 230,400 B at D 128, under sm_90's 232,448) as FlashAttention-3 tiles it. fp32
 #: and D > 128 keep their rows; with dropout or a permutation mask (more tiles live: these
 #: rows spill there) only the table row and its TMA twin are timed.
 _TUNE_CANDIDATES = {
     ("fwd", 64): [(None, True), ((128, 64, 8, 3), False), ((128, 64, 4, 3), False),
                   ((128, 128, 8, 2), False), ((64, 64, 4, 3), False), ((128, 128, 8, 2), True),
-                  ((64, 64, 4, 4), False), ((64, 128, 4, 3), False)],
+                  ((64, 64, 4, 4), False), ((64, 128, 4, 3), False), ((64, 64, 4, 5), False),
+                  ((128, 128, 8, 3), True)],
     ("fwd", 128): [(None, True), (None, False), ((128, 64, 8, 3), False),
                    ((128, 128, 8, 2), False), ((128, 64, 8, 3), True), ((128, 128, 8, 2), True),
-                   ((64, 64, 4, 4), True), ((64, 128, 8, 3), True)],
+                   ((64, 64, 4, 4), True), ((64, 128, 8, 3), True), ((128, 128, 8, 3), True),
+                   ((128, 64, 8, 4), True), ((64, 128, 4, 3), True)],
     ("dkdv", 64): [(None, True), ((64, 128, 8, 3), False), ((32, 128, 8, 3), False),
                    ((64, 64, 4, 3), False), ((64, 64, 8, 3), False), ((32, 128, 8, 3), True),
                    ((64, 64, 4, 4), False), ((32, 64, 4, 3), False)],
     ("dkdv", 128): [(None, True), ((32, 64, 8, 2), False), ((32, 64, 8, 3), False),
-                    ((32, 128, 8, 3), False), ((32, 128, 8, 3), True), ((16, 128, 8, 3), False)],
+                    ((32, 128, 8, 3), False), ((32, 128, 8, 3), True), ((16, 128, 8, 3), False),
+                    ((64, 64, 8, 2), False)],
     ("dq", 64): [(None, True), ((128, 64, 8, 3), False), ((64, 64, 4, 2), False),
-                 ((128, 128, 8, 2), False), ((128, 32, 4, 3), False), ((128, 128, 8, 2), True)],
+                 ((128, 128, 8, 2), False), ((128, 32, 4, 3), False), ((128, 128, 8, 2), True),
+                 ((128, 64, 8, 4), False)],
     ("dq", 128): [(None, True), ((128, 64, 8, 2), False), ((64, 64, 4, 2), False),
                   ((64, 64, 8, 2), False), ((128, 64, 8, 3), False), ((128, 128, 8, 2), True),
-                  ((64, 64, 4, 2), True), ((128, 32, 8, 3), False), ((64, 128, 8, 2), False)],
+                  ((64, 64, 4, 2), True), ((128, 32, 8, 3), False), ((64, 128, 8, 2), False),
+                  ((64, 128, 8, 3), False), ((64, 64, 4, 3), False)],
 }
 
 #: With a permutation mask (no dropout) dK/dV's table row runs one stage (pipelined, its rank
