@@ -866,8 +866,8 @@ def _config_of(kernel, D, dtype, causal, mask, dropout, interpreting):
 #: (after the H200's round 4 made its winners the table) spill-free neighbours of the new
 #: rows: more stages, the other block shape; at D 128 32 x 128 and 16 x 128 dK/dV with 3
 #: stages (64-row dK/dV blocks spill 24-220 B there, except 64 x 64 at 8 warps, 2 stages),
-#: dQ 128 x 32 and 64 x 128; forward rows of 128 x 128 (3 stages, TMA: 230 KB of shared
-#: memory: 230,400 B at D 128, under sm_90's 232,448) as FlashAttention-3 tiles it. fp32
+#: dQ 128 x 32 and 64 x 128; forward rows of 128 x 128 (3 stages, TMA; shared memory
+#: 230,400 B at D 128, under sm_90's 232,448) as FlashAttention-3 tiles it. fp32
 #: and D > 128 keep their rows; with dropout or a permutation mask (more tiles live: these
 #: rows spill there) only the table row and its TMA twin are timed.
 _TUNE_CANDIDATES = {
