@@ -256,8 +256,17 @@ stage_bench() {
 # alone) over every kernel of one rel_attention and one attention forward+backward at
 # Transformer-XL's training shape: throughput of each unit, warp stalls, shared-memory
 # and local-memory (spill) traffic, occupancy.
+# What a persistent LSTM step costs before arithmetic: a grid barrier, and the barrier
+# with the exchange of h (benchmarks/grid_sync_probe.cu: plain CUDA, built here with nvcc).
+grid_sync_probe() {
+  step "grid-sync probe (LSTM step floor)" "${1:-60}" grid_sync_probe.log bash -c \
+    "nvcc -O3 -arch=sm_90 -o '$R/grid_sync_probe' benchmarks/grid_sync_probe.cu && '$R/grid_sync_probe'"
+  summarize grid_sync_probe.log "us per step|device|error" 6
+}
+
 stage_ncu() {
   build
+  grid_sync_probe 60
   step "host split" 90 host_split.log "$PY" benchmarks/kernel_breakdown.py --host-split \
     --out "$R/host_split.json"
   summarize host_split.log "us per call|^ +[0-9]" 20
@@ -293,6 +302,7 @@ stage_verify() {
   step "tune report (attention)" 200 tune_report.log "$PY" \
     benchmarks/tune_report.py --time-budget 160 --out "$R/tune_report.json"
   summarize tune_report.log "x\)|chosen|Error|error" 40
+  grid_sync_probe 30                       # (if the stage has time left)
 }
 
 pack() {

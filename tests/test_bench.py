@@ -938,6 +938,11 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
         assert (BENCH_DIR.parent / f).exists(), f
     assert any("tune_report.py" in c and "--out" in c for c in verify)
     assert any("lstm_launch_compare.py" in c and "persistent-mma" in c for c in verify)
+    # the grid-sync probe (built with nvcc there): in the ncu stage, and verify's last step
+    for stage in ("ncu", "verify"):
+        probe = [c for c in stages[stage] if "grid_sync_probe.cu" in c]
+        assert len(probe) == 1 and "-arch=sm_90" in probe[0], stages[stage]
+    assert "grid_sync_probe.cu" in verify[-2]
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):

@@ -108,6 +108,16 @@ def test_cuda_kernels_do_not_spill(tmp_path, source):
     assert all(f[2] <= 255 for f in facts)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_grid_sync_probe_builds(tmp_path):
+    """benchmarks/grid_sync_probe.cu (gpu_round.sh builds it with nvcc on the GPU machine)
+    compiles for sm_90 here, so a round does not spend device time on a build error."""
+    cmd = ["nvcc", "-O3", "-arch=sm_90", "-c", str(ROOT / "benchmarks" / "grid_sync_probe.cu"),
+           "-o", str(tmp_path / "p.o")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}"
+
+
 # --------------------------------------------------------------------------- libstdc++
 
 def _built_modules():
