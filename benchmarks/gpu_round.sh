@@ -295,6 +295,7 @@ stage_verify() {
     "cuda persistent-mma groups" "cuda persistent-mma tf32x3" "cuDNN+WeightDropout" \
     "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
+  grid_sync_probe 30                       # ~15 s: nvcc, then 3 x 6 launches
   # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
   # checked against the table row) against the table rows and SDPA, per headline case: the
   # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
@@ -302,7 +303,6 @@ stage_verify() {
   step "tune report (attention)" 200 tune_report.log "$PY" \
     benchmarks/tune_report.py --time-budget 160 --out "$R/tune_report.json"
   summarize tune_report.log "x\)|chosen|Error|error" 40
-  grid_sync_probe 30                       # (if the stage has time left)
 }
 
 pack() {

@@ -942,7 +942,7 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     for stage in ("ncu", "verify"):
         probe = [c for c in stages[stage] if "grid_sync_probe.cu" in c]
         assert len(probe) == 1 and "-arch=sm_90" in probe[0], stages[stage]
-    assert "grid_sync_probe.cu" in verify[-2]
+    assert "grid_sync_probe.cu" in verify[-3] and "tune_report.py" in verify[-2]
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):
