@@ -67,9 +67,10 @@ ATTENTION_CANDIDATES = {
            (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
 }
 # The attention kernels with their loops' tiles through TMA descriptors (kernels/attention.py
-# TMA_MODE "on", off by default until timed): the current rows, then rows that TMA's
-# fewer registers make spill-free on sm_90 (benchmarks/NOTES.md). Timed right after each
-# kernel's current row, so that a sweep cut by its budget has the comparison.
+# TMA_MODE "on"; by default only where round 4 timed them faster): the current rows, then
+# rows that TMA's fewer registers make spill-free on sm_90 (benchmarks/NOTES.md). Timed
+# right after each kernel's current row, so that a sweep cut by its budget has the
+# comparison.
 ATTENTION_TMA_CANDIDATES = {
     "fwd": [None, (128, 64, 8, 3), (128, 128, 8, 2)],
     "dkdv": [None, (64, 128, 8, 2)],
@@ -83,8 +84,8 @@ REL_LAUNCHES = (None, (4, 1), (4, 2), (8, 1), (8, 2), (4, 3), (8, 3))
 # dr by atomic adds from the dQ kernel (no dR kernel): compare its dQ row with the default
 # dQ + dR rows (the first H200 round timed it 11% faster at mem 3,072, unchecked then).
 REL_VARIANTS = {
-    # k, v and r's chunks through TMA descriptors (kernels/rel_attention.py TMA_MODE, off
-    # by default until timed); the forward's bf16 D 64 spills 48 B per thread there, 212 B
+    # k, v and r's chunks through TMA descriptors (kernels/rel_attention.py TMA_MODE; by
+    # default the forward's at 64 x 64 tiles); the forward's bf16 D 64 spills 48 B there, 212 B
     # with pointer tiles (benchmarks/NOTES.md)
     "tma": ({"tma": "on"}, ("fwd", "dq"), (None, (4, 1), (8, 3))),
     "carry": ({"carry": True}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 1), (8, 3))),
