@@ -247,6 +247,30 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
             assert {"dr_mode": "kernel", "dq": (4, 1)} in cands, cands
 
 
+def test_gpu_table_rows_follow_the_h200_round(monkeypatch):
+    """The launch tables as an sm_90 call reads them (rows from the H200's round 4, which
+    the tuner chose there): 16-bit D 64 forward and dK/dV 64 x 64 x 4 x 3, dQ 128 x 64;
+    with a padding mask the forward's 128-row block and dQ 64 x 64 x 4 x 2; D 128 dQ with
+    3 stages; with dropout its own rows. rel_attention: dQ at (8, 1) when dr is added
+    with atomics (16-bit 64 x 64 tiles), (4, 1) with the dR kernel."""
+    bf16 = torch.bfloat16
+
+    def row(kernel, D, mask="none", dropout=False):
+        bm, bn, _, warps, stages = kattn._config_of(kernel, D, bf16, False, mask, dropout,
+                                                    False)
+        return bm, bn, warps, stages
+    assert row("fwd", 64) == (64, 64, 4, 3) and row("dkdv", 64) == (64, 64, 4, 3)
+    assert row("dq", 64) == (128, 64, 8, 3) and row("dq", 128) == (128, 64, 8, 3)
+    assert row("fwd", 64, "kpm") == (128, 64, 8, 3) and row("dq", 64, "kpm") == (64, 64, 4, 2)
+    assert row("dkdv", 64, "kpm") == (64, 64, 4, 3)
+    assert row("dkdv", 64, "kpm", dropout=True) == (32, 128, 8, 2)
+    from ctxfast.kernels import rel_attention as krel
+    monkeypatch.setattr(krel, "_interpreting", lambda: False)
+    assert krel._bwd_launch(64, bf16, atomic=True)["dq"] == (8, 1)
+    assert krel._bwd_launch(64, bf16, atomic=False)["dq"] == (4, 1)
+    assert krel._bwd_launch(64, torch.float32, atomic=True)["dq"] == (8, 1)
+
+
 def test_agreement_measure():
     ref = torch.tensor([1.0, -2.0, float("inf"), 0.5])
     assert _tune._gap([ref.clone()], [ref]) == 0.0                  # equal infinities agree
