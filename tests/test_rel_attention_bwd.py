@@ -157,6 +157,12 @@ def test_atomic_dr_against_reference(monkeypatch):
     rel_tests.test_window_rows_that_see_no_key()
     rel_tests.test_rows_that_see_no_key()
     rel_tests.check_dropout(2, 2, 13, 21, 16, 0.25, seed=5)
+    # at the 64 x 64 tiles where "auto" takes this path on a GPU (the interpreter's are 16)
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "tile", 64)
+    test_dr_against_float64(2, 2, 67, 30, 100, None, None, True)
+    rel_tests.test_rows_that_see_no_key()
+    rel_tests.test_window_rows_that_see_no_key()
+    monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "tile")
     monkeypatch.setattr(krel, "DR_MODE", "fast")
     with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)

@@ -271,6 +271,27 @@ def test_gpu_table_rows_follow_the_h200_round(monkeypatch):
     assert krel._bwd_launch(64, torch.float32, atomic=True)["dq"] == (8, 1)
 
 
+@pytest.mark.parametrize("mask", ["none", "kpm"])
+def test_gpu_table_rows_against_reference(monkeypatch, mask):
+    """The sm_90 table rows' block shapes (16-bit D 64: the forward and dK/dV at 64 x 64,
+    with a padding mask the forward at 128 x 64 and dQ at 64 x 64) forced on every kernel
+    (the interpreter otherwise runs 16 x 16 blocks): odd lengths across and inside one block
+    and rows that see no key, forward and every gradient within 2x eager of float64."""
+    rows = {k: kattn._config_of(k, 64, torch.float16, False, mask, False, False)
+            for k in ("fwd", "dkdv", "dq")}
+    for kernel, (bm, bn, _, warps, stages) in rows.items():
+        monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, kernel, (bm, bn, warps, stages))
+    kinds = ("causal", "none") if mask == "none" else ("causal-pad", "pad")   # (70, 9): none
+    for (Tq, Tk), kind in zip(((37, 53), (1, 97), (130, 130), (70, 9)), kinds * 2):
+        q, k, v = ta._inputs(1, 2, Tq, Tk, 64, dtype=torch.float16)
+        ta.check_against_reference(q, k, v, **ta._masks(kind, 1, Tq, Tk))
+    q, k, v = ta._inputs(2, 2, 20, 20, 64, dtype=torch.float16)
+    kpm = torch.zeros(2, 20, dtype=torch.bool, device=DEVICE)
+    kpm[0] = True                                               # batch 0 sees no key
+    out, grads = ta.check_against_reference(q, k, v, key_padding_mask=kpm)
+    assert (out[0] == 0).all() and all((g[0] == 0).all() for g in grads)
+
+
 def test_agreement_measure():
     ref = torch.tensor([1.0, -2.0, float("inf"), 0.5])
     assert _tune._gap([ref.clone()], [ref]) == 0.0                  # equal infinities agree
