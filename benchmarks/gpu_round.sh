@@ -264,9 +264,18 @@ grid_sync_probe() {
   summarize grid_sync_probe.log "us per step|device|error" 6
 }
 
+# Where each step of the tensor-core LSTM kernels goes, phase by phase, from the kernels'
+# own clocks (benchmarks/lstm_phase_clock.py; ULMFiT and ELMo layers, bf16 and float32).
+lstm_phase_clock() {
+  step "lstm phase clock" "${1:-60}" lstm_phase_clock.log "$PY" benchmarks/lstm_phase_clock.py \
+    --out "$R/lstm_phase_clock.json"
+  summarize lstm_phase_clock.log "us a step|^  [a-z]|Error|error" 60
+}
+
 stage_ncu() {
   build
   grid_sync_probe 60
+  lstm_phase_clock 60
   step "host split" 90 host_split.log "$PY" benchmarks/kernel_breakdown.py --host-split \
     --out "$R/host_split.json"
   summarize host_split.log "us per call|^ +[0-9]" 20
@@ -295,13 +304,14 @@ stage_verify() {
     "cuda persistent-mma groups" "cuda persistent-mma tf32x3" "cuDNN+WeightDropout" \
     "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
+  lstm_phase_clock 40
   grid_sync_probe 30                       # ~15 s: nvcc, then 3 x 6 launches
   # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
   # checked against the table row) against the table rows and SDPA, per headline case: the
   # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
   # (round 4: 130 s reached 6 of its 8 cases; the LSTM step took 10 s of its 70)
-  step "tune report (attention)" 200 tune_report.log "$PY" \
-    benchmarks/tune_report.py --time-budget 160 --out "$R/tune_report.json"
+  step "tune report (attention)" 190 tune_report.log "$PY" \
+    benchmarks/tune_report.py --time-budget 150 --out "$R/tune_report.json"
   summarize tune_report.log "x\)|chosen|Error|error" 40
 }
 

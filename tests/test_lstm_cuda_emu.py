@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 import os
 import shutil
@@ -419,3 +420,66 @@ def test_a_wrong_kernel_fails_the_check(emulator, tmp_path, monkeypatch):
                       proj_clip=math.inf)
     with pytest.raises(AssertionError):
         assert_within_2x_eager(got["out"], same["out"], ref["out"], FLOOR[torch.float32])
+
+
+def _phase_clock_module():
+    spec = importlib.util.spec_from_file_location(
+        "lstm_phase_clock", ROOT / "benchmarks" / "lstm_phase_clock.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _read_clocks(path):
+    """The emulator's LSTM_EMU_CLOCK file: [(kind, int64 [blocks, rows, 6])] in run order."""
+    raw, off, out = path.read_bytes(), 0, []
+    while off < len(raw):
+        kind, blocks, rows = struct.unpack_from("<3i", raw, off)
+        off += 12
+        n = blocks * rows * 6
+        vals = np.frombuffer(raw, dtype="<i8", count=n, offset=off).copy()
+        off += 8 * n
+        out.append((kind, torch.from_numpy(vals).reshape(blocks, rows, 6)))
+    return out
+
+
+@pytest.mark.parametrize("kernel,proj", [("mma", False), ("mma", True), ("grouped", False)])
+def test_phase_clock(emulator, tmp_path, monkeypatch, kernel, proj):
+    """The tensor-core kernels' phase clock (LstmDims::phase_clock, read by
+    benchmarks/lstm_phase_clock.py): turning it on changes no output bit; every block stamps
+    every phase the call has, in order, and nothing else; phase_table's phases add up to the
+    kernel's time between its entry and exit stamps."""
+    T, H = 3, 20
+    ins = _inputs(T, 5, H, 12 if proj else H, mask=True, proj=proj)
+    ins = {k: (None if v is None else v.double()) for k, v in ins.items()}
+    kw = dict(reverse=False, scale=1.25, cell_clip=math.inf, proj_clip=math.inf, sms=3)
+    plain, _ = _run_emu(emulator, tmp_path, kernel, torch.float32, ins, **kw)
+    path = tmp_path / "clock.bin"
+    monkeypatch.setenv("LSTM_EMU_CLOCK", str(path))
+    clocked, _ = _run_emu(emulator, tmp_path, kernel, torch.float32, ins, **kw)
+    for name, v in plain.items():
+        assert (v == clocked[name]) if isinstance(v, int) else torch.equal(v, clocked[name]), name
+    records = _read_clocks(path)
+    want_kinds = [1, 3 if kernel == "grouped" else 2]
+    assert [k for k, _ in records] == want_kinds
+    want = {1: (["products", "cell", "projection products", "projection barrier + sums",
+                 "barrier"] if proj else ["products", "cell", "barrier"]),
+            2: ((["projection dL/dhp"] if proj else [])
+                + ["cell", "products", "barrier", "sums", "barrier (sums)"]),
+            3: ["cell", "barrier", "dz staged", "products", "barrier (products)"]}
+    mod = _phase_clock_module()
+    for kind, clock in records:
+        assert clock.shape[:2] == (plain["blocks"] if kind == 1 else clock.shape[0], T + 1)
+        t = mod.phase_table(clock, kind)
+        assert [p["phase"] for p in t["phases"]] == want[kind]
+        assert t["steps"] == T and t["blocks"] == clock.shape[0]
+        assert abs(t["cycles_per_ns"] - 1.0) < 1e-3      # the emulator's clocks are both ns
+        whole = t["prologue_us"] + T * t["step_us"] + t["tail_us"]
+        assert math.isclose(whole, t["total_us"], rel_tol=1e-3), t
+        assert all(p["min_block_us"] <= p["mean_us"] <= p["max_block_us"] for p in t["phases"])
+        bad = clock.clone()                              # a stamp out of order is refused
+        first = int((clock[0, 2] != 0).nonzero()[0])     # step 2's first phase, before
+        bad[0, 2, first] = bad[0, 0, 1] - 1              # the prologue ended
+        with pytest.raises(ValueError, match="out of order"):
+            mod.phase_table(bad, kind)
+    mod.format_table("emulated", mod.phase_table(records[0][1], records[0][0]))

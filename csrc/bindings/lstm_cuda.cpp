@@ -31,6 +31,9 @@
 // nn.LSTM reads (torch.backends.cudnn.rnn.fp32_precision, or cudnn.allow_tf32 before it;
 // on by default): allowed, each product is one TF32 product (LstmDims::tf32_one); not
 // allowed, tf32x3 (float32-level error). Read at every call (rnn_tf32_allowed).
+// Profiling: ctxfast::lstm_cuda_phase_clock(enable) (defined here, with the CUDA module)
+// turns on the tensor-core kernels' phase clock (LstmDims::phase_clock) for the calls that
+// follow and returns the clocks recorded since its last call (benchmarks/lstm_phase_clock.py).
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
@@ -43,9 +46,11 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "bindings/lstm_checks.h"
 #include "cuda/lstm.h"
@@ -148,6 +153,43 @@ cuda::LstmDims make_dims(const lstm::Dims& d, at::ScalarType dt, bool has_mask, 
   return r;
 }
 
+// The phase clocks recorded while lstm_cuda_phase_clock is on: one int64 tensor [blocks,
+// T + 1, kLstmClockCols] per tensor-core persistent launch, with its LstmClockKind.
+struct PhaseClocks {
+  std::mutex lock;
+  bool on = false;
+  std::vector<Tensor> clocks;
+  std::vector<int64_t> kinds;
+};
+PhaseClocks& phase_clocks() {
+  static PhaseClocks r;
+  return r;
+}
+
+// dims with a phase clock buffer for this launch where recording is on, else dims as given.
+cuda::LstmDims with_clock(cuda::LstmDims dims, const cuda::LstmPlan& plan,
+                          cuda::LstmClockKind kind, const at::TensorOptions& opts) {
+  PhaseClocks& r = phase_clocks();
+  const std::lock_guard<std::mutex> g(r.lock);
+  if (!r.on) return dims;
+  Tensor c = at::zeros({plan.blocks, dims.T + 1, cuda::kLstmClockCols}, opts.dtype(at::kLong));
+  r.clocks.push_back(c);
+  r.kinds.push_back(static_cast<int64_t>(kind));
+  dims.phase_clock = c.data_ptr<int64_t>();
+  return dims;
+}
+
+std::tuple<std::vector<Tensor>, std::vector<int64_t>> lstm_cuda_phase_clock(bool enable) {
+  PhaseClocks& r = phase_clocks();
+  const std::lock_guard<std::mutex> g(r.lock);
+  std::tuple<std::vector<Tensor>, std::vector<int64_t>> got{std::move(r.clocks),
+                                                            std::move(r.kinds)};
+  r.clocks.clear();
+  r.kinds.clear();
+  r.on = enable;
+  return got;
+}
+
 void check_cuda(cudaError_t err, const char* op, const char* what) {
   TORCH_CHECK(err == cudaSuccess, op, ": ", what, " failed: ", cudaGetErrorString(err));
 }
@@ -206,7 +248,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
     const Tensor h0f = h0.to(at::kFloat).contiguous();
     Tensor ypart = d.proj ? at::empty({plan.blocks, plan.bpad, plan.kp}, f32) : Tensor();
     check_cuda(cuda::lstm_forward_persistent_mma(
-                   plan, cd, cdt, xw_c.data_ptr(), w_hh_c.data_ptr(), ptr_or_null(mask_c),
+                   plan, with_clock(cd, plan, cuda::LstmClockKind::kForward, opts), cdt, xw_c.data_ptr(), w_hh_c.data_ptr(), ptr_or_null(mask_c),
                    ptr_or_null(w_hr_c), h0f.data_ptr<float>(), hop.data_ptr(),
                    c32.data_ptr<float>(), fptr_or_null(ypart), out.data_ptr(), cells.data_ptr(),
                    gates.data_ptr(), stream),
@@ -309,8 +351,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
     Tensor dzop = grp ? at::zeros({plan.bpad, plan.dzld}, opts) : Tensor();
     Tensor dhop = d.proj ? at::zeros({plan.bpad, plan.kld}, opts) : Tensor();  // dh_in operands
     gh0 = at::empty({d.B, d.P}, f32);
+    const cuda::LstmClockKind kind =
+        grp ? cuda::LstmClockKind::kGrouped : cuda::LstmClockKind::kBackward;
     check_cuda(cuda::lstm_backward_persistent_mma(
-                   plan, cd, cdt, go.data_ptr(), gc.data_ptr(), out_c.data_ptr(),
+                   plan, with_clock(cd, plan, kind, opts), cdt, go.data_ptr(), gc.data_ptr(), out_c.data_ptr(),
                    cells_c.data_ptr(), gates_c.data_ptr(), c0_c.data_ptr(), w_hh_c.data_ptr(),
                    ptr_or_null(mask_c), ptr_or_null(w_hr_c), dh_in.data_ptr<float>(),
                    dc.data_ptr<float>(), part.data_ptr<float>(), d.proj ? dhop.data_ptr() : nullptr,
@@ -381,6 +425,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
 TORCH_LIBRARY_IMPL(ctxfast, CUDA, m) {
   m.impl("lstm_recurrence_native", &lstm_recurrence_cuda);
   m.impl("lstm_recurrence_backward_native", &lstm_recurrence_backward_cuda);
+}
+
+// Profiling only; exists where the CUDA module is loaded.
+TORCH_LIBRARY_FRAGMENT(ctxfast, m) {
+  m.def("lstm_cuda_phase_clock(bool enable) -> (Tensor[], int[])", &lstm_cuda_phase_clock);
 }
 
 }  // namespace ctxfast

@@ -47,7 +47,23 @@ struct LstmDims {
   // (TF32's rounding of the operands, as cuDNN's RNNs where torch allows TF32 for them)
   // instead of tf32x3 (float32-level error, three products). Ignored otherwise.
   bool tf32_one = false;
+  // Profiling only (null: off): the tensor-core persistent kernels write their blocks'
+  // clocks here, int64 [blocks, T + 1, kLstmClockCols]. Row 0: clock64() at entry, after
+  // the prologue (weights on chip, first grid barrier), at exit, then %globaltimer (ns) at
+  // entry and at exit. Row 1 + i, the i-th step processed: clock64() when the block's
+  // threads finish each phase of that step; columns by kernel (LstmClockKind), 0 where the
+  // call has no such phase. benchmarks/lstm_phase_clock.py reads them.
+  int64_t* phase_clock = nullptr;
 };
+
+constexpr int kLstmClockCols = 6;
+// Which kernel wrote a phase clock, and its step columns:
+//  kForward   lstm_fwd_mma_kernel: products, cell, projection products, projection barrier
+//             and sums (projection only), barrier
+//  kBackward  lstm_bwd_mma_kernel: projection dL/dhp (projection only), cell, products,
+//             barrier, sums, barrier
+//  kGrouped   lstm_bwd_mma_grouped_kernel: cell, barrier, dz staged, products, barrier
+enum class LstmClockKind : int { kForward = 1, kBackward = 2, kGrouped = 3 };
 
 // kMmaGrouped: the tensor-core backward with its product on a 2-D distribution of w_hh
 // (groups of units x column chunks; backward only, no projection; lstm_kernels.cuh).

@@ -111,6 +111,51 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// The SM's cycle counter and the GPU's nanosecond timer (the emulator: a steady clock's ns).
+__device__ __forceinline__ int64_t clock_cycles() {
+#ifdef CTXFAST_CUDA_EMULATION
+  return emu::now_ns();
+#else
+  return static_cast<int64_t>(clock64());
+#endif
+}
+__device__ __forceinline__ int64_t global_ns() {
+#ifdef CTXFAST_CUDA_EMULATION
+  return emu::now_ns();
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<int64_t>(t);
+#endif
+}
+
+// Phase clock (LstmDims::phase_clock; profiling). clk: [gridDim.x, rows, kLstmClockCols]
+// or null. phase_stamp: once the block's threads reach it, thread 0 writes the block's
+// clock at (row, col); nothing when clk is null (a uniform test: no barrier then).
+__device__ __forceinline__ void phase_stamp(int64_t* clk, int rows, int row, int col) {
+  if (clk == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    clk[(int64_t(blockIdx.x) * rows + row) * kLstmClockCols + col] = clock_cycles();
+}
+// Row 0's entry stamps (clock, ns) and, at exit, its exit stamps.
+__device__ __forceinline__ void clock_entry(int64_t* clk, int rows) {
+  if (clk != nullptr && threadIdx.x == 0) {
+    int64_t* r = clk + int64_t(blockIdx.x) * rows * kLstmClockCols;
+    r[0] = clock_cycles();
+    r[3] = global_ns();
+  }
+}
+__device__ __forceinline__ void clock_exit(int64_t* clk, int rows) {
+  if (clk == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t* r = clk + int64_t(blockIdx.x) * rows * kLstmClockCols;
+    r[2] = clock_cycles();
+    r[4] = global_ns();
+  }
+}
+
 // rows x row_bytes (a multiple of 16) from src (leading dimension src_ld bytes) to dst
 // (dst_ld bytes), every address 16-byte aligned: 16-byte units, four loads in flight per
 // thread before their stores (the block's threads together; a global-to-shared copy).
@@ -276,6 +321,7 @@ struct FwdParams {
   bool proj, reverse;
   bool tf32_one;  // unused by the CUDA-core kernels (LstmDims::tf32_one)
   float scale_eff, cell_clip, cell_clip_s, cell_below, proj_clip, proj_clip_s, proj_below;
+  int64_t* clk;  // LstmDims::phase_clock (unused by the CUDA-core kernels)
 };
 
 // Shared memory of the persistent kernels: the block's rows of w_hh * mask, row-major
@@ -392,6 +438,7 @@ struct BwdParams {
   bool proj, reverse;
   bool tf32_one;  // unused by the CUDA-core kernels (LstmDims::tf32_one)
   float scale_eff, cell_clip_s, proj_clip_s;  // the clips as stored (see lstm.h)
+  int64_t* clk;  // LstmDims::phase_clock (unused by the CUDA-core kernels)
 };
 
 template <typename T>
@@ -679,6 +726,7 @@ struct FwdMmaParams {
   bool proj, reverse;
   bool tf32_one;  // float32: one tf32 product per MMA instead of tf32x3 (LstmDims::tf32_one)
   float scale_eff, cell_clip, cell_clip_s, cell_below, proj_clip, proj_clip_s, proj_below;
+  int64_t* clk;  // LstmDims::phase_clock: [blocks, T + 1, kLstmClockCols] or null
 };
 
 // The projection's operand rows per block: its units rounded up to the K step (>= 16).
@@ -786,6 +834,8 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
+  const int crows = p.T_ + 1;  // the phase clock's rows (profiling)
+  clock_entry(p.clk, crows);
   load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
   if (p.proj) {
     for (int e = threadIdx.x; e < urows * wld; e += blockDim.x) {
@@ -800,6 +850,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
   }
   cg::grid_group grid = cg::this_grid();
   grid.sync();
+  phase_stamp(p.clk, crows, 0, 1);
   const int items = NT * p.ksplit;
 
   for (int s = 0; s < p.T_; ++s) {
@@ -845,6 +896,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
       }
     }
     __syncthreads();
+    phase_stamp(p.clk, crows, 1 + s, 0);
     // ---- phase 2: gates and cell, one (batch row, unit) per thread
     const int t_next = p.reverse ? t - 1 : t + 1;
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
@@ -882,12 +934,14 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
         hnext[int64_t(b) * kld + j] = from_f<Op>(hp);
       }
     }
+    phase_stamp(p.clk, crows, 1 + s, 1);
     if (p.proj) {
       // ---- phase 3: this block's part of h_t = hp_t . w_hr^T (its units), then the sum
       __syncthreads();
       block_tiles_product<T>(hps, hld, wr, wld, bpad / 16, kp / 16, urows / KK,
                              p.ypart + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps,
                              p.tf32_one);
+      phase_stamp(p.clk, crows, 1 + s, 2);
       grid.sync();
       for (int64_t e = gtid; e < int64_t(B) * P; e += gthreads) {
         const int64_t b = e / P, k = e - b * P;
@@ -897,9 +951,12 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
                       p.proj_below);
         hnext[b * kld + k] = from_f<Op>(y);
       }
+      phase_stamp(p.clk, crows, 1 + s, 3);
     }
     grid.sync();
+    phase_stamp(p.clk, crows, 1 + s, 4);
   }
+  clock_exit(p.clk, crows);
 }
 
 template <typename T>
@@ -916,6 +973,7 @@ struct BwdMmaParams {
   // product blocks' shape (LstmPlan); part is [groups, bpad, chunks * gcolp] there
   typename MmaOperand<T>::Op* dzop;
   int groups, chunks, gunits, gcols, gcolp, dzld;
+  int64_t* clk;  // LstmDims::phase_clock: [blocks, T + 1, kLstmClockCols] or null
 };
 
 // Shared memory of the tensor-core backward, in order: ws [wrows, kld], dzs [bpad, wrows +
@@ -954,6 +1012,8 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
+  const int crows = p.T_ + 1;  // the phase clock's rows (profiling)
+  clock_entry(p.clk, crows);
   load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
   for (int e = threadIdx.x; e < bpad * dld; e += blockDim.x) dzs[e] = from_f<Op>(0.0f);
   if (p.proj) {
@@ -976,9 +1036,11 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
     }
   }
   grid.sync();
+  phase_stamp(p.clk, crows, 0, 1);
   const int dh_items = (bpad / 16) * (u16 / 16);
 
   for (int s = p.T_ - 1; s >= 0; --s) {
+    const int crow = p.T_ - s;  // 1 + the steps processed before this one
     const int t = p.reverse ? p.T_ - 1 - s : s;
     const int tp = p.reverse ? t + 1 : t - 1;  // the forward's previous step (if s > 0)
     const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
@@ -1004,6 +1066,7 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
                                 dhld, wmma::mem_row_major);
       }
       __syncthreads();
+      phase_stamp(p.clk, crows, crow, 0);
     }
     // ---- phase 1: cell backward, one (batch row, unit) per thread
     if (s > 0) {  // what phase 3 reads (grad_out, out of step tp) on its way to L2
@@ -1027,11 +1090,14 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
       for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = from_f<Op>(r.dz[q]);
     }
     __syncthreads();
+    phase_stamp(p.clk, crows, crow, 1);
     // ---- phase 2: part[block] = dz_slice[bpad, wrows] . W_slice[wrows, kp], 16 x 16 tiles
     block_tiles_product<T>(dzs, dld, ws, kld, bpad / 16, kp / 16, wrows / KK,
                            p.part + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps,
                            p.tf32_one);
+    phase_stamp(p.clk, crows, crow, 2);
     grid.sync();
+    phase_stamp(p.clk, crows, crow, 3);
     // ---- phase 3: sum the partials; dh_in of the next step processed, or grad_h0
     for (int64_t e = gtid; e < BP; e += gthreads) {
       const int64_t b = e / P, k = e - b * P;
@@ -1047,8 +1113,11 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
         p.grad_h0[e] = carry;
       }
     }
+    phase_stamp(p.clk, crows, crow, 4);
     grid.sync();
+    phase_stamp(p.clk, crows, crow, 5);
   }
+  clock_exit(p.clk, crows);
 }
 
 // Grouped tensor-core backward (no projection). The kernel above sums, per step, one
@@ -1084,6 +1153,8 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
   const bool product = static_cast<int>(blockIdx.x) < G * C;
   const int g = blockIdx.x / C, c = blockIdx.x - (blockIdx.x / C) * C;
   const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
+  const int crows = p.T_ + 1;  // the phase clock's rows (profiling)
+  clock_entry(p.clk, crows);
   if (product) {  // W[rows of group g, columns of chunk c] as operands
     for (int64_t e = threadIdx.x; e < int64_t(grows) * gld; e += blockDim.x) {
       const int rl = static_cast<int>(e / gld), n = static_cast<int>(e - int64_t(rl) * gld);
@@ -1100,12 +1171,14 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
   cg::grid_group grid = cg::this_grid();
   const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
+  phase_stamp(p.clk, crows, 0, 1);  // no grid barrier before the first step: none needed
 
   for (int s = p.T_ - 1; s >= 0; --s) {
     const int t = p.reverse ? p.T_ - 1 - s : s;
     const int tp = p.reverse ? t + 1 : t - 1;  // the forward's previous step (if s > 0)
     const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
     const bool first = s == p.T_ - 1;          // no carry into the forward's last step
+    const int crow = p.T_ - s;                 // 1 + the steps processed before this one
     // ---- phase 1: cell backward, one (batch row, unit) per thread
     for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
       const int b = e / nu, u = e - b * nu, j = j0 + u;
@@ -1126,7 +1199,9 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) p.dzop[int64_t(b) * p.dzld + 4 * j + q] = from_f<Op>(r.dz[q]);
     }
+    phase_stamp(p.clk, crows, crow, 0);
     grid.sync();
+    phase_stamp(p.clk, crows, crow, 1);
     // ---- phase 2: part[g][:, chunk c] = dz[:, rows of g] . W[rows of g, chunk c], the
     // group's dz columns staged in shared memory first (one pass over L2, many loads in
     // flight, instead of a dependent L2 load per MMA step)
@@ -1135,17 +1210,23 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
                   reinterpret_cast<const unsigned char*>(p.dzop + int64_t(g) * grows),
                   int64_t(p.dzld) * sizeof(Op), bpad, grows * static_cast<int>(sizeof(Op)));
       __syncthreads();
+    }
+    phase_stamp(p.clk, crows, crow, 2);
+    if (product) {
       block_tiles_product<T>(dzs, dzsld, ws, gld, bpad / 16,
                              p.gcolp / 16, grows / KK, p.part + g * gstride + int64_t(c) * p.gcolp,
                              pld, warp, nwarps, p.tf32_one);
     }
+    phase_stamp(p.clk, crows, crow, 3);
     grid.sync();
+    phase_stamp(p.clk, crows, crow, 4);
   }
   for (int64_t e = gtid; e < BP; e += gthreads) {  // grad_h0 = dL/dh_{-1}
     const int64_t b = e / P, k = e - b * P;
     const int64_t cj = k / p.gcols, n = k - cj * p.gcols;
     p.grad_h0[e] = sum_partials(p.part + b * pld + cj * p.gcolp + n, gstride, G) * p.scale_eff;
   }
+  clock_exit(p.clk, crows);
 }
 
 // ------------------------------------------------------------------ launch shapes (host)
@@ -1272,6 +1353,7 @@ void set_common(Params& p, const LstmPlan& plan, const LstmDims& d) {
   p.proj = d.proj; p.reverse = d.reverse;
   p.tf32_one = d.tf32_one;
   p.scale_eff = d.scale_eff;
+  p.clk = d.phase_clock;
 }
 
 // ... the forward kernels' clips.

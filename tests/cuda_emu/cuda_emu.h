@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -88,6 +89,13 @@ struct Ctx {
 inline thread_local Ctx ctx;
 
 inline unsigned char* dynamic_smem() { return ctx.block->base(); }
+
+// clock64() and %globaltimer (the kernels' phase clock): a steady clock's nanoseconds.
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 template <typename... Args>
 void launch(void (*kernel)(Args...), int grid, int threads, size_t smem_bytes,

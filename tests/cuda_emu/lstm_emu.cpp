@@ -13,6 +13,9 @@
 // OUT: 4 int32 (ok, blocks, threads, units), then float32 arrays: out, cells, gates (as
 // stored, widened), c_T [B,H]; with backward: dz [T,B,4H], grad_h0 [B,P], grad_c0 [B,H].
 // If the plan refuses the sizes: ok = 0 and the reason on stderr, exit status 3.
+// With LSTM_EMU_CLOCK=<file> (tensor-core kernels only), each kernel run also writes its
+// phase clock (LstmDims::phase_clock) to that file: 3 int32 (LstmClockKind, blocks, rows),
+// then blocks x rows x kLstmClockCols int64.
 // backward = -1: the launch shapes only (no arrays read or run): OUT holds, for the forward
 // then the backward, 8 int32 (ok, blocks, threads, units, shared memory bytes, ksplit,
 // groups, chunks).
@@ -90,9 +93,27 @@ void put(FILE* f, const dvec<T>& v) {
   }
 }
 
+// The phase clock of one kernel run (LSTM_EMU_CLOCK), or none.
+struct Clock {
+  FILE* f = nullptr;
+  dvec<int64_t> buf;
+  int64_t* start(const LstmPlan& plan, int64_t T) {
+    if (f == nullptr) return nullptr;
+    buf.assign(size_t(plan.blocks) * (T + 1) * kLstmClockCols, 0);
+    return buf.data();
+  }
+  void put(LstmClockKind kind, const LstmPlan& plan, int64_t T) {
+    if (f == nullptr) return;
+    const int32_t head[3] = {static_cast<int32_t>(kind), plan.blocks, static_cast<int32_t>(T + 1)};
+    std::fwrite(head, 4, 3, f);
+    std::fwrite(buf.data(), 8, buf.size(), f);
+  }
+};
+
 template <typename T>
-int run(const LstmDims& d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, int sms,
-        size_t smem_limit, bool backward, Reader& in, bool has_mask, bool has_w_hr, FILE* out) {
+int run(LstmDims d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, int sms,
+        size_t smem_limit, bool backward, Reader& in, bool has_mask, bool has_w_hr, FILE* out,
+        Clock& clock) {
   const int64_t T_ = d.T, B = d.B, H = d.H, P = d.P;
   const auto xw = conv<T>(in.floats(T_ * B * 4 * H));
   const auto h0 = in.floats(B * P);
@@ -133,6 +154,7 @@ int run(const LstmDims& d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, 
     dvec<Op> hop(size_t(2) * fp.bpad * fp.kld, from_float<Op>(0.0f));
     dvec<float> ypart = has_w_hr ? poisoned<float>(size_t(fp.blocks) * fp.bpad * fp.kp)
                                         : dvec<float>();
+    d.phase_clock = clock.start(fp, T_);
     FwdMmaParams<T> p;
     p.xw = xw.data(); p.w_hh = w_hh.data(); p.mask = mask_p; p.h0 = h0.data();
     p.w_hr = has_w_hr ? w_hr.data() : nullptr;
@@ -143,6 +165,8 @@ int run(const LstmDims& d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, 
     set_clips(p, d);
     set_mma_shape(p, fp);
     emu::launch(&lstm_fwd_mma_kernel<T>, fp.blocks, fp.threads, fp.smem_bytes, p);
+    clock.put(LstmClockKind::kForward, fp, T_);
+    d.phase_clock = nullptr;
   }
   put(out, outs); put(out, cells); put(out, gates); put(out, c32);
   if (!backward) return 0;
@@ -172,6 +196,7 @@ int run(const LstmDims& d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, 
     using Op = typename MmaOperand<T>::Op;
     dvec<float> part = poisoned<float>(size_t(bp.groups) * bp.bpad * bp.chunks * bp.gcolp);
     dvec<Op> dzop(size_t(bp.bpad) * bp.dzld, from_float<Op>(0.0f));  // zero-filled, as the binding's
+    d.phase_clock = clock.start(bp, T_);
     BwdMmaParams<T> p;
     set_bwd_inputs(p, grad_out.data(), grad_cells.data(), outs.data(), cells.data(),
                    gates.data(), c0s.data(), w_hh.data(), mask_p);
@@ -183,11 +208,13 @@ int run(const LstmDims& d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, 
     set_groups(p, bp);
     p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
     emu::launch(&lstm_bwd_mma_grouped_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
+    clock.put(LstmClockKind::kGrouped, bp, T_);
   } else {
     using Op = typename MmaOperand<T>::Op;
     dvec<float> part = poisoned<float>(size_t(bp.blocks) * bp.bpad * bp.kp);
     dvec<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : dvec<float>();
     dvec<Op> dhop(has_w_hr ? size_t(bp.bpad) * bp.kld : 0, from_float<Op>(0.0f));
+    d.phase_clock = clock.start(bp, T_);
     BwdMmaParams<T> p;
     set_bwd_inputs(p, grad_out.data(), grad_cells.data(), outs.data(), cells.data(),
                    gates.data(), c0s.data(), w_hh.data(), mask_p);
@@ -199,6 +226,7 @@ int run(const LstmDims& d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, 
     set_mma_shape(p, bp);
     p.cell_clip_s = d.cell_clip_s; p.proj_clip_s = d.proj_clip_s;
     emu::launch(&lstm_bwd_mma_kernel<T>, bp.blocks, bp.threads, bp.smem_bytes, p);
+    clock.put(LstmClockKind::kBackward, bp, T_);
   }
   put(out, dz); put(out, gh0); put(out, dc);
   return 0;
@@ -247,22 +275,28 @@ int main(int argc, char** argv) {
     return 0;
   }
   const size_t smem_limit = static_cast<size_t>(h[11]);
+  Clock clock;
+  if (const char* path = std::getenv("LSTM_EMU_CLOCK")) {
+    clock.f = std::fopen(path, "wb");
+    if (clock.f == nullptr) emu::fail("cannot open LSTM_EMU_CLOCK");
+  }
   int rc = 0;
   switch (h[1]) {
     case 0:
       rc = run<float>(d, kernel, bkernel, LstmDtype::kFloat32, sms, smem_limit, backward, in, has_mask,
-                      d.proj, fout);
+                      d.proj, fout, clock);
       break;
     case 1:
       rc = run<__half>(d, kernel, bkernel, LstmDtype::kFloat16, sms, smem_limit, backward, in, has_mask,
-                       d.proj, fout);
+                       d.proj, fout, clock);
       break;
     case 2:
       rc = run<__nv_bfloat16>(d, kernel, bkernel, LstmDtype::kBFloat16, sms, smem_limit, backward, in,
-                              has_mask, d.proj, fout);
+                              has_mask, d.proj, fout, clock);
       break;
     default: emu::fail("dtype must be 0, 1 or 2");
   }
   std::fclose(fout);
+  if (clock.f != nullptr) std::fclose(clock.f);
   return rc;
 }

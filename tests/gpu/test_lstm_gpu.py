@@ -280,3 +280,50 @@ def test_auto_runs_the_tensor_core_kernels_where_they_fit(monkeypatch, dtype):
         res[p] = (out, cells, gates, *grads[:4])
     for a, b in zip(res["auto"], res["persistent_mma"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reduce, proj", [("groups", False), ("blocks", False), ("blocks", True)])
+def test_phase_clock(monkeypatch, reduce, proj):
+    """ctxfast::lstm_cuda_phase_clock (profiling): the clocked call gives the same bits as an
+    unclocked one, one clock per tensor-core launch (forward, then the backward that ran),
+    and benchmarks/lstm_phase_clock.py reads each: every step's phases in order, adding up
+    to the kernel's time."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "lstm_phase_clock", Path(__file__).parents[2] / "benchmarks" / "lstm_phase_clock.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
+    monkeypatch.setenv("CTXFAST_LSTM_CUDA_BWD_REDUCE", reduce)
+    T, B, H, P = 6, 17, 96, (40 if proj else 96)
+    cpu = make_inputs(T, B, H, P, proj, True)
+    args = tuple(None if t is None else t.to("cuda", torch.bfloat16) for t in cpu) + (
+        1.25, math.inf, math.inf, False)
+    op = torch.ops.ctxfast
+
+    def call():
+        out, cells, gates = op.lstm_recurrence_native(*args)
+        g = op.lstm_recurrence_backward_native(
+            torch.ones_like(out), torch.ones_like(cells), args[1], args[2], args[3], args[4],
+            args[5], 1.25, math.inf, math.inf, False, out, cells, gates)
+        return (out, cells, gates) + tuple(g)
+
+    plain = call()
+    assert op.lstm_cuda_phase_clock(True) == ([], [])
+    try:
+        clocked = call()
+        torch.cuda.synchronize()
+    finally:
+        clocks, kinds = op.lstm_cuda_phase_clock(False)
+    for a, b in zip(plain, clocked):
+        assert torch.equal(a, b)
+    assert list(kinds) == [1, 3 if reduce == "groups" and not proj else 2]
+    for clock, kind in zip(clocks, kinds):
+        assert clock.dtype == torch.int64 and clock.shape[1:] == (T + 1, 6)
+        t = mod.phase_table(clock, int(kind))
+        assert t["steps"] == T and t["step_us"] > 0
+        whole = t["prologue_us"] + T * t["step_us"] + t["tail_us"]
+        assert math.isclose(whole, t["total_us"], rel_tol=0.05), t
+    call()
+    assert op.lstm_cuda_phase_clock(False) == ([], [])   # off: nothing recorded
