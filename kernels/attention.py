@@ -446,8 +446,10 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
         dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
         if ATOMIC_DQ:                                   # dQ_tile = dS K, [BLOCK_M, BLOCK_D]
             dq_part = _dot(tl.trans(ds_t).to(k.dtype), k, UPCAST, PRECISION)
+            # relaxed: nothing reads dQ before the kernel ends (the default, acq_rel, orders
+            # every add against the thread's other memory operations: atom.acq_rel, not red)
             tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
-                          dq_part, mask=(offs_m[:, None] < Tq) & d_ok)
+                          dq_part, mask=(offs_m[:, None] < Tq) & d_ok, sem="relaxed")
     return dk, dv
 
 

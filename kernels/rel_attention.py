@@ -725,8 +725,10 @@ def _rel_dr_atomic(dr_base, r_row, ds_chunk, qu, wu, R_len, D, offs_d, d_ok,
     diag = tl.sum(ds_chunk, 0)                               # [BLOCK_N]: Σ_i dS per row of r
     part = _dot(tl.trans(ds_chunk).to(qu.dtype), qu, UPCAST, PRECISION) \
         + diag[:, None] * wu[None, :]                        # dSᵀ (q + v)
+    # relaxed: nothing reads dr before the kernel ends (acq_rel, the default, would order
+    # each add against the thread's other memory operations: atom.acq_rel instead of red)
     tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
-                  mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok)
+                  mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok, sem="relaxed")
 
 
 @triton.jit

@@ -446,7 +446,8 @@ def _compile(kernel, signature, constexprs, attrs, options, arch):
 
 
 def _ptxas_facts(ptx, arch):
-    """{"regs", "spill_stores", "spill_loads", "wgmma", "mma_sync"} of a compiled kernel's
+    """{"regs", "spill_stores", "spill_loads", "wgmma", "mma_sync", "tma", "red_f32",
+    "atom_f32"} of a compiled kernel's
     PTX. Triton leaves n_regs/n_spills unset without a GPU, so the PTX goes through the
     ptxas Triton bundles for its newest PTX (``ptxas-blackwell``; its plain ``ptxas`` and
     nvcc 13.0's reject Triton 3.9's ``.version``) with ``-v``; ``wgmma``/``mma_sync`` count
@@ -459,6 +460,9 @@ def _ptxas_facts(ptx, arch):
     facts = {"wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
              "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
              "tma": len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
+             # float atomic adds: relaxed reductions (red) / with ordering or a result (atom)
+             "red_f32": len(re.findall(r"\bred\.global\.[\w.]*add[\w.]*f32", ptx)),
+             "atom_f32": len(re.findall(r"\batom\.global\.[\w.]*add[\w.]*f32", ptx)),
              "regs": None, "spill_stores": None, "spill_loads": None}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
@@ -741,6 +745,24 @@ def test_tma_loads_where_asked(compiled):
     assert asked, "no launch with TMA=True was compiled"
     problems = [f"{r['kernel']} [{r['variant']}]: {r['tma']} TMA loads" for r in rows
                 if ("TMA=True" in r["launch"]) != bool(r["tma"])]
+    assert not problems, "\n".join(problems)
+
+
+def test_float_atomics_are_relaxed_reductions(compiled):
+    """The attention backward's dQ and rel_attention's dr by atomic adds (DQ_MODE / DR_MODE
+    "atomic") lower to relaxed, vectorised reductions (``red.global...add...f32``), never to
+    ``atom``: Triton's default ``sem`` (acq_rel) orders every add against the thread's other
+    memory operations and returns the old value (``atom.global.gpu.acq_rel.add.v4.f32`` in
+    the sm_90 PTX until 2026-11-27, when the atomic dQ timed 2.1-2.2x slower than the dQ
+    kernel on an H200)."""
+    rows = [r for r in compiled["rows"] if r["arch"] == 90 and r["ok"] and "red_f32" in r
+            and r["kernel"] in WGMMA_KERNELS + REL_FACT_KERNELS]
+    atomic = [r for r in rows if "ATOMIC_DQ=True" in r["launch"] or "ATOMIC_DR=True" in r["launch"]]
+    assert atomic, "no atomic dQ / dr launch was compiled"
+    problems = [f"{r['kernel']} [{r['variant']}]: {r['atom_f32']} atom, {r['red_f32']} red"
+                for r in atomic if r["atom_f32"] or not r["red_f32"]]
+    problems += [f"{r['kernel']} [{r['variant']}]: float atomics without ATOMIC_*"
+                 for r in rows if r not in atomic and (r["atom_f32"] or r["red_f32"])]
     assert not problems, "\n".join(problems)
 
 
