@@ -389,7 +389,7 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
                 q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
                 lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
-                dqa_base, D, QD, DOD, h,
+                dqa_base, dq_scale, D, QD, DOD, h,
                 BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
                 HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                 DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -398,7 +398,7 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
     """Accumulate the query tiles [lo, hi) into one key block's (dk, dv) [BLOCK_N, BLOCK_D],
     transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows). offs index the
     problem (masks), rows the tensors (loads, dropout counters). ATOMIC_DQ: also add each
-    tile's ``dS K`` (unscaled) into the fp32 accumulator rows at dqa_base (row stride D).
+    tile's ``dq_scale · dS K`` into the fp32 accumulator rows at dqa_base (row stride D).
     TMA: q and dO tiles through the descriptors QD, DOD (not with SORTED)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -445,7 +445,7 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
         ds_t = p_t * (dp_t - delta[None, :])
         dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
         if ATOMIC_DQ:                                   # dQ_tile = dS K, [BLOCK_M, BLOCK_D]
-            dq_part = _dot(tl.trans(ds_t).to(k.dtype), k, UPCAST, PRECISION)
+            dq_part = _dot(tl.trans(ds_t).to(k.dtype), k, UPCAST, PRECISION) * dq_scale
             # relaxed: nothing reads dQ before the kernel ends (the default, acq_rel, orders
             # every add against the thread's other memory operations: atom.acq_rel, not red)
             tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
@@ -478,7 +478,7 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     LSE, DELTA,     # [B, H, Tq] fp32 contiguous: forward's lse (base 2), rowsum(dO * O)
     DK, DV,         # dk, dv [B, H, Tk, D] contiguous, written
-    DQ_ACC,         # ATOMIC_DQ: dq accumulator [B, H, Tq, D] fp32 contiguous, zeroed, added to
+    DQ_ACC,         # ATOMIC_DQ: dq accumulator [B, H, Tq, D] fp32 contiguous, zeroed; gets dq
     KPM, RANK, ORDER, SPAN, KV_END, SEED, CU_Q, CU_K,   # as in the forward
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,   # of dk and dv (same layout)
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -564,21 +564,24 @@ def _attn_bwd_dkdv_kernel(
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, True,
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
+                         h, True,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, False,
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
+                         h, False,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
-                         stride_rank_b, stride_rank_t, ORDER, dqa_base, D, QD, DOD, h, True,
+                         stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
+                         h, True,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
 
@@ -753,9 +756,10 @@ _CONFIGS = {
 
 #: dK/dV rows when the kernel also adds dS K into dQ (``DQ_MODE == "atomic"``): its dQ
 #: product needs BLOCK_M >= 64 to be a wgmma, and a [BLOCK_M, BLOCK_D] fp32 partial more in
-#: registers. Chosen by sm_90 compiles (benchmarks/NOTES.md), not timed: D 64 keeps the
-#: two-kernel row (no spill, all wgmma); D 128 spills ~330 B per thread in every 64-row
-#: candidate tried; with dropout the 32-row rows stay (no spill; the dQ product on mma.sync).
+#: registers. Chosen by sm_90 compiles (benchmarks/NOTES.md), timed only with the adds as
+#: acq_rel atomics (2.1-2.2x slower than the dQ kernel; relaxed reductions since, untimed).
+#: 16-bit D 128's 64 x 64 x 8 x 2 spilled ~330 B per thread then, none since (Triton 3.9,
+#: 255 registers); with dropout the 32-row rows stay (no spill; dQ's product on mma.sync).
 _CONFIGS.update({
     ("dkdv_atomic", 64, True): (64, 128, 8, 3), ("dkdv_atomic", 128, True): (64, 64, 8, 2),
     ("dkdv_atomic", 256, True): (64, 32, 8, 2),
@@ -902,6 +906,10 @@ _TUNE_CANDIDATES = {
 _TUNE_PERM_CANDIDATES = {("dkdv", 64): [((32, 128, 8, 3), False)],
                          ("dkdv", 128): [((32, 64, 8, 3), False)]}
 
+#: dK/dV rows with dQ by atomic adds besides the table's (``"dkdv_atomic"``), spill-free on
+#: sm_90 (Triton 3.9, bf16 causal: 242 and 246 registers; the table's 64 x 128 x 8 x 3 244).
+_TUNE_ATOMIC_ROWS = {64: [(64, 64, 8, 3), (64, 128, 8, 2)]}
+
 #: The same under the interpreter (tests: every dtype, rows of its small tiles).
 _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), False)]
 
@@ -909,8 +917,8 @@ _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), Fal
 def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     """The tuner's candidates for one kernel of a call: dicts of override names
     (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. dK/dV also tries dQ by atomic
-    adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 64 without dropout or a permutation
-    mask: elsewhere its row spills), which launches no dQ kernel: dQ's list is then a
+    adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 128 without dropout or a permutation
+    mask: elsewhere its rows spill), which launches no dQ kernel: dQ's list is then a
     function of the rows chosen before it (``{}`` alone after atomic adds)."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
@@ -938,8 +946,11 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
         seen.add(launch)
         out.append({kernel + ":tma": tma, **({kernel: row} if row is not None else {})})
     if kernel == "dkdv" and dense and not dropout and mask != "perm" and DQ_MODE != "atomic" \
-            and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 64)):
+            and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 128)):
         out.append({"dq_mode": "atomic"})
+        if not _interpreting():
+            out += [{"dq_mode": "atomic", "dkdv_atomic": row}
+                    for row in _TUNE_ATOMIC_ROWS.get(64 if block_d <= 64 else 128, ())]
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") == "atomic" else out
     return out
@@ -1129,7 +1140,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
         **tma)
     if atomic:
-        dq.copy_(dq_acc.mul_(scale))
+        dq.copy_(dq_acc)                        # scaled in the kernel: one pass here
         return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
     tma = _tma_args("dq", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0)

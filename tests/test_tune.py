@@ -233,6 +233,15 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                         continue
                     launches.append((c.get(kernel, table[0]), c.get(kernel + ":tma", table[1])))
                 assert len(set(launches)) == len(launches), (D, dtype, kernel, launches)
+                # dQ by atomic adds: the dK/dV-with-dQ table row first, then other rows
+                atomic = [c.get("dkdv_atomic") for c in cands if "dq_mode" in c]
+                if kernel == "dkdv" and mask != "perm":
+                    bm, bn, _, warps, stages = kattn._config_of("dkdv_atomic", D, dtype, False,
+                                                               mask, False, False)
+                    rows = [(bm, bn, warps, stages)] + atomic[1:]
+                    assert atomic[0] is None and len(set(rows)) == len(rows), (D, rows)
+                else:
+                    assert not atomic, (D, kernel, mask, atomic)
     from ctxfast.kernels import rel_attention as krel
     monkeypatch.setattr(krel, "_interpreting", lambda: False)
     monkeypatch.setattr(krel, "TMA_MODE", "auto")
