@@ -300,9 +300,9 @@ stage_verify() {
   build
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
   step "lstm: CUDA kernels against cuDNN" 45 lstm_cuda_compare.log "$PY" \
-    benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma" \
-    "cuda persistent-mma groups" "cuda persistent-mma tf32x3" "cuDNN+WeightDropout" \
-    "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
+    benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
+    "cuda persistent-mma groups ring4" "cuda persistent-mma groups tf32x3" \
+    "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
   lstm_phase_clock 40
   grid_sync_probe 30                       # ~15 s: nvcc, then 3 x 6 launches

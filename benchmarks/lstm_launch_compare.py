@@ -10,6 +10,9 @@ sizes, forward and forward+backward, fp32 and bf16.
 float32: both cuDNN and the CUDA tensor-core kernels follow torch's TF32 setting for cuDNN
 RNNs (on by default: one TF32 product per MMA). The forms ending in " tf32x3" (ours:
 three TF32 products, float32-level error) and " ieee" (cuDNN) run with that setting off.
+" groups": the grouped tensor-core backward (the default; plain "cuda persistent-mma" sums
+one partial per block); " ring4": the tensor-core forward's product loop with 4 h tiles in
+its ring (``CTXFAST_LSTM_CUDA_RING=4``, as rounds 3 and 4 timed it) instead of 8.
 
     python benchmarks/lstm_launch_compare.py [--quick] [--out FILE.json]
 
@@ -52,6 +55,7 @@ def _form(name: str):
     saved_launch, saved_precision = lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION
     saved_env = os.environ.get("CTXFAST_LSTM_CUDA_KERNEL")
     saved_reduce = os.environ.get("CTXFAST_LSTM_CUDA_BWD_REDUCE")
+    saved_ring = os.environ.get("CTXFAST_LSTM_CUDA_RING")
     saved_tf32 = torch.backends.cudnn.allow_tf32
     if name.startswith(("cuda ", "cuDNN")) and name.endswith((" tf32x3", " ieee")):
         torch.backends.cudnn.allow_tf32 = False   # float32 without TF32 (ours: tf32x3)
@@ -65,13 +69,16 @@ def _form(name: str):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
         # the grouped tensor-core backward (the default), or one partial per block
         os.environ["CTXFAST_LSTM_CUDA_BWD_REDUCE"] = "groups" if " groups" in name else "blocks"
+        # the tensor-core forward's ring of h tiles: 8 (default) or 4 (" ring4")
+        os.environ["CTXFAST_LSTM_CUDA_RING"] = "4" if " ring4" in name else "8"
     try:
         yield
     finally:
         torch.backends.cudnn.allow_tf32 = saved_tf32
         lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION = saved_launch, saved_precision
         for var, saved in (("CTXFAST_LSTM_CUDA_KERNEL", saved_env),
-                           ("CTXFAST_LSTM_CUDA_BWD_REDUCE", saved_reduce)):
+                           ("CTXFAST_LSTM_CUDA_BWD_REDUCE", saved_reduce),
+                           ("CTXFAST_LSTM_CUDA_RING", saved_ring)):
             if saved is None:
                 os.environ.pop(var, None)
             else:
@@ -84,8 +91,8 @@ def _forms(device: torch.device) -> List[str]:
         forms += ["triton persistent", "triton stepwise", "triton persistent ieee"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
         forms += ["cuda persistent", "cuda persistent-mma", "cuda persistent-mma groups",
-                  "cuda persistent-mma tf32x3", "cuda persistent-mma groups tf32x3",
-                  "cuda per-step"]
+                  "cuda persistent-mma groups ring4", "cuda persistent-mma tf32x3",
+                  "cuda persistent-mma groups tf32x3", "cuda per-step"]
     if device.type == "cuda":
         forms += ["cuDNN+WeightDropout", "cuDNN+WeightDropout ieee"]
     return forms

@@ -288,12 +288,15 @@ def test_tensor_core_plans_at_the_benchmark_sizes(emulator, tmp_path, dtype):
     assert not fwd["ok"]
 
 
+@pytest.mark.parametrize("ring", [8, 4])
 @pytest.mark.parametrize("dtype, P", [(torch.float32, 72), (torch.bfloat16, 176)],
                          ids=["float32", "bfloat16"])
-def test_tensor_core_forward_ring_of_h_tiles(emulator, tmp_path, dtype, P):
+def test_tensor_core_forward_ring_of_h_tiles(emulator, tmp_path, monkeypatch, dtype, P, ring):
     """Enough K steps per warp (10 and 11: B 129 gives 9 batch tiles, more than the 8
-    warps, so one K slice; K = P, the projection's width) that the forward's ring of four h
-    tiles wraps more than once and ends part-way through a round."""
+    warps, so one K slice; K = P, the projection's width) that the forward's ring of h tiles
+    (LstmDims::ring: 8, the default, or 4) wraps and ends part-way through a round; the
+    other tests run the default ring with fewer K steps than it holds."""
+    monkeypatch.setenv("LSTM_EMU_RING", str(ring))
     _check(emulator, tmp_path, "mma", dtype, T=2, B=129, H=16, P=P, proj=True, sms=2)
 
 

@@ -16,6 +16,8 @@
 // CTXFAST_LSTM_CUDA_KERNEL = auto (default: the first of the three that runs) |
 // persistent | persistent_mma | per_step forces one; asking for a persistent kernel where
 // it cannot run is an error, never a silent fallback.
+// CTXFAST_LSTM_CUDA_RING = 8 (default) | 4: how many h tiles the tensor-core forward's
+// product loop holds (LstmDims::ring; 4 is the loop the H200 timed in rounds 3 and 4).
 // CTXFAST_LSTM_CUDA_BWD_REDUCE = groups (default) | blocks: how the tensor-core backward
 // sums its partial dL/dh_{t-1} per step: the grouped kernel (lstm_kernels.cuh: a 2-D
 // distribution of w_hh, a few partials per element; layers without a projection where its
@@ -81,6 +83,16 @@ Path requested_path(const char* op) {
   TORCH_CHECK_VALUE(std::strcmp(v, "per_step") == 0, op, ": CTXFAST_LSTM_CUDA_KERNEL must "
                     "be auto, persistent, persistent_mma or per_step, got '", v, "'");
   return Path::kPerStep;
+}
+
+// LstmDims::ring from CTXFAST_LSTM_CUDA_RING: 8 (default) or 4 h tiles in the tensor-core
+// forward's product loop.
+int ring_setting(const char* op) {
+  const char* v = std::getenv("CTXFAST_LSTM_CUDA_RING");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "8") == 0) return 8;
+  TORCH_CHECK_VALUE(std::strcmp(v, "4") == 0, op, ": CTXFAST_LSTM_CUDA_RING must be 4 or 8, "
+                    "got '", v, "'");
+  return 4;
 }
 
 bool grouped_backward(const char* op) {
@@ -221,6 +233,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
   TORCH_CHECK_VALUE(xw.is_cuda(), kFwd, ": xw must be a CUDA tensor, got ", xw.device());
   const cuda::LstmDtype cdt = lstm_dtype(kFwd, xw.scalar_type());
   const Path path = requested_path(kFwd);
+  const int ring = ring_setting(kFwd);
   const c10::cuda::CUDAGuard guard(xw.device());
   const auto opts = xw.options();
   Tensor out = at::empty({d.T, d.B, d.P}, opts);
@@ -230,8 +243,9 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
 
   const Tensor xw_c = xw.contiguous(), w_hh_c = w_hh.contiguous();
   const Tensor w_hr_c = contig(w_hr), mask_c = contig(mask);
-  const cuda::LstmDims cd =
+  cuda::LstmDims cd =
       make_dims(d, xw.scalar_type(), mask_c.defined(), scale, cell_clip, proj_clip, reverse);
+  cd.ring = ring;
   const int dev = xw.device().index();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
   const auto f32 = opts.dtype(at::kFloat);

@@ -211,6 +211,7 @@ cudaError_t launch_fwd_mma(const LstmPlan& plan, const LstmDims& d, const void* 
   set_common(p, plan, d);
   set_clips(p, d);
   set_mma_shape(p, plan);
+  p.ring = d.ring;
   return launch_cooperative(fwd_kernel<T>(LstmKernel::kMma), plan, p, stream);
 }
 
@@ -282,6 +283,7 @@ cudaError_t lstm_forward_persistent_mma(const LstmPlan& plan, const LstmDims& d,
                                         float* c32, float* ypart, void* out, void* cells,
                                         void* gates, cudaStream_t stream) {
   if (!plan.ok || plan.kernel != LstmKernel::kMma) return cudaErrorInvalidConfiguration;
+  if (d.ring != 4 && d.ring != 8) return cudaErrorInvalidValue;
   CTXFAST_LSTM_DISPATCH(dt, return launch_fwd_mma<T>(plan, d, xw, w_hh, mask, w_hr, h0, hop, c32,
                                                      ypart, out, cells, gates, stream))
 }

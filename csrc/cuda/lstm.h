@@ -47,6 +47,10 @@ struct LstmDims {
   // (TF32's rounding of the operands, as cuDNN's RNNs where torch allows TF32 for them)
   // instead of tf32x3 (float32-level error, three products). Ignored otherwise.
   bool tf32_one = false;
+  // kMma forward: how many of h_{t-1}'s tiles a warp's product loop holds, ring - 1 of them
+  // loads in flight from L2 ahead of the one it multiplies: 8 (default) or 4 (the loop as
+  // the H200 first timed it). CTXFAST_LSTM_CUDA_RING in the binding.
+  int ring = 8;
   // Profiling only (null: off): the tensor-core persistent kernels write their blocks'
   // clocks here, int64 [blocks, T + 1, kLstmClockCols]. Row 0: clock64() at entry, after
   // the prologue (weights on chip, first grid barrier), at exit, then %globaltimer (ns) at

@@ -725,6 +725,7 @@ struct FwdMmaParams {
   int T_, B, H, P, units, bpad, kp, kld, ksplit;
   bool proj, reverse;
   bool tf32_one;  // float32: one tf32 product per MMA instead of tf32x3 (LstmDims::tf32_one)
+  int ring;       // h tiles in flight + 1 in phase 1 (LstmDims::ring: 4 or 8)
   float scale_eff, cell_clip, cell_clip_s, cell_below, proj_clip, proj_clip_s, proj_below;
   int64_t* clk;  // LstmDims::phase_clock: [blocks, T + 1, kLstmClockCols] or null
 };
@@ -749,6 +750,30 @@ __device__ __forceinline__ void fwd_tile_products(FragC<T> (&acc)[kMmaMaxMT], co
       FragA<T, wmma::row_major> a;
       wmma::load_matrix_sync(a, ws + int64_t(r0) * kld + kt * MmaOperand<T>::K, kld);
       mma_step<T>(acc[mt], a, b, b_lo, one);
+    }
+  }
+}
+
+// acc[m] += W rows of tile m . h tiles [k_lo, k_lo + n_k) (hk: the first, h^T tile (k, n)
+// at hk[n * kld + k]), the h tiles loaded through a ring of R fragments: R - 1 loads in
+// flight ahead of the tile being multiplied (each a dependent L2 load: Little's law says the
+// bytes in flight, not the products, set the speed of this loop).
+template <int R, typename T, typename Op>
+__device__ __forceinline__ void fwd_ring_products(FragC<T> (&acc)[kMmaMaxMT], const Op* ws,
+                                                  int kld, int mrows, int MT, int k_lo,
+                                                  const Op* hk, int n_k, bool one) {
+  constexpr int KK = MmaOperand<T>::K;
+  FragB<T, wmma::col_major> ring[R];
+#pragma unroll
+  for (int r = 0; r < R - 1; ++r)
+    if (r < n_k) wmma::load_matrix_sync(ring[r], hk + int64_t(r) * KK, kld);
+  for (int i = 0; i < n_k; i += R) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (i + r >= n_k) break;
+      if (i + r + R - 1 < n_k)  // into the slot of the tile the last step multiplied
+        wmma::load_matrix_sync(ring[(r + R - 1) % R], hk + int64_t(i + r + R - 1) * KK, kld);
+      fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + r, ring[r], one);
     }
   }
 }
@@ -865,26 +890,14 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
       FragC<T> acc[kMmaMaxMT];
 #pragma unroll
       for (int mt = 0; mt < kMmaMaxMT; ++mt) wmma::fill_fragment(acc[mt], 0.0f);
-      // Four h tiles in a ring: the loads of the next three K steps are in flight (from
-      // L2) while this step's tile multiplies the weight rows.
-      FragB<T, wmma::col_major> b0, b1, b2, b3;
+      // h tiles in a ring of p.ring (LstmDims::ring): the loads of the next ring - 1 K
+      // steps are in flight (from L2) while this step's tile multiplies the weight rows.
       const int n_k = k_hi - k_lo;
-      const Op* hk = hb + k_lo * KK;
-      if (n_k > 0) wmma::load_matrix_sync(b0, hk, kld);
-      if (n_k > 1) wmma::load_matrix_sync(b1, hk + KK, kld);
-      if (n_k > 2) wmma::load_matrix_sync(b2, hk + 2 * KK, kld);
-      for (int i = 0; i < n_k; i += 4) {
-        if (i + 3 < n_k) wmma::load_matrix_sync(b3, hk + (i + 3) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i, b0, p.tf32_one);
-        if (i + 1 >= n_k) break;
-        if (i + 4 < n_k) wmma::load_matrix_sync(b0, hk + (i + 4) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 1, b1, p.tf32_one);
-        if (i + 2 >= n_k) break;
-        if (i + 5 < n_k) wmma::load_matrix_sync(b1, hk + (i + 5) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 2, b2, p.tf32_one);
-        if (i + 3 >= n_k) break;
-        if (i + 6 < n_k) wmma::load_matrix_sync(b2, hk + (i + 6) * KK, kld);
-        fwd_tile_products<T>(acc, ws, kld, mrows, MT, k_lo + i + 3, b3, p.tf32_one);
+      const Op* hk = hb + int64_t(k_lo) * KK;
+      if (p.ring == 8) {
+        fwd_ring_products<8, T>(acc, ws, kld, mrows, MT, k_lo, hk, n_k, p.tf32_one);
+      } else {
+        fwd_ring_products<4, T>(acc, ws, kld, mrows, MT, k_lo, hk, n_k, p.tf32_one);
       }
 #pragma unroll
       for (int mt = 0; mt < kMmaMaxMT; ++mt) {

@@ -13,6 +13,7 @@
 // OUT: 4 int32 (ok, blocks, threads, units), then float32 arrays: out, cells, gates (as
 // stored, widened), c_T [B,H]; with backward: dz [T,B,4H], grad_h0 [B,P], grad_c0 [B,H].
 // If the plan refuses the sizes: ok = 0 and the reason on stderr, exit status 3.
+// LSTM_EMU_RING=4|8: LstmDims::ring (default 8).
 // With LSTM_EMU_CLOCK=<file> (tensor-core kernels only), each kernel run also writes its
 // phase clock (LstmDims::phase_clock) to that file: 3 int32 (LstmClockKind, blocks, rows),
 // then blocks x rows x kLstmClockCols int64.
@@ -164,6 +165,7 @@ int run(LstmDims d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, int sms
     set_common(p, fp, d);
     set_clips(p, d);
     set_mma_shape(p, fp);
+    p.ring = d.ring;
     emu::launch(&lstm_fwd_mma_kernel<T>, fp.blocks, fp.threads, fp.smem_bytes, p);
     clock.put(LstmClockKind::kForward, fp, T_);
     d.phase_clock = nullptr;
@@ -275,6 +277,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   const size_t smem_limit = static_cast<size_t>(h[11]);
+  if (const char* ring = std::getenv("LSTM_EMU_RING")) d.ring = std::atoi(ring);
+  if (d.ring != 4 && d.ring != 8) emu::fail("LSTM_EMU_RING must be 4 or 8");
   Clock clock;
   if (const char* path = std::getenv("LSTM_EMU_CLOCK")) {
     clock.f = std::fopen(path, "wb");
