@@ -305,6 +305,12 @@ stage_verify() {
     "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
   lstm_phase_clock 40
+  # the Triton LSTM's persistent kernels have never been timed on a GPU (compiles included
+  # in the first call of each: the step may end before ELMo's; each row prints as it lands)
+  step "lstm: Triton persistent against cuDNN" 40 lstm_triton_compare.log "$PY" \
+    benchmarks/lstm_launch_compare.py --reps 5 --forms "triton persistent" \
+    "cuDNN+WeightDropout" --out "$R/lstm_triton_compare.json"
+  summarize lstm_triton_compare.log "ms|does not" 10
   grid_sync_probe 30                       # ~15 s: nvcc, then 3 x 6 launches
   # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
   # checked against the table row) against the table rows and SDPA, per headline case: the
