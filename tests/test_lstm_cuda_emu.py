@@ -300,6 +300,15 @@ def test_tensor_core_forward_ring_of_h_tiles(emulator, tmp_path, monkeypatch, dt
     _check(emulator, tmp_path, "mma", dtype, T=2, B=129, H=16, P=P, proj=True, sms=2)
 
 
+@pytest.mark.parametrize("kernel", ["mma", "grouped"])
+def test_tensor_core_cell_phases_take_several_pairs_a_thread(emulator, tmp_path, kernel):
+    """One block (H 20 on one SM: 20 units) and B 70: 1,400 (batch row, unit) pairs for 256
+    threads, so a thread's cell phase loads kCellBatch (4) pairs at once and goes round
+    twice, the second time part-full."""
+    got = _check(emulator, tmp_path, kernel, torch.bfloat16, T=3, B=70, H=20, P=20, sms=1)
+    assert got["blocks"] == 1 and got["units"] == 20
+
+
 def test_tensor_core_kernels_with_batch_tiles_and_k_slices(emulator, tmp_path):
     """B 33: three 16-row batch tiles (the last mostly padding); P 40: K padded to 48, so
     the forward splits K between warps (ksplit > 1) and sums the slices."""

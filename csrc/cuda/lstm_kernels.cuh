@@ -603,6 +603,8 @@ namespace wmma = nvcuda::wmma;
 constexpr int kMmaMaxMT = 8;     // at most 8 row tiles per block: 4U <= 128 (U <= 32)
 constexpr int kMmaMaxUnits = 4 * kMmaMaxMT;
 constexpr int kMmaWarps = 8;
+// (batch row, unit) pairs a thread of a cell phase loads together before computing them
+constexpr int kCellBatch = 4;
 
 template <typename T> struct MmaOperand;
 template <> struct MmaOperand<__nv_bfloat16> {
@@ -910,41 +912,61 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
     }
     __syncthreads();
     phase_stamp(p.clk, crows, 1 + s, 0);
-    // ---- phase 2: gates and cell, one (batch row, unit) per thread
+    // ---- phase 2: gates and cell, one (batch row, unit) per thread. A thread's pairs are
+    // taken kCellBatch at a time, all their global loads (xw, c) issued before any is used:
+    // one L2 round trip per batch instead of one per pair (the stores between pairs would
+    // keep the compiler from moving a later pair's loads ahead).
     const int t_next = p.reverse ? t - 1 : t + 1;
-    for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
-      const int b = e / nu, u = e - b * nu, j = j0 + u;
-      const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
-      if (s + 1 < p.T_) {  // the next step's xw on its way to L2 while this step runs
+    for (int e0 = threadIdx.x; e0 < B * nu; e0 += kCellBatch * blockDim.x) {
+      float xv[kCellBatch][4], cv[kCellBatch];
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-          prefetch_l2(p.xw + (int64_t(t_next) * B + b) * 4 * H + int64_t(q) * H + j);
-      }
-      float z[4];
+      for (int k = 0; k < kCellBatch; ++k) {
+        const int e = e0 + k * static_cast<int>(blockDim.x);
+        if (e < B * nu) {
+          const int b = e / nu, j = j0 + (e - b * nu);
+          const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        float acc = 0.0f;
-        for (int ks = 0; ks < p.ksplit; ++ks)
-          acc += zs[(int64_t(ks) * mrows + 4 * u + q) * nld + b];
-        z[q] = fmaf(p.scale_eff, acc, to_f(p.xw[go + int64_t(q) * H]));
+          for (int q = 0; q < 4; ++q) xv[k][q] = to_f(p.xw[go + int64_t(q) * H]);
+          cv[k] = p.c32[int64_t(b) * H + j];
+        }
       }
-      const float ai = sigmoid_f(z[0]), af = sigmoid_f(z[1]), ag = tanhf(z[2]),
-                  ao = sigmoid_f(z[3]);
-      p.gates[go] = from_f<T>(ai);
-      p.gates[go + H] = from_f<T>(af);
-      p.gates[go + 2 * H] = from_f<T>(ag);
-      p.gates[go + 3 * H] = from_f<T>(ao);
-      const int64_t ci = int64_t(b) * H + j;
-      const float c = clamp_f(fmaf(af, p.c32[ci], ai * ag), p.cell_clip);
-      p.c32[ci] = c;
-      store_clipped(p.cells + int64_t(t) * B * H + ci, c, p.cell_clip, p.cell_clip_s,
-                    p.cell_below);
-      const float hp = ao * tanhf(c);
-      if (p.proj) {
-        hps[b * hld + u] = from_f<Op>(hp);
-      } else {
-        p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
-        hnext[int64_t(b) * kld + j] = from_f<Op>(hp);
+#pragma unroll
+      for (int k = 0; k < kCellBatch; ++k) {
+        const int e = e0 + k * static_cast<int>(blockDim.x);
+        if (e >= B * nu) break;
+        const int b = e / nu, u = e - b * nu, j = j0 + u;
+        const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
+        if (s + 1 < p.T_) {  // the next step's xw on its way to L2 while this step runs
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            prefetch_l2(p.xw + (int64_t(t_next) * B + b) * 4 * H + int64_t(q) * H + j);
+        }
+        float z[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          float acc = 0.0f;
+          for (int ks = 0; ks < p.ksplit; ++ks)
+            acc += zs[(int64_t(ks) * mrows + 4 * u + q) * nld + b];
+          z[q] = fmaf(p.scale_eff, acc, xv[k][q]);
+        }
+        const float ai = sigmoid_f(z[0]), af = sigmoid_f(z[1]), ag = tanhf(z[2]),
+                    ao = sigmoid_f(z[3]);
+        p.gates[go] = from_f<T>(ai);
+        p.gates[go + H] = from_f<T>(af);
+        p.gates[go + 2 * H] = from_f<T>(ag);
+        p.gates[go + 3 * H] = from_f<T>(ao);
+        const int64_t ci = int64_t(b) * H + j;
+        const float c = clamp_f(fmaf(af, cv[k], ai * ag), p.cell_clip);
+        p.c32[ci] = c;
+        store_clipped(p.cells + int64_t(t) * B * H + ci, c, p.cell_clip, p.cell_clip_s,
+                      p.cell_below);
+        const float hp = ao * tanhf(c);
+        if (p.proj) {
+          hps[b * hld + u] = from_f<Op>(hp);
+        } else {
+          p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
+          hnext[int64_t(b) * kld + j] = from_f<Op>(hp);
+        }
       }
     }
     phase_stamp(p.clk, crows, 1 + s, 1);
