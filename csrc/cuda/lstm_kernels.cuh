@@ -280,22 +280,51 @@ __device__ __forceinline__ float dh_in_value(float grad_out, float carry, float 
 // The cell backward of step t, batch row b, unit j inside a persistent backward kernel
 // (BwdParams or BwdMmaParams: the forward's gates and cells, grad_cells, the carried dc,
 // hp and dz outputs): updates dc[b, j], writes hp (projection) and dz; returns the grads.
+// What the cell backward of (t, b, j) reads: the forward's gates (i, f, g, o) and c_t,
+// c_{t-1}, the carried dc and grad_cells.
+struct CellIn {
+  float gate[4], c, c_prev, dc, gc;
+};
+
 template <typename Params, typename T>
-__device__ __forceinline__ CellGrads cell_backward_at(const Params& p, const T* c_prev, int t,
-                                                      int b, int j, float dhp) {
+__device__ __forceinline__ CellIn cell_inputs_at(const Params& p, const T* c_prev, int t, int b,
+                                                 int j) {
   const int64_t H = p.H, BH = int64_t(p.B) * H;
   const int64_t go = (int64_t(t) * p.B + b) * 4 * H + j;
   const int64_t ci = int64_t(b) * H + j;
   const int64_t co = int64_t(t) * BH + ci;
-  const CellGrads r = cell_backward(
-      to_f(p.gates[go]), to_f(p.gates[go + H]), to_f(p.gates[go + 2 * H]),
-      to_f(p.gates[go + 3 * H]), to_f(p.cells[co]), to_f(c_prev[ci]), dhp, p.dc[ci],
-      to_f(p.grad_cells[co]), p.cell_clip_s);
+  CellIn in;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) in.gate[q] = to_f(p.gates[go + int64_t(q) * H]);
+  in.c = to_f(p.cells[co]);
+  in.c_prev = to_f(c_prev[ci]);
+  in.dc = p.dc[ci];
+  in.gc = to_f(p.grad_cells[co]);
+  return in;
+}
+
+// The cell backward of (t, b, j) from its inputs: updates dc[b, j], writes hp (projection)
+// and dz; returns the grads.
+template <typename Params>
+__device__ __forceinline__ CellGrads cell_backward_from(const Params& p, const CellIn& in,
+                                                        int t, int b, int j, float dhp) {
+  const int64_t H = p.H, BH = int64_t(p.B) * H;
+  const int64_t go = (int64_t(t) * p.B + b) * 4 * H + j;
+  const int64_t ci = int64_t(b) * H + j;
+  const int64_t co = int64_t(t) * BH + ci;
+  const CellGrads r = cell_backward(in.gate[0], in.gate[1], in.gate[2], in.gate[3], in.c,
+                                    in.c_prev, dhp, in.dc, in.gc, p.cell_clip_s);
   p.dc[ci] = r.dc_prev;
   if (p.proj) p.hp[co] = r.hp;
 #pragma unroll
   for (int q = 0; q < 4; ++q) p.dz[go + int64_t(q) * H] = r.dz[q];
   return r;
+}
+
+template <typename Params, typename T>
+__device__ __forceinline__ CellGrads cell_backward_at(const Params& p, const T* c_prev, int t,
+                                                      int b, int j, float dhp) {
+  return cell_backward_from(p, cell_inputs_at(p, c_prev, t, b, j), t, b, j, dhp);
 }
 
 // The cell inputs of step t (gates, cells, grad_cells) of batch row b, unit j, on their way
@@ -1110,19 +1139,35 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
         prefetch_l2(p.out + int64_t(tp) * BP + e);
       }
     }
-    for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
-      const int b = e / nu, u = e - b * nu, j = j0 + u;
-      if (s > 0) prefetch_cell_inputs(p, tp, b, j);  // the next step's, on their way to L2
-      float dhp;
-      if (p.proj) {
-        dhp = 0.0f;
-        for (int ks = 0; ks < p.ksplit; ++ks) dhp += dhs[(int64_t(ks) * bpad + b) * dhld + u];
-      } else {
-        dhp = dh_t[int64_t(b) * P + j];
-      }
-      const CellGrads r = cell_backward_at(p, c_prev, t, b, j, dhp);
+    // (a thread's pairs kCellBatch at a time, their loads before their stores)
+    for (int e0 = threadIdx.x; e0 < B * nu; e0 += kCellBatch * blockDim.x) {
+      CellIn in[kCellBatch];
+      float dhp[kCellBatch];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = from_f<Op>(r.dz[q]);
+      for (int k = 0; k < kCellBatch; ++k) {
+        const int e = e0 + k * static_cast<int>(blockDim.x);
+        if (e < B * nu) {
+          const int b = e / nu, u = e - b * nu, j = j0 + u;
+          if (p.proj) {
+            dhp[k] = 0.0f;
+            for (int ks = 0; ks < p.ksplit; ++ks)
+              dhp[k] += dhs[(int64_t(ks) * bpad + b) * dhld + u];
+          } else {
+            dhp[k] = dh_t[int64_t(b) * P + j];
+          }
+          in[k] = cell_inputs_at(p, c_prev, t, b, j);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kCellBatch; ++k) {
+        const int e = e0 + k * static_cast<int>(blockDim.x);
+        if (e >= B * nu) break;
+        const int b = e / nu, u = e - b * nu, j = j0 + u;
+        if (s > 0) prefetch_cell_inputs(p, tp, b, j);  // the next step's, on their way to L2
+        const CellGrads r = cell_backward_from(p, in[k], t, b, j, dhp[k]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = from_f<Op>(r.dz[q]);
+      }
     }
     __syncthreads();
     phase_stamp(p.clk, crows, crow, 1);
@@ -1214,25 +1259,43 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
     const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
     const bool first = s == p.T_ - 1;          // no carry into the forward's last step
     const int crow = p.T_ - s;                 // 1 + the steps processed before this one
-    // ---- phase 1: cell backward, one (batch row, unit) per thread
-    for (int e = threadIdx.x; e < B * nu; e += blockDim.x) {
-      const int b = e / nu, u = e - b * nu, j = j0 + u;
-      if (s > 0) {  // the next step's inputs on their way to L2
-        prefetch_cell_inputs(p, tp, b, j);
-        prefetch_l2(p.grad_out + int64_t(tp) * BP + int64_t(b) * P + j);
-      }
-      float carry = 0.0f;
-      if (!first) {
-        const int cj = j / p.gcols, n = j - cj * p.gcols;
-        carry = sum_partials(p.part + int64_t(b) * pld + int64_t(cj) * p.gcolp + n, gstride, G) *
-                p.scale_eff;
-      }
-      const int64_t o = int64_t(t) * BP + int64_t(b) * P + j;
-      const float dh = dh_in_value(to_f(p.grad_out[o]), carry, 0.0f, false, 0.0f);
-      p.dh_in[o] = dh;
-      const CellGrads r = cell_backward_at(p, c_prev, t, b, j, dh);
+    // ---- phase 1: cell backward, one (batch row, unit) per thread; a thread's pairs
+    // kCellBatch at a time, every global load of the batch (the partial sums, grad_out, the
+    // cell's inputs) issued before the first store (as the forward's cell phase)
+    for (int e0 = threadIdx.x; e0 < B * nu; e0 += kCellBatch * blockDim.x) {
+      CellIn in[kCellBatch];
+      float dh[kCellBatch];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) p.dzop[int64_t(b) * p.dzld + 4 * j + q] = from_f<Op>(r.dz[q]);
+      for (int k = 0; k < kCellBatch; ++k) {
+        const int e = e0 + k * static_cast<int>(blockDim.x);
+        if (e < B * nu) {
+          const int b = e / nu, j = j0 + (e - b * nu);
+          float carry = 0.0f;
+          if (!first) {
+            const int cj = j / p.gcols, n = j - cj * p.gcols;
+            carry = sum_partials(p.part + int64_t(b) * pld + int64_t(cj) * p.gcolp + n, gstride,
+                                 G) * p.scale_eff;
+          }
+          const int64_t o = int64_t(t) * BP + int64_t(b) * P + j;
+          dh[k] = dh_in_value(to_f(p.grad_out[o]), carry, 0.0f, false, 0.0f);
+          in[k] = cell_inputs_at(p, c_prev, t, b, j);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kCellBatch; ++k) {
+        const int e = e0 + k * static_cast<int>(blockDim.x);
+        if (e >= B * nu) break;
+        const int b = e / nu, j = j0 + (e - b * nu);
+        if (s > 0) {  // the next step's inputs on their way to L2
+          prefetch_cell_inputs(p, tp, b, j);
+          prefetch_l2(p.grad_out + int64_t(tp) * BP + int64_t(b) * P + j);
+        }
+        p.dh_in[int64_t(t) * BP + int64_t(b) * P + j] = dh[k];
+        const CellGrads r = cell_backward_from(p, in[k], t, b, j, dh[k]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          p.dzop[int64_t(b) * p.dzld + 4 * j + q] = from_f<Op>(r.dz[q]);
+      }
     }
     phase_stamp(p.clk, crows, crow, 0);
     grid.sync();
