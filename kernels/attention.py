@@ -918,7 +918,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     """The tuner's candidates for one kernel of a call: dicts of override names
     (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. dK/dV also tries dQ by atomic
     adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 128 without dropout or a permutation
-    mask: elsewhere its rows spill), which launches no dQ kernel: dQ's list is then a
+    mask: elsewhere its rows spill; never under torch's deterministic algorithms), which
+    launches no dQ kernel: dQ's list is then a
     function of the rows chosen before it (``{}`` alone after atomic adds)."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
@@ -946,6 +947,7 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
         seen.add(launch)
         out.append({kernel + ":tma": tma, **({kernel: row} if row is not None else {})})
     if kernel == "dkdv" and dense and not dropout and mask != "perm" and DQ_MODE != "atomic" \
+            and not torch.are_deterministic_algorithms_enabled() \
             and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 128)):
         out.append({"dq_mode": "atomic"})
         if not _interpreting():
@@ -967,7 +969,8 @@ def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs):
     size = _tune.size_class
     kind = ("attention", kernels, D, q.dtype, _precision(q.dtype), causal, mask, dropout,
             cu is not None, order is not None, tma_ok, TMA_MODE, DQ_MODE,
-            size(B * H), size(max_q), size(max_k))
+            torch.are_deterministic_algorithms_enabled(), size(B * H), size(max_q),
+            size(max_k))
     stages = [(name, _candidates(name, D, q.dtype, mask, dropout, cu is None, tma_ok))
               for name in kernels]
     return _tune.call(kind, stages, run, outputs, q.device, q.dtype)
@@ -1101,14 +1104,23 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
 #: dS K into an fp32 accumulator with atomic adds, as FlashAttention-2 does: no second
 #: recompute, sums in no fixed order). From ``CTXFAST_ATTN_BWD_DQ`` at import; dense calls
 #: only (varlen always takes the kernel). Which is faster on a GPU is not measured yet.
+#: "atomic" while torch's deterministic algorithms are on is refused (as torch refuses its
+#: own nondeterministic ops), and the tuner does not offer it then.
 DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
 
 
 def _dq_mode() -> str:
-    """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``."""
+    """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``; "atomic"
+    refused under ``torch.use_deterministic_algorithms(True)`` (not warn-only)."""
     if DQ_MODE not in ("kernel", "atomic"):
         raise ValueError(f"CTXFAST_ATTN_BWD_DQ must be 'kernel' or 'atomic', got {DQ_MODE!r}")
-    return _override("dq_mode") or DQ_MODE
+    mode = _override("dq_mode") or DQ_MODE
+    if mode == "atomic" and torch.are_deterministic_algorithms_enabled() \
+            and not torch.is_deterministic_algorithms_warn_only_enabled():
+        raise RuntimeError("attention backward: CTXFAST_ATTN_BWD_DQ=atomic sums dQ with atomic "
+                           "adds, in no fixed order, but torch.use_deterministic_algorithms("
+                           "True) is in force; use 'kernel'")
+    return mode
 
 
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,

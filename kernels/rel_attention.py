@@ -1284,7 +1284,8 @@ _TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}], "dkdv": [{"dkdv": 
 def _candidates(kernel, D, dtype, tma_ok):
     """The tuner's candidates for one kernel: ``{}`` (the table launch) first, then those of
     :data:`_TUNE_CANDIDATES` that can differ from it here (TMA where the call can take it,
-    the carried gather where it is not the default, atomic dr where it is not the mode).
+    the carried gather where it is not the default, atomic dr where it is not the mode and
+    torch's deterministic algorithms are off).
     dR's list is a function of the rows chosen before it (nothing after atomic dr: no dR
     kernel runs)."""
     tile = _config(D, None, dtype)[0]
@@ -1297,9 +1298,11 @@ def _candidates(kernel, D, dtype, tma_ok):
     same_tma = (lambda c: c.keys() == {"tma"}        # TMA as the table has it: its launch
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
+    deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
     out = [{}] + [c for c in listing
                   if (tma_ok or "tma" not in c) and c.get("carry", not carry) != carry
-                  and ("dr_mode" not in c or c["dr_mode"] != dr) and not same_tma(c)]
+                  and ("dr_mode" not in c or c["dr_mode"] != dr)
+                  and not (deterministic and c.get("dr_mode") == "atomic") and not same_tma(c)]
     if kernel == "dr":
         return lambda chosen: [{}] if chosen.get("dr_mode", dr) == "atomic" else out
     return out

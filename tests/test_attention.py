@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ctxfast
 from ctxfast import reference
 from utils import (CPU_BACKENDS, DEVICE, TRITON_ON_CPU, assert_within_2x_eager, needs_interpreter,
-                   rel_err)
+                   rel_err, spy_launches)
 
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU and not torch.cuda.is_available(),
                                   reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -563,6 +563,30 @@ def test_atomic_dq_backward_against_reference(monkeypatch, check):
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 5, 5, 16))
     with pytest.raises(ValueError, match="CTXFAST_ATTN_BWD_DQ"):
         ctxfast.attention(q, k, v, backend="triton").sum().backward()
+
+
+@needs_triton
+def test_atomic_dq_and_deterministic_algorithms(monkeypatch):
+    """dQ by atomic adds sums in no fixed order: asked for while
+    torch.use_deterministic_algorithms(True) is in force it is refused by name before any
+    kernel runs (warn-only lets it run), as torch refuses its own nondeterministic ops."""
+    import ctxfast.kernels.attention as kattn
+    monkeypatch.setattr(kattn, "DQ_MODE", "atomic")
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 9, 9, 16))
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        ctxfast.attention(q, k, v, backend="triton").sum().backward()     # allowed
+        assert q.grad is not None
+        torch.use_deterministic_algorithms(True)
+        out = ctxfast.attention(q, k, v, backend="triton")
+        seen = spy_launches(monkeypatch, kattn, ("_attn_bwd_dkdv_kernel",), lambda a, kw: None)
+        with pytest.raises(RuntimeError, match="CTXFAST_ATTN_BWD_DQ=atomic"):
+            out.sum().backward()
+        assert seen == []
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
 # --------------------------------------------------------------------------- TMA tiles

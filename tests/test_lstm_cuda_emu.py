@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import math
 import os
 import shutil
@@ -33,7 +32,7 @@ import torch
 from ctxfast.kernels.lstm import _clip_values    # the clips as stored (the bindings' rule)
 from test_cuda_bindings import _cuda_include
 from test_lstm_native import make_inputs, reference_all
-from utils import assert_within_2x_eager
+from utils import assert_within_2x_eager, load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emu"
@@ -434,14 +433,6 @@ def test_a_wrong_kernel_fails_the_check(emulator, tmp_path, monkeypatch):
         assert_within_2x_eager(got["out"], same["out"], ref["out"], FLOOR[torch.float32])
 
 
-def _phase_clock_module():
-    spec = importlib.util.spec_from_file_location(
-        "lstm_phase_clock", ROOT / "benchmarks" / "lstm_phase_clock.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _read_clocks(path):
     """The emulator's LSTM_EMU_CLOCK file: [(kind, int64 [blocks, rows, 6])] in run order."""
     raw, off, out = path.read_bytes(), 0, []
@@ -479,7 +470,7 @@ def test_phase_clock(emulator, tmp_path, monkeypatch, kernel, proj):
             2: ((["projection dL/dhp"] if proj else [])
                 + ["cell", "products", "barrier", "sums", "barrier (sums)"]),
             3: ["cell", "barrier", "dz staged", "products", "barrier (products)"]}
-    mod = _phase_clock_module()
+    mod = load_benchmark("lstm_phase_clock.py")
     for kind, clock in records:
         assert clock.shape[:2] == (plain["blocks"] if kind == 1 else clock.shape[0], T + 1)
         t = mod.phase_table(clock, kind)

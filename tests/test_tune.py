@@ -209,6 +209,34 @@ def test_atomic_dq_is_a_candidate_and_dq_is_not_tuned_after_it(tuning, monkeypat
     assert seen == [("_attn_bwd_dkdv_kernel", True)]
 
 
+def test_no_atomic_candidates_under_deterministic_algorithms(monkeypatch):
+    """With torch's deterministic algorithms on, the tuner offers neither attention's dQ nor
+    rel_attention's dr by atomic adds (sums in no fixed order), and a kind tuned with them
+    off is another kind (its rows may hold an atomic mode)."""
+    from ctxfast.kernels import rel_attention as krel
+    monkeypatch.setattr(kattn, "_interpreting", lambda: False)
+    monkeypatch.setattr(krel, "_interpreting", lambda: False)
+    monkeypatch.setattr(krel, "DR_MODE", "kernel")
+    bf16 = torch.bfloat16
+
+    def atomic_offered():
+        attn = [c for D in (64, 128)
+                for c in kattn._candidates("dkdv", D, bf16, "none", False, True, True)
+                if c.get("dq_mode") == "atomic"]
+        rel = [c for c in krel._candidates("dq", 64, bf16, True) if c.get("dr_mode") == "atomic"]
+        return attn, rel
+
+    attn, rel = atomic_offered()
+    assert attn and rel                       # offered normally: the check below can fail
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert atomic_offered() == ([], [])
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
 @pytest.mark.parametrize("mask", ["none", "kpm", "perm"])
 def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
     """The GPU candidates (as an sm_90 call with TMA gets them): no two candidates of a kernel

@@ -155,3 +155,14 @@ def spy_launches(monkeypatch, module, names, pick, with_name=True):
     for name in names:
         monkeypatch.setattr(module, name, _Spy(name, getattr(module, name)))
     return seen
+
+
+def load_benchmark(filename: str):
+    """A module of benchmarks/ (not a package) by file name, e.g. "lstm_phase_clock.py"."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / filename
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import ctxfast  # noqa: E402,F401  (fakes and autograd of the native ops)
 from ctxfast import reference  # noqa: E402
 from test_lstm_native import make_inputs, reference_all  # noqa: E402
-from utils import rel_err  # noqa: E402
+from utils import load_benchmark, rel_err  # noqa: E402
 
 FLOOR = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}
 PATHS = ["persistent", "persistent_mma", "per_step"]
@@ -288,12 +288,7 @@ def test_phase_clock(monkeypatch, reduce, proj):
     unclocked one, one clock per tensor-core launch (forward, then the backward that ran),
     and benchmarks/lstm_phase_clock.py reads each: every step's phases in order, adding up
     to the kernel's time."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location(
-        "lstm_phase_clock", Path(__file__).parents[2] / "benchmarks" / "lstm_phase_clock.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("lstm_phase_clock.py")
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_BWD_REDUCE", reduce)
     T, B, H, P = 6, 17, 96, (40 if proj else 96)
