@@ -714,6 +714,18 @@ __device__ __forceinline__ void mma_step(FragC<T>& acc, FA& a, const FB& b, cons
   wmma::mma_sync(acc, a, b, acc);
 }
 
+// x as an operand in memory; float32 with `tf32`: already rounded to tf32 (cvt.rna), so
+// that the MMAs can take it as it is (a stored operand read every step is rounded once).
+template <typename Op>
+__device__ __forceinline__ Op as_operand(float x, bool tf32) {
+  if constexpr (std::is_same_v<Op, float>) {
+    return tf32 ? wmma::__float_to_tf32(x) : x;
+  } else {
+    (void)tf32;
+    return from_f<Op>(x);
+  }
+}
+
 // Row skew of an operand matrix in shared memory, in elements: 32 bytes.
 template <typename Op>
 __host__ __device__ constexpr int mma_skew() { return 32 / static_cast<int>(sizeof(Op)); }
@@ -727,10 +739,11 @@ __host__ __device__ constexpr int mma_weight_rows(int units, int kk) {
 }
 
 // The block's rows of w_hh * mask as operands, [wrows, kld], row 4u + gate; zero past P
-// and for units past the last one (and in the rounding rows).
+// and for units past the last one (and in the rounding rows); tf32: rounded to tf32
+// (float32 only; as_operand).
 template <typename T, typename Op>
 __device__ void load_weight_slice_mma(Op* ws, const T* w_hh, const T* mask, int j0, int nu,
-                                      int wrows, int H, int P, int kld) {
+                                      int wrows, int H, int P, int kld, bool tf32) {
   const int64_t n = int64_t(wrows) * kld;
   for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
     const int rl = static_cast<int>(e / kld);
@@ -741,7 +754,7 @@ __device__ void load_weight_slice_mma(Op* ws, const T* w_hh, const T* mask, int 
       w = to_f(w_hh[src]);
       if (mask) w *= to_f(mask[src]);  // 0/1: exact
     }
-    ws[e] = from_f<Op>(w);
+    ws[e] = as_operand<Op>(w, tf32);
   }
 }
 
@@ -767,20 +780,25 @@ __host__ __device__ constexpr int mma_unit_rows(int units, int kk) {
 }
 
 // acc[m] += W rows of tile m . h tile b, for the block's row tiles (first row of tile m:
-// min(16 m, mrows - 16)); kt: the K step.
+// min(16 m, mrows - 16)); kt: the K step. float32 with one tf32 product: both operands
+// were stored rounded to tf32 (as_operand), so they go to the MMA as loaded.
 template <typename T, typename Op, typename FB>
 __device__ __forceinline__ void fwd_tile_products(FragC<T> (&acc)[kMmaMaxMT], const Op* ws,
                                                   int kld, int mrows, int MT, int kt, FB& b,
                                                   bool one) {
   FB b_lo;
-  prepare_b<T>(b, b_lo, one);
+  if (!one) prepare_b<T>(b, b_lo, one);  // (16-bit: nothing to prepare)
 #pragma unroll
   for (int mt = 0; mt < kMmaMaxMT; ++mt) {
     if (mt < MT) {
       const int r0 = min(mt * 16, mrows - 16);
       FragA<T, wmma::row_major> a;
       wmma::load_matrix_sync(a, ws + int64_t(r0) * kld + kt * MmaOperand<T>::K, kld);
-      mma_step<T>(acc[mt], a, b, b_lo, one);
+      if (one) {
+        wmma::mma_sync(acc[mt], a, b, acc[mt]);
+      } else {
+        mma_step<T>(acc[mt], a, b, b_lo, one);
+      }
     }
   }
 }
@@ -892,7 +910,9 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
   const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
   const int crows = p.T_ + 1;  // the phase clock's rows (profiling)
   clock_entry(p.clk, crows);
-  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
+  // float32 with one tf32 product: W and h stored as tf32 (rounded once, not per MMA)
+  const bool pre = p.tf32_one && MmaOperand<T>::kSplit;
+  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld, pre);
   if (p.proj) {
     for (int e = threadIdx.x; e < urows * wld; e += blockDim.x) {
       const int u = e / wld, k = e - u * wld;
@@ -902,7 +922,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
   }
   for (int64_t e = gtid; e < int64_t(B) * P; e += gthreads) {  // h0 as operands
     const int64_t b = e / P, k = e - b * P;
-    p.hop[b * kld + k] = from_f<Op>(p.h0[e]);
+    p.hop[b * kld + k] = as_operand<Op>(p.h0[e], pre);
   }
   cg::grid_group grid = cg::this_grid();
   grid.sync();
@@ -994,7 +1014,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
           hps[b * hld + u] = from_f<Op>(hp);
         } else {
           p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
-          hnext[int64_t(b) * kld + j] = from_f<Op>(hp);
+          hnext[int64_t(b) * kld + j] = as_operand<Op>(hp, pre);
         }
       }
     }
@@ -1013,7 +1033,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
         y = clamp_f(y, p.proj_clip);
         store_clipped(p.out + int64_t(t) * B * P + e, y, p.proj_clip, p.proj_clip_s,
                       p.proj_below);
-        hnext[b * kld + k] = from_f<Op>(y);
+        hnext[b * kld + k] = as_operand<Op>(y, pre);
       }
       phase_stamp(p.clk, crows, 1 + s, 3);
     }
@@ -1078,7 +1098,7 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
   const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
   const int crows = p.T_ + 1;  // the phase clock's rows (profiling)
   clock_entry(p.clk, crows);
-  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld);
+  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld, false);
   for (int e = threadIdx.x; e < bpad * dld; e += blockDim.x) dzs[e] = from_f<Op>(0.0f);
   if (p.proj) {
     for (int e = threadIdx.x; e < kp * uld; e += blockDim.x) {

@@ -15,8 +15,9 @@
 // barriers order everything), warp divergence (lanes run independently; a shuffle or WMMA
 // call that not all 32 lanes reach deadlocks here, as it hangs or misbehaves on a GPU),
 // the hardware's accumulation order inside an MMA (products are summed in k order in
-// float32: bf16/fp16 products are exact in float32, tf32 operands are truncated to their
-// 19 bits as the tensor cores read them).
+// float32: bf16/fp16 and tf32 products are exact in float32). A tf32 operand must hold a
+// tf32 value (converted with __float_to_tf32, as the CUDA C++ guide requires): one that does
+// not stops the run.
 #pragma once
 
 #define __host__
@@ -238,7 +239,14 @@ void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, float v) {
   for (auto& e : f.x) e = static_cast<typename fragment<Use, M, N, K, T, Layout>::element_type>(v);
 }
 
-inline float operand(float x, bool tf32) { return tf32 ? float_of(bits_of(x) & ~0x1FFFu) : x; }
+// A tf32 operand must hold a tf32 value (the CUDA C++ guide: converted with __float_to_tf32
+// before mma_sync); one with low mantissa bits set is a kernel error here (a GPU would
+// silently drop them).
+inline float operand(float x, bool tf32) {
+  if (tf32 && (bits_of(x) & 0x1FFFu) != 0 && std::isfinite(x))
+    emu::fail("WMMA: a tf32 operand was not converted with __float_to_tf32");
+  return x;
+}
 inline float operand(__half x, bool) { return __half2float(x); }
 inline float operand(__nv_bfloat16 x, bool) { return __bfloat162float(x); }
 
