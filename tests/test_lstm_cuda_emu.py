@@ -11,8 +11,9 @@ grid-wide phases, the tf32x3 split, the clips; WMMA alignment and leading-dimens
 that no never-written shared or workspace memory is read (both poisoned with NaN); no
 out-of-bounds access (AddressSanitizer). What it cannot: speed, the hardware's memory
 model, the tensor cores' own rounding inside an MMA (emulated: exact products, float32 sums
-in k order; a tf32 operand must hold a tf32 value). The driver is ``tests/cuda_emu/lstm_emu.cpp``, built
-here with the host compiler (C++20) and the CUDA headers (float16/bfloat16 types)."""
+in k order; a tf32 operand must hold a tf32 value). The driver is
+``tests/cuda_emu/lstm_emu.cpp``, built here with the host compiler (C++20) and the CUDA
+headers (float16/bfloat16 types)."""
 from __future__ import annotations
 
 import contextlib
