@@ -828,7 +828,8 @@ __device__ __forceinline__ void fwd_ring_products(FragC<T> (&acc)[kMmaMaxMT], co
 }
 
 // out[MT x NT tiles of 16 x 16, ldo] = A[MT*16, KT*kk] (row-major, lda) . B[KT*kk, NT*16]
-// (row-major, ldb), one output tile per warp item; A and B operands in memory.
+// (row-major, ldb), one output tile per warp item; A and B operands in memory (float32 with
+// one tf32 product: stored rounded to tf32, as_operand, and taken as loaded).
 template <typename T, typename Op>
 __device__ __forceinline__ void block_tiles_product(const Op* A, int lda, const Op* Bm, int ldb,
                                                     int MT, int NT, int KT, float* out,
@@ -845,8 +846,12 @@ __device__ __forceinline__ void block_tiles_product(const Op* A, int lda, const 
       FragB<T, wmma::row_major> b, b_lo;
       wmma::load_matrix_sync(a, A + int64_t(mt) * 16 * lda + kt * KK, lda);
       wmma::load_matrix_sync(b, Bm + int64_t(kt) * KK * ldb + nt * 16, ldb);
-      prepare_b<T>(b, b_lo, one);
-      mma_step<T>(acc, a, b, b_lo, one);
+      if (one) {
+        wmma::mma_sync(acc, a, b, acc);
+      } else {
+        prepare_b<T>(b, b_lo, one);
+        mma_step<T>(acc, a, b, b_lo, one);
+      }
     }
     wmma::store_matrix_sync(out + int64_t(mt) * 16 * ldo + nt * 16, acc, static_cast<unsigned>(ldo),
                             wmma::mem_row_major);
@@ -916,7 +921,8 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
   if (p.proj) {
     for (int e = threadIdx.x; e < urows * wld; e += blockDim.x) {
       const int u = e / wld, k = e - u * wld;
-      wr[e] = from_f<Op>(u < nu && k < P ? to_f(p.w_hr[int64_t(k) * H + j0 + u]) : 0.0f);
+      wr[e] = as_operand<Op>(u < nu && k < P ? to_f(p.w_hr[int64_t(k) * H + j0 + u]) : 0.0f,
+                             pre);
     }
     for (int e = threadIdx.x; e < bpad * hld; e += blockDim.x) hps[e] = from_f<Op>(0.0f);
   }
@@ -1011,7 +1017,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
                       p.cell_below);
         const float hp = ao * tanhf(c);
         if (p.proj) {
-          hps[b * hld + u] = from_f<Op>(hp);
+          hps[b * hld + u] = as_operand<Op>(hp, pre);
         } else {
           p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
           hnext[int64_t(b) * kld + j] = as_operand<Op>(hp, pre);
@@ -1098,7 +1104,9 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
   const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
   const int crows = p.T_ + 1;  // the phase clock's rows (profiling)
   clock_entry(p.clk, crows);
-  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld, false);
+  // float32 with one tf32 product: the phase-2 operands stored as tf32 (block_tiles_product)
+  const bool pre = p.tf32_one && MmaOperand<T>::kSplit;
+  load_weight_slice_mma(ws, p.w_hh, p.mask, j0, nu, wrows, H, P, kld, pre);
   for (int e = threadIdx.x; e < bpad * dld; e += blockDim.x) dzs[e] = from_f<Op>(0.0f);
   if (p.proj) {
     for (int e = threadIdx.x; e < kp * uld; e += blockDim.x) {
@@ -1186,7 +1194,7 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
         if (s > 0) prefetch_cell_inputs(p, tp, b, j);  // the next step's, on their way to L2
         const CellGrads r = cell_backward_from(p, in[k], t, b, j, dhp[k]);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = from_f<Op>(r.dz[q]);
+        for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = as_operand<Op>(r.dz[q], pre);
       }
     }
     __syncthreads();
@@ -1251,6 +1259,8 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
   const int nu = min(U, H - j0);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const bool product = static_cast<int>(blockIdx.x) < G * C;
+  // float32 with one tf32 product: W and dz stored as tf32 (block_tiles_product)
+  const bool pre = p.tf32_one && MmaOperand<T>::kSplit;
   const int g = blockIdx.x / C, c = blockIdx.x - (blockIdx.x / C) * C;
   const int64_t BP = int64_t(B) * P, BH = int64_t(B) * H;
   const int crows = p.T_ + 1;  // the phase clock's rows (profiling)
@@ -1265,7 +1275,7 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
         w = to_f(p.w_hh[src]);
         if (p.mask) w *= to_f(p.mask[src]);  // 0/1: exact
       }
-      ws[e] = from_f<Op>(w);
+      ws[e] = as_operand<Op>(w, pre);
     }
   }
   cg::grid_group grid = cg::this_grid();
@@ -1314,7 +1324,7 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
         const CellGrads r = cell_backward_from(p, in[k], t, b, j, dh[k]);
 #pragma unroll
         for (int q = 0; q < 4; ++q)
-          p.dzop[int64_t(b) * p.dzld + 4 * j + q] = from_f<Op>(r.dz[q]);
+          p.dzop[int64_t(b) * p.dzld + 4 * j + q] = as_operand<Op>(r.dz[q], pre);
       }
     }
     phase_stamp(p.clk, crows, crow, 0);
