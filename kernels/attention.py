@@ -202,7 +202,7 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, EXP_EMU: tl.constexpr):
     """Fold the key tiles [lo, hi) into (acc, l_i, m_i): boundary tiles with the full
     visibility test, interior ones classed from block bounds. offs_m / offs_n index the
     problem (masks), rows_m / rows_n the tensors (loads, dropout counters). TMA: k and v
@@ -224,7 +224,7 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
             s = tl.where(vis, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
-                                                 PRECISION)
+                                                 PRECISION, EXP_EMU)
         else:               # interior: no row mask; an element mask only where a mask kind needs it
             k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
@@ -241,7 +241,7 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                     s = tl.where(vis, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
                                                  max_q, max_k, p_drop, DROPOUT, UPCAST,
-                                                 PRECISION)
+                                                 PRECISION, EXP_EMU)
     return acc, l_i, m_i
 
 
@@ -303,6 +303,7 @@ def _attn_fwd_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     KD=None, VD=None,       # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
     TMA: tl.constexpr = False,  # key tiles through KD, VD (not with SORTED or VARLEN)
+    EXP_EMU: tl.constexpr = False,  # half of each tile's exponentials on the FMA pipe (16-bit)
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
@@ -357,14 +358,14 @@ def _attn_fwd_kernel(
                                p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
                                stride_rank_t, ORDER, KD, VD, h, False, CAUSAL, HAS_KPM, HAS_PERM,
                                PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, BLOCK_D, UPCAST,
-                               PRECISION, TMA)
+                               PRECISION, TMA, EXP_EMU)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
                                d_ok, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                mid, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed,
                                p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
                                stride_rank_t, ORDER, KD, VD, h, True, CAUSAL, HAS_KPM, HAS_PERM,
                                PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, BLOCK_D, UPCAST,
-                               PRECISION, TMA)
+                               PRECISION, TMA, EXP_EMU)
     _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + rows_m[:, None] * stride_om
                   + offs_d[None, :] * stride_od, LSE + rows_m, offs_m, Tq, d_ok, SPLIT_K)
 
@@ -920,7 +921,9 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 128 without dropout or a permutation
     mask: elsewhere its rows spill; never under torch's deterministic algorithms), which
     launches no dQ kernel: dQ's list is then a
-    function of the rows chosen before it (``{}`` alone after atomic adds)."""
+    function of the rows chosen before it (``{}`` alone after atomic adds). The 16-bit
+    forward also tries its table row with half of each tile's exponentials on the FMA pipe
+    (``"fwd:exp_emu"``, :func:`_exp_emu`)."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         listing = _TUNE_INTERPRETED
@@ -953,6 +956,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
         if not _interpreting():
             out += [{"dq_mode": "atomic", "dkdv_atomic": row}
                     for row in _TUNE_ATOMIC_ROWS.get(64 if block_d <= 64 else 128, ())]
+    if kernel == "fwd" and dtype in TMA_DTYPES and not _interpreting():
+        out.append({"fwd:exp_emu": True})         # the table's row, half its exp2 on FMAs
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") == "atomic" else out
     return out
@@ -1093,7 +1098,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         VARLEN=cu is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=stages, **tma,
+        num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype), **tma,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -1107,6 +1112,14 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
 #: "atomic" while torch's deterministic algorithms are on is refused (as torch refuses its
 #: own nondeterministic ops), and the tuner does not offer it then.
 DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
+
+
+def _exp_emu(dtype) -> bool:
+    """Whether the forward computes half of each tile's exponentials on the FMA pipe
+    (``kernels._common._exp2_half_fma``): 16-bit calls whose launch rows say so, i.e. the
+    override ``"fwd:exp_emu"`` (the tuner's candidate; not timed yet, so never the table's).
+    Its relative error, 2.6e-6, is a hundredth of fp16's half ulp; float32 never takes it."""
+    return bool(_override("fwd:exp_emu")) and dtype in (torch.float16, torch.bfloat16)
 
 
 def _dq_mode() -> str:

@@ -335,7 +335,7 @@ def _rel_fwd_inner(
                                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
                          s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
-                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION)
+                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION, False)
     return m_i, l_i, acc, pos_prev
 
 

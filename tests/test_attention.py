@@ -5,6 +5,7 @@ be at most twice the error of the eager reference run in the same dtype (plus a 
 floor), forward and every gradient. On CPU the Triton kernels run in the interpreter, so
 shapes stay small; the block size there is 16, so T = 17, 33, 97 cross block edges.
 """
+import math
 import os
 
 import pytest
@@ -587,6 +588,70 @@ def test_atomic_dq_and_deterministic_algorithms(monkeypatch):
         assert seen == []
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+try:
+    import triton
+    import triton.language as tl
+    from ctxfast.kernels._common import _exp2_fma, _exp2_half_fma
+
+    @triton.jit
+    def _exp2_probe(X, Y, Z, E, N: tl.constexpr):
+        """Y = _exp2_fma(X), Z = _exp2_half_fma(X as [N / 64, 64]), E = tl.exp2(X)."""
+        o = tl.arange(0, N)
+        x = tl.load(X + o)
+        tl.store(Y + o, _exp2_fma(x))
+        rows = tl.reshape(o, [N // 64, 64])
+        tl.store(Z + rows, _exp2_half_fma(tl.reshape(x, [N // 64, 64])))
+        tl.store(E + o, tl.exp2(x))
+except ImportError:                     # no Triton: the tests that need it are skipped
+    _exp2_probe = None
+
+
+@needs_triton
+def test_exp2_on_the_fma_pipe():
+    """kernels._common._exp2_fma (2^x as a polynomial and an exponent add, for x <= 0):
+    relative error <= 3e-6 against float64 down to 2^-126, exactly 0 below it and at -inf
+    (a masked score); _exp2_half_fma takes the even columns from tl.exp2 and the odd ones
+    from _exp2_fma."""
+    N = 4096
+    x = torch.cat([-torch.rand(N - 8) * 140,
+                   torch.tensor([0.0, -0.0, -1.0, -126.0, -126.5, -127.0, -200.0, -math.inf])])
+    x = x.to(DEVICE)
+    y, z, e = (torch.empty_like(x) for _ in range(3))
+    _exp2_probe[(1,)](x, y, z, e, N)
+    ref = torch.exp2(x.double())
+    normal = x >= -126
+    assert ((y.double() - ref).abs() / ref)[normal].max() <= 3e-6
+    assert (y[~normal] == 0).all() and y[-1] == 0
+    odd = torch.arange(N, device=DEVICE) % 2 == 1
+    assert torch.equal(z, torch.where(odd, y, e))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_forward_with_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
+    """The forward's EXP_EMU (the tuner's ``"fwd:exp_emu"`` candidate): a 16-bit call with
+    it on launches it and stays within 2x eager of float64 on odd lengths with a causal
+    padding mask and with a permutation mask, and on rows that see no key (zero, no NaN);
+    a float32 call never takes it."""
+    import ctxfast.kernels.attention as kattn
+    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd:exp_emu", True)
+    seen = spy_launches(monkeypatch, kattn, ("_attn_fwd_kernel",),
+                        lambda a, kw: kw.get("EXP_EMU"), with_name=False)
+    for Tq, Tk, kind in ((21, 30, "causal-pad"), (37, 53, "perm-query")):
+        q, k, v = _inputs(2, 2, Tq, Tk, 64, dtype=dtype)
+        check_against_reference(q, k, v, **_masks(kind, 2, Tq, Tk))
+    q, k, v = _inputs(2, 2, 20, 20, 16, dtype=dtype)
+    kpm = torch.zeros(2, 20, dtype=torch.bool, device=DEVICE)
+    kpm[0] = True                                       # batch 0 sees no key
+    out = ctxfast.attention(q, k, v, key_padding_mask=kpm, backend="triton")
+    assert (out[0] == 0).all() and torch.isfinite(out).all()
+    assert seen and all(seen), seen
+    seen.clear()
+    q, k, v = _inputs(1, 1, 9, 9, 16)
+    ctxfast.attention(q, k, v, backend="triton")
+    assert seen == [False], seen
 
 
 # --------------------------------------------------------------------------- TMA tiles
