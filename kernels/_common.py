@@ -83,6 +83,15 @@ def _exp2_half_fma(x):
 
 
 @triton.jit
+def _exp2_tile(x, EXP_EMU: tl.constexpr):
+    """tl.exp2 of a tile, or with EXP_EMU half of it on the FMA pipe (:func:`_exp2_half_fma`)."""
+    if EXP_EMU:
+        return _exp2_half_fma(x)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
 def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, max_k, p_drop,
                          DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                          EXP_EMU: tl.constexpr):
@@ -92,10 +101,7 @@ def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, m
     Returns (m_i, l_i, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
-    if EXP_EMU:
-        p = _exp2_half_fma(s - m_safe[:, None])
-    else:
-        p = tl.exp2(s - m_safe[:, None])                             # 0 where masked
+    p = _exp2_tile(s - m_safe[:, None], EXP_EMU)                     # 0 where masked
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
     if DROPOUT:

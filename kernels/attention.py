@@ -64,10 +64,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _has_tma,
-                      _interpreting, _keep, _keep_t, _key_range, _load_rows, _mask_args,
-                      _new_output, _online_softmax_step, _precision, _seed_arg, _seq_bounds,
-                      _split_targets, _tile_rows, _visible, cdiv, check_tma_mode,
+from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _exp2_tile,
+                      _has_tma, _interpreting, _keep, _keep_t, _key_range, _load_rows,
+                      _mask_args, _new_output, _online_softmax_step, _precision, _seed_arg,
+                      _seq_bounds, _split_targets, _tile_rows, _visible, cdiv, check_tma_mode,
                       next_pow2, tma_args)
 from . import _tune
 from ._launch import fast
@@ -395,7 +395,8 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
                 HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                 DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr):
+                PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
+                EXP_EMU: tl.constexpr):
     """Accumulate the query tiles [lo, hi) into one key block's (dk, dv) [BLOCK_N, BLOCK_D],
     transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows). offs index the
     problem (masks), rows the tensors (loads, dropout counters). ATOMIC_DQ: also add each
@@ -424,7 +425,8 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
         else:
             lse = tl.load(LSE + rows_m)
             delta = tl.load(DELTA + rows_m)
-        p_t = tl.exp2(_scores(k, q, qk_scale, UPCAST, PRECISION) - lse[None, :])  # [N, M]
+        p_t = _exp2_tile(_scores(k, q, qk_scale, UPCAST, PRECISION) - lse[None, :],
+                         EXP_EMU)                                           # [N, M]
         if BOUNDARY:
             vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
                            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -500,6 +502,7 @@ def _attn_bwd_dkdv_kernel(
     ATOMIC_DQ: tl.constexpr = False,
     QD=None, DOD=None,      # TMA: RowTiles of q, do ([1, 1, BLOCK_M, BLOCK_D] tiles)
     TMA: tl.constexpr = False,  # query tiles through QD, DOD (not with SORTED or VARLEN)
+    EXP_EMU: tl.constexpr = False,  # half of each tile's exponentials on the FMA pipe (16-bit)
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -568,7 +571,8 @@ def _attn_bwd_dkdv_kernel(
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
                          h, True,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
-                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
+                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA,
+                         EXP_EMU)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
@@ -576,7 +580,8 @@ def _attn_bwd_dkdv_kernel(
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
                          h, False,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
-                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
+                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA,
+                         EXP_EMU)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
@@ -584,7 +589,8 @@ def _attn_bwd_dkdv_kernel(
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
                          h, True,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
-                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA)
+                         BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA,
+                         EXP_EMU)
 
     out_off = rows_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -602,7 +608,7 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
               HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
               DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
+              TMA: tl.constexpr, EXP_EMU: tl.constexpr):
     """Accumulate the key tiles [lo, hi) into a query block's dq [BLOCK_M, BLOCK_D]. offs
     index the problem (masks), rows the tensors (loads, dropout counters). TMA: k and v
     tiles through the descriptors KD, VD (not with SORTED)."""
@@ -623,7 +629,7 @@ def _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
         v = _tile_rows(VD, v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                        b, h, start_n, offs_n, Tk, d_ok, BOUNDARY, EVEN_D, BLOCK_N, BLOCK_D,
                        TMA)
-        p = tl.exp2(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None])
+        p = _exp2_tile(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None], EXP_EMU)
         if BOUNDARY:
             vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b,
                            stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -666,6 +672,7 @@ def _attn_bwd_dq_kernel(
     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     KD=None, VD=None,       # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
     TMA: tl.constexpr = False,  # key tiles through KD, VD (not with SORTED or VARLEN)
+    EXP_EMU: tl.constexpr = False,  # half of each tile's exponentials on the FMA pipe (16-bit)
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
@@ -714,13 +721,13 @@ def _attn_bwd_dq_kernel(
                    b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
                    KD, VD, h, False, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT,
-                   EVEN_D, BLOCK_N, BLOCK_D, UPCAST, PRECISION, TMA)
+                   EVEN_D, BLOCK_N, BLOCK_D, UPCAST, PRECISION, TMA, EXP_EMU)
     dq = _dq_tiles(dq, q, do, lse, delta, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_ok,
                    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, mid, hi,
                    b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                    KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
                    KD, VD, h, True, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT,
-                   EVEN_D, BLOCK_N, BLOCK_D, UPCAST, PRECISION, TMA)
+                   EVEN_D, BLOCK_N, BLOCK_D, UPCAST, PRECISION, TMA, EXP_EMU)
     tl.store(DQ + rows_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_ok)
 
@@ -921,9 +928,9 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 128 without dropout or a permutation
     mask: elsewhere its rows spill; never under torch's deterministic algorithms), which
     launches no dQ kernel: dQ's list is then a
-    function of the rows chosen before it (``{}`` alone after atomic adds). The 16-bit
-    forward also tries its table row with half of each tile's exponentials on the FMA pipe
-    (``"fwd:exp_emu"``, :func:`_exp_emu`)."""
+    function of the rows chosen before it (``{}`` alone after atomic adds). Each 16-bit
+    kernel also tries its table row with half of each tile's exponentials on the FMA pipe
+    (``"<kernel>:exp_emu"``, :func:`_exp_emu`)."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         listing = _TUNE_INTERPRETED
@@ -956,8 +963,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
         if not _interpreting():
             out += [{"dq_mode": "atomic", "dkdv_atomic": row}
                     for row in _TUNE_ATOMIC_ROWS.get(64 if block_d <= 64 else 128, ())]
-    if kernel == "fwd" and dtype in TMA_DTYPES and not _interpreting():
-        out.append({"fwd:exp_emu": True})         # the table's row, half its exp2 on FMAs
+    if dtype in TMA_DTYPES and not _interpreting():
+        out.append({kernel + ":exp_emu": True})   # the table's row, half its exp2 on FMAs
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") == "atomic" else out
     return out
@@ -1098,7 +1105,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         VARLEN=cu is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype), **tma,
+        num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "fwd"), **tma,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -1114,12 +1121,13 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
 DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
 
 
-def _exp_emu(dtype) -> bool:
-    """Whether the forward computes half of each tile's exponentials on the FMA pipe
-    (``kernels._common._exp2_half_fma``): 16-bit calls whose launch rows say so, i.e. the
-    override ``"fwd:exp_emu"`` (the tuner's candidate; not timed yet, so never the table's).
-    Its relative error, 2.6e-6, is a hundredth of fp16's half ulp; float32 never takes it."""
-    return bool(_override("fwd:exp_emu")) and dtype in (torch.float16, torch.bfloat16)
+def _exp_emu(dtype, kernel: str) -> bool:
+    """Whether kernel ("fwd", "dkdv" or "dq") computes half of each tile's exponentials on
+    the FMA pipe (``kernels._common._exp2_half_fma``): 16-bit calls whose launch rows say
+    so, i.e. the override ``"<kernel>:exp_emu"`` (the tuner's candidates; not timed yet, so
+    never the table's). Its relative error, 2.6e-6, is a hundredth of fp16's half ulp;
+    float32 never takes it."""
+    return bool(_override(kernel + ":exp_emu")) and dtype in (torch.float16, torch.bfloat16)
 
 
 def _dq_mode() -> str:
@@ -1163,7 +1171,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
-        **tma)
+        EXP_EMU=_exp_emu(q.dtype, "dkdv"), **tma)
     if atomic:
         dq.copy_(dq_acc)                        # scaled in the kernel: one pass here
         return
@@ -1172,7 +1180,8 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     fast(_attn_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        EVEN_D=bd == D, num_warps=warps, num_stages=stages, **tma)
+        EVEN_D=bd == D, num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "dq"),
+        **tma)
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,

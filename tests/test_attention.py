@@ -630,14 +630,17 @@ def test_exp2_on_the_fma_pipe():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_forward_with_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
-    """The forward's EXP_EMU (the tuner's ``"fwd:exp_emu"`` candidate): a 16-bit call with
-    it on launches it and stays within 2x eager of float64 on odd lengths with a causal
-    padding mask and with a permutation mask, and on rows that see no key (zero, no NaN);
-    a float32 call never takes it."""
+def test_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
+    """EXP_EMU in the forward, dK/dV and dQ kernels (the tuner's ``"<kernel>:exp_emu"``
+    candidates): a 16-bit call with it on launches it in all three and stays within 2x
+    eager of float64 (forward and every gradient) on odd lengths with a causal padding
+    mask and with a permutation mask, and on rows that see no key (zero, no NaN); a float32
+    call never takes it."""
     import ctxfast.kernels.attention as kattn
-    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd:exp_emu", True)
-    seen = spy_launches(monkeypatch, kattn, ("_attn_fwd_kernel",),
+    for kernel in ("fwd", "dkdv", "dq"):
+        monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, kernel + ":exp_emu", True)
+    seen = spy_launches(monkeypatch, kattn,
+                        ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"),
                         lambda a, kw: kw.get("EXP_EMU"), with_name=False)
     for Tq, Tk, kind in ((21, 30, "causal-pad"), (37, 53, "perm-query")):
         q, k, v = _inputs(2, 2, Tq, Tk, 64, dtype=dtype)
@@ -647,11 +650,11 @@ def test_forward_with_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
     kpm[0] = True                                       # batch 0 sees no key
     out = ctxfast.attention(q, k, v, key_padding_mask=kpm, backend="triton")
     assert (out[0] == 0).all() and torch.isfinite(out).all()
-    assert seen and all(seen), seen
+    assert len(seen) == 7 and all(seen), seen   # 2 x (fwd, dK/dV, dQ) and a forward
     seen.clear()
-    q, k, v = _inputs(1, 1, 9, 9, 16)
-    ctxfast.attention(q, k, v, backend="triton")
-    assert seen == [False], seen
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 9, 9, 16))
+    ctxfast.attention(q, k, v, backend="triton").sum().backward()
+    assert seen == [False] * 3, seen
 
 
 # --------------------------------------------------------------------------- TMA tiles

@@ -257,12 +257,12 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                          and mask != "perm")
                 launches = [table]
                 for c in cands[1:]:
-                    if "dq_mode" in c or "fwd:exp_emu" in c:   # the table's tiles, other math
+                    if "dq_mode" in c or kernel + ":exp_emu" in c:  # table tiles, other math
                         continue
                     launches.append((c.get(kernel, table[0]), c.get(kernel + ":tma", table[1])))
                 assert len(set(launches)) == len(launches), (D, dtype, kernel, launches)
-                emu = [c for c in cands if "fwd:exp_emu" in c]   # the forward's table row
-                assert emu == ([{"fwd:exp_emu": True}] if kernel == "fwd" else []), emu
+                emu = [c for c in cands if kernel + ":exp_emu" in c]   # the table's row
+                assert emu == [{kernel + ":exp_emu": True}], emu
                 # dQ by atomic adds: the dK/dV-with-dQ table row first, then other rows
                 atomic = [c.get("dkdv_atomic") for c in cands if "dq_mode" in c]
                 if kernel == "dkdv" and mask != "perm":
