@@ -645,12 +645,15 @@ def test_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
     for Tq, Tk, kind in ((21, 30, "causal-pad"), (37, 53, "perm-query")):
         q, k, v = _inputs(2, 2, Tq, Tk, 64, dtype=dtype)
         check_against_reference(q, k, v, **_masks(kind, 2, Tq, Tk))
-    q, k, v = _inputs(2, 2, 20, 20, 16, dtype=dtype)
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 2, 20, 20, 16, dtype=dtype))
     kpm = torch.zeros(2, 20, dtype=torch.bool, device=DEVICE)
     kpm[0] = True                                       # batch 0 sees no key
     out = ctxfast.attention(q, k, v, key_padding_mask=kpm, backend="triton")
+    out.float().square().sum().backward()
     assert (out[0] == 0).all() and torch.isfinite(out).all()
-    assert len(seen) == 7 and all(seen), seen   # 2 x (fwd, dK/dV, dQ) and a forward
+    for g in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(g).all() and (g[0] == 0).all()
+    assert len(seen) == 9 and all(seen), seen   # 3 x (fwd, dK/dV, dQ)
     seen.clear()
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 9, 9, 16))
     ctxfast.attention(q, k, v, backend="triton").sum().backward()
