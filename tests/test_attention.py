@@ -634,8 +634,8 @@ def test_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
     """EXP_EMU in the forward, dK/dV and dQ kernels (the tuner's ``"<kernel>:exp_emu"``
     candidates): a 16-bit call with it on launches it in all three and stays within 2x
     eager of float64 (forward and every gradient) on odd lengths with a causal padding
-    mask and with a permutation mask, and on rows that see no key (zero, no NaN); a float32
-    call never takes it."""
+    mask and with a permutation mask, with dropout, and on rows that see no key (zero, no
+    NaN); a float32 call never takes it."""
     import ctxfast.kernels.attention as kattn
     for kernel in ("fwd", "dkdv", "dq"):
         monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, kernel + ":exp_emu", True)
@@ -658,6 +658,28 @@ def test_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 9, 9, 16))
     ctxfast.attention(q, k, v, backend="triton").sum().backward()
     assert seen == [False] * 3, seen
+    seen.clear()                                        # with dropout (the keep mask after P)
+    from ctxfast.ops.attention import draw_seed, dropout_keep_mask
+    B, H, Tq, Tk, p = 2, 2, 19, 26, 0.3
+    kw = _masks("causal-pad", B, Tq, Tk)
+    q, k, v = _inputs(B, H, Tq, Tk, 32, dtype=dtype)
+    ours = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = ctxfast.attention(*ours, dropout_p=p, backend="triton",
+                            generator=torch.Generator(DEVICE).manual_seed(7), **kw)
+    keep = dropout_keep_mask(draw_seed(DEVICE, torch.Generator(DEVICE).manual_seed(7)),
+                             B, H, Tq, Tk, p)
+    out_same = reference.attention(*same, dropout_mask=keep, dropout_p=p, **kw)
+    out64 = reference.attention(*wide, dropout_mask=keep, dropout_p=p, **kw)
+    do = torch.randn_like(out)
+    results = zip(("out", "dq", "dk", "dv"),
+                  [out, *torch.autograd.grad(out, ours, do)],
+                  [out_same, *torch.autograd.grad(out_same, same, do)],
+                  [out64, *torch.autograd.grad(out64, wide, do.double())])
+    for name, a, b, c in results:
+        assert_within_2x_eager(a, b, c, FLOOR[dtype], name=f"dropout {name}")
+    assert seen == [True] * 3, seen
 
 
 # --------------------------------------------------------------------------- TMA tiles

@@ -635,6 +635,26 @@ constexpr int kMmaWarps = 8;
 // (batch row, unit) pairs a thread of a cell phase loads together before computing them
 constexpr int kCellBatch = 4;
 
+// A cell phase over pairs e < n, one per thread, a thread's pairs kCellBatch at a time:
+// load(k, e) for each pair of the batch (its global loads, into the caller's slot k), then
+// use(k, e) for each (the math and the stores): every load of a batch goes out before its
+// first store, so one L2 round trip per batch instead of one per pair (stores between
+// pairs keep the compiler from moving a later pair's loads ahead).
+template <typename Load, typename Use>
+__device__ __forceinline__ void cell_batches(int n, Load&& load, Use&& use) {
+  const int nt = static_cast<int>(blockDim.x);
+  for (int e0 = static_cast<int>(threadIdx.x); e0 < n; e0 += kCellBatch * nt) {
+#pragma unroll
+    for (int k = 0; k < kCellBatch; ++k)
+      if (e0 + k * nt < n) load(k, e0 + k * nt);
+#pragma unroll
+    for (int k = 0; k < kCellBatch; ++k) {
+      if (e0 + k * nt >= n) break;
+      use(k, e0 + k * nt);
+    }
+  }
+}
+
 template <typename T> struct MmaOperand;
 template <> struct MmaOperand<__nv_bfloat16> {
   using Op = __nv_bfloat16;  // operand element in memory
@@ -967,63 +987,51 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
     }
     __syncthreads();
     phase_stamp(p.clk, crows, 1 + s, 0);
-    // ---- phase 2: gates and cell, one (batch row, unit) per thread. A thread's pairs are
-    // taken kCellBatch at a time, all their global loads (xw, c) issued before any is used:
-    // one L2 round trip per batch instead of one per pair (the stores between pairs would
-    // keep the compiler from moving a later pair's loads ahead).
+    // ---- phase 2: gates and cell, one (batch row, unit) per thread (cell_batches: xw and
+    // c of a batch of pairs loaded before any is used)
     const int t_next = p.reverse ? t - 1 : t + 1;
-    for (int e0 = threadIdx.x; e0 < B * nu; e0 += kCellBatch * blockDim.x) {
-      float xv[kCellBatch][4], cv[kCellBatch];
+    float xv[kCellBatch][4], cv[kCellBatch];
+    cell_batches(B * nu, [&](int k, int e) {
+      const int b = e / nu, j = j0 + (e - b * nu);
+      const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
 #pragma unroll
-      for (int k = 0; k < kCellBatch; ++k) {
-        const int e = e0 + k * static_cast<int>(blockDim.x);
-        if (e < B * nu) {
-          const int b = e / nu, j = j0 + (e - b * nu);
-          const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
+      for (int q = 0; q < 4; ++q) xv[k][q] = to_f(p.xw[go + int64_t(q) * H]);
+      cv[k] = p.c32[int64_t(b) * H + j];
+    }, [&](int k, int e) {
+      const int b = e / nu, u = e - b * nu, j = j0 + u;
+      const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
+      if (s + 1 < p.T_) {  // the next step's xw on its way to L2 while this step runs
 #pragma unroll
-          for (int q = 0; q < 4; ++q) xv[k][q] = to_f(p.xw[go + int64_t(q) * H]);
-          cv[k] = p.c32[int64_t(b) * H + j];
-        }
+        for (int q = 0; q < 4; ++q)
+          prefetch_l2(p.xw + (int64_t(t_next) * B + b) * 4 * H + int64_t(q) * H + j);
       }
+      float z[4];
 #pragma unroll
-      for (int k = 0; k < kCellBatch; ++k) {
-        const int e = e0 + k * static_cast<int>(blockDim.x);
-        if (e >= B * nu) break;
-        const int b = e / nu, u = e - b * nu, j = j0 + u;
-        const int64_t go = (int64_t(t) * B + b) * 4 * H + j;
-        if (s + 1 < p.T_) {  // the next step's xw on its way to L2 while this step runs
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            prefetch_l2(p.xw + (int64_t(t_next) * B + b) * 4 * H + int64_t(q) * H + j);
-        }
-        float z[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          float acc = 0.0f;
-          for (int ks = 0; ks < p.ksplit; ++ks)
-            acc += zs[(int64_t(ks) * mrows + 4 * u + q) * nld + b];
-          z[q] = fmaf(p.scale_eff, acc, xv[k][q]);
-        }
-        const float ai = sigmoid_f(z[0]), af = sigmoid_f(z[1]), ag = tanhf(z[2]),
-                    ao = sigmoid_f(z[3]);
-        p.gates[go] = from_f<T>(ai);
-        p.gates[go + H] = from_f<T>(af);
-        p.gates[go + 2 * H] = from_f<T>(ag);
-        p.gates[go + 3 * H] = from_f<T>(ao);
-        const int64_t ci = int64_t(b) * H + j;
-        const float c = clamp_f(fmaf(af, cv[k], ai * ag), p.cell_clip);
-        p.c32[ci] = c;
-        store_clipped(p.cells + int64_t(t) * B * H + ci, c, p.cell_clip, p.cell_clip_s,
-                      p.cell_below);
-        const float hp = ao * tanhf(c);
-        if (p.proj) {
-          hps[b * hld + u] = as_operand<Op>(hp, pre);
-        } else {
-          p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
-          hnext[int64_t(b) * kld + j] = as_operand<Op>(hp, pre);
-        }
+      for (int q = 0; q < 4; ++q) {
+        float acc = 0.0f;
+        for (int ks = 0; ks < p.ksplit; ++ks)
+          acc += zs[(int64_t(ks) * mrows + 4 * u + q) * nld + b];
+        z[q] = fmaf(p.scale_eff, acc, xv[k][q]);
       }
-    }
+      const float ai = sigmoid_f(z[0]), af = sigmoid_f(z[1]), ag = tanhf(z[2]),
+                  ao = sigmoid_f(z[3]);
+      p.gates[go] = from_f<T>(ai);
+      p.gates[go + H] = from_f<T>(af);
+      p.gates[go + 2 * H] = from_f<T>(ag);
+      p.gates[go + 3 * H] = from_f<T>(ao);
+      const int64_t ci = int64_t(b) * H + j;
+      const float c = clamp_f(fmaf(af, cv[k], ai * ag), p.cell_clip);
+      p.c32[ci] = c;
+      store_clipped(p.cells + int64_t(t) * B * H + ci, c, p.cell_clip, p.cell_clip_s,
+                    p.cell_below);
+      const float hp = ao * tanhf(c);
+      if (p.proj) {
+        hps[b * hld + u] = as_operand<Op>(hp, pre);
+      } else {
+        p.out[int64_t(t) * B * P + int64_t(b) * P + j] = from_f<T>(hp);
+        hnext[int64_t(b) * kld + j] = as_operand<Op>(hp, pre);
+      }
+    });
     phase_stamp(p.clk, crows, 1 + s, 1);
     if (p.proj) {
       // ---- phase 3: this block's part of h_t = hp_t . w_hr^T (its units), then the sum
@@ -1167,36 +1175,25 @@ lstm_bwd_mma_kernel(const BwdMmaParams<T> p) {
         prefetch_l2(p.out + int64_t(tp) * BP + e);
       }
     }
-    // (a thread's pairs kCellBatch at a time, their loads before their stores)
-    for (int e0 = threadIdx.x; e0 < B * nu; e0 += kCellBatch * blockDim.x) {
-      CellIn in[kCellBatch];
-      float dhp[kCellBatch];
-#pragma unroll
-      for (int k = 0; k < kCellBatch; ++k) {
-        const int e = e0 + k * static_cast<int>(blockDim.x);
-        if (e < B * nu) {
-          const int b = e / nu, u = e - b * nu, j = j0 + u;
-          if (p.proj) {
-            dhp[k] = 0.0f;
-            for (int ks = 0; ks < p.ksplit; ++ks)
-              dhp[k] += dhs[(int64_t(ks) * bpad + b) * dhld + u];
-          } else {
-            dhp[k] = dh_t[int64_t(b) * P + j];
-          }
-          in[k] = cell_inputs_at(p, c_prev, t, b, j);
-        }
+    // (cell_batches: a batch of pairs' loads before their stores)
+    CellIn in[kCellBatch];
+    float dhp[kCellBatch];
+    cell_batches(B * nu, [&](int k, int e) {
+      const int b = e / nu, u = e - b * nu, j = j0 + u;
+      if (p.proj) {
+        dhp[k] = 0.0f;
+        for (int ks = 0; ks < p.ksplit; ++ks) dhp[k] += dhs[(int64_t(ks) * bpad + b) * dhld + u];
+      } else {
+        dhp[k] = dh_t[int64_t(b) * P + j];
       }
+      in[k] = cell_inputs_at(p, c_prev, t, b, j);
+    }, [&](int k, int e) {
+      const int b = e / nu, u = e - b * nu, j = j0 + u;
+      if (s > 0) prefetch_cell_inputs(p, tp, b, j);  // the next step's, on their way to L2
+      const CellGrads r = cell_backward_from(p, in[k], t, b, j, dhp[k]);
 #pragma unroll
-      for (int k = 0; k < kCellBatch; ++k) {
-        const int e = e0 + k * static_cast<int>(blockDim.x);
-        if (e >= B * nu) break;
-        const int b = e / nu, u = e - b * nu, j = j0 + u;
-        if (s > 0) prefetch_cell_inputs(p, tp, b, j);  // the next step's, on their way to L2
-        const CellGrads r = cell_backward_from(p, in[k], t, b, j, dhp[k]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = as_operand<Op>(r.dz[q], pre);
-      }
-    }
+      for (int q = 0; q < 4; ++q) dzs[b * dld + 4 * u + q] = as_operand<Op>(r.dz[q], pre);
+    });
     __syncthreads();
     phase_stamp(p.clk, crows, crow, 1);
     // ---- phase 2: part[block] = dz_slice[bpad, wrows] . W_slice[wrows, kp], 16 x 16 tiles
@@ -1289,44 +1286,33 @@ lstm_bwd_mma_grouped_kernel(const BwdMmaParams<T> p) {
     const T* c_prev = s > 0 ? p.cells + int64_t(tp) * BH : p.c0;
     const bool first = s == p.T_ - 1;          // no carry into the forward's last step
     const int crow = p.T_ - s;                 // 1 + the steps processed before this one
-    // ---- phase 1: cell backward, one (batch row, unit) per thread; a thread's pairs
-    // kCellBatch at a time, every global load of the batch (the partial sums, grad_out, the
-    // cell's inputs) issued before the first store (as the forward's cell phase)
-    for (int e0 = threadIdx.x; e0 < B * nu; e0 += kCellBatch * blockDim.x) {
-      CellIn in[kCellBatch];
-      float dh[kCellBatch];
-#pragma unroll
-      for (int k = 0; k < kCellBatch; ++k) {
-        const int e = e0 + k * static_cast<int>(blockDim.x);
-        if (e < B * nu) {
-          const int b = e / nu, j = j0 + (e - b * nu);
-          float carry = 0.0f;
-          if (!first) {
-            const int cj = j / p.gcols, n = j - cj * p.gcols;
-            carry = sum_partials(p.part + int64_t(b) * pld + int64_t(cj) * p.gcolp + n, gstride,
-                                 G) * p.scale_eff;
-          }
-          const int64_t o = int64_t(t) * BP + int64_t(b) * P + j;
-          dh[k] = dh_in_value(to_f(p.grad_out[o]), carry, 0.0f, false, 0.0f);
-          in[k] = cell_inputs_at(p, c_prev, t, b, j);
-        }
+    // ---- phase 1: cell backward, one (batch row, unit) per thread (cell_batches: the
+    // partial sums, grad_out and the cell's inputs of a batch of pairs loaded first)
+    CellIn in[kCellBatch];
+    float dh[kCellBatch];
+    cell_batches(B * nu, [&](int k, int e) {
+      const int b = e / nu, j = j0 + (e - b * nu);
+      float carry = 0.0f;
+      if (!first) {
+        const int cj = j / p.gcols, n = j - cj * p.gcols;
+        carry = sum_partials(p.part + int64_t(b) * pld + int64_t(cj) * p.gcolp + n, gstride, G) *
+                p.scale_eff;
       }
-#pragma unroll
-      for (int k = 0; k < kCellBatch; ++k) {
-        const int e = e0 + k * static_cast<int>(blockDim.x);
-        if (e >= B * nu) break;
-        const int b = e / nu, j = j0 + (e - b * nu);
-        if (s > 0) {  // the next step's inputs on their way to L2
-          prefetch_cell_inputs(p, tp, b, j);
-          prefetch_l2(p.grad_out + int64_t(tp) * BP + int64_t(b) * P + j);
-        }
-        p.dh_in[int64_t(t) * BP + int64_t(b) * P + j] = dh[k];
-        const CellGrads r = cell_backward_from(p, in[k], t, b, j, dh[k]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          p.dzop[int64_t(b) * p.dzld + 4 * j + q] = as_operand<Op>(r.dz[q], pre);
+      const int64_t o = int64_t(t) * BP + int64_t(b) * P + j;
+      dh[k] = dh_in_value(to_f(p.grad_out[o]), carry, 0.0f, false, 0.0f);
+      in[k] = cell_inputs_at(p, c_prev, t, b, j);
+    }, [&](int k, int e) {
+      const int b = e / nu, j = j0 + (e - b * nu);
+      if (s > 0) {  // the next step's inputs on their way to L2
+        prefetch_cell_inputs(p, tp, b, j);
+        prefetch_l2(p.grad_out + int64_t(tp) * BP + int64_t(b) * P + j);
       }
-    }
+      p.dh_in[int64_t(t) * BP + int64_t(b) * P + j] = dh[k];
+      const CellGrads r = cell_backward_from(p, in[k], t, b, j, dh[k]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        p.dzop[int64_t(b) * p.dzld + 4 * j + q] = as_operand<Op>(r.dz[q], pre);
+    });
     phase_stamp(p.clk, crows, crow, 0);
     grid.sync();
     phase_stamp(p.clk, crows, crow, 1);
