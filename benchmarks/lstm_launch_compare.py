@@ -11,8 +11,9 @@ float32: both cuDNN and the CUDA tensor-core kernels follow torch's TF32 setting
 RNNs (on by default: one TF32 product per MMA). The forms ending in " tf32x3" (ours:
 three TF32 products, float32-level error) and " ieee" (cuDNN) run with that setting off.
 " groups": the grouped tensor-core backward (the default; plain "cuda persistent-mma" sums
-one partial per block); " ring4": the tensor-core forward's product loop with 4 h tiles in
-its ring (``CTXFAST_LSTM_CUDA_RING=4``, as rounds 3 and 4 timed it) instead of 8.
+one partial per block); " ring4" / " ring8": the tensor-core forward's product loop with
+4 or 8 h tiles in its ring (``CTXFAST_LSTM_CUDA_RING``; the default is 8 for fp16/bf16 and
+4 for float32, as round 5 timed them).
 
     python benchmarks/lstm_launch_compare.py [--quick] [--out FILE.json]
 
@@ -69,8 +70,10 @@ def _form(name: str):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
         # the grouped tensor-core backward (the default), or one partial per block
         os.environ["CTXFAST_LSTM_CUDA_BWD_REDUCE"] = "groups" if " groups" in name else "blocks"
-        # the tensor-core forward's ring of h tiles: 8 (default) or 4 (" ring4")
-        os.environ["CTXFAST_LSTM_CUDA_RING"] = "4" if " ring4" in name else "8"
+        # the tensor-core forward's ring of h tiles: " ring4" / " ring8", else the
+        # default (8 for fp16/bf16, 4 for float32)
+        ring = "4" if " ring4" in name else "8" if " ring8" in name else ""
+        os.environ["CTXFAST_LSTM_CUDA_RING"] = ring
     try:
         yield
     finally:
@@ -91,7 +94,8 @@ def _forms(device: torch.device) -> List[str]:
         forms += ["triton persistent", "triton stepwise", "triton persistent ieee"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
         forms += ["cuda persistent", "cuda persistent-mma", "cuda persistent-mma groups",
-                  "cuda persistent-mma groups ring4", "cuda persistent-mma tf32x3",
+                  "cuda persistent-mma groups ring4", "cuda persistent-mma groups ring8",
+                  "cuda persistent-mma tf32x3",
                   "cuda persistent-mma groups tf32x3", "cuda per-step"]
     if device.type == "cuda":
         forms += ["cuDNN+WeightDropout", "cuDNN+WeightDropout ieee"]

@@ -741,7 +741,8 @@ def _attn_bwd_dq_kernel(
 #: benchmarks/results/nvidia-h200/2026-11-27-round4: fwd 64 x 64 x 4 x 3 92 us against the
 #: previous 128 x 64 x 8 x 3's 102 at GPT-2 size, 682 against 713 at T 4096; dK/dV
 #: 64 x 64 x 4 x 3 faster in all three cases, 1.11-1.13x the backward; dQ D 128 3 stages
-#: 2012 against 2227 us). The other 16-bit backward rows follow the FA2 schedule (dK/dV: the
+#: 2012 against 2227 us; dK/dV D 128 32 x 128 x 8 x 3, round 5: 1919 against the two-stage
+#: row's 2013 us, T 4096). The other 16-bit backward rows follow the FA2 schedule (dK/dV: the
 #: key block is the MMA's 128 rows; dQ: the query block is). Every 16-bit dot is a wgmma and
 #: nothing spills (tests/test_triton_compile.py, benchmarks/NOTES.md). fp32 (tf32) rows are
 #: sized to fit in registers without spills. Every loop of a row with 2+ stages is
@@ -752,7 +753,7 @@ _CONFIGS = {
     ("fwd", 256, True): (64, 32, 8, 2),
     ("fwd", 64, False): (64, 64, 4, 2), ("fwd", 128, False): (32, 32, 4, 2),
     ("fwd", 256, False): (32, 32, 8, 2),
-    ("dkdv", 64, True): (64, 64, 4, 3), ("dkdv", 128, True): (32, 128, 8, 2),
+    ("dkdv", 64, True): (64, 64, 4, 3), ("dkdv", 128, True): (32, 128, 8, 3),
     ("dkdv", 256, True): (32, 64, 8, 2),
     ("dkdv", 64, False): (32, 64, 4, 2), ("dkdv", 128, False): (16, 64, 8, 2),
     ("dkdv", 256, False): (16, 32, 8, 2),
@@ -897,7 +898,7 @@ _TUNE_CANDIDATES = {
                    ((64, 64, 4, 3), False), ((64, 64, 8, 3), False), ((32, 128, 8, 3), True),
                    ((64, 64, 4, 4), False), ((32, 64, 4, 3), False)],
     ("dkdv", 128): [(None, True), ((32, 64, 8, 2), False), ((32, 64, 8, 3), False),
-                    ((32, 128, 8, 3), False), ((32, 128, 8, 3), True), ((16, 128, 8, 3), False),
+                    ((32, 128, 8, 2), False), ((32, 128, 8, 3), True), ((16, 128, 8, 3), False),
                     ((64, 64, 8, 2), False)],
     ("dq", 64): [(None, True), ((128, 64, 8, 3), False), ((64, 64, 4, 2), False),
                  ((128, 128, 8, 2), False), ((128, 32, 4, 3), False), ((128, 128, 8, 2), True),
@@ -918,19 +919,30 @@ _TUNE_PERM_CANDIDATES = {("dkdv", 64): [((32, 128, 8, 3), False)],
 #: sm_90 (Triton 3.9, bf16 causal: 242 and 246 registers; the table's 64 x 128 x 8 x 3 244).
 _TUNE_ATOMIC_ROWS = {64: [(64, 64, 8, 3), (64, 128, 8, 2)]}
 
+#: Whether the tuner also tries dQ by atomic adds (dK/dV) and the table rows with half the
+#: exponentials on the FMA pipe (every 16-bit kernel). Off: the H200 (round 5, bf16 causal,
+#: Triton 3.6) timed both slower in every case it reached. Atomic dQ, now relaxed reductions:
+#: the backward 334 against 271 us (GPT-2 size), 3576 against 2013 (T 4096 D 128), 134
+#: against 112 (T 512); FMA exponentials: forward 113 / 707 / 44.8 against 92.7 / 557 / 35.5,
+#: dK/dV 289 / 2238 / 119 against 271 / 2013 / 112, dQ 323 / 2127 / 131 against 271 / 1917 /
+#: 112 us. Both paths stay reachable (CTXFAST_ATTN_BWD_DQ, :data:`LAUNCH_OVERRIDE`) and tested;
+#: True puts them back among the candidates (the interpreter's tests of the tuner do).
+TUNE_ATOMIC_DQ = False
+TUNE_EXP_EMU = False
+
 #: The same under the interpreter (tests: every dtype, rows of its small tiles).
 _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), False)]
 
 
 def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     """The tuner's candidates for one kernel of a call: dicts of override names
-    (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. dK/dV also tries dQ by atomic
-    adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 128 without dropout or a permutation
-    mask: elsewhere its rows spill; never under torch's deterministic algorithms), which
-    launches no dQ kernel: dQ's list is then a
-    function of the rows chosen before it (``{}`` alone after atomic adds). Each 16-bit
-    kernel also tries its table row with half of each tile's exponentials on the FMA pipe
-    (``"<kernel>:exp_emu"``, :func:`_exp_emu`)."""
+    (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. With :data:`TUNE_ATOMIC_DQ`
+    dK/dV also tries dQ by atomic adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 128
+    without dropout or a permutation mask: elsewhere its rows spill; never under torch's
+    deterministic algorithms), which launches no dQ kernel: dQ's list is then a function of
+    the rows chosen before it (``{}`` alone after atomic adds). With :data:`TUNE_EXP_EMU`
+    each 16-bit kernel also tries its table row with half of each tile's exponentials on the
+    FMA pipe (``"<kernel>:exp_emu"``, :func:`_exp_emu`)."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         listing = _TUNE_INTERPRETED
@@ -956,14 +968,14 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
             continue
         seen.add(launch)
         out.append({kernel + ":tma": tma, **({kernel: row} if row is not None else {})})
-    if kernel == "dkdv" and dense and not dropout and mask != "perm" and DQ_MODE != "atomic" \
-            and not torch.are_deterministic_algorithms_enabled() \
+    if kernel == "dkdv" and TUNE_ATOMIC_DQ and dense and not dropout and mask != "perm" \
+            and DQ_MODE != "atomic" and not torch.are_deterministic_algorithms_enabled() \
             and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 128)):
         out.append({"dq_mode": "atomic"})
         if not _interpreting():
             out += [{"dq_mode": "atomic", "dkdv_atomic": row}
                     for row in _TUNE_ATOMIC_ROWS.get(64 if block_d <= 64 else 128, ())]
-    if dtype in TMA_DTYPES and not _interpreting():
+    if TUNE_EXP_EMU and dtype in TMA_DTYPES and not _interpreting():
         out.append({kernel + ":exp_emu": True})   # the table's row, half its exp2 on FMAs
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") == "atomic" else out
@@ -1115,7 +1127,8 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
 #: recomputing the scores; deterministic) or "atomic" (the dK/dV kernel adds each tile's
 #: dS K into an fp32 accumulator with atomic adds, as FlashAttention-2 does: no second
 #: recompute, sums in no fixed order). From ``CTXFAST_ATTN_BWD_DQ`` at import; dense calls
-#: only (varlen always takes the kernel). Which is faster on a GPU is not measured yet.
+#: only (varlen always takes the kernel). The H200 timed "atomic" 1.2-1.8x slower
+#: (:data:`TUNE_ATOMIC_DQ`).
 #: "atomic" while torch's deterministic algorithms are on is refused (as torch refuses its
 #: own nondeterministic ops), and the tuner does not offer it then.
 DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
@@ -1124,8 +1137,8 @@ DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
 def _exp_emu(dtype, kernel: str) -> bool:
     """Whether kernel ("fwd", "dkdv" or "dq") computes half of each tile's exponentials on
     the FMA pipe (``kernels._common._exp2_half_fma``): 16-bit calls whose launch rows say
-    so, i.e. the override ``"<kernel>:exp_emu"`` (the tuner's candidates; not timed yet, so
-    never the table's). Its relative error, 2.6e-6, is a hundredth of fp16's half ulp;
+    so, i.e. the override ``"<kernel>:exp_emu"`` (never the table's: the H200 timed it
+    slower in every kernel, :data:`TUNE_EXP_EMU`). Its relative error, 2.6e-6, is a hundredth of fp16's half ulp;
     float32 never takes it."""
     return bool(_override(kernel + ":exp_emu")) and dtype in (torch.float16, torch.bfloat16)
 

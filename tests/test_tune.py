@@ -106,9 +106,15 @@ def _fwd_candidates(D=32, dtype=DTYPE):
                              kattn._tma_possible(dtype, torch.device(DEVICE), None, None))
 
 
+def _tiled_fwd_candidate(D=32, dtype=DTYPE):
+    """The last forward candidate with its own tile (a 16-bit list ends with options that
+    keep the table's tile, e.g. ``{"fwd:exp_emu": True}``: the first GPU round of it failed
+    a test that took the list's last entry)."""
+    return [c for c in _fwd_candidates(D, dtype) if c.get("fwd")][-1]
+
+
 def test_fastest_agreeing_row_is_chosen_and_launched(tuning, monkeypatch):
-    favourite = _fwd_candidates()[-1]
-    assert favourite.get("fwd"), "the test needs a candidate with its own tile"
+    favourite = _tiled_fwd_candidate()
     monkeypatch.setattr(_tune, "TIMER", _favour(favourite))
     _call(causal=True)
     chosen = [r for r in _tune.records() if r["chosen"] and r["kernel"] == "fwd"]
@@ -198,6 +204,7 @@ def test_atomic_dq_is_a_candidate_and_dq_is_not_tuned_after_it(tuning, monkeypat
     """dK/dV's candidates include dQ by atomic adds (no dQ kernel); when it wins, the dQ
     kernel's rows are not timed (it does not run), and the call is right."""
     atomic = {"dq_mode": "atomic"}
+    monkeypatch.setattr(kattn, "TUNE_ATOMIC_DQ", True)
     monkeypatch.setattr(_tune, "TIMER", _favour(atomic))
     seen = spy_launches(monkeypatch, kattn, ["_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"],
                         lambda a, kw: kw.get("ATOMIC_DQ", False))
@@ -217,6 +224,7 @@ def test_no_atomic_candidates_under_deterministic_algorithms(monkeypatch):
     monkeypatch.setattr(kattn, "_interpreting", lambda: False)
     monkeypatch.setattr(krel, "_interpreting", lambda: False)
     monkeypatch.setattr(krel, "DR_MODE", "kernel")
+    monkeypatch.setattr(kattn, "TUNE_ATOMIC_DQ", True)
     bf16 = torch.bfloat16
 
     def atomic_offered():
@@ -244,6 +252,8 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
     table's winners are its rows now; timing them twice is a compile and trials for
     nothing). rel_attention's likewise repeat neither the table's TMA nor its dr mode."""
     monkeypatch.setattr(kattn, "_interpreting", lambda: False)
+    monkeypatch.setattr(kattn, "TUNE_ATOMIC_DQ", True)      # the lists with every option
+    monkeypatch.setattr(kattn, "TUNE_EXP_EMU", True)
     for D in (64, 128):
         for dtype in (torch.bfloat16, torch.float16):
             for kernel in ("fwd", "dkdv", "dq"):
@@ -286,11 +296,24 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
             assert {"dr_mode": "kernel", "dq": (4, 1)} in cands, cands
 
 
+def test_options_timed_slower_are_not_candidates_by_default(monkeypatch):
+    """dQ by atomic adds and the FMA exponentials, both timed slower than the table rows in
+    every case the H200 reached (kernels/attention.py TUNE_ATOMIC_DQ, TUNE_EXP_EMU), cost a
+    first call compiles and trials for nothing: not offered unless asked for."""
+    monkeypatch.setattr(kattn, "_interpreting", lambda: False)
+    for D in (64, 128):
+        for kernel in ("fwd", "dkdv", "dq"):
+            cands = kattn._candidates(kernel, D, torch.bfloat16, "none", False, True, True)
+            cands = cands({}) if callable(cands) else cands
+            assert cands[0] == {} and len(cands) > 1, cands
+            assert not [c for c in cands if "dq_mode" in c or kernel + ":exp_emu" in c], cands
+
+
 def test_gpu_table_rows_follow_the_h200_round(monkeypatch):
     """The launch tables as an sm_90 call reads them (rows from the H200's round 4, which
     the tuner chose there): 16-bit D 64 forward and dK/dV 64 x 64 x 4 x 3, dQ 128 x 64;
     with a padding mask the forward's 128-row block and dQ 64 x 64 x 4 x 2; D 128 dQ with
-    3 stages; with dropout its own rows. rel_attention: dQ at (8, 1) when dr is added
+    3 stages (and round 5's dK/dV D 128 with 3); with dropout its own rows. rel_attention: dQ at (8, 1) when dr is added
     with atomics (16-bit 64 x 64 tiles), (4, 1) with the dR kernel."""
     bf16 = torch.bfloat16
 
@@ -303,6 +326,7 @@ def test_gpu_table_rows_follow_the_h200_round(monkeypatch):
     assert row("fwd", 64, "kpm") == (128, 64, 8, 3) and row("dq", 64, "kpm") == (64, 64, 4, 2)
     assert row("dkdv", 64, "kpm") == (64, 64, 4, 3)
     assert row("dkdv", 64, "kpm", dropout=True) == (32, 128, 8, 2)
+    assert row("dkdv", 128) == (32, 128, 8, 3)            # round 5: 1919 against 2013 us
     from ctxfast.kernels import rel_attention as krel
     monkeypatch.setattr(krel, "_interpreting", lambda: False)
     assert krel._bwd_launch(64, bf16, atomic=True)["dq"] == (8, 1)

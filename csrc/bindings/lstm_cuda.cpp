@@ -16,8 +16,8 @@
 // CTXFAST_LSTM_CUDA_KERNEL = auto (default: the first of the three that runs) |
 // persistent | persistent_mma | per_step forces one; asking for a persistent kernel where
 // it cannot run is an error, never a silent fallback.
-// CTXFAST_LSTM_CUDA_RING = 8 (default) | 4: how many h tiles the tensor-core forward's
-// product loop holds (LstmDims::ring; 4 is the loop the H200 timed in rounds 3 and 4).
+// CTXFAST_LSTM_CUDA_RING = 8 | 4: how many h tiles the tensor-core forward's product loop
+// holds (LstmDims::ring; default 8 for fp16/bf16, 4 for float32: ring_setting).
 // CTXFAST_LSTM_CUDA_BWD_REDUCE = groups (default) | blocks: how the tensor-core backward
 // sums its partial dL/dh_{t-1} per step: the grouped kernel (lstm_kernels.cuh: a 2-D
 // distribution of w_hh, a few partials per element; layers without a projection where its
@@ -85,11 +85,13 @@ Path requested_path(const char* op) {
   return Path::kPerStep;
 }
 
-// LstmDims::ring from CTXFAST_LSTM_CUDA_RING: 8 (default) or 4 h tiles in the tensor-core
-// forward's product loop.
-int ring_setting(const char* op) {
+// LstmDims::ring from CTXFAST_LSTM_CUDA_RING: 8 or 4 h tiles in the tensor-core forward's
+// product loop. Default: 8 for fp16/bf16, 4 for float32 (H200 round 5, ULMFiT layer: fp32
+// forward 5.08 ms with 4 against 6.04 ms with 8; bf16 1.90 / 1.88 ms, ELMo 1.59 / 1.57).
+int ring_setting(const char* op, at::ScalarType dtype) {
   const char* v = std::getenv("CTXFAST_LSTM_CUDA_RING");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "8") == 0) return 8;
+  if (v == nullptr || *v == '\0') return dtype == at::kFloat ? 4 : 8;
+  if (std::strcmp(v, "8") == 0) return 8;
   TORCH_CHECK_VALUE(std::strcmp(v, "4") == 0, op, ": CTXFAST_LSTM_CUDA_RING must be 4 or 8, "
                     "got '", v, "'");
   return 4;
@@ -233,7 +235,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
   TORCH_CHECK_VALUE(xw.is_cuda(), kFwd, ": xw must be a CUDA tensor, got ", xw.device());
   const cuda::LstmDtype cdt = lstm_dtype(kFwd, xw.scalar_type());
   const Path path = requested_path(kFwd);
-  const int ring = ring_setting(kFwd);
+  const int ring = ring_setting(kFwd, xw.scalar_type());
   const c10::cuda::CUDAGuard guard(xw.device());
   const auto opts = xw.options();
   Tensor out = at::empty({d.T, d.B, d.P}, opts);

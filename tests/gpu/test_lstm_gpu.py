@@ -324,20 +324,23 @@ def test_phase_clock(monkeypatch, reduce, proj):
     assert op.lstm_cuda_phase_clock(False) == ([], [])   # off: nothing recorded
 
 
-def test_tensor_core_forward_ring(monkeypatch):
-    """CTXFAST_LSTM_CUDA_RING (the tensor-core forward's h tiles in flight): 8 (default) and
-    4 load the same tiles and add the same products in the same order, so their outputs are
-    the same bits; anything else is refused by name before a launch."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tensor_core_forward_ring(monkeypatch, dtype):
+    """CTXFAST_LSTM_CUDA_RING (the tensor-core forward's h tiles in flight): 8 (the 16-bit
+    default) and 4 (float32's) load the same tiles and add the same products in the same
+    order, so their outputs are the same bits, the default's too; anything else is refused
+    by name before a launch."""
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_KERNEL", "persistent_mma")
     cpu = make_inputs(5, 40, 160, 160, False, True)
-    args = tuple(None if t is None else t.to("cuda", torch.bfloat16) for t in cpu) + (
+    args = tuple(None if t is None else t.to("cuda", dtype) for t in cpu) + (
         1.25, math.inf, math.inf, False)
     got = {}
-    for ring in ("8", "4"):
+    for ring in ("", "8", "4"):
         monkeypatch.setenv("CTXFAST_LSTM_CUDA_RING", ring)
         got[ring] = torch.ops.ctxfast.lstm_recurrence_native(*args)
-    for a, b in zip(got["8"], got["4"]):
-        assert torch.equal(a, b)
+    for ring in ("8", "4"):
+        for a, b in zip(got[""], got[ring]):
+            assert torch.equal(a, b), ring
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_RING", "6")
     with pytest.raises(ValueError, match="CTXFAST_LSTM_CUDA_RING"):
         torch.ops.ctxfast.lstm_recurrence_native(*args)
