@@ -308,10 +308,10 @@ stage_verify() {
   build
   # The timings first (what only a GPU gives, and what a cut stage must keep), the suite
   # last with what is left of the budget (round 4: 200 s reached 581 of 591 tests).
-  step "lstm: CUDA kernels against cuDNN" 45 lstm_cuda_compare.log "$PY" \
+  step "lstm: CUDA kernels against cuDNN" 80 lstm_cuda_compare.log "$PY" \
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
-    "cuda persistent-mma groups ring4" "cuda persistent-mma groups tf32x3" \
-    "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
+    "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
+    "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
   lstm_phase_clock 30
   (( ${GRID_PROBE:-1} )) && grid_sync_probe 25   # ~15 s: nvcc, then 3 x 6 launches

@@ -5,7 +5,9 @@ tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and te
 ``persistent-mma``) and per step
 (``CTXFAST_LSTM_CUDA_KERNEL``), and cuDNN's ``nn.LSTM`` with fastai-style WeightDropout
 (``bench_lstm.FastaiWeightDropLSTM``), one layer each at the benchmark's ULMFiT and ELMo
-sizes, forward and forward+backward, fp32 and bf16.
+sizes, forward and forward+backward, fp32 and bf16; and "auto", what ``ctxfast.lstm`` runs
+on CUDA tensors with no backend asked for (``ctxfast.ops.lstm.CUDA_DEFAULT``: the Triton
+forward with the CUDA C++ backward).
 
 float32: both cuDNN and the CUDA tensor-core kernels follow torch's TF32 setting for cuDNN
 RNNs (on by default: one TF32 product per MMA). The forms ending in " tf32x3" (ours:
@@ -97,6 +99,9 @@ def _forms(device: torch.device) -> List[str]:
                   "cuda persistent-mma groups ring4", "cuda persistent-mma groups ring8",
                   "cuda persistent-mma tf32x3",
                   "cuda persistent-mma groups tf32x3", "cuda per-step"]
+    if device.type == "cuda" and not [f for f in ("triton", "cuda")
+                                      if _dispatch.why_unavailable(f, device) is not None]:
+        forms.append("auto")               # no backend asked for: Triton forward, CUDA backward
     if device.type == "cuda":
         forms += ["cuDNN+WeightDropout", "cuDNN+WeightDropout ieee"]
     return forms
@@ -130,7 +135,7 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
                         return mod(x)[0]
                     leaves = [x, *mod.parameters()]       # the raw w_hh included
                 else:
-                    backend = form.split()[0]
+                    backend = None if form == "auto" else form.split()[0]
 
                     def fwd():
                         return ctxfast.lstm(x, None, *params, w_hr, weight_mask=mask,

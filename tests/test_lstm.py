@@ -6,6 +6,7 @@ floor), forward (out, h_n, c_n) and every gradient (x, h0, c0, w_ih, w_hh, b_ih,
 On CPU the Triton kernels run in the interpreter (blocks of 16 there), so the sizes stay
 small: H = 20 and P = 20 cross a block edge, B = 3 and I = 7 are odd.
 """
+import importlib
 import math
 import os
 import subprocess
@@ -26,6 +27,9 @@ needs_triton = pytest.mark.skipif("triton" not in BACKENDS,
                                   reason="Triton on CPU needs TRITON_INTERPRET=1")
 needs_native = pytest.mark.skipif(NATIVE not in BACKENDS,
                                   reason="ctxfast._C was built without lstm_recurrence_native")
+# the CUDA default's Triton forward with the C++ backward (ctxfast.ops.lstm.CUDA_DEFAULT)
+SPLIT = "triton" in BACKENDS and NATIVE in BACKENDS
+needs_split = pytest.mark.skipif(not SPLIT, reason="needs both the Triton and the C++ backend")
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 NAMES = ("x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh", "w_hr")
 
@@ -236,6 +240,9 @@ def _recurrence_ops():
     if NATIVE in BACKENDS:
         ops.append((NATIVE, torch.ops.ctxfast.lstm_recurrence_native,
                     torch.ops.ctxfast.lstm_recurrence_backward_native))
+    if SPLIT:
+        ops.append(("split", torch.ops.ctxfast.lstm_recurrence_split,
+                    torch.ops.ctxfast.lstm_recurrence_backward_native))
     return ops
 
 
@@ -295,6 +302,13 @@ def test_opcheck_triton():
              torch.ops.ctxfast.lstm_recurrence_backward_triton.default)
 
 
+@needs_split
+def test_opcheck_split():
+    _opcheck(torch.ops.ctxfast.lstm_recurrence_split.default,
+             torch.ops.ctxfast.lstm_recurrence_backward_native.default,
+             torch.float32 if DEVICE == "cuda" else torch.float64)
+
+
 @needs_native
 def test_opcheck_native():
     # The CUDA C++ kernels take float32/float16/bfloat16 and refuse float64 with a TypeError
@@ -317,8 +331,13 @@ def test_gradcheck_triton_fp64():
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_torch_compile_fullgraph(backend):
+@pytest.mark.parametrize("backend", BACKENDS + (["split"] if SPLIT else []))
+def test_torch_compile_fullgraph(backend, monkeypatch):
+    """torch.compile(fullgraph=True) of a call and its gradients; "split": no backend asked
+    for, routed to the CUDA default's op (Triton forward, C++ backward)."""
+    if backend == "split":
+        _split_only(monkeypatch)
+        backend = None
     torch._dynamo.reset()
     args, kw = _inputs(3, 2, 5, 16, 12, mask=True)
     kw.update(cell_clip=0.5, proj_clip=0.3)
@@ -703,3 +722,63 @@ def test_cpu_linear_setting_is_refused_before_any_kernel():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, CTXFAST_CPU_LINEAR="mkl"), timeout=300)
     assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
+def _split_only(monkeypatch):
+    """Route every ctxfast.lstm call without a backend through the split op (on a CPU the
+    dispatch never picks it: it is the CUDA default), with the Triton backward made to fail
+    and the Triton forward counted: the test then knows which kernels ran."""
+    from ctxfast.kernels import lstm as klstm
+    lstm_ops = importlib.import_module("ctxfast.ops.lstm")   # the module, not the op
+    forwards = []
+    real_forward = klstm.lstm_forward
+
+    def forward(*a, **k):
+        forwards.append(a[0].shape)
+        return real_forward(*a, **k)
+
+    def no_triton_backward(*a, **k):
+        raise AssertionError("the split op ran the Triton backward")
+    monkeypatch.setattr(klstm, "lstm_forward", forward)
+    monkeypatch.setattr(klstm, "lstm_backward", no_triton_backward)
+    monkeypatch.setattr(lstm_ops, "_split_by_default",
+                        lambda name, asked, x: asked is None and name == NATIVE)
+    return forwards
+
+
+@needs_split
+@pytest.mark.parametrize("case_id,dtype", [(c[0], torch.float32) for c in CASES]
+                         + [(c, torch.float16) for c in FP16_CASES])
+def test_split_against_reference(monkeypatch, case_id, dtype):
+    """The CUDA default (no backend asked for): the Triton forward's out / cells / gates
+    feed the C++ backward; outputs and every gradient within 2x eager's error, clips and
+    DropConnect included."""
+    forwards = _split_only(monkeypatch)
+    _run_case(None, case_id, dtype)
+    assert forwards, "the Triton forward did not run"
+
+
+def test_split_is_the_cuda_default_only_when_no_backend_is_asked_for(monkeypatch):
+    """CUDA tensors, no backend asked for, the C++ backend picked and Triton able to run:
+    split; a backend asked for (argument, context or CTXFAST_BACKEND: ``asked``), another
+    device, Triton unavailable or CUDA_DEFAULT = "cuda": not."""
+    lstm_ops = importlib.import_module("ctxfast.ops.lstm")   # the module, not the op
+
+    class Cuda:                                   # what the decision reads of x
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    class Cpu:
+        is_cuda = False
+        device = torch.device("cpu")
+    monkeypatch.setattr(_dispatch, "why_unavailable", lambda b, d: None)
+    decide = lstm_ops._split_by_default
+    assert decide("cuda", None, Cuda())
+    assert not decide("cuda", "cuda", Cuda()) and not decide("triton", "triton", Cuda())
+    assert not decide("triton", None, Cuda()) and not decide("cpu", None, Cpu())
+    monkeypatch.setattr(_dispatch, "why_unavailable", lambda b, d: "no triton" if
+                        b == "triton" else None)
+    assert not decide("cuda", None, Cuda())
+    monkeypatch.setattr(_dispatch, "why_unavailable", lambda b, d: None)
+    monkeypatch.setattr(lstm_ops, "CUDA_DEFAULT", "cuda")
+    assert not decide("cuda", None, Cuda())

@@ -15,6 +15,9 @@ Registered ops (under ``torch.ops.ctxfast``; fakes and autograd here):
 * ``lstm_recurrence_native`` / ``lstm_recurrence_backward_native``: the same schemas in C++
   (``csrc/cpu`` through ``ctxfast._C``, ``csrc/cuda`` through ``ctxfast._cuda``), where the
   extension was built with them.
+* ``lstm_recurrence_split``: the Triton forward's schema, with ``lstm_recurrence_backward_native``
+  as its backward (both save the same ``out``, ``cells`` and ``gates``): what CUDA tensors
+  run when no backend is asked for (:data:`CUDA_DEFAULT`).
 
 ``grad_w_hh`` is the gradient w.r.t. the *unmasked* ``w_hh`` (``dW * mask * scale``);
 ``grad_w_hr`` is an empty ``[0]`` tensor when there is no projection. ``gates`` (the
@@ -41,8 +44,8 @@ from ._common import register_autograd as _register_autograd
 _NATIVE = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "lstm_recurrence_native")
 
 # Defaults: on CPU the C++ kernel where built, else the eager loop (Triton runs on CPU only
-# in the interpreter, for tests); on CUDA the CUDA C++ kernel, then Triton. Not yet
-# measured (CPU: benchmarks/bench_lstm.py; GPU: the GPU round decides the order).
+# in the interpreter, for tests); on CUDA the CUDA C++ kernel, then Triton ("cuda" with
+# both able to run: the Triton forward, the CUDA backward, CUDA_DEFAULT below).
 _dispatch.register_op(
     "lstm",
     supported=("triton", "cuda", "cpu", "eager") if _NATIVE else ("triton", "eager"),
@@ -141,6 +144,45 @@ if _NATIVE:
         "ctxfast::lstm_recurrence_native",
         _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
         _setup_context)
+
+
+# ---------------------------------------- Triton forward, C++ backward (the CUDA default)
+
+#: What :func:`lstm` runs on CUDA tensors when no backend is asked for (argument, context,
+#: ``CTXFAST_BACKEND``) and both the CUDA C++ and the Triton backend can run: ``"split"``,
+#: the Triton persistent forward and the CUDA C++ backward (one autograd op,
+#: ``lstm_recurrence_split``), or ``"cuda"``, both directions in CUDA C++. Asking for
+#: ``backend="cuda"`` or ``"triton"`` runs both directions on that one. Why split: the H200
+#: (round 5, benchmarks/results/nvidia-h200/2026-11-27-round5, one layer, DropConnect 0.2)
+#: timed the Triton forward 2.4x the CUDA one at ULMFiT's size (H 1152, T 70, B 64; bf16
+#: 0.79 against 1.88 ms, fp32 2.29 against 5.08) and level at ELMo's (4096 / 512, T 50,
+#: B 32; bf16 1.55 against 1.57), and the CUDA backward (forward+backward less forward)
+#: 3.0x the Triton one at ELMo's size (1.61 against 4.87 ms), 1.18x at ULMFiT's in fp32
+#: (5.77 against 6.83), 0.94x in bf16 (2.45 against 2.31). The split itself is not timed yet.
+CUDA_DEFAULT = "split"
+
+if _NATIVE:
+    @torch.library.custom_op("ctxfast::lstm_recurrence_split", mutates_args=())
+    def _lstm_recurrence_split(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
+                               w_hr: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                               cell_clip: float, proj_clip: float,
+                               reverse: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        from ctxfast.kernels.lstm import lstm_forward  # imports triton
+        return lstm_forward(xw, h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip,
+                            reverse)
+
+    _lstm_recurrence_split.register_fake(_recurrence_fake)
+    _recurrence_split = _register_autograd(
+        _lstm_recurrence_split,
+        _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
+        _setup_context)
+
+
+def _split_by_default(name: str, asked: Optional[str], x: Tensor) -> bool:
+    """Whether this call runs :data:`CUDA_DEFAULT`'s split: CUDA tensors, no backend asked
+    for, the CUDA C++ backend picked and the Triton one able to run."""
+    return (CUDA_DEFAULT == "split" and asked is None and name == "cuda" and x.is_cuda
+            and _dispatch.why_unavailable("triton", x.device) is None)
 
 
 # --------------------------------------------------------------------------- checks
@@ -342,6 +384,8 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         reverse: consume ``t = T-1 .. 0`` (the backward direction of a biLSTM); ``out``
             stays in time order.
         backend: ``"triton" | "cuda" | "cpu" | "eager"`` or None (see ``ctxfast.backend``).
+            None on CUDA tensors: the Triton forward and the CUDA C++ backward where both
+            can run (:data:`CUDA_DEFAULT`); a backend asked for runs both directions.
 
     Returns:
         ``(out [T, B, P], (h_n [B, P], c_n [B, H]))`` in x's dtype: ``h_n = out[T-1]``
@@ -380,7 +424,10 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         scale = 1.0 / (1.0 - float(weight_dropout))
     bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
     xw = _projection(x, w_ih, bias, name)                         # [T, B, 4H]
-    op = _recurrence_triton if name == "triton" else _recurrence_native
+    if _split_by_default(name, asked, x):
+        op = _recurrence_split                  # Triton forward, CUDA C++ backward
+    else:
+        op = _recurrence_triton if name == "triton" else _recurrence_native
     out, cells, _ = op(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
     last = 0 if reverse else T - 1
     return out, (out[last], cells[last])

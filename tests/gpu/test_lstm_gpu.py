@@ -344,3 +344,42 @@ def test_tensor_core_forward_ring(monkeypatch, dtype):
     monkeypatch.setenv("CTXFAST_LSTM_CUDA_RING", "6")
     with pytest.raises(ValueError, match="CTXFAST_LSTM_CUDA_RING"):
         torch.ops.ctxfast.lstm_recurrence_native(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_default_runs_the_triton_forward_and_the_cuda_backward(monkeypatch, dtype):
+    """ctxfast.lstm on CUDA tensors with no backend asked for (ctxfast.ops.lstm's
+    CUDA_DEFAULT "split"): the Triton forward, then the CUDA C++ backward (the Triton
+    backward never runs); its outputs and gradients within 2x eager's error against float64.
+    backend="cuda" runs the CUDA forward (the Triton one is not called)."""
+    from ctxfast.kernels import lstm as klstm
+    calls = []
+    real_forward = klstm.lstm_forward
+    monkeypatch.setattr(klstm, "lstm_forward",
+                        lambda *a, **k: calls.append("triton forward") or real_forward(*a, **k))
+    monkeypatch.setattr(klstm, "lstm_backward", lambda *a, **k: calls.append("triton backward"))
+    T, B, I, H = 9, 37, 24, 61
+    g = torch.Generator(device="cuda").manual_seed(1)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    base = [mk(T, B, I), mk(B, H), mk(B, H), mk(4 * H, I) * 0.3, mk(4 * H, H) * 0.3,
+            mk(4 * H), mk(4 * H)]
+    mask = (torch.rand(4 * H, H, device="cuda", generator=g) > 0.2).float()
+    kw = dict(weight_mask=mask, weight_dropout=0.2, cell_clip=0.6)
+    res = {}
+    for name, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
+        leaves = [t.detach().to(dt).requires_grad_() for t in base]
+        x, h0, c0, w_ih, w_hh, b_ih, b_hh = leaves
+        fn = ctxfast.lstm if name == "ours" else reference.lstm
+        out, (h, c) = fn(x, (h0, c0), w_ih, w_hh, b_ih, b_hh, None,
+                         **{**kw, "weight_mask": mask.to(dt)})
+        grads = torch.autograd.grad((out * out).sum() + c.sum(), leaves)
+        res[name] = [out, c, *grads]
+    assert calls == ["triton forward"], calls
+    for i, (ours, same, ref) in enumerate(zip(res["ours"], res["same"], res["ref"])):
+        ref = ref.float()
+        err, eager = rel_err(ours.float(), ref), rel_err(same.float(), ref)
+        assert err <= 2 * eager + FLOOR[dtype], (i, err, eager)
+    calls.clear()
+    x = base[0].to(dtype)
+    ctxfast.lstm(x, None, *[t.to(dtype) for t in base[3:]], backend="cuda")
+    assert calls == []
