@@ -938,11 +938,15 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
         assert (BENCH_DIR.parent / f).exists(), f
     assert any("tune_report.py" in c and "--out" in c for c in verify)
     assert any("lstm_launch_compare.py" in c and "persistent-mma" in c for c in verify)
-    # the grid-sync probe (built with nvcc there): in the ncu stage, and verify's last step
+    # the grid-sync probe (built with nvcc there): in the ncu stage and in verify
     for stage in ("ncu", "verify"):
         probe = [c for c in stages[stage] if "grid_sync_probe.cu" in c]
         assert len(probe) == 1 and "-arch=sm_90" in probe[0], stages[stage]
-    assert "grid_sync_probe.cu" in verify[-3] and "tune_report.py" in verify[-2]
+    # verify: the timings first, the suite last (a cut stage keeps what only a GPU gives)
+    step = {k: next(i for i, c in enumerate(verify) if k in c)
+            for k in ("lstm_launch_compare.py", "tune_report.py", " -m pytest tests/gpu ")}
+    assert step["lstm_launch_compare.py"] < step["tune_report.py"] < step[" -m pytest tests/gpu "]
+    assert " -m pytest tests/gpu " in verify[-2] and "auto" in verify[step["lstm_launch_compare.py"]]
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):
