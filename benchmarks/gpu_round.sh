@@ -314,7 +314,11 @@ stage_verify() {
     "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
   lstm_phase_clock 30
-  (( ${GRID_PROBE:-1} )) && grid_sync_probe 25   # ~15 s: nvcc, then 3 x 6 launches
+  # the Triton forward (the CUDA default's) under other tiles and pipelines: rows to adopt
+  step "lstm: Triton forward sweep" 80 lstm_triton_sweep.log "$PY" \
+    benchmarks/lstm_triton_sweep.py --time-budget 65 --out "$R/lstm_triton_sweep.json"
+  summarize lstm_triton_sweep.log "fastest|DISAGREES|Error" 12
+  (( ${GRID_PROBE:-1} )) && grid_sync_probe 25   # ~6 s: nvcc, then 3 x 6 launches
   # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
   # checked against the table row) against the table rows and SDPA, per headline case: the
   # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)

@@ -576,10 +576,24 @@ def _config(B: int, H: int, P: int, dtype: torch.dtype, device: torch.device) ->
     return dict(BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=32, BLOCK_P=bp, num_warps=4)
 
 
+#: Keys of :func:`_config`'s dict (and ``num_stages``, Triton's default 3 when absent) that
+#: replace its choice in every launch, forward and backward, e.g. ``{"BLOCK_K": 64,
+#: "num_warps": 8}``: what ``benchmarks/lstm_triton_sweep.py`` times on a GPU. None: the table.
+CONFIG_OVERRIDE: Optional[dict] = None
+
+_CONFIG_KEYS = ("BLOCK_B", "BLOCK_H", "BLOCK_K", "BLOCK_P", "num_warps", "num_stages")
+
+
 def _plan(B: int, H: int, P: int, dtype: torch.dtype,
           device: torch.device) -> Tuple[dict, Optional[int], dict]:
     """(tile config, persistent grid or None for stepwise, launch options)."""
     cfg = _config(B, H, P, dtype, device)
+    if CONFIG_OVERRIDE:
+        bad = sorted(set(CONFIG_OVERRIDE) - set(_CONFIG_KEYS))
+        if bad:
+            raise ValueError(f"kernels.lstm.CONFIG_OVERRIDE: unknown keys {bad}; expected "
+                             f"some of {list(_CONFIG_KEYS)}")
+        cfg = {**cfg, **CONFIG_OVERRIDE}
     mode = LAUNCH
     if mode not in (None, "persistent", "stepwise"):
         raise ValueError(f"kernels.lstm.LAUNCH must be None, 'persistent' or 'stepwise', got {mode!r}")

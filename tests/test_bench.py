@@ -1093,6 +1093,27 @@ def test_lstm_launch_compare_runs_every_form(tmp_path):
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton LSTM needs a GPU or the interpreter")
+def test_lstm_triton_sweep_times_each_candidate(tmp_path):
+    """benchmarks/lstm_triton_sweep.py (gpu_round's verify stage): the table row, then each
+    candidate, each compared with the table row's output; a JSON row each, a winner per
+    case; the override is cleared after every row."""
+    out = tmp_path / "sweep.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "lstm_triton_sweep.py")
+    proc = subprocess.run([sys.executable, script, "--quick", "--time-budget", "40", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    ran = [r for r in rows if "fwd_ms" in r]
+    assert ran[0]["override"] is None and ran[0]["vs_table"] == 1.0
+    assert len(ran) >= 3 and all(r["agrees"] and r["fwd_ms"] > 0 for r in ran), rows
+    for case in {r["case"] for r in ran}:             # each row of a case its own launch
+        cfgs = [json.dumps(r["config"], sort_keys=True) for r in ran if r["case"] == case]
+        assert len(set(cfgs)) == len(cfgs), cfgs
+    assert "fastest tiny float32" in proc.stdout
+
+
 def test_rel_attention_check_allows_what_bf16_itself_costs():
     # The first H200 run (2026-11-26): the original code itself was 2.1% off in bf16 at
     # Tq 1 against 3,072 keys, over the fixed 2% of the correctness check, so the case had

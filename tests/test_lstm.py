@@ -782,3 +782,24 @@ def test_split_is_the_cuda_default_only_when_no_backend_is_asked_for(monkeypatch
     monkeypatch.setattr(_dispatch, "why_unavailable", lambda b, d: None)
     monkeypatch.setattr(lstm_ops, "CUDA_DEFAULT", "cuda")
     assert not decide("cuda", None, Cuda())
+
+
+@needs_triton
+def test_triton_config_override(monkeypatch):
+    """kernels.lstm.CONFIG_OVERRIDE (the sweep's knob): another tile and pipeline for the
+    forward and the backward give the same result within 2x eager's error; an unknown key
+    is refused by name before a launch."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, "CONFIG_OVERRIDE", {"BLOCK_K": 32, "BLOCK_H": 32,
+                                                   "num_stages": 2})
+    seen = []
+    real_plan = klstm._plan
+    monkeypatch.setattr(klstm, "_plan", lambda *a: seen.append(real_plan(*a)[0]) or
+                        real_plan(*a))
+    _run_case("triton", "T5-B3-H20-P12-mask-clips", torch.float32)
+    assert seen and all(c["BLOCK_K"] == 32 and c["BLOCK_H"] == 32 and c["num_stages"] == 2
+                        for c in seen), seen
+    monkeypatch.setattr(klstm, "CONFIG_OVERRIDE", {"BLOCK_Q": 32})
+    args, kw = _inputs(3, 2, 5, 16)
+    with pytest.raises(ValueError, match="BLOCK_Q"):
+        _call(ctxfast.lstm, args, kw, backend="triton")

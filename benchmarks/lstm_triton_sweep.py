@@ -1,0 +1,157 @@
+"""The Triton LSTM forward's launch configurations, timed side by side on a GPU: the
+table's (``kernels/lstm.py`` ``_config``) and each candidate of :data:`CANDIDATES`
+(``kernels.lstm.CONFIG_OVERRIDE``), at the benchmark's ULMFiT and ELMo layer sizes, bf16
+and float32, DropConnect 0.2. The forward is what ``ctxfast.lstm`` runs on CUDA tensors by
+default (``ctxfast.ops.lstm.CUDA_DEFAULT``); the round 5 H200 run found the table's
+first guess (ULMFiT: 72 programs of 64 rows x 16 units, BLOCK_K 32, 4 warps, Triton's
+default 3 stages) at 0.79 ms in bf16, 2.29 ms in float32.
+
+    python benchmarks/lstm_triton_sweep.py [--quick] [--time-budget S] [--out FILE.json]
+
+Each candidate's output is compared with the table row's (relative error, the same
+inputs): a candidate that disagrees beyond the dtype's bound (another summation order
+moves a few ulps; a miscompiled launch moves everything) is reported and never the
+winner. Timing: CUDA events, median of ``--reps`` after 2 warm-up calls (the first
+compiles); ``--quick`` on a CPU: tiny sizes under the interpreter, wall-clock time (a check
+that the script runs, not a timing). The time budget stops starting candidates when spent
+(and says so); each row prints as it lands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+from ctxfast.kernels import lstm as klstm  # noqa: E402
+
+#: (name, hidden, proj, T, B): the recurrence's sizes (the input projection is not timed)
+FULL = [("ULMFiT layer 1152", 1152, 0, 70, 64), ("ELMo layer 4096/512", 4096, 512, 50, 32)]
+QUICK = [("tiny", 20, 0, 4, 3), ("tiny proj", 20, 12, 4, 3)]
+P_DROP = 0.2
+
+#: Overrides tried after the table's row (keys of ``kernels.lstm.CONFIG_OVERRIDE``). The
+#: table row runs ``min(tiles, SMs)`` programs; rows with more tiles than SMs give some
+#: programs two tiles a step. Deeper K steps and pipelines for the L2 stream of ``w_hh`` and
+#: ``h`` (Little's law: the table's 3 stages of 64 x 32 + 64 x 32 bf16 keep 24 KB in flight
+#: per SM), more warps per tile, other tile shapes.
+CANDIDATES: List[Dict[str, int]] = [
+    {"BLOCK_K": 64}, {"BLOCK_K": 64, "num_stages": 4}, {"BLOCK_K": 32, "num_stages": 5},
+    {"BLOCK_K": 64, "num_warps": 8}, {"BLOCK_K": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_H": 32, "BLOCK_K": 64, "num_warps": 8}, {"BLOCK_H": 8, "BLOCK_K": 64},
+    {"BLOCK_B": 32, "BLOCK_K": 64}, {"BLOCK_K": 16, "num_stages": 6},
+]
+#: float32 (one TF32 product; the table: BLOCK_K 16, 8 warps at 64 x 64 tiles)
+CANDIDATES_FP32: List[Dict[str, int]] = [
+    {"BLOCK_K": 32}, {"BLOCK_K": 32, "num_stages": 4}, {"BLOCK_K": 16, "num_stages": 5},
+    {"BLOCK_K": 32, "num_warps": 4}, {"BLOCK_K": 64, "num_stages": 2},
+    {"BLOCK_H": 32, "BLOCK_K": 32}, {"BLOCK_B": 32, "BLOCK_K": 32, "num_warps": 4},
+]
+#: the agreement bound with the table row's output (relative error)
+AGREE = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _inputs(H: int, P: int, T: int, B: int, dtype, device):
+    Pe = P or H
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, device=device, generator=g) * scale).to(dtype)
+    mask = (torch.rand(4 * H, Pe, device=device, generator=g) >= P_DROP).to(dtype)
+    return (r(T, B, 4 * H), r(B, Pe), r(B, H), r(4 * H, Pe, scale=Pe ** -0.5),
+            r(Pe, H, scale=H ** -0.5) if P else None, mask, 1.0 / (1.0 - P_DROP),
+            3.0 if P else float("inf"), 3.0 if P else float("inf"), False)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(quick: bool, reps: int, dtypes: List[str], budget: float) -> List[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    time_ms = _common.median_timer(device, 1 if quick else reps)
+    start = time.monotonic()
+    rows: List[dict] = []
+    for (name, H, P, T, B) in (QUICK if quick else FULL):
+        for dt_name in dtypes:
+            dtype = getattr(torch, dt_name)
+            args = _inputs(H, P, T, B, dtype, device)
+            cands = CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES
+            table_out: Optional[torch.Tensor] = None
+            table_ms: Optional[float] = None
+            for over in [None] + cands:
+                if time.monotonic() - start > budget:
+                    print(f"{name} {dt_name} {over}: not run (time budget)", flush=True)
+                    rows.append(dict(case=name, dtype=dt_name, override=over,
+                                     error="not run: time budget"))
+                    continue
+                row = dict(case=name, dtype=dt_name, override=over)
+                klstm.CONFIG_OVERRIDE = over
+                try:
+                    cfg, grid, _ = klstm._plan(B, H, P or H, dtype, device)
+                    row.update(config=cfg, programs=grid)
+                    out = klstm.lstm_forward(*args)[0]
+                    ms = time_ms(lambda: klstm.lstm_forward(*args))
+                except (RuntimeError, ValueError, OutOfResources, CompilationError) as e:
+                    # a row that cannot compile or launch here says why; the sweep goes on
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    print(f"{name} {dt_name} {over}: {row['error']}", flush=True)
+                    rows.append(row)
+                    continue
+                finally:
+                    klstm.CONFIG_OVERRIDE = None
+                if over is None:
+                    table_out, table_ms = out, ms
+                gap = _rel(out, table_out) if table_out is not None else 0.0
+                row.update(fwd_ms=round(ms, 4), gap=gap, agrees=gap <= AGREE[dtype],
+                           vs_table=round(table_ms / ms, 3) if table_ms else None)
+                rows.append(row)
+                print(f"{name:20s} {dt_name:9s} {str(over or 'table'):62s} {grid!s:>4} progs "
+                      f"fwd {ms:8.3f} ms ({row['vs_table']}x)"
+                      f"{'' if row['agrees'] else f'  DISAGREES (gap {gap:.2g})'}", flush=True)
+    best = {}
+    for r in rows:
+        if r.get("agrees"):
+            k = (r["case"], r["dtype"])
+            if k not in best or r["fwd_ms"] < best[k]["fwd_ms"]:
+                best[k] = r
+    for (case, dt), r in best.items():
+        print(f"fastest {case} {dt}: {r['override'] or 'table'} {r['fwd_ms']} ms "
+              f"({r['vs_table']}x the table)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtypes", nargs="+", default=None,
+                    help="default: bfloat16 float32 on a GPU, float32 on a CPU")
+    ap.add_argument("--time-budget", type=float, default=120.0)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        print("lstm_triton_sweep: the full sizes need a GPU (use --quick on a CPU)")
+        return 2
+    dtypes = args.dtypes or (["bfloat16", "float32"] if torch.cuda.is_available() else ["float32"])
+    rows = run(args.quick, args.reps, dtypes, args.time_budget)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": _common.device_name("cuda" if torch.cuda.is_available()
+                                                     else "cpu"),
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
