@@ -803,3 +803,105 @@ def test_triton_config_override(monkeypatch):
     args, kw = _inputs(3, 2, 5, 16)
     with pytest.raises(ValueError, match="BLOCK_Q"):
         _call(ctxfast.lstm, args, kw, backend="triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("M, K, N, bias, view", [
+    (37, 19, 23, True, "contiguous"), (5, 33, 40, False, "a transposed"),
+    (18, 16, 17, True, "b transposed"), (1, 1, 1, True, "contiguous"),
+    (3, 0, 4, True, "contiguous"), (0, 5, 4, False, "contiguous")])
+def test_tf32_matmul_against_float64(M, K, N, bias, view):
+    """kernels/linear.py's GEMM (the LSTM's float32 projection where TF32 is nn.LSTM's
+    choice): odd and edge sizes, transposed operands read through their strides, bias or
+    not, against float64. The interpreter's float32 dots are exact: float32's bound here;
+    a GPU takes TF32 products (tests/gpu/test_lstm_gpu.py)."""
+    from ctxfast.kernels.linear import tf32_matmul
+    a = torch.randn(K, M).t() if view == "a transposed" else torch.randn(M, K)
+    b = torch.randn(N, K).t() if view == "b transposed" else torch.randn(K, N)
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    bv = torch.randn(N, device=DEVICE) if bias else None
+    got = tf32_matmul(a, b, bv)
+    want = a.double() @ b.double() + (bv.double() if bias else 0)
+    assert got.shape == (M, N) and got.dtype == torch.float32 and got.is_contiguous()
+    tol = 1e-2 if DEVICE == "cuda" else 1e-5           # TF32 on a GPU, exact interpreted
+    assert rel_err(got, want) <= tol if want.numel() else True
+
+
+def _tf32_projection_here(monkeypatch):
+    """The lstm_projection ops take the TF32 kernel for these tensors (as CUDA float32 with
+    cuDNN's RNN TF32 on and cuBLAS's off would); its calls counted."""
+    from ctxfast.kernels import linear as klinear
+    lstm_ops = importlib.import_module("ctxfast.ops.lstm")
+    calls = []
+    real = klinear.tf32_matmul
+
+    def counted(a, b, bias=None):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b, bias)
+    monkeypatch.setattr(klinear, "tf32_matmul", counted)
+    monkeypatch.setattr(lstm_ops, "_tf32_projection", lambda x2: True)
+    return calls
+
+
+@needs_triton
+def test_projection_op_on_the_tf32_kernel(monkeypatch):
+    """torch.ops.ctxfast.lstm_projection (and its backward) on the TF32 kernel: forward and
+    the gradients of x, w and b against float64; a gradient nobody needs is not computed
+    (the first layer's x often needs none: a 47 GFLOP product at ULMFiT's size)."""
+    calls = _tf32_projection_here(monkeypatch)
+    x = torch.randn(21, 7, device=DEVICE, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(12, 7, device=DEVICE, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(12, device=DEVICE, dtype=torch.float32, requires_grad=True)
+    y = torch.ops.ctxfast.lstm_projection(x, w, b)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w, b), g)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = x64 @ w64.t() + b64
+    grads64 = torch.autograd.grad(y64, (x64, w64, b64), g.double())
+    tol = 1e-2 if DEVICE == "cuda" else 1e-5
+    assert rel_err(y, y64) <= tol
+    for got, want in zip(grads, grads64):
+        assert rel_err(got, want) <= tol
+    assert len(calls) == 3                               # forward, dx, dw
+    calls.clear()
+    (gw,) = torch.autograd.grad(torch.ops.ctxfast.lstm_projection(x.detach(), w, None), (w,), g)
+    assert len(calls) == 2 and rel_err(gw, grads64[1]) <= tol   # no dx product
+
+
+@needs_triton
+def test_opcheck_projection(monkeypatch):
+    _tf32_projection_here(monkeypatch)
+    x = torch.randn(9, 5, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, 5, device=DEVICE, requires_grad=True)
+    for b in (torch.randn(8, device=DEVICE, requires_grad=True), None):
+        torch.library.opcheck(torch.ops.ctxfast.lstm_projection.default, (x, w, b))
+    torch.library.opcheck(torch.ops.ctxfast.lstm_projection_backward.default,
+                          (torch.randn(9, 8, device=DEVICE), x.detach(), w.detach(), True,
+                           False))
+
+
+def test_projection_takes_tf32_only_where_nn_lstm_would(monkeypatch):
+    """The TF32 kernel: CUDA float32, cuDNN's RNN TF32 on and cuBLAS's off (torch's
+    defaults: F.linear would be exact float32 where nn.LSTM's GEMMs are TF32). cuBLAS's on:
+    F.linear is TF32 already; cuDNN's off: exact float32, as nn.LSTM; 16-bit, CPU
+    tensors or RNN_TF32_PROJECTION = False: F.linear."""
+    pytest.importorskip("triton")
+    from ctxfast.kernels import _common as kcommon
+    lstm_ops = importlib.import_module("ctxfast.ops.lstm")
+
+    class X:
+        def __init__(self, is_cuda=True, dtype=torch.float32):
+            self.is_cuda, self.dtype = is_cuda, dtype
+    settings = {"rnn": True, "cublas": False}
+    monkeypatch.setattr(kcommon, "_rnn_tf32_allowed", lambda: settings["rnn"])
+    monkeypatch.setattr(kcommon, "_tf32_allowed", lambda: settings["cublas"])
+    decide = lstm_ops._tf32_projection
+    assert decide(X())
+    assert not decide(X(is_cuda=False)) and not decide(X(dtype=torch.bfloat16))
+    settings["cublas"] = True
+    assert not decide(X())
+    settings.update(cublas=False, rnn=False)
+    assert not decide(X())
+    settings["rnn"] = True
+    monkeypatch.setattr(lstm_ops, "RNN_TF32_PROJECTION", False)
+    assert not decide(X())

@@ -55,7 +55,7 @@ SMEM_LIMIT = {90: 232448, 80: 166912}
 #: Kernels whose registers, spills and MMA instructions are recorded (sm_90) and checked:
 #: no spills, and their 16-bit dots lower to Hopper's wgmma.
 FACT_KERNELS = ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
-                "_lstm_fwd_kernel", "_lstm_bwd_kernel"]
+                "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel"]
 #: Of FACT_KERNELS, those whose 16-bit dots must all be wgmma (the LSTM's batch block of 32
 #: rows is too short for a warpgroup MMA: mma.sync there is expected).
 WGMMA_KERNELS = FACT_KERNELS[:3]
@@ -98,7 +98,7 @@ KERNELS = [
     "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
     "_rel_attn_bwd_dr_kernel",
-    "_lstm_fwd_kernel", "_lstm_bwd_kernel",
+    "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel",
     "_rel_shift_kernel", "_bwd_delta_kernel",
 ]
 
@@ -112,7 +112,7 @@ def _cases():
 
     import torch
 
-    from ctxfast.kernels import attention, lstm, rel_attention, rel_shift
+    from ctxfast.kernels import attention, linear, lstm, rel_attention, rel_shift
 
     def randn(*shape, dtype):
         return torch.randn(shape).to(dtype)
@@ -167,6 +167,15 @@ def _cases():
         out, cells, gates = lstm.lstm_forward(xw, h0, c0, *args)
         lstm.lstm_backward(torch.randn_like(out), torch.randn_like(cells), h0, c0, *args, out,
                            cells, gates)
+
+    def projection(M, K, N):
+        """The LSTM's float32 projection on TF32 products, forward and both gradients (the
+        transposed operands as strided views)."""
+        x, w, g = randn(M, K, dtype=torch.float32), randn(N, K, dtype=torch.float32), \
+            randn(M, N, dtype=torch.float32)
+        linear.linear_forward(x, w, randn(N, dtype=torch.float32))
+        linear.tf32_matmul(g, w)
+        linear.tf32_matmul(g.t(), x)
 
     def shift(Tq, Tk, *, transposed=False):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -325,6 +334,8 @@ def _cases():
          lambda: lstm_fwd_bwd(bf16, B=64, H=128, mask=True, clip=True, reverse=True)),
         ("lstm fp32/tf32x3 B=8", sm90, lambda: lstm_fwd_bwd(f32, B=8, H=64)),
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
+        ("linear fp32/tf32 ULMFiT projection 4480 x 1152 -> 4608", both,
+         lambda: projection(4480, 1152, 4608)),
         ("rel_shift fp16/bf16/fp32 Tk=1024", both, lambda: shift(64, 1024)),
         ("rel_shift fp16/bf16/fp32 Tk=40 transposed", sm90, lambda: shift(20, 40, transposed=True)),
     ] + tuning            # last: a launch the cases above make keeps their name
@@ -333,8 +344,8 @@ def _cases():
 # =========================================================================== the script
 
 def _kernel_modules():
-    from ctxfast.kernels import _common, attention, lstm, rel_attention, rel_shift
-    return _common, attention, lstm, rel_attention, rel_shift
+    from ctxfast.kernels import _common, attention, linear, lstm, rel_attention, rel_shift
+    return _common, attention, linear, lstm, rel_attention, rel_shift
 
 
 def _kernel_names():

@@ -383,3 +383,35 @@ def test_default_runs_the_triton_forward_and_the_cuda_backward(monkeypatch, dtyp
     x = base[0].to(dtype)
     ctxfast.lstm(x, None, *[t.to(dtype) for t in base[3:]], backend="cuda")
     assert calls == []
+
+
+def test_float32_projection_takes_tf32_as_nn_lstm(monkeypatch):
+    """torch's defaults (TF32 for cuDNN's RNNs, not for cuBLAS; the suite turns the first
+    off, tests/conftest.py): ctxfast.lstm's float32 input projection and its gradients run
+    on the TF32 kernel (kernels/linear.py), as nn.LSTM's GEMMs do: three products, and the
+    outputs and gradients within 2x the error of eager with TF32 GEMMs against float64."""
+    from ctxfast.kernels import linear as klinear
+    calls = []
+    real = klinear.tf32_matmul
+    monkeypatch.setattr(klinear, "tf32_matmul",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    T, B, I, H = 7, 33, 200, 96
+    g = torch.Generator(device="cuda").manual_seed(2)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    base = [mk(T, B, I), mk(4 * H, I) * I ** -0.5, mk(4 * H, H) * H ** -0.5, mk(4 * H)]
+    res = {}
+    for name in ("ours", "same", "ref"):
+        leaves = [t.detach().to(torch.float64 if name == "ref" else torch.float32)
+                  .requires_grad_() for t in base]
+        x, w_ih, w_hh, b = leaves
+        if name == "same":
+            monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+        fn = ctxfast.lstm if name == "ours" else reference.lstm
+        out, _ = fn(x, None, w_ih, w_hh, b, None, None)
+        res[name] = [out, *torch.autograd.grad((out * out).sum(), leaves)]
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert len(calls) == 3, calls
+    for i, (ours, same, ref) in enumerate(zip(res["ours"], res["same"], res["ref"])):
+        err, eager = rel_err(ours, ref.float()), rel_err(same, ref.float())
+        assert err <= 2 * eager + FLOOR[torch.float32], (i, err, eager)
