@@ -46,6 +46,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -145,6 +147,67 @@ bool rnn(const Ctx& c, const S&, ...) {
 }  // namespace tf32_api
 
 bool rnn_tf32_allowed() { return tf32_api::rnn(at::globalContext(), std::string("rnn"), 0); }
+
+// C = A^T B for float32 A [K, M] and B [K, N] with one TF32 product per MMA (cuBLAS's
+// CUBLAS_COMPUTE_32F_FAST_TF32): the backward's weight gradients where torch allows TF32 for
+// cuDNN's RNNs, the precision nn.LSTM's cuDNN GEMMs take. at::mm would follow cuBLAS's own
+// setting instead (off by default, process-wide). The extension does not link cuBLAS:
+// cublasGemmEx is looked up once in the libcublas that torch loaded, and ATen's handle for
+// the current device and stream in libtorch_cuda; where either is missing, or the call
+// fails, the product is at::mm's.
+namespace tf32_gemm {
+using Handle = void*;  // cublasHandle_t
+// cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta,
+//              C, Ctype, ldc, computeType, algo); the enums are C ints
+using GemmEx = int (*)(Handle, int, int, int, int, int, const void*, const void*, int, int,
+                       const void*, int, int, const void*, void*, int, int, int, int);
+using GetHandle = Handle (*)();  // at::cuda::getCurrentCUDABlasHandle()
+constexpr int kOpN = 0, kOpT = 1, kR32F = 0, kCompute32FFastTf32 = 77, kGemmDefault = -1;
+
+struct Fns {
+  GemmEx gemm = nullptr;
+  GetHandle handle = nullptr;
+};
+
+const Fns& fns() {
+  static const Fns found = [] {
+    Fns f;
+    for (const char* so : {"libcublas.so.13", "libcublas.so.12"}) {
+      if (void* lib = dlopen(so, RTLD_NOW | RTLD_NOLOAD)) {
+        f.gemm = reinterpret_cast<GemmEx>(dlsym(lib, "cublasGemmEx"));
+        if (f.gemm) break;
+      }
+    }
+    if (void* lib = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD)) {
+      f.handle = reinterpret_cast<GetHandle>(
+          dlsym(lib, "_ZN2at4cuda25getCurrentCUDABlasHandleEv"));
+    }
+    return f;
+  }();
+  return found;
+}
+
+// Whether the TF32 product is available here (tests and the GPU round read it).
+bool available() { return fns().gemm != nullptr && fns().handle != nullptr; }
+
+Tensor mm_tn(const Tensor& a, const Tensor& b, bool tf32) {
+  const int64_t K = a.size(0), M = a.size(1), N = b.size(1);
+  const bool fits = K > 0 && M > 0 && N > 0 && K < INT32_MAX && M < INT32_MAX && N < INT32_MAX;
+  if (!tf32 || a.scalar_type() != at::kFloat || !fits || !available()) return at::mm(a.t(), b);
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  Tensor c = at::empty({M, N}, ac.options());
+  const float one = 1.0f, zero = 0.0f;
+  // row-major C [M, N] is column-major C^T [N, M] = B^T A: B's storage read as the
+  // column-major [N, K] (no transpose), A's as the column-major [M, K] (transposed)
+  const int status = fns().gemm(fns().handle(), kOpN, kOpT, static_cast<int>(N),
+                                static_cast<int>(M), static_cast<int>(K), &one,
+                                bc.data_ptr<float>(), kR32F, static_cast<int>(N),
+                                ac.data_ptr<float>(), kR32F, static_cast<int>(M), &zero,
+                                c.data_ptr<float>(), kR32F, static_cast<int>(N),
+                                kCompute32FFastTf32, kGemmDefault);
+  return status == 0 ? c : at::mm(a.t(), b);
+}
+}  // namespace tf32_gemm
 
 cuda::LstmDims make_dims(const lstm::Dims& d, at::ScalarType dt, bool has_mask, double scale,
                          double cell_clip, double proj_clip, bool reverse) {
@@ -425,13 +488,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
       T == 1 ? h0_s
              : (reverse ? at::cat({out_c.narrow(0, 1, T - 1), h0_s}, 0)
                         : at::cat({h0_s, out_c.narrow(0, 0, T - 1)}, 0));
-  Tensor gw = at::mm(dz_s.reshape({T * B, 4 * d.H}).t(), h_prev.reshape({T * B, d.P}));
+  // float32: one TF32 product per MMA where torch allows TF32 for cuDNN's RNNs (tf32_gemm)
+  const bool tf32 = dt == at::kFloat && rnn_tf32_allowed();
+  Tensor gw = tf32_gemm::mm_tn(dz_s.reshape({T * B, 4 * d.H}), h_prev.reshape({T * B, d.P}),
+                               tf32);                             // [4H, P]
   if (mask_c.defined()) {                                         // [4H, P]
     gw.mul_(mask_c);
     if (scale != 1.0) gw.mul_(scale);
   }
-  Tensor gw_hr = d.proj ? at::mm(dh_in.reshape({T * B, d.P}).t().to(dt),  // [P, H]
-                                 hp.reshape({T * B, d.H}).to(dt))
+  Tensor gw_hr = d.proj ? tf32_gemm::mm_tn(dh_in.reshape({T * B, d.P}).to(dt),  // [P, H]
+                                           hp.reshape({T * B, d.H}).to(dt), tf32)
                         : at::empty({0}, opts);
   return {dz_s, gh0.to(dt), dc.to(dt), gw, gw_hr};
 }
@@ -446,6 +512,8 @@ TORCH_LIBRARY_IMPL(ctxfast, CUDA, m) {
 // Profiling only; exists where the CUDA module is loaded.
 TORCH_LIBRARY_FRAGMENT(ctxfast, m) {
   m.def("lstm_cuda_phase_clock(bool enable) -> (Tensor[], int[])", &lstm_cuda_phase_clock);
+  // whether the backward's float32 weight gradients can take TF32 products (tf32_gemm)
+  m.def("lstm_cuda_tf32_gemm_available() -> bool", [] { return tf32_gemm::available(); });
 }
 
 }  // namespace ctxfast

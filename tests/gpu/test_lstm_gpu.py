@@ -415,3 +415,32 @@ def test_float32_projection_takes_tf32_as_nn_lstm(monkeypatch):
     for i, (ours, same, ref) in enumerate(zip(res["ours"], res["same"], res["ref"])):
         err, eager = rel_err(ours, ref.float()), rel_err(same, ref.float())
         assert err <= 2 * eager + FLOOR[torch.float32], (i, err, eager)
+
+
+@pytest.mark.parametrize("proj", [False, True], ids=["plain", "proj"])
+def test_float32_weight_gradients_take_tf32_where_nn_lstm_would(monkeypatch, proj):
+    """The CUDA backward's float32 weight gradients (grad_w_hh = Σ dzᵀ h_{t-1} · mask ·
+    scale, grad_w_hr): TF32 products where torch allows TF32 for cuDNN's RNNs, as nn.LSTM's
+    GEMMs (csrc/bindings/lstm_cuda.cpp tf32_gemm, cuBLAS found at run time), exact float32
+    where it does not. Against the same sums in float64 from the op's own dz and saved
+    tensors: TF32's error with the setting on (and 10x more than with it off, so the
+    setting reaches the product), float32's with it off."""
+    assert torch.ops.ctxfast.lstm_cuda_tf32_gemm_available(), "cublasGemmEx not found"
+    T, B, H, P = 6, 40, 96, (48 if proj else 96)
+    xw, h0, c0, w_hh, w_hr, mask = (None if t is None else t.to("cuda", torch.float32)
+                                    for t in make_inputs(T, B, H, P, proj, True))
+    args = (h0, c0, w_hh, w_hr, mask, 1.25, math.inf, math.inf, False)
+    out, cells, gates = torch.ops.ctxfast.lstm_recurrence_native(xw, *args)
+    go, gc = torch.randn_like(out), torch.randn_like(cells)
+    errs = {}
+    for tf32 in (False, True):
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+        gxw, _, _, gw, gw_hr = torch.ops.ctxfast.lstm_recurrence_backward_native(
+            go, gc, *args, out, cells, gates)
+        h_prev = torch.cat([h0[None], out[:-1]]).double().reshape(T * B, -1)   # [T B, P]
+        want = (gxw.double().reshape(T * B, 4 * H).t() @ h_prev) * mask.double() * 1.25
+        errs[tf32] = rel_err(gw, want)
+        if proj:                             # (its values: the module tests' 2x-eager rule)
+            assert gw_hr.shape == (P, H) and torch.isfinite(gw_hr).all()
+    assert errs[False] < 1e-5, errs
+    assert 1e-5 < errs[True] < 5e-3 and errs[True] > 10 * errs[False], errs
