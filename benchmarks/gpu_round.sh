@@ -299,10 +299,10 @@ stage_ncu() {
 # the CUDA LSTM's tensor-core kernels (the blocks' and the grouped backward) against cuDNN
 # at the ULMFiT and ELMo sizes, and the attention launch sweep with every candidate checked
 # against float64. SUITE_FILES replaces the file list.
-VERIFY_FILES="tests/gpu tests/test_build_flags.py tests/test_cuda_bindings.py
-  tests/test_lstm_native.py tests/test_rel_attention.py tests/test_rel_attention_bwd.py
-  tests/test_rel_attention_decode.py tests/test_rel_attention_precision.py
-  tests/test_attention.py tests/test_grad_call.py tests/test_launch.py tests/test_tune.py"
+VERIFY_FILES="tests/gpu tests/test_lstm.py tests/test_tune.py tests/test_build_flags.py
+  tests/test_cuda_bindings.py tests/test_lstm_native.py tests/test_attention.py
+  tests/test_rel_attention.py tests/test_rel_attention_bwd.py tests/test_rel_attention_decode.py
+  tests/test_rel_attention_precision.py tests/test_grad_call.py tests/test_launch.py"
 stage_verify() {
   device_lines
   build

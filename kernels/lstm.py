@@ -791,12 +791,18 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
         h_prev = torch.cat([out[1:], h0[None]])                         # [T, B, P]
     else:
         h_prev = torch.cat([h0[None], out[:-1]])                        # [T, B, P]
-    grad_w_hh = grad_xw.reshape(T * B, G).to(gd).t() @ h_prev.reshape(T * B, P).to(gd)  # [4H, P]
+    # float32 on a GPU where torch allows TF32 for cuDNN's RNNs: TF32 products, as nn.LSTM's
+    # GEMMs (kernels/linear.py; torch.mm would follow cuBLAS's own setting)
+    mm = torch.mm
+    if gd == torch.float32 and gates.is_cuda and lstm_precision(dtype) == "tf32":
+        from .linear import tf32_matmul as mm
+    grad_w_hh = mm(grad_xw.reshape(T * B, G).to(gd).t(), h_prev.reshape(T * B, P).to(gd))  # [4H, P]
     if mask is not None:
         grad_w_hh = grad_w_hh * mask_c.to(gd) * scale
     if has_proj:
         hp = (gates[..., 3 * H:].to(acc) * torch.tanh(cells.to(acc))).to(gd)   # [T, B, H]
-        grad_w_hr = (dh_all.reshape(T * B, P).t().to(gd) @ hp.reshape(T * B, H)).to(w_hr.dtype)  # [P, H]
+        grad_w_hr = mm(dh_all.reshape(T * B, P).t().to(gd),
+                       hp.reshape(T * B, H)).to(w_hr.dtype)                      # [P, H]
     else:
         grad_w_hr = grad_out.new_empty((0,))
     return (grad_xw, grad_h0.to(h0.dtype), dc.to(c0.dtype), grad_w_hh.to(w_hh.dtype),
