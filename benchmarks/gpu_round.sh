@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_round.sh --stage tests       # build and the suite only (a short lease)
 #   bash benchmarks/gpu_round.sh --stage ncu         # host-time split, ncu of the attention kernels
 #   bash benchmarks/gpu_round.sh --stage verify      # one 15-minute lease: the GPU-only checks
+#   bash benchmarks/gpu_round.sh --stage followup    # ~3 minutes, right after verify: AWD-LSTM step
 #                                                    # of the last changes, LSTM vs cuDNN, attention sweep
 #   bash benchmarks/gpu_round.sh --stage bench --dry-run # print the commands, run nothing
 #
@@ -35,13 +36,13 @@ while (( $# )); do
     --stage=*) STAGE=${1#--stage=}; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|tests|sanitize|bench|ncu|verify|all, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_round: unknown argument '$1' (use --stage build-test|tests|sanitize|bench|ncu|verify|followup|all, --dry-run)" >&2; exit 2 ;;
   esac
 done
 case $STAGE in
-  build-test|tests|sanitize|bench|ncu|verify|all) ;;
-  "") echo "gpu_round: give --stage build-test|tests|sanitize|bench|ncu|verify|all" >&2; exit 2 ;;
-  *) echo "gpu_round: unknown stage '$STAGE' (build-test|tests|sanitize|bench|ncu|verify|all)" >&2; exit 2 ;;
+  build-test|tests|sanitize|bench|ncu|verify|followup|all) ;;
+  "") echo "gpu_round: give --stage build-test|tests|sanitize|bench|ncu|verify|followup|all" >&2; exit 2 ;;
+  *) echo "gpu_round: unknown stage '$STAGE' (build-test|tests|sanitize|bench|ncu|verify|followup|all)" >&2; exit 2 ;;
 esac
 
 PY=${PYTHON:-python3}
@@ -329,6 +330,20 @@ stage_verify() {
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
 }
 
+# A second, short call on the still-warm machine after verify (round 5 had ~3 minutes
+# left: a machine idle for 30 s is given back, so this runs at once, unread): the AWD-LSTM
+# (ULMFiT) train step against fastai's (nn.LSTM + WeightDropout) at the benchmark's sizes,
+# and the LSTM model tests on CUDA.
+stage_followup() {
+  build
+  step "AWD-LSTM train step against fastai's" 100 models_awd_lstm.log "$PY" -m pytest \
+    benchmarks/bench_models.py -q -p no:cacheprovider -k "awd_lstm and ULMFiT and train and not eager"
+  summarize models_awd_lstm.log "test_models\[|passed|failed|Error" 12
+  step "LSTM model tests on CUDA" 60 lstm_models_tests.log "$PY" -m pytest -q \
+    -p no:cacheprovider tests/test_models_awd_lstm.py tests/test_nn_lstm.py
+  summarize lstm_models_tests.log "passed|failed|FAILED" 10
+}
+
 pack() {
   (( DRY )) && { echo "[$STAGE_NOW] tar czf $OUT/gpu_round-$STAGE.tgz -C $OUT r summary.txt"; return 0; }
   note "done: $OUT/summary.txt, $OUT/gpu_round-$STAGE.tgz"
@@ -346,6 +361,7 @@ run_stage() {
     bench) stage_bench ;;
     ncu) stage_ncu ;;
     verify) stage_verify ;;
+    followup) stage_followup ;;
   esac
 }
 

@@ -886,7 +886,7 @@ def _dry_run(stage, tmp_path):
 def test_gpu_round_dry_run_prints_every_command(tmp_path):
     # The CPU check of the GPU round: each stage prints its commands and runs nothing.
     stages = {}
-    for stage in ("build-test", "sanitize", "bench", "ncu", "verify"):
+    for stage in ("build-test", "sanitize", "bench", "ncu", "verify", "followup"):
         proc, out = _dry_run(stage, tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert not out.exists()                                 # nothing was run or written
