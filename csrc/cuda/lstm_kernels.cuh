@@ -848,33 +848,66 @@ __device__ __forceinline__ void fwd_ring_products(FragC<T> (&acc)[kMmaMaxMT], co
 }
 
 // out[MT x NT tiles of 16 x 16, ldo] = A[MT*16, KT*kk] (row-major, lda) . B[KT*kk, NT*16]
-// (row-major, ldb), one output tile per warp item; A and B operands in memory (float32 with
-// one tf32 product: stored rounded to tf32, as_operand, and taken as loaded).
-template <typename T, typename Op>
+// (row-major, ldb); A and B operands in memory (float32 with one tf32 product: stored
+// rounded to tf32, as_operand, and taken as loaded). A warp item is one row tile and up to
+// G column tiles (the fewest per item that still give every warp an item): its K loop
+// loads the A fragment once for the group and keeps that many independent accumulator
+// chains in flight (one tile per item was one dependent load-MMA chain per warp: round 5's
+// phase clock had the grouped backward's products at 12.7 us of a 29 us step). Each tile
+// adds its K steps in the same order whatever G: the same bits. The backwards take
+// kTileGroup; the forward's projection 1 (with 4 its kernel, which holds the ring of h
+// tiles, spilled 8 B on sm_90).
+constexpr int kTileGroup = 4;
+
+template <typename T, int G = kTileGroup, typename Op>
 __device__ __forceinline__ void block_tiles_product(const Op* A, int lda, const Op* Bm, int ldb,
                                                     int MT, int NT, int KT, float* out,
                                                     int64_t ldo, int warp, int nwarps,
                                                     bool one) {
   constexpr int KK = MmaOperand<T>::K;
-  for (int it = warp; it < MT * NT; it += nwarps) {  // warp-uniform
-    const int mt = it % MT, nt = it / MT;
-    FragC<T> acc;
-    wmma::fill_fragment(acc, 0.0f);
+  // column tiles per item: NT spread over the warps each row tile gets, at most kTileGroup
+  const int per_row = nwarps / MT < 1 ? 1 : nwarps / MT;
+  int nb = (NT + per_row - 1) / per_row;
+  nb = nb < 1 ? 1 : (nb > G ? G : nb);
+  const int groups = (NT + nb - 1) / nb;
+  for (int it = warp; it < MT * groups; it += nwarps) {  // warp-uniform
+    const int mt = it % MT, nt0 = (it / MT) * nb;
+    const int cnt = NT - nt0 < nb ? NT - nt0 : nb;
+    FragC<T> acc[G];
+#pragma unroll
+    for (int i = 0; i < G; ++i) wmma::fill_fragment(acc[i], 0.0f);
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
-      FragA<T, wmma::row_major> a;
-      FragB<T, wmma::row_major> b, b_lo;
+      FragA<T, wmma::row_major> a, a_lo;
       wmma::load_matrix_sync(a, A + int64_t(mt) * 16 * lda + kt * KK, lda);
-      wmma::load_matrix_sync(b, Bm + int64_t(kt) * KK * ldb + nt * 16, ldb);
-      if (one) {
-        wmma::mma_sync(acc, a, b, acc);
-      } else {
-        prepare_b<T>(b, b_lo, one);
-        mma_step<T>(acc, a, b, b_lo, one);
+      // float32 tf32x3: a split once for the group (mma_step's order per tile: a_lo.b,
+      // a.b_lo, a.b); with one tf32 product a was stored rounded and is taken as loaded
+      if constexpr (MmaOperand<T>::kSplit) {
+        if (!one) split_tf32(a, a_lo);
+      }
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        if (i < cnt) {
+          FragB<T, wmma::row_major> b, b_lo;
+          wmma::load_matrix_sync(b, Bm + int64_t(kt) * KK * ldb + (nt0 + i) * 16, ldb);
+          if constexpr (MmaOperand<T>::kSplit) {
+            if (!one) {
+              split_tf32(b, b_lo);
+              wmma::mma_sync(acc[i], a_lo, b, acc[i]);
+              wmma::mma_sync(acc[i], a, b_lo, acc[i]);
+            }
+          }
+          wmma::mma_sync(acc[i], a, b, acc[i]);
+        }
       }
     }
-    wmma::store_matrix_sync(out + int64_t(mt) * 16 * ldo + nt * 16, acc, static_cast<unsigned>(ldo),
-                            wmma::mem_row_major);
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      if (i < cnt) {
+        wmma::store_matrix_sync(out + int64_t(mt) * 16 * ldo + (nt0 + i) * 16, acc[i],
+                                static_cast<unsigned>(ldo), wmma::mem_row_major);
+      }
+    }
   }
 }
 
@@ -1036,7 +1069,7 @@ lstm_fwd_mma_kernel(const FwdMmaParams<T> p) {
     if (p.proj) {
       // ---- phase 3: this block's part of h_t = hp_t . w_hr^T (its units), then the sum
       __syncthreads();
-      block_tiles_product<T>(hps, hld, wr, wld, bpad / 16, kp / 16, urows / KK,
+      block_tiles_product<T, 1>(hps, hld, wr, wld, bpad / 16, kp / 16, urows / KK,
                              p.ypart + int64_t(blockIdx.x) * bpad * kp, kp, warp, nwarps,
                              p.tf32_one);
       phase_stamp(p.clk, crows, 1 + s, 2);
