@@ -487,3 +487,12 @@ def test_phase_clock(emulator, tmp_path, monkeypatch, kernel, proj):
         with pytest.raises(ValueError, match="out of order"):
             mod.phase_table(bad, kind)
     mod.format_table("emulated", mod.phase_table(records[0][1], records[0][0]))
+
+
+@pytest.mark.parametrize("proj", [False, True], ids=["plain", "proj"])
+def test_partial_sums_over_more_blocks_than_one_round(emulator, tmp_path, proj):
+    """18 blocks: the per-block backward sums 18 partials per element (and with a
+    projection the forward sums 18 of h_t's), past sum_partials' 16 loads a round: a full
+    round and a ragged one."""
+    _check(emulator, tmp_path, "mma", torch.float32, T=2, B=3, H=36, P=20 if proj else 36,
+           proj=proj, sms=18, expect_blocks=18)
