@@ -41,3 +41,27 @@ def test_cuda_binding_compiles(tmp_path, src):
 
 def test_there_are_cuda_bindings():
     assert BINDINGS, "csrc/bindings/*_cuda.cpp not found"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None,
+                    reason="g++ and nm needed")
+def test_symbols_looked_up_at_run_time_are_spelled_as_the_compiler_mangles(tmp_path):
+    """csrc/bindings/lstm_cuda.cpp finds ATen's cuBLAS handle by its mangled name with
+    dlsym (the extension links no cuBLAS; a wrong spelling silently leaves the float32
+    weight gradients on at::mm): the name must be the one g++ gives the declaration."""
+    import re
+    src = (ROOT / "csrc" / "bindings" / "lstm_cuda.cpp").read_text()
+    looked_up = re.findall(r'dlsym\(lib, "(_Z\w+)"\)', src)
+    assert looked_up, "no mangled name looked up"
+    decl = tmp_path / "decl.cpp"
+    decl.write_text(
+        "struct cublasContext;\n"
+        "namespace at { namespace cuda {\n"
+        "cublasContext* getCurrentCUDABlasHandle();\n"
+        "} }\n"
+        "void* take() { return reinterpret_cast<void*>(&at::cuda::getCurrentCUDABlasHandle); }\n")
+    obj = tmp_path / "decl.o"
+    subprocess.run(["g++", "-c", str(decl), "-o", str(obj)], check=True, timeout=120)
+    symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True, timeout=60).stdout
+    for name in looked_up:
+        assert name in symbols, (name, symbols)

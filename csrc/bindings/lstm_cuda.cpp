@@ -180,7 +180,7 @@ const Fns& fns() {
     }
     if (void* lib = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD)) {
       f.handle = reinterpret_cast<GetHandle>(
-          dlsym(lib, "_ZN2at4cuda25getCurrentCUDABlasHandleEv"));
+          dlsym(lib, "_ZN2at4cuda24getCurrentCUDABlasHandleEv"));
     }
     return f;
   }();
