@@ -312,7 +312,8 @@ stage_verify() {
   step "lstm: CUDA kernels against cuDNN" 80 lstm_cuda_compare.log "$PY" \
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
     "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
-    "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" --out "$R/lstm_cuda_compare.json"
+    "triton persistent split-proj" "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" \
+    --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20
   lstm_phase_clock 30
   # the Triton forward (the CUDA default's) under other tiles and pipelines: rows to adopt

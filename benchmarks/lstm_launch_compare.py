@@ -5,7 +5,8 @@ tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and te
 ``persistent-mma``) and per step
 (``CTXFAST_LSTM_CUDA_KERNEL``), and cuDNN's ``nn.LSTM`` with fastai-style WeightDropout
 (``bench_lstm.FastaiWeightDropLSTM``), one layer each at the benchmark's ULMFiT and ELMo
-sizes, forward and forward+backward, fp32 and bf16; and "auto", what ``ctxfast.lstm`` runs
+sizes, forward and forward+backward, fp32 and bf16; "triton persistent split-proj" (the
+projection over the unit blocks, ``kernels.lstm.PROJ_SPLIT``; layers with one); and "auto", what ``ctxfast.lstm`` runs
 on CUDA tensors with no backend asked for (``ctxfast.ops.lstm.CUDA_DEFAULT``: the Triton
 forward with the CUDA C++ backward).
 
@@ -56,6 +57,7 @@ def _form(name: str):
     after: never inside the timed call)."""
     from ctxfast.kernels import lstm as lstm_kernels
     saved_launch, saved_precision = lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION
+    saved_split = lstm_kernels.PROJ_SPLIT
     saved_env = os.environ.get("CTXFAST_LSTM_CUDA_KERNEL")
     saved_reduce = os.environ.get("CTXFAST_LSTM_CUDA_BWD_REDUCE")
     saved_ring = os.environ.get("CTXFAST_LSTM_CUDA_RING")
@@ -68,6 +70,8 @@ def _form(name: str):
         lstm_kernels.LAUNCH = "persistent"
         if name.endswith("ieee"):                 # exact fp32 products (FMA), not tf32x3
             lstm_kernels.FP32_PRECISION = "ieee"
+        if name.endswith("split-proj"):           # the projection over the unit blocks
+            lstm_kernels.PROJ_SPLIT = True
     elif name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
         # the grouped tensor-core backward (the default), or one partial per block
@@ -81,6 +85,7 @@ def _form(name: str):
     finally:
         torch.backends.cudnn.allow_tf32 = saved_tf32
         lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION = saved_launch, saved_precision
+        lstm_kernels.PROJ_SPLIT = saved_split
         for var, saved in (("CTXFAST_LSTM_CUDA_KERNEL", saved_env),
                            ("CTXFAST_LSTM_CUDA_BWD_REDUCE", saved_reduce),
                            ("CTXFAST_LSTM_CUDA_RING", saved_ring)):
@@ -93,7 +98,8 @@ def _form(name: str):
 def _forms(device: torch.device) -> List[str]:
     forms = []
     if _dispatch.why_unavailable("triton", device) is None:
-        forms += ["triton persistent", "triton stepwise", "triton persistent ieee"]
+        forms += ["triton persistent", "triton stepwise", "triton persistent ieee",
+                  "triton persistent split-proj"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
         forms += ["cuda persistent", "cuda persistent-mma", "cuda persistent-mma groups",
                   "cuda persistent-mma groups ring4", "cuda persistent-mma groups ring8",

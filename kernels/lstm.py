@@ -169,7 +169,10 @@ def _cell_fwd_tile(
     HAS_MASK: tl.constexpr, CELL_CLIP: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    STORE_HP: tl.constexpr,
 ):
+    """One cell tile of a step (see the module docstring); returns hp [BLOCK_B, BLOCK_H]
+    in the accumulation dtype (0 for units past H), stored to hp_ptr if STORE_HP."""
     scale = tl.load(prm_ptr)
     offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -217,7 +220,9 @@ def _cell_fwd_tile(
     tl.store(gates_ptr + row4 + 3 * H, o.to(ty), mask=io)
     tl.store(cells_ptr + rowh, c_st, mask=io)
     tl.store(c_ptr + rowh, c, mask=io)                                 # the carry
-    tl.store(hp_ptr + rowh, hp.to(hp_ptr.dtype.element_ty), mask=io)
+    if STORE_HP:
+        tl.store(hp_ptr + rowh, hp.to(hp_ptr.dtype.element_ty), mask=io)
+    return hp
 
 
 @triton.jit
@@ -254,6 +259,66 @@ def _proj_fwd_tile(
              mask=b_in[:, None] & p_in[None, :])
 
 
+@triton.jit
+def _proj_partial_tile(
+    hp,          # [BLOCK_B, BLOCK_H] ACC: this cell tile's hp_t (0 past H)
+    wr_ptr,      # [P, H] w_hr
+    part_ptr,    # [n_hb, B, P] ACC out: this unit block's share of hp_t @ w_hrᵀ
+    bb, hb,      # the cell tile: batch block, hidden-unit block
+    B, H, P,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_PP: tl.constexpr,
+):
+    """PROJ_SPLIT: the projection's product split over the unit blocks, each cell tile
+    multiplying the hp it just computed by its units' columns of w_hr (no hp round trip
+    through memory, every program busy); :func:`_proj_reduce_tile` sums the blocks."""
+    offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    b_in = offs_b < B
+    h_in = offs_h < H
+    hp_op = hp.to(wr_ptr.dtype.element_ty)           # the operand the unsplit path stores
+    base = part_ptr + hb.to(tl.int64) * B * P
+    for p0 in range(0, P, BLOCK_PP):
+        offs_p = p0 + tl.arange(0, BLOCK_PP)
+        p_in = offs_p < P
+        wr = tl.load(wr_ptr + offs_p[None, :] * H + offs_h[:, None],
+                     mask=h_in[:, None] & p_in[None, :], other=0.0)    # [BLOCK_H, BLOCK_PP]
+        part = _dot(hp_op, wr, UPCAST, PRECISION)                      # [BLOCK_B, BLOCK_PP]
+        tl.store(base + offs_b[:, None] * P + offs_p[None, :], part,
+                 mask=b_in[:, None] & p_in[None, :])
+
+
+@triton.jit
+def _proj_reduce_tile(
+    part_ptr,    # [n_hb, B, P] ACC: the unit blocks' partial products (other programs')
+    out_ptr,     # [B, P] out: h_t = clamp(Σ_hb part[hb], ±proj_clip)
+    prm_ptr,     # [2] ACC dtype: proj_clip (as stored), the stored value just below it
+    bb, rb,      # the tile: batch block, block of BLOCK_R columns of P
+    B, P, n_hb,
+    PROJ_CLIP: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, HB_CHUNK: tl.constexpr,
+):
+    """Sums the unit blocks' partials of a [BLOCK_B, BLOCK_R] tile of h_t, HB_CHUNK blocks
+    a load (a fixed order: deterministic), then the proj clip."""
+    e = tl.arange(0, BLOCK_B * BLOCK_R)
+    b = bb * BLOCK_B + e // BLOCK_R
+    p = rb * BLOCK_R + e % BLOCK_R
+    e_in = (b < B) & (p < P)
+    off = b.to(tl.int64) * P + p
+    acc = tl.zeros((BLOCK_B * BLOCK_R,), dtype=ACC)
+    for h0 in range(0, n_hb, HB_CHUNK):
+        hbs = h0 + tl.arange(0, HB_CHUNK)
+        v = tl.load(part_ptr + hbs[:, None].to(tl.int64) * B * P + off[None, :],
+                    mask=(hbs < n_hb)[:, None] & e_in[None, :], other=0.0,
+                    cache_modifier=".cg")                              # [HB_CHUNK, B_R]
+        acc += tl.sum(v, axis=0)
+    ty = out_ptr.dtype.element_ty
+    y = acc.to(ty)
+    if PROJ_CLIP:
+        y = _clamp_store(acc, tl.load(prm_ptr), tl.load(prm_ptr + 1), ty)
+    tl.store(out_ptr + off, y, mask=e_in)
+
+
 @triton.jit(do_not_specialize=["n0", "n1"])
 def _lstm_fwd_kernel(
     xw_ptr,      # [T, B, 4H] x_t @ w_ihᵀ + biases, every step
@@ -265,7 +330,8 @@ def _lstm_fwd_kernel(
     gates_ptr,   # [T, B, 4H] out: post-activation i, f, g, o
     cells_ptr,   # [T, B, H]  out: c_t (post-clip)
     out_ptr,     # [T, B, P]  out: h_t
-    hp_ptr,      # [B, H]     scratch (HAS_PROJ): hp_t of the step in flight
+    hp_ptr,      # [B, H]     scratch (HAS_PROJ, not PROJ_SPLIT): hp_t of the step in flight
+    part_ptr,    # [n_hb, B, P] ACC scratch (PROJ_SPLIT): the unit blocks' partial h_t
     prm_ptr,     # [5] ACC dtype: scale, cell clip (stored), below it, proj clip (stored), below it
     sync_ptr,    # [1] int32 barrier counter, zero at launch (used only if SYNC)
     T, B, H, P,
@@ -275,13 +341,18 @@ def _lstm_fwd_kernel(
     RUN_CELL: tl.constexpr, RUN_PROJ: tl.constexpr, SYNC: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, PROJ_SPLIT: tl.constexpr, BLOCK_PP: tl.constexpr,
+    BLOCK_R: tl.constexpr, HB_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_bb = tl.cdiv(B, BLOCK_B)
     n_cell = n_bb * tl.cdiv(H, BLOCK_H)
-    n_proj = n_bb * tl.cdiv(P, BLOCK_P)
+    n_hb = tl.cdiv(H, BLOCK_H)
+    if PROJ_SPLIT:
+        n_proj = n_bb * tl.cdiv(P, BLOCK_R)                            # reduction tiles
+    else:
+        n_proj = n_bb * tl.cdiv(P, BLOCK_P)
     s_g = tl.cast(B, tl.int64) * (4 * H)                               # step strides (int64)
     s_h = tl.cast(B, tl.int64) * H
     s_p = tl.cast(B, tl.int64) * P
@@ -303,20 +374,28 @@ def _lstm_fwd_kernel(
             else:
                 hp_dst = out_ptr + t * s_p
             for tile in range(pid, n_cell, nprog):
-                _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_ptr, w_ptr, m_ptr,
-                               gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst, prm_ptr,
-                               tile % n_bb, tile // n_bb, B, H, P,
-                               HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
-                               BLOCK_B, BLOCK_H, BLOCK_K)
+                hp = _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_ptr, w_ptr, m_ptr,
+                                    gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst, prm_ptr,
+                                    tile % n_bb, tile // n_bb, B, H, P,
+                                    HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
+                                    BLOCK_B, BLOCK_H, BLOCK_K, not PROJ_SPLIT)
+                if PROJ_SPLIT:
+                    _proj_partial_tile(hp, wr_ptr, part_ptr, tile % n_bb, tile // n_bb,
+                                       B, H, P, UPCAST, PRECISION, BLOCK_B, BLOCK_H, BLOCK_PP)
         if HAS_PROJ:
             if SYNC:                                                   # hp_t complete
                 syncs += 1
                 _grid_sync(sync_ptr, syncs * nprog)
             if RUN_PROJ:
                 for tile in range(pid, n_proj, nprog):
-                    _proj_fwd_tile(hp_ptr, wr_ptr, out_ptr + t * s_p, prm_ptr + 3,
-                                   tile % n_bb, tile // n_bb, B, H, P,
-                                   PROJ_CLIP, ACC, UPCAST, PRECISION, BLOCK_B, BLOCK_P, BLOCK_K)
+                    if PROJ_SPLIT:
+                        _proj_reduce_tile(part_ptr, out_ptr + t * s_p, prm_ptr + 3,
+                                          tile % n_bb, tile // n_bb, B, P, n_hb,
+                                          PROJ_CLIP, ACC, BLOCK_B, BLOCK_R, HB_CHUNK)
+                    else:
+                        _proj_fwd_tile(hp_ptr, wr_ptr, out_ptr + t * s_p, prm_ptr + 3,
+                                       tile % n_bb, tile // n_bb, B, H, P, PROJ_CLIP, ACC,
+                                       UPCAST, PRECISION, BLOCK_B, BLOCK_P, BLOCK_K)
         if SYNC:                                                       # h_t complete
             syncs += 1
             _grid_sync(sync_ptr, syncs * nprog)
@@ -576,6 +655,37 @@ def _config(B: int, H: int, P: int, dtype: torch.dtype, device: torch.device) ->
     return dict(BLOCK_B=bb, BLOCK_H=bh, BLOCK_K=32, BLOCK_P=bp, num_warps=4)
 
 
+#: The forward's projection ``h_t = hp_t @ w_hrᵀ`` (layers with w_hr) split over the unit
+#: blocks (``_proj_partial_tile``: each cell tile multiplies the hp it computed by its
+#: units' columns of w_hr into a partial, fp32) and summed by every program
+#: (``_proj_reduce_tile``), instead of BLOCK_P-wide tiles that each read all of hp_t: at
+#: ELMo's size (H 4096, P 512, B 32) those are 32 tiles of 384 KB a step on 32 of the 132
+#: SMs. Off by default until a GPU times it (``lstm_launch_compare.py``'s
+#: "triton persistent split-proj"); the outputs agree with the unsplit path to rounding
+#: (another summation order; tests).
+PROJ_SPLIT: bool = False
+
+
+def _proj_split(cfg: dict, has_proj: bool) -> bool:
+    """Whether this launch takes PROJ_SPLIT (its partial products need a unit block of at
+    least 16, a tl.dot's K)."""
+    return PROJ_SPLIT and has_proj and cfg["BLOCK_H"] >= 16
+
+
+def _proj_split_config(cfg: dict, B: int, P: int, n_hb: int, programs: int) -> dict:
+    """PROJ_SPLIT's tiles: BLOCK_PP columns of P a partial product, reduction tiles of
+    BLOCK_B rows x BLOCK_R columns (as many as there are programs, about), HB_CHUNK unit
+    blocks summed a load (at most 8,192 values a load)."""
+    n_bb = cdiv(B, cfg["BLOCK_B"])
+    per = max(1, (P * n_bb) // max(1, programs))
+    block_r = 1
+    while block_r * 2 <= min(per, 64):
+        block_r *= 2
+    chunk = min(32, next_pow2(n_hb), max(1, 8192 // (cfg["BLOCK_B"] * block_r)))
+    return dict(BLOCK_PP=min(64, max(16, next_pow2(P))), BLOCK_R=block_r,
+                HB_CHUNK=max(1, chunk))
+
+
 #: Keys of :func:`_config`'s dict (and ``num_stages``, Triton's default 3 when absent) that
 #: replace its choice in every launch, forward and backward, e.g. ``{"BLOCK_K": 64,
 #: "num_warps": 8}``: what ``benchmarks/lstm_triton_sweep.py`` times on a GPU. None: the table.
@@ -700,17 +810,23 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     cfg, grid, options = _plan(B, H, P, dtype, xw.device)
     sync = torch.zeros(1, dtype=torch.int32, device=xw.device)
     c_carry = c0.to(_acc_dtype(dtype)[1]).clone()                       # [B, H] fp32 (fp64)
+    n_bb, n_hb = cdiv(B, cfg["BLOCK_B"]), cdiv(H, cfg["BLOCK_H"])
+    split = _proj_split(cfg, w_hr is not None)
+    split_cfg = _proj_split_config(cfg, B, P, n_hb, grid or n_bb * n_hb)
+    part = (torch.empty((n_hb, B, P), dtype=_acc_dtype(dtype)[1], device=xw.device)
+            if split else c_carry)                                   # [n_hb, B, P] partials
     args = (xw, h0, c_carry, w_hh, mask if mask is not None else w_hh,
-            w_hr if w_hr is not None else w_hh, gates, cells, out, hp, prm, sync, T, B, H, P)
+            w_hr if w_hr is not None else w_hh, gates, cells, out, hp, part, prm, sync,
+            T, B, H, P)
     kw = dict(REVERSE=reverse, HAS_MASK=mask is not None, HAS_PROJ=w_hr is not None,
               CELL_CLIP=not math.isinf(cell_clip), PROJ_CLIP=not math.isinf(proj_clip),
-              **cfg, **_common(dtype))
+              PROJ_SPLIT=split, **split_cfg, **cfg, **_common(dtype))
     if grid is not None:                                     # one launch, every step
         fast(_lstm_fwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True,
                                   **kw, **options)
         return out, cells, gates
-    n_bb = cdiv(B, cfg["BLOCK_B"])
-    n_cell, n_proj = n_bb * cdiv(H, cfg["BLOCK_H"]), n_bb * cdiv(P, cfg["BLOCK_P"])
+    n_cell = n_bb * n_hb
+    n_proj = n_bb * cdiv(P, split_cfg["BLOCK_R"] if split else cfg["BLOCK_P"])
     for n in range(T):                                       # stepwise: a launch per phase
         fast(_lstm_fwd_kernel)[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_PROJ=False,
                                     SYNC=False, **kw)

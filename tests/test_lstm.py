@@ -905,3 +905,24 @@ def test_projection_takes_tf32_only_where_nn_lstm_would(monkeypatch):
     settings["rnn"] = True
     monkeypatch.setattr(lstm_ops, "RNN_TF32_PROJECTION", False)
     assert not decide(X())
+
+
+@needs_triton
+@pytest.mark.parametrize("launch", ["persistent", "stepwise"])
+@pytest.mark.parametrize("case_id,dtype", [
+    ("T5-B3-H20-P12-mask-clips", torch.float32), ("T1-B3-H20-P12-nobias", torch.float32),
+    ("T5-B3-H16-P20-mask-clips-reverse-nohx-noncontig", torch.float32),
+    ("T5-B3-H20-P12-mask-clips", torch.float16)])
+def test_triton_projection_split_over_unit_blocks(monkeypatch, launch, case_id, dtype):
+    """kernels.lstm.PROJ_SPLIT: each cell tile's share of h_t = hp_t @ w_hrᵀ, then a
+    reduction over the unit blocks (H 20 is two blocks of 16 here), persistent and per
+    step: outputs and gradients within 2x eager's error (proj clip included), and the
+    split path is the one that ran."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, "PROJ_SPLIT", True)
+    monkeypatch.setattr(klstm, "LAUNCH", launch)
+    took = []
+    real = klstm._proj_split
+    monkeypatch.setattr(klstm, "_proj_split", lambda *a: took.append(real(*a)) or took[-1])
+    _run_case("triton", case_id, dtype)
+    assert took and all(took), took

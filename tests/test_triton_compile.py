@@ -202,6 +202,7 @@ def _cases():
     # backward's dr by atomic adds (DQ_MODE, DR_MODE "atomic")
     tf32 = setting(torch.backends.cuda.matmul, "allow_tf32", True)
     ieee = setting(lstm, "FP32_PRECISION", "ieee")
+    proj_split = setting(lstm, "PROJ_SPLIT", True)
     atomic_dq = setting(attention, "DQ_MODE", "atomic")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
     dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
@@ -333,6 +334,13 @@ def _cases():
         ("lstm bf16 B=64 mask+clip reverse", sm90,
          lambda: lstm_fwd_bwd(bf16, B=64, H=128, mask=True, clip=True, reverse=True)),
         ("lstm fp32/tf32x3 B=8", sm90, lambda: lstm_fwd_bwd(f32, B=8, H=64)),
+        # the projection split over the unit blocks (PROJ_SPLIT), ELMo's size
+        ("lstm bf16 ELMo B=32 H=4096 P=512 proj+mask+clip (PROJ_SPLIT)", sm90,
+         proj_split(lambda: lstm_fwd_bwd(bf16, B=32, H=4096, P=512, proj=True, mask=True,
+                                         clip=True))),
+        ("lstm fp32/tf32 ELMo B=32 H=4096 P=512 proj+mask+clip (PROJ_SPLIT)", sm90,
+         proj_split(tf32(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
+                                              clip=True)))),
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
         ("linear fp32/tf32 ULMFiT projection 4480 x 1152 -> 4608", both,
          lambda: projection(4480, 1152, 4608)),
