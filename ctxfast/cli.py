@@ -101,6 +101,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
     for reason, n in notes.items():
         print(f"  [{n}] {reason}")
+    lstm_ops = sys.modules.get("ctxfast.ops.lstm")
+    if lstm_ops is not None and getattr(lstm_ops, "CUDA_DEFAULT", None) == "split":
+        print("  lstm on cuda with no backend asked for: the triton forward and the cuda "
+              "backward (ctxfast.ops.lstm.CUDA_DEFAULT), where both can run")
     return 0
 
 
