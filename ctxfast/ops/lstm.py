@@ -36,6 +36,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._common import autocast as _autocast
 from ._common import call_in_backward as _call_in_backward
 from ._common import register_autograd as _register_autograd
 
@@ -435,7 +436,8 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         c_t = clamp(f * c_{t-1} + i * g, ±cell_clip);  hp = o * tanh(c_t)
         h_t = clamp(hp @ w_hrᵀ, ±proj_clip)  (h_t = hp without w_hr)
 
-    Precision: fp16/bf16 operands with fp32 arithmetic and state. fp32 on a GPU as
+    Precision: fp16/bf16 operands with fp32 arithmetic and state; under ``torch.autocast``
+    the autocast dtype (as ``nn.LSTM``). fp32 on a GPU as
     ``nn.LSTM`` computes it: where torch allows TF32 for cuDNN's RNNs
     (``torch.backends.cudnn.allow_tf32`` / ``cudnn.rnn.fp32_precision``, allowed by default)
     the recurrent products are TF32 products, else float32-level (tf32x3 on the tensor
@@ -471,6 +473,16 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             <= 0 — before any kernel runs.
         ctxfast.BackendUnavailable: the backend asked for cannot run.
     """
+    # under torch.autocast: the autocast dtype, as nn.LSTM (on autocast's lower-precision
+    # list) runs (WeightDropLSTM casts before calling, with autocast off: nothing here then)
+    # (a 0/1 weight_mask in a float dtype follows w_hh's: exact in any)
+    if isinstance(hx, (tuple, list)) and len(hx) == 2:
+        x, h0_, c0_, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask = _autocast(
+            x, *hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask)
+        hx = (h0_, c0_)
+    else:
+        x, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask = _autocast(
+            x, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask)
     cc, pc = _check(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask, weight_dropout,
                     cell_clip, proj_clip, reverse)
     asked, source = _dispatch.requested_backend(backend)
