@@ -309,7 +309,7 @@ stage_verify() {
   build
   # The timings first (what only a GPU gives, and what a cut stage must keep), the suite
   # last with what is left of the budget (round 4: 200 s reached 581 of 591 tests).
-  step "lstm: CUDA kernels against cuDNN" 80 lstm_cuda_compare.log "$PY" \
+  step "lstm: CUDA kernels against cuDNN" 100 lstm_cuda_compare.log "$PY" \
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
     "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
     "triton persistent split-proj" "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" \
