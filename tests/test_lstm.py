@@ -952,3 +952,24 @@ def test_autocast_runs_in_the_autocast_dtype(backend):
     for i, (ours, same, ref) in enumerate(zip([out, c, *grads], res["same"], res["ref"])):
         err, eager = rel_err(ours.double(), ref), rel_err(same.double(), ref)
         assert err <= 2 * eager + FLOOR[torch.bfloat16], (i, err, eager)
+
+
+@needs_triton
+def test_projection_op_under_torch_compile(monkeypatch):
+    """The lstm_projection ops (what CUDA float32 calls run) traced by
+    torch.compile(fullgraph=True) with their gradients: the same values as eager."""
+    _tf32_projection_here(monkeypatch)
+    torch._dynamo.reset()
+    x = torch.randn(13, 6, device=DEVICE, requires_grad=True)
+    w = torch.randn(10, 6, device=DEVICE, requires_grad=True)
+    b = torch.randn(10, device=DEVICE, requires_grad=True)
+
+    def f(x, w, b):
+        return (torch.ops.ctxfast.lstm_projection(x * 2.0, w, b) ** 2).sum()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, b)
+    grads = torch.autograd.grad(got, (x, w, b))
+    want = f(x, w, b)
+    want_grads = torch.autograd.grad(want, (x, w, b))
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
+    for g, r in zip(grads, want_grads):
+        assert rel_err(g, r) < 1e-5
