@@ -345,6 +345,13 @@ stage_followup() {
   step "LSTM model tests on CUDA" 60 lstm_models_tests.log "$PY" -m pytest -q \
     -p no:cacheprovider tests/test_models_awd_lstm.py tests/test_nn_lstm.py
   summarize lstm_models_tests.log "passed|failed|FAILED" 10
+  # round 5's new device code under memcheck: the grouped backward's cp.async staging and
+  # the weight gradients' cublasGemmEx (small sizes: memcheck is slow)
+  step "compute-sanitizer memcheck (grouped backward, TF32 weight gradients)" 60 \
+    sanitizer_memcheck_followup.log compute-sanitizer --tool memcheck --error-exitcode 99 \
+    "$PY" -m pytest tests/gpu/test_lstm_gpu.py -q -p no:cacheprovider -p no:xdist \
+    -k "float32_weight_gradients or tensor_core_backward_reductions"
+  summarize sanitizer_memcheck_followup.log "ERROR SUMMARY| passed| failed" 3
 }
 
 pack() {
