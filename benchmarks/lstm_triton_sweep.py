@@ -6,7 +6,12 @@ default (``ctxfast.ops.lstm.CUDA_DEFAULT``); the round 5 H200 run found the tabl
 first guess (ULMFiT: 72 programs of 64 rows x 16 units, BLOCK_K 32, 4 warps, Triton's
 default 3 stages) at 0.79 ms in bf16, 2.29 ms in float32.
 
-    python benchmarks/lstm_triton_sweep.py [--quick] [--time-budget S] [--out FILE.json]
+    python benchmarks/lstm_triton_sweep.py [--quick] [--backward] [--time-budget S]
+                                           [--out FILE.json]
+
+``--backward`` times the backward kernels instead (one forward with the table row first;
+``kernels.lstm.CONFIG_OVERRIDE`` sets both directions' launches, so a row adopted for one
+is checked for the other).
 
 Each candidate's output is compared with the table row's (relative error, the same
 inputs): a candidate that disagrees beyond the dtype's bound (another summation order
@@ -84,7 +89,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run(quick: bool, reps: int, dtypes: List[str], budget: float) -> List[dict]:
+def run(quick: bool, reps: int, dtypes: List[str], budget: float,
+        backward: bool = False) -> List[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     time_ms = _common.median_timer(device, 1 if quick else reps)
     start = time.monotonic()
@@ -93,6 +99,18 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float) -> List[dict]:
         for dt_name in dtypes:
             dtype = getattr(torch, dt_name)
             args = _inputs(H, P, T, B, dtype, device)
+            if backward:   # the backward alone, on the table row's forward outputs
+                out_, cells_, gates_ = klstm.lstm_forward(*args)
+                g = torch.Generator(device=device).manual_seed(1)
+                bargs = (torch.randn(out_.shape, generator=g, device=device).to(dtype),
+                         torch.randn(cells_.shape, generator=g, device=device).to(dtype),
+                         *args[1:3], *args[3:], out_, cells_, gates_)
+
+                def call():
+                    return klstm.lstm_backward(*bargs)
+            else:
+                def call():
+                    return klstm.lstm_forward(*args)
             cands = CANDIDATES_FP32 if dtype == torch.float32 else CANDIDATES
             timed = set()                             # the launches timed for this case
             table_out: Optional[torch.Tensor] = None
@@ -112,8 +130,8 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float) -> List[dict]:
                         continue
                     timed.add(key)
                     row.update(config=cfg, programs=grid)
-                    out = klstm.lstm_forward(*args)[0]
-                    ms = time_ms(lambda: klstm.lstm_forward(*args))
+                    out = call()[0]                   # out, or grad_xw (backward)
+                    ms = time_ms(call)
                 except (RuntimeError, ValueError, OutOfResources, CompilationError) as e:
                     # a row that cannot compile or launch here says why; the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -125,20 +143,21 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float) -> List[dict]:
                 if over is None:
                     table_out, table_ms = out, ms
                 gap = _rel(out, table_out) if table_out is not None else 0.0
-                row.update(fwd_ms=round(ms, 4), gap=gap, agrees=gap <= AGREE[dtype],
+                row.update(direction="bwd" if backward else "fwd", ms=round(ms, 4), gap=gap,
+                           agrees=gap <= AGREE[dtype],
                            vs_table=round(table_ms / ms, 3) if table_ms else None)
                 rows.append(row)
                 print(f"{name:20s} {dt_name:9s} {str(over or 'table'):62s} {grid!s:>4} progs "
-                      f"fwd {ms:8.3f} ms ({row['vs_table']}x)"
+                      f"{row['direction']} {ms:8.3f} ms ({row['vs_table']}x)"
                       f"{'' if row['agrees'] else f'  DISAGREES (gap {gap:.2g})'}", flush=True)
     best = {}
     for r in rows:
         if r.get("agrees"):
             k = (r["case"], r["dtype"])
-            if k not in best or r["fwd_ms"] < best[k]["fwd_ms"]:
+            if k not in best or r["ms"] < best[k]["ms"]:
                 best[k] = r
     for (case, dt), r in best.items():
-        print(f"fastest {case} {dt}: {r['override'] or 'table'} {r['fwd_ms']} ms "
+        print(f"fastest {case} {dt} {r['direction']}: {r['override'] or 'table'} {r['ms']} ms "
               f"({r['vs_table']}x the table)", flush=True)
     return rows
 
@@ -150,13 +169,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=None,
                     help="default: bfloat16 float32 on a GPU, float32 on a CPU")
     ap.add_argument("--time-budget", type=float, default=120.0)
+    ap.add_argument("--backward", action="store_true",
+                    help="time the backward kernels (on the table row's forward outputs)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
         print("lstm_triton_sweep: the full sizes need a GPU (use --quick on a CPU)")
         return 2
     dtypes = args.dtypes or (["bfloat16", "float32"] if torch.cuda.is_available() else ["float32"])
-    rows = run(args.quick, args.reps, dtypes, args.time_budget)
+    rows = run(args.quick, args.reps, dtypes, args.time_budget, args.backward)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": _common.device_name("cuda" if torch.cuda.is_available()

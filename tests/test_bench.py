@@ -946,7 +946,8 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     step = {k: next(i for i, c in enumerate(verify) if k in c)
             for k in ("lstm_launch_compare.py", "tune_report.py", " -m pytest tests/gpu ")}
     assert step["lstm_launch_compare.py"] < step["tune_report.py"] < step[" -m pytest tests/gpu "]
-    assert " -m pytest tests/gpu " in verify[-2] and "auto" in verify[step["lstm_launch_compare.py"]]
+    assert " -m pytest tests/gpu " in verify[-2]
+    assert "auto" in verify[step["lstm_launch_compare.py"]]
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):
@@ -1095,23 +1096,27 @@ def test_lstm_launch_compare_runs_every_form(tmp_path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton LSTM needs a GPU or the interpreter")
-def test_lstm_triton_sweep_times_each_candidate(tmp_path):
-    """benchmarks/lstm_triton_sweep.py (gpu_round's verify stage): the table row, then each
-    candidate, each compared with the table row's output; a JSON row each, a winner per
-    case; the override is cleared after every row."""
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_lstm_triton_sweep_times_each_candidate(tmp_path, direction):
+    """benchmarks/lstm_triton_sweep.py (gpu_round's verify stage; --backward for the
+    backward kernels): the table row, then each candidate, each compared with the table
+    row's output; a JSON row each, a winner per case; the override is cleared after every
+    row."""
     out = tmp_path / "sweep.json"
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "lstm_triton_sweep.py")
-    proc = subprocess.run([sys.executable, script, "--quick", "--time-budget", "40", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600)
+    flags = ["--backward"] if direction == "bwd" else []
+    proc = subprocess.run([sys.executable, script, "--quick", "--time-budget", "30", *flags,
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    ran = [r for r in rows if "fwd_ms" in r]
+    ran = [r for r in rows if "ms" in r]
     assert ran[0]["override"] is None and ran[0]["vs_table"] == 1.0
-    assert len(ran) >= 3 and all(r["agrees"] and r["fwd_ms"] > 0 for r in ran), rows
+    assert len(ran) >= 3 and all(r["agrees"] and r["ms"] > 0 for r in ran), rows
+    assert {r["direction"] for r in ran} == {direction}
     for case in {r["case"] for r in ran}:             # each row of a case its own launch
         cfgs = [json.dumps(r["config"], sort_keys=True) for r in ran if r["case"] == case]
         assert len(set(cfgs)) == len(cfgs), cfgs
-    assert "fastest tiny float32" in proc.stdout
+    assert f"fastest tiny float32 {direction}" in proc.stdout
 
 
 def test_rel_attention_check_allows_what_bf16_itself_costs():
