@@ -336,15 +336,20 @@ stage_verify() {
 # A second, short call on the still-warm machine after verify (round 5 had ~3 minutes
 # left: a machine idle for 30 s is given back, so this runs at once, unread): the AWD-LSTM
 # (ULMFiT) train step against fastai's (nn.LSTM + WeightDropout) at the benchmark's sizes,
-# and the LSTM model tests on CUDA.
+# the Triton backward's launch sweep, memcheck over the new backward code, the LSTM model
+# tests on CUDA (STAGE_BUDGET: the seconds left; the steps after it are cut).
 stage_followup() {
   build
-  step "AWD-LSTM train step against fastai's" 100 models_awd_lstm.log "$PY" -m pytest \
-    benchmarks/bench_models.py -q -p no:cacheprovider -k "awd_lstm and ULMFiT and train and not eager"
+  step "AWD-LSTM train step against fastai's" 90 models_awd_lstm.log "$PY" -m pytest \
+    benchmarks/bench_models.py -q -p no:cacheprovider \
+    -k "awd_lstm and ULMFiT and train and not eager"
   summarize models_awd_lstm.log "test_models\[|passed|failed|Error" 12
-  step "LSTM model tests on CUDA" 60 lstm_models_tests.log "$PY" -m pytest -q \
-    -p no:cacheprovider tests/test_models_awd_lstm.py tests/test_nn_lstm.py
-  summarize lstm_models_tests.log "passed|failed|FAILED" 10
+  # the Triton backward's launches (CONFIG_OVERRIDE sets both directions: a forward winner
+  # must not lose here), bf16
+  step "lstm: Triton backward sweep" 60 lstm_triton_sweep_bwd.log "$PY" \
+    benchmarks/lstm_triton_sweep.py --backward --dtypes bfloat16 --time-budget 45 \
+    --out "$R/lstm_triton_sweep_bwd.json"
+  summarize lstm_triton_sweep_bwd.log "fastest|DISAGREES|Error" 6
   # round 5's new device code under memcheck: the grouped backward's cp.async staging and
   # the weight gradients' cublasGemmEx (small sizes: memcheck is slow)
   step "compute-sanitizer memcheck (grouped backward, TF32 weight gradients)" 60 \
@@ -352,6 +357,9 @@ stage_followup() {
     "$PY" -m pytest tests/gpu/test_lstm_gpu.py -q -p no:cacheprovider -p no:xdist \
     -k "float32_weight_gradients or tensor_core_backward_reductions"
   summarize sanitizer_memcheck_followup.log "ERROR SUMMARY| passed| failed" 3
+  step "LSTM model tests on CUDA" 60 lstm_models_tests.log "$PY" -m pytest -q \
+    -p no:cacheprovider tests/test_models_awd_lstm.py tests/test_nn_lstm.py
+  summarize lstm_models_tests.log "passed|failed|FAILED" 10
 }
 
 pack() {
