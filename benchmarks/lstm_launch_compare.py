@@ -131,6 +131,8 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
             for form in _forms(device):
                 if only and form not in only:
                     continue
+                if form.endswith("split-proj") and not P:
+                    continue                      # the same launch as "triton persistent"
                 if form.startswith("cuDNN+WeightDropout"):
                     if clip is not None:
                         continue                                    # nn.LSTM cannot clip
