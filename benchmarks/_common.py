@@ -50,6 +50,7 @@ import functools
 import gc
 import importlib.metadata
 import itertools
+import json
 import math
 import os
 import statistics
@@ -553,6 +554,39 @@ def params(quick_cases, full_cases, modes, backends) -> list:
             for case in cases if device_type in case.devices
             for mode in modes
             for backend in backends]
+
+
+SCRIPT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def add_script_args(ap, reps: int, gpu_dtypes: Sequence[str]) -> None:
+    """The arguments the standalone LSTM scripts share (lstm_launch_compare.py,
+    lstm_triton_sweep.py): --quick (tiny sizes, a CPU check), --reps, --dtypes (refused by
+    name unless one of SCRIPT_DTYPES; default `gpu_dtypes` on a GPU, float32 on a CPU),
+    --out (JSON)."""
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--dtypes", nargs="+", default=None, choices=SCRIPT_DTYPES,
+                    help=f"default: {' '.join(gpu_dtypes)} on a GPU, float32 on a CPU")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.set_defaults(gpu_dtypes=list(gpu_dtypes))
+
+
+def script_setup(args, script: str) -> Optional[List[str]]:
+    """The dtypes to run, or None (after saying why) when the full sizes have no GPU."""
+    if not args.quick and not torch.cuda.is_available():
+        print(f"{script}: the full sizes need a GPU (use --quick on a CPU)")
+        return None
+    return args.dtypes or (args.gpu_dtypes if torch.cuda.is_available() else ["float32"])
+
+
+def write_rows(path: Optional[str], rows: list) -> None:
+    """``{"device", "torch", "rows"}`` as JSON at `path` (nothing if None)."""
+    if path:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with open(path, "w") as f:
+            json.dump({"device": device_name(device), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
 
 
 def median_timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:

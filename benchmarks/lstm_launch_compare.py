@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from typing import Dict, List
@@ -181,29 +180,15 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--dtypes", nargs="+", default=None,
-                    help="default: float32 bfloat16 on a GPU, float32 on a CPU")
+    _common.add_script_args(ap, reps=20, gpu_dtypes=("float32", "bfloat16"))
     ap.add_argument("--forms", nargs="+", default=None,
                     help='only these forms (e.g. "cuda persistent" "cuda persistent-mma")')
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
-    if not args.quick and not torch.cuda.is_available():
-        print("lstm_launch_compare: the full sizes need a GPU (use --quick on a CPU)")
+    dtypes = _common.script_setup(args, "lstm_launch_compare")
+    if dtypes is None:
         return 2
-    dtypes = args.dtypes or (["float32", "bfloat16"] if torch.cuda.is_available() else ["float32"])
-    rows = run(args.quick, args.reps, dtypes, args.forms)
-    if args.out:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        with open(args.out, "w") as f:
-            json.dump({"device": _device_name(device), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+    _common.write_rows(args.out, run(args.quick, args.reps, dtypes, args.forms))
     return 0
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

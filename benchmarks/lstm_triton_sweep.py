@@ -164,25 +164,16 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--dtypes", nargs="+", default=None,
-                    help="default: bfloat16 float32 on a GPU, float32 on a CPU")
+    _common.add_script_args(ap, reps=10, gpu_dtypes=("bfloat16", "float32"))
     ap.add_argument("--time-budget", type=float, default=120.0)
     ap.add_argument("--backward", action="store_true",
                     help="time the backward kernels (on the table row's forward outputs)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
-    if not args.quick and not torch.cuda.is_available():
-        print("lstm_triton_sweep: the full sizes need a GPU (use --quick on a CPU)")
+    dtypes = _common.script_setup(args, "lstm_triton_sweep")
+    if dtypes is None:
         return 2
-    dtypes = args.dtypes or (["bfloat16", "float32"] if torch.cuda.is_available() else ["float32"])
-    rows = run(args.quick, args.reps, dtypes, args.time_budget, args.backward)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": _common.device_name("cuda" if torch.cuda.is_available()
-                                                     else "cpu"),
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    _common.write_rows(args.out, run(args.quick, args.reps, dtypes, args.time_budget,
+                                     args.backward))
     return 0
 
 

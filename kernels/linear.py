@@ -8,8 +8,8 @@ default), but cuBLAS, which ``F.linear`` calls, has its own setting, off by defa
 that runs its input projection ``x @ w_ihᵀ`` and its two gradients as exact float32 GEMMs
 does three times the work at a fraction of the tensor cores' rate: at ULMFiT's layer size
 (T·B 4,480 rows, 4H 4,608, I 1,152) each is 47.6 GFLOP, about 1 ms on the CUDA cores of an
-H200 (round 5: the CUDA LSTM's float32 forward 5.08 ms against its recurrence kernel's
-~4.1). The setting is process-global and flipping it around a call would change other
+H200 (round 5: the CUDA LSTM's float32 forward took 6.04 ms where its recurrence kernel's
+own clock read 5.07 ms; the difference is mostly this GEMM, an inference). The setting is process-global and flipping it around a call would change other
 threads' products; this kernel takes the precision per call instead.
 
     c [M, N] = a [M, K] @ b [K, N] (+ bias [N])        any strides, float32 in and out
@@ -78,6 +78,16 @@ def tf32_matmul(a: torch.Tensor, b: torch.Tensor, bias=None) -> torch.Tensor:
     """``a [M, K] @ b [K, N] (+ bias [N])`` in float32 with TF32 products (exact float32
     products under the interpreter): a new contiguous ``[M, N]``. Any strides (transposed
     views are read as they are)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"tf32_matmul: a must be [M, K] and b [K, N], got a {list(a.shape)} "
+                         f"and b {list(b.shape)}")
+    for name, t in (("a", a), ("b", b), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or t.device != a.device):
+            raise TypeError(f"tf32_matmul: {name} must be float32 on {a.device}, got "
+                            f"{t.dtype} on {t.device}")
+    if bias is not None and tuple(bias.shape) != (b.shape[1],):
+        raise ValueError(f"tf32_matmul: bias must have shape [N] = [{b.shape[1]}], got "
+                         f"{list(bias.shape)}")
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=torch.float32, device=a.device)

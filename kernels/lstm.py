@@ -703,6 +703,16 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
         if bad:
             raise ValueError(f"kernels.lstm.CONFIG_OVERRIDE: unknown keys {bad}; expected "
                              f"some of {list(_CONFIG_KEYS)}")
+        for key, v in CONFIG_OVERRIDE.items():
+            # tile sides: powers of two, >= 16 (a tl.dot's least side) but BLOCK_H (x 4
+            # gates); warps a power of two up to 16; stages >= 1
+            least = {"BLOCK_H": 4, "num_warps": 1, "num_stages": 1}.get(key, 16)
+            pow2 = key != "num_stages"
+            if (not isinstance(v, int) or isinstance(v, bool) or v < least
+                    or (pow2 and v & (v - 1)) or (key == "num_warps" and v > 16)):
+                raise ValueError(f"kernels.lstm.CONFIG_OVERRIDE[{key!r}] must be an int >= "
+                                 f"{least}{', a power of two' if pow2 else ''}"
+                                 f"{' (at most 16)' if key == 'num_warps' else ''}, got {v!r}")
         cfg = {**cfg, **CONFIG_OVERRIDE}
     mode = LAUNCH
     if mode not in (None, "persistent", "stepwise"):

@@ -18,7 +18,7 @@ import torch
 import ctxfast
 from ctxfast import _dispatch, reference
 from ctxfast.ops.lstm import _NATIVE
-from utils import DEVICE, TRITON_ON_CPU, assert_within_2x_eager, rel_err
+from utils import DEVICE, TRITON_ON_CPU, assert_within_2x_eager, rel_err, spy_launches
 
 BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
             if ctxfast.why_unavailable(b, DEVICE) is None]
@@ -799,17 +799,24 @@ def test_triton_config_override(monkeypatch):
     _run_case("triton", "T5-B3-H20-P12-mask-clips", torch.float32)
     assert seen and all(c["BLOCK_K"] == 32 and c["BLOCK_H"] == 32 and c["num_stages"] == 2
                         for c in seen), seen
-    monkeypatch.setattr(klstm, "CONFIG_OVERRIDE", {"BLOCK_Q": 32})
     args, kw = _inputs(3, 2, 5, 16)
-    with pytest.raises(ValueError, match="BLOCK_Q"):
-        _call(ctxfast.lstm, args, kw, backend="triton")
+    launches = spy_launches(monkeypatch, klstm, ["_lstm_fwd_kernel", "_lstm_bwd_kernel"],
+                            lambda a, kw: 1)
+    for bad, match in (({"BLOCK_Q": 32}, "BLOCK_Q"), ({"BLOCK_K": 24}, "'BLOCK_K'.*power of two"),
+                       ({"BLOCK_K": 8}, "'BLOCK_K'.*>= 16"), ({"num_warps": 32}, "at most 16"),
+                       ({"num_stages": 0}, "'num_stages'.*>= 1"), ({"BLOCK_B": 16.0}, "int")):
+        monkeypatch.setattr(klstm, "CONFIG_OVERRIDE", bad)
+        with pytest.raises(ValueError, match=match):
+            _call(ctxfast.lstm, args, kw, backend="triton")
+        assert launches == [], bad                    # refused before any launch
 
 
 @needs_triton
 @pytest.mark.parametrize("M, K, N, bias, view", [
     (37, 19, 23, True, "contiguous"), (5, 33, 40, False, "a transposed"),
     (18, 16, 17, True, "b transposed"), (1, 1, 1, True, "contiguous"),
-    (3, 0, 4, True, "contiguous"), (0, 5, 4, False, "contiguous")])
+    (3, 0, 4, True, "contiguous"), (0, 5, 4, False, "contiguous"),
+    (4, 5, 0, False, "contiguous")])
 def test_tf32_matmul_against_float64(M, K, N, bias, view):
     """kernels/linear.py's GEMM (the LSTM's float32 projection where TF32 is nn.LSTM's
     choice): odd and edge sizes, transposed operands read through their strides, bias or
@@ -973,3 +980,38 @@ def test_projection_op_under_torch_compile(monkeypatch):
     assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
     for g, r in zip(grads, want_grads):
         assert rel_err(g, r) < 1e-5
+
+
+@needs_triton
+def test_tf32_matmul_refuses_bad_operands_before_launching(monkeypatch):
+    from ctxfast.kernels import linear as klinear
+    launched = []
+    monkeypatch.setattr(klinear, "fast", lambda k: launched.append(k))
+    a, b = torch.randn(4, 5, device=DEVICE), torch.randn(5, 3, device=DEVICE)
+    for args, err, match in (
+            ((a, torch.randn(6, 3, device=DEVICE)), ValueError, r"a must be \[M, K\].*\[4, 5\]"),
+            ((a, b.double()), TypeError, "b must be float32"),
+            ((a.half(), b), TypeError, "a must be float32"),
+            ((a, b, torch.randn(4, device=DEVICE)), ValueError, r"bias must have shape \[N\]"),
+            ((a, b, torch.randn(3, device=DEVICE).double()), TypeError, "bias must be float32")):
+        with pytest.raises(err, match=match):
+            klinear.tf32_matmul(*args)
+    assert launched == []
+
+
+@needs_split
+@pytest.mark.parametrize("proj_split", [False, True])
+def test_split_with_every_weight_dropped_and_one_row(monkeypatch, proj_split):
+    """The split (and the Triton forward's split projection) at the edges: one batch row,
+    odd H 17 and P 5, a DropConnect mask that drops every recurrent weight (h_{t-1} then
+    adds nothing; grad_w_hh is all zero): outputs and gradients within 2x eager's error."""
+    from ctxfast.kernels import lstm as klstm
+    _split_only(monkeypatch)
+    monkeypatch.setattr(klstm, "PROJ_SPLIT", proj_split)
+    args, kw = _inputs(4, 1, 3, 17, 5, mask=True)
+    kw["weight_mask"] = torch.zeros_like(kw["weight_mask"])
+    kw.update(cell_clip=0.5, proj_clip=0.4)
+    check_against_reference(None, args, kw)
+    out, h, c = _call(ctxfast.lstm, args, kw)
+    (gw,) = torch.autograd.grad(out.sum() + c.sum(), args["w_hh"])
+    assert torch.count_nonzero(gw) == 0
