@@ -78,6 +78,16 @@ are one GEMM each over all steps at the end::
     grad_w_hh = (Σ_t dz_tᵀ h_{t-1}) · mask · scale      grad_w_hr = Σ_t dh̃_tᵀ hp_t,
     hp_t = o_t tanh(c_t) recomputed from the saved gates and cells
 
+Split-K (:data:`BWD_SPLIT_K`, layers without projection): the dh product is split over the
+``4H`` gate columns instead, ``S_k`` the k-th slice of them::
+
+    part_k = dz_t[:, S_k] @ (w_hh · mask)[S_k, :] · scale        (product tiles, fp32)
+    grid barrier
+    dh̃ of the step before = grad_out + Σ_k part_k               (in that step's cell tiles)
+
+so a product tile reads 1/KSPLIT of dz_t instead of all of it, and the sum costs the cell
+tile KSPLIT loads of its own units; ``grad_h0 = Σ_k part_k`` of the last step walked.
+
 (fp16/bf16: GEMMs in that dtype, float32 accumulation; fp32 and fp64 in their own).
 
 Not yet measured on a GPU (written without one): the tile sizes and the program count are
@@ -417,13 +427,26 @@ def _cell_bwd_tile(
     HAS_PROJ: tl.constexpr, CELL_CLIP: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    part_ptr,    # [KSPLIT, B, P] ACC: split-K partials of dz_{step walked before} @ W · scale
+    go_ptr,      # [B, P]  grad_out_t (read with the partials)
+    from_parts,  # KSPLIT > 0: dh̃_t = grad_out_t + Σ partials (else dh_ptr's, the first step)
+    KSPLIT: tl.constexpr,   # > 0: the split-K backward (layers without projection)
 ):
     offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     b_in = offs_b < B
     h_in = offs_h < H
     io = b_in[:, None] & h_in[None, :]
-    if HAS_PROJ:                                                       # dhp = dh̃ @ w_hr
+    if KSPLIT > 0:                                   # no projection: P = H, dhp = dh̃_t
+        rowp = offs_b[:, None] * P + offs_h[None, :]
+        if from_parts:
+            dhp = tl.load(go_ptr + rowp, mask=io, other=0.0).to(ACC)
+            for s in tl.static_range(KSPLIT):        # a fixed order: deterministic
+                dhp += tl.load(part_ptr + tl.cast(B, tl.int64) * P * s + rowp, mask=io,
+                               other=0.0, cache_modifier=".cg")
+        else:
+            dhp = tl.load(dh_ptr + rowp, mask=io, other=0.0, cache_modifier=".cg").to(ACC)
+    elif HAS_PROJ:                                                     # dhp = dh̃ @ w_hr
         dhp = tl.zeros((BLOCK_B, BLOCK_H), dtype=ACC)
         for k0 in range(0, P, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -508,6 +531,65 @@ def _dh_bwd_tile(
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=io)
 
 
+@triton.jit
+def _dh_part_tile(
+    dz_ptr,      # [B, 4H] dz_t (other programs wrote it: loaded through L2)
+    w_ptr,       # [4H, P] w_hh
+    m_ptr,       # [4H, P] DropConnect mask (read only if HAS_MASK)
+    part_ptr,    # [KSPLIT, B, P] ACC out: slice ks's share of dz_t @ (w_hh · mask) · scale
+    prm_ptr,     # [1] ACC dtype: scale
+    bb, pb, ks,  # the tile: batch block, block of P, slice of the 4H gate columns
+    B, H, P,
+    HAS_MASK: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_PS: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_CHUNK: tl.constexpr,
+):
+    """The split-K backward's product: ``part[ks] = dz_t[:, K_ks] @ W[K_ks, p-block] · scale``
+    over the ks-th chunk of K_CHUNK of the 4H gate columns (a constant trip count; the last
+    chunk's columns past 4H are masked)."""
+    offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_p = pb * BLOCK_PS + tl.arange(0, BLOCK_PS)
+    b_in = offs_b < B
+    p_in = offs_p < P
+    k_lo = ks * K_CHUNK
+    acc = tl.zeros((BLOCK_B, BLOCK_PS), dtype=ACC)
+    for kk in range(0, K_CHUNK, BLOCK_K):
+        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
+        k_in = offs_k < 4 * H
+        a = tl.load(dz_ptr + offs_b[:, None] * (4 * H) + offs_k[None, :],
+                    mask=b_in[:, None] & k_in[None, :], other=0.0,
+                    cache_modifier=".cg")                              # [BLOCK_B, BLOCK_K]
+        w_offs = offs_k[:, None] * P + offs_p[None, :]                 # [BLOCK_K, BLOCK_PS]
+        w_mask = k_in[:, None] & p_in[None, :]
+        w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
+        if HAS_MASK:
+            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
+        acc += _dot(a.to(w.dtype), w, UPCAST, PRECISION)
+    tl.store(part_ptr + ks.to(tl.int64) * B * P + offs_b[:, None] * P + offs_p[None, :],
+             acc * tl.load(prm_ptr), mask=b_in[:, None] & p_in[None, :])
+
+
+@triton.jit
+def _dh_reduce_tile(
+    part_ptr,    # [KSPLIT, B, P] ACC: the partials of the last step walked (other programs')
+    y_ptr,       # [B, P] ACC out: grad_h0 = Σ_ks part[ks]
+    bb, pb,      # the tile: batch block, block of P
+    B, P,
+    ACC: tl.constexpr, KSPLIT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_PS: tl.constexpr,
+):
+    offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_p = pb * BLOCK_PS + tl.arange(0, BLOCK_PS)
+    io = (offs_b < B)[:, None] & (offs_p < P)[None, :]
+    offs = offs_b[:, None] * P + offs_p[None, :]
+    y = tl.zeros((BLOCK_B, BLOCK_PS), dtype=ACC)
+    for s in tl.static_range(KSPLIT):                # the cell tiles' order
+        y += tl.load(part_ptr + tl.cast(B, tl.int64) * P * s + offs, mask=io, other=0.0,
+                     cache_modifier=".cg")
+    tl.store(y_ptr + offs, y, mask=io)
+
+
 @triton.jit(do_not_specialize=["n0", "n1"])
 def _lstm_bwd_kernel(
     grad_out_ptr,    # [T, B, P]  dL/dh_t from above
@@ -520,25 +602,33 @@ def _lstm_bwd_kernel(
     m_ptr,           # [4H, P]    DropConnect mask (read only if HAS_MASK)
     wr_ptr,          # [P, H]     w_hr (read only if HAS_PROJ)
     dh_ptr,          # [T, B, P]  ACC: in: dh̃ of the first backward step; out: every dh̃_t
+                     #            (KSPLIT: the first step's only)
     dc_ptr,          # [B, H]     ACC: the carried dc, zero at launch; out: grad_c0
     dz_ptr,          # [T, B, 4H] out: grad_xw
     gh0_ptr,         # [B, P]     ACC out: grad_h0
+    part_ptr,        # [KSPLIT, B, P] ACC scratch (KSPLIT > 0): the split-K partials of dh̃
     prm_ptr,         # [3] ACC dtype: scale, cell clip (stored), proj clip (stored)
     sync_ptr,        # [1] int32 barrier counter, zero at launch (used only if SYNC)
     T, B, H, P,
     n0, n1,          # this launch runs backward steps n0 .. n1-1 (walk index T-1-n)
     REVERSE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PROJ: tl.constexpr,
     CELL_CLIP: tl.constexpr, PROJ_GATE: tl.constexpr,
-    RUN_CELL: tl.constexpr, RUN_DH: tl.constexpr, SYNC: tl.constexpr,
+    RUN_CELL: tl.constexpr, RUN_DH: tl.constexpr, RUN_H0: tl.constexpr, SYNC: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, KSPLIT: tl.constexpr, K_CHUNK: tl.constexpr,
+    BLOCK_PS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_bb = tl.cdiv(B, BLOCK_B)
     n_cell = n_bb * tl.cdiv(H, BLOCK_H)
-    n_dh = n_bb * tl.cdiv(P, BLOCK_P)
+    if KSPLIT > 0:
+        n_ps = n_bb * tl.cdiv(P, BLOCK_PS)                             # output tiles of dh̃
+        n_dh = n_ps * KSPLIT                                           # x slices of 4H
+    else:
+        n_ps = 0
+        n_dh = n_bb * tl.cdiv(P, BLOCK_P)
     s_g = tl.cast(B, tl.int64) * (4 * H)                               # step strides (int64)
     s_h = tl.cast(B, tl.int64) * H
     s_p = tl.cast(B, tl.int64) * P
@@ -562,27 +652,41 @@ def _lstm_bwd_kernel(
                                cells_ptr + t * s_h, c_prev, grad_cells_ptr + t * s_h, dc_ptr,
                                dz_ptr + t * s_g, prm_ptr + 1, tile % n_bb, tile // n_bb,
                                B, H, P, HAS_PROJ, CELL_CLIP, ACC, UPCAST, PRECISION,
-                               BLOCK_B, BLOCK_H, BLOCK_K)
+                               BLOCK_B, BLOCK_H, BLOCK_K,
+                               part_ptr, grad_out_ptr + t * s_p, n > 0, KSPLIT)
         if SYNC:                                                       # dz_t complete
             syncs += 1
             _grid_sync(sync_ptr, syncs * nprog)
         if RUN_DH:
-            if has_prev:
-                y_dst = dh_ptr + tp * s_p
-                add = grad_out_ptr + tp * s_p
-                ref = out_ptr + tp * s_p
+            if KSPLIT > 0:                           # partials; the next cell phase sums them
+                for tile in range(pid, n_dh, nprog):
+                    ps = tile % n_ps
+                    _dh_part_tile(dz_ptr + t * s_g, w_ptr, m_ptr, part_ptr, prm_ptr,
+                                  ps % n_bb, ps // n_bb, tile // n_ps, B, H, P,
+                                  HAS_MASK, ACC, UPCAST, PRECISION,
+                                  BLOCK_B, BLOCK_PS, BLOCK_K, K_CHUNK)
             else:
-                y_dst = gh0_ptr
-                add = grad_out_ptr
-                ref = out_ptr
-            for tile in range(pid, n_dh, nprog):
-                _dh_bwd_tile(dz_ptr + t * s_g, w_ptr, m_ptr, add, ref, y_dst, prm_ptr,
-                             tile % n_bb, tile // n_bb, B, H, P, has_prev,
-                             HAS_MASK, PROJ_GATE, ACC, UPCAST, PRECISION,
-                             BLOCK_B, BLOCK_P, BLOCK_K)
+                if has_prev:
+                    y_dst = dh_ptr + tp * s_p
+                    add = grad_out_ptr + tp * s_p
+                    ref = out_ptr + tp * s_p
+                else:
+                    y_dst = gh0_ptr
+                    add = grad_out_ptr
+                    ref = out_ptr
+                for tile in range(pid, n_dh, nprog):
+                    _dh_bwd_tile(dz_ptr + t * s_g, w_ptr, m_ptr, add, ref, y_dst, prm_ptr,
+                                 tile % n_bb, tile // n_bb, B, H, P, has_prev,
+                                 HAS_MASK, PROJ_GATE, ACC, UPCAST, PRECISION,
+                                 BLOCK_B, BLOCK_P, BLOCK_K)
         if SYNC:                                                       # dh̃ complete
             syncs += 1
             _grid_sync(sync_ptr, syncs * nprog)
+    if KSPLIT > 0:
+        if RUN_H0:                                   # grad_h0: the last step's partials
+            for tile in range(pid, n_ps, nprog):
+                _dh_reduce_tile(part_ptr, gh0_ptr, tile % n_bb, tile // n_bb, B, P,
+                                ACC, KSPLIT, BLOCK_B, BLOCK_PS)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -688,10 +792,49 @@ def _proj_split_config(cfg: dict, B: int, P: int, n_hb: int, programs: int) -> d
 
 #: Keys of :func:`_config`'s dict (and ``num_stages``, Triton's default 3 when absent) that
 #: replace its choice in every launch, forward and backward, e.g. ``{"BLOCK_K": 64,
-#: "num_warps": 8}``: what ``benchmarks/lstm_triton_sweep.py`` times on a GPU. None: the table.
+#: "num_warps": 8}``, and the split-K backward's ``KSPLIT`` / ``BLOCK_PS``
+#: (:func:`_bwd_split_config`; a KSPLIT turns the split on): what
+#: ``benchmarks/lstm_triton_sweep.py`` times on a GPU. None: the table.
 CONFIG_OVERRIDE: Optional[dict] = None
 
-_CONFIG_KEYS = ("BLOCK_B", "BLOCK_H", "BLOCK_K", "BLOCK_P", "num_warps", "num_stages")
+_CONFIG_KEYS = ("BLOCK_B", "BLOCK_H", "BLOCK_K", "BLOCK_P", "num_warps", "num_stages",
+                "BLOCK_PS", "KSPLIT")
+_SPLIT_K_KEYS = ("BLOCK_PS", "KSPLIT")           # read by _bwd_split_config, not _config's
+
+
+#: The backward's product ``dh̃_t ← dz_{t+1} @ (w_hh · mask) · scale`` split over the 4H gate
+#: columns (layers without projection): product tiles of BLOCK_B x BLOCK_PS outputs x one
+#: of KSPLIT slices of 4H (``_dh_part_tile``) write fp32 partials, and the next step's cell
+#: tiles sum their units' KSPLIT partials with grad_out (``_cell_bwd_tile``); grad_h0 is the
+#: last step's partials summed after the loop (``_dh_reduce_tile``). The unsplit dh tiles
+#: (BLOCK_P = 16 outputs each at ULMFiT's size: 72 tiles) each read all of dz_t [B, 4H]
+#: (590 KB in bf16 at B 64, H 1152) and 147 KB of w_hh a step, 2.5x the bytes of a forward
+#: cell tile; split, a tile reads ~170 KB (64 x 64 outputs x 1/7 of 4H, 126 tiles on 132
+#: SMs). Same two grid barriers a step; another summation order (tests: 2x eager's error).
+#: Off by default until a GPU times it (``lstm_launch_compare.py``'s "triton split-k bwd").
+BWD_SPLIT_K: bool = False
+
+
+def _bwd_split_config(cfg: dict, B: int, H: int, P: int, has_proj: bool,
+                      device: torch.device) -> dict:
+    """The split-K backward's constants: KSPLIT slices (0: the unsplit dh tiles) of K_CHUNK
+    gate columns each (a multiple of BLOCK_K; the last slice may be shorter), BLOCK_PS
+    columns of P a tile. Enough slices that the product tiles about fill the SMs;
+    CONFIG_OVERRIDE's BLOCK_PS / KSPLIT replace the choice. Interpreter: 3 slices of
+    16-wide tiles, so the CPU tests cross slice and tile edges. A KSPLIT in CONFIG_OVERRIDE
+    turns the split on whatever BWD_SPLIT_K says (the launch sweep's rows)."""
+    over = CONFIG_OVERRIDE or {}
+    if has_proj or not (BWD_SPLIT_K or "KSPLIT" in over):
+        return dict(KSPLIT=0, K_CHUNK=cfg["BLOCK_K"], BLOCK_PS=16)
+    k_steps = cdiv(4 * H, cfg["BLOCK_K"])
+    if _interpreting():
+        bps, ks = 16, 3
+    else:
+        bps = min(64, max(16, next_pow2(P)))
+        ks = _sm_count(device) // (cdiv(B, cfg["BLOCK_B"]) * cdiv(P, over.get("BLOCK_PS", bps)))
+    bps, ks = over.get("BLOCK_PS", bps), over.get("KSPLIT", ks)
+    chunk = cdiv(k_steps, max(1, min(ks, k_steps)))              # BLOCK_K steps a slice
+    return dict(KSPLIT=cdiv(k_steps, chunk), K_CHUNK=chunk * cfg["BLOCK_K"], BLOCK_PS=bps)
 
 
 def _plan(B: int, H: int, P: int, dtype: torch.dtype,
@@ -706,14 +849,14 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
         for key, v in CONFIG_OVERRIDE.items():
             # tile sides: powers of two, >= 16 (a tl.dot's least side) but BLOCK_H (x 4
             # gates); warps a power of two up to 16; stages >= 1
-            least = {"BLOCK_H": 4, "num_warps": 1, "num_stages": 1}.get(key, 16)
-            pow2 = key != "num_stages"
+            least = {"BLOCK_H": 4, "num_warps": 1, "num_stages": 1, "KSPLIT": 1}.get(key, 16)
+            pow2 = key not in ("num_stages", "KSPLIT")
             if (not isinstance(v, int) or isinstance(v, bool) or v < least
                     or (pow2 and v & (v - 1)) or (key == "num_warps" and v > 16)):
                 raise ValueError(f"kernels.lstm.CONFIG_OVERRIDE[{key!r}] must be an int >= "
                                  f"{least}{', a power of two' if pow2 else ''}"
                                  f"{' (at most 16)' if key == 'num_warps' else ''}, got {v!r}")
-        cfg = {**cfg, **CONFIG_OVERRIDE}
+        cfg = {**cfg, **{k: v for k, v in CONFIG_OVERRIDE.items() if k not in _SPLIT_K_KEYS}}
     mode = LAUNCH
     if mode not in (None, "persistent", "stepwise"):
         raise ValueError(f"kernels.lstm.LAUNCH must be None, 'persistent' or 'stepwise', got {mode!r}")
@@ -890,25 +1033,35 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
         dh_all[first] *= out[first].abs() < pc
     prm = _params(gates.device, dtype, scale, cc, pc)
     cfg, grid, options = _plan(B, H, P, dtype, gates.device)
+    split = _bwd_split_config(cfg, B, H, P, has_proj, gates.device)
+    n_bb = cdiv(B, cfg["BLOCK_B"])
+    n_ps = n_bb * cdiv(P, split["BLOCK_PS"])
+    n_dh = n_ps * split["KSPLIT"] if split["KSPLIT"] else n_bb * cdiv(P, cfg["BLOCK_P"])
+    if grid is not None and not _interpreting():             # a GPU: the product tiles too
+        grid = min(max(grid, n_dh), _sm_count(gates.device))
+    part = (torch.empty((split["KSPLIT"], B, P), dtype=acc, device=gates.device)
+            if split["KSPLIT"] else dc)                      # [KSPLIT, B, P] partials of dh̃
     sync = torch.zeros(1, dtype=torch.int32, device=gates.device)
     w_k, mask_k = _premask(w_hh_c, mask_c, T)                          # what the kernel reads
     args = (grad_out, grad_cells, out, cells, gates, c0, w_k,
             mask_k if mask_k is not None else w_k, w_hr_c if has_proj else w_hh_c,
-            dh_all, dc, grad_xw, grad_h0, prm, sync, T, B, H, P)
+            dh_all, dc, grad_xw, grad_h0, part, prm, sync, T, B, H, P)
     kw = dict(REVERSE=reverse, HAS_MASK=mask_k is not None, HAS_PROJ=has_proj,
-              CELL_CLIP=not math.isinf(cell_clip), PROJ_GATE=proj_gate, **cfg,
+              CELL_CLIP=not math.isinf(cell_clip), PROJ_GATE=proj_gate, **cfg, **split,
               **_common(dtype))
     if grid is not None:                                     # one launch, every step
-        fast(_lstm_bwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True, SYNC=True,
-                                  **kw, **options)
+        fast(_lstm_bwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True, RUN_H0=True,
+                                  SYNC=True, **kw, **options)
     else:
-        n_bb = cdiv(B, cfg["BLOCK_B"])
-        n_cell, n_dh = n_bb * cdiv(H, cfg["BLOCK_H"]), n_bb * cdiv(P, cfg["BLOCK_P"])
+        n_cell = n_bb * cdiv(H, cfg["BLOCK_H"])
         for n in range(T):                                   # stepwise: a launch per phase
             fast(_lstm_bwd_kernel)[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_DH=False,
-                                        SYNC=False, **kw)
+                                        RUN_H0=False, SYNC=False, **kw)
             fast(_lstm_bwd_kernel)[(n_dh,)](*args, n, n + 1, RUN_CELL=False, RUN_DH=True,
-                                      SYNC=False, **kw)
+                                      RUN_H0=False, SYNC=False, **kw)
+        if split["KSPLIT"]:                                  # grad_h0 from the partials
+            fast(_lstm_bwd_kernel)[(n_ps,)](*args, T, T, RUN_CELL=False, RUN_DH=False,
+                                      RUN_H0=True, SYNC=False, **kw)
 
     # weight gradients: one GEMM each over all T·B rows, 16-bit ones in their dtype (tensor
     # cores, float32 accumulation, one rounding; eager rounds every step's product and sum)

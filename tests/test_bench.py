@@ -1090,7 +1090,7 @@ def test_lstm_launch_compare_runs_every_form(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     forms = {r["form"] for r in rows}
-    assert {"triton persistent", "triton stepwise"} <= forms
+    assert {"triton persistent", "triton stepwise", "triton persistent split-k"} <= forms
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
 
 
@@ -1117,6 +1117,8 @@ def test_lstm_triton_sweep_times_each_candidate(tmp_path, direction):
         cfgs = [json.dumps(r["config"], sort_keys=True) for r in ran if r["case"] == case]
         assert len(set(cfgs)) == len(cfgs), cfgs
     assert f"fastest tiny float32 {direction}" in proc.stdout
+    if direction == "bwd":                            # the split-K backward's rows ran
+        assert any(r["config"]["KSPLIT"] for r in ran if r["case"] == "tiny"), ran
 
 
 def test_rel_attention_check_allows_what_bf16_itself_costs():

@@ -1015,3 +1015,29 @@ def test_split_with_every_weight_dropped_and_one_row(monkeypatch, proj_split):
     out, h, c = _call(ctxfast.lstm, args, kw)
     (gw,) = torch.autograd.grad(out.sum() + c.sum(), args["w_hh"])
     assert torch.count_nonzero(gw) == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("launch", ["persistent", "stepwise"])
+@pytest.mark.parametrize("case_id,dtype", [
+    ("T5-B1-H20-noproj-mask-cellclip-reverse", torch.float32),
+    ("T5-B3-H20-noproj-nohx-noncontig", torch.float32), ("T1-B1-H16-noproj", torch.float32),
+    ("T5-B1-H20-noproj-mask-cellclip-reverse", torch.float16),
+    ("T5-B3-H20-P12-mask-clips", torch.float32)])
+def test_triton_backward_split_over_gate_columns(monkeypatch, launch, case_id, dtype):
+    """kernels.lstm.BWD_SPLIT_K: the backward's dz_t @ W split into slices of the 4H gate
+    columns (3 at H 20: 80 columns in chunks of 32, 32 and 16) whose fp32 partials the
+    next step's cell tiles sum, grad_h0 from the last step's; persistent and per step:
+    outputs and every gradient within 2x eager's error. Layers with a projection keep the
+    unsplit dh tiles (the last case)."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, "BWD_SPLIT_K", True)
+    monkeypatch.setattr(klstm, "LAUNCH", launch)
+    took = []
+    real = klstm._bwd_split_config
+    monkeypatch.setattr(klstm, "_bwd_split_config",
+                        lambda *a: took.append(real(*a)["KSPLIT"]) or real(*a))
+    _run_case("triton", case_id, dtype)
+    # H 20: 5 steps of 16 gate columns in chunks of 2 -> 3 slices; H 16: 4 -> 2 slices
+    want = 0 if "noproj" not in case_id else (2 if "H16" in case_id else 3)
+    assert took and all(k == want for k in took), took

@@ -203,6 +203,7 @@ def _cases():
     tf32 = setting(torch.backends.cuda.matmul, "allow_tf32", True)
     ieee = setting(lstm, "FP32_PRECISION", "ieee")
     proj_split = setting(lstm, "PROJ_SPLIT", True)
+    bwd_split_k = setting(lstm, "BWD_SPLIT_K", True)
     atomic_dq = setting(attention, "DQ_MODE", "atomic")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
     dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
@@ -341,6 +342,11 @@ def _cases():
         ("lstm fp32/tf32 ELMo B=32 H=4096 P=512 proj+mask+clip (PROJ_SPLIT)", sm90,
          proj_split(tf32(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
                                               clip=True)))),
+        # the backward's dz @ W split over the gate columns (BWD_SPLIT_K), ULMFiT's size
+        ("lstm bf16 ULMFiT B=64 H=1152 mask (BWD_SPLIT_K)", sm90,
+         bwd_split_k(lambda: lstm_fwd_bwd(bf16, B=64, H=1152, mask=True))),
+        ("lstm fp32/tf32x3 ULMFiT B=64 H=1152 mask (BWD_SPLIT_K)", sm90,
+         bwd_split_k(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
         ("linear fp32/tf32 ULMFiT projection 4480 x 1152 -> 4608", both,
          lambda: projection(4480, 1152, 4608)),
