@@ -8,7 +8,9 @@ tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and te
 sizes, forward and forward+backward, fp32 and bf16; "triton persistent split-proj" (the
 projection over the unit blocks, ``kernels.lstm.PROJ_SPLIT``; layers with one); "triton
 persistent split-k" (the backward's product split over the gate columns,
-``kernels.lstm.BWD_SPLIT_K``; layers without one); and "auto", what ``ctxfast.lstm`` runs
+``kernels.lstm.BWD_SPLIT_K``; layers without one); "triton persistent f16-operands" (float32
+with TF32 allowed: the forward's recurrence products on fp16 operands,
+``kernels.lstm.F16_OPERANDS``; layers without projection); and "auto", what ``ctxfast.lstm`` runs
 on CUDA tensors with no backend asked for (``ctxfast.ops.lstm.CUDA_DEFAULT``: the Triton
 forward with the CUDA C++ backward).
 
@@ -59,6 +61,7 @@ def _form(name: str):
     from ctxfast.kernels import lstm as lstm_kernels
     saved_launch, saved_precision = lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION
     saved_split, saved_split_k = lstm_kernels.PROJ_SPLIT, lstm_kernels.BWD_SPLIT_K
+    saved_f16 = lstm_kernels.F16_OPERANDS
     saved_env = os.environ.get("CTXFAST_LSTM_CUDA_KERNEL")
     saved_reduce = os.environ.get("CTXFAST_LSTM_CUDA_BWD_REDUCE")
     saved_ring = os.environ.get("CTXFAST_LSTM_CUDA_RING")
@@ -75,6 +78,8 @@ def _form(name: str):
             lstm_kernels.PROJ_SPLIT = True
         if name.endswith("split-k"):              # the backward over gate-column slices
             lstm_kernels.BWD_SPLIT_K = True
+        if name.endswith("f16-operands"):         # float32's products on fp16 operands
+            lstm_kernels.F16_OPERANDS = True
     elif name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
         # the grouped tensor-core backward (the default), or one partial per block
@@ -89,6 +94,7 @@ def _form(name: str):
         torch.backends.cudnn.allow_tf32 = saved_tf32
         lstm_kernels.LAUNCH, lstm_kernels.FP32_PRECISION = saved_launch, saved_precision
         lstm_kernels.PROJ_SPLIT, lstm_kernels.BWD_SPLIT_K = saved_split, saved_split_k
+        lstm_kernels.F16_OPERANDS = saved_f16
         for var, saved in (("CTXFAST_LSTM_CUDA_KERNEL", saved_env),
                            ("CTXFAST_LSTM_CUDA_BWD_REDUCE", saved_reduce),
                            ("CTXFAST_LSTM_CUDA_RING", saved_ring)):
@@ -102,7 +108,8 @@ def _forms(device: torch.device) -> List[str]:
     forms = []
     if _dispatch.why_unavailable("triton", device) is None:
         forms += ["triton persistent", "triton stepwise", "triton persistent ieee",
-                  "triton persistent split-proj", "triton persistent split-k"]
+                  "triton persistent split-proj", "triton persistent split-k",
+                  "triton persistent f16-operands"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
         forms += ["cuda persistent", "cuda persistent-mma", "cuda persistent-mma groups",
                   "cuda persistent-mma groups ring4", "cuda persistent-mma groups ring8",
@@ -134,7 +141,8 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
             for form in _forms(device):
                 if only and form not in only:
                     continue
-                if (form.endswith("split-proj") and not P) or (form.endswith("split-k") and P):
+                if ((form.endswith("split-proj") and not P) or (form.endswith("split-k") and P)
+                        or (form.endswith("f16-operands") and (P or dtype != torch.float32))):
                     continue                      # the same launch as "triton persistent"
                 if form.startswith("cuDNN+WeightDropout"):
                     if clip is not None:

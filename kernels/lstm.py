@@ -180,9 +180,12 @@ def _cell_fwd_tile(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     STORE_HP: tl.constexpr,
+    hs_ptr,      # [B, H]  out (STORE_H16): hp_t · 2^15 as fp16, the next step's operand
+    STORE_H16: tl.constexpr,
 ):
     """One cell tile of a step (see the module docstring); returns hp [BLOCK_B, BLOCK_H]
-    in the accumulation dtype (0 for units past H), stored to hp_ptr if STORE_HP."""
+    in the accumulation dtype (0 for units past H), stored to hp_ptr if STORE_HP (and as
+    fp16 to hs_ptr if STORE_H16)."""
     scale = tl.load(prm_ptr)
     offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -232,6 +235,8 @@ def _cell_fwd_tile(
     tl.store(c_ptr + rowh, c, mask=io)                                 # the carry
     if STORE_HP:
         tl.store(hp_ptr + rowh, hp.to(hp_ptr.dtype.element_ty), mask=io)
+    if STORE_H16:               # |hp| <= 1: x 2^15 keeps 10 bits down to |hp| = 2^-29
+        tl.store(hs_ptr + rowh, (hp * 32768.0).to(tl.float16), mask=io)
     return hp
 
 
@@ -344,6 +349,9 @@ def _lstm_fwd_kernel(
     part_ptr,    # [n_hb, B, P] ACC scratch (PROJ_SPLIT): the unit blocks' partial h_t
     prm_ptr,     # [5] ACC dtype: scale, cell clip (stored), below it, proj clip (stored), below it
     sync_ptr,    # [1] int32 barrier counter, zero at launch (used only if SYNC)
+    w16_ptr,     # [4H, P] fp16 (H16): w_hh · mask · 2^e, the product operand after step 0
+    hs_ptr,      # [2, B, P] fp16 scratch (H16): h · 2^15 of the last two steps, the operand
+    prm16_ptr,   # [5] (H16): prm with scale / (2^e · 2^15) in place of scale
     T, B, H, P,
     n0, n1,      # this launch runs steps n0 .. n1-1 of the walk (t = n, or T-1-n if REVERSE)
     REVERSE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PROJ: tl.constexpr,
@@ -353,6 +361,7 @@ def _lstm_fwd_kernel(
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, PROJ_SPLIT: tl.constexpr, BLOCK_PP: tl.constexpr,
     BLOCK_R: tl.constexpr, HB_CHUNK: tl.constexpr,
+    H16: tl.constexpr, UPCAST16: tl.constexpr, BLOCK_K16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -384,11 +393,28 @@ def _lstm_fwd_kernel(
             else:
                 hp_dst = out_ptr + t * s_p
             for tile in range(pid, n_cell, nprog):
-                hp = _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_ptr, w_ptr, m_ptr,
-                                    gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst, prm_ptr,
-                                    tile % n_bb, tile // n_bb, B, H, P,
-                                    HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
-                                    BLOCK_B, BLOCK_H, BLOCK_K, not PROJ_SPLIT)
+                if H16:                     # float32 on fp16 operands (no projection)
+                    hs_dst = hs_ptr + (n % 2) * s_p                    # the next step's h
+                    if n == 0:              # h0 as given (any range): the float32 dots
+                        hp = _cell_fwd_tile(xw_ptr + t * s_g, h0_ptr, c_ptr, w_ptr, m_ptr,
+                                            gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst,
+                                            prm_ptr, tile % n_bb, tile // n_bb, B, H, P,
+                                            HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
+                                            BLOCK_B, BLOCK_H, BLOCK_K, True, hs_dst, True)
+                    else:                   # |h| < 1 from here on
+                        hp = _cell_fwd_tile(xw_ptr + t * s_g, hs_ptr + ((n + 1) % 2) * s_p,
+                                            c_ptr, w16_ptr, w16_ptr,
+                                            gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst,
+                                            prm16_ptr, tile % n_bb, tile // n_bb, B, H, P,
+                                            False, CELL_CLIP, ACC, UPCAST16, "tf32",
+                                            BLOCK_B, BLOCK_H, BLOCK_K16, True, hs_dst, True)
+                else:
+                    hp = _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_ptr, w_ptr, m_ptr,
+                                        gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst,
+                                        prm_ptr, tile % n_bb, tile // n_bb, B, H, P,
+                                        HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
+                                        BLOCK_B, BLOCK_H, BLOCK_K, not PROJ_SPLIT,
+                                        hp_dst, False)
                 if PROJ_SPLIT:
                     _proj_partial_tile(hp, wr_ptr, part_ptr, tile % n_bb, tile // n_bb,
                                        B, H, P, UPCAST, PRECISION, BLOCK_B, BLOCK_H, BLOCK_PP)
@@ -872,6 +898,44 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
     return cfg, min(tiles, _sm_count(device)), {"launch_cooperative_grid": True}
 
 
+#: float32 layers without projection where torch allows TF32 for cuDNN's RNNs (nn.LSTM's
+#: products are then TF32: 10-bit significands, rounded): the forward's recurrence products
+#: from step 1 on take fp16 operands, which have the same 10-bit significand and are
+#: rounded to nearest as well, at half the bytes and twice the tensor-core rate of TF32's
+#: fp32 ones (the float32 forward streamed 2x bf16's bytes a step and took 2.9x its time,
+#: 2.29 against 0.79 ms at ULMFiT's size, round 5). ``w_hh · mask`` is scaled by a power of
+#: two 2^e (exact) so that its largest value is 2^13-2^14 (fp16's range ends at 65,504;
+#: 2^e is computed on the device from the weight's max: no sync), h_t = o tanh(c), inside
+#: [-1, 1], by 2^15, and the accumulator by scale / (2^e · 2^15). fp16 then keeps 10 bits
+#: for |h| >= 2^-29 and weights >= 2^-28 of the largest; below that the absolute error (at
+#: most 2^-40 for h, 2^-39 of the weight's max) is far under the rounding of the largest
+#: terms (tests: h0 x 1e5, w_hh x 1e5, activations near 1e-5 each fail without). Step 0 reads
+#: the given h0 (any range) with the float32 dots. The cell state, gates and outputs stay
+#: float32. Off by default until a GPU times it (``lstm_launch_compare.py``'s
+#: "triton persistent f16-operands").
+F16_OPERANDS: bool = False
+
+
+def _f16_operands(dtype: torch.dtype, has_proj: bool, T: int) -> bool:
+    """Whether this forward takes F16_OPERANDS (more than one step: step 0 never does)."""
+    return (F16_OPERANDS and dtype == torch.float32 and not has_proj and T > 1
+            and lstm_precision(dtype) == "tf32")
+
+
+def _f16_weight(w_hh: torch.Tensor, mask: Optional[torch.Tensor],
+                prm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``w_hh · mask · 2^e`` in fp16 [4H, P], prm with ``scale / (2^e · 2^15)`` first, 2^15
+    h's scale in the fp16 operand): 2^e puts the weight's largest magnitude in
+    [2^13, 2^14), from device values (no host sync)."""
+    amax = w_hh.abs().amax()                 # a 0/1 mask only lowers the masked weight's max
+    e = torch.floor(torch.log2(16384.0 / amax.clamp_min(1e-30))).clamp(-100.0, 100.0)
+    two_e = torch.exp2(e)
+    w = w_hh * two_e if mask is None else w_hh * mask * two_e            # exact in fp32
+    prm16 = prm.clone()
+    prm16[0] = prm[0] / (two_e * 32768.0)
+    return w.to(torch.float16), prm16
+
+
 #: Steps from which the launchers multiply the mask into a per-call copy of ``w_hh`` once
 #: (one elementwise pass) instead of loading the mask with every weight tile at every step.
 #: Every step streams the weight from L2: ULMFiT's fp32 ``w_hh`` is 21 MB, with its mask
@@ -955,12 +1019,22 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     h0, c0 = h0.to(dtype).contiguous(), c0.to(dtype).contiguous()
     w_hh = w_hh.to(dtype).contiguous()
     mask = mask.to(dtype).contiguous() if mask is not None else None
-    w_hh, mask = _premask(w_hh, mask, T)
+    h16 = _f16_operands(dtype, w_hr is not None, T)
+    if not h16:                              # (F16_OPERANDS: step 0 reads w_hh and mask)
+        w_hh, mask = _premask(w_hh, mask, T)
     w_hr = w_hr.to(dtype).contiguous() if w_hr is not None else None
     hp = xw.new_empty((B, H)) if w_hr is not None else out
     prm = _params(xw.device, dtype, *_clip_values(dtype, scale, cell_clip),
                   *_clip_values(dtype, 1.0, proj_clip)[1:])
-    cfg, grid, options = _plan(B, H, P, dtype, xw.device)
+    # F16_OPERANDS: the 16-bit table's tiles; step 0's float32 dots 16 deep
+    cfg, grid, options = _plan(B, H, P, torch.float16 if h16 else dtype, xw.device)
+    block_k16 = cfg["BLOCK_K"]
+    if h16:
+        cfg = {**cfg, "BLOCK_K": 16}
+        w16, prm16 = _f16_weight(w_hh, mask, prm)
+        hs = torch.empty((2, B, P), dtype=torch.float16, device=xw.device)  # h_{t-1}, h_t
+    else:
+        w16, prm16, hs = w_hh, prm, out                                # unused
     sync = torch.zeros(1, dtype=torch.int32, device=xw.device)
     c_carry = c0.to(_acc_dtype(dtype)[1]).clone()                       # [B, H] fp32 (fp64)
     n_bb, n_hb = cdiv(B, cfg["BLOCK_B"]), cdiv(H, cfg["BLOCK_H"])
@@ -970,10 +1044,11 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
             if split else c_carry)                                   # [n_hb, B, P] partials
     args = (xw, h0, c_carry, w_hh, mask if mask is not None else w_hh,
             w_hr if w_hr is not None else w_hh, gates, cells, out, hp, part, prm, sync,
-            T, B, H, P)
+            w16, hs, prm16, T, B, H, P)
     kw = dict(REVERSE=reverse, HAS_MASK=mask is not None, HAS_PROJ=w_hr is not None,
               CELL_CLIP=not math.isinf(cell_clip), PROJ_CLIP=not math.isinf(proj_clip),
-              PROJ_SPLIT=split, **split_cfg, **cfg, **_common(dtype))
+              PROJ_SPLIT=split, **split_cfg, **cfg, **_common(dtype),
+              H16=h16, UPCAST16=_interpreting(), BLOCK_K16=block_k16)
     if grid is not None:                                     # one launch, every step
         fast(_lstm_fwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True,
                                   **kw, **options)

@@ -1090,7 +1090,8 @@ def test_lstm_launch_compare_runs_every_form(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     forms = {r["form"] for r in rows}
-    assert {"triton persistent", "triton stepwise", "triton persistent split-k"} <= forms
+    assert {"triton persistent", "triton stepwise", "triton persistent split-k",
+            "triton persistent f16-operands"} <= forms
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows)
 
 

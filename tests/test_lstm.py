@@ -1041,3 +1041,103 @@ def test_triton_backward_split_over_gate_columns(monkeypatch, launch, case_id, d
     # H 20: 5 steps of 16 gate columns in chunks of 2 -> 3 slices; H 16: 4 -> 2 slices
     want = 0 if "noproj" not in case_id else (2 if "H16" in case_id else 3)
     assert took and all(k == want for k in took), took
+
+
+def _round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to TF32 (10-bit significand, to nearest, ties away: cvt.rna.tf32.f32),
+    with the identity's gradient."""
+    bits = (x.detach().view(torch.int32) + 0x1000) & ~0x1FFF
+    return x + (bits.view(torch.float32) - x).detach()
+
+
+def _eager_tf32_lstm(a, kw):
+    """The layer as nn.LSTM computes it with TF32 products (operands of the recurrence's
+    products rounded to TF32, float32 otherwise; the input projection exact, as ours on a
+    CPU), in eager float32: the "eager at the same precision" of the 2x rule."""
+    x, h, c = a["x"], a["h0"], a["c0"]
+    H = a["w_hh"].shape[0] // 4
+    xw = torch.nn.functional.linear(x, a["w_ih"], a["b_ih"] + a["b_hh"])    # [T, B, 4H]
+    w = _round_tf32(a["w_hh"] * kw["weight_mask"] / (1 - kw["weight_dropout"]))
+    outs = [None] * x.shape[0]
+    steps = range(x.shape[0] - 1, -1, -1) if kw.get("reverse") else range(x.shape[0])
+    for t in steps:
+        z = xw[t] + _round_tf32(h) @ w.t()                                   # [B, 4H]
+        i, f, o = (torch.sigmoid(z[:, q * H:(q + 1) * H]) for q in (0, 1, 3))
+        c = f * c + i * torch.tanh(z[:, 2 * H:3 * H])
+        h = outs[t] = o * torch.tanh(c)
+    return torch.stack(outs), h, c
+
+
+@needs_triton
+@pytest.mark.parametrize("launch", ["persistent", "stepwise"])
+@pytest.mark.parametrize("case", ["plain", "reverse", "h0x1e5", "w_hhx1e5", "small"])
+def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
+    """kernels.lstm.F16_OPERANDS, where torch allows TF32 for cuDNN's RNNs: the float32
+    forward's recurrence products on fp16 operands from step 1 on (10-bit significands, as
+    TF32's; w_hh · mask scaled by 2^e into fp16's range). Outputs and every gradient within
+    2x the error of eager float32 with TF32-rounded operands against float64. The cases
+    fail without each part: h0 x 1e5 (fp16 ends at 65,504: step 0 must read h0 in float32),
+    w_hh x 1e5 (overflow without the weight's scale), "small" (x, h0, c0 and the biases
+    x 1e-5: h near 1e-6, in fp16's subnormals without h's scale)."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, "F16_OPERANDS", True)
+    monkeypatch.setattr(klstm, "LAUNCH", launch)
+    monkeypatch.setattr(klstm, "_rnn_tf32_allowed", lambda: True)
+    took = []
+    real = klstm._f16_operands
+    monkeypatch.setattr(klstm, "_f16_operands", lambda *a: took.append(real(*a)) or took[-1])
+    torch.manual_seed(5)
+    args, kw = _inputs(6, 8, 7, 48, 0, mask=True)  # enough elements that errors average
+    if case == "reverse":
+        kw["reverse"] = True
+    if case.startswith(("h0x", "w_hhx")):
+        name, factor = case.split("x", 1)
+        args[name] = (args[name].detach() * float(factor)).requires_grad_()
+    if case == "small":
+        for name in ("x", "h0", "c0", "b_ih", "b_hh"):
+            args[name] = (args[name].detach() * 1e-5).requires_grad_()
+    runs = {}
+    grads_in = None
+    for name, fn, dt in (("ours", "triton", torch.float32), ("same", None, torch.float32),
+                         ("ref", None, torch.float64)):
+        a, k = _cast(args, kw, dt)
+        if name == "same":
+            outs = _eager_tf32_lstm(a, k)
+        else:
+            extra = dict(backend="triton") if name == "ours" else {}
+            outs = _call(ctxfast.lstm if name == "ours" else reference.lstm, a, k, **extra)
+        if grads_in is None:
+            grads_in = [torch.randn_like(o) for o in outs]
+        leaves = [(n, t) for n, t in a.items() if t is not None]
+        grads = torch.autograd.grad(outs, [t for _, t in leaves], [g.to(dt) for g in grads_in])
+        runs[name] = list(zip(("out", "h_n", "c_n"), outs)) + [
+            ("d" + n, g) for (n, _), g in zip(leaves, grads)]
+    assert took and all(took), took
+    for (name, ours), (_, same), (_, ref) in zip(runs["ours"], runs["same"], runs["ref"]):
+        # relative (min_scale 0): "small"'s values are ~1e-5, under an absolute floor
+        assert_within_2x_eager(ours, same, ref, FLOOR[torch.float32], name=f"{case} {name}",
+                               min_scale=0.0)
+    # and the products were not float32's: further from float64 than float32 eager is
+    a, k = _cast(args, kw, torch.float32)
+    exact = _call(reference.lstm, a, k)[0]
+    assert rel_err(runs["ours"][0][1], runs["ref"][0][1]) > 10 * rel_err(exact, runs["ref"][0][1])
+
+
+@needs_triton
+def test_f16_operands_only_where_tf32_is_allowed(monkeypatch):
+    """F16_OPERANDS applies to float32 layers without projection, more than one step, where
+    torch allows TF32 for cuDNN's RNNs; never to 16-bit or float64 inputs."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, "F16_OPERANDS", True)
+    monkeypatch.setattr(klstm, "_rnn_tf32_allowed", lambda: True)
+    f32 = torch.float32
+    assert klstm._f16_operands(f32, False, 2)
+    assert not klstm._f16_operands(f32, True, 2)             # a projection: h unbounded
+    assert not klstm._f16_operands(f32, False, 1)            # step 0 only
+    assert not klstm._f16_operands(torch.float16, False, 2)
+    assert not klstm._f16_operands(torch.float64, False, 2)
+    monkeypatch.setattr(klstm, "_rnn_tf32_allowed", lambda: False)
+    assert not klstm._f16_operands(f32, False, 2)
+    monkeypatch.setattr(klstm, "_rnn_tf32_allowed", lambda: True)
+    monkeypatch.setattr(klstm, "F16_OPERANDS", False)
+    assert not klstm._f16_operands(f32, False, 2)

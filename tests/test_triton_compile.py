@@ -204,6 +204,9 @@ def _cases():
     ieee = setting(lstm, "FP32_PRECISION", "ieee")
     proj_split = setting(lstm, "PROJ_SPLIT", True)
     bwd_split_k = setting(lstm, "BWD_SPLIT_K", True)
+    # float32 forward on fp16 operands where cuDNN's RNN TF32 is allowed (F16_OPERANDS)
+    f16_operands = (lambda fn: setting(lstm, "F16_OPERANDS", True)(
+        setting(torch.backends.cudnn, "allow_tf32", True)(fn)))
     atomic_dq = setting(attention, "DQ_MODE", "atomic")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
     dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
@@ -347,6 +350,8 @@ def _cases():
          bwd_split_k(lambda: lstm_fwd_bwd(bf16, B=64, H=1152, mask=True))),
         ("lstm fp32/tf32x3 ULMFiT B=64 H=1152 mask (BWD_SPLIT_K)", sm90,
          bwd_split_k(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
+        ("lstm fp32/tf32 ULMFiT B=64 H=1152 mask (F16_OPERANDS)", sm90,
+         f16_operands(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
         ("linear fp32/tf32 ULMFiT projection 4480 x 1152 -> 4608", both,
          lambda: projection(4480, 1152, 4608)),
