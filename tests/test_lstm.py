@@ -1064,19 +1064,22 @@ def _eager_tf32_lstm(a, kw):
         z = xw[t] + _round_tf32(h) @ w.t()                                   # [B, 4H]
         i, f, o = (torch.sigmoid(z[:, q * H:(q + 1) * H]) for q in (0, 1, 3))
         c = f * c + i * torch.tanh(z[:, 2 * H:3 * H])
+        if kw.get("cell_clip"):
+            c = c.clamp(-kw["cell_clip"], kw["cell_clip"])
         h = outs[t] = o * torch.tanh(c)
     return torch.stack(outs), h, c
 
 
 @needs_triton
 @pytest.mark.parametrize("launch", ["persistent", "stepwise"])
-@pytest.mark.parametrize("case", ["plain", "reverse", "h0x1e5", "w_hhx1e5", "small"])
+@pytest.mark.parametrize("case", ["plain", "reverse-cellclip", "h0x1e5", "w_hhx1e5", "small"])
 def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
     """kernels.lstm.F16_OPERANDS, where torch allows TF32 for cuDNN's RNNs: the float32
     forward's recurrence products on fp16 operands from step 1 on (10-bit significands, as
     TF32's; w_hh · mask scaled by 2^e into fp16's range). Outputs and every gradient within
     2x the error of eager float32 with TF32-rounded operands against float64. The cases
-    fail without each part: h0 x 1e5 (fp16 ends at 65,504: step 0 must read h0 in float32),
+    fail without each part (the second has a cell clip and runs in reverse): h0 x 1e5 (fp16
+    ends at 65,504: step 0 must read h0 in float32),
     w_hh x 1e5 (overflow without the weight's scale), "small" (x, h0, c0 and the biases
     x 1e-5: h near 1e-6, in fp16's subnormals without h's scale)."""
     from ctxfast.kernels import lstm as klstm
@@ -1088,8 +1091,8 @@ def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
     monkeypatch.setattr(klstm, "_f16_operands", lambda *a: took.append(real(*a)) or took[-1])
     torch.manual_seed(5)
     args, kw = _inputs(6, 8, 7, 48, 0, mask=True)  # enough elements that errors average
-    if case == "reverse":
-        kw["reverse"] = True
+    if case == "reverse-cellclip":
+        kw.update(reverse=True, cell_clip=0.5)
     if case.startswith(("h0x", "w_hhx")):
         name, factor = case.split("x", 1)
         args[name] = (args[name].detach() * float(factor)).requires_grad_()
