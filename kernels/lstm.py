@@ -180,7 +180,8 @@ def _cell_fwd_tile(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     STORE_HP: tl.constexpr,
-    hs_ptr,      # [B, H]  out (STORE_H16): hp_t · 2^15 as fp16, the next step's operand
+    hs_ptr,      # [B, H]  out (STORE_H16): hp_t · h16_scale as fp16, the next step's operand
+    h16_scale,   # 2^15 (|hp| <= 1)
     STORE_H16: tl.constexpr,
 ):
     """One cell tile of a step (see the module docstring); returns hp [BLOCK_B, BLOCK_H]
@@ -236,7 +237,7 @@ def _cell_fwd_tile(
     if STORE_HP:
         tl.store(hp_ptr + rowh, hp.to(hp_ptr.dtype.element_ty), mask=io)
     if STORE_H16:               # |hp| <= 1: x 2^15 keeps 10 bits down to |hp| = 2^-29
-        tl.store(hs_ptr + rowh, (hp * 32768.0).to(tl.float16), mask=io)
+        tl.store(hs_ptr + rowh, (hp * h16_scale).to(tl.float16), mask=io)
     return hp
 
 
@@ -251,6 +252,9 @@ def _proj_fwd_tile(
     PROJ_CLIP: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    hs_ptr,      # [B, P] out (STORE_H16): h_t · h16_scale as fp16, the next step's operand
+    h16_scale,   # a power of two with proj_clip · h16_scale <= 2^15
+    STORE_H16: tl.constexpr,
 ):
     offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -272,6 +276,9 @@ def _proj_fwd_tile(
         y = _clamp_store(acc, tl.load(prm_ptr), tl.load(prm_ptr + 1), ty)
     tl.store(out_ptr + offs_b[:, None] * P + offs_p[None, :], y,
              mask=b_in[:, None] & p_in[None, :])
+    if STORE_H16:
+        tl.store(hs_ptr + offs_b[:, None] * P + offs_p[None, :],
+                 (y.to(tl.float32) * h16_scale).to(tl.float16), mask=b_in[:, None] & p_in[None, :])
 
 
 @triton.jit
@@ -312,6 +319,9 @@ def _proj_reduce_tile(
     B, P, n_hb,
     PROJ_CLIP: tl.constexpr, ACC: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, HB_CHUNK: tl.constexpr,
+    hs_ptr,      # [B, P] out (STORE_H16): h_t · h16_scale as fp16, the next step's operand
+    h16_scale,   # a power of two with proj_clip · h16_scale <= 2^15
+    STORE_H16: tl.constexpr,
 ):
     """Sums the unit blocks' partials of a [BLOCK_B, BLOCK_R] tile of h_t, HB_CHUNK blocks
     a load (a fixed order: deterministic), then the proj clip."""
@@ -332,6 +342,8 @@ def _proj_reduce_tile(
     if PROJ_CLIP:
         y = _clamp_store(acc, tl.load(prm_ptr), tl.load(prm_ptr + 1), ty)
     tl.store(out_ptr + off, y, mask=e_in)
+    if STORE_H16:
+        tl.store(hs_ptr + off, (y.to(tl.float32) * h16_scale).to(tl.float16), mask=e_in)
 
 
 @triton.jit(do_not_specialize=["n0", "n1"])
@@ -350,8 +362,9 @@ def _lstm_fwd_kernel(
     prm_ptr,     # [5] ACC dtype: scale, cell clip (stored), below it, proj clip (stored), below it
     sync_ptr,    # [1] int32 barrier counter, zero at launch (used only if SYNC)
     w16_ptr,     # [4H, P] fp16 (H16): w_hh · mask · 2^e, the product operand after step 0
-    hs_ptr,      # [2, B, P] fp16 scratch (H16): h · 2^15 of the last two steps, the operand
-    prm16_ptr,   # [5] (H16): prm with scale / (2^e · 2^15) in place of scale
+    hs_ptr,      # [2, B, P] fp16 scratch (H16): h · h16_scale of the last two steps
+    prm16_ptr,   # [5] (H16): prm with scale / (2^e · h16_scale) in place of scale
+    h16_scale,   # (H16) h's scale in hs: 2^15, or with a projection 2^k, proj_clip · 2^k <= 2^15
     T, B, H, P,
     n0, n1,      # this launch runs steps n0 .. n1-1 of the walk (t = n, or T-1-n if REVERSE)
     REVERSE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PROJ: tl.constexpr,
@@ -393,28 +406,31 @@ def _lstm_fwd_kernel(
             else:
                 hp_dst = out_ptr + t * s_p
             for tile in range(pid, n_cell, nprog):
-                if H16:                     # float32 on fp16 operands (no projection)
-                    hs_dst = hs_ptr + (n % 2) * s_p                    # the next step's h
+                if H16:                     # float32's products on fp16 operands
+                    # the next step's h operand: written here (h = hp) or by the projection
+                    hs_dst = hs_ptr + (n % 2) * s_p
                     if n == 0:              # h0 as given (any range): the float32 dots
                         hp = _cell_fwd_tile(xw_ptr + t * s_g, h0_ptr, c_ptr, w_ptr, m_ptr,
                                             gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst,
                                             prm_ptr, tile % n_bb, tile // n_bb, B, H, P,
                                             HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
-                                            BLOCK_B, BLOCK_H, BLOCK_K, True, hs_dst, True)
-                    else:                   # |h| < 1 from here on
+                                            BLOCK_B, BLOCK_H, BLOCK_K, not PROJ_SPLIT,
+                                            hs_dst, h16_scale, not HAS_PROJ)
+                    else:                   # |h| · h16_scale <= 2^15 from here on
                         hp = _cell_fwd_tile(xw_ptr + t * s_g, hs_ptr + ((n + 1) % 2) * s_p,
                                             c_ptr, w16_ptr, w16_ptr,
                                             gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst,
                                             prm16_ptr, tile % n_bb, tile // n_bb, B, H, P,
                                             False, CELL_CLIP, ACC, UPCAST16, "tf32",
-                                            BLOCK_B, BLOCK_H, BLOCK_K16, True, hs_dst, True)
+                                            BLOCK_B, BLOCK_H, BLOCK_K16, not PROJ_SPLIT,
+                                            hs_dst, h16_scale, not HAS_PROJ)
                 else:
                     hp = _cell_fwd_tile(xw_ptr + t * s_g, h_prev, c_ptr, w_ptr, m_ptr,
                                         gates_ptr + t * s_g, cells_ptr + t * s_h, hp_dst,
                                         prm_ptr, tile % n_bb, tile // n_bb, B, H, P,
                                         HAS_MASK, CELL_CLIP, ACC, UPCAST, PRECISION,
                                         BLOCK_B, BLOCK_H, BLOCK_K, not PROJ_SPLIT,
-                                        hp_dst, False)
+                                        hp_dst, h16_scale, False)
                 if PROJ_SPLIT:
                     _proj_partial_tile(hp, wr_ptr, part_ptr, tile % n_bb, tile // n_bb,
                                        B, H, P, UPCAST, PRECISION, BLOCK_B, BLOCK_H, BLOCK_PP)
@@ -427,11 +443,13 @@ def _lstm_fwd_kernel(
                     if PROJ_SPLIT:
                         _proj_reduce_tile(part_ptr, out_ptr + t * s_p, prm_ptr + 3,
                                           tile % n_bb, tile // n_bb, B, P, n_hb,
-                                          PROJ_CLIP, ACC, BLOCK_B, BLOCK_R, HB_CHUNK)
+                                          PROJ_CLIP, ACC, BLOCK_B, BLOCK_R, HB_CHUNK,
+                                          hs_ptr + (n % 2) * s_p, h16_scale, H16)
                     else:
                         _proj_fwd_tile(hp_ptr, wr_ptr, out_ptr + t * s_p, prm_ptr + 3,
                                        tile % n_bb, tile // n_bb, B, H, P, PROJ_CLIP, ACC,
-                                       UPCAST, PRECISION, BLOCK_B, BLOCK_P, BLOCK_K)
+                                       UPCAST, PRECISION, BLOCK_B, BLOCK_P, BLOCK_K,
+                                       hs_ptr + (n % 2) * s_p, h16_scale, H16)
         if SYNC:                                                       # h_t complete
             syncs += 1
             _grid_sync(sync_ptr, syncs * nprog)
@@ -898,41 +916,55 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
     return cfg, min(tiles, _sm_count(device)), {"launch_cooperative_grid": True}
 
 
-#: float32 layers without projection where torch allows TF32 for cuDNN's RNNs (nn.LSTM's
-#: products are then TF32: 10-bit significands, rounded): the forward's recurrence products
+#: float32 layers without projection or with a finite proj clip (h bounded), where torch
+#: allows TF32 for cuDNN's RNNs (nn.LSTM's products are then TF32: 10-bit significands,
+#: rounded): the forward's recurrence products ``h_{t-1} @ (w_hh · mask)ᵀ``
 #: from step 1 on take fp16 operands, which have the same 10-bit significand and are
 #: rounded to nearest as well, at half the bytes and twice the tensor-core rate of TF32's
 #: fp32 ones (the float32 forward streamed 2x bf16's bytes a step and took 2.9x its time,
 #: 2.29 against 0.79 ms at ULMFiT's size, round 5). ``w_hh · mask`` is scaled by a power of
 #: two 2^e (exact) so that its largest value is 2^13-2^14 (fp16's range ends at 65,504;
 #: 2^e is computed on the device from the weight's max: no sync), h_t = o tanh(c), inside
-#: [-1, 1], by 2^15, and the accumulator by scale / (2^e · 2^15). fp16 then keeps 10 bits
-#: for |h| >= 2^-29 and weights >= 2^-28 of the largest; below that the absolute error (at
-#: most 2^-40 for h, 2^-39 of the weight's max) is far under the rounding of the largest
-#: terms (tests: h0 x 1e5, w_hh x 1e5, activations near 1e-5 each fail without). Step 0 reads
+#: [-1, 1], by 2^15 (with a projection: h_t inside ±proj_clip, by the power of two that
+#: puts the clip at 2^14-2^15), and the accumulator by scale / (2^e · h's scale). fp16 then
+#: keeps 10 bits for |h| >= 2^-29 (no projection) and weights >= 2^-28 of the largest;
+#: below that the absolute error (at most 2^-40 for h, 2^-39 of the weight's max) is far
+#: under the rounding of the largest terms (tests: h0 x 1e5, w_hh x 1e5, activations near
+#: 1e-6 each fail without). The projection's own product stays TF32. Step 0 reads
 #: the given h0 (any range) with the float32 dots. The cell state, gates and outputs stay
 #: float32. Off by default until a GPU times it (``lstm_launch_compare.py``'s
 #: "triton persistent f16-operands").
 F16_OPERANDS: bool = False
 
 
-def _f16_operands(dtype: torch.dtype, has_proj: bool, T: int) -> bool:
-    """Whether this forward takes F16_OPERANDS (more than one step: step 0 never does)."""
-    return (F16_OPERANDS and dtype == torch.float32 and not has_proj and T > 1
+def _f16_operands(dtype: torch.dtype, has_proj: bool, T: int,
+                  proj_clip: float = math.inf) -> bool:
+    """Whether this forward takes F16_OPERANDS: more than one step (step 0 never does), and
+    h bounded: no projection (|h| <= 1) or a finite proj_clip."""
+    return (F16_OPERANDS and dtype == torch.float32 and T > 1
+            and (not has_proj or not math.isinf(proj_clip))
             and lstm_precision(dtype) == "tf32")
 
 
-def _f16_weight(w_hh: torch.Tensor, mask: Optional[torch.Tensor],
-                prm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(``w_hh · mask · 2^e`` in fp16 [4H, P], prm with ``scale / (2^e · 2^15)`` first, 2^15
-    h's scale in the fp16 operand): 2^e puts the weight's largest magnitude in
+def _h16_scale(has_proj: bool, proj_clip: float, dtype: torch.dtype) -> float:
+    """h's scale in the fp16 operand: 2^15 for |h| <= 1, else the power of two that puts the
+    stored proj clip at 2^14-2^15."""
+    if not has_proj:
+        return 32768.0
+    return math.ldexp(1.0, math.floor(math.log2(32768.0 / _stored_clip(proj_clip, dtype))))
+
+
+def _f16_weight(w_hh: torch.Tensor, mask: Optional[torch.Tensor], prm: torch.Tensor,
+                h16_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``w_hh · mask · 2^e`` in fp16 [4H, P], prm with ``scale / (2^e · h16_scale)`` first,
+    h16_scale h's scale in the fp16 operand): 2^e puts the weight's largest magnitude in
     [2^13, 2^14), from device values (no host sync)."""
     amax = w_hh.abs().amax()                 # a 0/1 mask only lowers the masked weight's max
     e = torch.floor(torch.log2(16384.0 / amax.clamp_min(1e-30))).clamp(-100.0, 100.0)
     two_e = torch.exp2(e)
     w = w_hh * two_e if mask is None else w_hh * mask * two_e            # exact in fp32
     prm16 = prm.clone()
-    prm16[0] = prm[0] / (two_e * 32768.0)
+    prm16[0] = prm[0] / (two_e * h16_scale)
     return w.to(torch.float16), prm16
 
 
@@ -1019,7 +1051,8 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     h0, c0 = h0.to(dtype).contiguous(), c0.to(dtype).contiguous()
     w_hh = w_hh.to(dtype).contiguous()
     mask = mask.to(dtype).contiguous() if mask is not None else None
-    h16 = _f16_operands(dtype, w_hr is not None, T)
+    h16 = _f16_operands(dtype, w_hr is not None, T, proj_clip)
+    h16_scale = _h16_scale(w_hr is not None, proj_clip, dtype) if h16 else 1.0
     if not h16:                              # (F16_OPERANDS: step 0 reads w_hh and mask)
         w_hh, mask = _premask(w_hh, mask, T)
     w_hr = w_hr.to(dtype).contiguous() if w_hr is not None else None
@@ -1031,7 +1064,7 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
     block_k16 = cfg["BLOCK_K"]
     if h16:
         cfg = {**cfg, "BLOCK_K": 16}
-        w16, prm16 = _f16_weight(w_hh, mask, prm)
+        w16, prm16 = _f16_weight(w_hh, mask, prm, h16_scale)
         hs = torch.empty((2, B, P), dtype=torch.float16, device=xw.device)  # h_{t-1}, h_t
     else:
         w16, prm16, hs = w_hh, prm, out                                # unused
@@ -1044,7 +1077,7 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
             if split else c_carry)                                   # [n_hb, B, P] partials
     args = (xw, h0, c_carry, w_hh, mask if mask is not None else w_hh,
             w_hr if w_hr is not None else w_hh, gates, cells, out, hp, part, prm, sync,
-            w16, hs, prm16, T, B, H, P)
+            w16, hs, prm16, h16_scale, T, B, H, P)
     kw = dict(REVERSE=reverse, HAS_MASK=mask is not None, HAS_PROJ=w_hr is not None,
               CELL_CLIP=not math.isinf(cell_clip), PROJ_CLIP=not math.isinf(proj_clip),
               PROJ_SPLIT=split, **split_cfg, **cfg, **_common(dtype),

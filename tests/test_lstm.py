@@ -1056,6 +1056,7 @@ def _eager_tf32_lstm(a, kw):
     CPU), in eager float32: the "eager at the same precision" of the 2x rule."""
     x, h, c = a["x"], a["h0"], a["c0"]
     H = a["w_hh"].shape[0] // 4
+    w_hr, clip = a["w_hr"], kw.get("proj_clip")
     xw = torch.nn.functional.linear(x, a["w_ih"], a["b_ih"] + a["b_hh"])    # [T, B, 4H]
     w = _round_tf32(a["w_hh"] * kw["weight_mask"] / (1 - kw["weight_dropout"]))
     outs = [None] * x.shape[0]
@@ -1066,13 +1067,17 @@ def _eager_tf32_lstm(a, kw):
         c = f * c + i * torch.tanh(z[:, 2 * H:3 * H])
         if kw.get("cell_clip"):
             c = c.clamp(-kw["cell_clip"], kw["cell_clip"])
-        h = outs[t] = o * torch.tanh(c)
+        h = o * torch.tanh(c)                                                # [B, H]
+        if w_hr is not None:                                                 # [B, P]
+            h = (_round_tf32(h) @ _round_tf32(w_hr).t()).clamp(-clip, clip)
+        outs[t] = h
     return torch.stack(outs), h, c
 
 
 @needs_triton
 @pytest.mark.parametrize("launch", ["persistent", "stepwise"])
-@pytest.mark.parametrize("case", ["plain", "reverse-cellclip", "h0x1e5", "w_hhx1e5", "small"])
+@pytest.mark.parametrize("case", ["plain", "reverse-cellclip", "h0x1e5", "w_hhx1e5", "small",
+                                  "proj", "proj-split"])
 def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
     """kernels.lstm.F16_OPERANDS, where torch allows TF32 for cuDNN's RNNs: the float32
     forward's recurrence products on fp16 operands from step 1 on (10-bit significands, as
@@ -1081,7 +1086,9 @@ def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
     fail without each part (the second has a cell clip and runs in reverse): h0 x 1e5 (fp16
     ends at 65,504: step 0 must read h0 in float32),
     w_hh x 1e5 (overflow without the weight's scale), "small" (x, h0, c0 and the biases
-    x 1e-5: h near 1e-6, in fp16's subnormals without h's scale)."""
+    x 1e-5: h near 1e-6, in fp16's subnormals without h's scale); with a projection and a
+    proj clip (h = clamp(hp @ w_hrᵀ) the operand, written by the projection tiles, split
+    over the unit blocks or not)."""
     from ctxfast.kernels import lstm as klstm
     monkeypatch.setattr(klstm, "F16_OPERANDS", True)
     monkeypatch.setattr(klstm, "LAUNCH", launch)
@@ -1089,8 +1096,13 @@ def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
     took = []
     real = klstm._f16_operands
     monkeypatch.setattr(klstm, "_f16_operands", lambda *a: took.append(real(*a)) or took[-1])
+    if case == "proj-split":
+        monkeypatch.setattr(klstm, "PROJ_SPLIT", True)
     torch.manual_seed(5)
-    args, kw = _inputs(6, 8, 7, 48, 0, mask=True)  # enough elements that errors average
+    # enough elements that errors average; a projection with a clip that bites
+    args, kw = _inputs(6, 8, 7, 48, 24 if case.startswith("proj") else 0, mask=True)
+    if case.startswith("proj"):
+        kw["proj_clip"] = 0.6
     if case == "reverse-cellclip":
         kw.update(reverse=True, cell_clip=0.5)
     if case.startswith(("h0x", "w_hhx")):
@@ -1136,6 +1148,8 @@ def test_f16_operands_only_where_tf32_is_allowed(monkeypatch):
     f32 = torch.float32
     assert klstm._f16_operands(f32, False, 2)
     assert not klstm._f16_operands(f32, True, 2)             # a projection: h unbounded
+    assert klstm._f16_operands(f32, True, 2, 3.0)            # ... unless clipped
+    assert klstm._h16_scale(True, 3.0, f32) == 8192.0 and klstm._h16_scale(False, 3.0, f32) == 32768.0
     assert not klstm._f16_operands(f32, False, 1)            # step 0 only
     assert not klstm._f16_operands(torch.float16, False, 2)
     assert not klstm._f16_operands(torch.float64, False, 2)

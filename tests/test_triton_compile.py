@@ -352,6 +352,12 @@ def _cases():
          bwd_split_k(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
         ("lstm fp32/tf32 ULMFiT B=64 H=1152 mask (F16_OPERANDS)", sm90,
          f16_operands(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
+        ("lstm fp32/tf32 ELMo B=32 H=4096 P=512 proj+mask+clip (F16_OPERANDS)", sm90,
+         f16_operands(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
+                                           clip=True))),
+        ("lstm fp32/tf32 ELMo B=32 H=4096 P=512 proj+mask+clip (F16_OPERANDS, PROJ_SPLIT)",
+         sm90, proj_split(f16_operands(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512,
+                                                            proj=True, mask=True, clip=True)))),
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
         ("linear fp32/tf32 ULMFiT projection 4480 x 1152 -> 4608", both,
          lambda: projection(4480, 1152, 4608)),
