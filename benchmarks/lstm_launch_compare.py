@@ -10,7 +10,8 @@ projection over the unit blocks, ``kernels.lstm.PROJ_SPLIT``; layers with one); 
 persistent split-k" (the backward's product split over the gate columns,
 ``kernels.lstm.BWD_SPLIT_K``; layers without one); "triton persistent f16-operands" (float32
 with TF32 allowed: the forward's recurrence products on fp16 operands,
-``kernels.lstm.F16_OPERANDS``; layers without projection); and "auto", what ``ctxfast.lstm`` runs
+``kernels.lstm.F16_OPERANDS``; float32, layers without projection or with a proj clip); and
+"auto", what ``ctxfast.lstm`` runs
 on CUDA tensors with no backend asked for (``ctxfast.ops.lstm.CUDA_DEFAULT``: the Triton
 forward with the CUDA C++ backward).
 
@@ -142,7 +143,8 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
                 if only and form not in only:
                     continue
                 if ((form.endswith("split-proj") and not P) or (form.endswith("split-k") and P)
-                        or (form.endswith("f16-operands") and (P or dtype != torch.float32))):
+                        or (form.endswith("f16-operands")
+                            and (dtype != torch.float32 or (P and clip is None)))):
                     continue                      # the same launch as "triton persistent"
                 if form.startswith("cuDNN+WeightDropout"):
                     if clip is not None:
