@@ -8,7 +8,7 @@ tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and te
 sizes, forward and forward+backward, fp32 and bf16; "triton persistent split-proj" (the
 projection over the unit blocks, ``kernels.lstm.PROJ_SPLIT``; layers with one); "triton
 persistent split-k" (the backward's product split over the gate columns,
-``kernels.lstm.BWD_SPLIT_K``; layers without one); "triton persistent f16-operands" (float32
+``kernels.lstm.BWD_SPLIT_K``); "triton persistent f16-operands" (float32
 with TF32 allowed: the forward's recurrence products on fp16 operands,
 ``kernels.lstm.F16_OPERANDS``; float32, layers without projection or with a proj clip); and
 "auto", what ``ctxfast.lstm`` runs
@@ -142,7 +142,7 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
             for form in _forms(device):
                 if only and form not in only:
                     continue
-                if ((form.endswith("split-proj") and not P) or (form.endswith("split-k") and P)
+                if ((form.endswith("split-proj") and not P)
                         or (form.endswith("f16-operands")
                             and (dtype != torch.float32 or (P and clip is None)))):
                     continue                      # the same launch as "triton persistent"

@@ -68,13 +68,14 @@ CANDIDATES_FP32: List[Dict[str, int]] = [
     {"BLOCK_K": 64, "num_stages": 2}, {"BLOCK_K": 32}, {"BLOCK_K": 16, "num_stages": 5},
     {"BLOCK_H": 32, "BLOCK_K": 32}, {"BLOCK_K": 32, "num_warps": 4},
 ]
-#: --backward, first: the split-K backward (``kernels.lstm.BWD_SPLIT_K``; layers without a
-#: projection) at slice counts and output widths around its own choice (ULMFiT: 64-wide
-#: tiles of dh̃, 18 of them x 7 slices of the 4,608 gate columns = 126 tiles), then the
-#: unsplit kernel's rows above. A tile of 64 x BLOCK_PS outputs over one slice reads
-#: 64 x 4608/KSPLIT of dz and 4608/KSPLIT x BLOCK_PS of w_hh a step.
+#: --backward, first: the split-K backward (``kernels.lstm.BWD_SPLIT_K``) with its own
+#: slice count (KSPLIT 0; ULMFiT: 64-wide tiles of dh̃, 18 of them x 7 slices of the 4,608
+#: gate columns = 126 tiles; ELMo: 16 x 8 of 16,384), then at slice counts and output
+#: widths around it, then the unsplit kernel's rows above. A tile of B x BLOCK_PS outputs
+#: over one slice reads B x 4H/KSPLIT of dz and 4H/KSPLIT x BLOCK_PS of w_hh a step.
 CANDIDATES_SPLIT: List[Dict[str, int]] = [
-    {"KSPLIT": 7}, {"KSPLIT": 14, "BLOCK_PS": 128}, {"KSPLIT": 3, "BLOCK_PS": 32},
+    {"KSPLIT": 0}, {"KSPLIT": 14, "BLOCK_PS": 128}, {"KSPLIT": 3, "BLOCK_PS": 32},
+    {"KSPLIT": 0, "BLOCK_PS": 64},
     {"KSPLIT": 7, "num_stages": 4}, {"KSPLIT": 4}, {"KSPLIT": 7, "BLOCK_K": 64},
     {"KSPLIT": 9, "BLOCK_PS": 128, "num_warps": 8},
 ]
@@ -138,8 +139,7 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float,
                 try:
                     cfg, grid, _ = klstm._plan(B, H, P or H, dtype, device)
                     if backward:                      # the split-K backward's constants
-                        cfg = {**cfg, **klstm._bwd_split_config(cfg, B, H, P or H, bool(P),
-                                                                device)}
+                        cfg = {**cfg, **klstm._bwd_split_config(cfg, B, H, P or H, device)}
                     key = json.dumps(cfg, sort_keys=True)
                     if key in timed:                  # the same launch as a row before
                         continue

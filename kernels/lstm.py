@@ -78,12 +78,13 @@ are one GEMM each over all steps at the end::
     grad_w_hh = (Σ_t dz_tᵀ h_{t-1}) · mask · scale      grad_w_hr = Σ_t dh̃_tᵀ hp_t,
     hp_t = o_t tanh(c_t) recomputed from the saved gates and cells
 
-Split-K (:data:`BWD_SPLIT_K`, layers without projection): the dh product is split over the
-``4H`` gate columns instead, ``S_k`` the k-th slice of them::
+Split-K (:data:`BWD_SPLIT_K`): the dh product is split over the ``4H`` gate columns
+instead, ``S_k`` the k-th slice of them::
 
     part_k = dz_t[:, S_k] @ (w_hh · mask)[S_k, :] · scale        (product tiles, fp32)
     grid barrier
-    dh̃ of the step before = grad_out + Σ_k part_k               (in that step's cell tiles)
+    dh̃ of the step before = grad_out + Σ_k part_k               (in that step's cell tiles;
+                                  with a projection in reduction tiles, gated, then a barrier)
 
 so a product tile reads 1/KSPLIT of dz_t instead of all of it, and the sum costs the cell
 tile KSPLIT loads of its own units; ``grad_h0 = Σ_k part_k`` of the last step walked.
@@ -481,7 +482,7 @@ def _cell_bwd_tile(
     b_in = offs_b < B
     h_in = offs_h < H
     io = b_in[:, None] & h_in[None, :]
-    if KSPLIT > 0:                                   # no projection: P = H, dhp = dh̃_t
+    if (KSPLIT > 0) and (not HAS_PROJ):             # no projection: P = H, dhp = dh̃_t
         rowp = offs_b[:, None] * P + offs_h[None, :]
         if from_parts:
             dhp = tl.load(go_ptr + rowp, mask=io, other=0.0).to(ACC)
@@ -616,22 +617,48 @@ def _dh_part_tile(
 
 @triton.jit
 def _dh_reduce_tile(
-    part_ptr,    # [KSPLIT, B, P] ACC: the partials of the last step walked (other programs')
-    y_ptr,       # [B, P] ACC out: grad_h0 = Σ_ks part[ks]
+    part_ptr,    # [KSPLIT, B, P] ACC: the partials of the step just walked (other programs')
+    add_ptr,     # [B, P]  grad_out of the step before (read only if has_prev)
+    ref_ptr,     # [B, P]  out of the step before (read only if has_prev and PROJ_GATE)
+    y_ptr,       # [B, P]  ACC out: dh̃ of the step before, or grad_h0
+    prm_ptr,     # [3] ACC dtype: scale, cell clip, proj clip (as stored)
     bb, pb,      # the tile: batch block, block of P
-    B, P,
-    ACC: tl.constexpr, KSPLIT: tl.constexpr,
+    B, P, has_prev,
+    PROJ_GATE: tl.constexpr, ACC: tl.constexpr, KSPLIT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_PS: tl.constexpr,
 ):
+    """The split-K partials summed (a fixed order), then what :func:`_dh_bwd_tile`'s
+    epilogue adds: + grad_out and the proj-clip gate of the step before (``dh̃``), or
+    nothing after the first step (``grad_h0``)."""
     offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_p = pb * BLOCK_PS + tl.arange(0, BLOCK_PS)
     io = (offs_b < B)[:, None] & (offs_p < P)[None, :]
     offs = offs_b[:, None] * P + offs_p[None, :]
     y = tl.zeros((BLOCK_B, BLOCK_PS), dtype=ACC)
-    for s in tl.static_range(KSPLIT):                # the cell tiles' order
+    for s in tl.static_range(KSPLIT):
         y += tl.load(part_ptr + tl.cast(B, tl.int64) * P * s + offs, mask=io, other=0.0,
                      cache_modifier=".cg")
+    if has_prev:
+        y += tl.load(add_ptr + offs, mask=io, other=0.0).to(ACC)
+        if PROJ_GATE:
+            ref = tl.load(ref_ptr + offs, mask=io, other=0.0).to(ACC)
+            y = tl.where(tl.abs(ref) < tl.load(prm_ptr + 2), y, 0.0)
     tl.store(y_ptr + offs, y, mask=io)
+
+
+@triton.jit
+def _dh_dests(dh_ptr, grad_out_ptr, out_ptr, gh0_ptr, off, has_prev):
+    """(destination of dh̃ of the step before, its grad_out, its out) at offset ``off`` of
+    the step before, or (grad_h0, unused, unused) after the first step."""
+    if has_prev:
+        y_dst = dh_ptr + off
+        add = grad_out_ptr + off
+        ref = out_ptr + off
+    else:
+        y_dst = gh0_ptr
+        add = grad_out_ptr
+        ref = out_ptr
+    return y_dst, add, ref
 
 
 @triton.jit(do_not_specialize=["n0", "n1"])
@@ -657,7 +684,8 @@ def _lstm_bwd_kernel(
     n0, n1,          # this launch runs backward steps n0 .. n1-1 (walk index T-1-n)
     REVERSE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PROJ: tl.constexpr,
     CELL_CLIP: tl.constexpr, PROJ_GATE: tl.constexpr,
-    RUN_CELL: tl.constexpr, RUN_DH: tl.constexpr, RUN_H0: tl.constexpr, SYNC: tl.constexpr,
+    RUN_CELL: tl.constexpr, RUN_DH: tl.constexpr, RUN_REDUCE: tl.constexpr,
+    SYNC: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, KSPLIT: tl.constexpr, K_CHUNK: tl.constexpr,
@@ -702,22 +730,16 @@ def _lstm_bwd_kernel(
             syncs += 1
             _grid_sync(sync_ptr, syncs * nprog)
         if RUN_DH:
-            if KSPLIT > 0:                           # partials; the next cell phase sums them
-                for tile in range(pid, n_dh, nprog):
+            if KSPLIT > 0:        # partials; summed by the next cell phase, or (projection)
+                for tile in range(pid, n_dh, nprog):                   # by the reduce phase
                     ps = tile % n_ps
                     _dh_part_tile(dz_ptr + t * s_g, w_ptr, m_ptr, part_ptr, prm_ptr,
                                   ps % n_bb, ps // n_bb, tile // n_ps, B, H, P,
                                   HAS_MASK, ACC, UPCAST, PRECISION,
                                   BLOCK_B, BLOCK_PS, BLOCK_K, K_CHUNK)
             else:
-                if has_prev:
-                    y_dst = dh_ptr + tp * s_p
-                    add = grad_out_ptr + tp * s_p
-                    ref = out_ptr + tp * s_p
-                else:
-                    y_dst = gh0_ptr
-                    add = grad_out_ptr
-                    ref = out_ptr
+                y_dst, add, ref = _dh_dests(dh_ptr, grad_out_ptr, out_ptr, gh0_ptr, tp * s_p,
+                                            has_prev)
                 for tile in range(pid, n_dh, nprog):
                     _dh_bwd_tile(dz_ptr + t * s_g, w_ptr, m_ptr, add, ref, y_dst, prm_ptr,
                                  tile % n_bb, tile // n_bb, B, H, P, has_prev,
@@ -726,11 +748,25 @@ def _lstm_bwd_kernel(
         if SYNC:                                                       # dh̃ complete
             syncs += 1
             _grid_sync(sync_ptr, syncs * nprog)
+        if KSPLIT > 0:
+            if HAS_PROJ:          # the cell tiles need all of dh̃ (dh̃ @ w_hr): its own phase
+                if RUN_REDUCE:
+                    y_dst, add, ref = _dh_dests(dh_ptr, grad_out_ptr, out_ptr, gh0_ptr,
+                                                tp * s_p, has_prev)
+                    for tile in range(pid, n_ps, nprog):
+                        _dh_reduce_tile(part_ptr, add, ref, y_dst, prm_ptr, tile % n_bb,
+                                        tile // n_bb, B, P, has_prev, PROJ_GATE, ACC, KSPLIT,
+                                        BLOCK_B, BLOCK_PS)
+                if SYNC:                                               # dh̃ complete
+                    syncs += 1
+                    _grid_sync(sync_ptr, syncs * nprog)
     if KSPLIT > 0:
-        if RUN_H0:                                   # grad_h0: the last step's partials
-            for tile in range(pid, n_ps, nprog):
-                _dh_reduce_tile(part_ptr, gh0_ptr, tile % n_bb, tile // n_bb, B, P,
-                                ACC, KSPLIT, BLOCK_B, BLOCK_PS)
+        if not HAS_PROJ:
+            if RUN_REDUCE:                               # grad_h0: the last step's partials
+                for tile in range(pid, n_ps, nprog):
+                    _dh_reduce_tile(part_ptr, grad_out_ptr, out_ptr, gh0_ptr, prm_ptr,
+                                    tile % n_bb, tile // n_bb, B, P, False, False, ACC,
+                                    KSPLIT, BLOCK_B, BLOCK_PS)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -847,36 +883,44 @@ _SPLIT_K_KEYS = ("BLOCK_PS", "KSPLIT")           # read by _bwd_split_config, no
 
 
 #: The backward's product ``dh̃_t ← dz_{t+1} @ (w_hh · mask) · scale`` split over the 4H gate
-#: columns (layers without projection): product tiles of BLOCK_B x BLOCK_PS outputs x one
-#: of KSPLIT slices of 4H (``_dh_part_tile``) write fp32 partials, and the next step's cell
-#: tiles sum their units' KSPLIT partials with grad_out (``_cell_bwd_tile``); grad_h0 is the
-#: last step's partials summed after the loop (``_dh_reduce_tile``). The unsplit dh tiles
-#: (BLOCK_P = 16 outputs each at ULMFiT's size: 72 tiles) each read all of dz_t [B, 4H]
+#: columns: product tiles of BLOCK_B x BLOCK_PS outputs x one of KSPLIT slices of 4H
+#: (``_dh_part_tile``) write fp32 partials, and the next step's cell tiles sum their units'
+#: KSPLIT partials with grad_out (``_cell_bwd_tile``); grad_h0 is the last step's partials
+#: summed after the loop (``_dh_reduce_tile``). With a projection the cell tiles need all of
+#: dh̃ (for dh̃ @ w_hr): reduction tiles form it (grad_out, the proj-clip gate) in a phase
+#: and grid barrier of their own (ELMo: 16 output tiles of 32 x 32 x 8 slices of 16,384
+#: gate columns read 256 KB a step each in bf16, against 1.5 MB for each of the 32 unsplit
+#: tiles). The unsplit dh tiles (BLOCK_P = 16 outputs each at ULMFiT's size: 72 tiles) each
+#: read all of dz_t [B, 4H]
 #: (590 KB in bf16 at B 64, H 1152) and 147 KB of w_hh a step, 2.5x the bytes of a forward
 #: cell tile; split, a tile reads ~170 KB (64 x 64 outputs x 1/7 of 4H, 126 tiles on 132
-#: SMs). Same two grid barriers a step; another summation order (tests: 2x eager's error).
-#: Off by default until a GPU times it (``lstm_launch_compare.py``'s "triton split-k bwd").
+#: SMs). Same two grid barriers a step (three with a projection); another summation order
+#: (tests: 2x eager's error).
+#: Off by default until a GPU times it (``lstm_launch_compare.py``'s "triton persistent
+#: split-k").
 BWD_SPLIT_K: bool = False
 
 
-def _bwd_split_config(cfg: dict, B: int, H: int, P: int, has_proj: bool,
-                      device: torch.device) -> dict:
+def _bwd_split_config(cfg: dict, B: int, H: int, P: int, device: torch.device) -> dict:
     """The split-K backward's constants: KSPLIT slices (0: the unsplit dh tiles) of K_CHUNK
     gate columns each (a multiple of BLOCK_K; the last slice may be shorter), BLOCK_PS
     columns of P a tile. Enough slices that the product tiles about fill the SMs;
     CONFIG_OVERRIDE's BLOCK_PS / KSPLIT replace the choice. Interpreter: 3 slices of
     16-wide tiles, so the CPU tests cross slice and tile edges. A KSPLIT in CONFIG_OVERRIDE
-    turns the split on whatever BWD_SPLIT_K says (the launch sweep's rows)."""
+    turns the split on whatever BWD_SPLIT_K says (the launch sweep's rows; 0: with this
+    function's slice count)."""
     over = CONFIG_OVERRIDE or {}
-    if has_proj or not (BWD_SPLIT_K or "KSPLIT" in over):
+    if not (BWD_SPLIT_K or "KSPLIT" in over):
         return dict(KSPLIT=0, K_CHUNK=cfg["BLOCK_K"], BLOCK_PS=16)
     k_steps = cdiv(4 * H, cfg["BLOCK_K"])
     if _interpreting():
         bps, ks = 16, 3
     else:
-        bps = min(64, max(16, next_pow2(P)))
+        # 64 output columns a tile with 64-row batch blocks (wgmma), 32 with smaller ones
+        # (mma.sync; ELMo's B 32: 64 spilled 4 B on sm_90 with Triton 3.9)
+        bps = min(64 if cfg["BLOCK_B"] >= 64 else 32, max(16, next_pow2(P)))
         ks = _sm_count(device) // (cdiv(B, cfg["BLOCK_B"]) * cdiv(P, over.get("BLOCK_PS", bps)))
-    bps, ks = over.get("BLOCK_PS", bps), over.get("KSPLIT", ks)
+    bps, ks = over.get("BLOCK_PS", bps), over.get("KSPLIT") or ks     # KSPLIT 0: the choice
     chunk = cdiv(k_steps, max(1, min(ks, k_steps)))              # BLOCK_K steps a slice
     return dict(KSPLIT=cdiv(k_steps, chunk), K_CHUNK=chunk * cfg["BLOCK_K"], BLOCK_PS=bps)
 
@@ -893,7 +937,7 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
         for key, v in CONFIG_OVERRIDE.items():
             # tile sides: powers of two, >= 16 (a tl.dot's least side) but BLOCK_H (x 4
             # gates); warps a power of two up to 16; stages >= 1
-            least = {"BLOCK_H": 4, "num_warps": 1, "num_stages": 1, "KSPLIT": 1}.get(key, 16)
+            least = {"BLOCK_H": 4, "num_warps": 1, "num_stages": 1, "KSPLIT": 0}.get(key, 16)
             pow2 = key not in ("num_stages", "KSPLIT")
             if (not isinstance(v, int) or isinstance(v, bool) or v < least
                     or (pow2 and v & (v - 1)) or (key == "num_warps" and v > 16)):
@@ -1141,7 +1185,7 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
         dh_all[first] *= out[first].abs() < pc
     prm = _params(gates.device, dtype, scale, cc, pc)
     cfg, grid, options = _plan(B, H, P, dtype, gates.device)
-    split = _bwd_split_config(cfg, B, H, P, has_proj, gates.device)
+    split = _bwd_split_config(cfg, B, H, P, gates.device)
     n_bb = cdiv(B, cfg["BLOCK_B"])
     n_ps = n_bb * cdiv(P, split["BLOCK_PS"])
     n_dh = n_ps * split["KSPLIT"] if split["KSPLIT"] else n_bb * cdiv(P, cfg["BLOCK_P"])
@@ -1158,18 +1202,21 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
               CELL_CLIP=not math.isinf(cell_clip), PROJ_GATE=proj_gate, **cfg, **split,
               **_common(dtype))
     if grid is not None:                                     # one launch, every step
-        fast(_lstm_bwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True, RUN_H0=True,
-                                  SYNC=True, **kw, **options)
+        fast(_lstm_bwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True,
+                                  RUN_REDUCE=True, SYNC=True, **kw, **options)
     else:
         n_cell = n_bb * cdiv(H, cfg["BLOCK_H"])
         for n in range(T):                                   # stepwise: a launch per phase
             fast(_lstm_bwd_kernel)[(n_cell,)](*args, n, n + 1, RUN_CELL=True, RUN_DH=False,
-                                        RUN_H0=False, SYNC=False, **kw)
+                                        RUN_REDUCE=False, SYNC=False, **kw)
             fast(_lstm_bwd_kernel)[(n_dh,)](*args, n, n + 1, RUN_CELL=False, RUN_DH=True,
-                                      RUN_H0=False, SYNC=False, **kw)
-        if split["KSPLIT"]:                                  # grad_h0 from the partials
+                                      RUN_REDUCE=False, SYNC=False, **kw)
+            if split["KSPLIT"] and has_proj:             # dh̃ from the partials
+                fast(_lstm_bwd_kernel)[(n_ps,)](*args, n, n + 1, RUN_CELL=False, RUN_DH=False,
+                                          RUN_REDUCE=True, SYNC=False, **kw)
+        if split["KSPLIT"] and not has_proj:             # grad_h0 from the partials
             fast(_lstm_bwd_kernel)[(n_ps,)](*args, T, T, RUN_CELL=False, RUN_DH=False,
-                                      RUN_H0=True, SYNC=False, **kw)
+                                      RUN_REDUCE=True, SYNC=False, **kw)
 
     # weight gradients: one GEMM each over all T·B rows, 16-bit ones in their dtype (tensor
     # cores, float32 accumulation, one rounding; eager rounds every step's product and sum)
