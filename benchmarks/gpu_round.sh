@@ -313,6 +313,7 @@ stage_verify() {
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
     "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
     "triton persistent split-proj" "triton persistent split-k" "triton persistent f16-operands" \
+    "triton persistent split-k f16-operands" \
     "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" \
     --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "ms" 20

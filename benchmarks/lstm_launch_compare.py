@@ -10,7 +10,8 @@ projection over the unit blocks, ``kernels.lstm.PROJ_SPLIT``; layers with one); 
 persistent split-k" (the backward's product split over the gate columns,
 ``kernels.lstm.BWD_SPLIT_K``); "triton persistent f16-operands" (float32
 with TF32 allowed: the forward's recurrence products on fp16 operands,
-``kernels.lstm.F16_OPERANDS``; float32, layers without projection or with a proj clip); and
+``kernels.lstm.F16_OPERANDS``; float32, layers without projection or with a proj clip);
+"triton persistent split-k f16-operands" (both); and
 "auto", what ``ctxfast.lstm`` runs
 on CUDA tensors with no backend asked for (``ctxfast.ops.lstm.CUDA_DEFAULT``: the Triton
 forward with the CUDA C++ backward).
@@ -77,9 +78,9 @@ def _form(name: str):
             lstm_kernels.FP32_PRECISION = "ieee"
         if name.endswith("split-proj"):           # the projection over the unit blocks
             lstm_kernels.PROJ_SPLIT = True
-        if name.endswith("split-k"):              # the backward over gate-column slices
+        if " split-k" in name:                    # the backward over gate-column slices
             lstm_kernels.BWD_SPLIT_K = True
-        if name.endswith("f16-operands"):         # float32's products on fp16 operands
+        if " f16-operands" in name:               # float32's products on fp16 operands
             lstm_kernels.F16_OPERANDS = True
     elif name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
@@ -110,7 +111,7 @@ def _forms(device: torch.device) -> List[str]:
     if _dispatch.why_unavailable("triton", device) is None:
         forms += ["triton persistent", "triton stepwise", "triton persistent ieee",
                   "triton persistent split-proj", "triton persistent split-k",
-                  "triton persistent f16-operands"]
+                  "triton persistent f16-operands", "triton persistent split-k f16-operands"]
     if device.type == "cuda" and _dispatch.why_unavailable("cuda", device) is None:
         forms += ["cuda persistent", "cuda persistent-mma", "cuda persistent-mma groups",
                   "cuda persistent-mma groups ring4", "cuda persistent-mma groups ring8",
@@ -143,7 +144,7 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
                 if only and form not in only:
                     continue
                 if ((form.endswith("split-proj") and not P)
-                        or (form.endswith("f16-operands")
+                        or (" f16-operands" in form
                             and (dtype != torch.float32 or (P and clip is None)))):
                     continue                      # the same launch as "triton persistent"
                 if form.startswith("cuDNN+WeightDropout"):

@@ -72,23 +72,34 @@ def _cast(args, kw, dtype):
     return args, kw
 
 
-def check_against_reference(backend, args, kw):
-    """Forward and every gradient of `backend`, of eager in the same dtype and of the
-    float64 reference; assert ours <= 2x eager's error + floor."""
+def _lstm_runs(backend, args, kw, same_fn=None):
+    """{"ours", "same", "ref": [(name, tensor)]}: the forward (out, h_n, c_n) and every
+    gradient of `backend`, of eager in the same dtype (or ``same_fn(args, kw)``'s outputs)
+    and of the float64 reference, for the same random output gradients."""
     dtype = args["x"].dtype
     runs = {}
     grads_in = None
-    for name, fn, dt, extra in (("ours", ctxfast.lstm, dtype, dict(backend=backend)),
-                                ("same", reference.lstm, dtype, {}),
-                                ("ref", reference.lstm, torch.float64, {})):
+    for name, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
         a, k = _cast(args, kw, dt)
-        outs = _call(fn, a, k, **extra)
+        if name == "same" and same_fn is not None:
+            outs = same_fn(a, k)
+        else:
+            extra = dict(backend=backend) if name == "ours" else {}
+            outs = _call(ctxfast.lstm if name == "ours" else reference.lstm, a, k, **extra)
         if grads_in is None:
             grads_in = [torch.randn_like(o) for o in outs]
         leaves = [(n, t) for n, t in a.items() if t is not None]
         grads = torch.autograd.grad(outs, [t for _, t in leaves], [g.to(dt) for g in grads_in])
         runs[name] = list(zip(("out", "h_n", "c_n"), outs)) + [
             ("d" + n, g) for (n, _), g in zip(leaves, grads)]
+    return runs
+
+
+def check_against_reference(backend, args, kw):
+    """Forward and every gradient of `backend`, of eager in the same dtype and of the
+    float64 reference; assert ours <= 2x eager's error + floor."""
+    dtype = args["x"].dtype
+    runs = _lstm_runs(backend, args, kw)
     for (name, ours), (_, same), (_, ref) in zip(runs["ours"], runs["same"], runs["ref"]):
         assert ours.dtype == dtype and ours.shape == ref.shape, name
         assert_within_2x_eager(ours, same, ref, FLOOR[dtype], name=f"{backend} {name}")
@@ -1114,22 +1125,7 @@ def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
     if case == "small":
         for name in ("x", "h0", "c0", "b_ih", "b_hh"):
             args[name] = (args[name].detach() * 1e-5).requires_grad_()
-    runs = {}
-    grads_in = None
-    for name, fn, dt in (("ours", "triton", torch.float32), ("same", None, torch.float32),
-                         ("ref", None, torch.float64)):
-        a, k = _cast(args, kw, dt)
-        if name == "same":
-            outs = _eager_tf32_lstm(a, k)
-        else:
-            extra = dict(backend="triton") if name == "ours" else {}
-            outs = _call(ctxfast.lstm if name == "ours" else reference.lstm, a, k, **extra)
-        if grads_in is None:
-            grads_in = [torch.randn_like(o) for o in outs]
-        leaves = [(n, t) for n, t in a.items() if t is not None]
-        grads = torch.autograd.grad(outs, [t for _, t in leaves], [g.to(dt) for g in grads_in])
-        runs[name] = list(zip(("out", "h_n", "c_n"), outs)) + [
-            ("d" + n, g) for (n, _), g in zip(leaves, grads)]
+    runs = _lstm_runs("triton", args, kw, same_fn=_eager_tf32_lstm)
     assert took and all(took), took
     for (name, ours), (_, same), (_, ref) in zip(runs["ours"], runs["same"], runs["ref"]):
         # relative (min_scale 0): "small"'s values are ~1e-5, under an absolute floor
