@@ -73,9 +73,15 @@ CANDIDATES_FP32: List[Dict[str, int]] = [
 #: gate columns = 126 tiles; ELMo: 16 x 8 of 16,384), then at slice counts and output
 #: widths around it, then the unsplit kernel's rows above. A tile of B x BLOCK_PS outputs
 #: over one slice reads B x 4H/KSPLIT of dz and 4H/KSPLIT x BLOCK_PS of w_hh a step.
+#: Its product tiles keep 3 stages of (B x BLOCK_K + BLOCK_K x BLOCK_PS) in flight (24 KB
+#: at ULMFiT's bf16 64 x 32 x 64): the rows with deeper K blocks or more stages keep 2-4x
+#: that (for no-projection layers BLOCK_K only shapes these tiles). Every row compiles for
+#: sm_90 without spills at ULMFiT's bf16 size (Triton 3.9: 86-152 registers; 14 slices of
+#: 128 columns at 4 warps spilled 96 B, so that row has 8).
 CANDIDATES_SPLIT: List[Dict[str, int]] = [
-    {"KSPLIT": 0}, {"KSPLIT": 14, "BLOCK_PS": 128}, {"KSPLIT": 3, "BLOCK_PS": 32},
-    {"KSPLIT": 0, "BLOCK_PS": 64},
+    {"KSPLIT": 0}, {"KSPLIT": 0, "BLOCK_K": 64, "num_stages": 4},
+    {"KSPLIT": 0, "BLOCK_K": 128, "num_warps": 8}, {"KSPLIT": 14, "BLOCK_PS": 128, "num_warps": 8},
+    {"KSPLIT": 3, "BLOCK_PS": 32}, {"KSPLIT": 0, "BLOCK_PS": 64},
     {"KSPLIT": 7, "num_stages": 4}, {"KSPLIT": 4}, {"KSPLIT": 7, "BLOCK_K": 64},
     {"KSPLIT": 9, "BLOCK_PS": 128, "num_warps": 8},
 ]
