@@ -1052,38 +1052,56 @@ def test_triton_backward_split_over_gate_columns(monkeypatch, launch, case_id, d
     monkeypatch.setattr(klstm, "_bwd_split_config",
                         lambda *a: took.append(real(*a)["KSPLIT"]) or real(*a))
     _run_case("triton", case_id, dtype)
-    # H 20: 5 steps of 16 gate columns in chunks of 2 -> 3 slices; H 16: 4 -> 2 slices
+    # interpreter: H 20 is 5 steps of 16 gate columns in chunks of 2 -> 3 slices, H 16 4 -> 2
+    # (a GPU takes as many slices as its SMs fill, at most one a K step)
     want = 2 if "H16" in case_id else 3
-    assert took and all(k == want for k in took), took
+    assert took and all(k == want if DEVICE == "cpu" else k > 1 for k in took), took
 
 
 def _round_tf32(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to TF32 (10-bit significand, to nearest, ties away: cvt.rna.tf32.f32),
-    with the identity's gradient."""
-    bits = (x.detach().view(torch.int32) + 0x1000) & ~0x1FFF
-    return x + (bits.view(torch.float32) - x).detach()
+    """x (float32) rounded to TF32: a 10-bit significand, to nearest, ties away
+    (cvt.rna.tf32.f32)."""
+    bits = (x.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF
+    return bits.view(torch.float32)
+
+
+class _Tf32Matmul(torch.autograd.Function):
+    """a @ b with TF32-rounded operands, forward and both gradients (as cuDNN's TF32 GEMMs
+    of an LSTM's forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _round_tf32(a) @ _round_tf32(b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = _round_tf32(g)
+        return g @ _round_tf32(b).t(), _round_tf32(a).t() @ g
 
 
 def _eager_tf32_lstm(a, kw):
     """The layer as nn.LSTM computes it with TF32 products (operands of the recurrence's
-    products rounded to TF32, float32 otherwise; the input projection exact, as ours on a
-    CPU), in eager float32: the "eager at the same precision" of the 2x rule."""
+    products and of their gradients rounded to TF32, float32 otherwise; the input
+    projection exact, as ours with cuDNN's TF32 off for cuBLAS), in eager float32: the
+    "eager at the same precision" of the 2x rule."""
     x, h, c = a["x"], a["h0"], a["c0"]
     H = a["w_hh"].shape[0] // 4
     w_hr, clip = a["w_hr"], kw.get("proj_clip")
     xw = torch.nn.functional.linear(x, a["w_ih"], a["b_ih"] + a["b_hh"])    # [T, B, 4H]
-    w = _round_tf32(a["w_hh"] * kw["weight_mask"] / (1 - kw["weight_dropout"]))
+    w = a["w_hh"] * kw["weight_mask"] / (1 - kw["weight_dropout"])
     outs = [None] * x.shape[0]
     steps = range(x.shape[0] - 1, -1, -1) if kw.get("reverse") else range(x.shape[0])
     for t in steps:
-        z = xw[t] + _round_tf32(h) @ w.t()                                   # [B, 4H]
+        z = xw[t] + _Tf32Matmul.apply(h, w.t())                              # [B, 4H]
         i, f, o = (torch.sigmoid(z[:, q * H:(q + 1) * H]) for q in (0, 1, 3))
         c = f * c + i * torch.tanh(z[:, 2 * H:3 * H])
         if kw.get("cell_clip"):
             c = c.clamp(-kw["cell_clip"], kw["cell_clip"])
         h = o * torch.tanh(c)                                                # [B, H]
         if w_hr is not None:                                                 # [B, P]
-            h = (_round_tf32(h) @ _round_tf32(w_hr).t()).clamp(-clip, clip)
+            h = _Tf32Matmul.apply(h, w_hr.t()).clamp(-clip, clip)
         outs[t] = h
     return torch.stack(outs), h, c
 
