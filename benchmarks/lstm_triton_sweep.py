@@ -18,8 +18,8 @@ inputs): a candidate that disagrees beyond the dtype's bound (another summation 
 moves a few ulps; a miscompiled launch moves everything) is reported and never the
 winner. Timing: CUDA events, median of ``--reps`` after 2 warm-up calls (the first
 compiles); ``--quick`` on a CPU: tiny sizes under the interpreter, wall-clock time, the
-first three candidates and the last (a check that the script runs, not a timing). The time budget stops starting candidates when spent
-(and says so); each row prints as it lands.
+first three candidates and the last (a check that the script runs, not a timing). The time
+budget stops starting candidates when spent (and says so); each row prints as it lands.
 """
 from __future__ import annotations
 
