@@ -322,36 +322,47 @@ stage_verify() {
   step "lstm: Triton forward sweep" 80 lstm_triton_sweep.log "$PY" \
     benchmarks/lstm_triton_sweep.py --time-budget 65 --out "$R/lstm_triton_sweep.json"
   summarize lstm_triton_sweep.log "fastest|DISAGREES|Error" 12
-  (( ${GRID_PROBE:-1} )) && grid_sync_probe 25   # ~6 s: nvcc, then 3 x 6 launches
+  # the Triton backward's launches, the split-K rows first (CONFIG_OVERRIDE sets both
+  # directions: a forward winner must not lose here), bf16
+  lstm_backward_sweep 60
+  # (round 5 measured it: GRID_PROBE=1 to run it again; ~6 s: nvcc, then 3 x 6 launches)
+  (( ${GRID_PROBE:-0} )) && grid_sync_probe 25
   # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
   # checked against the table row) against the table rows and SDPA, per headline case: the
   # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
   # (round 4: 130 s reached 6 of its 8 cases, the tuner had fewer candidates then)
   # (round 5: 169 s for 4 cases with the atomic and FMA-exponential candidates, since
-  # dropped; 110 s leaves the suite its ~150 s after the LSTM steps)
-  step "tune report (attention)" 150 tune_report.log "$PY" \
-    benchmarks/tune_report.py --time-budget 110 --out "$R/tune_report.json"
+  # dropped, and its winner adopted; 70 s re-checks the first cases and leaves the LSTM
+  # backward sweep its minute)
+  step "tune report (attention)" 90 tune_report.log "$PY" \
+    benchmarks/tune_report.py --time-budget 70 --out "$R/tune_report.json"
   summarize tune_report.log "x\)|chosen|Error|error" 40
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
+}
+
+# The Triton LSTM backward's launch sweep (benchmarks/lstm_triton_sweep.py --backward), bf16.
+lstm_backward_sweep() {
+  step "lstm: Triton backward sweep" "${1:-60}" lstm_triton_sweep_bwd.log "$PY" \
+    benchmarks/lstm_triton_sweep.py --backward --dtypes bfloat16 \
+    --time-budget $(( ${1:-60} - 15 )) --out "$R/lstm_triton_sweep_bwd.json"
+  summarize lstm_triton_sweep_bwd.log "fastest|DISAGREES|Error" 6
 }
 
 # A second, short call on the still-warm machine after verify (round 5 had ~3 minutes
 # left: a machine idle for 30 s is given back, so this runs at once, unread): the AWD-LSTM
 # (ULMFiT) train step against fastai's (nn.LSTM + WeightDropout) at the benchmark's sizes,
-# the Triton backward's launch sweep, memcheck over the new backward code, the LSTM model
-# tests on CUDA (STAGE_BUDGET: the seconds left; the steps after it are cut).
+# Transformer-XL evaluation (xl-eval --quick: the paper's lengths, a smaller sample; not
+# run on a GPU since the first H100 round), memcheck over the new backward code, the LSTM
+# model tests on CUDA (STAGE_BUDGET: the seconds left; the steps after it are cut).
 stage_followup() {
   build
   step "AWD-LSTM train step against fastai's" 90 models_awd_lstm.log "$PY" -m pytest \
     benchmarks/bench_models.py -q -p no:cacheprovider \
     -k "awd_lstm and ULMFiT and train and not eager"
   summarize models_awd_lstm.log "test_models\[|passed|failed|Error" 12
-  # the Triton backward's launches (CONFIG_OVERRIDE sets both directions: a forward winner
-  # must not lose here), bf16
-  step "lstm: Triton backward sweep" 60 lstm_triton_sweep_bwd.log "$PY" \
-    benchmarks/lstm_triton_sweep.py --backward --dtypes bfloat16 --time-budget 45 \
-    --out "$R/lstm_triton_sweep_bwd.json"
-  summarize lstm_triton_sweep_bwd.log "fastest|DISAGREES|Error" 6
+  step "xl-eval --quick bf16" 60 xl_eval_quick_bf16.log "$PY" -m ctxfast.cli xl-eval \
+    --quick --dtype bfloat16 --out "$R/xl-eval-quick-bf16" --no-progress
+  summarize xl_eval_quick_bf16.log "." 16
   # round 5's new device code under memcheck: the grouped backward's cp.async staging and
   # the weight gradients' cublasGemmEx (small sizes: memcheck is slow)
   step "compute-sanitizer memcheck (grouped backward, TF32 weight gradients)" 60 \

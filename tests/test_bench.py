@@ -938,10 +938,12 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
         assert (BENCH_DIR.parent / f).exists(), f
     assert any("tune_report.py" in c and "--out" in c for c in verify)
     assert any("lstm_launch_compare.py" in c and "persistent-mma" in c for c in verify)
-    # the grid-sync probe (built with nvcc there): in the ncu stage and in verify
-    for stage in ("ncu", "verify"):
-        probe = [c for c in stages[stage] if "grid_sync_probe.cu" in c]
-        assert len(probe) == 1 and "-arch=sm_90" in probe[0], stages[stage]
+    # the grid-sync probe (built with nvcc there): in the ncu stage (verify: GRID_PROBE=1)
+    probe = [c for c in stages["ncu"] if "grid_sync_probe.cu" in c]
+    assert len(probe) == 1 and "-arch=sm_90" in probe[0], stages["ncu"]
+    # the Triton LSTM backward's launch sweep in verify, xl-eval's quick run in followup
+    assert any("lstm_triton_sweep.py --backward" in c for c in verify)
+    assert any("xl-eval --quick" in c for c in stages["followup"])
     # verify: the timings first, the suite last (a cut stage keeps what only a GPU gives)
     step = {k: next(i for i, c in enumerate(verify) if k in c)
             for k in ("lstm_launch_compare.py", "tune_report.py", " -m pytest tests/gpu ")}
