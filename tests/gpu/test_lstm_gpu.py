@@ -53,15 +53,23 @@ def _eager_same_dtype(args, grad_out, grad_cells):
     return (out.detach(), cells.detach(), gates.detach()), grads
 
 
-def check_cuda(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype, scale=1.0 / 0.7):
+def check_cuda(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype, scale=1.0 / 0.7,
+               triton=False):
+    """The CUDA C++ ops (or, triton=True, kernels/lstm.py's lstm_forward / lstm_backward,
+    which take the same arguments) against float64, within 2x eager's error."""
+    if triton:
+        from ctxfast.kernels import lstm as klstm
+        forward, backward = klstm.lstm_forward, klstm.lstm_backward
+    else:
+        forward = torch.ops.ctxfast.lstm_recurrence_native
+        backward = torch.ops.ctxfast.lstm_recurrence_backward_native
     cpu = make_inputs(T, B, H, P, proj, use_mask)
     args = tuple(None if t is None else t.to("cuda", dtype) for t in cpu) + (scale, cc, pc,
                                                                               reverse)
-    out, cells, gates = torch.ops.ctxfast.lstm_recurrence_native(*args)
+    out, cells, gates = forward(*args)
     grad_out = torch.randn(out.shape, device="cuda").to(dtype)
     grad_cells = torch.randn(cells.shape, device="cuda").to(dtype)
-    grads = torch.ops.ctxfast.lstm_recurrence_backward_native(
-        grad_out, grad_cells, *args[1:], out, cells, gates)
+    grads = backward(grad_out, grad_cells, *args[1:], out, cells, gates)
     ref64, ref64_grads = reference_all(*(a.cpu() if isinstance(a, torch.Tensor) else a
                                          for a in args), grad_out.cpu(), grad_cells.cpu())
     eager, eager_grads = _eager_same_dtype(args, grad_out, grad_cells)
@@ -444,3 +452,54 @@ def test_float32_weight_gradients_take_tf32_where_nn_lstm_would(monkeypatch, pro
             assert gw_hr.shape == (P, H) and torch.isfinite(gw_hr).all()
     assert errs[False] < 1e-5, errs
     assert 1e-5 < errs[True] < 5e-3 and errs[True] > 10 * errs[False], errs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("size", ["ulmfit", "elmo"])
+def test_triton_backward_split_over_gate_columns(monkeypatch, dtype, size):
+    """kernels.lstm.BWD_SPLIT_K at the model sizes (checked on the CPU at small ones under
+    the interpreter): ULMFiT's 1152 units (126 product tiles of 64 x 64 outputs x 7 slices
+    on an H100/H200) and ELMo's 4096 / 512 with both clips (the reduction phase): forward
+    and every gradient within 2x eager's error against float64; the split was taken."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, "BWD_SPLIT_K", True)
+    took = []
+    real = klstm._bwd_split_config
+    monkeypatch.setattr(klstm, "_bwd_split_config",
+                        lambda *a: took.append(real(*a)["KSPLIT"]) or real(*a))
+    if size == "ulmfit":
+        check_cuda(5, 64, 1152, 0, False, True, math.inf, math.inf, False, dtype, triton=True)
+    else:
+        check_cuda(3, 32, 4096, 512, True, True, 3.0, 3.0, True, dtype, triton=True)
+    assert took and all(k > 1 for k in took), took
+
+
+@pytest.mark.parametrize("size", ["ulmfit", "elmo"])
+def test_triton_float32_forward_on_fp16_operands(monkeypatch, size):
+    """kernels.lstm.F16_OPERANDS where torch allows TF32 for cuDNN's RNNs: float32 at the
+    model sizes, the forward's products on fp16 operands (wgmma at ULMFiT's 64-row batch
+    blocks), against eager float32 with TF32 products (cuBLAS's TF32 on: the eager of the
+    same precision) and float64, forward and every gradient; further from float64 than with
+    TF32 off, so the setting reached the kernel. ELMo's proj clip (50) never bites: TF32's
+    rounding would move values across a clip that does."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, "F16_OPERANDS", True)
+    took = []
+    real = klstm._f16_operands
+    monkeypatch.setattr(klstm, "_f16_operands", lambda *a: took.append(real(*a)) or took[-1])
+    dims = (5, 64, 1152, 0, False) if size == "ulmfit" else (3, 32, 4096, 512, True)
+    pc = math.inf if size == "ulmfit" else 50.0
+    torch.manual_seed(4)
+    exact, _ = check_cuda(*dims, True, math.inf, pc, False, torch.float32, triton=True)
+    assert took and not any(took), took                      # TF32 off (tests/conftest.py)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    torch.manual_seed(4)
+    f16, _ = check_cuda(*dims, True, math.inf, pc, False, torch.float32, triton=True)
+    assert took[-1], took
+    torch.manual_seed(4)
+    cpu = make_inputs(dims[0], dims[1], dims[2], dims[3], dims[4], True)
+    ref64, _ = reference_all(*cpu, 1.0 / 0.7, math.inf, pc, False,
+                             torch.zeros(exact.shape, dtype=torch.float64),
+                             torch.zeros(dims[0], dims[1], dims[2], dtype=torch.float64))
+    assert rel_err(f16.cpu(), ref64[0]) > 10 * rel_err(exact.cpu(), ref64[0])
