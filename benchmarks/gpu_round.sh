@@ -316,7 +316,7 @@ stage_verify() {
     "triton persistent split-k f16-operands" \
     "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" \
     --out "$R/lstm_cuda_compare.json"
-  summarize lstm_cuda_compare.log "ms" 20
+  summarize lstm_cuda_compare.log "x cuDNN" 40
   lstm_phase_clock 30
   # the Triton forward (the CUDA default's) under other tiles and pipelines: rows to adopt
   step "lstm: Triton forward sweep" 80 lstm_triton_sweep.log "$PY" \

@@ -193,6 +193,21 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
     return rows
 
 
+def ratios(rows: List[Dict]) -> List[str]:
+    """One line per timed form where the same case and dtype has a cuDNN+WeightDropout row:
+    its speed as a multiple of cuDNN's, forward and forward+backward (> 1: faster)."""
+    lines = []
+    for r in rows:
+        base = next((b for b in rows if b["case"] == r["case"] and b["dtype"] == r["dtype"]
+                     and b["form"] == "cuDNN+WeightDropout" and b.get("fwd_ms")), None)
+        if base is None or not r.get("fwd_ms") or r is base:
+            continue
+        lines.append(f"{r['case']:22s} {r['dtype']:9s} {r['form']:38s} "
+                     f"fwd {base['fwd_ms'] / r['fwd_ms']:5.2f}x cuDNN   "
+                     f"fwd+bwd {base['fwd_bwd_ms'] / r['fwd_bwd_ms']:5.2f}x cuDNN")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _common.add_script_args(ap, reps=20, gpu_dtypes=("float32", "bfloat16"))
@@ -202,7 +217,10 @@ def main(argv=None) -> int:
     dtypes = _common.script_setup(args, "lstm_launch_compare")
     if dtypes is None:
         return 2
-    _common.write_rows(args.out, run(args.quick, args.reps, dtypes, args.forms))
+    rows = run(args.quick, args.reps, dtypes, args.forms)
+    _common.write_rows(args.out, rows)
+    for line in ratios(rows):
+        print(line, flush=True)
     return 0
 
 

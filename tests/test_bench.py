@@ -1332,3 +1332,25 @@ def test_model_steps_read_no_value_to_the_host_on_the_gpu_path(tmp_path):
     assert len(counts["--as-on-gpu"]) == 6
     assert all(n == 0 for n in counts["--as-on-gpu"].values()), counts["--as-on-gpu"]
     assert all(n > 0 for n in counts[None].values()), counts[None]
+
+
+def test_lstm_launch_compare_ratios_against_cudnn():
+    """lstm_launch_compare.py's closing lines (what gpu_round's summary keeps): each form's
+    speed as a multiple of cuDNN+WeightDropout's in the same case and dtype; none where that
+    case has no cuDNN row or the form refused."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        compare = _load("ctxfast_bench_llc_ratios", "lstm_launch_compare.py")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    rows = [dict(case="a", dtype="bfloat16", form="cuDNN+WeightDropout", fwd_ms=2.0,
+                 fwd_bwd_ms=4.0),
+            dict(case="a", dtype="bfloat16", form="triton persistent", fwd_ms=1.0,
+                 fwd_bwd_ms=5.0),
+            dict(case="a", dtype="float32", form="triton persistent", fwd_ms=1.0,
+                 fwd_bwd_ms=3.0),
+            dict(case="a", dtype="bfloat16", form="cuda per-step", fwd_ms=None,
+                 fwd_bwd_ms=None, refused="too big")]
+    lines = compare.ratios(rows)
+    assert len(lines) == 1 and "triton persistent" in lines[0], lines
+    assert "fwd  2.00x cuDNN" in lines[0] and "fwd+bwd  0.80x cuDNN" in lines[0], lines
