@@ -475,7 +475,8 @@ def _cell_bwd_tile(
     part_ptr,    # [KSPLIT, B, P] ACC: split-K partials of dz_{step walked before} @ W · scale
     go_ptr,      # [B, P]  grad_out_t (read with the partials)
     from_parts,  # KSPLIT > 0: dh̃_t = grad_out_t + Σ partials (else dh_ptr's, the first step)
-    KSPLIT: tl.constexpr,   # > 0: the split-K backward (layers without projection)
+    KSPLIT: tl.constexpr,   # > 0: the split-K backward; without projection dh̃_t comes from
+                            # the partials here, with one from dh_ptr (the reduce phase's)
 ):
     offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -673,7 +674,7 @@ def _lstm_bwd_kernel(
     m_ptr,           # [4H, P]    DropConnect mask (read only if HAS_MASK)
     wr_ptr,          # [P, H]     w_hr (read only if HAS_PROJ)
     dh_ptr,          # [T, B, P]  ACC: in: dh̃ of the first backward step; out: every dh̃_t
-                     #            (KSPLIT: the first step's only)
+                     #            (KSPLIT without projection: the first step's only)
     dc_ptr,          # [B, H]     ACC: the carried dc, zero at launch; out: grad_c0
     dz_ptr,          # [T, B, 4H] out: grad_xw
     gh0_ptr,         # [B, P]     ACC out: grad_h0
