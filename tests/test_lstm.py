@@ -1107,9 +1107,10 @@ def _eager_tf32_lstm(a, kw):
 
 
 @needs_triton
-@pytest.mark.parametrize("launch", ["persistent", "stepwise"])
-@pytest.mark.parametrize("case", ["plain", "reverse-cellclip", "h0x1e5", "w_hhx1e5", "small",
-                                  "proj", "proj-split"])
+@pytest.mark.parametrize("launch, case", [
+    ("persistent", "plain"), ("stepwise", "plain"), ("persistent", "reverse-cellclip"),
+    ("persistent", "h0x1e5"), ("stepwise", "w_hhx1e5"), ("persistent", "small"),
+    ("persistent", "proj"), ("stepwise", "proj-split")])
 def test_triton_float32_forward_on_fp16_operands(monkeypatch, launch, case):
     """kernels.lstm.F16_OPERANDS, where torch allows TF32 for cuDNN's RNNs: the float32
     forward's recurrence products on fp16 operands from step 1 on (10-bit significands, as
