@@ -102,9 +102,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     for reason, n in notes.items():
         print(f"  [{n}] {reason}")
     lstm_ops = sys.modules.get("ctxfast.ops.lstm")
-    if lstm_ops is not None and getattr(lstm_ops, "CUDA_DEFAULT", None) == "split":
-        print("  lstm on cuda with no backend asked for: the triton forward and the cuda "
-              "backward (ctxfast.ops.lstm.CUDA_DEFAULT), where both can run")
+    default = getattr(lstm_ops, "CUDA_DEFAULT", None) if lstm_ops is not None else None
+    if default in ("split", "triton"):
+        runs = ("the triton forward and the cuda backward" if default == "split"
+                else "both directions on triton")
+        print(f"  lstm on cuda with no backend asked for: {runs} "
+              "(ctxfast.ops.lstm.CUDA_DEFAULT), where both can run")
     return 0
 
 

@@ -772,7 +772,8 @@ def test_split_against_reference(monkeypatch, case_id, dtype):
 def test_split_is_the_cuda_default_only_when_no_backend_is_asked_for(monkeypatch):
     """CUDA tensors, no backend asked for, the C++ backend picked and Triton able to run:
     split; a backend asked for (argument, context or CTXFAST_BACKEND: ``asked``), another
-    device, Triton unavailable or CUDA_DEFAULT = "cuda": not."""
+    device, Triton unavailable or CUDA_DEFAULT = "cuda": not; CUDA_DEFAULT = "triton" runs
+    both directions in Triton under the same conditions; another value is refused."""
     lstm_ops = importlib.import_module("ctxfast.ops.lstm")   # the module, not the op
 
     class Cuda:                                   # what the decision reads of x
@@ -793,6 +794,18 @@ def test_split_is_the_cuda_default_only_when_no_backend_is_asked_for(monkeypatch
     monkeypatch.setattr(_dispatch, "why_unavailable", lambda b, d: None)
     monkeypatch.setattr(lstm_ops, "CUDA_DEFAULT", "cuda")
     assert not decide("cuda", None, Cuda())
+    route = lstm_ops._default_route
+    assert route("cuda", None, Cuda()) == "cuda"
+    # "triton": both directions in Triton, under the same conditions as the split
+    monkeypatch.setattr(lstm_ops, "CUDA_DEFAULT", "triton")
+    assert route("cuda", None, Cuda()) == "triton" and not decide("cuda", None, Cuda())
+    assert route("cuda", "cuda", Cuda()) == "cuda" and route("cpu", None, Cpu()) == "cpu"
+    monkeypatch.setattr(_dispatch, "why_unavailable", lambda b, d: "no triton" if
+                        b == "triton" else None)
+    assert route("cuda", None, Cuda()) == "cuda"
+    monkeypatch.setattr(lstm_ops, "CUDA_DEFAULT", "both")
+    with pytest.raises(ValueError, match="CUDA_DEFAULT must be"):
+        route("cuda", None, Cuda())
 
 
 @needs_triton

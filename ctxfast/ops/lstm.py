@@ -152,7 +152,8 @@ if _NATIVE:
 #: What :func:`lstm` runs on CUDA tensors when no backend is asked for (argument, context,
 #: ``CTXFAST_BACKEND``) and both the CUDA C++ and the Triton backend can run: ``"split"``,
 #: the Triton persistent forward and the CUDA C++ backward (one autograd op,
-#: ``lstm_recurrence_split``), or ``"cuda"``, both directions in CUDA C++. Asking for
+#: ``lstm_recurrence_split``), ``"cuda"``, both directions in CUDA C++, or ``"triton"``,
+#: both in Triton (for when a GPU times the Triton backward faster). Asking for
 #: ``backend="cuda"`` or ``"triton"`` runs both directions on that one. Why split: the H200
 #: (round 5, benchmarks/results/nvidia-h200/2026-11-27-round5, one layer, DropConnect 0.2)
 #: timed the Triton forward 2.4x the CUDA one at ULMFiT's size (H 1152, T 70, B 64; bf16
@@ -179,11 +180,22 @@ if _NATIVE:
         _setup_context)
 
 
+def _default_route(name: str, asked: Optional[str], x: Tensor) -> str:
+    """What this call runs: :data:`CUDA_DEFAULT` ("split" or "triton") for CUDA tensors with
+    no backend asked for, the CUDA C++ backend picked and the Triton one able to run; else
+    the backend ``name`` picked."""
+    if CUDA_DEFAULT not in ("split", "cuda", "triton"):
+        raise ValueError("ctxfast.ops.lstm.CUDA_DEFAULT must be 'split', 'cuda' or 'triton', "
+                         f"got {CUDA_DEFAULT!r}")
+    if (CUDA_DEFAULT != "cuda" and asked is None and name == "cuda" and x.is_cuda
+            and _dispatch.why_unavailable("triton", x.device) is None):
+        return CUDA_DEFAULT
+    return name
+
+
 def _split_by_default(name: str, asked: Optional[str], x: Tensor) -> bool:
-    """Whether this call runs :data:`CUDA_DEFAULT`'s split: CUDA tensors, no backend asked
-    for, the CUDA C++ backend picked and the Triton one able to run."""
-    return (CUDA_DEFAULT == "split" and asked is None and name == "cuda" and x.is_cuda
-            and _dispatch.why_unavailable("triton", x.device) is None)
+    """Whether this call runs :data:`CUDA_DEFAULT`'s split (see :func:`_default_route`)."""
+    return _default_route(name, asked, x) == "split"
 
 
 # --------------------------------------------------------------------------- checks
@@ -509,10 +521,11 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         scale = 1.0 / (1.0 - float(weight_dropout))
     bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
     xw = _projection(x, w_ih, bias, name)                         # [T, B, 4H]
-    if _split_by_default(name, asked, x):
+    route = _default_route(name, asked, x)
+    if route == "split":
         op = _recurrence_split                  # Triton forward, CUDA C++ backward
     else:
-        op = _recurrence_triton if name == "triton" else _recurrence_native
+        op = _recurrence_triton if route == "triton" else _recurrence_native
     out, cells, _ = op(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
     last = 0 if reverse else T - 1
     return out, (out[last], cells[last])
