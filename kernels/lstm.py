@@ -533,6 +533,50 @@ def _cell_bwd_tile(
 
 
 @triton.jit
+def _dz_w_product(
+    dz_ptr,      # [B, 4H] dz_t (other programs wrote it: loaded through L2)
+    w_ptr,       # [4H, P] w_hh
+    m_ptr,       # [4H, P] DropConnect mask (read only if HAS_MASK)
+    offs_b, offs_p, b_in, p_in,     # the tile's batch rows and columns of P
+    k_lo, k_len,  # the gate columns summed: k_lo + [0, k_len) (those past 4H are masked)
+    H, P,
+    HAS_MASK: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``dz_t[:, K] @ (w_hh · mask)[K, p-block]`` [BLOCK_B, BLOCK_N], ACC, over the gate
+    columns K = k_lo + [0, k_len) (a constexpr k_len: a constant trip count)."""
+    acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=ACC)
+    for kk in range(0, k_len, BLOCK_K):
+        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
+        k_in = offs_k < 4 * H
+        a = tl.load(dz_ptr + offs_b[:, None] * (4 * H) + offs_k[None, :],
+                    mask=b_in[:, None] & k_in[None, :], other=0.0,
+                    cache_modifier=".cg")                              # [BLOCK_B, BLOCK_K]
+        w_offs = offs_k[:, None] * P + offs_p[None, :]                 # [BLOCK_K, BLOCK_N]
+        w_mask = k_in[:, None] & p_in[None, :]
+        w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
+        if HAS_MASK:
+            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
+        acc += _dot(a.to(w.dtype), w, UPCAST, PRECISION)
+    return acc
+
+
+@triton.jit
+def _dh_epilogue(y, add_ptr, ref_ptr, prm_ptr, offs, io, has_prev,
+                 PROJ_GATE: tl.constexpr, ACC: tl.constexpr):
+    """dh̃ of the step before from its product ``y``: + grad_out (add_ptr) and the
+    proj-clip gate of its out (ref_ptr, prm_ptr[2] the stored clip); nothing after the
+    first step (``grad_h0``)."""
+    if has_prev:
+        y += tl.load(add_ptr + offs, mask=io, other=0.0).to(ACC)
+        if PROJ_GATE:
+            ref = tl.load(ref_ptr + offs, mask=io, other=0.0).to(ACC)
+            y = tl.where(tl.abs(ref) < tl.load(prm_ptr + 2), y, 0.0)
+    return y
+
+
+@triton.jit
 def _dh_bwd_tile(
     dz_ptr,      # [B, 4H] dz_t (other programs wrote it: loaded through L2)
     w_ptr,       # [4H, P] w_hh
@@ -553,27 +597,12 @@ def _dh_bwd_tile(
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     b_in = offs_b < B
     p_in = offs_p < P
-    acc = tl.zeros((BLOCK_B, BLOCK_P), dtype=ACC)
-    for k0 in range(0, 4 * H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_in = offs_k < 4 * H
-        a = tl.load(dz_ptr + offs_b[:, None] * (4 * H) + offs_k[None, :],
-                    mask=b_in[:, None] & k_in[None, :], other=0.0,
-                    cache_modifier=".cg")                              # [BLOCK_B, BLOCK_K]
-        w_offs = offs_k[:, None] * P + offs_p[None, :]                 # [BLOCK_K, BLOCK_P]
-        w_mask = k_in[:, None] & p_in[None, :]
-        w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
-        if HAS_MASK:
-            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
-        acc += _dot(a.to(w.dtype), w, UPCAST, PRECISION)
+    acc = _dz_w_product(dz_ptr, w_ptr, m_ptr, offs_b, offs_p, b_in, p_in, 0, 4 * H, H, P,
+                        HAS_MASK, ACC, UPCAST, PRECISION, BLOCK_B, BLOCK_P, BLOCK_K)
     io = b_in[:, None] & p_in[None, :]
     offs = offs_b[:, None] * P + offs_p[None, :]
-    y = acc * tl.load(prm_ptr)
-    if has_prev:
-        y += tl.load(add_ptr + offs, mask=io, other=0.0).to(ACC)
-        if PROJ_GATE:
-            ref = tl.load(ref_ptr + offs, mask=io, other=0.0).to(ACC)
-            y = tl.where(tl.abs(ref) < tl.load(prm_ptr + 2), y, 0.0)
+    y = _dh_epilogue(acc * tl.load(prm_ptr), add_ptr, ref_ptr, prm_ptr, offs, io, has_prev,
+                     PROJ_GATE, ACC)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=io)
 
 
@@ -592,26 +621,15 @@ def _dh_part_tile(
     K_CHUNK: tl.constexpr,
 ):
     """The split-K backward's product: ``part[ks] = dz_t[:, K_ks] @ W[K_ks, p-block] · scale``
-    over the ks-th chunk of K_CHUNK of the 4H gate columns (a constant trip count; the last
-    chunk's columns past 4H are masked)."""
+    over the ks-th chunk of K_CHUNK of the 4H gate columns (the last chunk's columns past 4H
+    are masked)."""
     offs_b = bb * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_p = pb * BLOCK_PS + tl.arange(0, BLOCK_PS)
     b_in = offs_b < B
     p_in = offs_p < P
     k_lo = ks * K_CHUNK
-    acc = tl.zeros((BLOCK_B, BLOCK_PS), dtype=ACC)
-    for kk in range(0, K_CHUNK, BLOCK_K):
-        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
-        k_in = offs_k < 4 * H
-        a = tl.load(dz_ptr + offs_b[:, None] * (4 * H) + offs_k[None, :],
-                    mask=b_in[:, None] & k_in[None, :], other=0.0,
-                    cache_modifier=".cg")                              # [BLOCK_B, BLOCK_K]
-        w_offs = offs_k[:, None] * P + offs_p[None, :]                 # [BLOCK_K, BLOCK_PS]
-        w_mask = k_in[:, None] & p_in[None, :]
-        w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
-        if HAS_MASK:
-            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
-        acc += _dot(a.to(w.dtype), w, UPCAST, PRECISION)
+    acc = _dz_w_product(dz_ptr, w_ptr, m_ptr, offs_b, offs_p, b_in, p_in, k_lo, K_CHUNK,
+                        H, P, HAS_MASK, ACC, UPCAST, PRECISION, BLOCK_B, BLOCK_PS, BLOCK_K)
     tl.store(part_ptr + ks.to(tl.int64) * B * P + offs_b[:, None] * P + offs_p[None, :],
              acc * tl.load(prm_ptr), mask=b_in[:, None] & p_in[None, :])
 
@@ -639,11 +657,7 @@ def _dh_reduce_tile(
     for s in tl.static_range(KSPLIT):
         y += tl.load(part_ptr + tl.cast(B, tl.int64) * P * s + offs, mask=io, other=0.0,
                      cache_modifier=".cg")
-    if has_prev:
-        y += tl.load(add_ptr + offs, mask=io, other=0.0).to(ACC)
-        if PROJ_GATE:
-            ref = tl.load(ref_ptr + offs, mask=io, other=0.0).to(ACC)
-            y = tl.where(tl.abs(ref) < tl.load(prm_ptr + 2), y, 0.0)
+    y = _dh_epilogue(y, add_ptr, ref_ptr, prm_ptr, offs, io, has_prev, PROJ_GATE, ACC)
     tl.store(y_ptr + offs, y, mask=io)
 
 

@@ -829,7 +829,9 @@ def test_triton_config_override(monkeypatch):
                             lambda a, kw: 1)
     for bad, match in (({"BLOCK_Q": 32}, "BLOCK_Q"), ({"BLOCK_K": 24}, "'BLOCK_K'.*power of two"),
                        ({"BLOCK_K": 8}, "'BLOCK_K'.*>= 16"), ({"num_warps": 32}, "at most 16"),
-                       ({"num_stages": 0}, "'num_stages'.*>= 1"), ({"BLOCK_B": 16.0}, "int")):
+                       ({"num_stages": 0}, "'num_stages'.*>= 1"), ({"BLOCK_B": 16.0}, "int"),
+                       ({"KSPLIT": -1}, "'KSPLIT'.*>= 0"), ({"BLOCK_PS": 24}, "'BLOCK_PS'.*power"),
+                       ({"KSPLIT": True}, "'KSPLIT'.*int")):
         monkeypatch.setattr(klstm, "CONFIG_OVERRIDE", bad)
         with pytest.raises(ValueError, match=match):
             _call(ctxfast.lstm, args, kw, backend="triton")
@@ -1191,3 +1193,42 @@ def test_f16_operands_only_where_tf32_is_allowed(monkeypatch):
     monkeypatch.setattr(klstm, "_rnn_tf32_allowed", lambda: True)
     monkeypatch.setattr(klstm, "F16_OPERANDS", False)
     assert not klstm._f16_operands(f32, False, 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("flag", ["BWD_SPLIT_K", "F16_OPERANDS"])
+@pytest.mark.parametrize("proj", [False, True], ids=["noproj", "proj"])
+def test_triton_variants_at_the_edges(monkeypatch, flag, proj):
+    """The split-K backward and float32 on fp16 operands with one batch row, odd H 17 (and
+    P 5), every recurrent weight dropped (h_{t-1} then adds nothing; grad_w_hh is all zero),
+    both clips: within 2x eager's error (F16: its TF32-rounded eager); T 0 and B 0 run
+    nothing and return the shapes asked for."""
+    from ctxfast.kernels import lstm as klstm
+    monkeypatch.setattr(klstm, flag, True)
+    monkeypatch.setattr(klstm, "_rnn_tf32_allowed", lambda: True)
+    took = []
+    spied = "_bwd_split_config" if flag == "BWD_SPLIT_K" else "_f16_operands"
+    real = getattr(klstm, spied)
+    monkeypatch.setattr(klstm, spied, lambda *a: took.append(real(*a)) or took[-1])
+    args, kw = _inputs(4, 1, 3, 17, 5 if proj else 0, mask=True)
+    kw["weight_mask"] = torch.zeros_like(kw["weight_mask"])
+    kw.update(cell_clip=0.5, proj_clip=0.4) if proj else kw.update(cell_clip=0.5)
+    if flag == "BWD_SPLIT_K":
+        check_against_reference("triton", args, kw)
+    else:
+        runs = _lstm_runs("triton", args, kw, same_fn=_eager_tf32_lstm)
+        for (name, ours), (_, same), (_, ref) in zip(runs["ours"], runs["same"], runs["ref"]):
+            assert_within_2x_eager(ours, same, ref, FLOOR[torch.float32], name=name,
+                                   min_scale=0.0)
+    out, h, c = _call(ctxfast.lstm, args, kw, backend="triton")
+    (gw,) = torch.autograd.grad(out.sum() + c.sum(), args["w_hh"])
+    assert torch.count_nonzero(gw) == 0
+    assert took and all(t["KSPLIT"] if flag == "BWD_SPLIT_K" else t for t in took), took
+    P = 5 if proj else 17
+    for T, B in ((0, 2), (3, 0)):
+        a, k = _inputs(T, B, 3, 17, 5 if proj else 0, mask=True)
+        out, h, c = _call(ctxfast.lstm, a, k, backend="triton")
+        assert out.shape == (T, B, P) and h.shape == (B, P) and c.shape == (B, 17)
+        grads = torch.autograd.grad(out.sum() + h.sum() + c.sum(),
+                                    [t for t in a.values() if t is not None], allow_unused=True)
+        assert all(g is None or torch.isfinite(g).all() for g in grads)

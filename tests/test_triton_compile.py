@@ -204,6 +204,13 @@ def _cases():
     ieee = setting(lstm, "FP32_PRECISION", "ieee")
     proj_split = setting(lstm, "PROJ_SPLIT", True)
     bwd_split_k = setting(lstm, "BWD_SPLIT_K", True)
+
+    def ulmfit(dtype):           # the benchmark's LSTM layers: ULMFiT's 1152 units, and
+        return lambda: lstm_fwd_bwd(dtype, B=64, H=1152, mask=True)
+
+    def elmo(dtype):             # ELMo's 4096 / 512 with both clips
+        return lambda: lstm_fwd_bwd(dtype, B=32, H=4096, P=512, proj=True, mask=True,
+                                    clip=True)
     # float32 forward on fp16 operands where cuDNN's RNN TF32 is allowed (F16_OPERANDS)
     f16_operands = (lambda fn: setting(lstm, "F16_OPERANDS", True)(
         setting(torch.backends.cudnn, "allow_tf32", True)(fn)))
@@ -320,17 +327,13 @@ def _cases():
                                              100, 0.1)),
         # lstm: the persistent forward and backward (one program per SM, cooperative), at
         # the benchmark's ULMFiT and ELMo sizes and at small ones
-        ("lstm fp32/tf32x3 ULMFiT B=64 H=1152 mask", sm90,
-         lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True)),
-        ("lstm fp32/tf32x3 ELMo B=32 H=4096 P=512 proj+mask+clip", sm90,
-         lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True, clip=True)),
+        ("lstm fp32/tf32x3 ULMFiT B=64 H=1152 mask", sm90, ulmfit(f32)),
+        ("lstm fp32/tf32x3 ELMo B=32 H=4096 P=512 proj+mask+clip", sm90, elmo(f32)),
         ("lstm fp32/ieee ULMFiT B=64 H=1152 mask (FP32_PRECISION)", sm90,
-         ieee(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
+         ieee(ulmfit(f32))),
         ("lstm fp32/ieee ELMo B=32 H=4096 P=512 proj+mask+clip (FP32_PRECISION)", sm90,
-         ieee(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
-                                   clip=True))),
-        ("lstm bf16 ULMFiT B=64 H=1152 mask", sm90,
-         lambda: lstm_fwd_bwd(bf16, B=64, H=1152, mask=True)),
+         ieee(elmo(f32))),
+        ("lstm bf16 ULMFiT B=64 H=1152 mask", sm90, ulmfit(bf16)),
         ("lstm fp32/tf32 B=64 proj+mask+clip", both,
          tf32(lambda: lstm_fwd_bwd(f32, B=64, H=128, proj=True, mask=True, clip=True))),
         ("lstm fp16 B=64 proj+mask+clip", sm90,
@@ -340,30 +343,24 @@ def _cases():
         ("lstm fp32/tf32x3 B=8", sm90, lambda: lstm_fwd_bwd(f32, B=8, H=64)),
         # the projection split over the unit blocks (PROJ_SPLIT), ELMo's size
         ("lstm bf16 ELMo B=32 H=4096 P=512 proj+mask+clip (PROJ_SPLIT)", sm90,
-         proj_split(lambda: lstm_fwd_bwd(bf16, B=32, H=4096, P=512, proj=True, mask=True,
-                                         clip=True))),
+         proj_split(elmo(bf16))),
         ("lstm fp32/tf32 ELMo B=32 H=4096 P=512 proj+mask+clip (PROJ_SPLIT)", sm90,
-         proj_split(tf32(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
-                                              clip=True)))),
+         proj_split(tf32(elmo(f32)))),
         # the backward's dz @ W split over the gate columns (BWD_SPLIT_K), ULMFiT's size
         ("lstm bf16 ULMFiT B=64 H=1152 mask (BWD_SPLIT_K)", sm90,
-         bwd_split_k(lambda: lstm_fwd_bwd(bf16, B=64, H=1152, mask=True))),
+         bwd_split_k(ulmfit(bf16))),
         ("lstm fp32/tf32x3 ULMFiT B=64 H=1152 mask (BWD_SPLIT_K)", sm90,
-         bwd_split_k(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
+         bwd_split_k(ulmfit(f32))),
         ("lstm bf16 ELMo B=32 H=4096 P=512 proj+mask+clip (BWD_SPLIT_K)", sm90,
-         bwd_split_k(lambda: lstm_fwd_bwd(bf16, B=32, H=4096, P=512, proj=True, mask=True,
-                                          clip=True))),
+         bwd_split_k(elmo(bf16))),
         ("lstm fp32/tf32x3 ELMo B=32 H=4096 P=512 proj+mask+clip (BWD_SPLIT_K)", sm90,
-         bwd_split_k(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
-                                          clip=True))),
+         bwd_split_k(elmo(f32))),
         ("lstm fp32/tf32 ULMFiT B=64 H=1152 mask (F16_OPERANDS)", sm90,
-         f16_operands(lambda: lstm_fwd_bwd(f32, B=64, H=1152, mask=True))),
+         f16_operands(ulmfit(f32))),
         ("lstm fp32/tf32 ELMo B=32 H=4096 P=512 proj+mask+clip (F16_OPERANDS)", sm90,
-         f16_operands(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512, proj=True, mask=True,
-                                           clip=True))),
+         f16_operands(elmo(f32))),
         ("lstm fp32/tf32 ELMo B=32 H=4096 P=512 proj+mask+clip (F16_OPERANDS, PROJ_SPLIT)",
-         sm90, proj_split(f16_operands(lambda: lstm_fwd_bwd(f32, B=32, H=4096, P=512,
-                                                            proj=True, mask=True, clip=True)))),
+         sm90, proj_split(f16_operands(elmo(f32)))),
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
         ("linear fp32/tf32 ULMFiT projection 4480 x 1152 -> 4608", both,
          lambda: projection(4480, 1152, 4608)),
