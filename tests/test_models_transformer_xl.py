@@ -442,6 +442,161 @@ def test_generate_reuses_memory_greedy_matches_full_recompute():
     assert torch.equal(s1, s2)
 
 
+# --------------------------------------------------------------------------- K/V reuse
+
+@contextlib.contextmanager
+def reuse_spy():
+    """Records, per attention call, (memory k/v given, projected r given): what
+    TransformerXL._forward reused."""
+    from ctxfast.models.transformer_xl import TransformerXLAttention
+    calls, orig = [], TransformerXLAttention.forward
+
+    def spy(self, *args, kv_mem=None, r_head=None, **kw):
+        calls.append((kv_mem is not None, r_head is not None))
+        return orig(self, *args, kv_mem=kv_mem, r_head=r_head, **kw)
+    TransformerXLAttention.forward = spy
+    try:
+        yield calls
+    finally:
+        TransformerXLAttention.forward = orig
+
+
+def _segments(model, xs, mems=()):
+    """log-probs of each segment of xs in turn and the final mems (no grad)."""
+    outs, mems = [], list(mems)
+    with torch.no_grad():
+        for x in xs:
+            lp, mems = model(x, None, *mems)
+            outs.append(lp)
+    return outs, mems
+
+
+@pytest.mark.parametrize("case", ["post_ln", "pre_ln_untied_r_proj_clamp", "same_length",
+                                  "ext_len"])
+@pytest.mark.parametrize("kernels", ["default", pytest.param("triton", marks=needs_triton)])
+def test_reused_keys_and_values_compute_the_original(case, kernels):
+    """Evaluation (no grad) on the ctxfast backend keeps each layer's keys and values of the
+    next memory, and the projected position encodings, with the returned mems, and the next
+    call projects only its own rows: the log-probs and mems of every segment are the
+    original computation's (segments of changing length: the encodings are reused only
+    where klen repeats)."""
+    kw = {"post_ln": {}, "same_length": dict(same_length=True, mem_len=6),
+          "pre_ln_untied_r_proj_clamp": dict(pre_lnorm=True, untie_r=True, clamp_len=5),
+          "ext_len": {}}[case]
+    c = tiny(**kw)
+    sd = synth_original_state_dict(c, 24 if case.startswith("pre_ln") else None)
+    model = TransformerXL.from_state_dict(
+        sd, **{**dict(dropout=0.0, mem_len=c.mem_len, tgt_len=c.tgt_len,
+                      pre_lnorm=c.pre_lnorm), **kw}).to(DEVICE).eval()
+    if case == "ext_len":
+        model.reset_length(tgt_len=4, ext_len=2, mem_len=c.mem_len)
+    xs = [ids(T, 3, device=DEVICE) for T in (5, 4, 4, 7, 4, 4)]
+    ctx = ctxfast.backend("triton") if kernels == "triton" else contextlib.nullcontext()
+    with ctx, reuse_spy() as calls:
+        outs, _ = _segments(model, xs)
+    n = c.n_layer
+    kv = [all(kv for kv, _ in calls[i * n:(i + 1) * n]) for i in range(len(xs))]
+    assert kv == [False] + [True] * (len(xs) - 1), kv
+    sd = {k: v.cpu() for k, v in model.state_dict().items()}
+    mems, ext = [], 2 if case == "ext_len" else 0
+    for i, (x, out) in enumerate(zip(xs, outs)):
+        ref, hids = original_forward(sd, c, x.cpu(), mems)
+        assert_close(out.cpu(), ref, name=f"segment {i}")
+        cat = [torch.cat([m, h], 0) for m, h in zip(mems, hids)] if mems else hids
+        end = (mems[0].shape[0] if mems else 0) + x.shape[0] - ext
+        mems = [t[max(0, end - c.mem_len):end] for t in cat]
+
+
+def test_reuse_projects_only_the_new_rows_and_r_once_per_length():
+    """What is saved: after the first segment each layer's qkv_net sees the segment's rows
+    only, and r_net runs again only when the number of keys changes."""
+    model = TransformerXL(tiny(mem_len=8)).eval()
+    attn = model.layers[1].dec_attn
+    qkv_rows, r_rows = [], []
+    attn.qkv_net.register_forward_hook(lambda mod, a, out: qkv_rows.append(a[0].shape[0]))
+    attn.r_net.register_forward_hook(lambda mod, a, out: r_rows.append(a[0].shape[0]))
+    _segments(model, [ids(4, 2) for _ in range(5)])
+    assert qkv_rows == [4] * 5                        # 4, 8 + 4 and so on: never the memory
+    assert r_rows == [4, 8, 12]                        # klen 4, 8, 12, 12, 12
+
+
+def test_reuse_is_dropped_when_its_inputs_change():
+    """A kept value is used only with the very memory tensor it was kept with, unchanged,
+    and the same weights: weights changed in place (an optimizer step, load_state_dict),
+    a memory changed in place, copied or built by the caller, gradients on, autocast
+    changed, the eager backend or inference mode all recompute, and every result equals
+    the computation without reuse."""
+    torch.manual_seed(0)
+    model = TransformerXL(tiny(mem_len=8)).eval()
+    other = TransformerXL(tiny(mem_len=8, reuse_kv=False)).eval()
+    xs = [ids(4, 2) for _ in range(3)]
+
+    def both(fn, *, reused=False):
+        """fn(model) -> mems for the last segment; the last segment on both models."""
+        with reuse_spy() as calls:
+            out = fn(model)
+        ref = fn(other)
+        assert [kv for kv, _ in calls[-model.n_layer:]] == [reused] * model.n_layer
+        assert_close(out, ref)
+
+    def step(prep):
+        def fn(m):
+            _, mems = _segments(m, xs[:2])
+            mems = prep(m, mems)
+            with torch.no_grad():
+                return m(xs[2], None, *mems)[0]
+        return fn
+
+    other.load_state_dict(model.state_dict())
+    both(step(lambda m, mems: mems), reused=True)                   # the control
+    both(step(lambda m, mems: [t.clone() for t in mems]))
+    both(step(lambda m, mems: [t.mul_(0.5) for t in mems]))
+
+    def new_weights(m, mems):
+        with torch.no_grad():
+            for layer in m.layers:
+                layer.dec_attn.qkv_net.weight.mul_(1.5)
+                layer.dec_attn.r_net.weight.mul_(0.5)
+        return mems
+    both(step(new_weights))
+
+    def loaded(m, mems):
+        m.load_state_dict({k: v * 1.1 for k, v in m.state_dict().items()})
+        return mems
+    both(step(loaded))
+
+    def eager(m, mems):
+        m.set_backend("eager")
+        return mems
+    both(step(eager))
+    model.set_backend("ctxfast"), other.set_backend("ctxfast")
+
+    with torch.inference_mode():                      # its tensors have no version counter
+        both(step(lambda m, mems: mems))
+
+    with reuse_spy() as calls:                        # gradients on: the weights' gradients
+        _, mems = _segments(model, xs[:2])            # need every row's projection
+        loss = model(xs[2], None, *mems)[0].sum()
+    assert not any(kv or r for kv, r in calls[-model.n_layer:])
+    loss.backward()
+    _, mems = _segments(other, xs[:2])
+    other(xs[2], None, *mems)[0].sum().backward()
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        if p.grad is not None:
+            assert_close(p.grad, q.grad, name=f"grad {name}")
+
+
+def test_reuse_under_autocast_switches():
+    """Keys kept under bf16 autocast are not reused by a float32 call (nor the reverse)."""
+    model = TransformerXL(tiny(mem_len=8)).eval()
+    xs = [ids(4, 2) for _ in range(2)]
+    with reuse_spy() as calls:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, mems = _segments(model, xs[:1])
+        _segments(model, xs[1:], mems)
+    assert not any(kv for kv, _ in calls)
+
+
 # --------------------------------------------------------------------------- dtypes, layouts
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -213,6 +213,27 @@ def test_cli_smoke_tiny_run_writes_the_report(tmp_path, capsys):
         assert not (out / "xl_eval.png").exists()
 
 
+def test_cli_reuse_kv_flag(tmp_path, capsys):
+    """ctxfast keeps the memory's keys and values by default and says so (the attention
+    column, the JSON meta, the notes); --no-reuse-kv recomputes them as the original. Both
+    give the same bits per token."""
+    rows = {}
+    for flag in ((), ("--no-reuse-kv",)):
+        path = tmp_path / f"r{len(flag)}.json"
+        assert cli.main(["xl-eval", *TINY, *flag, "--json", str(path)]) == 0
+        printed = capsys.readouterr().out
+        data = json.loads(path.read_text())
+        want = not flag
+        assert data["meta"]["reuse_kv"] is want
+        assert data["meta"]["model_config"]["reuse_kv"] is want
+        ours = [r for r in data["rows"] if r["backend"] == "ctxfast"]
+        assert all(r["attention"].endswith("+ K/V reuse") is want for r in ours)
+        assert ("keeps the memory's keys" in " ".join(printed.split())) is want
+        rows[flag] = ours
+    for a, b in zip(rows[()], rows[("--no-reuse-kv",)]):
+        assert a["xl_bits_per_token"] == pytest.approx(b["xl_bits_per_token"], rel=1e-5)
+
+
 def test_cli_text_char_level_checkpoint_and_no_matplotlib(tmp_path, capsys, monkeypatch):
     text = tmp_path / "t.txt"
     text.write_text(xl_eval.builtin_text(300, seed=1))

@@ -17,8 +17,11 @@ One model, one set of weights (random by default, or ``--checkpoint``), one toke
   ``L - 1`` (shorter contexts) come from one causal forward of the stream's first L
   tokens (:func:`vanilla_log_probs`), which the timing never uses.
 
-For each L and each model backend (``ctxfast``: the kernels of ``ctxfast.rel_attention``;
-``eager``: the original einsum + pad-and-view formulation) one row: ms per predicted
+For each L and each model backend (``ctxfast``: the kernels of ``ctxfast.rel_attention``,
+and in XL mode the memory's keys, values and projected position encodings kept from one
+segment to the next instead of recomputed, ``TransformerXLConfig.reuse_kv``, off with
+``--no-reuse-kv``; ``eager``: the original einsum + pad-and-view formulation, recomputing
+them as the original code does) one row: ms per predicted
 token in both modes, the speedup (vanilla / XL: the algorithmic gain), the kernel gain
 (eager / ctxfast in the same mode) and the bits per token of both modes on the sampled
 positions. Output: a table on the terminal, ``--json``, ``--plot`` (PNG) and ``--out DIR``
@@ -72,6 +75,7 @@ class Settings:
     checkpoint: Optional[str] = None
     seed: int = 0
     quick: bool = False
+    reuse_kv: bool = True            # ctxfast backend: keep the memory's keys and values
 
 
 def quick_model(n_token: int) -> TransformerXLConfig:
@@ -367,11 +371,12 @@ def sample_positions(lo: int, hi: int, count: int, batch: int) -> List[Tuple[int
 
 # --------------------------------------------------------------------------- one run
 
-def attention_impl(backend: str, device: torch.device) -> str:
+def attention_impl(backend: str, device: torch.device, reuse_kv: bool = False) -> str:
     """What runs the attention for a model backend on `device` (for the table)."""
     if backend == "eager":
         return "original einsum + pad-and-view"
-    return f"ctxfast.rel_attention [{_dispatch.resolve('rel_attention', device)}]"
+    impl = f"ctxfast.rel_attention [{_dispatch.resolve('rel_attention', device)}]"
+    return impl + (" + K/V reuse" if reuse_kv else "")
 
 
 def profile(model: TransformerXL, ids: Tensor, s: Settings,
@@ -415,7 +420,7 @@ def profile(model: TransformerXL, ids: Tensor, s: Settings,
             progress.finish()
         for backend in s.backends:
             model.set_backend(backend)
-            impl = attention_impl(backend, device)
+            impl = attention_impl(backend, device, model.config.reuse_kv)
             xl, xl_ms, xl_tok = xl_runs[backend]
             van, van_ms = van_runs[backend]
             xl_same = xl[pos_p, pos_b]
@@ -516,8 +521,12 @@ def notes(meta: dict, width: int = 100) -> str:
             f"L (the same positions give both bits/tok columns). The backends run interleaved "
             f"(segment by segment, forward by forward). ms/tok: median over the timed "
             f"steps. speedup = vanilla / XL ms per token (same backend): the algorithmic gain; "
-            f"kernel gain = eager / ctxfast in the same mode. Paper (Table 9, its own model and "
-            f"GPUs): " + ", ".join(f"{s:.0f}x at {L}" for L, s in PAPER_SPEEDUPS) + ".")
+            f"kernel gain = eager / ctxfast in the same mode"
+            + (" (in XL mode ctxfast also keeps the memory's keys, values and position "
+               "projections from segment to segment, where eager recomputes them as the "
+               "original code)" if m.get("reuse_kv") else "")
+            + ". Paper (Table 9, its own model and GPUs): "
+            + ", ".join(f"{s:.0f}x at {L}" for L, s in PAPER_SPEEDUPS) + ".")
     if m.get("cpu_busy") is not None and m["cpu_busy"] > 0.2 and "cpu" in m["device"]:
         text += (f" The CPUs were {m['cpu_busy']:.0%} busy with other work when this started: "
                  f"the timings are noisy.")
@@ -637,6 +646,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int("--threads"),
                    help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-reuse-kv", action="store_true",
+                   help="ctxfast backend: recompute the memory's keys, values and position "
+                        "projections every segment, as the original code (default: kept "
+                        "from the previous segment; TransformerXLConfig.reuse_kv)")
     p.add_argument("--json", dest="json_path", help="write the rows and settings as JSON here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--out", help="report folder: xl_eval.json, xl_eval.md, xl_eval.png")
@@ -708,7 +721,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
                  vanilla_positions=args.vanilla_positions or d["vanilla_positions"],
                  model=model, backends=tuple(args.backends), device=device, dtype=args.dtype,
                  level=args.level, text=args.text, checkpoint=args.checkpoint, seed=args.seed,
-                 quick=args.quick)
+                 quick=args.quick, reuse_kv=not args.no_reuse_kv)
     return s, ids, what
 
 
@@ -742,6 +755,7 @@ def load_model(s: Settings, vocab_needed: int) -> TransformerXL:
             raise ValueError(f"--checkpoint: the model has n_token={model.n_token} but the "
                              f"stream's ids go up to {vocab_needed - 1}")
     dtype = getattr(torch, s.dtype)
+    model.config.reuse_kv = s.reuse_kv
     return model.to(device=s.device, dtype=dtype).eval()
 
 
@@ -787,7 +801,7 @@ def _run(argv: Optional[Sequence[str]]) -> Tuple[List[dict], dict]:
                   else f"checkpoint {s.checkpoint}")),
         stream=what, tgt_len=s.tgt_len, batch=s.batch, xl_segments=s.xl_segments,
         vanilla_positions=s.vanilla_positions, attn_lens=list(s.attn_lens),
-        backends=list(s.backends), quick=s.quick, model_config=asdict(c),
+        backends=list(s.backends), quick=s.quick, model_config=asdict(c), reuse_kv=s.reuse_kv,
         cpu_busy=busy, threads=torch.get_num_threads(),
     )
     progress = Progress(enabled=not args.no_progress)

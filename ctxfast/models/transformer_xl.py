@@ -33,7 +33,9 @@ Backends (``TransformerXLConfig.backend``):
   position scores, the pad-and-view relative shift, a materialised mask, softmax.
 
 Everything else (embeddings, feed-forward, LayerNorm, softmax head) is plain PyTorch in
-both. ``same_length=True`` (every query sees ``mem_len`` keys once the keys outnumber
+both. Evaluation on the ctxfast backend also keeps the memory's keys and values from call
+to call instead of projecting the memory again (:class:`TransformerXL`, ``reuse_kv``).
+``same_length=True`` (every query sees ``mem_len`` keys once the keys outnumber
 ``mem_len``: the paper's evaluation setting) is ``ctxfast.rel_attention``'s
 ``window=mem_len`` on the ctxfast backend and the original ``triu + tril`` mask on the eager
 one.
@@ -89,6 +91,7 @@ class TransformerXLConfig:
     init_std: float = 0.02           # the original train.py's --init_std
     proj_init_std: float = 0.01      # and --proj_init_std
     backend: str = "ctxfast"         # "ctxfast" | "eager"
+    reuse_kv: bool = True            # ctxfast, no grad: keys / values of the memory kept
 
     @classmethod
     def enwik8(cls, **kw) -> "TransformerXLConfig":
@@ -192,34 +195,51 @@ class TransformerXLAttention(_RelAttnLayer):
 
     def forward(self, w: Tensor, r: Tensor, r_w_bias: Optional[Tensor] = None,
                 r_r_bias: Optional[Tensor] = None, mems: Optional[Tensor] = None,
-                window: Optional[int] = None) -> Tensor:
+                window: Optional[int] = None, *, kv_mem: Optional[Tuple[Tensor, Tensor]] = None,
+                keep: Optional[Tuple[int, int]] = None, r_head: Optional[Tensor] = None):
         """w ``[qlen, B, d_model]``, r ``[klen, 1, d_model]`` (position encodings of the
         distances ``klen-1 … 0``), biases ``[H, d_head]`` (ignored with ``untie_r``), mems
         ``[mlen, B, d_model]`` or None; ``window``: the ``same_length`` window (query i
         sees key j only at distance ``mlen + i - j < window``; None = causal only).
-        Returns ``[qlen, B, d_model]``."""
+        Returns ``[qlen, B, d_model]``.
+
+        K/V reuse (the model's evaluation path, :meth:`TransformerXL._forward`; never with
+        the eager backend): ``kv_mem`` = (k, v) ``[B, H, mlen, d_head]`` of the memory rows,
+        as this layer projected them when they were current rows: only the current rows
+        are projected. ``keep`` = (beg, end): also return the keys and values of rows
+        ``beg:end`` of ``[mems; w]`` (the next memory), ``(out, (k, v))``. ``r_head``: the
+        projected position encodings ``[H, klen, d_head]`` of an earlier call with the same
+        klen (:meth:`project_r`)."""
         qlen, bsz = w.shape[0], w.shape[1]
         H, Dh = self.n_head, self.d_head
         if self.untie_r:
             r_w_bias, r_r_bias = self.r_w_bias, self.r_r_bias
-        cat = w if mems is None else torch.cat([mems, w], 0)             # [klen, B, d_model]
-        klen = cat.shape[0]
-        x = self.layer_norm(cat) if self.pre_lnorm else cat             # [klen, B, d_model]
-        if self.backend == "eager" or klen == qlen:   # q, k, v of every row in one GEMM (the
-            heads = self.qkv_net(x)                      # original; q of memory rows unused)
-            # heads: [klen, B, 3*H*Dh]
-            q, k, v = torch.chunk(heads, 3, dim=-1)                      # [klen, B, H*Dh] each
-            q = q[-qlen:]                                                # [qlen, B, H*Dh]
-        else:                           # the same numbers, q only for the current rows
-            wt, bias = self.qkv_net.weight, self.qkv_net.bias            # [3*H*Dh, d_model]
-            n = H * Dh
-            q = F.linear(x[-qlen:], wt[:n], None if bias is None else bias[:n])  # [qlen, B, H*Dh]
-            kv = F.linear(x, wt[n:], None if bias is None else bias[n:])  # [klen, B, 2*H*Dh]
-            k, v = torch.chunk(kv, 2, dim=-1)                            # [klen, B, H*Dh] each
-        # [T, B, H*Dh] -> [T, B, H, Dh] -> [B, H, T, Dh]
-        q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
-        r_head = self.r_net(r.reshape(klen, -1).to(w.dtype))            # [klen, H*Dh]
-        r_head = r_head.view(klen, H, Dh).transpose(0, 1)                # [H, klen, Dh]
+        if kv_mem is not None:                         # memory rows' k, v given: project w only
+            x = self.layer_norm(w) if self.pre_lnorm else w             # [qlen, B, d_model]
+            q, k, v = torch.chunk(self.qkv_net(x), 3, dim=-1)            # [qlen, B, H*Dh] each
+            q, k, v = (t.reshape(qlen, bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
+            k = torch.cat([kv_mem[0], k], 2)                             # [B, H, klen, Dh]
+            v = torch.cat([kv_mem[1], v], 2)
+            klen = k.shape[2]
+        else:
+            cat = w if mems is None else torch.cat([mems, w], 0)         # [klen, B, d_model]
+            klen = cat.shape[0]
+            x = self.layer_norm(cat) if self.pre_lnorm else cat         # [klen, B, d_model]
+            if self.backend == "eager" or klen == qlen:   # q, k, v of every row in one GEMM
+                heads = self.qkv_net(x)                 # (the original; q of memory rows unused)
+                # heads: [klen, B, 3*H*Dh]
+                q, k, v = torch.chunk(heads, 3, dim=-1)                  # [klen, B, H*Dh] each
+                q = q[-qlen:]                                            # [qlen, B, H*Dh]
+            else:                       # the same numbers, q only for the current rows
+                wt, bias = self.qkv_net.weight, self.qkv_net.bias        # [3*H*Dh, d_model]
+                n = H * Dh
+                q = F.linear(x[-qlen:], wt[:n], None if bias is None else bias[:n])
+                kv = F.linear(x, wt[n:], None if bias is None else bias[n:])  # [klen, B, 2*H*Dh]
+                k, v = torch.chunk(kv, 2, dim=-1)                        # [klen, B, H*Dh] each
+            # [T, B, H*Dh] -> [T, B, H, Dh] -> [B, H, T, Dh]
+            q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
+        if r_head is None:
+            r_head = self.project_r(r, w.dtype)                          # [H, klen, Dh]
         u, b = r_w_bias.to(q.dtype), r_r_bias.to(q.dtype)
         if self.backend == "eager":
             mask = torch.ones(qlen, klen, dtype=torch.bool, device=w.device).triu(1 + klen - qlen)
@@ -232,7 +252,16 @@ class TransformerXLAttention(_RelAttnLayer):
                                     dropout_p=self.dropatt_p if self.training else 0.0)
         out = out.permute(2, 0, 1, 3).reshape(qlen, bsz, H * Dh)        # [qlen, B, H*Dh]
         out = self.drop(self.o_net(out))                                 # [qlen, B, d_model]
-        return w + out if self.pre_lnorm else self.layer_norm(w + out)
+        out = w + out if self.pre_lnorm else self.layer_norm(w + out)
+        if keep is None:
+            return out
+        return out, (k[:, :, keep[0]:keep[1]], v[:, :, keep[0]:keep[1]])  # [B, H, L, Dh]
+
+    def project_r(self, r: Tensor, dtype: torch.dtype) -> Tensor:
+        """r ``[klen, 1, d_model]`` -> ``r_net(r)`` as ``[H, klen, d_head]``."""
+        klen = r.shape[0]
+        r_head = self.r_net(r.reshape(klen, -1).to(dtype))              # [klen, H*Dh]
+        return r_head.view(klen, self.n_head, self.d_head).transpose(0, 1)  # [H, klen, Dh]
 
 
 class RelPartialLearnableDecoderLayer(nn.Module):
@@ -248,9 +277,29 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
     def forward(self, dec_inp: Tensor, r: Tensor, r_w_bias: Optional[Tensor],
                 r_r_bias: Optional[Tensor], mems: Optional[Tensor] = None,
-                window: Optional[int] = None) -> Tensor:
-        """``[qlen, B, d_model]`` -> ``[qlen, B, d_model]``."""
-        return self.pos_ff(self.dec_attn(dec_inp, r, r_w_bias, r_r_bias, mems, window))
+                window: Optional[int] = None, **reuse):
+        """``[qlen, B, d_model]`` -> ``[qlen, B, d_model]`` (and the kept keys and values
+        where ``reuse`` has ``keep``: :meth:`TransformerXLAttention.forward`)."""
+        out = self.dec_attn(dec_inp, r, r_w_bias, r_r_bias, mems, window, **reuse)
+        if isinstance(out, tuple):
+            return self.pos_ff(out[0]), out[1]
+        return self.pos_ff(out)
+
+
+def _attach(mem: Tensor, name: str, key: tuple, value) -> None:
+    """Keep ``value`` with the memory tensor ``mem`` (a Python attribute: it lives and
+    dies with the tensor), valid while ``key`` and ``mem``'s version are unchanged."""
+    setattr(mem, name, (key, mem._version, value))
+
+
+def _attached(mem: Optional[Tensor], name: str, key: tuple):
+    """The value :func:`_attach` kept with ``mem`` under ``key``, or None: no memory, none
+    kept (a memory the caller built or copied), another key (weights changed, another
+    dtype or autocast state), or ``mem`` changed in place since (its version moved on)."""
+    got = getattr(mem, name, None) if mem is not None else None
+    if got is None or got[0] != key or mem.is_inference() or got[1] != mem._version:
+        return None
+    return got[2]
 
 
 class AdaptiveEmbedding(nn.Module):
@@ -367,7 +416,26 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 # --------------------------------------------------------------------------- the model
 
 class TransformerXL(nn.Module):
-    """``MemTransformerLM`` (attn_type 0). See the module docstring."""
+    """``MemTransformerLM`` (attn_type 0). See the module docstring.
+
+    K/V reuse (``config.reuse_kv``, on by default; the ctxfast backend only). Layer i's
+    memory is the hidden states it saw as current rows in earlier calls, and the original
+    projects them to keys and values again at every call: at the paper's evaluation
+    lengths (128 new rows against 3,672 of memory) almost all of the layer's ``qkv_net``
+    work. Where no gradient is taken (``torch.no_grad()``: evaluation, :meth:`generate`),
+    each call keeps the keys and values of the rows that become the next memory, and the
+    projected position encodings ``r_net(pos_emb)`` of every layer, with the new mems it
+    returns (Python attributes of those tensors: they live and die with them); a call given
+    those very mems projects only its own rows, and the encodings again only when the
+    number of keys changes. A kept value is used only if the memory tensor is the one it
+    was kept with and unchanged since (its version counter), and the weights it came from
+    are the same tensors unchanged (an optimizer step, ``load_state_dict`` or any in-place
+    change recompute), under the same dtype and autocast state; mems that the caller
+    copied, built or converted to another dtype are projected as the original does. Not
+    under ``torch.inference_mode()`` (its tensors carry no version counter to check), with
+    gradients on (the projection weights' gradients need every row), nor while
+    torch.compile traces. The results are the original's; the kept keys and values cost
+    ``2 · mlen · B · n_head · d_head`` elements per layer beside the mems."""
 
     def __init__(self, config: TransformerXLConfig) -> None:
         super().__init__()
@@ -504,14 +572,19 @@ class TransformerXL(nn.Module):
 
     # ----------------------------------------------------------------- forward
 
+    def _mem_rows(self, mlen: int, qlen: int) -> Tuple[int, int]:
+        """(beg, end): the rows of ``[mems; current]`` that the next memory keeps: the last
+        ``mem_len`` before the ``ext_len`` tail."""
+        end = mlen + max(0, qlen - self.ext_len)
+        return max(0, end - self.mem_len), end
+
     def _update_mems(self, hids: List[Tensor], mems: Optional[List[Tensor]], mlen: int,
                      qlen: int) -> List[Tensor]:
         """The last ``mem_len`` steps of ``[mems; hids]`` (before the ``ext_len`` tail),
         detached: the stop-gradient."""
         if self.mem_len <= 0:
             return []
-        end = mlen + max(0, qlen - self.ext_len)
-        beg = max(0, end - self.mem_len)
+        beg, end = self._mem_rows(mlen, qlen)
         with torch.no_grad():
             new = []
             for i, h in enumerate(hids):
@@ -543,12 +616,62 @@ class TransformerXL(nn.Module):
         hids = [core_out]
         r_w_bias = getattr(self, "r_w_bias", None)
         r_r_bias = getattr(self, "r_r_bias", None)
+        reuse = self._reuse_on(word_emb)
+        if not reuse:
+            for i, layer in enumerate(self.layers):
+                core_out = layer(core_out, pos_emb, r_w_bias, r_r_bias,
+                                 None if mems is None else mems[i], window)  # [qlen, B, d_model]
+                hids.append(core_out)
+            return self.drop(core_out), self._update_mems(hids, mems, mlen, qlen)
+        # K/V reuse (see the class docstring): the memory rows' keys and values and the
+        # projected position encodings come from the previous call where they match
+        keep = self._mem_rows(mlen, qlen) if self.mem_len > 0 else None
+        r_key = self._reuse_key(word_emb, ("r", klen, self.clamp_len, self.training))
+        r_heads = _attached(None if mems is None else mems[0], "_ctxfast_r", r_key)
+        if r_heads is None:
+            r_heads = [layer.dec_attn.project_r(pos_emb, word_emb.dtype) for layer in self.layers]
+        kept = []
         for i, layer in enumerate(self.layers):
-            core_out = layer(core_out, pos_emb, r_w_bias, r_r_bias,
-                             None if mems is None else mems[i], window)   # [qlen, B, d_model]
+            m = None if mems is None else mems[i]
+            kv_mem = _attached(m, "_ctxfast_kv", self._reuse_key(word_emb, ("kv", i)))
+            out = layer(core_out, pos_emb, r_w_bias, r_r_bias, m, window, kv_mem=kv_mem,
+                        keep=keep, r_head=r_heads[i])
+            if keep is not None:
+                out, kv = out                            # kv: ([B, H, L, Dh], [B, H, L, Dh])
+                kept.append(kv)
+            core_out = out                                                # [qlen, B, d_model]
             hids.append(core_out)
-        core_out = self.drop(core_out)
-        return core_out, self._update_mems(hids, mems, mlen, qlen)
+        new_mems = self._update_mems(hids, mems, mlen, qlen)
+        if new_mems:
+            for i, kv in enumerate(kept):
+                _attach(new_mems[i], "_ctxfast_kv", self._reuse_key(word_emb, ("kv", i)), kv)
+            if self.drop.p == 0 or not self.training:   # the same encodings next call
+                _attach(new_mems[0], "_ctxfast_r", r_key, r_heads)
+        return self.drop(core_out), new_mems
+
+    def _reuse_on(self, like: Tensor) -> bool:
+        """Whether this call reuses keys, values and position encodings (the class
+        docstring): ``config.reuse_kv``, the ctxfast backend, no gradient, not being traced
+        by torch.compile, no inference tensor among the weights."""
+        return (self.config.reuse_kv and self.backend != "eager" and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not like.is_inference()
+                and not self.layers[0].dec_attn.qkv_net.weight.is_inference())
+
+    def _reuse_key(self, like: Tensor, what: tuple) -> tuple:
+        """What a reused value was computed from besides its memory tensor: the weights it
+        depends on (identity and version: an optimizer step or a load changes it), the
+        dtype and autocast state, and ``what`` (which value)."""
+        if what[0] == "kv":
+            attn = self.layers[what[1]].dec_attn
+            ps = [attn.qkv_net.weight, attn.qkv_net.bias]
+            if attn.pre_lnorm:
+                ps += [attn.layer_norm.weight, attn.layer_norm.bias]
+        else:
+            ps = [layer.dec_attn.r_net.weight for layer in self.layers] + [self.pos_emb.inv_freq]
+        dev = like.device.type
+        amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        return (what, like.dtype, amp,
+                tuple((id(p), p.data_ptr(), p._version) for p in ps if p is not None))
 
     def forward(self, data: Tensor, target: Optional[Tensor] = None,
                 *mems: Tensor) -> Tuple[Tensor, List[Tensor]]:
