@@ -351,8 +351,8 @@ lstm_backward_sweep() {
 # A second, short call on the still-warm machine after verify (round 5 had ~3 minutes
 # left: a machine idle for 30 s is given back, so this runs at once, unread): the AWD-LSTM
 # (ULMFiT) train step against fastai's (nn.LSTM + WeightDropout) at the benchmark's sizes,
-# Transformer-XL evaluation (xl-eval --quick: the paper's lengths, a smaller sample; not
-# run on a GPU since the first H100 round), memcheck over the new backward code, the LSTM
+# Transformer-XL evaluation in float32 and bf16 (xl-eval --quick: the paper's lengths, a
+# smaller sample; not run on a GPU since the first H100 round), memcheck over the new backward code, the LSTM
 # model tests on CUDA (STAGE_BUDGET: the seconds left; the steps after it are cut).
 stage_followup() {
   build
@@ -360,6 +360,11 @@ stage_followup() {
     benchmarks/bench_models.py -q -p no:cacheprovider \
     -k "awd_lstm and ULMFiT and train and not eager"
   summarize models_awd_lstm.log "test_models\[|passed|failed|Error" 12
+  # float32 first: the paper's dtype and the first H100 round's (kernel gain 0.78x at 3,800
+  # then); ctxfast now also keeps the memory's keys and values (TransformerXLConfig.reuse_kv)
+  step "xl-eval --quick float32" 60 xl_eval_quick.log "$PY" -m ctxfast.cli xl-eval \
+    --quick --out "$R/xl-eval-quick" --no-progress
+  summarize xl_eval_quick.log "." 16
   step "xl-eval --quick bf16" 60 xl_eval_quick_bf16.log "$PY" -m ctxfast.cli xl-eval \
     --quick --dtype bfloat16 --out "$R/xl-eval-quick-bf16" --no-progress
   summarize xl_eval_quick_bf16.log "." 16
