@@ -228,11 +228,15 @@ def test_opcheck_and_compile():
     assert rel_err(r.grad, l64[3].grad) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["eager"] + (["triton"] if TRITON_ON_CPU else []))
+@pytest.mark.parametrize("backend", ["eager"] + (["cpu"] if DEVICE == "cpu" else [])
+                         + (["triton"] if TRITON_ON_CPU or DEVICE == "cuda" else []))
 def test_autocast_casts_every_float_input(backend):
     """Under autocast, fp32 biases, r and seg_embed meet bf16 queries (what a model's
     parameters and autocast's matmul outputs are): the op runs in bf16, as
-    ctxfast.attention and SDPA do, and the fp32 leaves get fp32 gradients."""
+    ctxfast.attention and SDPA do, and the fp32 leaves get fp32 gradients. Forward and
+    backward both inside the autocast region (the C++ cpu op's own ATen calls, the segment
+    term's einsums, must not be recast: they were, and it failed with "expected scalar type
+    Float but found BFloat16")."""
     B, H, Tq, Tk, D = 2, 2, 9, 14, 16
     ts = _inputs(B, H, Tq, Tk, D, Tk + Tq, seg=True)
     ts[0] = ts[0].bfloat16()                       # q as autocast's matmul returns it
@@ -245,9 +249,9 @@ def test_autocast_casts_every_float_input(backend):
 
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = call(ctxfast.rel_attention, leaves, backend=backend)
-    assert out.dtype == torch.bfloat16
-    do = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, do)
+        assert out.dtype == torch.bfloat16
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, do)
     assert [g.dtype for g in grads] == [t.dtype for t in ts]
     l64 = [t.bfloat16().double().requires_grad_(True) for t in ts]   # what the op saw
     same = [t.bfloat16().requires_grad_(True) for t in ts]           # reference in bf16

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "bindings/lstm_checks.h"
+#include "bindings/no_autocast.h"
 #include "cpu/lstm.h"
 
 namespace ctxfast {
@@ -56,6 +57,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cpu(
     const Tensor& xw, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
     const std::optional<Tensor>& w_hr, const std::optional<Tensor>& mask, double scale,
     double cell_clip, double proj_clip, bool reverse) {
+  const NoAutocast no_autocast;
   cpu::check_lstm_settings();
   lstm::check_common(kFwd, xw, "xw", h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip);
   TORCH_CHECK_VALUE(xw.device().is_cpu(), kFwd, ": xw must be a CPU tensor, got ", xw.device());
@@ -74,6 +76,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cpu(
     const Tensor& w_hh, const std::optional<Tensor>& w_hr, const std::optional<Tensor>& mask,
     double scale, double cell_clip, double proj_clip, bool reverse, const Tensor& out,
     const Tensor& cells, const Tensor& gates) {
+  const NoAutocast no_autocast;
   cpu::check_lstm_settings();
   const lstm::Dims d = lstm::check_common(kBwd, gates, "gates", h0, c0, w_hh, w_hr, mask,
                                           scale, cell_clip, proj_clip);

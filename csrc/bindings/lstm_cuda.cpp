@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "bindings/lstm_checks.h"
+#include "bindings/no_autocast.h"
 #include "cuda/lstm.h"
 
 namespace ctxfast {
@@ -293,6 +294,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_recurrence_cuda(
     const Tensor& xw, const Tensor& h0, const Tensor& c0, const Tensor& w_hh,
     const std::optional<Tensor>& w_hr, const std::optional<Tensor>& mask, double scale,
     double cell_clip, double proj_clip, bool reverse) {
+  const NoAutocast no_autocast;
   const lstm::Dims d =
       lstm::check_common(kFwd, xw, "xw", h0, c0, w_hh, w_hr, mask, scale, cell_clip, proj_clip);
   TORCH_CHECK_VALUE(xw.is_cuda(), kFwd, ": xw must be a CUDA tensor, got ", xw.device());
@@ -381,6 +383,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lstm_recurrence_backward_cuda
     const Tensor& w_hh, const std::optional<Tensor>& w_hr, const std::optional<Tensor>& mask,
     double scale, double cell_clip, double proj_clip, bool reverse, const Tensor& out,
     const Tensor& cells, const Tensor& gates) {
+  const NoAutocast no_autocast;
   const lstm::Dims d = lstm::check_common(kBwd, gates, "gates", h0, c0, w_hh, w_hr, mask,
                                           scale, cell_clip, proj_clip);
   lstm::check_backward_extra(kBwd, d, gates, grad_out, grad_cells, out, cells);

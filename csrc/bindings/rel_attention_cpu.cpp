@@ -19,6 +19,7 @@
 #include <ATen/ops/empty.h>
 
 #include "bindings/attention_args.h"
+#include "bindings/no_autocast.h"
 #include "cpu/attention.h"
 
 namespace ctxfast {
@@ -136,6 +137,7 @@ std::tuple<Tensor, Tensor> rel_attention_fwd_cpu(
     const std::optional<Tensor>& seg_k, const std::optional<Tensor>& seg_embed,
     const std::optional<Tensor>& r_s_bias, bool causal, int64_t pos_start, int64_t window,
     bool perm_strict, double scale, double dropout_p, const std::optional<Tensor>& seed) {
+  const NoAutocast no_autocast;
   check(kFwd, q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, causal, pos_start);
   const at::ScalarType dt = q.scalar_type(), ct = compute_type(dt);
   const cpu::Dropout drop = dropout_args(kFwd, dropout_p, seed);
@@ -155,6 +157,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_a
     const std::optional<Tensor>& seg_embed, const std::optional<Tensor>& r_s_bias,
     bool causal, int64_t pos_start, int64_t window, bool perm_strict, double scale,
     double dropout_p, const std::optional<Tensor>& seed) {
+  const NoAutocast no_autocast;
   check(kBwd, q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, causal, pos_start);
   TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), kBwd,
                     ": grad_out and out must have q's shape ", q.sizes());
