@@ -149,15 +149,84 @@ FP16_CASES = ["T5-B3-H20-P12-mask-clips", "T5-B1-H20-noproj-mask-cellclip-revers
               "T5-B3-H20-noproj-nohx-noncontig"]
 
 
+#: Relative distance from the clips that every pre-clip value of a clipped case keeps in
+#: float64 (:func:`_run_case` draws the inputs again until it does). At a clip the
+#: gradient jumps (the clamp passes it on one side and blocks it on the other), so a value
+#: within rounding distance of a clip is clipped by one computation and not by another,
+#: and their gradients then differ by O(1) wherever that step's gradient flows, however
+#: precise the arithmetic: CTXFAST_TEST_SEED=2 found a float16 cell 3e-5 (relative) from
+#: its clip, and every backend's dx 3x eager's error (eager's float16 rounding happened to
+#: fall on float64's side). Four units of the dtype's rounding; bfloat16 keeps float16's
+#: (its own would leave almost no draw at these sizes: measured, 200 float16 draws of the
+#: clipped cases, 45-86% keep 4·2^-11).
+CLIP_MARGIN = {torch.float64: 0.0, torch.float32: 4 * 2.0 ** -24,
+               torch.float16: 4 * 2.0 ** -11, torch.bfloat16: 4 * 2.0 ** -11}
+
+
+def _clip_margin(args, kw):
+    """The smallest relative distance ``| |v| / clip − 1 |`` of a pre-clip value v (cells
+    before the cell clip, the projection before the proj clip) from its clip, in float64
+    on the inputs as drawn (inf without clips)."""
+    a, k = _cast(args, kw, torch.float64)
+    cc, pc = k.get("cell_clip") or math.inf, k.get("proj_clip") or math.inf
+    if math.isinf(cc) and math.isinf(pc):
+        return math.inf
+    B, H = a["x"].shape[1], a["w_hh"].shape[0] // 4
+    h0 = a["h0"] if a["h0"] is not None else torch.zeros(B, a["w_hh"].shape[1], **_like(a))
+    c0 = a["c0"] if a["c0"] is not None else torch.zeros(B, H, **_like(a))
+    bias = a["b_ih"] + a["b_hh"] if a["b_ih"] is not None else None
+    xw = torch.nn.functional.linear(a["x"], a["w_ih"], bias)
+    mask, rev = k.get("weight_mask"), k.get("reverse", False)
+    scale = 1 / (1 - k.get("weight_dropout", 0.0)) if mask is not None else 1.0
+    _, cells, gates = reference.lstm_recurrence(xw, h0, c0, a["w_hh"], a["w_hr"], mask, scale,
+                                                cc, pc, rev)
+    i, f, g, o = gates.split(H, -1)                                    # [T, B, H] each
+    # the cell each step starts from: the previous step's (time order, or reversed)
+    steps = cells.flip(0) if rev else cells
+    prev = torch.cat([c0[None], steps[:-1]])
+    prev = prev.flip(0) if rev else prev                               # [T, B, H]
+    margin = math.inf
+    if math.isfinite(cc):
+        margin = ((f * prev + i * g).abs() / cc - 1).abs().min().item()
+    if math.isfinite(pc) and a["w_hr"] is not None:
+        pre_h = (o * torch.tanh(cells)) @ a["w_hr"].t()                # [T, B, P]
+        margin = min(margin, (pre_h.abs() / pc - 1).abs().min().item())
+    return margin
+
+
 def _run_case(backend, case_id, dtype):
     _, T, B, I, H, P, opts = next(c for c in CASES if c[0] == case_id)
     opts = dict(opts)
     kw = {k: opts.pop(k) for k in ("cell_clip", "proj_clip", "reverse") if k in opts}
-    args, mkw = _inputs(T, B, I, H, P, dtype=dtype, **opts)
+    for _ in range(50):                 # inputs whose clipped values keep clear of the clips
+        args, mkw = _inputs(T, B, I, H, P, dtype=dtype, **opts)
+        if _clip_margin(args, {**kw, **mkw}) >= CLIP_MARGIN[dtype]:
+            break
+    else:
+        raise AssertionError(f"{case_id}: 50 draws, none keeps {CLIP_MARGIN[dtype]:.1e} from "
+                             f"the clips")
     kw.update(mkw)
     ref = check_against_reference(backend, args, kw)
     if "cell_clip" in kw or "proj_clip" in kw:
         _assert_clips_bite(args, kw, ref["out"])
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_clip_margin_sees_a_value_on_the_clip(reverse):
+    """_clip_margin (the redraw rule of _run_case) is 0 when a clip equals a pre-clip value:
+    the first step's cell (before any clip acts), or a projection of it."""
+    args, kw = _inputs(3, 2, 5, 16, 12, mask=True)
+    kw["reverse"] = reverse
+    a, k = _cast(args, kw, torch.float64)
+    xw = torch.nn.functional.linear(a["x"], a["w_ih"], a["b_ih"] + a["b_hh"])
+    _, cells, _ = reference.lstm_recurrence(xw, a["h0"], a["c0"], a["w_hh"], a["w_hr"],
+                                            k["weight_mask"], 1 / 0.6, math.inf, math.inf,
+                                            reverse)
+    first = cells[-1 if reverse else 0]                                  # [B, H]
+    on = first.abs().max().item() * 1.01              # above every first-step cell ...
+    assert _clip_margin(args, {**kw, "cell_clip": on}) > 0
+    assert _clip_margin(args, {**kw, "cell_clip": first[1, 3].abs().item()}) < 1e-12
+    assert _clip_margin(args, {**kw}) == math.inf
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
