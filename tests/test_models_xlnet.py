@@ -158,41 +158,98 @@ def test_half_precision_error_within_twice_eager(dtype):
         assert_within_2x_eager(a, b, w, REL_TOL[dtype] / 2, name=attr, min_scale=0.0)
 
 
-@needs_triton
-def test_autocast_bf16_trains_within_twice_eager():
+AMP_BACKENDS = (["cpu"] if DEVICE == "cpu" else []) + ([FAST] if FAST else [])
+
+
+@pytest.mark.parametrize("backend", AMP_BACKENDS)
+def test_autocast_bf16_trains_within_twice_eager(backend):
+    if backend == "triton" and TRITON_ON_CPU:
+        pytest.skip("the Triton interpreter runs one program at a time: the draws this test "
+                    "needs take ~30 s there; Triton under autocast is checked op by op on the "
+                    "CPU (test_rel_attention.py::test_autocast_casts_every_float_input) and "
+                    "here on a GPU")
     """fp32 weights under torch.autocast(bfloat16), as mixed-precision training runs: the
     fp32 biases and seg_embed meet bf16 queries inside rel_attention. Outputs and every
     parameter's gradient are no further from the fp64 model than eager's under the same
-    autocast (x2 + the bf16 floor, as the fp32 test above rules for gradients); the
-    gradients stay fp32. (Eager under autocast keeps q + u and the softmax in fp32; the
-    fused op runs wholly in bf16, as SDPA does: measured 1.0-2.4x eager's error here, the
-    largest on seg_embed, whose gradient is a sum of dS that cancels.)"""
-    case = CASES["two_stream_mems"]
+    autocast (x2 + the bf16 floor, half of it for the outputs, as the fp32 test above
+    rules); the gradients stay fp32. Every backend that runs here: the cpu kernel (the
+    default on CPU tensors) and Triton. (Eager under autocast keeps q + u and the softmax
+    in fp32; the fused op runs wholly in bf16, as SDPA does.)
+
+    The errors compared are root-mean-square over AMP_DRAWS draws of weights, each on a
+    batch of AMP_BATCH sequences (the case's 2, eight times over, each with its own inputs,
+    ranks and memory): one small draw's bf16 gradient error, ours and eager's alike, is a
+    noisy sample. Measured on 30 seeds of the case as it is (B 2), the ratio ours / eager
+    has a geometric mean of 0.97 (Triton) and 0.85 (the cpu kernel) over the gradients,
+    but ranges 0.3x-4x on mask_emb (9x on r_s_bias, whose sum cancels), so the 2x rule on
+    one draw failed in 4 of 40 seeds, up to 1.81x the bound (CTXFAST_TEST_SEED=1 found
+    it). 2 draws of B 16: the worst of 40 seeds at 0.67x the bound (cpu kernel).
+    (Several loss weightings of one draw average less: 2 draws x 4 weightings still read
+    1.19x on Triton's r_r_bias in one seed of 40.)"""
+    errs = {}                                  # name -> [sum of squared errors] x 3 models
+    for _ in range(AMP_DRAWS):
+        for name, sq in _amp_draw(backend).items():
+            acc = errs.setdefault(name, [0.0, 0.0, 0.0])
+            for i in range(3):
+                acc[i] += sq[i]
+    for name, (ours, eager, ref) in errs.items():
+        floor = REL_TOL[torch.bfloat16] / (2 if name.startswith("stream") else 1)
+        bound = 2 * eager ** 0.5 + floor * ref ** 0.5
+        assert ours ** 0.5 <= bound, (
+            f"{backend} {name}: rms error {ours ** 0.5:.3e} > 2 x eager's {eager ** 0.5:.3e} "
+            f"+ floor = {bound:.3e} (rms of the fp64 values {ref ** 0.5:.3e})")
+
+
+AMP_DRAWS, AMP_BATCH, AMP_COTANGENTS = 2, 16, 1
+
+
+def _amp_draw(backend):
+    """One draw of weights and inputs for the autocast test: {name: (Σ‖ours − ref‖²,
+    Σ‖eager − ref‖², scale²)} over AMP_COTANGENTS loss weightings, for each stream output
+    and each parameter's gradient; ``scale`` is the fp64 value's norm (the segment
+    gradients, which cancel, are measured by their terms: :func:`_terms_scale`)."""
+    case = dict(CASES["two_stream_mems"], B=AMP_BATCH)
     fast, eager = _pair()
     ref = copy.deepcopy(eager).double()
     kw = _inputs(case)
-    res = []
+    runs = []
     for model in (fast, eager, ref):
         dtype = next(model.parameters()).dtype
         amp = torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=model is not ref)
-        with amp, ctxfast.backend(FAST if model is fast else "eager"):
+        with amp, ctxfast.backend(backend if model is fast else "eager"):
             out = model(**{**kw, "mems": [m.to(dtype) for m in kw["mems"]]})
-            streams = (out.content_hidden_state, out.query_hidden_state)
-            if not res:
-                weights = [torch.randn_like(s, dtype=torch.float32) for s in streams]
-            loss = sum((s.to(dtype) * w.to(dtype)).sum() for s, w in zip(streams, weights))
-        loss.backward()
-        res.append((streams, {n: p.grad for n, p in model.named_parameters()}))
-    (outs, grads), (outs_e, grads_e), (outs_r, grads_r) = res
-    for i, (a, b, w) in enumerate(zip(outs, outs_e, outs_r)):
-        assert_within_2x_eager(a, b, w, REL_TOL[torch.bfloat16] / 2, name=f"stream {i}",
-                               min_scale=0.0)
-    for n, g in grads_r.items():
-        if g is None:
+        runs.append((model, (out.content_hidden_state, out.query_hidden_state)))
+    weights = [[torch.randn_like(s, dtype=torch.float32) for s in runs[0][1]]
+               for _ in range(AMP_COTANGENTS)]
+    names = [n for n, _ in fast.named_parameters()]
+    grads = []                                  # per model: per weighting: {name: grad}
+    for model, streams in runs:
+        dtype = next(model.parameters()).dtype
+        assert all(s.dtype == dtype for s in streams)
+        params = list(model.parameters())
+        per = []
+        for w in weights:
+            loss = sum((s.to(dtype) * x.to(dtype)).sum() for s, x in zip(streams, w))
+            g = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            per.append(dict(zip(names, g)))
+        grads.append(per)
+    sq = {}
+    for i in range(2):                          # the outputs: one value per draw
+        a, b, r = (runs[m][1][i].double() for m in range(3))
+        sq[f"stream {i}"] = ((a - r).norm().item() ** 2, (b - r).norm().item() ** 2,
+                             r.norm().item() ** 2)
+    for name in names:
+        if grads[2][0][name] is None:
             continue
-        assert grads[n].dtype == torch.float32, n
-        assert_within_2x_eager(grads[n], grads_e[n], g, REL_TOL[torch.bfloat16],
-                               name=f"grad {n}", min_scale=_terms_scale(n, grads_r))
+        acc = [0.0, 0.0, 0.0]
+        for k in range(AMP_COTANGENTS):
+            ours, same, r = grads[0][k][name], grads[1][k][name], grads[2][k][name].double()
+            assert ours.dtype == torch.float32, name
+            acc[0] += (ours.double() - r).norm().item() ** 2
+            acc[1] += (same.double() - r).norm().item() ** 2
+            acc[2] += max(r.norm().item(), _terms_scale(name, grads[2][k])) ** 2
+        sq[f"grad {name}"] = tuple(acc)
+    return sq
 
 
 @needs_triton
