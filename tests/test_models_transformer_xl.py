@@ -589,6 +589,39 @@ def test_reuse_is_dropped_when_its_inputs_change():
             assert_close(p.grad, q.grad, name=f"grad {name}")
 
 
+def test_reused_rows_grow_in_place_and_branches_stay_apart():
+    """The kept keys and values grow in one buffer from call to call (no copy of the whole
+    memory each time), and two continuations of the same memory (a branch) and then of
+    each branch, or a generation one token at a time, give what recomputing gives."""
+    torch.manual_seed(0)
+    model = TransformerXL(tiny(mem_len=12)).eval()
+    other = TransformerXL(tiny(mem_len=12, reuse_kv=False)).eval()
+    other.load_state_dict(model.state_dict())
+    xs = [ids(3, 2) for _ in range(6)]
+    _, mems = _segments(model, xs[:2])
+    _, ref_mems = _segments(other, xs[:2])
+    buffers = set()
+    for x in xs[2:5]:                         # one buffer: rows appended where they end
+        _, mems = _segments(model, [x], mems)
+        buffers.add(mems[1]._ctxfast_kv[2].k.untyped_storage().data_ptr())
+        _, ref_mems = _segments(other, [x], ref_mems)
+    assert len(buffers) == 1
+    a, mems_a = _segments(model, [xs[5]], mems)          # two branches from one memory
+    b, mems_b = _segments(model, [xs[0]], mems)
+    ra, ref_a = _segments(other, [xs[5]], ref_mems)
+    rb, ref_b = _segments(other, [xs[0]], ref_mems)
+    assert_close(a[0], ra[0], name="branch a")
+    assert_close(b[0], rb[0], name="branch b")
+    for mm, rm, name in ((mems_a, ref_a, "a"), (mems_b, ref_b, "b")):   # and on from each
+        out, _ = _segments(model, [xs[1]], mm)
+        ref, _ = _segments(other, [xs[1]], rm)
+        assert_close(out[0], ref[0], name=f"after branch {name}")
+    prompt = ids(5, 2)
+    got, _ = model.generate(prompt, 20, temperature=0.0, mems=mems_a)
+    want, _ = other.generate(prompt, 20, temperature=0.0, mems=ref_a)
+    assert torch.equal(got, want)
+
+
 def test_reuse_under_autocast_switches():
     """Keys kept under bf16 autocast are not reused by a float32 call (nor the reverse)."""
     model = TransformerXL(tiny(mem_len=8)).eval()

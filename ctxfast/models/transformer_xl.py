@@ -195,7 +195,7 @@ class TransformerXLAttention(_RelAttnLayer):
 
     def forward(self, w: Tensor, r: Tensor, r_w_bias: Optional[Tensor] = None,
                 r_r_bias: Optional[Tensor] = None, mems: Optional[Tensor] = None,
-                window: Optional[int] = None, *, kv_mem: Optional[Tuple[Tensor, Tensor]] = None,
+                window: Optional[int] = None, *, kv_mem: Optional["KVMemory"] = None,
                 keep: Optional[Tuple[int, int]] = None, r_head: Optional[Tensor] = None):
         """w ``[qlen, B, d_model]``, r ``[klen, 1, d_model]`` (position encodings of the
         distances ``klen-1 … 0``), biases ``[H, d_head]`` (ignored with ``untie_r``), mems
@@ -204,12 +204,12 @@ class TransformerXLAttention(_RelAttnLayer):
         Returns ``[qlen, B, d_model]``.
 
         K/V reuse (the model's evaluation path, :meth:`TransformerXL._forward`; never with
-        the eager backend): ``kv_mem`` = (k, v) ``[B, H, mlen, d_head]`` of the memory rows,
-        as this layer projected them when they were current rows: only the current rows
-        are projected. ``keep`` = (beg, end): also return the keys and values of rows
-        ``beg:end`` of ``[mems; w]`` (the next memory), ``(out, (k, v))``. ``r_head``: the
-        projected position encodings ``[H, klen, d_head]`` of an earlier call with the same
-        klen (:meth:`project_r`)."""
+        the eager backend): ``kv_mem``, the keys and values of the memory rows as this layer
+        projected them when they were current rows (:class:`KVMemory`): only the current
+        rows are projected, and appended to them. ``keep`` = (beg, end): also return the
+        :class:`KVMemory` of rows ``beg:end`` of ``[mems; w]`` (the next memory),
+        ``(out, kept)``. ``r_head``: the projected position encodings ``[H, klen, d_head]``
+        of an earlier call with the same klen (:meth:`project_r`)."""
         qlen, bsz = w.shape[0], w.shape[1]
         H, Dh = self.n_head, self.d_head
         if self.untie_r:
@@ -218,8 +218,8 @@ class TransformerXLAttention(_RelAttnLayer):
             x = self.layer_norm(w) if self.pre_lnorm else w             # [qlen, B, d_model]
             q, k, v = torch.chunk(self.qkv_net(x), 3, dim=-1)            # [qlen, B, H*Dh] each
             q, k, v = (t.reshape(qlen, bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
-            k = torch.cat([kv_mem[0], k], 2)                             # [B, H, klen, Dh]
-            v = torch.cat([kv_mem[1], v], 2)
+            kv = kv_mem.extend(k, v)                 # [memory; current] rows, one buffer
+            k, v = kv.k, kv.v                                            # [B, H, klen, Dh]
             klen = k.shape[2]
         else:
             cat = w if mems is None else torch.cat([mems, w], 0)         # [klen, B, d_model]
@@ -255,7 +255,8 @@ class TransformerXLAttention(_RelAttnLayer):
         out = w + out if self.pre_lnorm else self.layer_norm(w + out)
         if keep is None:
             return out
-        return out, (k[:, :, keep[0]:keep[1]], v[:, :, keep[0]:keep[1]])  # [B, H, L, Dh]
+        kv = kv if kv_mem is not None else KVMemory(k, v)
+        return out, kv.rows(*keep)
 
     def project_r(self, r: Tensor, dtype: torch.dtype) -> Tensor:
         """r ``[klen, 1, d_model]`` -> ``r_net(r)`` as ``[H, klen, d_head]``."""
@@ -284,6 +285,60 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         if isinstance(out, tuple):
             return self.pos_ff(out[0]), out[1]
         return self.pos_ff(out)
+
+
+class KVMemory:
+    """Keys and values ``k, v [B, H, L, d_head]`` of a layer's memory rows, kept from one
+    call to the next (K/V reuse, :class:`TransformerXL`), as rows ``[start, end)`` of row
+    buffers ``[B, H, capacity, d_head]`` with room after them.
+
+    :meth:`extend` puts the next call's rows after them: in place when these rows end
+    where the buffer's written rows end (its ``frontier``) and the room suffices, else in a
+    new buffer with ``max(8 · rows, 128)`` rows of room (so the memory, which moves on by
+    the new rows every call, is copied about once in 8 calls: the copy of ``[mems;
+    current]`` that a concatenation makes every call, amortised). Rows past the frontier
+    belong to no view, so writing there changes no kept value, and a memory that is
+    extended twice (a branch from an older memory) gets its own buffer the second time.
+    Built without buffers (``KVMemory(k, v)``: views of a projection) it copies on its
+    first :meth:`extend`."""
+
+    __slots__ = ("k", "v", "_buf")
+
+    def __init__(self, k: Tensor, v: Tensor, buf: Optional[list] = None) -> None:
+        self.k, self.v = k, v                                  # [B, H, L, Dh] each
+        self._buf = buf        # [k_rows, v_rows, frontier] with k = k_rows[:, :, start:end]
+
+    def _span(self) -> Optional[Tuple[int, int]]:
+        """(start, end) of these rows in the buffer, or None without one."""
+        if self._buf is None:
+            return None
+        start = (self.k.storage_offset() - self._buf[0].storage_offset()) // self.k.stride(2)
+        return start, start + self.k.shape[2]
+
+    def extend(self, k_new: Tensor, v_new: Tensor) -> "KVMemory":
+        """These rows followed by ``k_new, v_new [B, H, Q, d_head]``."""
+        span, q = self._span(), k_new.shape[2]
+        if span is not None:
+            kb, vb, frontier = self._buf
+            if (span[1] == frontier and frontier + q <= kb.shape[2]
+                    and kb.dtype == k_new.dtype and kb.shape[:2] == k_new.shape[:2]):
+                kb[:, :, frontier:frontier + q].copy_(k_new)
+                vb[:, :, frontier:frontier + q].copy_(v_new)
+                self._buf[2] = frontier + q
+                return KVMemory(kb[:, :, span[0]:frontier + q], vb[:, :, span[0]:frontier + q],
+                                self._buf)
+        m, (B, H, _, D) = self.k.shape[2], k_new.shape
+        n = m + q
+        kb = k_new.new_empty((B, H, n + max(8 * q, 128), D))      # [B, H, capacity, Dh]
+        vb = v_new.new_empty((B, H, n + max(8 * q, 128), D))
+        for buf, old, new in ((kb, self.k, k_new), (vb, self.v, v_new)):
+            buf[:, :, :m].copy_(old)
+            buf[:, :, m:n].copy_(new)
+        return KVMemory(kb[:, :, :n], vb[:, :, :n], [kb, vb, n])
+
+    def rows(self, beg: int, end: int) -> "KVMemory":
+        """Rows ``beg:end`` of these (the same buffer)."""
+        return KVMemory(self.k[:, :, beg:end], self.v[:, :, beg:end], self._buf)
 
 
 def _attach(mem: Tensor, name: str, key: tuple, value) -> None:
@@ -637,7 +692,7 @@ class TransformerXL(nn.Module):
             out = layer(core_out, pos_emb, r_w_bias, r_r_bias, m, window, kv_mem=kv_mem,
                         keep=keep, r_head=r_heads[i])
             if keep is not None:
-                out, kv = out                            # kv: ([B, H, L, Dh], [B, H, L, Dh])
+                out, kv = out                            # kv: KVMemory of the next memory
                 kept.append(kv)
             core_out = out                                                # [qlen, B, d_model]
             hids.append(core_out)
