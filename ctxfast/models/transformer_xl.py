@@ -490,7 +490,8 @@ class TransformerXL(nn.Module):
     under ``torch.inference_mode()`` (its tensors carry no version counter to check), with
     gradients on (the projection weights' gradients need every row), nor while
     torch.compile traces. The results are the original's; the kept keys and values cost
-    ``2 · mlen · B · n_head · d_head`` elements per layer beside the mems."""
+    ``2 · (mlen + room) · B · n_head · d_head`` elements per layer beside the mems, the room
+    (``max(8 · qlen, 128)`` rows) taking the next calls' rows in place (:class:`KVMemory`)."""
 
     def __init__(self, config: TransformerXLConfig) -> None:
         super().__init__()
