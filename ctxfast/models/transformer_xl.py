@@ -682,7 +682,7 @@ class TransformerXL(nn.Module):
         # K/V reuse (see the class docstring): the memory rows' keys and values and the
         # projected position encodings come from the previous call where they match
         keep = self._mem_rows(mlen, qlen) if self.mem_len > 0 else None
-        r_key = self._reuse_key(word_emb, ("r", klen, self.clamp_len, self.training))
+        r_key = self._reuse_key(word_emb, ("r", klen, self.clamp_len, self.training, self.drop.p))
         r_heads = _attached(None if mems is None else mems[0], "_ctxfast_r", r_key)
         if r_heads is None:
             r_heads = [layer.dec_attn.project_r(pos_emb, word_emb.dtype) for layer in self.layers]
