@@ -106,8 +106,9 @@ def check_against_reference(backend, args, kw):
     return dict(runs["ref"])
 
 
-def _assert_clips_bite(args, kw, ref_out):
-    """The clips must change a good share of the entries, or the test proves nothing."""
+def _recurrence64(args, kw):
+    """(float64 args, c0, cells [T, B, H], gates [T, B, 4H]) of the reference recurrence on
+    the inputs as drawn, clips and reverse from kw."""
     a, k = _cast(args, kw, torch.float64)
     H = a["w_hh"].shape[0] // 4
     B = a["x"].shape[1]
@@ -117,14 +118,20 @@ def _assert_clips_bite(args, kw, ref_out):
     xw = torch.nn.functional.linear(a["x"], a["w_ih"], bias)
     mask = k.get("weight_mask")
     scale = 1 / (1 - k.get("weight_dropout", 0.0))
-    _, cells, _ = reference.lstm_recurrence(
+    _, cells, gates = reference.lstm_recurrence(
         xw, h0, c0, a["w_hh"], a["w_hr"], mask, scale if mask is not None else 1.0,
         k.get("cell_clip") or math.inf, k.get("proj_clip") or math.inf, k.get("reverse", False))
-    if k.get("cell_clip"):
-        share = (cells.abs() == k["cell_clip"]).double().mean().item()
+    return a, c0, cells, gates
+
+
+def _assert_clips_bite(args, kw, ref_out):
+    """The clips must change a good share of the entries, or the test proves nothing."""
+    _, _, cells, _ = _recurrence64(args, kw)
+    if kw.get("cell_clip"):
+        share = (cells.abs() == kw["cell_clip"]).double().mean().item()
         assert 0.05 < share < 0.95, f"cell clip bites on {share:.0%} of c_t"
-    if k.get("proj_clip"):
-        share = (ref_out.abs() == k["proj_clip"]).double().mean().item()
+    if kw.get("proj_clip"):
+        share = (ref_out.abs() == kw["proj_clip"]).double().mean().item()
         assert 0.05 < share < 0.95, f"proj clip bites on {share:.0%} of h_t"
 
 
@@ -167,20 +174,12 @@ def _clip_margin(args, kw):
     """The smallest relative distance ``| |v| / clip − 1 |`` of a pre-clip value v (cells
     before the cell clip, the projection before the proj clip) from its clip, in float64
     on the inputs as drawn (inf without clips)."""
-    a, k = _cast(args, kw, torch.float64)
-    cc, pc = k.get("cell_clip") or math.inf, k.get("proj_clip") or math.inf
+    cc, pc = kw.get("cell_clip") or math.inf, kw.get("proj_clip") or math.inf
     if math.isinf(cc) and math.isinf(pc):
         return math.inf
-    B, H = a["x"].shape[1], a["w_hh"].shape[0] // 4
-    h0 = a["h0"] if a["h0"] is not None else torch.zeros(B, a["w_hh"].shape[1], **_like(a))
-    c0 = a["c0"] if a["c0"] is not None else torch.zeros(B, H, **_like(a))
-    bias = a["b_ih"] + a["b_hh"] if a["b_ih"] is not None else None
-    xw = torch.nn.functional.linear(a["x"], a["w_ih"], bias)
-    mask, rev = k.get("weight_mask"), k.get("reverse", False)
-    scale = 1 / (1 - k.get("weight_dropout", 0.0)) if mask is not None else 1.0
-    _, cells, gates = reference.lstm_recurrence(xw, h0, c0, a["w_hh"], a["w_hr"], mask, scale,
-                                                cc, pc, rev)
-    i, f, g, o = gates.split(H, -1)                                    # [T, B, H] each
+    a, c0, cells, gates = _recurrence64(args, kw)
+    rev = kw.get("reverse", False)
+    i, f, g, o = gates.split(cells.shape[-1], -1)                      # [T, B, H] each
     # the cell each step starts from: the previous step's (time order, or reversed)
     steps = cells.flip(0) if rev else cells
     prev = torch.cat([c0[None], steps[:-1]])
