@@ -368,6 +368,12 @@ stage_followup() {
   step "xl-eval --quick bf16" 60 xl_eval_quick_bf16.log "$PY" -m ctxfast.cli xl-eval \
     --quick --dtype bfloat16 --out "$R/xl-eval-quick-bf16" --no-progress
   summarize xl_eval_quick_bf16.log "." 16
+  # the kernels alone at 3,800 (float32, ctxfast only): against the first float32 run's
+  # ctxfast row, what the K/V reuse gives
+  step "xl-eval 3800 float32, no K/V reuse" 40 xl_eval_no_reuse.log "$PY" -m ctxfast.cli \
+    xl-eval --quick --attn-lens 3800 --backends ctxfast --no-reuse-kv \
+    --json "$R/xl-eval-no-reuse.json" --no-progress
+  summarize xl_eval_no_reuse.log "." 8
   # round 5's new device code under memcheck: the grouped backward's cp.async staging and
   # the weight gradients' cublasGemmEx (small sizes: memcheck is slow)
   step "compute-sanitizer memcheck (grouped backward, TF32 weight gradients)" 60 \
