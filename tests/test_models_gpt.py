@@ -119,6 +119,34 @@ def test_cached_steps_match_one_full_pass():
     assert_close(torch.cat(outs, 1), full, name="cached logits")
 
 
+def test_cache_grows_in_place_and_keeps_what_it_handed_out():
+    """Without gradients a step writes its keys and values after the others in one buffer
+    (no copy of the whole cache per token), the views an earlier step returned keep their
+    values, and a model step through the cache equals one without it; with gradients the
+    cache concatenates and gradients flow through it."""
+    cache = KVCache(1)
+    B, H, D = 2, 3, 4
+    first = cache.update(0, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D))
+    saved = [t.clone() for t in first]
+    ptrs = set()
+    for _ in range(20):
+        k, v = cache.update(0, torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+        ptrs.add(k.untyped_storage().data_ptr())
+    assert cache.length == 25 and k.shape == (B, H, 25, D)
+    assert len(ptrs) == 1                                # 64 rows of room: no new buffer
+    assert torch.equal(first[0], saved[0]) and torch.equal(first[1], saved[1])
+    assert torch.equal(k[:, :, :5], saved[0]) and torch.equal(v[:, :, :5], saved[1])
+    for _ in range(40):                                  # past the room: one new buffer
+        k, _ = cache.update(0, torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+    assert cache.length == 65 and torch.equal(k[:, :, :5], saved[0])
+    kk = torch.randn(B, H, 2, D, requires_grad=True)     # gradients: concatenated
+    grad_cache = KVCache(1)
+    grad_cache.update(0, kk, kk * 2)
+    k2, v2 = grad_cache.update(0, kk + 1, kk)
+    (k2.sum() + v2.sum()).backward()
+    assert torch.equal(kk.grad, torch.full_like(kk, 5.0))       # (1 + 1) + (2 + 1)
+
+
 def test_generate_with_cache_equals_without():
     """Greedy decoding; 3 + 7 tokens with n_positions 8 also covers the sliding window (the
     cache is rebuilt once the context is full). A random model soon repeats one token, so

@@ -66,10 +66,18 @@ def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqle
 
 class KVCache:
     """Keys and values of the tokens seen so far, one ``(k, v)`` pair ``[B, H, T, D]`` per
-    layer, for decoding one step at a time. ``length`` is T (0 when empty)."""
+    layer, for decoding one step at a time. ``length`` is T (0 when empty).
+
+    Without gradients each layer's pairs are views of row buffers ``[B, H, capacity, D]``
+    that double when full: a step writes its rows after the others in place, instead of
+    copying the whole cache every token (a concatenation per step made decoding T tokens
+    cost O(T²) copies). Rows past T belong to no view handed out, so an earlier step's
+    views never change. With gradients (or under torch.compile) a step concatenates, which
+    autograd and the compiler follow."""
 
     def __init__(self, n_layer: int) -> None:
         self.layers: List[Optional[Tuple[Tensor, Tensor]]] = [None] * n_layer
+        self._rows: List[Optional[Tuple[Tensor, Tensor]]] = [None] * n_layer   # buffers
 
     @property
     def length(self) -> int:
@@ -79,14 +87,35 @@ class KVCache:
     def update(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         """Append the new ``k, v [B, H, t, D]``; returns all keys and values ``[B, H, T+t, D]``."""
         past = self.layers[layer]
-        if past is not None:
-            k = torch.cat([past[0], k], 2)                   # [B, H, T + t, D]
-            v = torch.cat([past[1], v], 2)
-        self.layers[layer] = (k, v)
-        return k, v
+        T, t = (0 if past is None else past[0].shape[2]), k.shape[2]
+        graph = torch.is_grad_enabled() and any(
+            x.requires_grad for x in (k, v, *(past or ())))
+        if graph or torch.compiler.is_compiling():
+            self._rows[layer] = None
+            if past is not None:
+                k = torch.cat([past[0], k], 2)               # [B, H, T + t, D]
+                v = torch.cat([past[1], v], 2)
+            self.layers[layer] = (k, v)
+            return k, v
+        rows = self._rows[layer]
+        if (rows is None or rows[0].shape[2] < T + t or rows[0].dtype != k.dtype
+                or rows[0].shape[:2] != k.shape[:2] or rows[0].device != k.device
+                or (past is not None and past[0].data_ptr() != rows[0].data_ptr())):
+            B, H, _, D = k.shape                             # a new buffer, twice the need
+            rows = (k.new_empty((B, H, max(2 * (T + t), 64), D)),
+                    v.new_empty((B, H, max(2 * (T + t), 64), D)))
+            if past is not None:
+                rows[0][:, :, :T].copy_(past[0])
+                rows[1][:, :, :T].copy_(past[1])
+            self._rows[layer] = rows
+        rows[0][:, :, T:T + t].copy_(k)
+        rows[1][:, :, T:T + t].copy_(v)
+        self.layers[layer] = (rows[0][:, :, :T + t], rows[1][:, :, :T + t])
+        return self.layers[layer]
 
     def reset(self) -> None:
         self.layers = [None] * len(self.layers)
+        self._rows = [None] * len(self.layers)
 
 
 class SelfAttention(nn.Module):
