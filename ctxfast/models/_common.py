@@ -118,6 +118,76 @@ class KVCache:
         self._rows = [None] * len(self.layers)
 
 
+class KVMemory:
+    """Keys and values ``k, v [B, H, L, d_head]`` of a layer's memory rows, kept from one
+    call to the next (K/V reuse in Transformer-XL's and XLNet's evaluation), as rows
+    ``[start, end)`` of row buffers ``[B, H, capacity, d_head]`` with room after them.
+
+    :meth:`extend` puts the next call's rows after them: in place when these rows end
+    where the buffer's written rows end (its ``frontier``) and the room suffices, else in a
+    new buffer with ``max(8 · rows, 128)`` rows of room (so the memory, which moves on by
+    the new rows every call, is copied about once in 8 calls: the copy of ``[mems;
+    current]`` that a concatenation makes every call, amortised). Rows past the frontier
+    belong to no view, so writing there changes no kept value, and a memory that is
+    extended twice (a branch from an older memory) gets its own buffer the second time.
+    Built without buffers (``KVMemory(k, v)``: views of a projection) it copies on its
+    first :meth:`extend`."""
+
+    __slots__ = ("k", "v", "_buf")
+
+    def __init__(self, k: Tensor, v: Tensor, buf: Optional[list] = None) -> None:
+        self.k, self.v = k, v                                  # [B, H, L, Dh] each
+        self._buf = buf        # [k_rows, v_rows, frontier] with k = k_rows[:, :, start:end]
+
+    def _span(self) -> Optional[Tuple[int, int]]:
+        """(start, end) of these rows in the buffer, or None without one."""
+        if self._buf is None:
+            return None
+        start = (self.k.storage_offset() - self._buf[0].storage_offset()) // self.k.stride(2)
+        return start, start + self.k.shape[2]
+
+    def extend(self, k_new: Tensor, v_new: Tensor) -> "KVMemory":
+        """These rows followed by ``k_new, v_new [B, H, Q, d_head]``."""
+        span, q = self._span(), k_new.shape[2]
+        if span is not None:
+            kb, vb, frontier = self._buf
+            if (span[1] == frontier and frontier + q <= kb.shape[2]
+                    and kb.dtype == k_new.dtype and kb.shape[:2] == k_new.shape[:2]):
+                kb[:, :, frontier:frontier + q].copy_(k_new)
+                vb[:, :, frontier:frontier + q].copy_(v_new)
+                self._buf[2] = frontier + q
+                return KVMemory(kb[:, :, span[0]:frontier + q], vb[:, :, span[0]:frontier + q],
+                                self._buf)
+        m, (B, H, _, D) = self.k.shape[2], k_new.shape
+        n = m + q
+        kb = k_new.new_empty((B, H, n + max(8 * q, 128), D))      # [B, H, capacity, Dh]
+        vb = v_new.new_empty((B, H, n + max(8 * q, 128), D))
+        for buf, old, new in ((kb, self.k, k_new), (vb, self.v, v_new)):
+            buf[:, :, :m].copy_(old)
+            buf[:, :, m:n].copy_(new)
+        return KVMemory(kb[:, :, :n], vb[:, :, :n], [kb, vb, n])
+
+    def rows(self, beg: int, end: int) -> "KVMemory":
+        """Rows ``beg:end`` of these (the same buffer)."""
+        return KVMemory(self.k[:, :, beg:end], self.v[:, :, beg:end], self._buf)
+
+
+def attach(mem: Tensor, name: str, key: tuple, value) -> None:
+    """Keep ``value`` with the memory tensor ``mem`` (a Python attribute: it lives and
+    dies with the tensor), valid while ``key`` and ``mem``'s version are unchanged."""
+    setattr(mem, name, (key, mem._version, value))
+
+
+def attached(mem: Optional[Tensor], name: str, key: tuple):
+    """The value :func:`attach` kept with ``mem`` under ``key``, or None: no memory, none
+    kept (a memory the caller built or copied), another key (weights changed, another
+    dtype or autocast state), or ``mem`` changed in place since (its version moved on)."""
+    got = getattr(mem, name, None) if mem is not None else None
+    if got is None or got[0] != key or mem.is_inference() or got[1] != mem._version:
+        return None
+    return got[2]
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused q/k/v projection.
 
@@ -272,4 +342,5 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
 
 
 __all__ = ["MODEL_BACKENDS", "check_backend", "attend", "attend_varlen", "KVCache",
+           "KVMemory", "attach", "attached",
            "SelfAttention", "MLP", "pack", "unpack", "check_ids", "init_weights"]

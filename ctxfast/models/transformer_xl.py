@@ -58,7 +58,8 @@ from torch import Tensor, nn
 
 from .. import ops, reference
 from ..nn.rel_attention import RelPartialLearnableMultiHeadAttn as _RelAttnLayer
-from ._common import check_sampling, next_token, values_checked
+from ._common import (KVMemory, attach, attached, check_sampling, next_token,
+                      values_checked)
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 
@@ -285,76 +286,6 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         if isinstance(out, tuple):
             return self.pos_ff(out[0]), out[1]
         return self.pos_ff(out)
-
-
-class KVMemory:
-    """Keys and values ``k, v [B, H, L, d_head]`` of a layer's memory rows, kept from one
-    call to the next (K/V reuse, :class:`TransformerXL`), as rows ``[start, end)`` of row
-    buffers ``[B, H, capacity, d_head]`` with room after them.
-
-    :meth:`extend` puts the next call's rows after them: in place when these rows end
-    where the buffer's written rows end (its ``frontier``) and the room suffices, else in a
-    new buffer with ``max(8 · rows, 128)`` rows of room (so the memory, which moves on by
-    the new rows every call, is copied about once in 8 calls: the copy of ``[mems;
-    current]`` that a concatenation makes every call, amortised). Rows past the frontier
-    belong to no view, so writing there changes no kept value, and a memory that is
-    extended twice (a branch from an older memory) gets its own buffer the second time.
-    Built without buffers (``KVMemory(k, v)``: views of a projection) it copies on its
-    first :meth:`extend`."""
-
-    __slots__ = ("k", "v", "_buf")
-
-    def __init__(self, k: Tensor, v: Tensor, buf: Optional[list] = None) -> None:
-        self.k, self.v = k, v                                  # [B, H, L, Dh] each
-        self._buf = buf        # [k_rows, v_rows, frontier] with k = k_rows[:, :, start:end]
-
-    def _span(self) -> Optional[Tuple[int, int]]:
-        """(start, end) of these rows in the buffer, or None without one."""
-        if self._buf is None:
-            return None
-        start = (self.k.storage_offset() - self._buf[0].storage_offset()) // self.k.stride(2)
-        return start, start + self.k.shape[2]
-
-    def extend(self, k_new: Tensor, v_new: Tensor) -> "KVMemory":
-        """These rows followed by ``k_new, v_new [B, H, Q, d_head]``."""
-        span, q = self._span(), k_new.shape[2]
-        if span is not None:
-            kb, vb, frontier = self._buf
-            if (span[1] == frontier and frontier + q <= kb.shape[2]
-                    and kb.dtype == k_new.dtype and kb.shape[:2] == k_new.shape[:2]):
-                kb[:, :, frontier:frontier + q].copy_(k_new)
-                vb[:, :, frontier:frontier + q].copy_(v_new)
-                self._buf[2] = frontier + q
-                return KVMemory(kb[:, :, span[0]:frontier + q], vb[:, :, span[0]:frontier + q],
-                                self._buf)
-        m, (B, H, _, D) = self.k.shape[2], k_new.shape
-        n = m + q
-        kb = k_new.new_empty((B, H, n + max(8 * q, 128), D))      # [B, H, capacity, Dh]
-        vb = v_new.new_empty((B, H, n + max(8 * q, 128), D))
-        for buf, old, new in ((kb, self.k, k_new), (vb, self.v, v_new)):
-            buf[:, :, :m].copy_(old)
-            buf[:, :, m:n].copy_(new)
-        return KVMemory(kb[:, :, :n], vb[:, :, :n], [kb, vb, n])
-
-    def rows(self, beg: int, end: int) -> "KVMemory":
-        """Rows ``beg:end`` of these (the same buffer)."""
-        return KVMemory(self.k[:, :, beg:end], self.v[:, :, beg:end], self._buf)
-
-
-def _attach(mem: Tensor, name: str, key: tuple, value) -> None:
-    """Keep ``value`` with the memory tensor ``mem`` (a Python attribute: it lives and
-    dies with the tensor), valid while ``key`` and ``mem``'s version are unchanged."""
-    setattr(mem, name, (key, mem._version, value))
-
-
-def _attached(mem: Optional[Tensor], name: str, key: tuple):
-    """The value :func:`_attach` kept with ``mem`` under ``key``, or None: no memory, none
-    kept (a memory the caller built or copied), another key (weights changed, another
-    dtype or autocast state), or ``mem`` changed in place since (its version moved on)."""
-    got = getattr(mem, name, None) if mem is not None else None
-    if got is None or got[0] != key or mem.is_inference() or got[1] != mem._version:
-        return None
-    return got[2]
 
 
 class AdaptiveEmbedding(nn.Module):
@@ -683,13 +614,13 @@ class TransformerXL(nn.Module):
         # projected position encodings come from the previous call where they match
         keep = self._mem_rows(mlen, qlen) if self.mem_len > 0 else None
         r_key = self._reuse_key(word_emb, ("r", klen, self.clamp_len, self.training, self.drop.p))
-        r_heads = _attached(None if mems is None else mems[0], "_ctxfast_r", r_key)
+        r_heads = attached(None if mems is None else mems[0], "_ctxfast_r", r_key)
         if r_heads is None:
             r_heads = [layer.dec_attn.project_r(pos_emb, word_emb.dtype) for layer in self.layers]
         kept = []
         for i, layer in enumerate(self.layers):
             m = None if mems is None else mems[i]
-            kv_mem = _attached(m, "_ctxfast_kv", self._reuse_key(word_emb, ("kv", i)))
+            kv_mem = attached(m, "_ctxfast_kv", self._reuse_key(word_emb, ("kv", i)))
             out = layer(core_out, pos_emb, r_w_bias, r_r_bias, m, window, kv_mem=kv_mem,
                         keep=keep, r_head=r_heads[i])
             if keep is not None:
@@ -700,9 +631,9 @@ class TransformerXL(nn.Module):
         new_mems = self._update_mems(hids, mems, mlen, qlen)
         if new_mems:
             for i, kv in enumerate(kept):
-                _attach(new_mems[i], "_ctxfast_kv", self._reuse_key(word_emb, ("kv", i)), kv)
+                attach(new_mems[i], "_ctxfast_kv", self._reuse_key(word_emb, ("kv", i)), kv)
             if self.drop.p == 0 or not self.training:   # the same encodings next call
-                _attach(new_mems[0], "_ctxfast_r", r_key, r_heads)
+                attach(new_mems[0], "_ctxfast_r", r_key, r_heads)
         return self.drop(core_out), new_mems
 
     def _reuse_on(self, like: Tensor) -> bool:
