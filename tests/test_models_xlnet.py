@@ -439,6 +439,59 @@ def test_perm_mask_no_rank_order_expresses_is_refused_with_the_reason():
         perm_rank_to_perm_mask(torch.tensor([[0, 0, 1]]))
 
 
+@pytest.mark.parametrize("cfg", [dict(mem_len=6), dict(mem_len=6, reuse_len=2),
+                                 dict(mem_len=None), dict(attn_type="uni", same_length=True,
+                                                          bi_data=True, clamp_len=3)])
+def test_eval_with_memory_reuses_keys_and_values(cfg):
+    """Evaluation with memory on the ctxfast backend keeps each layer's keys and values of
+    the next memory (and the position keys) with the returned mems; the next call projects
+    only its own rows. Segments, a branch from one memory, and a weight change: every
+    output and memory equals the computation without reuse, and the reuse happens (a spy
+    on the layers)."""
+    from ctxfast.models.xlnet import XLNetRelativeAttention
+    model = XLNetModel(_config(**cfg)).to(DEVICE).eval()
+    plain = copy.deepcopy(model)
+    plain.config = XLNetConfig(**{**model.config.__dict__, "reuse_kv": False})
+    B = 2
+    segs = [torch.randint(0, V, (B, T), device=DEVICE) for T in (4, 3, 3, 5, 3)]
+    calls, orig = [], XLNetRelativeAttention.forward
+
+    def spy(self, *a, kv_mem=None, **kw):
+        calls.append(kv_mem is not None)
+        return orig(self, *a, kv_mem=kv_mem, **kw)
+
+    def run(m, xs, mems=None):
+        outs = []
+        with torch.no_grad():
+            for x in xs:
+                o = m(x, mems=mems, use_mems=True)
+                outs.append(o.last_hidden_state)
+                mems = o.mems
+        return outs, mems
+    XLNetRelativeAttention.forward = spy
+    try:
+        got, mems = run(model, segs[:3])
+    finally:
+        XLNetRelativeAttention.forward = orig
+    assert calls == [False] * 2 + [True] * 4, calls
+    want, ref_mems = run(plain, segs[:3])
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, name=f"segment {i}")
+    for x in segs[3:]:                                   # two branches from one memory
+        a, a_mems = run(model, [x, segs[0]], mems)
+        b, b_mems = run(plain, [x, segs[0]], ref_mems)
+        for i, (u, w) in enumerate(zip(a + a_mems, b + b_mems)):
+            assert_close(u, w, name=f"branch, output {i}")
+    with torch.no_grad():                                # weights changed: recomputed
+        for layer in model.layer:
+            layer.rel_attn.k.mul_(1.5)
+            layer.rel_attn.r.mul_(0.5)
+    plain.load_state_dict(model.state_dict())
+    a, _ = run(model, segs[3:4], mems)
+    b, _ = run(plain, segs[3:4], ref_mems)
+    assert_close(a[0], b[0], name="after a weight change")
+
+
 def test_use_mems_defaults_from_the_config_as_hf():
     model = XLNetModel(_config(), backend="eager").to(DEVICE)
     ids = torch.randint(0, V, (2, 3), device=DEVICE)

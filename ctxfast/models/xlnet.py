@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import reference
-from ._common import values_checked
+from ._common import KVMemory, attach, attached, values_checked
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
            "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
@@ -99,6 +99,7 @@ class XLNetConfig:
     tie_word_embeddings: bool = True
     use_mems_eval: bool = True           # forward's use_mems=None default in eval (as HF)
     use_mems_train: bool = False         # ... and in training (as HF)
+    reuse_kv: bool = True                # ctxfast, no grad: keys / values of the memory kept
 
     def __post_init__(self):
         if self.d_head is None:
@@ -281,16 +282,40 @@ class XLNetRelativeAttention(nn.Module):
         out = attn @ self.o.reshape(self.d_model, H * D).t()        # [B, L, d]
         return self.layer_norm(self.dropout(out) + h)
 
-    def forward(self, h: Tensor, g: Optional[Tensor], pos_emb: Tensor, m: _Masks,
-                mem: Optional[Tensor] = None, target_mapping: Optional[Tensor] = None):
-        """h ``[B, T, d]`` content stream; g ``[B, P, d]`` query stream or None; pos_emb
-        ``[n, R, d]``; mem ``[B, mlen, d]`` or None; target_mapping ``[B, P, T]``."""
-        H, D = self.n_head, self.d_head
-        cat = h if mem is None else torch.cat([mem, h], 1)          # [B, Tk, d]
-        k = _heads(cat, self.k)                                     # [B, H, Tk, D]
-        v = _heads(cat, self.v)                                     # [B, H, Tk, D]
+    def project_r(self, pos_emb: Tensor) -> Tensor:
+        """pos_emb ``[n, R, d]`` -> the position keys ``[n, H, R, D]``."""
         n, R, d = pos_emb.shape
-        r = (pos_emb @ self.r.reshape(d, H * D)).view(n, R, H, D).transpose(1, 2)  # [n, H, R, D]
+        H, D = self.n_head, self.d_head
+        return (pos_emb @ self.r.reshape(d, H * D)).view(n, R, H, D).transpose(1, 2)
+
+    def forward(self, h: Tensor, g: Optional[Tensor], pos_emb: Tensor, m: _Masks,
+                mem: Optional[Tensor] = None, target_mapping: Optional[Tensor] = None, *,
+                kv_mem: Optional[KVMemory] = None, keep=None, r: Optional[Tensor] = None):
+        """h ``[B, T, d]`` content stream; g ``[B, P, d]`` query stream or None; pos_emb
+        ``[n, R, d]``; mem ``[B, mlen, d]`` or None; target_mapping ``[B, P, T]``.
+
+        K/V reuse (:class:`XLNetModel`'s evaluation; never on the eager backend):
+        ``kv_mem``, the memory rows' keys and values as this layer projected them when they
+        were current (:class:`KVMemory`), so only h is projected; ``keep`` = (beg, end):
+        also return the :class:`KVMemory` of rows ``beg:end`` of ``[mem; h]`` (the next
+        memory) as a third value; ``r``: :meth:`project_r` of an earlier call."""
+        if kv_mem is not None:                       # the memory's k, v kept: project h only
+            kv = kv_mem.extend(_heads(h, self.k), _heads(h, self.v))
+            k, v = kv.k, kv.v                                       # [B, H, Tk, D]
+        else:
+            cat = h if mem is None else torch.cat([mem, h], 1)      # [B, Tk, d]
+            k = _heads(cat, self.k)                                 # [B, H, Tk, D]
+            v = _heads(cat, self.v)                                 # [B, H, Tk, D]
+            kv = KVMemory(k, v)
+        if r is None:
+            r = self.project_r(pos_emb)                             # [n, H, R, D]
+        out_h, out_g = self._streams(h, g, k, v, r, m, target_mapping)
+        if keep is None:
+            return out_h, out_g
+        return out_h, out_g, kv.rows(*keep)
+
+    def _streams(self, h, g, k, v, r, m, target_mapping):
+        """The content stream's output and the query stream's (or None)."""
         # content stream: token i sees itself and the tokens before it in the order
         q = _heads(h, self.q)                                       # [B, H, T, D]
         out_h = self.post_attention(h, self._attend(q, k, v, r, m, "content"))
@@ -325,9 +350,12 @@ class XLNetLayer(nn.Module):
         self.rel_attn = XLNetRelativeAttention(config, backend)
         self.ff = XLNetFeedForward(config)
 
-    def forward(self, h, g, pos_emb, m, mem=None, target_mapping=None):
-        h, g = self.rel_attn(h, g, pos_emb, m, mem, target_mapping)
-        return self.ff(h), (None if g is None else self.ff(g))
+    def forward(self, h, g, pos_emb, m, mem=None, target_mapping=None, **reuse):
+        """(h, g), and the kept keys and values where ``reuse`` has ``keep``
+        (:meth:`XLNetRelativeAttention.forward`)."""
+        out = self.rel_attn(h, g, pos_emb, m, mem, target_mapping, **reuse)
+        h, g = self.ff(out[0]), (None if out[1] is None else self.ff(out[1]))
+        return (h, g) if len(out) == 2 else (h, g, out[2])
 
 
 def _shape(t) -> str:
@@ -340,7 +368,14 @@ def _is_int(t: Tensor) -> bool:
 
 class XLNetModel(nn.Module):
     """The XLNet encoder (HF ``XLNetModel``'s parameters and forward, ``perm_rank`` in place
-    of ``perm_mask``); see the module docstring."""
+    of ``perm_mask``); see the module docstring.
+
+    K/V reuse (``config.reuse_kv``, on by default; the ctxfast backend, as
+    ``TransformerXL``'s): with no gradient and ``use_mems``, each call keeps the keys and
+    values of the rows that become the next memory, and every layer's position keys, with
+    the mems it returns; a call given those very mems (unchanged, same weights, dtype and
+    autocast state) projects only its own rows. Otherwise, and under
+    ``torch.inference_mode()`` or torch.compile, every row is projected as HF does."""
 
     def __init__(self, config: XLNetConfig, backend: str = "ctxfast"):
         super().__init__()
@@ -397,6 +432,27 @@ class XLNetModel(nn.Module):
             sinusoid = pos[:, None] * inv_freq                                  # [R, d/2]
             embs.append(torch.cat([torch.sin(sinusoid), torch.cos(sinusoid)], -1))  # [R, d]
         return torch.stack(embs).to(dtype)                                      # [n, R, d]
+
+    def _reuse_on(self, like: Tensor) -> bool:
+        """Whether this call reuses keys, values and position keys (the class docstring):
+        ``config.reuse_kv``, the ctxfast backend, no gradient, not being traced by
+        torch.compile, no inference tensors."""
+        return (self.config.reuse_kv and self.backend != "eager" and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not like.is_inference()
+                and not self.layer[0].rel_attn.k.is_inference())
+
+    def _reuse_key(self, like: Tensor, what: tuple) -> tuple:
+        """What a kept value was computed from besides its memory tensor (as
+        ``TransformerXL._reuse_key``): the weights (identity and version), the dtype and
+        autocast state, and ``what``."""
+        if what[0] == "kv":
+            attn = self.layer[what[1]].rel_attn
+            ps = [attn.k, attn.v]
+        else:
+            ps = [layer.rel_attn.r for layer in self.layer]
+        dev = like.device.type
+        amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        return (what, like.dtype, amp, tuple((id(p), p.data_ptr(), p._version) for p in ps))
 
     def cache_mem(self, cur: Tensor, prev: Optional[Tensor]) -> Tensor:
         """cur ``[B, T, d]`` (a layer's input), prev ``[mlen, B, d]`` -> the new memory
@@ -523,12 +579,30 @@ class XLNetModel(nn.Module):
         pos_emb = self.dropout(self.relative_positional_encoding(T, Tk, device, dtype))
 
         new_mems = []
+        reuse = use_mems and self._reuse_on(h)
+        if reuse:         # K/V reuse (see the class docstring): the memory's keys and values
+            end = mlen + (min(c.reuse_len, T) if c.reuse_len else T)   # rows of [mem; h] the
+            keep = (max(0, end - c.mem_len) if c.mem_len else 0, end)  # next memory keeps
+            r_key = self._reuse_key(h, ("r", T, mlen, self.training, self.dropout.p,
+                                        c.attn_type, c.bi_data, c.clamp_len))
+            rs = attached(None if mems is None else mems[0], "_ctxfast_r", r_key)
+            if rs is None:
+                rs = [layer.rel_attn.project_r(pos_emb) for layer in self.layer]
+        like = h
         for i, layer in enumerate(self.layer):
             prev = None if mems is None else mems[i]
             if use_mems:
                 new_mems.append(self.cache_mem(h, prev))
             mem = None if prev is None else prev.transpose(0, 1).to(dtype)  # [B, mlen, d]
-            h, g = layer(h, g, pos_emb, masks, mem, target_mapping)
+            if not reuse:
+                h, g = layer(h, g, pos_emb, masks, mem, target_mapping)
+                continue
+            key = self._reuse_key(like, ("kv", i))
+            h, g, kv = layer(h, g, pos_emb, masks, mem, target_mapping, keep=keep, r=rs[i],
+                             kv_mem=attached(prev, "_ctxfast_kv", key))
+            attach(new_mems[i], "_ctxfast_kv", key, kv)
+        if reuse and (not self.training or self.dropout.p == 0):   # the same encodings next
+            attach(new_mems[0], "_ctxfast_r", r_key, rs)
 
         h = self.dropout(h)
         g = None if g is None else self.dropout(g)
