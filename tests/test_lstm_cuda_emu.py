@@ -196,30 +196,38 @@ class _TF32Products(TorchDispatchMode):
 
 
 def _check(exe, tmp_path, kernel, dtype, T, B, H, P, *, mask=True, proj=False, reverse=False,
-           clips=False, sms=3, expect_blocks=None, drop=None, tf32_one=False):
+           clips=False, sms=3, expect_blocks=None, drop=None, tf32_one=False, draws=1):
     """Run the kernels on fresh inputs and compare every output and gradient with the
     reference (2x-eager rule); clips=True: a cell clip (and a projection clip) that bite,
     chosen off the values (_clips_off_the_boundary). tf32_one: the kernels' float32
-    products as one TF32 product each, and eager with TF32 products (_TF32Products)."""
-    ins = _inputs(T, B, H, P, mask=mask, proj=proj)
-    if drop is not None:                       # drop(mask) zeroes the rows it chooses
-        drop(ins["mask"])
-    ins = {k: (None if v is None else v.to(dtype).double()) for k, v in ins.items()}
-    scale = 1 / 0.7 if mask else 1.0
-    cell_clip, proj_clip = (_clips_off_the_boundary(ins, reverse, scale, proj) if clips
-                            else (math.inf, math.inf))
-    kw = dict(reverse=reverse, scale=scale, cell_clip=cell_clip, proj_clip=proj_clip)
-    got, refused = _run_emu(exe, tmp_path, kernel, dtype, ins, sms=sms, tf32_one=tf32_one, **kw)
-    assert refused is None, refused
-    if expect_blocks is not None:
-        assert got["blocks"] == expect_blocks, got
-    ref = _reference(ins, torch.float64, **kw)
-    with _TF32Products() if tf32_one else contextlib.nullcontext():
-        same = _reference(ins, dtype, **kw)
+    products as one TF32 product each, and eager with TF32 products (_TF32Products).
+    draws: the rule on that many draws of inputs together (each error the norm over all of
+    them: a root-mean-square), where one draw's ratio to eager's error is too noisy to
+    test. Returns the first draw's results."""
+    runs = []
+    for _ in range(draws):
+        ins = _inputs(T, B, H, P, mask=mask, proj=proj)
+        if drop is not None:                   # drop(mask) zeroes the rows it chooses
+            drop(ins["mask"])
+        ins = {k: (None if v is None else v.to(dtype).double()) for k, v in ins.items()}
+        scale = 1 / 0.7 if mask else 1.0
+        cell_clip, proj_clip = (_clips_off_the_boundary(ins, reverse, scale, proj) if clips
+                                else (math.inf, math.inf))
+        kw = dict(reverse=reverse, scale=scale, cell_clip=cell_clip, proj_clip=proj_clip)
+        got, refused = _run_emu(exe, tmp_path, kernel, dtype, ins, sms=sms, tf32_one=tf32_one,
+                                **kw)
+        assert refused is None, refused
+        if expect_blocks is not None:
+            assert got["blocks"] == expect_blocks, got
+        ref = _reference(ins, torch.float64, **kw)
+        with _TF32Products() if tf32_one else contextlib.nullcontext():
+            same = _reference(ins, dtype, **kw)
+        runs.append((got, same, ref))
     for name in ("out", "cells", "gates", "c_T", "dxw", "dh0", "dc0"):
-        assert_within_2x_eager(got[name], same[name], ref[name], FLOOR[dtype],
-                               name=f"{kernel} {dtype} {name}")
-    return got
+        ours, same, ref = (torch.cat([run[i][name].flatten() for run in runs])
+                           for i in range(3))
+        assert_within_2x_eager(ours, same, ref, FLOOR[dtype], name=f"{kernel} {dtype} {name}")
+    return runs[0][0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -376,13 +384,14 @@ def test_tensor_core_float32_one_tf32_product(emulator, tmp_path, kernel):
     larger than the 0.5% margin _clips_off_the_boundary keeps, so a value may land on
     either side of a clip in ours and in eager (the clip code is the same in both modes
     and tested with tf32x3). Ratios to eager's error seen without clips: 0.4-1.8 over 24
-    draws."""
+    draws, and 2.2 (dh0, 60 values) with CTXFAST_TEST_SEED=3: two TF32 roundings of the
+    same products are two samples of one error, so the rule is taken over 4 draws."""
     if kernel == "mma":
         _check(emulator, tmp_path, "mma", torch.float32, T=3, B=5, H=20, P=12, proj=True,
-               sms=3, tf32_one=True)
+               sms=3, tf32_one=True, draws=4)
     else:
         _check(emulator, tmp_path, "grouped", torch.float32, T=3, B=5, H=40, P=40, sms=10,
-               tf32_one=True)
+               tf32_one=True, draws=4)
     torch.manual_seed(1)
     ins = {k: (None if v is None else v.float().double())
            for k, v in _inputs(3, 5, 20, 20, mask=True, proj=False).items()}
