@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import ctxfast
 from ctxfast import reference
 from utils import (CPU_BACKENDS, DEVICE, TRITON_ON_CPU, assert_within_2x_eager, needs_interpreter,
-                   rel_err, spy_launches)
+                   rel_err, softmax_grad_terms, spy_launches)
 
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU and not torch.cuda.is_available(),
                                   reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -64,9 +64,20 @@ def check_against_reference(q, k, v, **kw):
     grads = torch.autograd.grad(out, leaves, do)
     grads_same = torch.autograd.grad(out_same, leaves_same, do)
     grads64 = torch.autograd.grad(out64, leaves64, do.double())
+    # dq and dk: the floor scales with the terms the softmax cancels (a query that sees one
+    # key has dq = 0 exactly, and a flash kernel keeps the rounding of dP − Δ: with
+    # CTXFAST_TEST_SEED=4 the TMA run of Tq = Tk = 1 read 2.03e-6 against a floor of 2e-6)
+    B, _, Tq, D = q.shape
+    visible = reference.attention_mask(
+        B, Tq, k.shape[2], causal=kw.get("causal", False),
+        key_padding_mask=kw.get("key_padding_mask"), perm_rank=kw.get("perm_rank"),
+        perm_stream=kw.get("perm_stream", "content"), device=q.device)
+    terms = dict(zip(("dq", "dk"), softmax_grad_terms(
+        q, k, v, do, visible, D ** -0.5 if kw.get("scale") is None else kw["scale"])))
     for name, ours, same, ref in [("out", out, out_same, out64)] + list(
             zip(("dq", "dk", "dv"), grads, grads_same, grads64)):
-        assert_within_2x_eager(ours, same, ref, FLOOR[dtype], name=name)
+        assert_within_2x_eager(ours, same, ref, FLOOR[dtype], name=name,
+                               min_scale=max(terms.get(name, 0.0), 1.0))
     return out, grads
 
 
