@@ -77,7 +77,11 @@ def reference_all(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse, grad_out
     return (out.detach(), cells.detach(), gates.detach()), grads
 
 
-def check(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype, scale=1.0 / 0.7, tol=None):
+def check(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype, scale=1.0 / 0.7):
+    """The native ops against the float64 reference: float32 by the 2x-eager rule (the
+    reference run in float32 gives eager's error; a fixed 1e-5 failed grad_xw at 1.012e-5
+    with CTXFAST_TEST_SEED=6), float64 and the half types (computed in float32) within
+    their dtype's REL_TOL."""
     xw, h0, c0, w_hh, w_hr, mask = (None if t is None else t.to(dtype) for t in
                                     make_inputs(T, B, H, P, proj, use_mask))
     args = (xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
@@ -85,20 +89,34 @@ def check(T, B, H, P, proj, use_mask, cc, pc, reverse, dtype, scale=1.0 / 0.7, t
     grad_out = torch.randn(out.shape, dtype=torch.float64).to(dtype)
     grad_cells = torch.randn(cells.shape, dtype=torch.float64).to(dtype)
     (r_out, r_cells, r_gates), r_grads = reference_all(*args, grad_out, grad_cells)
-    tol = REL_TOL[dtype] if tol is None else tol
-    for name, a, b in (("out", out, r_out), ("cells", cells, r_cells), ("gates", gates, r_gates)):
+    same = None
+    if dtype == torch.float32:
+        (s_out, s_cells, s_gates), s_grads = reference_all(*args, grad_out, grad_cells,
+                                                           dtype=torch.float32)
+        same = [s_out, s_cells, s_gates] + list(s_grads)
+
+    def close(i, name, a, b):
         assert a.dtype == dtype, f"{name}: dtype {a.dtype}"
-        assert_close(a, b, tol, name)
+        if same is None:
+            assert_close(a, b, REL_TOL[dtype], name)
+        else:
+            assert_within_2x_eager(a, same[i], b, FLOOR_F32, name=name)
+    for i, (name, a, b) in enumerate((("out", out, r_out), ("cells", cells, r_cells),
+                                      ("gates", gates, r_gates))):
+        close(i, name, a, b)
     grads = bwd(grad_out, grad_cells, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse,
                 out, cells, gates)
     names = ("grad_xw", "grad_h0", "grad_c0", "grad_w_hh", "grad_w_hr")
-    for name, a, b in zip(names, grads, r_grads):
+    for i, (name, a, b) in enumerate(zip(names, grads, r_grads)):
         if b is None:
             assert a.shape == (0,), f"{name}: expected an empty [0] tensor, got {tuple(a.shape)}"
             continue
-        assert a.dtype == dtype, f"{name}: dtype {a.dtype}"
-        assert_close(a, b, tol, name)
+        close(3 + i, name, a, b)
     return out, cells
+
+
+#: The float32 floor of the 2x-eager rule (tests/test_lstm.py's FLOOR).
+FLOOR_F32 = 2e-6
 
 
 # Cell clip 0.9 and projection clip 0.35 clip a good share of the values at these inputs.
