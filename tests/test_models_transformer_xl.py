@@ -389,6 +389,8 @@ def test_bad_config_and_arguments():
         TransformerXL(tiny(cutoffs=(20, 10)))
     with pytest.raises(ValueError, match="n_head"):
         TransformerXL(tiny(n_head=0))
+    with pytest.raises(ValueError, match="reuse_kv must be a bool, got 'yes'"):
+        TransformerXL(tiny(reuse_kv="yes"))
     model = TransformerXL(tiny())
     with pytest.raises(ValueError, match="last must be"):
         model.log_probs(ids(4, 1), last=5)

@@ -371,6 +371,8 @@ def test_bad_config_and_backend():
         XLNetModel(_config(bi_data=True), backend="eager")(torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="ff_activation"):
         _config(ff_activation="tanh_nope")
+    with pytest.raises(ValueError, match="reuse_kv must be a bool, got 1"):
+        _config(reuse_kv=1)
 
 
 def test_backends_route_to_the_op_and_the_reference(monkeypatch):

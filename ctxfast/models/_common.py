@@ -64,60 +64,6 @@ def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqle
                                 backend="eager" if backend == "eager" else None)
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, one ``(k, v)`` pair ``[B, H, T, D]`` per
-    layer, for decoding one step at a time. ``length`` is T (0 when empty).
-
-    Without gradients each layer's pairs are views of row buffers ``[B, H, capacity, D]``
-    that double when full: a step writes its rows after the others in place, instead of
-    copying the whole cache every token (a concatenation per step made decoding T tokens
-    cost O(T²) copies). Rows past T belong to no view handed out, so an earlier step's
-    views never change. With gradients (or under torch.compile) a step concatenates, which
-    autograd and the compiler follow."""
-
-    def __init__(self, n_layer: int) -> None:
-        self.layers: List[Optional[Tuple[Tensor, Tensor]]] = [None] * n_layer
-        self._rows: List[Optional[Tuple[Tensor, Tensor]]] = [None] * n_layer   # buffers
-
-    @property
-    def length(self) -> int:
-        kv = self.layers[0]
-        return 0 if kv is None else kv[0].shape[2]
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
-        """Append the new ``k, v [B, H, t, D]``; returns all keys and values ``[B, H, T+t, D]``."""
-        past = self.layers[layer]
-        T, t = (0 if past is None else past[0].shape[2]), k.shape[2]
-        graph = torch.is_grad_enabled() and any(
-            x.requires_grad for x in (k, v, *(past or ())))
-        if graph or torch.compiler.is_compiling():
-            self._rows[layer] = None
-            if past is not None:
-                k = torch.cat([past[0], k], 2)               # [B, H, T + t, D]
-                v = torch.cat([past[1], v], 2)
-            self.layers[layer] = (k, v)
-            return k, v
-        rows = self._rows[layer]
-        if (rows is None or rows[0].shape[2] < T + t or rows[0].dtype != k.dtype
-                or rows[0].shape[:2] != k.shape[:2] or rows[0].device != k.device
-                or (past is not None and past[0].data_ptr() != rows[0].data_ptr())):
-            B, H, _, D = k.shape                             # a new buffer, twice the need
-            rows = (k.new_empty((B, H, max(2 * (T + t), 64), D)),
-                    v.new_empty((B, H, max(2 * (T + t), 64), D)))
-            if past is not None:
-                rows[0][:, :, :T].copy_(past[0])
-                rows[1][:, :, :T].copy_(past[1])
-            self._rows[layer] = rows
-        rows[0][:, :, T:T + t].copy_(k)
-        rows[1][:, :, T:T + t].copy_(v)
-        self.layers[layer] = (rows[0][:, :, :T + t], rows[1][:, :, :T + t])
-        return self.layers[layer]
-
-    def reset(self) -> None:
-        self.layers = [None] * len(self.layers)
-        self._rows = [None] * len(self.layers)
-
-
 class KVMemory:
     """Keys and values ``k, v [B, H, L, d_head]`` of a layer's memory rows, kept from one
     call to the next (K/V reuse in Transformer-XL's and XLNet's evaluation), as rows
@@ -146,13 +92,15 @@ class KVMemory:
         start = (self.k.storage_offset() - self._buf[0].storage_offset()) // self.k.stride(2)
         return start, start + self.k.shape[2]
 
-    def extend(self, k_new: Tensor, v_new: Tensor) -> "KVMemory":
-        """These rows followed by ``k_new, v_new [B, H, Q, d_head]``."""
+    def extend(self, k_new: Tensor, v_new: Tensor, room: Optional[int] = None) -> "KVMemory":
+        """These rows followed by ``k_new, v_new [B, H, Q, d_head]``; a new buffer, where
+        one is needed, gets ``room`` rows of room (default ``max(8 · Q, 128)``)."""
         span, q = self._span(), k_new.shape[2]
         if span is not None:
             kb, vb, frontier = self._buf
             if (span[1] == frontier and frontier + q <= kb.shape[2]
-                    and kb.dtype == k_new.dtype and kb.shape[:2] == k_new.shape[:2]):
+                    and kb.dtype == k_new.dtype and kb.device == k_new.device
+                    and kb.shape[:2] == k_new.shape[:2]):
                 kb[:, :, frontier:frontier + q].copy_(k_new)
                 vb[:, :, frontier:frontier + q].copy_(v_new)
                 self._buf[2] = frontier + q
@@ -160,8 +108,9 @@ class KVMemory:
                                 self._buf)
         m, (B, H, _, D) = self.k.shape[2], k_new.shape
         n = m + q
-        kb = k_new.new_empty((B, H, n + max(8 * q, 128), D))      # [B, H, capacity, Dh]
-        vb = v_new.new_empty((B, H, n + max(8 * q, 128), D))
+        room = max(8 * q, 128) if room is None else room
+        kb = k_new.new_empty((B, H, n + room, D))                  # [B, H, capacity, Dh]
+        vb = v_new.new_empty((B, H, n + room, D))
         for buf, old, new in ((kb, self.k, k_new), (vb, self.v, v_new)):
             buf[:, :, :m].copy_(old)
             buf[:, :, m:n].copy_(new)
@@ -170,6 +119,26 @@ class KVMemory:
     def rows(self, beg: int, end: int) -> "KVMemory":
         """Rows ``beg:end`` of these (the same buffer)."""
         return KVMemory(self.k[:, :, beg:end], self.v[:, :, beg:end], self._buf)
+
+
+def reuse_allowed(on: bool, backend: str, like: Tensor, weight: Tensor) -> bool:
+    """Whether a model call may keep and reuse keys and values (K/V reuse): asked for
+    (``on``), the ctxfast backend, no gradient (weight gradients need every row), not traced
+    by torch.compile, and no inference tensors (they carry no version counter to check)."""
+    return (on and backend != "eager" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not like.is_inference()
+            and not weight.is_inference())
+
+
+def reuse_key(like: Tensor, what: tuple, params) -> tuple:
+    """What a kept value was computed from besides its memory tensor: ``what`` (which value
+    and its shape-giving numbers), the dtype and autocast state of the call, and the
+    weights ``params`` by identity, address and version (an optimizer step, a load or any
+    in-place change moves it)."""
+    dev = like.device.type
+    amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    return (what, like.dtype, amp,
+            tuple((id(p), p.data_ptr(), p._version) for p in params if p is not None))
 
 
 def attach(mem: Tensor, name: str, key: tuple, value) -> None:
@@ -186,6 +155,51 @@ def attached(mem: Optional[Tensor], name: str, key: tuple):
     if got is None or got[0] != key or mem.is_inference() or got[1] != mem._version:
         return None
     return got[2]
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, one ``(k, v)`` pair ``[B, H, T, D]`` per
+    layer, for decoding one step at a time. ``length`` is T (0 when empty).
+
+    Without gradients each layer's pairs are the views of a :class:`KVMemory` whose
+    buffer doubles when full: a step writes its rows after the others in place, instead
+    of copying the whole cache every token (a concatenation per step made decoding T
+    tokens cost O(T²) copies), and the views an earlier step handed out never change.
+    With gradients (or under torch.compile) a step concatenates, which autograd and the
+    compiler follow."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.layers: List[Optional[Tuple[Tensor, Tensor]]] = [None] * n_layer
+        self._mems: List[Optional[KVMemory]] = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        kv = self.layers[0]
+        return 0 if kv is None else kv[0].shape[2]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Append the new ``k, v [B, H, t, D]``; returns all keys and values ``[B, H, T+t, D]``."""
+        past = self.layers[layer]
+        graph = torch.is_grad_enabled() and any(
+            x.requires_grad for x in (k, v, *(past or ())))
+        if graph or torch.compiler.is_compiling():
+            self._mems[layer] = None
+            if past is not None:
+                k = torch.cat([past[0], k], 2)               # [B, H, T + t, D]
+                v = torch.cat([past[1], v], 2)
+            self.layers[layer] = (k, v)
+            return k, v
+        mem = self._mems[layer]
+        if mem is None or past is None or mem.k is not past[0]:   # none, or set from outside
+            mem = KVMemory(*past) if past is not None else KVMemory(k[:, :, :0], v[:, :, :0])
+        T = mem.k.shape[2] + k.shape[2]
+        mem = self._mems[layer] = mem.extend(k, v, room=max(T, 64))   # room: doubling
+        self.layers[layer] = (mem.k, mem.v)
+        return self.layers[layer]
+
+    def reset(self) -> None:
+        self.layers = [None] * len(self.layers)
+        self._mems = [None] * len(self.layers)
 
 
 class SelfAttention(nn.Module):
@@ -342,5 +356,5 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
 
 
 __all__ = ["MODEL_BACKENDS", "check_backend", "attend", "attend_varlen", "KVCache",
-           "KVMemory", "attach", "attached",
+           "KVMemory", "attach", "attached", "reuse_allowed", "reuse_key",
            "SelfAttention", "MLP", "pack", "unpack", "check_ids", "init_weights"]

@@ -58,8 +58,8 @@ from torch import Tensor, nn
 
 from .. import ops, reference
 from ..nn.rel_attention import RelPartialLearnableMultiHeadAttn as _RelAttnLayer
-from ._common import (KVMemory, attach, attached, check_sampling, next_token,
-                      values_checked)
+from ._common import (KVMemory, attach, attached, check_sampling, next_token, reuse_allowed,
+                      reuse_key, values_checked)
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 
@@ -105,6 +105,8 @@ class TransformerXLConfig:
 def _check_config(c: TransformerXLConfig) -> None:
     if c.backend not in MODEL_BACKENDS:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {c.backend!r}")
+    if not isinstance(c.reuse_kv, bool):
+        raise ValueError(f"TransformerXLConfig.reuse_kv must be a bool, got {c.reuse_kv!r}")
     for name in ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "div_val"):
         v = getattr(c, name)
         if not isinstance(v, int) or v < 1:
@@ -638,16 +640,14 @@ class TransformerXL(nn.Module):
 
     def _reuse_on(self, like: Tensor) -> bool:
         """Whether this call reuses keys, values and position encodings (the class
-        docstring): ``config.reuse_kv``, the ctxfast backend, no gradient, not being traced
-        by torch.compile, no inference tensor among the weights."""
-        return (self.config.reuse_kv and self.backend != "eager" and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not like.is_inference()
-                and not self.layers[0].dec_attn.qkv_net.weight.is_inference())
+        docstring; :func:`~ctxfast.models._common.reuse_allowed`)."""
+        return reuse_allowed(self.config.reuse_kv, self.backend, like,
+                             self.layers[0].dec_attn.qkv_net.weight)
 
     def _reuse_key(self, like: Tensor, what: tuple) -> tuple:
-        """What a reused value was computed from besides its memory tensor: the weights it
-        depends on (identity and version: an optimizer step or a load changes it), the
-        dtype and autocast state, and ``what`` (which value)."""
+        """The key of a kept value (:func:`~ctxfast.models._common.reuse_key`): a layer's
+        qkv_net (and its LayerNorm when pre-LN) for its keys and values, every r_net and
+        the frequencies for the position encodings."""
         if what[0] == "kv":
             attn = self.layers[what[1]].dec_attn
             ps = [attn.qkv_net.weight, attn.qkv_net.bias]
@@ -655,10 +655,7 @@ class TransformerXL(nn.Module):
                 ps += [attn.layer_norm.weight, attn.layer_norm.bias]
         else:
             ps = [layer.dec_attn.r_net.weight for layer in self.layers] + [self.pos_emb.inv_freq]
-        dev = like.device.type
-        amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        return (what, like.dtype, amp,
-                tuple((id(p), p.data_ptr(), p._version) for p in ps if p is not None))
+        return reuse_key(like, what, ps)
 
     def forward(self, data: Tensor, target: Optional[Tensor] = None,
                 *mems: Tensor) -> Tuple[Tensor, List[Tensor]]:

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import reference
-from ._common import KVMemory, attach, attached, values_checked
+from ._common import KVMemory, attach, attached, reuse_allowed, reuse_key, values_checked
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
            "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
@@ -110,6 +110,8 @@ class XLNetConfig:
         if self.attn_type not in ("bi", "uni"):
             raise ValueError(f"XLNetConfig: attn_type must be 'bi' or 'uni', got "
                              f"{self.attn_type!r}")
+        if not isinstance(self.reuse_kv, bool):
+            raise ValueError(f"XLNetConfig: reuse_kv must be a bool, got {self.reuse_kv!r}")
         if self.ff_activation not in _ACTIVATIONS:
             raise ValueError(f"XLNetConfig: ff_activation must be one of "
                              f"{sorted(_ACTIVATIONS)}, got {self.ff_activation!r}")
@@ -434,25 +436,17 @@ class XLNetModel(nn.Module):
         return torch.stack(embs).to(dtype)                                      # [n, R, d]
 
     def _reuse_on(self, like: Tensor) -> bool:
-        """Whether this call reuses keys, values and position keys (the class docstring):
-        ``config.reuse_kv``, the ctxfast backend, no gradient, not being traced by
-        torch.compile, no inference tensors."""
-        return (self.config.reuse_kv and self.backend != "eager" and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not like.is_inference()
-                and not self.layer[0].rel_attn.k.is_inference())
+        """Whether this call reuses keys, values and position keys (the class docstring;
+        :func:`~ctxfast.models._common.reuse_allowed`)."""
+        return reuse_allowed(self.config.reuse_kv, self.backend, like, self.layer[0].rel_attn.k)
 
     def _reuse_key(self, like: Tensor, what: tuple) -> tuple:
-        """What a kept value was computed from besides its memory tensor (as
-        ``TransformerXL._reuse_key``): the weights (identity and version), the dtype and
-        autocast state, and ``what``."""
+        """The key of a kept value (:func:`~ctxfast.models._common.reuse_key`): a layer's
+        k and v for its keys and values, every layer's r for the position keys."""
         if what[0] == "kv":
             attn = self.layer[what[1]].rel_attn
-            ps = [attn.k, attn.v]
-        else:
-            ps = [layer.rel_attn.r for layer in self.layer]
-        dev = like.device.type
-        amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        return (what, like.dtype, amp, tuple((id(p), p.data_ptr(), p._version) for p in ps))
+            return reuse_key(like, what, [attn.k, attn.v])
+        return reuse_key(like, what, [layer.rel_attn.r for layer in self.layer])
 
     def cache_mem(self, cur: Tensor, prev: Optional[Tensor]) -> Tensor:
         """cur ``[B, T, d]`` (a layer's input), prev ``[mlen, B, d]`` -> the new memory
