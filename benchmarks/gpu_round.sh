@@ -303,7 +303,8 @@ stage_ncu() {
 VERIFY_FILES="tests/gpu tests/test_lstm.py tests/test_tune.py tests/test_build_flags.py
   tests/test_cuda_bindings.py tests/test_lstm_native.py tests/test_attention.py
   tests/test_rel_attention.py tests/test_rel_attention_bwd.py tests/test_rel_attention_decode.py
-  tests/test_rel_attention_precision.py tests/test_grad_call.py tests/test_launch.py"
+  tests/test_rel_attention_precision.py tests/test_grad_call.py tests/test_launch.py
+  tests/test_linear.py"
 stage_verify() {
   device_lines
   build
@@ -317,6 +318,11 @@ stage_verify() {
     "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" \
     --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "x cuDNN" 40
+  # a float32 decoder on the Triton GEMM (tf32x3) against cuBLAS's float32 GEMMs at the
+  # ULMFiT / ELMo / GPT-2 sizes, with its error: what decides ctxfast.ops.linear.CUDA_DEFAULT
+  step "linear: tf32x3 decoder against cuBLAS" 60 linear_compare.log "$PY" \
+    benchmarks/linear_compare.py --sweep --out "$R/linear_compare.json"
+  summarize linear_compare.log "^ratio|Error" 30
   lstm_phase_clock 30
   # the Triton forward (the CUDA default's) under other tiles and pipelines: rows to adopt
   step "lstm: Triton forward sweep" 80 lstm_triton_sweep.log "$PY" \
@@ -360,6 +366,13 @@ stage_followup() {
     benchmarks/bench_models.py -q -p no:cacheprovider \
     -k "awd_lstm and ULMFiT and train and not eager"
   summarize models_awd_lstm.log "test_models\[|passed|failed|Error" 12
+  # the same step with the decoder on the Triton GEMM (tf32x3; CTXFAST_LINEAR_CUDA, read
+  # at import): the decoder's share of the step (linear_compare in verify times it alone)
+  step "AWD-LSTM train step, decoder on ctxfast.linear (triton)" 60 \
+    models_awd_lstm_linear.log env CTXFAST_LINEAR_CUDA=triton "$PY" -m pytest \
+    benchmarks/bench_models.py -q -p no:cacheprovider \
+    -k "awd_lstm and ULMFiT and train and ctxfast"
+  summarize models_awd_lstm_linear.log "test_models\[|passed|failed|Error" 8
   # float32 first: the paper's dtype and the first H100 round's (kernel gain 0.78x at 3,800
   # then); ctxfast now also keeps the memory's keys and values (TransformerXLConfig.reuse_kv)
   step "xl-eval --quick float32" 60 xl_eval_quick.log "$PY" -m ctxfast.cli xl-eval \

@@ -108,6 +108,10 @@ def cmd_info(args: argparse.Namespace) -> int:
                 else "both directions on triton")
         print(f"  lstm on cuda with no backend asked for: {runs} "
               "(ctxfast.ops.lstm.CUDA_DEFAULT), where both can run")
+    linear_ops = sys.modules.get("ctxfast.ops.linear")
+    if getattr(linear_ops, "CUDA_DEFAULT", None) == "triton":
+        print("  linear on cuda float32 with no backend asked for: triton, tf32x3 unless torch "
+              "allows TF32 (ctxfast.ops.linear.CUDA_DEFAULT)")
     return 0
 
 
@@ -214,6 +218,20 @@ def _smoke_lstm_float32(backend: str, device: str) -> float:
                for a, b in zip((*outs, *grads), (*refs, *ref_grads)))
 
 
+def _smoke_linear(backend: str, device: str) -> float:
+    """A decoder-like linear with a bias, fp32, forward and backward of every input;
+    largest relative error against float64 (tf32x3 on a GPU's triton backend)."""
+    ts = [torch.randn(*s, device=device, requires_grad=True) for s in ((2, 9, 24), (37, 24), (37,))]
+    out = ctxfast.linear(*ts, backend=backend)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, ts, do)
+    ref_in = [t.detach().double().requires_grad_(True) for t in ts]
+    ref = reference.linear(*ref_in)
+    ref_grads = torch.autograd.grad(ref, ref_in, do.double())
+    return max(((a.double() - b).norm() / b.norm()).item()
+               for a, b in zip((out, *grads), (ref, *ref_grads)))
+
+
 SMOKE: Dict[str, Tuple[Callable[[str, str], float], float]] = {
     # op: (function(backend, device) -> error, allowed error)
     "rel_shift": (_smoke_rel_shift, 0.0),    # max abs error: the op only moves data
@@ -221,6 +239,7 @@ SMOKE: Dict[str, Tuple[Callable[[str, str], float], float]] = {
     "attention_varlen": (_smoke_attention_varlen, 1e-4),
     "rel_attention": (_smoke_rel_attention, 1e-4),
     "lstm": (_smoke_lstm, 1e-4),
+    "linear": (_smoke_linear, 1e-5),         # relative error, fp32 (cuBLAS TF32 if enabled)
 }
 
 

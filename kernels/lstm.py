@@ -1244,7 +1244,10 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
     # GEMMs (kernels/linear.py; torch.mm would follow cuBLAS's own setting)
     mm = torch.mm
     if gd == torch.float32 and gates.is_cuda and lstm_precision(dtype) == "tf32":
-        from .linear import tf32_matmul as mm
+        from .linear import matmul
+
+        def mm(a, b):
+            return matmul(a, b, precision="tf32")
     grad_w_hh = mm(grad_xw.reshape(T * B, G).to(gd).t(), h_prev.reshape(T * B, P).to(gd))  # [4H, P]
     if mask is not None:
         grad_w_hh = grad_w_hh * mask_c.to(gd) * scale

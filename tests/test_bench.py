@@ -1101,6 +1101,26 @@ def test_lstm_launch_compare_runs_every_form(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton GEMM needs a GPU or the interpreter")
+def test_linear_compare_times_every_form_and_restores_the_settings(tmp_path):
+    """benchmarks/linear_compare.py (gpu_round's verify stage): one JSON row per form (the
+    sweep's launch rows included) with its time and error against float64, a ratio line
+    per form against cuBLAS float32; TF32 and the launch override restored after."""
+    from utils import load_benchmark
+
+    from ctxfast.kernels import linear as klinear
+    lc = load_benchmark("linear_compare.py")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    out = tmp_path / "lc.json"
+    assert lc.main(["--quick", "--sweep", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 + len(lc.SWEEP) and len({r["form"] for r in rows}) == len(rows)
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["rel_err"] < 1e-5 for r in rows)
+    assert len(lc.ratios(rows)) == len(rows) - 1
+    assert klinear.CONFIG_OVERRIDE is None and torch.backends.cuda.matmul.allow_tf32 == tf32
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton LSTM needs a GPU or the interpreter")
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_lstm_triton_sweep_times_each_candidate(tmp_path, direction):

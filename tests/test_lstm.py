@@ -906,55 +906,33 @@ def test_triton_config_override(monkeypatch):
         assert launches == [], bad                    # refused before any launch
 
 
-@needs_triton
-@pytest.mark.parametrize("M, K, N, bias, view", [
-    (37, 19, 23, True, "contiguous"), (5, 33, 40, False, "a transposed"),
-    (18, 16, 17, True, "b transposed"), (1, 1, 1, True, "contiguous"),
-    (3, 0, 4, True, "contiguous"), (0, 5, 4, False, "contiguous"),
-    (4, 5, 0, False, "contiguous")])
-def test_tf32_matmul_against_float64(M, K, N, bias, view):
-    """kernels/linear.py's GEMM (the LSTM's float32 projection where TF32 is nn.LSTM's
-    choice): odd and edge sizes, transposed operands read through their strides, bias or
-    not, against float64. The interpreter's float32 dots are exact: float32's bound here;
-    a GPU takes TF32 products (tests/gpu/test_lstm_gpu.py)."""
-    from ctxfast.kernels.linear import tf32_matmul
-    a = torch.randn(K, M).t() if view == "a transposed" else torch.randn(M, K)
-    b = torch.randn(N, K).t() if view == "b transposed" else torch.randn(K, N)
-    a, b = a.to(DEVICE), b.to(DEVICE)
-    bv = torch.randn(N, device=DEVICE) if bias else None
-    got = tf32_matmul(a, b, bv)
-    want = a.double() @ b.double() + (bv.double() if bias else 0)
-    assert got.shape == (M, N) and got.dtype == torch.float32 and got.is_contiguous()
-    tol = 1e-2 if DEVICE == "cuda" else 1e-5           # TF32 on a GPU, exact interpreted
-    assert rel_err(got, want) <= tol if want.numel() else True
-
-
 def _tf32_projection_here(monkeypatch):
-    """The lstm_projection ops take the TF32 kernel for these tensors (as CUDA float32 with
-    cuDNN's RNN TF32 on and cuBLAS's off would); its calls counted."""
+    """The linear ops in mode "rnn" (the LSTM's projection) take the TF32 kernel for these
+    tensors (as CUDA float32 with cuDNN's RNN TF32 on and cuBLAS's off would); its calls
+    counted."""
     from ctxfast.kernels import linear as klinear
-    lstm_ops = importlib.import_module("ctxfast.ops.lstm")
+    linear_ops = importlib.import_module("ctxfast.ops.linear")
     calls = []
-    real = klinear.tf32_matmul
+    real = klinear.matmul
 
-    def counted(a, b, bias=None):
-        calls.append((tuple(a.shape), tuple(b.shape)))
-        return real(a, b, bias)
-    monkeypatch.setattr(klinear, "tf32_matmul", counted)
-    monkeypatch.setattr(lstm_ops, "_tf32_projection", lambda x2: True)
+    def counted(a, b, bias=None, *, precision):
+        calls.append((tuple(a.shape), tuple(b.shape), precision))
+        return real(a, b, bias, precision=precision)
+    monkeypatch.setattr(klinear, "matmul", counted)
+    monkeypatch.setattr(linear_ops, "_precision", lambda mode, x2: "tf32")
     return calls
 
 
 @needs_triton
 def test_projection_op_on_the_tf32_kernel(monkeypatch):
-    """torch.ops.ctxfast.lstm_projection (and its backward) on the TF32 kernel: forward and
-    the gradients of x, w and b against float64; a gradient nobody needs is not computed
+    """torch.ops.ctxfast.linear in mode "rnn" (and its backward) on the TF32 kernel: forward
+    and the gradients of x, w and b against float64; a gradient nobody needs is not computed
     (the first layer's x often needs none: a 47 GFLOP product at ULMFiT's size)."""
     calls = _tf32_projection_here(monkeypatch)
     x = torch.randn(21, 7, device=DEVICE, dtype=torch.float32, requires_grad=True)
     w = torch.randn(12, 7, device=DEVICE, dtype=torch.float32, requires_grad=True)
     b = torch.randn(12, device=DEVICE, dtype=torch.float32, requires_grad=True)
-    y = torch.ops.ctxfast.lstm_projection(x, w, b)
+    y = torch.ops.ctxfast.linear(x, w, b, "rnn")
     g = torch.randn_like(y)
     grads = torch.autograd.grad(y, (x, w, b), g)
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
@@ -966,30 +944,18 @@ def test_projection_op_on_the_tf32_kernel(monkeypatch):
         assert rel_err(got, want) <= tol
     assert len(calls) == 3                               # forward, dx, dw
     calls.clear()
-    (gw,) = torch.autograd.grad(torch.ops.ctxfast.lstm_projection(x.detach(), w, None), (w,), g)
+    (gw,) = torch.autograd.grad(torch.ops.ctxfast.linear(x.detach(), w, None, "rnn"), (w,), g)
     assert len(calls) == 2 and rel_err(gw, grads64[1]) <= tol   # no dx product
 
 
-@needs_triton
-def test_opcheck_projection(monkeypatch):
-    _tf32_projection_here(monkeypatch)
-    x = torch.randn(9, 5, device=DEVICE, requires_grad=True)
-    w = torch.randn(8, 5, device=DEVICE, requires_grad=True)
-    for b in (torch.randn(8, device=DEVICE, requires_grad=True), None):
-        torch.library.opcheck(torch.ops.ctxfast.lstm_projection.default, (x, w, b))
-    torch.library.opcheck(torch.ops.ctxfast.lstm_projection_backward.default,
-                          (torch.randn(9, 8, device=DEVICE), x.detach(), w.detach(), True,
-                           False))
-
-
 def test_projection_takes_tf32_only_where_nn_lstm_would(monkeypatch):
-    """The TF32 kernel: CUDA float32, cuDNN's RNN TF32 on and cuBLAS's off (torch's
-    defaults: F.linear would be exact float32 where nn.LSTM's GEMMs are TF32). cuBLAS's on:
-    F.linear is TF32 already; cuDNN's off: exact float32, as nn.LSTM; 16-bit, CPU
-    tensors or RNN_TF32_PROJECTION = False: F.linear."""
+    """The TF32 kernel (the linear op's mode "rnn"): CUDA float32, cuDNN's RNN TF32 on and
+    cuBLAS's off (torch's defaults: F.linear would be exact float32 where nn.LSTM's GEMMs
+    are TF32). cuBLAS's on: F.linear is TF32 already; cuDNN's off: exact float32, as
+    nn.LSTM; 16-bit or CPU tensors: F.linear."""
     pytest.importorskip("triton")
     from ctxfast.kernels import _common as kcommon
-    lstm_ops = importlib.import_module("ctxfast.ops.lstm")
+    linear_ops = importlib.import_module("ctxfast.ops.linear")
 
     class X:
         def __init__(self, is_cuda=True, dtype=torch.float32):
@@ -997,16 +963,15 @@ def test_projection_takes_tf32_only_where_nn_lstm_would(monkeypatch):
     settings = {"rnn": True, "cublas": False}
     monkeypatch.setattr(kcommon, "_rnn_tf32_allowed", lambda: settings["rnn"])
     monkeypatch.setattr(kcommon, "_tf32_allowed", lambda: settings["cublas"])
-    decide = lstm_ops._tf32_projection
-    assert decide(X())
-    assert not decide(X(is_cuda=False)) and not decide(X(dtype=torch.bfloat16))
+
+    def decide(x):
+        return linear_ops._precision("rnn", x)
+    assert decide(X()) == "tf32"
+    assert decide(X(is_cuda=False)) is None and decide(X(dtype=torch.bfloat16)) is None
     settings["cublas"] = True
-    assert not decide(X())
+    assert decide(X()) is None
     settings.update(cublas=False, rnn=False)
-    assert not decide(X())
-    settings["rnn"] = True
-    monkeypatch.setattr(lstm_ops, "RNN_TF32_PROJECTION", False)
-    assert not decide(X())
+    assert decide(X()) is None
 
 
 @needs_triton
@@ -1054,44 +1019,6 @@ def test_autocast_runs_in_the_autocast_dtype(backend):
     for i, (ours, same, ref) in enumerate(zip([out, c, *grads], res["same"], res["ref"])):
         err, eager = rel_err(ours.double(), ref), rel_err(same.double(), ref)
         assert err <= 2 * eager + FLOOR[torch.bfloat16], (i, err, eager)
-
-
-@needs_triton
-def test_projection_op_under_torch_compile(monkeypatch):
-    """The lstm_projection ops (what CUDA float32 calls run) traced by
-    torch.compile(fullgraph=True) with their gradients: the same values as eager."""
-    _tf32_projection_here(monkeypatch)
-    torch._dynamo.reset()
-    x = torch.randn(13, 6, device=DEVICE, requires_grad=True)
-    w = torch.randn(10, 6, device=DEVICE, requires_grad=True)
-    b = torch.randn(10, device=DEVICE, requires_grad=True)
-
-    def f(x, w, b):
-        return (torch.ops.ctxfast.lstm_projection(x * 2.0, w, b) ** 2).sum()
-    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, b)
-    grads = torch.autograd.grad(got, (x, w, b))
-    want = f(x, w, b)
-    want_grads = torch.autograd.grad(want, (x, w, b))
-    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
-    for g, r in zip(grads, want_grads):
-        assert rel_err(g, r) < 1e-5
-
-
-@needs_triton
-def test_tf32_matmul_refuses_bad_operands_before_launching(monkeypatch):
-    from ctxfast.kernels import linear as klinear
-    launched = []
-    monkeypatch.setattr(klinear, "fast", lambda k: launched.append(k))
-    a, b = torch.randn(4, 5, device=DEVICE), torch.randn(5, 3, device=DEVICE)
-    for args, err, match in (
-            ((a, torch.randn(6, 3, device=DEVICE)), ValueError, r"a must be \[M, K\].*\[4, 5\]"),
-            ((a, b.double()), TypeError, "b must be float32"),
-            ((a.half(), b), TypeError, "a must be float32"),
-            ((a, b, torch.randn(4, device=DEVICE)), ValueError, r"bias must have shape \[N\]"),
-            ((a, b, torch.randn(3, device=DEVICE).double()), TypeError, "bias must be float32")):
-        with pytest.raises(err, match=match):
-            klinear.tf32_matmul(*args)
-    assert launched == []
 
 
 @needs_split

@@ -168,14 +168,15 @@ def _cases():
         lstm.lstm_backward(torch.randn_like(out), torch.randn_like(cells), h0, c0, *args, out,
                            cells, gates)
 
-    def projection(M, K, N):
-        """The LSTM's float32 projection on TF32 products, forward and both gradients (the
-        transposed operands as strided views)."""
+    def projection(M, K, N, precision="tf32"):
+        """A float32 linear on the GEMM's products, forward and both gradients (the
+        transposed operands as strided views): the LSTM's projection (tf32), a decoder
+        (tf32x3, ``ctxfast.linear``)."""
         x, w, g = randn(M, K, dtype=torch.float32), randn(N, K, dtype=torch.float32), \
             randn(M, N, dtype=torch.float32)
-        linear.linear_forward(x, w, randn(N, dtype=torch.float32))
-        linear.tf32_matmul(g, w)
-        linear.tf32_matmul(g.t(), x)
+        linear.linear_forward(x, w, randn(N, dtype=torch.float32), precision=precision)
+        linear.matmul(g, w, precision=precision)
+        linear.matmul(g.t(), x, precision=precision)
 
     def shift(Tq, Tk, *, transposed=False):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -364,6 +365,8 @@ def _cases():
         # rel_shift: forward (SIGN=+1) and backward (SIGN=-1)
         ("linear fp32/tf32 ULMFiT projection 4480 x 1152 -> 4608", both,
          lambda: projection(4480, 1152, 4608)),
+        ("linear fp32/tf32x3 ULMFiT decoder 4480 x 400 -> 60000", sm90,
+         lambda: projection(4480, 400, 60000, "tf32x3")),
         ("rel_shift fp16/bf16/fp32 Tk=1024", both, lambda: shift(64, 1024)),
         ("rel_shift fp16/bf16/fp32 Tk=40 transposed", sm90, lambda: shift(20, 40, transposed=True)),
     ] + tuning            # last: a launch the cases above make keeps their name

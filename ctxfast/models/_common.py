@@ -1,5 +1,6 @@
-"""Pieces shared by the GPT and BERT reference models: the backend switch, one multi-head
-self-attention layer (padded or packed), the feed-forward block and input checks.
+"""Pieces shared by the reference models: the backend switch, a language model's decoder
+(:func:`decoder`), one multi-head self-attention layer (padded or packed), the feed-forward
+block, the kept keys and values of evaluation with memory, and input checks.
 
 ``backend="ctxfast"`` runs attention through :func:`ctxfast.attention` /
 :func:`ctxfast.attention_varlen` (whichever implementation ctxfast's dispatch picks: the
@@ -26,6 +27,16 @@ def check_backend(backend: str) -> str:
     if backend not in MODEL_BACKENDS:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")
     return backend
+
+
+def decoder(in_features: int, vocab_size: int, bias: bool, backend: str) -> nn.Linear:
+    """A language model's decoder ``[..., in_features] -> [..., vocab_size]``: an
+    ``nn.Linear`` on ``ctxfast.linear`` (:class:`ctxfast.nn.Linear`; float32 on the tensor
+    cores at float32's accuracy where its dispatch takes Triton), ctxfast's dispatch choosing
+    for the ctxfast backend, ``F.linear`` for eager. Its parameters are nn.Linear's."""
+    from ..nn.linear import Linear
+    return Linear(in_features, vocab_size, bias=bias,
+                  backend=None if backend == "ctxfast" else "eager")
 
 
 def activation(name: str, x: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from .. import reference
 from ..nn.lstm import EmbeddingDropout, LockedDropout, WeightDropLSTM, load_awd_lstm
-from ._common import check_backend, check_ids, values_checked
+from ._common import check_backend, check_ids, decoder, values_checked
 
 # fastai's dropouts for the classifier (``awd_lstm_clas_config``); the config's defaults
 # are its language-model ones (``awd_lstm_lm_config``).
@@ -238,7 +238,8 @@ class AWDLSTMLM(nn.Module):
         self.encoder = AWDLSTM(config)
         self.config = config = self.encoder.config          # shared: set_backend updates both
         self.output_dp = LockedDropout(config.output_p, batch_first=True)
-        self.decoder = nn.Linear(config.emb_sz, config.vocab_size, bias=config.out_bias)
+        self.decoder = decoder(config.emb_sz, config.vocab_size, config.out_bias,
+                               config.backend)                 # ctxfast.linear for ctxfast
         nn.init.uniform_(self.decoder.weight, -self.initrange, self.initrange)
         if config.out_bias:
             nn.init.zeros_(self.decoder.bias)
@@ -252,6 +253,7 @@ class AWDLSTMLM(nn.Module):
     def set_backend(self, backend: str) -> "AWDLSTMLM":
         """Switch to ``"ctxfast"`` or ``"eager"`` (weights and carried state unchanged)."""
         self.encoder.set_backend(backend)
+        self.decoder.backend = None if backend == "ctxfast" else "eager"
         return self
 
     def reset(self) -> None:

@@ -8,11 +8,15 @@
   (AWD-LSTM) and ELMo's projection clips; :func:`load_awd_lstm` reads fastai/Salesforce
   AWD-LSTM checkpoints.
 
+* :class:`Linear` — ``torch.nn.Linear`` on ``ctxfast.linear`` (float32 at float32's accuracy on
+  the tensor cores).
+
 * :class:`LockedDropout`, :class:`EmbeddingDropout` — AWD-LSTM's variational and embedding dropout.
 """
 from .attention import MultiheadAttention
+from .linear import Linear
 from .lstm import EmbeddingDropout, LockedDropout, WeightDropLSTM, load_awd_lstm
 from .rel_attention import RelPartialLearnableMultiHeadAttn
 
 __all__ = ["MultiheadAttention", "RelPartialLearnableMultiHeadAttn", "WeightDropLSTM",
-           "LockedDropout", "EmbeddingDropout", "load_awd_lstm"]
+           "LockedDropout", "EmbeddingDropout", "load_awd_lstm", "Linear"]

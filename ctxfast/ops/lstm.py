@@ -39,6 +39,7 @@ from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 from ._common import autocast as _autocast
 from ._common import call_in_backward as _call_in_backward
 from ._common import register_autograd as _register_autograd
+from . import linear as _linear_ops  # noqa: F401 (registers ctxfast::linear, the projection)
 
 
 # The C++ recurrence exists only once csrc/ has it and the extension was rebuilt.
@@ -350,80 +351,21 @@ class _OneDnnProjection(torch.autograd.Function):
 #: float32 input projections on CUDA with one TF32 product per MMA where torch allows TF32
 #: for cuDNN's RNNs but not for cuBLAS (both defaults): what nn.LSTM (cuDNN) does with every
 #: float32 GEMM of the layer, on our Triton kernel (``kernels/linear.py``, the precision
-#: taken per call). False: F.linear, which follows cuBLAS's setting.
+#: taken per call: the ``linear`` op's mode "rnn", ``ctxfast.ops.linear``). False: F.linear,
+#: which follows cuBLAS's setting.
 RNN_TF32_PROJECTION = True
-
-
-def _tf32_projection(x2: Tensor) -> bool:
-    """Whether the projection of `x2` takes the TF32 kernel (see RNN_TF32_PROJECTION)."""
-    if not (RNN_TF32_PROJECTION and x2.is_cuda and x2.dtype == torch.float32):
-        return False
-    from ctxfast.kernels._common import _rnn_tf32_allowed, _tf32_allowed  # imports triton
-    return _rnn_tf32_allowed() and not _tf32_allowed()
-
-
-@torch.library.custom_op("ctxfast::lstm_projection", mutates_args=())
-def _lstm_projection(x2: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """``x2 [M, I] @ w [N, I]ᵀ + b [N]`` -> ``[M, N]``: TF32 products where
-    :func:`_tf32_projection` says so, else F.linear."""
-    if _tf32_projection(x2):
-        from ctxfast.kernels.linear import linear_forward
-        return linear_forward(x2, w, b)
-    return F.linear(x2, w, b)
-
-
-@_lstm_projection.register_fake
-def _(x2, w, b):
-    return x2.new_empty((x2.shape[0], w.shape[0]))
-
-
-@torch.library.custom_op("ctxfast::lstm_projection_backward", mutates_args=())
-def _lstm_projection_backward(g: Tensor, x2: Tensor, w: Tensor, need_x: bool,
-                              need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(g @ w [M, I], gᵀ @ x2 [N, I], g.sum(0) [N])`` for ``g [M, N]``, the products as
-    :func:`_lstm_projection`'s; a gradient not needed is an empty ``[0]`` (not computed)."""
-    tf32 = _tf32_projection(x2)
-    if tf32:
-        from ctxfast.kernels.linear import tf32_matmul
-    mm = tf32_matmul if tf32 else torch.mm
-    gx = mm(g, w) if need_x else x2.new_empty((0,))
-    gw = mm(g.t(), x2) if need_w else w.new_empty((0,))
-    return gx, gw, g.sum(0)
-
-
-@_lstm_projection_backward.register_fake
-def _(g, x2, w, need_x, need_w):
-    return (x2.new_empty(x2.shape if need_x else (0,)), w.new_empty(w.shape if need_w else (0,)),
-            g.new_empty((g.shape[1],)))
-
-
-def _projection_setup(ctx, inputs, output):
-    x2, w, b = inputs
-    ctx.save_for_backward(x2, w)
-    ctx.has_bias = b is not None
-
-
-def _projection_grad(ctx, g):
-    x2, w = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    gx, gw, gb = torch.ops.ctxfast.lstm_projection_backward(g, x2, w, need_x, need_w)
-    return (gx if need_x else None, gw if need_w else None,
-            gb if ctx.has_bias and ctx.needs_input_grad[2] else None)
-
-
-_lstm_projection.register_autograd(_projection_grad, setup_context=_projection_setup)
 
 
 def _projection(x: Tensor, w_ih: Tensor, bias: Optional[Tensor], name: str) -> Tensor:
     """``xw = x @ w_ihᵀ + bias`` [T, B, 4H]: F.linear; oneDNN for the cpu backend's fp32
     where _LINEAR says so (eager only: under torch.compile the compiler takes F.linear);
-    the ``lstm_projection`` op for CUDA float32 (TF32 products as nn.LSTM's, where torch
-    allows them for cuDNN's RNNs: RNN_TF32_PROJECTION)."""
+    the ``linear`` op (mode "rnn") for CUDA float32: TF32 products as nn.LSTM's, where torch
+    allows them for cuDNN's RNNs (RNN_TF32_PROJECTION)."""
     if name == "cpu" and _LINEAR.startswith("bad"):
         raise ValueError(f"ctxfast.lstm: {_LINEAR[5:]}")
     if x.is_cuda and x.dtype == torch.float32 and RNN_TF32_PROJECTION and x.numel() > 0:
         T, B, I = x.shape
-        xw = torch.ops.ctxfast.lstm_projection(x.reshape(T * B, I), w_ih, bias)  # [T B, 4H]
+        xw = torch.ops.ctxfast.linear(x.reshape(T * B, I), w_ih, bias, "rnn")  # [T B, 4H]
         return xw.view(T, B, -1)                                                # [T, B, 4H]
     if (name != "cpu" or _LINEAR != "onednn" or x.dtype != torch.float32
             or x.numel() == 0 or torch.compiler.is_compiling()):

@@ -400,8 +400,8 @@ def test_float32_projection_takes_tf32_as_nn_lstm(monkeypatch):
     outputs and gradients within 2x the error of eager with TF32 GEMMs against float64."""
     from ctxfast.kernels import linear as klinear
     calls = []
-    real = klinear.tf32_matmul
-    monkeypatch.setattr(klinear, "tf32_matmul",
+    real = klinear.matmul
+    monkeypatch.setattr(klinear, "matmul",
                         lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     T, B, I, H = 7, 33, 200, 96
