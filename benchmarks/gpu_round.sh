@@ -315,7 +315,7 @@ stage_verify() {
     "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
     "triton persistent split-proj" "triton persistent split-k" "triton persistent f16-operands" \
     "triton persistent split-k f16-operands" \
-    "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" \
+    "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" "triton stepwise graphed" \
     --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "x cuDNN" 40
   # a float32 decoder on the Triton GEMM (tf32x3) against cuBLAS's float32 GEMMs at the

@@ -8,7 +8,9 @@ tf32x3, ``FP32_PRECISION``), the CUDA C++ kernels persistent (CUDA cores; and te
 sizes, forward and forward+backward, fp32 and bf16; "triton persistent split-proj" (the
 projection over the unit blocks, ``kernels.lstm.PROJ_SPLIT``; layers with one); "triton
 persistent split-k" (the backward's product split over the gate columns,
-``kernels.lstm.BWD_SPLIT_K``); "triton persistent f16-operands" (float32
+``kernels.lstm.BWD_SPLIT_K``); "triton stepwise graphed" and "cuda per-step graphed"
+(the per-step launches captured once in a CUDA graph and replayed: the other way to take
+the host out of a per-step recurrence); "triton persistent f16-operands" (float32
 with TF32 allowed: the forward's recurrence products on fp16 operands,
 ``kernels.lstm.F16_OPERANDS``; float32, layers without projection or with a proj clip);
 "triton persistent split-k f16-operands" (both); and
@@ -70,7 +72,7 @@ def _form(name: str):
     saved_tf32 = torch.backends.cudnn.allow_tf32
     if name.startswith(("cuda ", "cuDNN")) and name.endswith((" tf32x3", " ieee")):
         torch.backends.cudnn.allow_tf32 = False   # float32 without TF32 (ours: tf32x3)
-    if name == "triton stepwise":
+    if name.startswith("triton stepwise"):      # (" graphed": the same launches, replayed)
         lstm_kernels.LAUNCH = "stepwise"
     elif name.startswith("triton persistent"):
         lstm_kernels.LAUNCH = "persistent"
@@ -106,6 +108,22 @@ def _form(name: str):
                 os.environ[var] = saved
 
 
+def _graphed(fn):
+    """`fn` captured in a CUDA graph: warm-up calls on a side stream (compiles, caches), one
+    capture, and the graph's replay returned (what is timed: the same launches without their
+    host-side cost). Raises RuntimeError where the call cannot be captured (a host sync)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _forms(device: torch.device) -> List[str]:
     forms = []
     if _dispatch.why_unavailable("triton", device) is None:
@@ -122,6 +140,9 @@ def _forms(device: torch.device) -> List[str]:
         forms.append("auto")               # no backend asked for: Triton forward, CUDA backward
     if device.type == "cuda":
         forms += ["cuDNN+WeightDropout", "cuDNN+WeightDropout ieee"]
+        # the per-step launches captured in a CUDA graph, last: a capture that fails can
+        # leave the stream unusable for what would follow
+        forms += [f + " graphed" for f in ("triton stepwise", "cuda per-step") if f in forms]
     return forms
 
 
@@ -173,13 +194,18 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
                     return torch.autograd.grad(fwd(), leaves, g, allow_unused=True)
                 with _form(form):
                     try:
+                        timed = (fwd_nograd, fwd_bwd)
+                        if form.endswith(" graphed"):
+                            timed = tuple(_graphed(f) for f in timed)
                         row = dict(case=name, dtype=dt_name, form=form,
-                                   fwd_ms=round(time_ms(fwd_nograd), 4),
-                                   fwd_bwd_ms=round(time_ms(fwd_bwd), 4))
+                                   fwd_ms=round(time_ms(timed[0]), 4),
+                                   fwd_bwd_ms=round(time_ms(timed[1]), 4))
                     except RuntimeError as e:
                         # a forced kernel that cannot run at this size refuses (never a
-                        # silent fallback): a row that says so, and the run goes on
-                        if "cannot run at these sizes" not in str(e):
+                        # silent fallback), a call that cannot be captured says why: a row
+                        # that says so, and the run goes on
+                        if "cannot run at these sizes" not in str(e) \
+                                and not form.endswith(" graphed"):
                             raise
                         why = str(e).split("cannot run at these sizes: ")[-1].splitlines()[0]
                         rows.append(dict(case=name, dtype=dt_name, form=form, fwd_ms=None,
