@@ -381,6 +381,12 @@ stage_followup() {
   step "xl-eval --quick bf16" 60 xl_eval_quick_bf16.log "$PY" -m ctxfast.cli xl-eval \
     --quick --dtype bfloat16 --out "$R/xl-eval-quick-bf16" --no-progress
   summarize xl_eval_quick_bf16.log "." 16
+  # decoding (1 and 16 queries against an 8,192-key cache, D 128, bf16): ours against SDPA,
+  # never timed on a GPU (the benchmark's harness and its check against the reference)
+  step "attention decoding against SDPA" 45 attention_decode.log "$PY" -m pytest \
+    benchmarks/bench_attention.py -q -p no:cacheprovider -k "decode and (triton or sdpa)" \
+    --benchmark-json "$R/attention_decode.json"
+  summarize attention_decode.log "decode|passed|failed|Error" 12
   # the kernels alone at 3,800 (float32, ctxfast only): against the first float32 run's
   # ctxfast row, what the K/V reuse gives
   step "xl-eval 3800 float32, no K/V reuse" 40 xl_eval_no_reuse.log "$PY" -m ctxfast.cli \

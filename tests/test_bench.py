@@ -944,10 +944,19 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     # the Triton LSTM backward's launch sweep in verify, xl-eval's quick run in followup
     assert any("lstm_triton_sweep.py --backward" in c for c in verify)
     assert any("xl-eval --quick" in c for c in stages["followup"])
+    # the float32 decoder's GEMM against cuBLAS before the suite, its tests in the suite;
+    # the AWD-LSTM step with it in followup, and decoding against SDPA
+    assert any("linear_compare.py --sweep" in c for c in verify)
+    assert "tests/test_linear.py" in vsuite[0]
+    assert any("CTXFAST_LINEAR_CUDA=triton" in c and "awd_lstm" in c
+               for c in stages["followup"])
+    assert any("bench_attention.py" in c and "decode" in c for c in stages["followup"])
     # verify: the timings first, the suite last (a cut stage keeps what only a GPU gives)
     step = {k: next(i for i, c in enumerate(verify) if k in c)
-            for k in ("lstm_launch_compare.py", "tune_report.py", " -m pytest tests/gpu ")}
+            for k in ("lstm_launch_compare.py", "linear_compare.py", "tune_report.py",
+                      " -m pytest tests/gpu ")}
     assert step["lstm_launch_compare.py"] < step["tune_report.py"] < step[" -m pytest tests/gpu "]
+    assert step["linear_compare.py"] < step[" -m pytest tests/gpu "]
     assert " -m pytest tests/gpu " in verify[-2]
     assert "auto" in verify[step["lstm_launch_compare.py"]]
 
