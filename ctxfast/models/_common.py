@@ -1,5 +1,5 @@
 """Pieces shared by the reference models: the backend switch, a language model's decoder
-(:func:`decoder`), one multi-head self-attention layer (padded or packed), the feed-forward
+(:func:`lm_decoder`), one multi-head self-attention layer (padded or packed), the feed-forward
 block, the kept keys and values of evaluation with memory, and input checks.
 
 ``backend="ctxfast"`` runs attention through :func:`ctxfast.attention` /
@@ -29,7 +29,7 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def decoder(in_features: int, vocab_size: int, bias: bool, backend: str) -> nn.Linear:
+def lm_decoder(in_features: int, vocab_size: int, bias: bool, backend: str) -> nn.Linear:
     """A language model's decoder ``[..., in_features] -> [..., vocab_size]``: an
     ``nn.Linear`` on ``ctxfast.linear`` (:class:`ctxfast.nn.Linear`; float32 on the tensor
     cores at float32's accuracy where its dispatch takes Triton), ctxfast's dispatch choosing

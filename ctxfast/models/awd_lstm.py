@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from .. import reference
 from ..nn.lstm import EmbeddingDropout, LockedDropout, WeightDropLSTM, load_awd_lstm
-from ._common import check_backend, check_ids, decoder, values_checked
+from ._common import check_backend, check_ids, lm_decoder, values_checked
 
 # fastai's dropouts for the classifier (``awd_lstm_clas_config``); the config's defaults
 # are its language-model ones (``awd_lstm_lm_config``).
@@ -238,8 +238,8 @@ class AWDLSTMLM(nn.Module):
         self.encoder = AWDLSTM(config)
         self.config = config = self.encoder.config          # shared: set_backend updates both
         self.output_dp = LockedDropout(config.output_p, batch_first=True)
-        self.decoder = decoder(config.emb_sz, config.vocab_size, config.out_bias,
-                               config.backend)                 # ctxfast.linear for ctxfast
+        self.decoder = lm_decoder(config.emb_sz, config.vocab_size, config.out_bias,
+                                  config.backend)              # ctxfast.linear for ctxfast
         nn.init.uniform_(self.decoder.weight, -self.initrange, self.initrange)
         if config.out_bias:
             nn.init.zeros_(self.decoder.bias)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.lstm import WeightDropLSTM
-from ._common import check_backend, decoder, values_checked
+from ._common import check_backend, lm_decoder, values_checked
 
 # AllenNLP's ELMoCharacterMapper: byte values 0..255 and five special characters, stored
 # +1 so that 0 can mean "no character" (padding).
@@ -347,7 +347,7 @@ class ElmoBiLM(nn.Module):
 
     @staticmethod
     def _softmax(c: ElmoConfig) -> nn.Linear:
-        lin = decoder(c.projection_dim, c.vocab_size, True, c.backend)  # ctxfast.linear
+        lin = lm_decoder(c.projection_dim, c.vocab_size, True, c.backend)  # ctxfast.linear
         nn.init.normal_(lin.weight, 0.0, c.projection_dim ** -0.5)      # AllenNLP's SoftmaxLoss
         nn.init.zeros_(lin.bias)
         return lin
