@@ -63,6 +63,7 @@ BASELINES: Dict[str, str] = {
     "attention": "eager",
     "rel_attention": "eager-original",
     "lstm": "nn.LSTM+WeightDropout",
+    "linear": "eager",
 }
 
 #: Keys of one record, in order.
