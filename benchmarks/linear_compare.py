@@ -7,7 +7,9 @@ Forms, each timed forward (no grad) and forward+backward (grad of x, weight and 
   the CUDA cores), what a float32 model's decoder runs today, fastai's AWD-LSTM included;
 * ``triton tf32x3``: ``ctxfast.linear(..., backend="triton")`` with TF32 off (three TF32
   products a multiply, float32-level error), at the launch table's tiles and at the
-  ``--sweep`` rows (``kernels.linear.CONFIG_OVERRIDE``);
+  ``--sweep`` rows (``kernels.linear.CONFIG_OVERRIDE``); ``promote``: each K step's
+  products summed apart and added on the CUDA cores (``kernels.linear.PROMOTE``: what the
+  tensor cores' truncating sums cost in error over long K, and what avoiding them costs);
 * ``cublas tf32`` / ``triton tf32``: both with TF32 allowed (one product; what a user who
   allows TF32 gets), for scale.
 
@@ -39,10 +41,10 @@ import _common  # noqa: E402
 import ctxfast  # noqa: E402
 
 #: (name, rows M, in features I, out features N): ULMFiT's decoder (B 64 x T 70 rows, 400 ->
-#: 60,000 words, fastai's AWD-LSTM LM), the benchmark's ELMo-small softmax (B 128 x T 20
-#: rows, both directions, 128 -> 32,768), GPT-2's LM head at B 8 x T 1024 (768 -> 50,257).
-FULL = [("ULMFiT decoder", 4480, 400, 60000), ("ELMo-small softmax", 2 * 2560, 128, 32768),
-        ("GPT-2 LM head", 8192, 768, 50257)]
+#: 60,000 words, fastai's AWD-LSTM LM) and the benchmark's ELMo-small softmax (B 128 x T 20
+#: rows, both directions, 128 -> 32,768): the float32 models' (GPT-2's head trains in 16
+#: bits, cuBLAS's own; bench_linear.py times it in float32 too).
+FULL = [("ULMFiT decoder", 4480, 400, 60000), ("ELMo-small softmax", 2 * 2560, 128, 32768)]
 QUICK = [("tiny", 37, 19, 23)]
 #: Launch rows ``--sweep`` times besides the table's 128 x 128 x 32, 8 warps, 3 stages (each
 #: compiled tf32x3 for sm_90 with Triton 3.9: registers / spill bytes 224 / 0, 255 / 0,
@@ -63,28 +65,32 @@ def _tf32(allowed: bool):
 
 
 @contextlib.contextmanager
-def _override(cfg: Optional[dict]):
+def _override(cfg: Optional[dict], promote: bool):
+    """The launch override and PROMOTE for the block (set outside the timed calls)."""
     from ctxfast.kernels import linear as klinear
-    old = klinear.CONFIG_OVERRIDE
-    klinear.CONFIG_OVERRIDE = cfg
+    old = klinear.CONFIG_OVERRIDE, klinear.PROMOTE
+    klinear.CONFIG_OVERRIDE, klinear.PROMOTE = cfg, promote
     try:
         yield
     finally:
-        klinear.CONFIG_OVERRIDE = old
+        klinear.CONFIG_OVERRIDE, klinear.PROMOTE = old
 
 
 def _forms(sweep: bool):
-    """(name, function, TF32 allowed, launch override)."""
+    """(name, function, TF32 allowed, launch override, PROMOTE)."""
     def cublas(x, w, b):
         return F.linear(x, w, b)
 
     def triton(x, w, b):
         return ctxfast.linear(x, w, b, backend="triton")
-    forms = [("cublas fp32", cublas, False, None), ("triton tf32x3", triton, False, None)]
+    forms = [("cublas fp32", cublas, False, None, False),
+             ("triton tf32x3", triton, False, None, False),
+             ("triton tf32x3 promote", triton, False, None, True)]
     if sweep:
         forms += [("triton tf32x3 " + ",".join(f"{k}={v}" for k, v in cfg.items()), triton,
-                   False, cfg) for cfg in SWEEP]
-    return forms + [("cublas tf32", cublas, True, None), ("triton tf32", triton, True, None)]
+                   False, cfg, False) for cfg in SWEEP]
+    return forms + [("cublas tf32", cublas, True, None, False),
+                    ("triton tf32", triton, True, None, False)]
 
 
 def _error(fn, x, w, b, g, ref) -> float:
@@ -108,8 +114,8 @@ def run(quick: bool, reps: int, sweep: bool) -> List[Dict]:
         y64 = F.linear(x64, w64, b64)
         ref = [y64.detach(), *torch.autograd.grad(y64, (x64, w64, b64), g.double())]
         del y64
-        for form, fn, tf32, cfg in _forms(sweep):
-            with _tf32(tf32), _override(cfg):
+        for form, fn, tf32, cfg, promote in _forms(sweep):
+            with _tf32(tf32), _override(cfg, promote):
                 def fwd():
                     with torch.no_grad():
                         return fn(x, w, b)

@@ -46,10 +46,12 @@ def _linear_kernel(
     c_ptr,       # [M, N] out, a's dtype (strides scm, scn)
     M, N, K,
     sam, sak, sbk, sbn, scm, scn,
+    zero,        # 0.0 (PROMOTE's fresh accumulator, a value the compiler cannot fold)
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,   # float32 operands: "tf32" or "tf32x3"; fp64 "ieee"
     ACC: tl.constexpr,         # accumulator: tl.float64 for fp64, else tl.float32
     UPCAST: tl.constexpr,      # 16-bit operands to float32 before the dot (interpreter)
+    PROMOTE: tl.constexpr,     # sum each K step apart, then into acc on the CUDA cores
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -76,7 +78,13 @@ def _linear_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        if PROMOTE:     # this step's products in their own MMA sum, added here (RN);
+            # a zero the compiler cannot see (the argument `zero`) keeps it from folding the
+            # add back into the dot's accumulator (dot(a, b, 0) + acc -> dot(a, b, acc))
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC) + zero
+            acc += tl.dot(a, b, part, input_precision=PRECISION, out_dtype=ACC)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(ACC)[None, :]
     tl.store(c_ptr + offs_m[:, None] * scm + offs_n[None, :] * scn,
@@ -86,6 +94,15 @@ def _linear_kernel(
 #: The products a call may ask for (``tl.dot``'s ``input_precision``; the interpreter computes
 #: float32 dots exactly whatever the string).
 PRECISIONS = ("tf32", "tf32x3")
+
+#: float32: sum each K step's products in an MMA accumulator of their own and add it to the
+#: running sum on the CUDA cores (one rounding to nearest a step), instead of accumulating
+#: every step in the MMAs. Tensor cores align and normalise their sums with truncation
+#: (studies of V100 / A100 tensor cores: products exact, the adder truncates), a bias that
+#: grows with K; the decoder's gradient GEMMs sum 4,480 and 60,000 terms. Off by default:
+#: ``benchmarks/linear_compare.py`` ("triton tf32x3 promote") measures both the error and
+#: the cost on a GPU. The interpreter computes the same sums either way.
+PROMOTE: bool = False
 
 #: Keys of :func:`_config`'s dict that replace its choice (``benchmarks/linear_compare.py``'s
 #: sweep on a GPU), e.g. ``{"BLOCK_K": 16, "num_stages": 4}``. None: the table.
@@ -152,9 +169,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, *,
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     fast(_linear_kernel)[grid](
         a, b, bias if bias is not None else c, c, M, N, K, a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        b.stride(0), b.stride(1), c.stride(0), c.stride(1), 0.0,
         HAS_BIAS=bias is not None, PRECISION="ieee" if f64 else precision,
-        ACC=tl.float64 if f64 else tl.float32, UPCAST=half and _interpreting(), **cfg)
+        ACC=tl.float64 if f64 else tl.float32, UPCAST=half and _interpreting(),
+        PROMOTE=PROMOTE and a.dtype == torch.float32, **cfg)
     return c
 
 

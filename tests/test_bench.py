@@ -946,7 +946,7 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     assert any("xl-eval --quick" in c for c in stages["followup"])
     # the float32 decoder's GEMM against cuBLAS before the suite, its tests in the suite;
     # the AWD-LSTM step with it in followup, and decoding against SDPA
-    assert any("linear_compare.py --sweep" in c for c in verify)
+    assert any("linear_compare.py --out" in c for c in verify)
     assert "tests/test_linear.py" in vsuite[0]
     assert any("CTXFAST_LINEAR_CUDA=triton" in c and "awd_lstm" in c
                for c in stages["followup"])
@@ -1123,10 +1123,11 @@ def test_linear_compare_times_every_form_and_restores_the_settings(tmp_path):
     out = tmp_path / "lc.json"
     assert lc.main(["--quick", "--sweep", "--reps", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 4 + len(lc.SWEEP) and len({r["form"] for r in rows}) == len(rows)
+    assert len(rows) == 5 + len(lc.SWEEP) and len({r["form"] for r in rows}) == len(rows)
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["rel_err"] < 1e-5 for r in rows)
     assert len(lc.ratios(rows)) == len(rows) - 1
     assert klinear.CONFIG_OVERRIDE is None and torch.backends.cuda.matmul.allow_tf32 == tf32
+    assert klinear.PROMOTE is False
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast import reference
-from utils import DEVICE, TRITON_ON_CPU, assert_within_2x_eager, rel_err
+from utils import DEVICE, TRITON_ON_CPU, assert_within_2x_eager, rel_err, spy_launches
 
 linear_ops = importlib.import_module("ctxfast.ops.linear")
 BACKENDS = [b for b in ctxfast.BACKENDS if ctxfast.why_unavailable(b, DEVICE) is None]
@@ -111,6 +111,28 @@ def test_matmul_against_float64(precision, M, K, N, bias, view):
     else:
         same = a @ b + (bv if bias else 0)
         assert_within_2x_eager(got, same, want, FLOOR[torch.float32], name=precision)
+
+
+@needs_triton
+def test_steps_summed_apart(monkeypatch):
+    """kernels.linear.PROMOTE: each K step's products summed on their own and added to the
+    running sum outside the MMA (float32 only): the same values against float64, over
+    several K steps (K 70 is 5 of the interpreter's 16-deep steps), and the kernel ran it."""
+    from ctxfast.kernels import linear as klinear
+    monkeypatch.setattr(klinear, "PROMOTE", True)
+    seen = spy_launches(monkeypatch, klinear, ["_linear_kernel"],
+                        lambda a, kw: kw["PROMOTE"], with_name=False)
+    x, w, b = _inputs((33,), 70, 21, torch.float32)
+    g = torch.randn(33, 21, device=DEVICE)
+    ours = _run(lambda *a: ctxfast.linear(*a, backend="triton"), x, w, b, g)
+    same = _run(F.linear, x, w, b, g)
+    ref = _run(F.linear, *[t.detach().double().requires_grad_() for t in (x, w, b)], g.double())
+    for name, o, s, r in zip(["out", "grad_x", "grad_weight", "grad_bias"], ours, same, ref):
+        assert_within_2x_eager(o, s, r, FLOOR[torch.float32], name=f"promote {name}")
+    assert seen == [True] * 3
+    x16, w16 = x.detach().half(), w.detach().half()
+    ctxfast.linear(x16, w16, backend="triton")
+    assert seen[-1] is False                          # 16-bit: one MMA sum, as before
 
 
 @needs_triton

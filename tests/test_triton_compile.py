@@ -367,6 +367,10 @@ def _cases():
          lambda: projection(4480, 1152, 4608)),
         ("linear fp32/tf32x3 ULMFiT decoder 4480 x 400 -> 60000", sm90,
          lambda: projection(4480, 400, 60000, "tf32x3")),
+        ("linear fp32/tf32x3 decoder forward, each K step summed apart (PROMOTE)", sm90,
+         setting(linear, "PROMOTE", True)(lambda: linear.linear_forward(
+             randn(4480, 400, dtype=torch.float32), randn(60000, 400, dtype=torch.float32),
+             precision="tf32x3"))),
         ("rel_shift fp16/bf16/fp32 Tk=1024", both, lambda: shift(64, 1024)),
         ("rel_shift fp16/bf16/fp32 Tk=40 transposed", sm90, lambda: shift(20, 40, transposed=True)),
     ] + tuning            # last: a launch the cases above make keeps their name
