@@ -951,8 +951,9 @@ def test_projection_op_on_the_tf32_kernel(monkeypatch):
 def test_projection_takes_tf32_only_where_nn_lstm_would(monkeypatch):
     """The TF32 kernel (the linear op's mode "rnn"): CUDA float32, cuDNN's RNN TF32 on and
     cuBLAS's off (torch's defaults: F.linear would be exact float32 where nn.LSTM's GEMMs
-    are TF32). cuBLAS's on: F.linear is TF32 already; cuDNN's off: exact float32, as
-    nn.LSTM; 16-bit or CPU tensors: F.linear."""
+    are TF32). cuBLAS's on: F.linear is TF32 already; cuDNN's off: float32's accuracy, as
+    nn.LSTM (cuBLAS, or tf32x3 where ctxfast.linear's CUDA default is Triton); 16-bit or
+    CPU tensors: F.linear."""
     pytest.importorskip("triton")
     from ctxfast.kernels import _common as kcommon
     linear_ops = importlib.import_module("ctxfast.ops.linear")
@@ -971,7 +972,10 @@ def test_projection_takes_tf32_only_where_nn_lstm_would(monkeypatch):
     settings["cublas"] = True
     assert decide(X()) is None
     settings.update(cublas=False, rnn=False)
-    assert decide(X()) is None
+    assert decide(X()) is None                # exact float32 on cuBLAS: linear's default
+    monkeypatch.setattr(linear_ops, "CUDA_DEFAULT", "triton")
+    assert decide(X()) == "tf32x3"            # ... or tf32x3 where linear takes Triton
+    assert decide(X(dtype=torch.float16)) is None
 
 
 @needs_triton

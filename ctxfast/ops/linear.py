@@ -29,8 +29,10 @@ Registered ops (under ``torch.ops.ctxfast``, each with a fake for torch.compile)
   exact);
 * ``"rnn"`` (the LSTM's input projection and its gradients, ``ctxfast.ops.lstm``): one
   TF32 product where torch allows TF32 for cuDNN's RNNs but not for cuBLAS (both defaults),
-  as ``nn.LSTM`` runs every float32 GEMM of the layer; otherwise ``F.linear`` / ``torch.mm``,
-  which follow cuBLAS's setting.
+  as ``nn.LSTM`` runs every float32 GEMM of the layer; where it allows TF32 for neither,
+  float32's accuracy: tf32x3 if :data:`CUDA_DEFAULT` is ``"triton"`` (the decision for
+  ``ctxfast.linear``'s own float32 calls), else cuBLAS; otherwise ``F.linear`` /
+  ``torch.mm``, which follow cuBLAS's setting.
 
 The ``eager`` backend is ``ctxfast.reference.linear`` (``F.linear``). ctxfast has no C++
 GEMM of its own: ``cpu`` and ``cuda`` are ATen's (MKL / oneDNN on CPU tensors, cuBLAS on
@@ -72,9 +74,11 @@ def _precision(mode: str, x2: Tensor) -> Optional[str]:
     from ctxfast.kernels._common import _rnn_tf32_allowed, _tf32_allowed  # imports triton
     if mode == "triton":
         return "tf32" if _tf32_allowed() else "tf32x3"
-    if x2.is_cuda and x2.dtype == torch.float32 and _rnn_tf32_allowed() and not _tf32_allowed():
-        return "tf32"
-    return None
+    if not (x2.is_cuda and x2.dtype == torch.float32) or _tf32_allowed():
+        return None                          # F.linear: 16-bit, CPU, or TF32 in cuBLAS too
+    if _rnn_tf32_allowed():
+        return "tf32"                        # nn.LSTM's GEMMs are TF32: so are ours
+    return "tf32x3" if CUDA_DEFAULT == "triton" else None   # exact float32: as linear's
 
 
 @torch.library.custom_op("ctxfast::linear", mutates_args=())
