@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import ctxfast
 from ctxfast import _dispatch
 from ctxfast.nn import WeightDropLSTM, load_awd_lstm
-from utils import CPU_BACKENDS, REL_TOL, assert_close
+from utils import CPU_BACKENDS, REL_TOL, assert_close, assert_within_2x_eager
 
 LSTM_BACKENDS = [b for b in CPU_BACKENDS if b in _dispatch.registered_ops()["lstm"]]
 # The Triton interpreter takes seconds per LSTM: "triton" runs a subset of the cases (one
@@ -151,22 +151,31 @@ def test_empty_batch_matches_nn_lstm():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_close_to_float64(dtype):
     """Ours in fp16/bf16 against nn.LSTM in float64 on the same (rounded) weights and
-    inputs: within the dtype's REL_TOL, forward and every gradient."""
+    inputs, forward and every gradient: within 2x the error of the eager backend at the
+    same dtype, plus the dtype's floor (the ops' rule; a fixed REL_TOL failed bf16 at
+    CTXFAST_TEST_SEED=7: one weight gradient 1.26e-2 against 1e-2)."""
     cfg = CONFIGS["L2-bi-batch_first-proj"]
     ours, ref = _pair(cfg, dtype)
+    same = WeightDropLSTM(**cfg, backend="eager", dtype=dtype)
+    same.load_state_dict(ours.state_dict())
     ref = ref.double()
     x, hx = _inputs(cfg, dtype, True)
-    out, (h, c) = ours(x, hx)
-    assert out.dtype == dtype
     x64 = x.detach().double().requires_grad_(True)
     hx64 = tuple(s.detach().double().requires_grad_(True) for s in hx)
     out_r, (h_r, c_r) = ref(x64, hx64)
     gs = [torch.randn_like(t) for t in (out_r, h_r, c_r)]
-    g = torch.autograd.grad((out, h, c), [x, *hx, *ours.parameters()], [t.to(dtype) for t in gs])
     g_r = torch.autograd.grad((out_r, h_r, c_r), [x64, *hx64, *ref.parameters()], gs)
-    for k, (a, b) in enumerate(zip((out, h, c) + g, (out_r, h_r, c_r) + g_r)):
+    res = []
+    for mod in (ours, same):
+        out, (h, c) = mod(x, hx)
+        assert out.dtype == dtype
+        g = torch.autograd.grad((out, h, c), [x, *hx, *mod.parameters()],
+                                [t.to(dtype) for t in gs])
+        res.append((out, h, c) + g)
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for k, (a, e, b) in enumerate(zip(*res, (out_r, h_r, c_r) + g_r)):
         assert a.dtype == dtype, k
-        assert_close(a.double(), b, REL_TOL[dtype], f"output/gradient {k}")
+        assert_within_2x_eager(a, e, b, floor, name=f"output/gradient {k}")
 
 
 def test_autocast_runs_in_the_autocast_dtype():
