@@ -115,18 +115,19 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _config(dtype: torch.dtype = torch.float32) -> dict:
-    """Tiles and warps: the interpreter's small blocks; else float32 128 x 128 x 32 with 8
-    warps and 3 stages (two 16 KB operand tiles a stage; every dot a wgmma on sm_90; tf32:
-    161 registers, tf32x3: 255, neither spills, Triton 3.9), 16-bit 128 x 128 x 64 (the
-    same bytes a stage), float64 64 x 64 x 16 with 4 warps. First choices from the
-    tutorials' Hopper rows, not tuned; :data:`CONFIG_OVERRIDE` replaces any of it."""
+    """Tiles and warps: the interpreter's small blocks; else 128 x 128 x 32 with 8 warps and
+    3 stages (float32: two 16 KB operand tiles a stage; every dot a wgmma on sm_90; tf32:
+    161 registers, tf32x3: 255, 16-bit: 238, none spills, Triton 3.9; 16-bit at BLOCK_K 64
+    spilled 4 B), float64 64 x 64 x 16 with 4 warps (186 registers, mma.sync: DMMA). First
+    choices from the tutorials' Hopper rows, not tuned; :data:`CONFIG_OVERRIDE` replaces any
+    of it."""
     if _interpreting():
         cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1)
     elif dtype == torch.float64:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=3)
     else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32 if dtype == torch.float32 else 64,
-                   GROUP_M=8, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8,
+                   num_stages=3)
     if CONFIG_OVERRIDE:
         bad = sorted(set(CONFIG_OVERRIDE) - set(_CONFIG_KEYS))
         if bad:
