@@ -420,6 +420,10 @@ def to_fastai(model: nn.Module, weight_p: float) -> nn.Module:
         lstm = nn.LSTM(rnn.input_size, rnn.hidden_size, 1, batch_first=True)
         lstm.load_state_dict({n: t for n, t in rnn.state_dict().items()})
         model.encoder.rnns[k] = FastaiWeightDropLSTM(lstm, weight_p)
+    dec = model.decoder                   # a plain nn.Linear, the same (tied) parameters
+    plain = nn.Linear(dec.in_features, dec.out_features, bias=dec.bias is not None)
+    plain.weight, plain.bias = dec.weight, dec.bias
+    model.decoder = plain
     return model
 
 
