@@ -289,14 +289,24 @@ def test_matmul_refuses_bad_operands_before_launching(monkeypatch):
     assert launched == []
 
 
-def test_nn_linear_is_a_drop_in(device):
-    """ctxfast.nn.Linear loads nn.Linear's state dict and computes F.linear's values."""
+def test_nn_linear_is_a_drop_in(device, monkeypatch):
+    """ctxfast.nn.Linear loads nn.Linear's state dict and computes F.linear's values; its
+    ``backend`` reaches the op (the Triton GEMM runs where asked for)."""
     ref = torch.nn.Linear(6, 4).to(device)
     ours = ctxfast.nn.Linear(6, 4, backend="eager").to(device)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(2, 3, 6, device=device)
     assert torch.equal(ours(x), ref(x))
     assert reference.linear(x, ref.weight, ref.bias).shape == (2, 3, 4)
+    if "triton" in BACKENDS:
+        from ctxfast.kernels import linear as klinear
+        calls = []
+        real = klinear.matmul
+        monkeypatch.setattr(klinear, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+        ours.backend = "triton"
+        assert_within_2x_eager(ours(x), ref(x), F.linear(x.double(), ref.weight.double(),
+                                                         ref.bias.double()), FLOOR[torch.float32])
+        assert calls == [1]
 
 
 @needs_triton
