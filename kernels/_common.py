@@ -29,6 +29,16 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _query_block(pid, CAUSAL: tl.constexpr):
+    """Program pid's query block (grid axis 0): causal grids run the last (longest) rows
+    first, so that the short ones fill the last wave (attention's forward and dQ kernels,
+    rel_attention's forward: its dQ kernel spilled 28 B more per thread with it, sm_90)."""
+    if CAUSAL:
+        pid = tl.num_programs(0) - 1 - pid
+    return pid
+
+
+@triton.jit
 def _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop):
     """[BLOCK_M, BLOCK_N] bool: dropout keeps (b, h, i, j). Philox counter =
     (bh * Tq + i) * Tk + j (int64), so the forward and both backward kernels (and

@@ -66,9 +66,9 @@ import triton.language as tl
 
 from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _exp2_tile,
                       _has_tma, _interpreting, _keep, _keep_t, _key_range, _load_rows,
-                      _mask_args, _new_output, _online_softmax_step, _precision, _seed_arg,
-                      _seq_bounds, _split_targets, _tile_rows, _visible, cdiv, check_tma_mode,
-                      next_pow2, tma_args)
+                      _mask_args, _new_output, _online_softmax_step, _precision,
+                      _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
+                      _visible, cdiv, check_tma_mode, next_pow2, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -256,14 +256,6 @@ def _fwd_epilogue(acc, l_i, m_i, o_ptrs, lse_ptrs, offs_m, Tq, d_ok, SPLIT_K: tl
     lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), empty_lse)
     tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_ok)
     tl.store(lse_ptrs, lse, mask=offs_m < Tq)
-
-
-@triton.jit
-def _query_block(pid, CAUSAL: tl.constexpr):
-    """Program pid's query block: causal grids run the last (longest) rows first."""
-    if CAUSAL:
-        pid = tl.num_programs(0) - 1 - pid
-    return pid
 
 
 @triton.jit

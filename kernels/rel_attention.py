@@ -114,8 +114,8 @@ import triton.language as tl
 
 from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _has_tma, _interpreting,
                       _keep, _key_range, _mask_args, _new_output, _online_softmax_step,
-                      _seed_arg, _split_targets, _tf32_allowed, _tile_rows, _visible, cdiv,
-                      check_tma_mode, next_pow2, tma_args)
+                      _query_block, _seed_arg, _split_targets, _tf32_allowed, _tile_rows,
+                      _visible, cdiv, check_tma_mode, next_pow2, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -375,7 +375,7 @@ def _rel_attn_fwd_kernel(
                                     # and of r as [1, H, R, D]
     TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
 ):
-    pid_m = tl.program_id(0)
+    pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -762,7 +762,7 @@ def _rel_attn_bwd_dq_kernel(
                                     # and of r as [1, H, R, D]
     TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(0)        # (longest first, _query_block, spilled 28 B more here)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
