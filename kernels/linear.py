@@ -160,6 +160,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, *,
                          f"{list(bias.shape)}")
     M, K = a.shape
     N = b.shape[1]
+    if bias is not None:
+        bias = bias.contiguous()             # the kernel reads it with unit stride
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
         return c

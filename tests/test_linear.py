@@ -27,13 +27,14 @@ DTYPES = [torch.float32, torch.float16, torch.float64] + \
 
 def _inputs(lead, I, N, dtype, *, bias=True, view="contiguous"):
     """x ``[*lead, I]``, weight ``[N, I]``, bias ``[N]`` or None, as leaves; ``view``:
-    "x transposed" / "weight transposed" (strided views of other layouts)."""
+    "x transposed" / "weight transposed" (strided views of other layouts; the latter with
+    a strided bias too)."""
     def mk(*s):
         return torch.randn(*s, device=DEVICE, dtype=torch.float32)
     x = mk(I, *lead).movedim(0, -1) if view == "x transposed" else mk(*lead, I)
     w = mk(I, N).t() if view == "weight transposed" else mk(N, I)
     w = w * max(I, 1) ** -0.5
-    b = mk(N) if bias else None
+    b = (mk(2 * N)[::2] if view == "weight transposed" else mk(N)) if bias else None
     return [t.to(dtype).requires_grad_() if t is not None else None for t in (x, w, b)]
 
 
