@@ -71,6 +71,7 @@ def _linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_in = offs_k < K
+        offs_k = offs_k.to(tl.int64)           # x a stride: past 2^31 at 16k rows x 131k
         a = tl.load(a_ptr + offs_m[:, None] * sam + offs_k[None, :] * sak,
                     mask=m_in[:, None] & k_in[None, :], other=0.0)        # [BLOCK_M, BLOCK_K]
         b = tl.load(b_ptr + offs_k[:, None] * sbk + offs_n[None, :] * sbn,
