@@ -312,12 +312,13 @@ def test_nn_linear_is_a_drop_in(device, monkeypatch):
 
 @needs_triton
 def test_language_model_decoders_run_on_ctxfast_linear(monkeypatch):
-    """AWD-LSTM's decoder and ELMo's softmax are ``ctxfast.nn.Linear`` modules: under the
+    """AWD-LSTM's decoder, ELMo's softmax and GPT's LM head are ``ctxfast.nn.Linear``
+    modules: under the
     ctxfast backend the dispatch picks their GEMM (Triton here, in a ``ctxfast.backend``
     block), under eager (and after ``set_backend("eager")``) F.linear; the parameters keep
     nn.Linear's names, and a forward hook on the decoder still sees every call."""
     from ctxfast.kernels import linear as klinear
-    from ctxfast.models import AWDLSTMConfig, AWDLSTMLM, ElmoBiLM, ElmoConfig
+    from ctxfast.models import GPT, AWDLSTMConfig, AWDLSTMLM, ElmoBiLM, ElmoConfig, GPTConfig
     shapes = []
     real = klinear.matmul
     monkeypatch.setattr(klinear, "matmul", lambda a, *r, **k: shapes.append(tuple(a.shape))
@@ -329,13 +330,16 @@ def test_language_model_decoders_run_on_ctxfast_linear(monkeypatch):
                                vocab_size=13))
     assert {"decoder.weight", "decoder.bias"} <= set(awd.state_dict())
     assert {"softmax.weight", "softmax.bias"} <= set(elmo.state_dict())
+    gpt = GPT(GPTConfig(vocab_size=17, n_positions=8, n_layer=1, n_head=2, n_embd=8))
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight              # still tied
     hooked = []
     awd.decoder.register_forward_hook(lambda *a: hooked.append(1))
     ids = torch.randint(0, 11, (2, 3))
     chars = torch.randint(1, 20, (2, 3, 6))
     words = torch.randint(0, 13, (2, 3))
     for model, run in ((awd.to(DEVICE), lambda: awd(ids.to(DEVICE), ids.to(DEVICE))[1]),
-                       (elmo.to(DEVICE), lambda: elmo(chars.to(DEVICE), words.to(DEVICE)).loss)):
+                       (elmo.to(DEVICE), lambda: elmo(chars.to(DEVICE), words.to(DEVICE)).loss),
+                       (gpt.to(DEVICE), lambda: gpt(ids.to(DEVICE), ids.to(DEVICE))[1])):
         for backend, used in (("ctxfast", True), ("eager", False)):
             model.set_backend(backend)
             shapes.clear()

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._common import (MLP, KVCache, SelfAttention, check_backend, check_ids, check_sampling,
-                      init_weights, next_token, values_checked)
+                      init_weights, lm_decoder, next_token, values_checked)
 
 
 @dataclass
@@ -98,7 +98,7 @@ class GPT(nn.Module):
         ))
         if config.prenorm:
             self.transformer.ln_f = nn.LayerNorm(C, eps=config.layer_norm_eps)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        self.lm_head = lm_decoder(C, config.vocab_size, False, config.backend)
         self.apply(init_weights)
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
@@ -108,10 +108,12 @@ class GPT(nn.Module):
         return self.config.backend
 
     def set_backend(self, backend: str) -> "GPT":
-        """Switch every attention layer to ``"ctxfast"`` or ``"eager"`` (weights unchanged)."""
+        """Switch every attention layer and the LM head to ``"ctxfast"`` or ``"eager"`` (weights
+        unchanged)."""
         self.config.backend = check_backend(backend)
         for block in self.transformer.h:
             block.attn.backend = backend
+        self.lm_head.backend = None if backend == "ctxfast" else "eager"
         return self
 
     def forward(self, idx: Tensor, targets: Optional[Tensor] = None, *,
