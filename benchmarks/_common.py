@@ -580,6 +580,28 @@ def script_setup(args, script: str) -> Optional[List[str]]:
     return args.dtypes or (args.gpu_dtypes if torch.cuda.is_available() else ["float32"])
 
 
+def assert_within_2x_eager(label: str, ours, eager, ref, floor: float) -> None:
+    """The project's accuracy rule for a suite's check before timing: ``‖ours − ref‖ <=
+    2·‖eager − ref‖ + floor·‖ref‖`` (``ref`` float64; ``eager`` the eager computation at
+    ours' dtype), else AssertionError naming `label` and both relative errors."""
+    ref = ref.double()
+    rn = ref.norm().item()
+    err = (ours.double() - ref).norm().item() / rn
+    eager_err = (eager.double() - ref).norm().item() / rn
+    if not err <= 2 * eager_err + floor:
+        raise AssertionError(f"{label}: relative error {err:.3g} > 2 x eager's "
+                             f"{eager_err:.3g} + {floor:g}")
+
+
+def finish_script(out: Optional[str], rows: list, lines: Sequence[str]) -> int:
+    """The standalone scripts' end: the rows as JSON at `out` (:func:`write_rows`), then
+    the summary `lines` printed; 0 (the exit status)."""
+    write_rows(out, rows)
+    for line in lines:
+        print(line, flush=True)
+    return 0
+
+
 def write_rows(path: Optional[str], rows: list) -> None:
     """``{"device", "torch", "rows"}`` as JSON at `path` (nothing if None)."""
     if path:

@@ -234,13 +234,10 @@ def _check(case: Case, backend: str, device: torch.device, dtype: torch.dtype) -
         mods = [m.to(dt).eval() for m in _stack(case, be, device, torch.float32)]
         with torch.no_grad():
             errs[name] = _run(mods, x.to(dt)).double()
-    want = errs.pop("ref")
-    err, eager_err = ((errs[k] - want).norm().item() / want.norm().item() for k in ("ours", "eager"))
     # Floor: float32 GEMMs on CUDA may run in TF32 (cuDNN's default), ~1e-3 relative.
     floor = 1e-5 if device.type == "cpu" else (5e-3 if dtype == torch.float32 else 1e-3)
-    tol = 2 * eager_err + floor
-    assert err <= tol, (f"{backend} {case.name} {dtype}: relative error {err:.3g} > "
-                        f"2 x eager's {eager_err:.3g} + {floor:g}")
+    _common.assert_within_2x_eager(f"{backend} {case.name} {dtype}", errs["ours"],
+                                   errs["eager"], errs["ref"], floor)
 
 
 # --------------------------------------------------------------------------- benchmark

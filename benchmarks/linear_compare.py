@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402
 import ctxfast  # noqa: E402
+from ctxfast import reference  # noqa: E402
 
 #: (name, rows M, in features I, out features N): ULMFiT's decoder (B 64 x T 70 rows, 400 ->
 #: 60,000 words, fastai's AWD-LSTM LM) and the benchmark's ELMo-small softmax (B 128 x T 20
@@ -111,7 +112,7 @@ def run(quick: bool, reps: int, sweep: bool) -> List[Dict]:
         b = torch.zeros(N, device=device).uniform_(-0.1, 0.1).requires_grad_()
         g = torch.randn(M, N, device=device) / (M * N) ** 0.5
         x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
-        y64 = F.linear(x64, w64, b64)
+        y64 = reference.linear(x64, w64, b64)                 # the specification
         ref = [y64.detach(), *torch.autograd.grad(y64, (x64, w64, b64), g.double())]
         del y64
         for form, fn, tf32, cfg, promote in _forms(sweep):
@@ -161,10 +162,7 @@ def main(argv=None) -> int:
         print("linear_compare: the full sizes need a GPU (use --quick on a CPU)")
         return 2
     rows = run(args.quick, args.reps, args.sweep)
-    _common.write_rows(args.out, rows)
-    for line in ratios(rows):
-        print(line, flush=True)
-    return 0
+    return _common.finish_script(args.out, rows, ratios(rows))
 
 
 if __name__ == "__main__":

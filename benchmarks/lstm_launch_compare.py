@@ -244,10 +244,7 @@ def main(argv=None) -> int:
     if dtypes is None:
         return 2
     rows = run(args.quick, args.reps, dtypes, args.forms)
-    _common.write_rows(args.out, rows)
-    for line in ratios(rows):
-        print(line, flush=True)
-    return 0
+    return _common.finish_script(args.out, rows, ratios(rows))
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ def test_against_float64(backend, dtype, lead, I, N, bias, view):
     x, w, b = _inputs(lead, I, N, dtype, bias=bias, view=view)
     g = torch.randn(*lead, N, device=DEVICE, dtype=dtype)
     ours = _run(lambda *a: ctxfast.linear(*a, backend=backend), x, w, b, g)
-    same = _run(F.linear, x, w, b, g)
-    ref = _run(F.linear, *[t.detach().double().requires_grad_() if t is not None else None
+    same = _run(reference.linear, x, w, b, g)
+    ref = _run(reference.linear, *[t.detach().double().requires_grad_() if t is not None else None
                            for t in (x, w, b)], g.double())
     y = ours[0]
     assert y.shape == (*lead, N) and y.dtype == dtype and y.is_contiguous()
@@ -80,7 +80,7 @@ def test_empty(backend, lead, I, N):
     x, w, b = _inputs(lead, I, N, torch.float32)
     g = torch.randn(*lead, N, device=DEVICE)
     ours = _run(lambda *a: ctxfast.linear(*a, backend=backend), x, w, b, g)
-    want = _run(F.linear, x, w, b, g)
+    want = _run(reference.linear, x, w, b, g)
     for o, r in zip(ours, want):
         assert o.shape == r.shape and torch.allclose(o, r, atol=1e-6)
 
@@ -126,8 +126,9 @@ def test_steps_summed_apart(monkeypatch):
     x, w, b = _inputs((33,), 70, 21, torch.float32)
     g = torch.randn(33, 21, device=DEVICE)
     ours = _run(lambda *a: ctxfast.linear(*a, backend="triton"), x, w, b, g)
-    same = _run(F.linear, x, w, b, g)
-    ref = _run(F.linear, *[t.detach().double().requires_grad_() for t in (x, w, b)], g.double())
+    same = _run(reference.linear, x, w, b, g)
+    ref = _run(reference.linear, *[t.detach().double().requires_grad_() for t in (x, w, b)],
+               g.double())
     for name, o, s, r in zip(["out", "grad_x", "grad_weight", "grad_bias"], ours, same, ref):
         assert_within_2x_eager(o, s, r, FLOOR[torch.float32], name=f"promote {name}")
     assert seen == [True] * 3
@@ -268,6 +269,12 @@ def test_triton_refused_where_it_cannot_run(monkeypatch):
 def test_bad_input_is_refused_before_dispatch(no_dispatch, args, err, match):
     with pytest.raises(err, match=match):
         ctxfast.linear(*args)
+
+
+def test_op_refuses_an_unknown_mode():
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        torch.ops.ctxfast.linear(x, w, None, "fast")
 
 
 @needs_triton

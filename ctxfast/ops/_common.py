@@ -20,6 +20,15 @@ def shape(t: Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def check_float_tensor(op: str, name: str, t) -> None:
+    """`t` (argument `name` of `op`) is a tensor of one of FLOAT_DTYPES, else TypeError."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, "
+                        f"got {t.dtype}")
+
+
 def check_qkv(op: str, q, k, v, layout: str) -> None:
     """Types, rank (that of `layout`, e.g. "[B, H, T, D]"), dtype and device of q, k, v."""
     rank = layout.count(",") + 1
@@ -32,13 +41,11 @@ def check_qkv(op: str, q, k, v, layout: str) -> None:
                 return      # the common case, in one pass; the loop below says what is wrong
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            check_float_tensor(op, name, t)
         if t.dim() != rank:
             raise ValueError(f"{op}: {name} must have shape {layout} (rank {rank}), got "
                              f"shape {shape(t)}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{op}: {name} must be float16, bfloat16, float32 or float64, "
-                            f"got {t.dtype}")
+        check_float_tensor(op, name, t)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{op}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")

@@ -51,8 +51,8 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
-from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 from ._common import autocast as _autocast
+from ._common import check_float_tensor as _check_float_tensor
 
 _dispatch.register_op("linear", supported=("triton", "cuda", "cpu", "eager"),
                       cpu_default=("eager",), cuda_default=("eager",))
@@ -139,13 +139,8 @@ _linear.register_autograd(_grad, setup_context=_setup)
 
 def _check(x: object, weight: object, bias: object) -> None:
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if name == "bias" and t is None:
-            continue
-        if not isinstance(t, Tensor):
-            raise TypeError(f"linear: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"linear: {name} must be float16, bfloat16, float32 or float64, "
-                            f"got {t.dtype}")
+        if t is not None or name != "bias":
+            _check_float_tensor("linear", name, t)
     if x.dim() < 1:
         raise ValueError(f"linear: x must have shape [..., I] (rank >= 1), got shape "
                          f"{tuple(x.shape)}")

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .. import _dispatch
 from .. import reference as _ref
-from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._common import check_float_tensor as _check_float_tensor
 from ._common import register_autograd as _register_autograd
 
 
@@ -79,11 +79,7 @@ _triton = _register_autograd(_rel_shift_triton, _triton_backward, _triton_setup_
 # --------------------------------------------------------------------------- public op
 
 def _check(x: object) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"rel_shift: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"rel_shift: x must be float16, bfloat16, float32 or float64, "
-                        f"got {x.dtype}")
+    _check_float_tensor("rel_shift", "x", x)
     if x.dim() < 2:
         raise ValueError(f"rel_shift: x must have shape [..., Tq, Tk] (rank >= 2), got shape "
                          f"{tuple(x.shape)}")
