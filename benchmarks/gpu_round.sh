@@ -323,6 +323,13 @@ stage_verify() {
   step "linear: tf32x3 decoder against cuBLAS" 75 linear_compare.log "$PY" \
     benchmarks/linear_compare.py --out "$R/linear_compare.json"
   summarize linear_compare.log "^ratio|Error" 30
+  # attention's dQ and rel_attention's dr summed by a kernel, element-wise atomics or TMA
+  # bulk reductions (untimed): the backward alone and fwd+bwd, each checked against the
+  # kernel form (~9 compiles); a winning "bulk" becomes DQ_MODE / DR_MODE "auto"'s choice
+  step "attention backward: dQ / dr by kernel, atomics, TMA bulk adds" 70 \
+    backward_adds_compare.log "$PY" benchmarks/backward_adds_compare.py \
+    --out "$R/backward_adds_compare.json"
+  summarize backward_adds_compare.log "^ratio|WRONG|Error" 12
   lstm_phase_clock 30
   # the Triton forward (the CUDA default's) under other tiles and pipelines: rows to adopt
   step "lstm: Triton forward sweep" 80 lstm_triton_sweep.log "$PY" \
@@ -338,10 +345,10 @@ stage_verify() {
   # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
   # (round 4: 130 s reached 6 of its 8 cases, the tuner had fewer candidates then)
   # (round 5: 169 s for 4 cases with the atomic and FMA-exponential candidates, since
-  # dropped, and its winner adopted; 70 s re-checks the first cases and leaves the LSTM
-  # backward sweep its minute)
-  step "tune report (attention)" 90 tune_report.log "$PY" \
-    benchmarks/tune_report.py --time-budget 70 --out "$R/tune_report.json"
+  # dropped, and its winner adopted; 55 s re-checks the first cases, with the TMA bulk
+  # adds among the backward's candidates, and leaves the LSTM backward sweep its minute)
+  step "tune report (attention)" 75 tune_report.log "$PY" \
+    benchmarks/tune_report.py --time-budget 55 --out "$R/tune_report.json"
   summarize tune_report.log "x\)|chosen|Error|error" 40
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
 }

@@ -53,7 +53,8 @@ FlashAttention-2's schedule: ``Δ`` is computed before the kernels; one kernel o
 block and loops over query blocks (dK, dV), working on transposed tiles (``Sᵀ = K Qᵀ``,
 ``dPᵀ = V dOᵀ``) so that every dot has the key block's rows as its M dimension; another owns a
 query block and loops over key blocks (dQ): no atomics (by default; :data:`DQ_MODE`
-"atomic" drops the dQ kernel for atomic adds from the dK/dV kernel). fp16/bf16 operands go
+"atomic" drops the dQ kernel for atomic adds from the dK/dV kernel, "bulk" for TMA bulk
+reductions of whole tiles). fp16/bf16 operands go
 to ``tl.dot`` as they are (``UPCAST`` only for bf16 under the interpreter, whose bf16 dot
 is wrong).
 """
@@ -68,7 +69,8 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _e
                       _has_tma, _interpreting, _keep, _keep_t, _key_range, _load_rows,
                       _mask_args, _new_output, _online_softmax_step, _precision,
                       _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
-                      _visible, cdiv, check_tma_mode, next_pow2, tma_args)
+                      _visible, cdiv, check_tma_mode, interpreter_descriptor_reduce,
+                      next_pow2, row_tiles, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -382,17 +384,19 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
                 q_base, do_base, stride_qm, stride_qd, stride_dom, stride_dod, LSE, DELTA,
                 lo, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed, p_drop,
                 KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, ORDER,
-                dqa_base, dq_scale, D, QD, DOD, h,
+                dqa_base, dq_scale, D, QD, DOD, DQAD, h,
                 BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
                 HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                 DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
                 PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
-                EXP_EMU: tl.constexpr):
+                EXP_EMU: tl.constexpr, DQ_BULK: tl.constexpr):
     """Accumulate the query tiles [lo, hi) into one key block's (dk, dv) [BLOCK_N, BLOCK_D],
     transposed (``sᵀ = k qᵀ``: every dot has the key block's BLOCK_N rows). offs index the
     problem (masks), rows the tensors (loads, dropout counters). ATOMIC_DQ: also add each
-    tile's ``dq_scale · dS K`` into the fp32 accumulator rows at dqa_base (row stride D).
+    tile's ``dq_scale · dS K`` into the fp32 accumulator rows at dqa_base (row stride D):
+    element by element (relaxed reductions), or, DQ_BULK, the whole tile in one TMA bulk
+    reduction through the accumulator's descriptor DQAD (dense, not SORTED).
     TMA: q and dO tiles through the descriptors QD, DOD (not with SORTED)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -441,10 +445,13 @@ def _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok, offs_d
         dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
         if ATOMIC_DQ:                                   # dQ_tile = dS K, [BLOCK_M, BLOCK_D]
             dq_part = _dot(tl.trans(ds_t).to(k.dtype), k, UPCAST, PRECISION) * dq_scale
-            # relaxed: nothing reads dQ before the kernel ends (the default, acq_rel, orders
-            # every add against the thread's other memory operations: atom.acq_rel, not red)
-            tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
-                          dq_part, mask=(offs_m[:, None] < Tq) & d_ok, sem="relaxed")
+            if DQ_BULK:     # the tile staged in shared memory, added by the TMA unit
+                DQAD.atomic_add([b, h, start_m, 0], dq_part.reshape(1, 1, BLOCK_M, BLOCK_D))
+            else:
+                # relaxed: nothing reads dQ before the kernel ends (the default, acq_rel,
+                # orders every add against the thread's other memory operations)
+                tl.atomic_add(dqa_base + rows_m[:, None].to(tl.int64) * D + offs_d[None, :],
+                              dq_part, mask=(offs_m[:, None] < Tq) & d_ok, sem="relaxed")
     return dk, dv
 
 
@@ -495,6 +502,8 @@ def _attn_bwd_dkdv_kernel(
     QD=None, DOD=None,      # TMA: RowTiles of q, do ([1, 1, BLOCK_M, BLOCK_D] tiles)
     TMA: tl.constexpr = False,  # query tiles through QD, DOD (not with SORTED or VARLEN)
     EXP_EMU: tl.constexpr = False,  # half of each tile's exponentials on the FMA pipe (16-bit)
+    DQAD=None,      # DQ_BULK: RowTiles of DQ_ACC ([1, 1, BLOCK_M, BLOCK_D] fp32 tiles)
+    DQ_BULK: tl.constexpr = False,  # ATOMIC_DQ by TMA bulk reductions of whole tiles
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -561,28 +570,28 @@ def _attn_bwd_dkdv_kernel(
                          stride_dod, LSE, DELTA, lo, q_int, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
-                         h, True,
+                         DQAD, h, True,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA,
-                         EXP_EMU)
+                         EXP_EMU, DQ_BULK)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, q_int, a_end, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
-                         h, False,
+                         DQAD, h, False,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA,
-                         EXP_EMU)
+                         EXP_EMU, DQ_BULK)
     dk, dv = _dkdv_tiles(dk, dv, k, v, offs_n, rows_n, key_ok, rank_k, kmax, n_ok,
                          offs_d, d_ok, q_base, do_base, stride_qm, stride_qd, stride_dom,
                          stride_dod, LSE, DELTA, a_end, hi, b, bh, Tq, Tk, mem_len, max_q, max_k,
                          qk_scale, seed, p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK,
                          stride_rank_b, stride_rank_t, ORDER, dqa_base, sm_scale, D, QD, DOD,
-                         h, True,
+                         DQAD, h, True,
                          CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, SORTED, DROPOUT, EVEN_D,
                          BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION, ATOMIC_DQ, TMA,
-                         EXP_EMU)
+                         EXP_EMU, DQ_BULK)
 
     out_off = rows_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     kv_mask = (offs_n[:, None] < Tk) & d_ok
@@ -829,7 +838,7 @@ def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask:
 
 
 #: ``{"fwd" | "dkdv" | "dkdv_atomic" | "dq": (BLOCK_M, BLOCK_N, num_warps, num_stages),
-#: "<kernel>:tma": bool, "dq_mode": "kernel" | "atomic"}``: launch rows that replace
+#: "<kernel>:tma": bool, "dq_mode": "kernel" | "atomic" | "bulk"}``: launch rows that replace
 #: :func:`_config`'s (and :data:`TMA_MODE` for that kernel, :data:`DQ_MODE`) for every call
 #: while set. Empty in normal use; the GPU config sweep (benchmarks/config_sweep.py) sets it
 #: to time candidates on the same inputs. The tuner's rows (``kernels/_tune.py``) use the
@@ -921,6 +930,9 @@ _TUNE_ATOMIC_ROWS = {64: [(64, 64, 8, 3), (64, 128, 8, 2)]}
 #: True puts them back among the candidates (the interpreter's tests of the tuner do).
 TUNE_ATOMIC_DQ = False
 TUNE_EXP_EMU = False
+#: Whether the tuner tries dQ by TMA bulk reductions (:data:`DQ_MODE` "bulk"; the atomic
+#: rows, where the descriptors can be used): not yet timed on a GPU.
+TUNE_BULK_DQ = True
 
 #: The same under the interpreter (tests: every dtype, rows of its small tiles).
 _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), False)]
@@ -929,7 +941,8 @@ _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), Fal
 def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     """The tuner's candidates for one kernel of a call: dicts of override names
     (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. With :data:`TUNE_ATOMIC_DQ`
-    dK/dV also tries dQ by atomic adds (:data:`DQ_MODE`; dense 16-bit calls at D <= 128
+    (:data:`TUNE_BULK_DQ`: where the call can use descriptors and D is a multiple of 4)
+    dK/dV also tries dQ by atomic adds (bulk) (:data:`DQ_MODE`; dense 16-bit calls at D <= 128
     without dropout or a permutation mask: elsewhere its rows spill; never under torch's
     deterministic algorithms), which launches no dQ kernel: dQ's list is then a function of
     the rows chosen before it (``{}`` alone after atomic adds). With :data:`TUNE_EXP_EMU`
@@ -960,17 +973,21 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
             continue
         seen.add(launch)
         out.append({kernel + ":tma": tma, **({kernel: row} if row is not None else {})})
-    if kernel == "dkdv" and TUNE_ATOMIC_DQ and dense and not dropout and mask != "perm" \
-            and DQ_MODE != "atomic" and not torch.are_deterministic_algorithms_enabled() \
-            and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 128)):
-        out.append({"dq_mode": "atomic"})
+    adds = kernel == "dkdv" and dense and not dropout and mask != "perm" \
+        and not torch.are_deterministic_algorithms_enabled() \
+        and (_interpreting() or (dtype in TMA_DTYPES and block_d <= 128))
+    modes = [m for m, on in (("atomic", TUNE_ATOMIC_DQ), ("bulk", TUNE_BULK_DQ and tma_ok
+                                                          and D % 4 == 0))
+             if adds and on and DQ_MODE != m]
+    for mode in modes:
+        out.append({"dq_mode": mode})
         if not _interpreting():
-            out += [{"dq_mode": "atomic", "dkdv_atomic": row}
+            out += [{"dq_mode": mode, "dkdv_atomic": row}
                     for row in _TUNE_ATOMIC_ROWS.get(64 if block_d <= 64 else 128, ())]
     if TUNE_EXP_EMU and dtype in TMA_DTYPES and not _interpreting():
         out.append({kernel + ":exp_emu": True})   # the table's row, half its exp2 on FMAs
     if kernel == "dq":
-        return lambda chosen: [{}] if chosen.get("dq_mode") == "atomic" else out
+        return lambda chosen: [{}] if chosen.get("dq_mode") in ("atomic", "bulk") else out
     return out
 
 
@@ -1118,11 +1135,15 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
 #: How the backward computes dQ: "kernel" (a second kernel over key blocks per query block,
 #: recomputing the scores; deterministic) or "atomic" (the dK/dV kernel adds each tile's
 #: dS K into an fp32 accumulator with atomic adds, as FlashAttention-2 does: no second
-#: recompute, sums in no fixed order). From ``CTXFAST_ATTN_BWD_DQ`` at import; dense calls
-#: only (varlen always takes the kernel). The H200 timed "atomic" 1.2-1.8x slower
-#: (:data:`TUNE_ATOMIC_DQ`).
-#: "atomic" while torch's deterministic algorithms are on is refused (as torch refuses its
-#: own nondeterministic ops), and the tuner does not offer it then.
+#: recompute, sums in no fixed order) or "bulk" (the same sums, each tile's added in one
+#: TMA bulk reduction, ``cp.reduce.async.bulk.tensor``, as FlashAttention-3 adds its dQ
+#: tiles: one instruction a tile where "atomic" issues a reduction per 4 elements of every
+#: thread; a GPU of compute capability 9+ or the interpreter, 4-byte-aligned rows (D a
+#: multiple of 4) and no rank order, else the element-wise adds of "atomic"). From
+#: ``CTXFAST_ATTN_BWD_DQ`` at import; dense calls only (varlen always takes the kernel). The
+#: H200 timed "atomic" 1.2-1.8x slower (:data:`TUNE_ATOMIC_DQ`); "bulk" is not yet timed.
+#: "atomic" or "bulk" while torch's deterministic algorithms are on is refused (as torch
+#: refuses its own nondeterministic ops), and the tuner does not offer them then.
 DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
 
 
@@ -1136,17 +1157,33 @@ def _exp_emu(dtype, kernel: str) -> bool:
 
 
 def _dq_mode() -> str:
-    """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``; "atomic"
-    refused under ``torch.use_deterministic_algorithms(True)`` (not warn-only)."""
-    if DQ_MODE not in ("kernel", "atomic"):
-        raise ValueError(f"CTXFAST_ATTN_BWD_DQ must be 'kernel' or 'atomic', got {DQ_MODE!r}")
+    """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``; "atomic" and
+    "bulk" refused under ``torch.use_deterministic_algorithms(True)`` (not warn-only)."""
+    if DQ_MODE not in ("kernel", "atomic", "bulk"):
+        raise ValueError("CTXFAST_ATTN_BWD_DQ must be 'kernel', 'atomic' or 'bulk', "
+                         f"got {DQ_MODE!r}")
     mode = _override("dq_mode") or DQ_MODE
-    if mode == "atomic" and torch.are_deterministic_algorithms_enabled() \
+    if mode != "kernel" and torch.are_deterministic_algorithms_enabled() \
             and not torch.is_deterministic_algorithms_warn_only_enabled():
-        raise RuntimeError("attention backward: CTXFAST_ATTN_BWD_DQ=atomic sums dQ with atomic "
-                           "adds, in no fixed order, but torch.use_deterministic_algorithms("
-                           "True) is in force; use 'kernel'")
+        raise RuntimeError(f"attention backward: CTXFAST_ATTN_BWD_DQ={mode} sums dQ with "
+                           "atomic adds, in no fixed order, but "
+                           "torch.use_deterministic_algorithms(True) is in force; use 'kernel'")
     return mode
+
+
+def _dq_bulk_args(dq_acc, bm, bd, device, order) -> dict:
+    """The dK/dV launch's keyword arguments for dQ by TMA bulk reductions (DQ_MODE "bulk"):
+    the accumulator's descriptor in ``[bm, bd]`` tiles, or ``{}`` (element-wise adds) where
+    the device has no TMA, the rows are in rank order or TMA cannot address the
+    accumulator (D not a multiple of 4)."""
+    if order is not None or not _has_tma(device):
+        return {}
+    desc = row_tiles(dq_acc, bm, bd)
+    if desc is None:
+        return {}
+    if _interpreting():
+        interpreter_descriptor_reduce()
+    return {"DQAD": desc, "DQ_BULK": True}
 
 
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
@@ -1167,11 +1204,14 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *mstrides, *lse_strides)
     scalars = (H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, scale, float(dropout_p))
     kind = _mask_kind(key_padding_mask, perm_rank)
-    atomic = cu is None and _dq_mode() == "atomic"
+    mode = "kernel" if cu is not None else _dq_mode()
+    atomic = mode != "kernel"
     bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype, causal,
                                         kind, dropout_p > 0)
     dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
     tma = _tma_args("dkdv", ("QD", "DOD"), (q, do), bm, bd, q.device, cu, order, dropout_p > 0)
+    if mode == "bulk":
+        tma.update(_dq_bulk_args(dq_acc, bm, bd, q.device, order))
     fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,

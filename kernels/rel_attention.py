@@ -115,7 +115,8 @@ import triton.language as tl
 from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _has_tma, _interpreting,
                       _keep, _key_range, _mask_args, _new_output, _online_softmax_step,
                       _query_block, _seed_arg, _split_targets, _tf32_allowed, _tile_rows,
-                      _visible, cdiv, check_tma_mode, next_pow2, tma_args)
+                      _visible, cdiv, check_tma_mode, interpreter_descriptor_reduce,
+                      next_pow2, row_tiles, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -629,6 +630,7 @@ def _rel_bwd_dq_inner(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     dr_base, D,                     # ATOMIC_DR: dr accumulator rows of this head, row stride D
+                                    # (2: the accumulator's descriptor, bulk reductions)
     ATOMIC_DR: tl.constexpr, CARRY: tl.constexpr,
     KD, VD, RD, h, BLOCK_D: tl.constexpr, TMA: tl.constexpr,    # TMA: tiles via KD, VD, RD
 ):
@@ -705,7 +707,7 @@ def _rel_bwd_dq_inner(
         dqw += _dot(ds_first.to(r.dtype), r_first, UPCAST, PRECISION)
         if ATOMIC_DR:
             _rel_dr_atomic(dr_base, r_row, ds_first, qu, wu, R_len, D, offs_d, d_ok,
-                           UPCAST, PRECISION)
+                           UPCAST, PRECISION, h, ATOMIC_DR)
         ds_prev = tl.where(unskew_lo, 0.0, ds_chunks)
         r_row = r_row + BLOCK_N
         if HAS_SEG:
@@ -717,18 +719,24 @@ def _rel_bwd_dq_inner(
 
 @triton.jit
 def _rel_dr_atomic(dr_base, r_row, ds_chunk, qu, wu, R_len, D, offs_d, d_ok,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, h, ATOMIC_DR: tl.constexpr):
     """ATOMIC_DR: add ``ds_chunkᵀ (q + v)`` (``[BLOCK_N, BLOCK_D]``, unscaled; as ``ds_chunkᵀ
     (q + u)`` plus the column sums times ``v − u``) into rows
-    ``r_row + [0, BLOCK_N)`` of the fp32 dr accumulator at dr_base (row stride D)."""
+    ``r_row + [0, BLOCK_N)`` of head h's fp32 dr accumulator: ATOMIC_DR 1, element-wise at
+    dr_base (that head's rows, row stride D); 2, the whole tile in one TMA bulk reduction
+    through dr_base, the ``[1, H, R, D]`` accumulator's descriptor (rows outside [0, R) and
+    columns past D are dropped by TMA)."""
     rows = r_row + tl.arange(0, ds_chunk.shape[1])
     diag = tl.sum(ds_chunk, 0)                               # [BLOCK_N]: Σ_i dS per row of r
     part = _dot(tl.trans(ds_chunk).to(qu.dtype), qu, UPCAST, PRECISION) \
         + diag[:, None] * wu[None, :]                        # dSᵀ (q + v)
-    # relaxed: nothing reads dr before the kernel ends (acq_rel, the default, would order
-    # each add against the thread's other memory operations: atom.acq_rel instead of red)
-    tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
-                  mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok, sem="relaxed")
+    if ATOMIC_DR == 2:
+        dr_base.atomic_add([0, h, r_row, 0], part.reshape(1, 1, part.shape[0], part.shape[1]))
+    else:
+        # relaxed: nothing reads dr before the kernel ends (acq_rel, the default, would order
+        # each add against the thread's other memory operations: atom.acq_rel, not red)
+        tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
+                      mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok, sem="relaxed")
 
 
 @triton.jit
@@ -761,12 +769,17 @@ def _rel_attn_bwd_dq_kernel(
     KD=None, VD=None, RD=None,      # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
                                     # and of r as [1, H, R, D]
     TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
+    DRD=None,       # DR_BULK: RowTiles of DR_ACC as [1, H, R, D] ([1, 1, BLOCK_N, BLOCK_D])
+    DR_BULK: tl.constexpr = False,  # ATOMIC_DR by TMA bulk reductions of whole tiles
 ):
     pid_m = tl.program_id(0)        # (longest first, _query_block, spilled 28 B more here)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    dr_base = DR_ACC + h.to(tl.int64) * R_len * D
+    if DR_BULK:
+        dr_base = DRD
+    else:
+        dr_base = DR_ACC + h.to(tl.int64) * R_len * D
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -836,8 +849,8 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA)
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK, CARRY, KD,
+            VD, RD, h, BLOCK_D, TMA)
     else:        # one loop, a runtime boundary test per tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
@@ -847,15 +860,15 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA)
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK, CARRY, KD,
+            VD, RD, h, BLOCK_D, TMA)
     # the last tile's dS_hi, on the chunk after it
     r_last = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
                      BLOCK_N, BLOCK_D, TMA)
     dqw += _dot(ds_prev.to(r_last.dtype), r_last, UPCAST, PRECISION)
     if ATOMIC_DR:
         _rel_dr_atomic(dr_base, r_row, ds_prev, qu, wu, R_len, D, offs_d, d_ok, UPCAST,
-                       PRECISION)
+                       PRECISION, h, ATOMIC_DR + DR_BULK)
 
     out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(DQ + out_off, ((dqu + dqw) * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
@@ -1191,7 +1204,10 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 #: How the backward computes dr: "kernel" (the dR kernel along the score diagonals,
 #: recomputing S and dP; deterministic), "atomic" (the dQ kernel adds each tile's
 #: ``dS_bandᵀ (q + v)`` into an fp32 ``[H, R, D]`` accumulator with atomic adds: the dS band
-#: it forms for d(q + v) anyway, no third recompute; sums in no fixed order) or "auto" (the
+#: it forms for d(q + v) anyway, no third recompute; sums in no fixed order), "bulk" (the
+#: same sums, each tile's added in one TMA bulk reduction, ``cp.reduce.async.bulk.tensor``:
+#: a GPU of compute capability 9+ or the interpreter, D a multiple of 4, else the
+#: element-wise adds; not yet timed) or "auto" (the
 #: default): atomic on 16-bit 64 x 64 tiles, where the H200 timed it faster (with dQ at 8
 #: warps, 1 stage: 900 us against 949 per backward, bf16 B4 H16 Tq512 mem1024 D64;
 #: benchmarks/results/nvidia-h200/2026-11-27-round4), unless torch's deterministic
@@ -1231,22 +1247,36 @@ def _tma_args(kernel, names, tensors, bm, bn, block_d):
     return tma_args(names, tensors, bn, block_d)
 
 
+def _dr_bulk_args(dr_acc, bn: int, block_d: int) -> dict:
+    """The dQ launch's keyword arguments for dr by TMA bulk reductions (DR_MODE "bulk"):
+    the ``[H, R, D]`` accumulator's descriptor as ``[1, H, R, D]`` in ``[bn, block_d]``
+    tiles, or ``{}`` (element-wise adds) where the device has no TMA or TMA cannot address
+    the accumulator (D not a multiple of 4)."""
+    desc = row_tiles(dr_acc.unsqueeze(0), bn, block_d) if _has_tma(dr_acc.device) else None
+    if desc is None:
+        return {}
+    if _interpreting():
+        interpreter_descriptor_reduce()
+    return {"DRD": desc, "DR_BULK": True}
+
+
 def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
-    """"kernel" or "atomic" for a backward of head dim D and dtype: DR_MODE, or the override
-    "dr_mode" (the tuner's row, the config sweep's), with "auto" resolved (see DR_MODE).
-    Refuses a bad setting, and "atomic" under torch's deterministic algorithms."""
+    """"kernel", "atomic" or "bulk" for a backward of head dim D and dtype: DR_MODE, or the
+    override "dr_mode" (the tuner's row, the config sweep's), with "auto" resolved (see
+    DR_MODE). Refuses a bad setting, and "atomic" or "bulk" under torch's deterministic
+    algorithms."""
     mode = _override("dr_mode", DR_MODE)
-    if mode not in ("auto", "kernel", "atomic"):
-        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'auto', 'kernel' or 'atomic', "
+    if mode not in ("auto", "kernel", "atomic", "bulk"):
+        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic' or 'bulk', "
                          f"got {mode!r}")
     deterministic = torch.are_deterministic_algorithms_enabled()
     if mode == "auto":
         tile = _config(D, None, dtype)[0]
         return "atomic" if tile == 64 and dtype.itemsize == 2 and not deterministic \
             else "kernel"
-    if mode == "atomic" and deterministic \
+    if mode in ("atomic", "bulk") and deterministic \
             and not torch.is_deterministic_algorithms_warn_only_enabled():
-        raise RuntimeError("rel_attention backward: CTXFAST_REL_BWD_DR=atomic sums dr with "
+        raise RuntimeError(f"rel_attention backward: CTXFAST_REL_BWD_DR={mode} sums dr with "
                            "atomic adds, in no fixed order, but torch.use_deterministic_"
                            "algorithms(True) is in force; use 'kernel' or 'auto'")
     return mode
@@ -1266,7 +1296,7 @@ _TUNE_CANDIDATES = {
                         {"tma": "on", "fwd": (4, 1)}, {"carry": False}],
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
-                       {"dr_mode": "kernel", "dq": (4, 1)}],
+                       {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
     ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
     ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
@@ -1277,7 +1307,8 @@ _TUNE_CANDIDATES = {
 
 #: The same under the interpreter (tests): the variants' code paths.
 _TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}], "dkdv": [{"dkdv": (2, 1)}],
-                     "dq": [{"carry": True}, {"tma": "on"}, {"dr_mode": "atomic"}],
+                     "dq": [{"carry": True}, {"tma": "on"}, {"dr_mode": "atomic"},
+                            {"dr_mode": "bulk"}],
                      "dr": [{"dr": (2, 1)}]}
 
 
@@ -1285,7 +1316,7 @@ def _candidates(kernel, D, dtype, tma_ok):
     """The tuner's candidates for one kernel: ``{}`` (the table launch) first, then those of
     :data:`_TUNE_CANDIDATES` that can differ from it here (TMA where the call can take it,
     the carried gather where it is not the default, atomic dr where it is not the mode and
-    torch's deterministic algorithms are off).
+    torch's deterministic algorithms are off; its TMA bulk reductions where TMA is too).
     dR's list is a function of the rows chosen before it (nothing after atomic dr: no dR
     kernel runs)."""
     tile = _config(D, None, dtype)[0]
@@ -1299,12 +1330,14 @@ def _candidates(kernel, D, dtype, tma_ok):
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
+    adds = ("atomic", "bulk")
     out = [{}] + [c for c in listing
-                  if (tma_ok or "tma" not in c) and c.get("carry", not carry) != carry
+                  if (tma_ok or ("tma" not in c and c.get("dr_mode") != "bulk"))
+                  and c.get("carry", not carry) != carry
                   and ("dr_mode" not in c or c["dr_mode"] != dr)
-                  and not (deterministic and c.get("dr_mode") == "atomic") and not same_tma(c)]
+                  and not (deterministic and c.get("dr_mode") in adds) and not same_tma(c)]
     if kernel == "dr":
-        return lambda chosen: [{}] if chosen.get("dr_mode", dr) == "atomic" else out
+        return lambda chosen: [{}] if chosen.get("dr_mode", dr) in adds else out
     return out
 
 
@@ -1504,7 +1537,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         done = {}
 
         def run():      # the launch rows read here: the tuner's when it has chosen some
-            atomic = _dr_mode(D, q.dtype) == "atomic"
+            mode = _dr_mode(D, q.dtype)
+            atomic = mode != "kernel"
             launch = {k: dict(num_warps=w_, num_stages=s_)
                       for k, (w_, s_) in _bwd_launch(D, q.dtype, atomic).items()}
             fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
@@ -1514,12 +1548,13 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
             dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) \
                 if atomic else dq
+            bulk = _dr_bulk_args(dr_acc, bn, bd) if mode == "bulk" else {}
             fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"],
                 ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype),
                 **_tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn,
-                            bd))
+                            bd), **bulk)
             done["d_rw"], done["d_rr"] = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))  # [H, D]
             if atomic:
                 done["dr"] = dr_acc.mul_(scale)

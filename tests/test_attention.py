@@ -551,16 +551,23 @@ def test_backward_row_term_matches_torch():
 
 
 @needs_triton
+@pytest.mark.parametrize("mode", ["atomic", "bulk"])
 @pytest.mark.parametrize("check", ["odd_lengths", "rows_that_see_no_key", "dropout"])
-def test_atomic_dq_backward_against_reference(monkeypatch, check):
+def test_atomic_dq_backward_against_reference(monkeypatch, check, mode):
     """kernels.attention.DQ_MODE = "atomic" (the dK/dV kernel adds each tile's dS K into an
-    fp32 dQ accumulator; no dQ kernel): the module's own reference checks run in that mode,
-    forward and every gradient against float64 within 2x eager, on odd lengths with every
-    mask kind, rows that see no key (zero output and gradient), and dropout."""
+    fp32 dQ accumulator; no dQ kernel) or "bulk" (the same, a tile at a time by TMA bulk
+    reductions, which the interpreter runs through ctxfast's shim): the module's own
+    reference checks run in that mode, forward and every gradient against float64 within
+    2x eager, on odd lengths with every mask kind, rows that see no key (zero output and
+    gradient), and dropout. Bulk takes the element-wise adds only where TMA cannot address
+    the rows (rank order: a permutation mask without causal)."""
     import ctxfast.kernels.attention as kattn
     if "CTXFAST_ATTN_BWD_DQ" not in os.environ:
         assert kattn.DQ_MODE == "kernel"          # opt-in only: not bitwise reproducible
-    monkeypatch.setattr(kattn, "DQ_MODE", "atomic")
+    monkeypatch.setattr(kattn, "DQ_MODE", mode)
+    bulk = []
+    real = kattn._dq_bulk_args
+    monkeypatch.setattr(kattn, "_dq_bulk_args", lambda *a: bulk.append(real(*a)) or bulk[-1])
     if check == "odd_lengths":
         for Tq, Tk, kind in ((37, 53, "causal-pad"), (17, 33, "perm-query"),
                              (33, 33, "ties-pad"), (1, 97, "pad")):
@@ -571,6 +578,7 @@ def test_atomic_dq_backward_against_reference(monkeypatch, check):
     else:
         for kind in ("causal-pad", "perm-query"):
             test_dropout_matches_reference_with_the_same_mask(kind)
+    assert (mode == "bulk") == any(bulk), bulk    # bulk: descriptors where rows allow
     monkeypatch.setattr(kattn, "DQ_MODE", "fast")
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 5, 5, 16))
     with pytest.raises(ValueError, match="CTXFAST_ATTN_BWD_DQ"):
@@ -710,7 +718,8 @@ def spy_tma(monkeypatch, module):
 
 @needs_triton
 @pytest.mark.parametrize("check", ["odd_lengths", "tiles", "head_dims_and_dtypes", "layout",
-                                   "rows_that_see_no_key", "dropout", "split_k", "atomic_dq"])
+                                   "rows_that_see_no_key", "dropout", "split_k", "atomic_dq",
+                                   "bulk_dq"])
 def test_tma_tiles_against_reference(monkeypatch, check):
     """kernels.attention.TMA_MODE = "on": the loops read their tiles (forward and dQ: k, v;
     dK/dV: q, dO) through tensor descriptors, which the interpreter emulates as TMA does
@@ -749,7 +758,7 @@ def test_tma_tiles_against_reference(monkeypatch, check):
         for Tq, Tk, kind in ((1, 100, "causal"), (4, 90, "pad"), (2, 12, "pad")):
             test_split_k_decoding_matches_reference(Tq, Tk, kind)
     else:
-        monkeypatch.setattr(kattn, "DQ_MODE", "atomic")
+        monkeypatch.setattr(kattn, "DQ_MODE", check.split("_")[0])
         for Tq, Tk, kind in ((37, 53, "causal-pad"), (1, 97, "pad")):
             test_odd_lengths(Tq, Tk, kind)
     assert used and all(used), used

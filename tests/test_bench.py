@@ -957,6 +957,9 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
                       " -m pytest tests/gpu ")}
     assert step["lstm_launch_compare.py"] < step["tune_report.py"] < step[" -m pytest tests/gpu "]
     assert step["linear_compare.py"] < step[" -m pytest tests/gpu "]
+    # dQ / dr by a kernel, atomics or TMA bulk adds, timed before the suite
+    adds = next(i for i, c in enumerate(verify) if "backward_adds_compare.py --out" in c)
+    assert adds < step[" -m pytest tests/gpu "]
     assert " -m pytest tests/gpu " in verify[-2]
     assert "auto" in verify[step["lstm_launch_compare.py"]]
 
@@ -1128,6 +1131,26 @@ def test_linear_compare_times_every_form_and_restores_the_settings(tmp_path):
     assert len(lc.ratios(rows)) == len(rows) - 1
     assert klinear.CONFIG_OVERRIDE is None and torch.backends.cuda.matmul.allow_tf32 == tf32
     assert klinear.PROMOTE is False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton attention kernels need a GPU or the interpreter")
+def test_backward_adds_compare_times_every_mode_and_clears_the_override(tmp_path):
+    """benchmarks/backward_adds_compare.py (gpu_round's verify stage): per case a row for
+    each of dQ's / dr's modes (kernel, atomic, bulk) with both times and its agreement with
+    the kernel form, ratio lines against it; the launch overrides are empty after."""
+    from utils import load_benchmark
+
+    from ctxfast.kernels import attention as kattn
+    from ctxfast.kernels import rel_attention as krel
+    bac = load_benchmark("backward_adds_compare.py")
+    out = tmp_path / "bac.json"
+    assert bac.main(["--quick", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["form"].split()[-1] for r in rows] == list(bac.MODES) * 2, rows
+    assert all(r["bwd_us"] > 0 and r["fwd_bwd_us"] > 0 and r["agree"] <= 1 for r in rows)
+    assert len(bac.ratios(rows)) == 4
+    assert "dq_mode" not in kattn.LAUNCH_OVERRIDE and "dr_mode" not in krel.LAUNCH_OVERRIDE
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -87,15 +87,15 @@ def test_backward_is_bitwise_deterministic(how):
 
 def test_atomics_only_in_the_dr_branch():
     """The interpreter's atomics are sequential: the bitwise test above cannot catch a GPU
-    race. The one atomic add is the DR_MODE "atomic" branch (in _rel_dr_atomic, called only
-    under ``if ATOMIC_DR:``), which "auto" (the default) takes on 16-bit 64 x 64 tiles
-    unless deterministic algorithms are asked for (the next test)."""
+    race. The atomic adds are the DR_MODE "atomic" and "bulk" branches (in _rel_dr_atomic,
+    called only under ``if ATOMIC_DR:``), which "auto" (the default) takes on 16-bit 64 x 64
+    tiles unless deterministic algorithms are asked for (the next test)."""
     pytest.importorskip("triton")
     from ctxfast.kernels import rel_attention
     lines = inspect.getsource(rel_attention).splitlines()
     helper = inspect.getsource(rel_attention._rel_dr_atomic.fn)
     hits = [line.strip() for line in lines if "atomic_add" in line]
-    assert len(hits) == 1 and hits[0] in helper, hits
+    assert len(hits) == 2 and all(hit in helper for hit in hits), hits
     calls = [n for n, line in enumerate(lines) if "_rel_dr_atomic(" in line
              and "def _rel_dr_atomic(" not in line]
     assert calls and all("if ATOMIC_DR:" in lines[n - 1] for n in calls), calls
@@ -141,15 +141,20 @@ def test_dr_mode_auto_and_deterministic_algorithms(monkeypatch):
 
 
 @needs_triton
-def test_atomic_dr_against_reference(monkeypatch):
+@pytest.mark.parametrize("mode", ["atomic", "bulk"])
+def test_atomic_dr_against_reference(monkeypatch, mode):
     """kernels.rel_attention.DR_MODE = "atomic" (the dQ kernel adds each tile's
-    dS_bandᵀ (q + v) into an fp32 dr accumulator; no dR kernel): the module's own reference
-    checks run in that mode, forward and every gradient against float64 within 2x eager:
-    odd lengths and memory, a longer r, XLNet's order with segments and padding, a window,
-    rows that see no key, dropout."""
+    dS_bandᵀ (q + v) into an fp32 dr accumulator; no dR kernel) or "bulk" (the same, a tile
+    at a time by TMA bulk reductions: rows before 0 and past R dropped, which the
+    interpreter runs through ctxfast's shim): the module's own reference checks run in that
+    mode, forward and every gradient against float64 within 2x eager: odd lengths and
+    memory, a longer r, XLNet's order with segments and padding, a window, rows that see no
+    key, dropout."""
     import test_rel_attention as rel_tests
     import ctxfast.kernels.rel_attention as krel
-    monkeypatch.setattr(krel, "DR_MODE", "atomic")
+    monkeypatch.setattr(krel, "DR_MODE", mode)
+    seen = spy_launches(monkeypatch, krel, ("_rel_attn_bwd_dq_kernel",),
+                        lambda args, kwargs: (kwargs.get("ATOMIC_DR"), kwargs.get("DR_BULK")))
     test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
     test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
     test_dr_bidirectional_with_every_mask()
@@ -163,6 +168,8 @@ def test_atomic_dr_against_reference(monkeypatch):
     rel_tests.test_rows_that_see_no_key()
     rel_tests.test_window_rows_that_see_no_key()
     monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "tile")
+    assert seen and all(flags[0] for _, flags in seen), seen
+    assert any(flags[1] for _, flags in seen) == (mode == "bulk"), seen
     monkeypatch.setattr(krel, "DR_MODE", "fast")
     with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)

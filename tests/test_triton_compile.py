@@ -216,6 +216,13 @@ def _cases():
     f16_operands = (lambda fn: setting(lstm, "F16_OPERANDS", True)(
         setting(torch.backends.cudnn, "allow_tf32", True)(fn)))
     atomic_dq = setting(attention, "DQ_MODE", "atomic")
+
+    def bulk(mod, name):
+        """fn with dQ / dr added by TMA bulk reductions (DQ_MODE / DR_MODE "bulk"), as on
+        an sm_90 GPU."""
+        return lambda fn: setting(mod, name, "bulk")(
+            setting(mod, "_has_tma", lambda device: True)(fn))
+    bulk_dq, bulk_dr = bulk(attention, "DQ_MODE"), bulk(rel_attention, "DR_MODE")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
     dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
 
@@ -283,6 +290,8 @@ def _cases():
         # the dQ kernel adding dS_bandᵀ (q + v) into dr with atomics (DR_MODE "atomic")
         ("rel_attention bf16 D=64 causal, atomic dr", sm90,
          atomic_dr(lambda: rel(bf16, 64, causal=True))),
+        ("rel_attention bf16 D=64 causal, bulk dr", sm90,
+         bulk_dr(lambda: rel(bf16, 64, causal=True))),
         ("rel_attention fp32/tf32 D=128 causal+seg+dropout+window, atomic dr", both,
          atomic_dr(tf32(lambda: rel(f32, 128, causal=True, seg=True, dropout=0.1,
                                     window=100)))),
@@ -313,6 +322,10 @@ def _cases():
          atomic_dq(lambda: attn(bf16, 128, causal=True))),
         ("attention bf16 D=64 causal+dropout, atomic dQ", sm90,
          atomic_dq(lambda: attn(bf16, 64, causal=True, dropout=0.1))),
+        # the same adds, a whole tile in one TMA bulk reduction (DQ_MODE "bulk")
+        ("attention bf16 D=128 causal, bulk dQ", sm90,
+         bulk_dq(lambda: attn(bf16, 128, causal=True))),
+        ("attention bf16 D=64 causal, bulk dQ", sm90, bulk_dq(lambda: attn(bf16, 64, causal=True))),
         # the loops' tiles through TMA descriptors (TMA_MODE "on"; sm_90 only)
         ("attention bf16 D=128 causal, TMA", sm90, tma(lambda: attn(bf16, 128, causal=True))),
         ("attention bf16 D=64 causal, TMA", sm90, tma(lambda: attn(bf16, 64, causal=True))),
@@ -506,6 +519,8 @@ def _ptxas_facts(ptx, arch):
     facts = {"wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
              "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
              "tma": len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
+             # TMA bulk reductions (tensor_descriptor.atomic_add)
+             "tma_reduce": len(re.findall(r"\bcp\.reduce\.async\.bulk\.tensor", ptx)),
              # float atomic adds: relaxed reductions (red) / with ordering or a result (atom)
              "red_f32": len(re.findall(r"\bred\.global\.[\w.]*add[\w.]*f32", ptx)),
              "atom_f32": len(re.findall(r"\batom\.global\.[\w.]*add[\w.]*f32", ptx)),
@@ -810,7 +825,8 @@ def test_float_atomics_are_relaxed_reductions(compiled):
     reds = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
     rows = [r for r in compiled["rows"] if r["arch"] == 90 and r["ok"] and "red_f32" in r
             and r["kernel"] in WGMMA_KERNELS + REL_FACT_KERNELS]
-    atomic = [r for r in rows if "ATOMIC_DQ=True" in r["launch"] or "ATOMIC_DR=True" in r["launch"]]
+    atomic = [r for r in rows if ("ATOMIC_DQ=True" in r["launch"] or "ATOMIC_DR=True" in
+                                  r["launch"]) and "_BULK=True" not in r["launch"]]
     assert atomic, "no atomic dQ / dr launch was compiled"
     problems = [f"{r['kernel']} [{r['variant']}]: {r['atom_f32']} atom "
                 f"({r['atom_ordered_f32']} not relaxed), {r['red_f32']} red"
@@ -818,6 +834,25 @@ def test_float_atomics_are_relaxed_reductions(compiled):
                 or (reds and (r["atom_f32"] or not r["red_f32"]))]
     problems += [f"{r['kernel']} [{r['variant']}]: float atomics without ATOMIC_*"
                  for r in rows if r not in atomic and (r["atom_f32"] or r["red_f32"])]
+    assert not problems, "\n".join(problems)
+
+
+def test_bulk_adds_are_tma_reductions(compiled):
+    """Attention's dQ and rel_attention's dr by bulk reductions (DQ_MODE / DR_MODE "bulk")
+    add each tile with TMA's ``cp.reduce.async.bulk.tensor``, no element-wise float atomics
+    beside it, on sm_90 with Triton 3.6 (the GPU machines') and 3.9; no other launch issues
+    a bulk reduction."""
+    rows = [r for r in compiled["rows"] if r["arch"] == 90 and r["ok"] and "tma_reduce" in r]
+    bulk = [r for r in rows if "_BULK=True" in r["launch"]]
+    assert {r["kernel"] for r in bulk} == {"_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel"}
+    problems = [f"{r['kernel']} [{r['variant']}]: {r['tma_reduce']} bulk reductions, "
+                f"{r['red_f32'] + r['atom_f32']} element-wise" for r in bulk
+                if not r["tma_reduce"] or r["red_f32"] or r["atom_f32"]]
+    problems += [f"{r['kernel']} [{r['variant']}]: bulk reductions without DQ_BULK"
+                 for r in rows if r not in bulk and r["tma_reduce"]]
+    print("\n".join(f"{r['kernel']} [{r['variant']}]: {r['tma_reduce']} bulk reductions, "
+                    f"{r['regs']} registers, spills {r['spill_stores']}/{r['spill_loads']} B"
+                    for r in bulk))
     assert not problems, "\n".join(problems)
 
 

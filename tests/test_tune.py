@@ -200,20 +200,22 @@ def test_one_tuning_per_kind(tuning):
         assert len(_kinds() - before) == 2, kw
 
 
-def test_atomic_dq_is_a_candidate_and_dq_is_not_tuned_after_it(tuning, monkeypatch):
-    """dK/dV's candidates include dQ by atomic adds (no dQ kernel); when it wins, the dQ
-    kernel's rows are not timed (it does not run), and the call is right."""
-    atomic = {"dq_mode": "atomic"}
+@pytest.mark.parametrize("mode", ["atomic", "bulk"])
+def test_atomic_dq_is_a_candidate_and_dq_is_not_tuned_after_it(tuning, monkeypatch, mode):
+    """dK/dV's candidates include dQ by atomic adds, element-wise or a tile at a time by TMA
+    bulk reductions (no dQ kernel); when one wins, the dQ kernel's rows are not timed (it
+    does not run), the chosen adds are the ones launched, and the call is right."""
+    atomic = {"dq_mode": mode}
     monkeypatch.setattr(kattn, "TUNE_ATOMIC_DQ", True)
     monkeypatch.setattr(_tune, "TIMER", _favour(atomic))
     seen = spy_launches(monkeypatch, kattn, ["_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"],
-                        lambda a, kw: kw.get("ATOMIC_DQ", False))
+                        lambda a, kw: (kw.get("ATOMIC_DQ", False), kw.get("DQ_BULK", False)))
     (q, k, v), out, grads = _call(causal=True, dtype=torch.float16)
     assert any(r["candidate"] == atomic and r["chosen"] for r in _tune.records())
     assert not any(r["kernel"] == "dq" for r in _tune.records())
     seen.clear()
     _, _, grads = _call(causal=True, dtype=torch.float16)
-    assert seen == [("_attn_bwd_dkdv_kernel", True)]
+    assert seen == [("_attn_bwd_dkdv_kernel", (True, mode == "bulk"))]
 
 
 def test_no_atomic_candidates_under_deterministic_algorithms(monkeypatch):
@@ -230,12 +232,13 @@ def test_no_atomic_candidates_under_deterministic_algorithms(monkeypatch):
     def atomic_offered():
         attn = [c for D in (64, 128)
                 for c in kattn._candidates("dkdv", D, bf16, "none", False, True, True)
-                if c.get("dq_mode") == "atomic"]
+                if c.get("dq_mode") in ("atomic", "bulk")]
         rel = [c for c in krel._candidates("dq", 64, bf16, True) if c.get("dr_mode") == "atomic"]
         return attn, rel
 
     attn, rel = atomic_offered()
     assert attn and rel                       # offered normally: the check below can fail
+    assert {c["dq_mode"] for c in attn} == {"atomic", "bulk"}
     saved = (torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
     try:
@@ -273,15 +276,17 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                 assert len(set(launches)) == len(launches), (D, dtype, kernel, launches)
                 emu = [c for c in cands if kernel + ":exp_emu" in c]   # the table's row
                 assert emu == [{kernel + ":exp_emu": True}], emu
-                # dQ by atomic adds: the dK/dV-with-dQ table row first, then other rows
-                atomic = [c.get("dkdv_atomic") for c in cands if "dq_mode" in c]
-                if kernel == "dkdv" and mask != "perm":
-                    bm, bn, _, warps, stages = kattn._config_of("dkdv_atomic", D, dtype, False,
-                                                               mask, False, False)
-                    rows = [(bm, bn, warps, stages)] + atomic[1:]
-                    assert atomic[0] is None and len(set(rows)) == len(rows), (D, rows)
-                else:
-                    assert not atomic, (D, kernel, mask, atomic)
+                # dQ by atomic adds (element-wise, bulk): per mode the dK/dV-with-dQ table
+                # row first, then other rows
+                for mode in ("atomic", "bulk"):
+                    atomic = [c.get("dkdv_atomic") for c in cands if c.get("dq_mode") == mode]
+                    if kernel == "dkdv" and mask != "perm":
+                        bm, bn, _, warps, stages = kattn._config_of("dkdv_atomic", D, dtype,
+                                                                   False, mask, False, False)
+                        rows = [(bm, bn, warps, stages)] + atomic[1:]
+                        assert atomic[0] is None and len(set(rows)) == len(rows), (D, rows)
+                    else:
+                        assert not atomic, (D, kernel, mask, atomic)
     from ctxfast.kernels import rel_attention as krel
     monkeypatch.setattr(krel, "_interpreting", lambda: False)
     monkeypatch.setattr(krel, "TMA_MODE", "auto")
@@ -299,14 +304,22 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
 def test_options_timed_slower_are_not_candidates_by_default(monkeypatch):
     """dQ by atomic adds and the FMA exponentials, both timed slower than the table rows in
     every case the H200 reached (kernels/attention.py TUNE_ATOMIC_DQ, TUNE_EXP_EMU), cost a
-    first call compiles and trials for nothing: not offered unless asked for."""
+    first call compiles and trials for nothing: not offered unless asked for. dQ by TMA bulk
+    reductions, not yet timed, is (TUNE_BULK_DQ), where the call can use descriptors."""
     monkeypatch.setattr(kattn, "_interpreting", lambda: False)
     for D in (64, 128):
         for kernel in ("fwd", "dkdv", "dq"):
             cands = kattn._candidates(kernel, D, torch.bfloat16, "none", False, True, True)
             cands = cands({}) if callable(cands) else cands
             assert cands[0] == {} and len(cands) > 1, cands
-            assert not [c for c in cands if "dq_mode" in c or kernel + ":exp_emu" in c], cands
+            assert not [c for c in cands if c.get("dq_mode") == "atomic"
+                        or kernel + ":exp_emu" in c], cands
+            # dQ by TMA bulk reductions (untimed) is offered where descriptors can be used
+            bulk = [c for c in cands if c.get("dq_mode") == "bulk"]
+            assert bool(bulk) == (kernel == "dkdv"), cands
+            if kernel == "dkdv":              # a call without descriptors: none
+                assert not [c for c in kattn._candidates(kernel, D, torch.bfloat16, "none",
+                                                         False, True, False) if "dq_mode" in c]
 
 
 def test_gpu_table_rows_follow_the_h200_round(monkeypatch):

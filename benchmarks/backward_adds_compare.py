@@ -1,0 +1,143 @@
+"""How the attention backwards add their cross-block sums, timed: ``ctxfast.attention``'s
+dQ and ``ctxfast.rel_attention``'s dr, each as a kernel of its own, by element-wise atomic
+adds, or by TMA bulk reductions of whole tiles.
+
+Forms (``LAUNCH_OVERRIDE``'s ``dq_mode`` / ``dr_mode``, set outside the timed calls):
+
+* ``kernel``: a second kernel recomputes the scores and sums without atomics (attention's
+  default; rel_attention's dR kernel);
+* ``atomic``: the dK/dV kernel (attention) or the dQ kernel (rel_attention) adds each
+  tile's partial with relaxed element-wise reductions (``red``/``atom ... add.f32``; the
+  H200 timed attention's 1.2-1.8x slower than ``kernel``, rel_attention's 1.05x faster: its
+  16-bit default);
+* ``bulk``: the same partials, each staged in shared memory and added by one
+  ``cp.reduce.async.bulk.tensor`` (FlashAttention-3 adds its dQ tiles so), not yet timed.
+
+Each form's outputs are compared with the ``kernel`` form's on the same inputs
+(``agree``: the tuner's rule, ``kernels/_tune.py`` ``_gap``; > 1 means a wrong answer, and
+the form's time does not count). Rows: the backward alone (forward once, outside the
+timed region; ``retain_graph``) and forward + backward, in µs, with SDPA's for scale at
+attention's shapes.
+
+    python benchmarks/backward_adds_compare.py [--reps 10] [--out FILE.json]
+    TRITON_INTERPRET=1 python benchmarks/backward_adds_compare.py --quick   # CPU: runs
+
+Timing: ``_common.median_timer`` (CUDA events, the median of ``--reps`` after 3 warm-up
+calls; the wall clock on a CPU). Nothing but the call runs in the timed region.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+import ctxfast  # noqa: E402
+from kernel_breakdown import make_inputs  # noqa: E402
+from ctxfast.kernels import _tune  # noqa: E402
+from ctxfast.kernels import attention as kattn  # noqa: E402
+from ctxfast.kernels import rel_attention as krel  # noqa: E402
+
+#: (op, B, H, Tq, mem, D): GPT-2's and the long causal D 128 shapes (the widest backward gap
+#: to SDPA), Transformer-XL training (rel_attention, memory 1,024), bf16.
+FULL = (("attention", 16, 12, 1024, 0, 64), ("attention", 4, 16, 4096, 0, 128),
+        ("rel_attention", 4, 16, 512, 1024, 64))
+QUICK = (("attention", 1, 2, 37, 0, 16), ("rel_attention", 1, 2, 19, 14, 16))
+MODES = ("kernel", "atomic", "bulk")
+
+
+def _op(op):
+    if op == "rel_attention":
+        return lambda *a: ctxfast.rel_attention(*a, backend="triton")
+    return lambda *a: ctxfast.attention(*a, causal=True, backend="triton")
+
+
+def _sdpa(*a):
+    return F.scaled_dot_product_attention(*a, is_causal=True)
+
+
+def _timed(fn, ins, g, time_ms) -> Dict[str, float]:
+    """{"bwd_us", "fwd_bwd_us"} of fn(*ins) with upstream gradient g."""
+    out = fn(*ins)
+
+    def bwd():
+        return torch.autograd.grad(out, ins, g, retain_graph=True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fn(*ins), ins, g)
+    return {"bwd_us": round(time_ms(bwd) * 1e3, 1), "fwd_bwd_us": round(time_ms(fwd_bwd) * 1e3, 1)}
+
+
+def run(quick: bool, reps: int) -> List[Dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    time_ms = _common.median_timer(device, reps)
+    rows = []
+    for op, B, H, Tq, mem, D in (QUICK if quick else FULL):
+        torch.manual_seed(0)
+        ins, g = make_inputs(op, B, H, Tq, mem, D, device, dtype)
+        case = f"{op} B{B} H{H} Tq{Tq} mem{mem} D{D}"
+        module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
+        fn = _op(op)
+        base = None
+        for mode in MODES:
+            module.LAUNCH_OVERRIDE[key] = mode
+            try:
+                out = fn(*ins)
+                outs = [out.detach(), *torch.autograd.grad(out, ins, g)]
+                base = outs if base is None else base
+                row = dict(case=case, form=f"{key} {mode}", agree=_tune._gap(outs, base),
+                           **_timed(fn, ins, g, time_ms))
+            finally:
+                del module.LAUNCH_OVERRIDE[key]
+            rows.append(row)
+            _print(row)
+        if op == "attention" and device.type == "cuda":
+            row = dict(case=case, form="sdpa", agree=None, **_timed(_sdpa, ins, g, time_ms))
+            rows.append(row)
+            _print(row)
+    return rows
+
+
+def _print(row):
+    agree = "" if row["agree"] is None else f"  agree {row['agree']:.2f}"
+    print(f"{row['case']:40s} {row['form']:16s} bwd {row['bwd_us']:10.1f} us  "
+          f"fwd+bwd {row['fwd_bwd_us']:10.1f} us{agree}", flush=True)
+
+
+def ratios(rows: List[Dict]) -> List[str]:
+    """Each form's backward and forward + backward as a multiple of the ``kernel`` form's
+    speed in the same case (> 1: faster), and SDPA's; WRONG where it disagrees."""
+    lines = []
+    for r in rows:
+        base = next(b for b in rows if b["case"] == r["case"] and b["form"].endswith("kernel"))
+        if r is base:
+            continue
+        wrong = "  WRONG (agree > 1)" if r["agree"] is not None and r["agree"] > 1 else ""
+        lines.append(f"ratio {r['case']:40s} {r['form']:16s} bwd "
+                     f"{base['bwd_us'] / r['bwd_us']:5.2f}x  fwd+bwd "
+                     f"{base['fwd_bwd_us'] / r['fwd_bwd_us']:5.2f}x {base['form']}{wrong}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        print("backward_adds_compare: the full sizes need a GPU (use --quick on a CPU)")
+        return 2
+    rows = run(args.quick, args.reps)
+    return _common.finish_script(args.out, rows, ratios(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
