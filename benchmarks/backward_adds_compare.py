@@ -23,7 +23,7 @@ attention's shapes.
     TRITON_INTERPRET=1 python benchmarks/backward_adds_compare.py --quick   # CPU: runs
 
 Timing: ``_common.median_timer`` (CUDA events, the median of ``--reps`` after 3 warm-up
-calls; the wall clock on a CPU). Nothing but the call runs in the timed region.
+calls; the wall clock on a CPU, after one). Nothing but the call runs in the timed region.
 """
 from __future__ import annotations
 

@@ -307,8 +307,8 @@ VERIFY_FILES="tests/gpu tests/test_linear.py tests/test_lstm.py tests/test_tune.
 stage_verify() {
   device_lines
   build
-  # The timings first (what only a GPU gives, and what a cut stage must keep), the suite
-  # last with what is left of the budget (round 4: 200 s reached 581 of 591 tests).
+  # The timings that decide defaults first (what only a GPU gives, and what a cut stage
+  # must keep), then the suite (round 4: 200 s reached 581 of 591 tests), then launch sweeps.
   step "lstm: CUDA kernels against cuDNN" 110 lstm_cuda_compare.log "$PY" \
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
     "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
@@ -330,7 +330,20 @@ stage_verify() {
     backward_adds_compare.log "$PY" benchmarks/backward_adds_compare.py \
     --out "$R/backward_adds_compare.json"
   summarize backward_adds_compare.log "^ratio|WRONG|Error" 12
-  lstm_phase_clock 30
+  # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
+  # checked against the table row) against the table rows and SDPA, per headline case: the
+  # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
+  # (round 4: 130 s reached 6 of its 8 cases, the tuner had fewer candidates then)
+  # (round 5: 169 s for 4 cases with the atomic and FMA-exponential candidates, since
+  # dropped, and its winner adopted; 55 s re-checks the first cases, with the TMA bulk
+  # adds among the backward's candidates)
+  step "tune report (attention)" 75 tune_report.log "$PY" \
+    benchmarks/tune_report.py --time-budget 55 --out "$R/tune_report.json"
+  summarize tune_report.log "x\)|chosen|Error|error" 40
+  SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
+  # What is left of the budget (25th session: the suite moved before these, so that the new
+  # device code -- TMA bulk reductions, tf32x3 linear, CUDA graphs -- runs its GPU tests in
+  # a 565 s call; the sweeps only refine launch rows of kernels already timed)
   # the Triton forward (the CUDA default's) under other tiles and pipelines: rows to adopt
   step "lstm: Triton forward sweep" 80 lstm_triton_sweep.log "$PY" \
     benchmarks/lstm_triton_sweep.py --time-budget 65 --out "$R/lstm_triton_sweep.json"
@@ -340,17 +353,7 @@ stage_verify() {
   lstm_backward_sweep 60
   # (round 5 measured it: GRID_PROBE=1 to run it again; ~6 s: nvcc, then 3 x 6 launches)
   (( ${GRID_PROBE:-0} )) && grid_sync_probe 25
-  # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
-  # checked against the table row) against the table rows and SDPA, per headline case: the
-  # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
-  # (round 4: 130 s reached 6 of its 8 cases, the tuner had fewer candidates then)
-  # (round 5: 169 s for 4 cases with the atomic and FMA-exponential candidates, since
-  # dropped, and its winner adopted; 55 s re-checks the first cases, with the TMA bulk
-  # adds among the backward's candidates, and leaves the LSTM backward sweep its minute)
-  step "tune report (attention)" 75 tune_report.log "$PY" \
-    benchmarks/tune_report.py --time-budget 55 --out "$R/tune_report.json"
-  summarize tune_report.log "x\)|chosen|Error|error" 40
-  SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
+  lstm_phase_clock 30
 }
 
 # The Triton LSTM backward's launch sweep (benchmarks/lstm_triton_sweep.py --backward), bf16.
