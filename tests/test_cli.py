@@ -35,6 +35,26 @@ def test_info_names_the_kernel_settings_that_are_set():
     assert "CTXFAST_REL_BWD_DR=" not in _run("info", CTXFAST_REL_BWD_DR="").stdout
 
 
+def test_info_lists_every_setting_the_package_reads():
+    """Every ``CTXFAST_*`` variable that ctxfast's code reads (ctxfast/, kernels/) is one
+    `ctxfast info` prints when set: CTXFAST_LINEAR_CUDA (the decoder's GEMM) was read and
+    not listed, so a GPU round's log could not say which GEMM ran."""
+    import re
+    from ctxfast import cli
+    root = os.path.join(os.path.dirname(__file__), "..")
+    read = set()
+    for pkg in ("ctxfast", "kernels"):
+        for dirpath, _, names in os.walk(os.path.join(root, pkg)):
+            for name in names:
+                if name.endswith(".py"):
+                    with open(os.path.join(dirpath, name)) as f:
+                        read |= set(re.findall(r'environ(?:\.get)?[\(\[]"(CTXFAST_[A-Z0-9_]+)"',
+                                               f.read()))
+    assert "CTXFAST_LINEAR_CUDA" in read and "CTXFAST_BACKEND" in read, read
+    assert read <= set(cli._KERNEL_SETTINGS), read - set(cli._KERNEL_SETTINGS)
+    assert "CTXFAST_LINEAR_CUDA=triton" in _run("info", CTXFAST_LINEAR_CUDA="triton").stdout
+
+
 def test_info_says_what_float32_rounds_to_on_a_gpu():
     """`ctxfast info` says whether float32 products may be TF32 on a GPU: attention follows
     cuBLAS's matmul setting, the LSTM cuDNN's RNN setting (torch's defaults: float32 and
