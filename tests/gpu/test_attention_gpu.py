@@ -71,3 +71,26 @@ def test_tma_tiles_large(monkeypatch, dtype, D, Tq, Tk, kind):
     monkeypatch.setattr(kattn, "TMA_MODE", "on")
     check_against_reference(q, k, v, **kw)
     assert used and all(used), used
+
+
+@pytest.mark.parametrize("mode", ["atomic", "bulk"])
+@pytest.mark.parametrize("dtype, D, Tq, Tk, kind", [
+    (torch.bfloat16, 128, 1025, 1025, "causal"), (torch.bfloat16, 64, 512, 1536, "causal-pad"),
+    (torch.float16, 64, 1025, 1025, "none")])
+def test_dq_by_adds_large(monkeypatch, mode, dtype, D, Tq, Tk, kind):
+    """DQ_MODE "atomic" and "bulk" (TMA bulk reductions, sm_90+) at sizes where many key
+    blocks add into the same dQ rows at once (17-24 key blocks a sequence, 8 sequences):
+    forward and every gradient within 2x eager against float64; bulk's launches took the
+    descriptor."""
+    import ctxfast.kernels.attention as kattn
+    if mode == "bulk" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9 or later")
+    from test_attention import _masks
+    B, H = 2, 4
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype) for T in (Tq, Tk, Tk))
+    bulk = []
+    real = kattn._dq_bulk_args
+    monkeypatch.setattr(kattn, "_dq_bulk_args", lambda *a: bulk.append(real(*a)) or bulk[-1])
+    monkeypatch.setattr(kattn, "DQ_MODE", mode)
+    check_against_reference(q, k, v, **_masks(kind, B, Tq, Tk))
+    assert (mode == "bulk") == bool(bulk and all(bulk)), bulk
