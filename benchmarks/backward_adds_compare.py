@@ -19,7 +19,7 @@ the form's time does not count). Rows: the backward alone (forward once, outside
 timed region; ``retain_graph``) and forward + backward, in µs, with SDPA's for scale at
 attention's shapes.
 
-    python benchmarks/backward_adds_compare.py [--reps 10] [--out FILE.json]
+    python benchmarks/backward_adds_compare.py [--reps 10] [--dtypes bfloat16] [--out FILE.json]
     TRITON_INTERPRET=1 python benchmarks/backward_adds_compare.py --quick   # CPU: runs
 
 Timing: ``_common.median_timer`` (CUDA events, the median of ``--reps`` after 3 warm-up
@@ -74,15 +74,15 @@ def _timed(fn, ins, g, time_ms) -> Dict[str, float]:
     return {"bwd_us": round(time_ms(bwd) * 1e3, 1), "fwd_bwd_us": round(time_ms(fwd_bwd) * 1e3, 1)}
 
 
-def run(quick: bool, reps: int) -> List[Dict]:
+def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     time_ms = _common.median_timer(device, reps)
     rows = []
-    for op, B, H, Tq, mem, D in (QUICK if quick else FULL):
+    for (op, B, H, Tq, mem, D), dtype in ((c, getattr(torch, d)) for d in dtypes
+                                          for c in (QUICK if quick else FULL)):
         torch.manual_seed(0)
         ins, g = make_inputs(op, B, H, Tq, mem, D, device, dtype)
-        case = f"{op} B{B} H{H} Tq{Tq} mem{mem} D{D}"
+        case = f"{op} {str(dtype)[6:]} B{B} H{H} Tq{Tq} mem{mem} D{D}"
         module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
         fn = _op(op)
         base = None
@@ -107,7 +107,7 @@ def run(quick: bool, reps: int) -> List[Dict]:
 
 def _print(row):
     agree = "" if row["agree"] is None else f"  agree {row['agree']:.2f}"
-    print(f"{row['case']:40s} {row['form']:16s} bwd {row['bwd_us']:10.1f} us  "
+    print(f"{row['case']:48s} {row['form']:16s} bwd {row['bwd_us']:10.1f} us  "
           f"fwd+bwd {row['fwd_bwd_us']:10.1f} us{agree}", flush=True)
 
 
@@ -120,7 +120,7 @@ def ratios(rows: List[Dict]) -> List[str]:
         if r is base:
             continue
         wrong = "  WRONG (agree > 1)" if r["agree"] is not None and r["agree"] > 1 else ""
-        lines.append(f"ratio {r['case']:40s} {r['form']:16s} bwd "
+        lines.append(f"ratio {r['case']:48s} {r['form']:16s} bwd "
                      f"{base['bwd_us'] / r['bwd_us']:5.2f}x  fwd+bwd "
                      f"{base['fwd_bwd_us'] / r['fwd_bwd_us']:5.2f}x {base['form']}{wrong}")
     return lines
@@ -128,14 +128,12 @@ def ratios(rows: List[Dict]) -> List[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check)")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    _common.add_script_args(ap, reps=10, gpu_dtypes=("bfloat16",))
     args = ap.parse_args(argv)
-    if not args.quick and not torch.cuda.is_available():
-        print("backward_adds_compare: the full sizes need a GPU (use --quick on a CPU)")
+    dtypes = _common.script_setup(args, "backward_adds_compare")
+    if dtypes is None:
         return 2
-    rows = run(args.quick, args.reps)
+    rows = run(args.quick, args.reps, dtypes)
     return _common.finish_script(args.out, rows, ratios(rows))
 
 
