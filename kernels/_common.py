@@ -447,6 +447,20 @@ def interpreter_descriptor_reduce() -> None:
     builder.create_descriptor_reduce = create_descriptor_reduce
 
 
+def bulk_add_args(acc, rows: int, block_d: int, desc_name: str, flag_name: str) -> dict:
+    """A launch's keyword arguments for adding tiles into the fp32 accumulator ``acc``
+    (``[B, H, T, D]``) by TMA bulk reductions: ``{desc_name: RowTiles in [rows, block_d]
+    tiles, flag_name: True}``, or ``{}`` (the element-wise adds) where acc's device has no
+    TMA or TMA cannot address it (:func:`row_tiles`: D not a multiple of 4 in fp32). Under
+    the interpreter it installs :func:`interpreter_descriptor_reduce` first."""
+    desc = row_tiles(acc, rows, block_d) if _has_tma(acc.device) else None
+    if desc is None:
+        return {}
+    if _interpreting():
+        interpreter_descriptor_reduce()
+    return {desc_name: desc, flag_name: True}
+
+
 def _seed_arg(q, dropout_p, seed):
     if dropout_p <= 0:
         return q                                   # never read (DROPOUT is False)

@@ -69,8 +69,7 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _e
                       _has_tma, _interpreting, _keep, _keep_t, _key_range, _load_rows,
                       _mask_args, _new_output, _online_softmax_step, _precision,
                       _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
-                      _visible, cdiv, check_tma_mode, interpreter_descriptor_reduce,
-                      next_pow2, row_tiles, tma_args)
+                      _visible, bulk_add_args, cdiv, check_tma_mode, next_pow2, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -1171,19 +1170,14 @@ def _dq_mode() -> str:
     return mode
 
 
-def _dq_bulk_args(dq_acc, bm, bd, device, order) -> dict:
+def _dq_bulk_args(dq_acc, bm, bd, order) -> dict:
     """The dK/dV launch's keyword arguments for dQ by TMA bulk reductions (DQ_MODE "bulk"):
     the accumulator's descriptor in ``[bm, bd]`` tiles, or ``{}`` (element-wise adds) where
     the device has no TMA, the rows are in rank order or TMA cannot address the
     accumulator (D not a multiple of 4)."""
-    if order is not None or not _has_tma(device):
+    if order is not None:
         return {}
-    desc = row_tiles(dq_acc, bm, bd)
-    if desc is None:
-        return {}
-    if _interpreting():
-        interpreter_descriptor_reduce()
-    return {"DQAD": desc, "DQ_BULK": True}
+    return bulk_add_args(dq_acc, bm, bd, "DQAD", "DQ_BULK")
 
 
 def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, causal,
@@ -1211,7 +1205,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
     tma = _tma_args("dkdv", ("QD", "DOD"), (q, do), bm, bd, q.device, cu, order, dropout_p > 0)
     if mode == "bulk":
-        tma.update(_dq_bulk_args(dq_acc, bm, bd, q.device, order))
+        tma.update(_dq_bulk_args(dq_acc, bm, bd, order))
     fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,

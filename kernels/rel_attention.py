@@ -115,8 +115,7 @@ import triton.language as tl
 from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _has_tma, _interpreting,
                       _keep, _key_range, _mask_args, _new_output, _online_softmax_step,
                       _query_block, _seed_arg, _split_targets, _tf32_allowed, _tile_rows,
-                      _visible, cdiv, check_tma_mode, interpreter_descriptor_reduce,
-                      next_pow2, row_tiles, tma_args)
+                      _visible, bulk_add_args, cdiv, check_tma_mode, next_pow2, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -1252,12 +1251,7 @@ def _dr_bulk_args(dr_acc, bn: int, block_d: int) -> dict:
     the ``[H, R, D]`` accumulator's descriptor as ``[1, H, R, D]`` in ``[bn, block_d]``
     tiles, or ``{}`` (element-wise adds) where the device has no TMA or TMA cannot address
     the accumulator (D not a multiple of 4)."""
-    desc = row_tiles(dr_acc.unsqueeze(0), bn, block_d) if _has_tma(dr_acc.device) else None
-    if desc is None:
-        return {}
-    if _interpreting():
-        interpreter_descriptor_reduce()
-    return {"DRD": desc, "DR_BULK": True}
+    return bulk_add_args(dr_acc.unsqueeze(0), bn, block_d, "DRD", "DR_BULK")
 
 
 def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:

@@ -623,8 +623,48 @@ try:
         rows = tl.reshape(o, [N // 64, 64])
         tl.store(Z + rows, _exp2_half_fma(tl.reshape(x, [N // 64, 64])))
         tl.store(E + o, tl.exp2(x))
+
+    @triton.jit
+    def _bulk_add_probe(ACC_D, X, r0, R: tl.constexpr, BD: tl.constexpr):
+        """Program p adds X's [R, BD] tile into head p of ACC_D at rows r0 + 5p.."""
+        p = tl.program_id(0)
+        x = tl.load(X + tl.arange(0, R)[:, None] * BD + tl.arange(0, BD)[None, :])
+        ACC_D.atomic_add([0, p, r0 + 5 * p, 0], x.reshape(1, 1, R, BD))
 except ImportError:                     # no Triton: the tests that need it are skipped
-    _exp2_probe = None
+    _exp2_probe = _bulk_add_probe = None
+
+
+@needs_triton
+def test_bulk_add_drops_what_lies_outside():
+    """kernels._common.bulk_add_args and the TMA bulk reduction it sets up (the
+    interpreter's through ctxfast's shim; on an sm_90+ GPU the hardware's): a [16, 8] tile
+    added at rows -4.. and 1.. of a [1, 2, 15, 6] fp32 accumulator view (rows 8 floats
+    apart) adds what lies inside and nothing before row 0, past row 14 or in the two
+    columns past D. Where TMA cannot address the accumulator (rows 18 floats apart, not a
+    multiple of 16 bytes) the launch arguments are {} (the element-wise adds);
+    attention's rank order takes them too."""
+    from ctxfast.kernels import _common
+    from ctxfast.kernels import attention as kattn
+    device = torch.device(DEVICE)
+    if not _common._has_tma(device):
+        pytest.skip("TMA needs compute capability 9 or later")
+    full = torch.randn(1, 2, 15, 8, device=device)
+    before = full.clone()
+    acc = full[..., :6]
+    x = torch.randn(16, 8, device=device)
+    args = _common.bulk_add_args(acc, 16, 8, "ACC_D", "FLAG")
+    assert args["FLAG"] is True
+    _bulk_add_probe[(2,)](args["ACC_D"], x, -4, R=16, BD=8)
+    want = before.clone()
+    for p, r0 in ((0, -4), (1, 1)):
+        for i in range(16):
+            if 0 <= r0 + i < 15:
+                want[0, p, r0 + i, :6] += x[i, :6]
+    torch.testing.assert_close(full, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(full[..., 6:], before[..., 6:])
+    assert _common.bulk_add_args(torch.zeros(1, 1, 5, 18, device=device), 16, 32, "A", "F") == {}
+    order = torch.zeros(1, 5, dtype=torch.int32, device=device)
+    assert kattn._dq_bulk_args(torch.zeros(1, 1, 5, 16, device=device), 16, 16, order) == {}
 
 
 @needs_triton

@@ -112,7 +112,7 @@ def _cases():
 
     import torch
 
-    from ctxfast.kernels import attention, linear, lstm, rel_attention, rel_shift
+    from ctxfast.kernels import _common, attention, linear, lstm, rel_attention, rel_shift
 
     def randn(*shape, dtype):
         return torch.randn(shape).to(dtype)
@@ -221,7 +221,7 @@ def _cases():
         """fn with dQ / dr added by TMA bulk reductions (DQ_MODE / DR_MODE "bulk"), as on
         an sm_90 GPU."""
         return lambda fn: setting(mod, name, "bulk")(
-            setting(mod, "_has_tma", lambda device: True)(fn))
+            setting(_common, "_has_tma", lambda device: True)(fn))
     bulk_dq, bulk_dr = bulk(attention, "DQ_MODE"), bulk(rel_attention, "DR_MODE")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
     dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
