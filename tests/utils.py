@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ctxfast
+from ctxfast import reference
 
 # Backends that can run on CPU tensors in this process.
 CPU_BACKENDS = [b for b in ctxfast.BACKENDS if ctxfast.why_unavailable(b, "cpu") is None]
@@ -108,12 +109,45 @@ def softmax_grad_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: to
     products, gets exactly 0 too; a flash kernel takes Δ_i = dO_i·O_i (another summation
     of the same number) and keeps the rounding of dP − Δ, which scales with these terms,
     not with the (zero) gradient."""
-    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
-    vis = visible[:, None]                                              # [B, 1, Tq, Tk]
-    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
-    p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)                # rows without keys: 0
-    t = p * (do @ v.transpose(-1, -2))                                  # P∘dP [B, H, Tq, Tk]
-    return ((scale * t @ k).norm().item(), (scale * t.transpose(-1, -2) @ q).norm().item())
+    q, k = (t.detach().double().requires_grad_(True) for t in (q, k))
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible[:, None], float("-inf"))
+    return tuple(score_grad_terms(s, (q, k), v, do))
+
+
+def score_grad_terms(scores: torch.Tensor, leaves, v: torch.Tensor, do: torch.Tensor,
+                     dropout_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0
+                     ) -> list:
+    """For each leaf, ‖Σ_ij (P∘dP)_ij ∂S_ij/∂leaf‖ in float64: the gradient the leaf would
+    get if the softmax did not subtract Δ_i = Σ_j P_ij dP_ij from every dP_ij. ``scores``
+    ``[B, H, Tq, Tk]`` (``-inf`` where not visible) is a float64 function of the float64
+    ``leaves`` (requires_grad); v ``[B, H, Tk, D]``, do ``[B, H, Tq, D]``, the dropout mask
+    as the op takes it.
+
+    Each row of dS = P∘(dP − Δ) sums to zero, so a gradient that sums dS over a row's keys
+    (dq, the biases added to q) is a cancellation of terms this size; a flash backward,
+    which takes Δ_i = dO_i·O_i, keeps their rounding (an error e_i in Δ_i moves dS_ij by
+    −e_i P_ij), where eager, taking Δ from the same products, cancels it. These norms are
+    the scale of that rounding: the floor of assert_within_2x_eager scales with them
+    (``min_scale``), not with the (possibly much smaller) gradient."""
+    p = reference.masked_softmax(scores.detach())
+    dp = do.detach().double() @ v.detach().double().transpose(-1, -2)   # [B, H, Tq, Tk]
+    if dropout_mask is not None and dropout_p > 0:
+        dp = dp * dropout_mask.double() / (1.0 - dropout_p)
+    grads = torch.autograd.grad(scores, list(leaves), p * dp, allow_unused=True)
+    return [0.0 if g is None else g.norm().item() for g in grads]
+
+
+def rel_grad_terms(tensors, do: torch.Tensor, **kw) -> list:
+    """score_grad_terms of ctxfast.rel_attention, one norm per tensor: ``tensors`` = (q, k,
+    v, r, r_w_bias, r_r_bias[, seg_embed, r_s_bias]), kw the op's other keyword arguments
+    (masks, window, scale, seg ids, a dropout mask and p; ``backend`` is ignored)."""
+    kw = {n: a for n, a in kw.items() if n != "backend"}
+    drop = {n: kw.pop(n) for n in ("dropout_mask", "dropout_p") if n in kw}
+    leaves = [t.detach().double().requires_grad_(True) for t in tensors]
+    q, k, v, r, u, w = leaves[:6]
+    seg = dict(zip(("seg_embed", "r_s_bias"), leaves[6:]))
+    s = reference.rel_scores(q, k, r, u, w, **seg, **kw)             # [B, H, Tq, Tk]
+    return score_grad_terms(s, leaves, v, do, **drop)
 
 
 def assert_param_grads_within_2x_eager(fast: "torch.nn.Module", eager: "torch.nn.Module",

@@ -52,6 +52,25 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                   dropout_p: float = 0.0, scale: Optional[float] = None,
                   window: Optional[int] = None) -> Tensor:
     """The specification (see the module docstring). Returns ``[B, H, Tq, D]``."""
+    scores = rel_scores(q, k, r, r_w_bias, r_r_bias, causal=causal, pos_start=pos_start,
+                        key_padding_mask=key_padding_mask, perm_rank=perm_rank,
+                        perm_stream=perm_stream, seg_q=seg_q, seg_k=seg_k,
+                        seg_embed=seg_embed, r_s_bias=r_s_bias, scale=scale, window=window)
+    p = masked_softmax(scores)                                            # [B, H, Tq, Tk]
+    if dropout_mask is not None and dropout_p > 0:
+        p = p * dropout_mask / (1.0 - dropout_p)
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def rel_scores(q: Tensor, k: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor, *,
+               causal: bool = True, pos_start: Optional[int] = None,
+               key_padding_mask: Optional[Tensor] = None, perm_rank: Optional[Tensor] = None,
+               perm_stream: str = "content", seg_q: Optional[Tensor] = None,
+               seg_k: Optional[Tensor] = None, seg_embed: Optional[Tensor] = None,
+               r_s_bias: Optional[Tensor] = None, scale: Optional[float] = None,
+               window: Optional[int] = None) -> Tensor:
+    """The scaled scores ``A`` of :func:`rel_attention` (arguments as there), ``-inf`` where
+    a pair is not visible: ``[B, H, Tq, Tk]``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     R = r.shape[1]
@@ -75,7 +94,12 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
         ef = torch.einsum("bhid,shd->bhis", qs, seg_embed)                # [B, H, Tq, 2]
         diff = (seg_q[:, :, None] != seg_k[:, None, :]).unsqueeze(1)      # [B, 1, Tq, Tk]
         scores = scores + torch.where(diff, ef[..., 1:2], ef[..., 0:1])
-    scores = (scores * scale).masked_fill(~visible, float("-inf"))
+    return (scores * scale).masked_fill(~visible, float("-inf"))
+
+
+def masked_softmax(scores: Tensor) -> Tensor:
+    """Softmax over the last dim of scores with ``-inf`` at the pairs not visible; a row
+    with no visible pair (or no key at all) gives zeros."""
     if scores.shape[-1] > 0:
         row_max = scores.amax(-1, keepdim=True)
     else:                                                                 # Tk = 0: no key
@@ -83,10 +107,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)
     denom = p.sum(-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    if dropout_mask is not None and dropout_p > 0:
-        p = p * dropout_mask / (1.0 - dropout_p)
-    return torch.matmul(p.to(v.dtype), v)
+    return p / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
 def rel_attention_original(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
