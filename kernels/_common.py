@@ -8,6 +8,7 @@ Shapes and the visibility rules are those of ``kernels/attention.py``'s docstrin
 """
 import dataclasses
 import functools
+import math
 import os
 
 import torch
@@ -16,6 +17,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
+
+
+def _fold_scale(scale: float) -> bool:
+    """Whether a forward may apply its softmax scale inside the exponent's FMA (the kernels'
+    ``FOLD``, :func:`_online_softmax_step`): the row max of unscaled scores is the scaled
+    max's only for a positive, finite scale (a 0 or negative one, which torch's SDPA
+    accepts too, keeps the scaled tile)."""
+    return 0.0 < scale < math.inf
 
 
 @triton.jit
@@ -103,15 +112,24 @@ def _exp2_tile(x, EXP_EMU: tl.constexpr):
 
 @triton.jit
 def _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n, max_q, max_k, p_drop,
-                         DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                         EXP_EMU: tl.constexpr):
-    """Fold one tile of base-2 scores s [BLOCK_M, BLOCK_N] (-inf where masked) and its values
+                         qk_scale, DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+                         PRECISION: tl.constexpr, EXP_EMU: tl.constexpr, FOLD: tl.constexpr):
+    """Fold one tile of scores s [BLOCK_M, BLOCK_N] (-inf where masked) and its values
     v [BLOCK_N, BLOCK_D] into the running max m_i, normaliser l_i (before dropout) and output
-    acc. EXP_EMU: half the tile's exponentials on the FMA pipe (:func:`_exp2_half_fma`).
-    Returns (m_i, l_i, acc)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # row with nothing yet
-    p = _exp2_tile(s - m_safe[:, None], EXP_EMU)                     # 0 where masked
+    acc (m_i, l_i in base 2). FOLD: s is not yet scaled, and qk_scale (> 0) is applied to
+    each row's max and inside the exponent's FMA, ``exp2(s · qk_scale − m)``, as the
+    fused-attention tutorial does: one multiply per element less than scaling the tile
+    first (whose products the row max needs). Without FOLD, s is in base 2 already
+    (qk_scale unused). EXP_EMU: half the tile's exponentials on the FMA pipe
+    (:func:`_exp2_half_fma`). Returns (m_i, l_i, acc)."""
+    if FOLD:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # row with nothing yet
+        p = _exp2_tile(tl.fma(s, qk_scale, -m_safe[:, None]), EXP_EMU)   # 0 where masked
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # row with nothing yet
+        p = _exp2_tile(s - m_safe[:, None], EXP_EMU)                 # 0 where masked
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)                                 # normaliser: before dropout
     if DROPOUT:

@@ -66,8 +66,8 @@ import triton
 import triton.language as tl
 
 from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _exp2_tile,
-                      _has_tma, _interpreting, _keep, _keep_t, _key_range, _load_rows,
-                      _mask_args, _new_output, _online_softmax_step, _precision,
+                      _fold_scale, _has_tma, _interpreting, _keep, _keep_t, _key_range,
+                      _load_rows, _mask_args, _new_output, _online_softmax_step, _precision,
                       _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
                       _visible, bulk_add_args, cdiv, check_tma_mode, next_pow2, tma_args)
 from . import _tune
@@ -187,6 +187,17 @@ def _scores(q, k, qk_scale, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _fwd_scores(q, k, qk_scale, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                FOLD: tl.constexpr):
+    """The forward's scores of a tile: q kᵀ, scaled by the softmax step where FOLD, else
+    in base 2 (:func:`_scores`)."""
+    if FOLD:
+        return _dot(q, tl.trans(k), UPCAST, PRECISION)
+    else:
+        return _scores(q, k, qk_scale, UPCAST, PRECISION)
+
+
+@triton.jit
 def _interior_end(lo, hi, full_end, BLOCK: tl.constexpr):
     """End of the interior tiles [lo, mid) of a loop over [lo, hi): whole tiles below
     full_end (the first position a tile may not pass without a mask)."""
@@ -203,11 +214,12 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                HAS_PERM: tl.constexpr, PERM_STRICT: tl.constexpr, SORTED: tl.constexpr,
                DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               TMA: tl.constexpr, EXP_EMU: tl.constexpr):
+               TMA: tl.constexpr, EXP_EMU: tl.constexpr, FOLD: tl.constexpr):
     """Fold the key tiles [lo, hi) into (acc, l_i, m_i): boundary tiles with the full
     visibility test, interior ones classed from block bounds. offs_m / offs_n index the
     problem (masks), rows_m / rows_n the tensors (loads, dropout counters). TMA: k and v
-    tiles through the descriptors KD, VD (never with SORTED: their rows are gathered)."""
+    tiles through the descriptors KD, VD (never with SORTED: their rows are gathered).
+    FOLD: qk_scale (> 0) applied in the softmax step, not to the tile (_online_softmax_step)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         rows_n = _key_rows(offs_n, b, Tq, Tk, mem_len, ORDER, SORTED)
@@ -218,20 +230,20 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                            BLOCK_N, BLOCK_D, TMA)
             v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, True, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
-            s = _scores(q, k, qk_scale, UPCAST, PRECISION)
+            s = _fwd_scores(q, k, qk_scale, UPCAST, PRECISION, FOLD)
             vis = _visible(offs_m, offs_n, b, Tq, Tk, mem_len, KPM, stride_kpm_b, stride_kpm_n,
                            RANK, stride_rank_b, stride_rank_t, rank_q,
                            CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT)
             s = tl.where(vis, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
-                                                 max_q, max_k, p_drop, DROPOUT, UPCAST,
-                                                 PRECISION, EXP_EMU)
+                                                 max_q, max_k, p_drop, qk_scale, DROPOUT,
+                                                 UPCAST, PRECISION, EXP_EMU, FOLD)
         else:               # interior: no row mask; an element mask only where a mask kind needs it
             k = _tile_rows(KD, k_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
             v = _tile_rows(VD, v_ptrs, b, h, start_n, offs_n, Tk, d_ok, False, EVEN_D,
                            BLOCK_N, BLOCK_D, TMA)
-            s = _scores(q, k, qk_scale, UPCAST, PRECISION)
+            s = _fwd_scores(q, k, qk_scale, UPCAST, PRECISION, FOLD)
             if HAS_KPM or HAS_PERM:
                 key_ok, rank_k, all_vis = _interior_keys(
                     offs_n, b, mem_len, qmin, KPM, stride_kpm_b, stride_kpm_n,
@@ -241,8 +253,8 @@ def _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d, d_o
                                          HAS_PERM, PERM_STRICT)
                     s = tl.where(vis, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, rows_m, rows_n,
-                                                 max_q, max_k, p_drop, DROPOUT, UPCAST,
-                                                 PRECISION, EXP_EMU)
+                                                 max_q, max_k, p_drop, qk_scale, DROPOUT,
+                                                 UPCAST, PRECISION, EXP_EMU, FOLD)
     return acc, l_i, m_i
 
 
@@ -251,7 +263,7 @@ def _fwd_epilogue(acc, l_i, m_i, o_ptrs, lse_ptrs, offs_m, Tq, d_ok, SPLIT_K: tl
     """out = acc / l and lse = m + log2 l of a query block. Empty row: out 0 and lse +inf
     (the backward's probabilities are 0), or -inf for a split's partial (weight 0 in the
     combine)."""
-    has_key = l_i > 0
+    has_key = l_i != 0      # 0: no key seen; NaN (from the inputs) goes on into out and lse
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     empty_lse = float("-inf") if SPLIT_K else float("inf")
     lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), empty_lse)
@@ -297,6 +309,7 @@ def _attn_fwd_kernel(
     KD=None, VD=None,       # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
     TMA: tl.constexpr = False,  # key tiles through KD, VD (not with SORTED or VARLEN)
     EXP_EMU: tl.constexpr = False,  # half of each tile's exponentials on the FMA pipe (16-bit)
+    FOLD: tl.constexpr = False,     # qk_scale > 0, applied in the softmax step's FMA
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
@@ -351,14 +364,14 @@ def _attn_fwd_kernel(
                                p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
                                stride_rank_t, ORDER, KD, VD, h, False, CAUSAL, HAS_KPM, HAS_PERM,
                                PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, BLOCK_D, UPCAST,
-                               PRECISION, TMA, EXP_EMU)
+                               PRECISION, TMA, EXP_EMU, FOLD)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, rank_q, qmin, qmax, offs_m, rows_m, offs_d,
                                d_ok, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                mid, hi, b, bh, Tq, Tk, mem_len, max_q, max_k, qk_scale, seed,
                                p_drop, KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
                                stride_rank_t, ORDER, KD, VD, h, True, CAUSAL, HAS_KPM, HAS_PERM,
                                PERM_STRICT, SORTED, DROPOUT, EVEN_D, BLOCK_N, BLOCK_D, UPCAST,
-                               PRECISION, TMA, EXP_EMU)
+                               PRECISION, TMA, EXP_EMU, FOLD)
     _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + rows_m[:, None] * stride_om
                   + offs_d[None, :] * stride_od, LSE + rows_m, offs_m, Tq, d_ok, SPLIT_K)
 
@@ -1125,7 +1138,8 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         VARLEN=cu is not None, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "fwd"), **tma,
+        num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "fwd"),
+        FOLD=_fold_scale(scale), **tma,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)

@@ -112,10 +112,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _has_tma, _interpreting,
-                      _keep, _key_range, _mask_args, _new_output, _online_softmax_step,
-                      _query_block, _seed_arg, _split_targets, _tf32_allowed, _tile_rows,
-                      _visible, bulk_add_args, cdiv, check_tma_mode, next_pow2, tma_args)
+from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _fold_scale, _has_tma,
+                      _interpreting, _keep, _key_range, _mask_args, _new_output,
+                      _online_softmax_step, _query_block, _seed_arg, _split_targets,
+                      _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
+                      check_tma_mode, next_pow2, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -311,6 +312,7 @@ def _rel_fwd_inner(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
     KD, VD, RD, h, BLOCK_D: tl.constexpr, TMA: tl.constexpr,    # TMA: tiles via KD, VD, RD
+    FOLD: tl.constexpr,             # qk_scale > 0 applied in the softmax step's FMA
 ):
     """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
     fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, pos_prev),
@@ -327,7 +329,8 @@ def _rel_fwd_inner(
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
-        s = s * qk_scale
+        if not FOLD:
+            s = s * qk_scale
         if MASKED:
             s = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
                                       KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b,
@@ -335,7 +338,8 @@ def _rel_fwd_inner(
                                       CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, WINDOW),
                          s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, seed, bh, offs_m, offs_n,
-                                             Tq, Tk, p_drop, DROPOUT, UPCAST, PRECISION, False)
+                                             Tq, Tk, p_drop, qk_scale, DROPOUT, UPCAST,
+                                             PRECISION, False, FOLD)
     return m_i, l_i, acc, pos_prev
 
 
@@ -374,6 +378,7 @@ def _rel_attn_fwd_kernel(
     KD=None, VD=None, RD=None,      # TMA: RowTiles of k, v ([1, 1, BLOCK_N, BLOCK_D] tiles)
                                     # and of r as [1, H, R, D]
     TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
+    FOLD: tl.constexpr = False,     # qk_scale > 0, applied in the softmax step's FMA
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
@@ -440,7 +445,7 @@ def _rel_attn_fwd_kernel(
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA)
+            BLOCK_D, TMA, FOLD)
     else:   # boundary tiles before the interior, the interior (no mask work), the rest
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
@@ -452,7 +457,7 @@ def _rel_attn_fwd_kernel(
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA)
+            BLOCK_D, TMA, FOLD)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
@@ -461,7 +466,7 @@ def _rel_attn_fwd_kernel(
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA)
+            BLOCK_D, TMA, FOLD)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, in_hi, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
@@ -470,9 +475,9 @@ def _rel_attn_fwd_kernel(
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA)
+            BLOCK_D, TMA, FOLD)
 
-    has_key = l_i > 0
+    has_key = l_i != 0      # 0: no key seen; NaN (from the inputs) goes on into out and lse
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     # Empty row: +inf makes the backward's probabilities 0; a split's partial uses -inf
     # (weight 0 in the combine).
@@ -1465,7 +1470,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16,
             PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
-            num_warps=warps, num_stages=stages, **tma,
+            FOLD=_fold_scale(scale), num_warps=warps, num_stages=stages, **tma,
         )
         if split:
             _combine_splits(o_target, l_target, out, lse)

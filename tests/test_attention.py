@@ -187,6 +187,17 @@ def test_non_contiguous_bthd_layout():
 
 
 @needs_triton
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 2.5])
+def test_any_scale(scale):
+    """The forward applies a positive scale inside the exponent's FMA, to the row max of the
+    unscaled scores (kernels._common._fold_scale); a zero or negative scale (SDPA takes
+    them) must keep the scaled tile: with the fold, -inf masks times 0 are NaN and a
+    negative scale turns the row max into the row min."""
+    q, k, v = _inputs(2, 2, 21, 30, 16)
+    check_against_reference(q, k, v, **_masks("causal-pad", 2, 21, 30), scale=scale)
+
+
+@needs_triton
 @pytest.mark.parametrize("how", ["all-padding", "query-stream-lowest-rank"])
 def test_rows_that_see_no_key(how):
     """Zeros out, zero gradient through them, never NaN."""
@@ -459,7 +470,7 @@ def test_rank_order_visits_fewer_tiles(monkeypatch, stream):
     nq, nk = Tq // 16, (Tq + mem) // 16
     q, k, v = (t.requires_grad_() for t in _inputs(B, H, Tq, Tq + mem, D))
     rank = torch.randperm(Tq, device=DEVICE)[None]
-    counts = {"_scores": 0, "_interior_mask": 0, "_interior_keys": 0}
+    counts = {"_fwd_scores": 0, "_scores": 0, "_interior_mask": 0, "_interior_keys": 0}
     for name in counts:
         def counted(*args, _fn=getattr(kernels, name), _name=name):
             counts[_name] += 1
@@ -480,9 +491,11 @@ def test_rank_order_visits_fewer_tiles(monkeypatch, stream):
     # per kernel: the memory tile for every query block, the lower triangle of the current
     # ones; forward and dQ loops end at the diagonal (_interior_keys: a step of their loops)
     visited = nq + nq * (nq + 1) // 2
-    assert sorted_counts == {"_scores": 3 * visited, "_interior_mask": 3 * nq,
-                             "_interior_keys": 2 * visited}, sorted_counts
-    assert original["_scores"] == 3 * nq * nk, original         # a random permutation: all
+    # (the forward's scores through _fwd_scores, the backward kernels' through _scores)
+    assert sorted_counts == {"_fwd_scores": visited, "_scores": 2 * visited,
+                             "_interior_mask": 3 * nq, "_interior_keys": 2 * visited}, \
+        sorted_counts
+    assert original["_fwd_scores"] + original["_scores"] == 3 * nq * nk, original  # all
     assert original["_interior_keys"] == 2 * nq * nk, original
     assert original["_interior_mask"] > sorted_counts["_interior_mask"], original
 
@@ -906,3 +919,50 @@ def test_row_tiles_rules_and_launch_key():
     full = RowTiles(x, list(x.shape), list(x.stride()), [1, 1, 16, 32])
     assert vars(d).keys() == vars(full).keys() and d.base is full.base
     assert all(vars(d)[k] == vars(full)[k] for k in vars(d) if k != "base")
+
+
+_EDGE_BACKENDS = [b for b in ("eager", "cpu", "triton") if b in ctxfast.BACKENDS
+                  and ctxfast.why_unavailable(b, DEVICE) is None]
+
+
+@pytest.mark.parametrize("backend", _EDGE_BACKENDS)
+@pytest.mark.parametrize("op", ["attention", "rel_attention"])
+def test_head_dim_zero_with_the_default_scale(backend, op):
+    """D = 0: an empty [B, H, Tq, 0] output (the default scale D ** -0.5 raised
+    ZeroDivisionError before any check)."""
+    q, k, v = (torch.randn(1, 2, T, 0, device=DEVICE, requires_grad=True) for T in (3, 5, 5))
+    if op == "attention":
+        out = ctxfast.attention(q, k, v, causal=True, backend=backend)
+    else:
+        r, u, w = (torch.randn(*s, device=DEVICE) for s in ((2, 5, 0), (2, 0), (2, 0)))
+        out = ctxfast.rel_attention(q, k, v, r, u, w, backend=backend)
+    assert out.shape == (1, 2, 3, 0)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="rank values are checked on CPU tensors only")
+@pytest.mark.parametrize("op", ["attention", "rel_attention"])
+def test_ranks_beyond_int32(op):
+    """The triton backend reads ranks (and segment ids) as int32: int64 values beyond its
+    range are refused there (they were cut to int32 silently: wrong output); the cpu and
+    eager backends take them exactly."""
+    q, k, v = (torch.randn(1, 1, 5, 8) for _ in range(3))
+    rank = torch.tensor([[2**32 + 1, 2, 3, 4, 0]])
+    small = torch.tensor([[4, 1, 2, 3, 0]])            # the same order in small numbers
+    r, u, w = torch.randn(1, 10, 8), torch.randn(1, 8), torch.randn(1, 8)
+
+    def run(ranks, backend):
+        if op == "attention":
+            return ctxfast.attention(q, k, v, perm_rank=ranks, backend=backend)
+        return ctxfast.rel_attention(q, k, v, r, u, w, causal=False, pos_start=5,
+                                     perm_rank=ranks, backend=backend)
+
+    want = run(small, "eager")
+    for backend in ("eager", "cpu"):
+        if backend in _EDGE_BACKENDS:
+            assert rel_err(run(rank, backend), want) < 1e-5, backend
+    if "triton" in _EDGE_BACKENDS:
+        with pytest.raises(ValueError, match="reads perm_rank as int32"):
+            run(rank, "triton")
+        assert rel_err(run(small, "triton"), want) < 1e-5

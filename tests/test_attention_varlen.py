@@ -102,3 +102,17 @@ def test_varlen_bad_input(change, exc, words):
         ctxfast.attention_varlen(**args)
     for w in words:
         assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("backend", ["eager"] + (["cpu"] if DEVICE == "cpu" else [])
+                         + (["triton"] if "triton" in ctxfast.BACKENDS and ctxfast.why_unavailable(
+                             "triton", DEVICE) is None else []))
+def test_no_sequence_at_all(backend):
+    """cu_seqlens [0] (a batch of none): zeros in q's graph with zero gradient, on every
+    backend (eager returned a tensor outside the graph: backward raised)."""
+    x = torch.randn(2, 1, 8, device=DEVICE, requires_grad=True)
+    cu = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    out = ctxfast.attention_varlen(x, x, x, cu, cu, 0, 0, backend=backend)
+    assert out.shape == x.shape and (out == 0).all()
+    out.sum().backward()
+    assert (x.grad == 0).all()

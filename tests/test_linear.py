@@ -219,6 +219,11 @@ def test_autocast_runs_in_the_autocast_dtype(backend):
         y = ctxfast.linear(x, w, b, backend=backend)
         want = F.linear(x, w, b)
     assert y.dtype == want.dtype == torch.bfloat16
+    # a bfloat16 activation (the output of an earlier autocast op) meets float32 weights
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y16 = ctxfast.linear(x.detach().bfloat16(), w, b, backend=backend)
+        want16 = F.linear(x.detach().bfloat16(), w, b)
+    assert y16.dtype == want16.dtype == torch.bfloat16
     grads = torch.autograd.grad(y.float().sum(), (x, w, b))
     assert all(g.dtype == torch.float32 for g in grads)
     ref = F.linear(x.double(), w.double(), b.double())

@@ -184,6 +184,14 @@ def test_half_dtypes(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 2.5])
+def test_any_scale(scale):
+    """A zero or negative scale keeps the scaled tile in the forward (see
+    test_attention.test_any_scale); a positive one is applied in the exponent's FMA."""
+    check(2, 2, 17, 22, 16, scale=scale)
+
+
+@needs_triton
 def test_rows_that_see_no_key():
     kpm = torch.zeros(2, 12, dtype=torch.bool, device=DEVICE)
     kpm[0] = True
@@ -283,6 +291,12 @@ def _bad():
                r_s_bias=torch.randn(2, 8))
     yield "seg-embed-dtype", dict(seg, seg_embed=torch.randn(2, 2, 8, dtype=torch.float64)), \
         TypeError, ["seg_embed must have q's dtype"]
+    yield "seg-q-device", dict(seg, seg_q=torch.zeros(1, 4, dtype=torch.long, device="meta")), \
+        ValueError, ["seg_q must be on"]
+    yield "seg-k-device", dict(seg, seg_k=torch.zeros(1, 6, dtype=torch.long, device="meta")), \
+        ValueError, ["seg_k must be on"]
+    yield "keys-shorter-not-causal", dict(base, causal=False, k=k[:, :, :3], v=v[:, :, :3]), \
+        ValueError, ["rel_attention: the keys are [memory; current]", "Tk >= Tq"]
 
 
 @pytest.mark.parametrize("case", list(_bad()), ids=lambda c: c[0])
@@ -314,3 +328,41 @@ def test_empty_inputs_through_the_dispatcher(B, Tq, mem):
     assert tuple(out.shape) == (B, H, Tq, D)
     for t, g in zip(ts, grads):
         assert g.shape == t.shape and not g.any()
+
+
+@pytest.mark.parametrize("op", ["attention", "rel_attention"])
+@pytest.mark.parametrize("where", ["q", "k", "scale"])
+@pytest.mark.parametrize("backend", ["eager"] + (["cpu"] if DEVICE == "cpu" else [])
+                         + (["triton"] if TRITON_ON_CPU or DEVICE == "cuda" else []))
+def test_nan_inputs_give_nan(backend, where, op):
+    """A NaN in q, k or the scale gives NaN where eager's softmax gives it (the rows it
+    reaches, and the gradients), never zeros: the cpu backend's row maxima skip NaN, and a
+    row of NaN scores took the path of a row that sees no key (zeros, zero gradient),
+    hiding a diverging run."""
+    B, H, Tq, Tk, D = 1, 2, 5, 7, 8
+    q, k, v = (torch.randn(B, H, T, D, device=DEVICE) for T in (Tq, Tk, Tk))
+    r, u, w = (torch.randn(*s, device=DEVICE) for s in ((H, Tk, D), (H, D), (H, D)))
+    scale = None
+    if where == "q":
+        q[0, 0, 1, 0] = float("nan")
+    elif where == "k":
+        k[0, 1, 2, 0] = float("nan")
+    else:
+        scale = float("nan")
+    results = []
+    for name in (backend, "eager"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if op == "attention":
+            out = ctxfast.attention(*leaves, causal=True, scale=scale, backend=name)
+        else:
+            out = ctxfast.rel_attention(*leaves, r, u, w, scale=scale, backend=name)
+        out.sum().backward()
+        results.append([out] + [t.grad for t in leaves])
+    out, eager_out = results[0][0], results[1][0]
+    assert torch.equal(out.isnan().any(-1), eager_out.isnan().any(-1)), (
+        f"out: NaN in rows {out.isnan().any(-1).nonzero().tolist()}, eager in "
+        f"{eager_out.isnan().any(-1).nonzero().tolist()}")
+    # which gradient entries a NaN reaches depends on the order of the sums (a flash backward
+    # spreads it over the rows whose lse it reached): each gradient has one where eager has
+    for what, ours, eager in zip(("dq", "dk", "dv"), results[0][1:], results[1][1:]):
+        assert ours.isnan().any() == eager.isnan().any(), what

@@ -299,6 +299,17 @@ const std::string& gemm_setting() {
   return v;
 }
 
+// Whether a row of scores holds a NaN (a NaN in q, k, r or the scale). The row maxima skip
+// NaN, so a row of NaN scores would look like one that sees no key and give zeros; it gives
+// NaN instead, as eager's softmax does, so that a diverging run is seen. Checked only
+// where the maximum is -inf.
+template <typename T>
+bool any_nan(const T* row, int64_t n) {
+  for (int64_t c = 0; c < n; ++c)
+    if (std::isnan(row[c])) return true;
+  return false;
+}
+
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define CTXFAST_ATTN_AVX2 1
 #define CTXFAST_AVX2_FN __attribute__((target("avx2,fma")))
@@ -454,10 +465,13 @@ CTXFAST_AVX2_FN void softmax_rows_avx2(float* s, int64_t nr, int64_t n, float* m
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < nr; ++r) {
     float* row = s + r * n;
-    const float m_new = std::max(m[r], row_max_avx2(row, n));
+    float m_new = std::max(m[r], row_max_avx2(row, n));
     if (m_new == ninf) {
-      std::fill(row, row + n, 0.0f);
-      continue;
+      if (!any_nan(row, n)) {
+        std::fill(row, row + n, 0.0f);
+        continue;
+      }
+      m_new = std::numeric_limits<float>::quiet_NaN();  // NaN scores: NaN out (see any_nan)
     }
     const float alpha =
         m[r] == ninf ? 0.0f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m[r] - m_new)));
@@ -871,10 +885,13 @@ void softmax_rows(T* s, int64_t nr, int64_t n, T* m, T* l, T* o, int64_t ldo, in
   const T ninf = -std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < nr; ++r) {
     T* row = s + r * n;
-    const T m_new = std::max(m[r], row_max(row, n));
+    T m_new = std::max(m[r], row_max(row, n));
     if (m_new == ninf) {  // nothing visible yet: p = 0, acc stays 0
-      std::fill(row, row + n, T(0));
-      continue;
+      if (!any_nan(row, n)) {
+        std::fill(row, row + n, T(0));
+        continue;
+      }
+      m_new = std::numeric_limits<T>::quiet_NaN();  // NaN scores: NaN out (see any_nan)
     }
     const T alpha = m[r] == ninf ? T(0) : std::exp(m[r] - m_new);
     l[r] = l[r] * alpha + exp_row(row, n, m_new);
@@ -1482,7 +1499,9 @@ void forward_tile(const Head<T>& h, int64_t i0, int64_t block, T scale, T* s, T*
   });
   for (int64_t r = 0; r < bq; ++r) {
     T* orow = o + r * h.ldo;
-    if (l[r] > 0) {
+    // l = 0: the row saw no key (zeros, lse +inf); NaN (a NaN in q, k, r or the scale)
+    // goes on into out and lse, as eager's softmax takes it, and so into the gradients
+    if (l[r] != 0) {
       const T inv = T(1) / l[r];
       for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
       h.lse[i0 + r] = m[r] + std::log(l[r]);

@@ -97,6 +97,14 @@ def check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, d
         raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
 
 
+def softmax_scale(D: int, scale) -> float:
+    """The softmax scale of an attention call: ``scale``, or ``D ** -0.5`` (1 for D = 0,
+    where every score is 0 and the output has no columns)."""
+    if scale is not None:
+        return float(scale)
+    return float(D ** -0.5) if D > 0 else 1.0
+
+
 #: Devices whose tensors' values (ids, labels, mask entries) the models and ops check
 #: before they run. Reading a CUDA tensor's values is a host-device synchronisation: the
 #: host waits for every kernel queued before it, and a training step's forward paid it 2-7
@@ -110,6 +118,21 @@ def values_checked(t: Tensor) -> bool:
     device of :data:`VALUE_CHECK_DEVICES`, outside torch.compile (a graph break there)."""
     return (t.device.type in VALUE_CHECK_DEVICES and t.numel() > 0
             and not torch.compiler.is_compiling())
+
+
+def check_int32_ids(op: str, **ids) -> None:
+    """The Triton kernels read ranks and segment ids as int32: a wider integer tensor (e.g.
+    int64, torch.randperm's) whose values do not fit is refused where its values are checked
+    (:func:`values_checked`; on a GPU that would cost a host sync per call: documented
+    instead). None entries are skipped."""
+    for name, t in ids.items():
+        if t is None or t.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8,
+                                    torch.bool) or not values_checked(t):
+            continue
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -2**31 or hi >= 2**31:
+            raise ValueError(f"{op}: the triton backend reads {name} as int32; its values "
+                             f"must lie in [-2**31, 2**31), got {lo}..{hi}")
 
 
 # The Triton kernels keep a whole head-dim row of q, k, v and the output accumulator in one

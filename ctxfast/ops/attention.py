@@ -35,8 +35,10 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
+from ._common import softmax_scale as _softmax_scale
 from ._common import call_in_backward as _call_in_backward
 from ._common import check_attention as _check
+from ._common import check_int32_ids as _check_int32_ids
 from ._common import check_qkv as _check_qkv
 from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
@@ -196,7 +198,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         perm_rank: integer ``[B, Tq]``: the place of each current token in XLNet's
             factorisation order (ties allowed). Memory keys are always visible; current
             key ``t`` is visible iff ``rank[t] <= rank[i]`` (``perm_stream="content"``) or
-            ``rank[t] < rank[i]`` (``"query"``).
+            ``rank[t] < rank[i]`` (``"query"``). The triton backend reads ranks as int32
+            (values outside int32's range are refused on CPU, not checked on a GPU).
         dropout_p: attention dropout on the probabilities (after the softmax, scaled by
             ``1 / (1 - p)``). Triton: Philox keyed by a seed drawn from `generator` (see
             :func:`draw_seed`, :func:`dropout_keep_mask`), regenerated in the backward;
@@ -213,7 +216,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     q, k, v = _autocast(q, k, v)
     _check(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
     name = _resolve("attention", q, backend)
-    sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    sm_scale = _softmax_scale(q.shape[-1], scale)
     if name == "cpu":
         seed = draw_seed(q.device, generator) if dropout_p > 0 else None
         out, _ = _fwd_cpu(
@@ -230,6 +233,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         return _ref.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                               perm_rank=perm_rank, perm_stream=perm_stream,
                               dropout_mask=mask, dropout_p=dropout_p, scale=sm_scale)
+    _check_int32_ids("attention", perm_rank=perm_rank)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
     out, _ = _fwd_triton(
         q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale,
@@ -413,7 +417,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     q, k, v = _autocast(q, k, v)
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
     name = _resolve("attention_varlen", q, backend)
-    sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    sm_scale = _softmax_scale(q.shape[-1], scale)
     if name == "cpu":
         seed = draw_seed(q.device, generator) if dropout_p > 0 else None
         out, _ = _varlen_fwd_cpu(
@@ -421,7 +425,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             int(max_seqlen_k), float(dropout_p), seed)
         return out
     if name == "eager":
-        out = q.new_zeros(q.shape)
+        # zeros for rows no sequence covers, in q's graph (zero gradient) even with no
+        # sequence at all (cu_seqlens [0]), as the cpu and triton ops
+        out = torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q, 0.0)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for b in range(len(cq) - 1):
             # [T, H, D] -> [1, H, T, D]

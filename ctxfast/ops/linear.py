@@ -202,8 +202,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         ctxfast.BackendUnavailable: a backend asked for where it cannot run (``triton``
             with no GPU and no interpreter, ``cpu`` on CUDA tensors, ...).
     """
+    x, weight, bias = _autocast(x, weight, bias)    # first: fp32 weights meet bf16 x there
     _check(x, weight, bias)
-    x, weight, bias = _autocast(x, weight, bias)
     name = _route(x, backend)
     if name != "triton":                        # eager, or ATen's GEMMs (cpu, cuda)
         return _ref.linear(x, weight, bias)

@@ -25,8 +25,10 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
+from ._common import softmax_scale as _softmax_scale
 from ._common import call_in_backward as _call_in_backward
 from ._common import check_attention as _check_attention
+from ._common import check_int32_ids as _check_int32_ids
 from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
 from ._common import shape as _shape
@@ -190,9 +192,13 @@ if _CPU:
 
 def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
            perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale, window):
-    _check_attention(q, k, v, True, key_padding_mask, perm_rank, perm_stream, dropout_p, scale)
+    _check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p,
+                     scale)
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
+    if Tk < Tq:     # causal or not: the distances count from [memory; current]
+        raise ValueError(f"rel_attention: the keys are [memory; current] (mem_len = Tk - Tq), "
+                         f"so Tk >= Tq is needed; got q {_shape(q)}, k {_shape(k)}")
     for name, t, shape in (("r_w_bias", r_w_bias, (H, D)), ("r_r_bias", r_r_bias, (H, D))):
         if not isinstance(t, Tensor) or _shape(t) != shape:
             raise ValueError(f"rel_attention: {name} must have shape [H, D] = [{H}, {D}], got "
@@ -227,6 +233,8 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
                 raise ValueError(f"rel_attention: {name} must be an integer tensor of shape "
                                  f"{list(shape)}, got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{_shape(t) if isinstance(t, Tensor) else ''}")
+            if t.device != q.device:
+                raise ValueError(f"rel_attention: {name} must be on {q.device}, got {t.device}")
         if _shape(seg_embed) != (2, H, D) or _shape(r_s_bias) != (H, D):
             raise ValueError(f"rel_attention: seg_embed must have shape [2, H, D] = [2, {H}, {D}] "
                              f"and r_s_bias [H, D]; got {_shape(seg_embed)}, {_shape(r_s_bias)}")
@@ -261,7 +269,8 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
             :func:`ctxfast.attention`.
         seg_q ``[B, Tq]``, seg_k ``[B, Tk]`` (integer segment ids), seg_embed ``[2, H, D]``,
             r_s_bias ``[H, D]``: XLNet's segment term ``(q + r_s_bias)·seg_embed[s]``,
-            ``s = 0`` for the same segment, 1 otherwise.
+            ``s = 0`` for the same segment, 1 otherwise. The triton backend reads ranks and
+            segment ids as int32 (as ``ctxfast.attention``'s perm_rank).
         window: None, or an int >= 1: a sliding window, query i sees key j only if their
             distance ``mem_len + i - j < window`` (with ``causal``: at most ``window`` keys,
             its own position and the ones before). Transformer-XL's ``same_length`` mask
@@ -281,7 +290,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
            perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale, window)
     name = _resolve("rel_attention", q, backend)
-    sm_scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    sm_scale = _softmax_scale(q.shape[-1], scale)
     seg = dict(seg_q=seg_q, seg_k=seg_k, seg_embed=seg_embed, r_s_bias=r_s_bias)
     if name == "cpu":
         seed = draw_seed(q.device, generator) if dropout_p > 0 else None
@@ -299,6 +308,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                                   pos_start=pos_start, key_padding_mask=key_padding_mask,
                                   perm_rank=perm_rank, perm_stream=perm_stream, dropout_mask=mask,
                                   dropout_p=dropout_p, scale=sm_scale, window=window, **seg)
+    _check_int32_ids("rel_attention", perm_rank=perm_rank, seg_q=seg_q, seg_k=seg_k)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
     out, _ = _fwd_triton(
         q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed,
