@@ -850,8 +850,9 @@ def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask:
 
 
 #: ``{"fwd" | "dkdv" | "dkdv_atomic" | "dq": (BLOCK_M, BLOCK_N, num_warps, num_stages),
-#: "<kernel>:tma": bool, "dq_mode": "kernel" | "atomic" | "bulk"}``: launch rows that replace
-#: :func:`_config`'s (and :data:`TMA_MODE` for that kernel, :data:`DQ_MODE`) for every call
+#: "<kernel>:tma": bool, "dq_mode": "kernel" | "atomic" | "bulk", "fwd:fold": bool}``: launch
+#: rows that replace :func:`_config`'s (and :data:`TMA_MODE` for that kernel, :data:`DQ_MODE`,
+#: the forward's scale in the exponent's FMA, :func:`_fold`) for every call
 #: while set. Empty in normal use; the GPU config sweep (benchmarks/config_sweep.py) sets it
 #: to time candidates on the same inputs. The tuner's rows (``kernels/_tune.py``) use the
 #: same names and come first.
@@ -942,6 +943,10 @@ _TUNE_ATOMIC_ROWS = {64: [(64, 64, 8, 3), (64, 128, 8, 2)]}
 #: True puts them back among the candidates (the interpreter's tests of the tuner do).
 TUNE_ATOMIC_DQ = False
 TUNE_EXP_EMU = False
+#: Whether the tuner also times the 16-bit forward's table row with the scale applied to the
+#: tile (``"fwd:fold": False``, the form before :func:`_fold`; sm_90 SASS: 30 more FMUL per
+#: thread and key tile): the same-run measure of the fold, not yet timed on a GPU.
+TUNE_FOLD_OFF = True
 #: Whether the tuner tries dQ by TMA bulk reductions (:data:`DQ_MODE` "bulk"; the atomic
 #: rows, where the descriptors can be used): not yet timed on a GPU.
 TUNE_BULK_DQ = True
@@ -998,6 +1003,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
                     for row in _TUNE_ATOMIC_ROWS.get(64 if block_d <= 64 else 128, ())]
     if TUNE_EXP_EMU and dtype in TMA_DTYPES and not _interpreting():
         out.append({kernel + ":exp_emu": True})   # the table's row, half its exp2 on FMAs
+    if TUNE_FOLD_OFF and kernel == "fwd" and (dtype in TMA_DTYPES or _interpreting()):
+        out.append({"fwd:fold": False})           # the table's row, the tile scaled first
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") in ("atomic", "bulk") else out
     return out
@@ -1139,7 +1146,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "fwd"),
-        FOLD=_fold_scale(scale), **tma,
+        FOLD=_fold(scale), **tma,
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -1158,6 +1165,13 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
 #: "atomic" or "bulk" while torch's deterministic algorithms are on is refused (as torch
 #: refuses its own nondeterministic ops), and the tuner does not offer them then.
 DQ_MODE = os.environ.get("CTXFAST_ATTN_BWD_DQ", "kernel")
+
+
+def _fold(scale: float) -> bool:
+    """Whether the forward applies the scale in the exponent's FMA (the kernel's FOLD):
+    where ``kernels._common._fold_scale`` allows it, unless the override ``"fwd:fold"`` is
+    False (the tuner's comparison, :data:`TUNE_FOLD_OFF`)."""
+    return _fold_scale(scale) and _override("fwd:fold") is not False
 
 
 def _exp_emu(dtype, kernel: str) -> bool:

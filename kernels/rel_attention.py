@@ -1176,11 +1176,12 @@ def _bwd_launch(D: int, dtype: torch.dtype, atomic: bool = False) -> dict:
 
 
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
-#: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str}``: replaces
-#: :func:`_config`'s tile (not the decoding one) and :func:`_bwd_launch`'s rows for every
-#: call while set; "carry" turns on the forward's and dQ kernel's carried gather
+#: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str, "fold": bool}``:
+#: replaces :func:`_config`'s tile (not the decoding one) and :func:`_bwd_launch`'s rows for
+#: every call while set; "carry" turns on the forward's and dQ kernel's carried gather
 #: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`, "tma"
-#: :data:`TMA_MODE`. Empty in normal use; the GPU config sweep
+#: :data:`TMA_MODE`, "fold" False scales the forward's tile before the softmax step (the
+#: form before its FOLD). Empty in normal use; the GPU config sweep
 #: (benchmarks/config_sweep.py) sets it to time (and check) candidates on the same inputs.
 #: The tuner's rows (kernels/_tune.py, ``CTXFAST_AUTOTUNE=on``) use the same names and come
 #: first.
@@ -1292,7 +1293,8 @@ def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
 #: after a compile). fp32 (XL evaluation's forward): its forward only.
 _TUNE_CANDIDATES = {
     ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "off"},
-                        {"tma": "on", "fwd": (4, 1)}, {"carry": False}],
+                        {"tma": "on", "fwd": (4, 1)}, {"carry": False},
+                        {"fold": False}],     # the tile scaled first: the FOLD's measure
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
                        {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)}],
@@ -1305,7 +1307,8 @@ _TUNE_CANDIDATES = {
 }
 
 #: The same under the interpreter (tests): the variants' code paths.
-_TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}], "dkdv": [{"dkdv": (2, 1)}],
+_TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}, {"fold": False}],
+                     "dkdv": [{"dkdv": (2, 1)}],
                      "dq": [{"carry": True}, {"tma": "on"}, {"dr_mode": "atomic"},
                             {"dr_mode": "bulk"}],
                      "dr": [{"dr": (2, 1)}]}
@@ -1470,7 +1473,8 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16,
             PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
-            FOLD=_fold_scale(scale), num_warps=warps, num_stages=stages, **tma,
+            FOLD=_fold_scale(scale) and _override("fold") is not False,
+            num_warps=warps, num_stages=stages, **tma,
         )
         if split:
             _combine_splits(o_target, l_target, out, lse)

@@ -197,6 +197,34 @@ def test_any_scale(scale):
     check_against_reference(q, k, v, **_masks("causal-pad", 2, 21, 30), scale=scale)
 
 
+@needs_interpreter    # spies on the launch: the same kernels run on a GPU in test_any_scale
+@pytest.mark.parametrize("op", ["attention", "rel_attention"])
+def test_fold_follows_the_scale_and_the_override(monkeypatch, op):
+    """FOLD (the scale in the exponent's FMA) is on for a positive scale, off for 0 and for
+    the override the tuner compares it with ("fwd:fold" / "fold" False), and both forms
+    agree."""
+    from ctxfast.kernels import attention as kattn
+    from ctxfast.kernels import rel_attention as krel
+    module, kernel, key = ((kattn, "_attn_fwd_kernel", "fwd:fold") if op == "attention"
+                           else (krel, "_rel_attn_fwd_kernel", "fold"))
+    seen = spy_launches(monkeypatch, module, (kernel,), lambda a, kw: kw["FOLD"],
+                        with_name=False)
+    q, k, v = _inputs(1, 2, 21, 30, 16)
+    r, u, w = torch.randn(2, 30, 16), torch.randn(2, 16), torch.randn(2, 16)
+
+    def run(scale):
+        if op == "attention":
+            return ctxfast.attention(q, k, v, causal=True, scale=scale, backend="triton")
+        return ctxfast.rel_attention(q, k, v, r, u, w, scale=scale, backend="triton")
+
+    folded = run(0.3)
+    run(0.0)
+    monkeypatch.setitem(module.LAUNCH_OVERRIDE, key, False)
+    scaled = run(0.3)
+    assert seen == [True, False, False], seen
+    assert rel_err(folded, scaled) < 1e-6
+
+
 @needs_triton
 @pytest.mark.parametrize("how", ["all-padding", "query-stream-lowest-rank"])
 def test_rows_that_see_no_key(how):

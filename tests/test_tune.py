@@ -269,13 +269,16 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                                               kattn._table_tma(kernel, D, dtype, False))
                          and mask != "perm")
                 launches = [table]
+                math = ("dq_mode", kernel + ":exp_emu", "fwd:fold")   # table tiles, other math
                 for c in cands[1:]:
-                    if "dq_mode" in c or kernel + ":exp_emu" in c:  # table tiles, other math
+                    if any(name in c for name in math):
                         continue
                     launches.append((c.get(kernel, table[0]), c.get(kernel + ":tma", table[1])))
                 assert len(set(launches)) == len(launches), (D, dtype, kernel, launches)
                 emu = [c for c in cands if kernel + ":exp_emu" in c]   # the table's row
                 assert emu == [{kernel + ":exp_emu": True}], emu
+                fold = [c for c in cands if "fwd:fold" in c]           # the table's row
+                assert fold == ([{"fwd:fold": False}] if kernel == "fwd" else []), fold
                 # dQ by atomic adds (element-wise, bulk): per mode the dK/dV-with-dQ table
                 # row first, then other rows
                 for mode in ("atomic", "bulk"):
