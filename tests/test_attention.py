@@ -186,6 +186,15 @@ def test_non_contiguous_bthd_layout():
     check_against_reference(q, k, v, causal=True, scale=0.3)
 
 
+def test_numpy_scale():
+    """A NumPy scalar scale (np.float32 too, which is not a Python float) is a scale."""
+    import numpy as np
+    q, k, v = _inputs(1, 2, 9, 9, 16)
+    want = reference.attention(q, k, v, causal=True, scale=0.5)
+    for scale in (np.float32(0.5), np.float64(0.5)):
+        assert rel_err(ctxfast.attention(q, k, v, causal=True, scale=scale), want) < 1e-5
+
+
 @needs_triton
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 2.5])
 def test_any_scale(scale):
@@ -393,6 +402,8 @@ def _bad_cases():
     yield "stream", dict(q=q, k=k, v=v, perm_stream="both"), ValueError, ["perm_stream"]
     yield "causal-short-keys", dict(q=q, k=k[:, :, :3], v=v[:, :, :3], causal=True), ValueError, ["Tk >= Tq"]
     yield "dropout", dict(q=q, k=k, v=v, dropout_p=1.0), ValueError, ["dropout_p"]
+    yield "scale-str", dict(q=q, k=k, v=v, scale="0.5"), TypeError, ["scale must be a float"]
+    yield "scale-bool", dict(q=q, k=k, v=v, scale=True), TypeError, ["scale must be a float"]
 
 
 @pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[0])

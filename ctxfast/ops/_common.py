@@ -3,6 +3,7 @@ argument checks of attention (which rel_attention extends), backend resolution w
 float64-on-CUDA rule, autocast casting, and the registration of an op's autograd formula
 (:func:`register_autograd`). One definition each, imported by the op files.
 """
+import numbers
 from typing import Callable, Optional, Union
 
 import torch
@@ -93,7 +94,8 @@ def check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, d
                          f"{perm_stream!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not isinstance(scale, (int, float)):
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        # (numbers.Real: Python's and NumPy's ints and floats, np.float32 included)
         raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
 
 
