@@ -550,11 +550,15 @@ def _ptxas_facts(ptx, arch):
 
 
 def _loop_facts(ttgir):
-    """{"loops", "unpipelined"}: the ``scf.for`` loops of a kernel's TTGIR that load tiles
-    (``tt.load`` of more than one element, or asynchronous copies), and of those the ones
-    with no asynchronous copy (``cp.async`` or TMA) in their body: loops whose loads Triton's
-    software pipeliner did not multi-buffer (e.g. a body that branches around its loads)."""
+    """{"loops", "unpipelined", "tile_fma"}: the ``scf.for`` loops of a kernel's TTGIR that
+    load tiles (``tt.load`` of more than one element, or asynchronous copies), and of those
+    the ones with no asynchronous copy (``cp.async`` or TMA) in their body: loops whose loads
+    Triton's software pipeliner did not multi-buffer (e.g. a body that branches around its
+    loads); and the explicit fused multiply-adds on 2-D tiles (``math.fma``: the forwards'
+    exponent ``s · qk_scale − m`` where they fold the scale, FOLD)."""
     import re
+
+    tile_fma = len(re.findall(r"math\.fma [^\n]*: tensor<\d+x\d+x", ttgir))
 
     lines = ttgir.splitlines()
     loops = unpipelined = 0
@@ -573,7 +577,7 @@ def _loop_facts(ttgir):
         if copies or tile_loads:
             loops += 1
             unpipelined += copies == 0
-    return {"loops": loops, "unpipelined": unpipelined}
+    return {"loops": loops, "unpipelined": unpipelined, "tile_fma": tile_fma}
 
 
 def _probe():
@@ -797,6 +801,21 @@ def test_attention_loops_are_pipelined(compiled):
     bad = [f"{r['kernel']} [{r['variant']}]: {r['unpipelined']} of {r['loops']} loops"
            for r in staged if r["unpipelined"]]
     assert not bad, "loops not pipelined:\n" + "\n".join(bad)
+
+
+def test_forwards_fold_the_scale(compiled):
+    """The attention and rel_attention forwards apply their (positive) softmax scale in the
+    exponent's FMA, ``exp2(s · qk_scale − m)``, not to the score tile first (FOLD): one
+    ``math.fma`` on a 2-D tile per key loop (sm_90 SASS of the D 128 forward: 30 FMUL per
+    thread and tile fewer). Every case compiles with a positive scale; the tuner's
+    comparison row without the fold ("fwd:fold" False) is the one exception."""
+    rows = [r for r in compiled["rows"] if r["ok"] and r["arch"] == 90
+            and r["kernel"] in ("_attn_fwd_kernel", "_rel_attn_fwd_kernel")
+            and r.get("tile_fma") is not None and "'fwd:fold': False" not in r["variant"]]
+    assert rows, "no forward compiled for sm_90"
+    bad = [f"{r['kernel']} [{r['variant']}]: {r['tile_fma']} tile FMAs" for r in rows
+           if "FOLD=True" not in r["launch"] or r["tile_fma"] < 1]
+    assert not bad, "forwards that scale the tile first:\n" + "\n".join(bad)
 
 
 def test_tma_loads_where_asked(compiled):
