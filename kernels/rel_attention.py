@@ -20,7 +20,8 @@ pad-and-view on a whole ``[Tq, R]`` tensor.
 One query operand where the query block is held through the loop (forward, dQ):
 ``(q + w)·r_m = (q + u)·r_m + (w − u)·r_m``, so those kernels hold only ``q + u`` (for the
 content and the position term) and add the per-row vector ``(w − u)·r_m`` of the r tile to
-the ``(q + u)·rᵀ`` product (:func:`_row_bias`): one ``[BLOCK_M, BLOCK_D]`` operand less in
+the ``(q + u)·rᵀ`` product (:func:`_rb_rows`, read from a ``[H, R]`` table the launcher
+computes once, :func:`row_bias_table`): one ``[BLOCK_M, BLOCK_D]`` operand less in
 registers for the whole loop. (The dK/dV and dR kernels load a new query block per tile and
 form both ``q + u`` and ``q + w`` from it: there the row vector, with r in registers, spilled
 more on sm_90 than the second operand.)
@@ -132,12 +133,16 @@ def _rel_scores(qu, qw, k, r, skew, UPCAST: tl.constexpr, PRECISION: tl.constexp
 
 
 @triton.jit
-def _row_bias(r, wu):
-    """[rows]: ``(v − u)·r_m`` of each row of an r tile ``[rows, BLOCK_D]`` (wu = r_r_bias −
-    r_w_bias, fp32 ``[BLOCK_D]``). As ``(q + v)·r_m = (q + u)·r_m + (v − u)·r_m``, the
-    forward and dQ kernels hold one query operand, ``q + u``, for both terms and add this
-    per-row vector to the ``(q + u)·rᵀ`` tile."""
-    return tl.sum(r.to(tl.float32) * wu[None, :], 1)
+def _rb_rows(rb_base, row_start, BLOCK_R: tl.constexpr):
+    """[BLOCK_R] fp32: ``(v − u)·r_m`` of rows ``m = row_start + [0, BLOCK_R)`` of r, from
+    the launcher's table (:func:`row_bias_table`: zeros around r's rows, as far as a tile's
+    band reaches past them, so no mask; those rows feed only masked pairs). As ``(q + v)·r_m = (q + u)·r_m + (v − u)·r_m``, the forward and dQ
+    kernels hold one query operand, ``q + u``, for both terms and add this per-row vector
+    to the ``(q + u)·rᵀ`` tile. Read from a table, not formed from the r tile in every
+    program (sm_90 SASS of the bf16 D 64 forward's loop: 828 -> 648 instructions a tile,
+    11 -> 8 barriers; the dQ kernel's 1,102 -> 996): the r tile stays in shared memory for
+    its product alone."""
+    return tl.load(rb_base + row_start + tl.arange(0, BLOCK_R))
 
 
 @triton.jit
@@ -195,13 +200,14 @@ def _skew_chunks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rel_scores_chunked(qu, wu, k, r_new, prev, skew_idx, skew_hi,
+def _rel_scores_chunked(qu, rb_new, k, r_new, prev, skew_idx, skew_hi,
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr):
     """(scores [BLOCK_M, BLOCK_N], the value to carry to the next tile) of a tile of a loop
     over key blocks with the query block fixed (forward, dQ). Key block ``n`` reads the band
     of r rows ``row0 + n + [0, 2·BLOCK_N)``: chunks ``t = n / BLOCK_N`` and ``t + 1``; the
     next key block reads chunks ``t + 1`` and ``t + 2``. So each tile multiplies ``(q + v)``
-    by one new chunk ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1) and keeps the product
+    by one new chunk ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1; ``rb_new`` its rows'
+    row bias, :func:`_rb_rows`) and keeps the product
     for the next: the position term costs one ``[BLOCK_M, BLOCK_N]`` product per tile, as
     the content term does, not a band twice as wide. Pair (ii, jj) reads column
     ``skew_idx`` of the second chunk where ``skew_hi``, else of the first.
@@ -214,7 +220,7 @@ def _rel_scores_chunked(qu, wu, k, r_new, prev, skew_idx, skew_hi,
     tiles and 2 -> 1 gathers per tile, dQ 4 -> 3 and 3 -> 2). :func:`_carry` chooses (on
     for 16-bit 64 x 64 tiles on a GPU, where the H200 timed it right and faster)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-    qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + _row_bias(r_new, wu)[None, :]
+    qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + rb_new[None, :]
     pos_new = tl.gather(qr_new, skew_idx, 1)
     if CARRY:
         return ac + tl.where(skew_hi, pos_new, prev), pos_new
@@ -222,11 +228,12 @@ def _rel_scores_chunked(qu, wu, k, r_new, prev, skew_idx, skew_hi,
 
 
 @triton.jit
-def _first_chunk(qu, wu, r_first, skew_idx, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                 CARRY: tl.constexpr):
+def _first_chunk(qu, rb_first, r_first, skew_idx, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, CARRY: tl.constexpr):
     """The carried value of a loop's first tile (see :func:`_rel_scores_chunked`): ``(q +
-    v)·chunkᵀ`` of the first chunk of its band, gathered with the tiles' skew if CARRY."""
-    qr = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + _row_bias(r_first, wu)[None, :]
+    v)·chunkᵀ`` of the first chunk of its band (row bias ``rb_first``), gathered with the
+    tiles' skew if CARRY."""
+    qr = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + rb_first[None, :]
     if CARRY:
         return tl.gather(qr, skew_idx, 1)
     return qr
@@ -300,7 +307,7 @@ def _rel_fwd_inner(
     m_i, l_i, acc, start, end,      # running max, normaliser, output; key range [start, end)
     pos_prev,                       # (q + v)·(rows row0 + start + [0, BLOCK_N) of r)ᵀ
                                     # (gathered if CARRY: _rel_scores_chunked)
-    qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
     k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
     row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
     KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -324,7 +331,8 @@ def _rel_fwd_inner(
         k, v, r = _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd,
                              stride_vn, stride_vd, stride_rm, stride_rd, b, h, start_n, offs_n,
                              Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
-        s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
+        rb = _rb_rows(rb_base, row0 + start_n + BLOCK_N, BLOCK_N)          # r's rows
+        s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, skew_idx, skew_hi,
                                           UPCAST, PRECISION, CARRY)      # [BLOCK_M, BLOCK_N]
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
@@ -347,7 +355,8 @@ def _rel_fwd_inner(
 def _rel_attn_fwd_kernel(
     Q, K, V,        # q [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
     R,              # r [H, R, D], any strides
-    U, W,           # r_w_bias, r_r_bias [H, D] contiguous
+    U,              # r_w_bias [H, D] contiguous
+    RB, stride_rbh,     # (r_r_bias − r_w_bias)·r_m [H, R] fp32, padded (row_bias_table)
     SEG_Q, SEG_K,   # segment ids [B, Tq], [B, Tk] int32; unused unless HAS_SEG
     SEG_E, RSB,     # seg_embed [2, H, D], r_s_bias [H, D], contiguous; unused unless HAS_SEG
     O,              # out [B, H, Tq, D] (SPLIT_K: partials [B, H, S, Tq, D] fp32), written
@@ -392,9 +401,8 @@ def _rel_attn_fwd_kernel(
                 + offs_d[None, :] * stride_qd, mask=(offs_m[:, None] < Tq) & d_ok, other=0.0)
     q = q.to(tl.float32)
     u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    qu = (q + u[None, :]).to(K.dtype.element_ty)     # (q + u): both terms (_row_bias)
-    wu = w - u
+    qu = (q + u[None, :]).to(K.dtype.element_ty)     # (q + u): both terms (_rb_rows)
+    rb_base = RB + h * stride_rbh
     seg_q = offs_m                                    # placeholders unless HAS_SEG
     ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
     ef_diff = ef_same
@@ -434,11 +442,11 @@ def _rel_attn_fwd_kernel(
     # the first chunk of the first tile's band (the loops carry it on)
     r_first = _r_tile(RD, r_base, h, row0 + lo, R_len, offs_d, d_ok, stride_rm, stride_rd,
                       BLOCK_N, BLOCK_D, TMA)
-    pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
-                            PRECISION, CARRY)
+    pos_prev = _first_chunk(qu, _rb_rows(rb_base, row0 + lo, BLOCK_N), r_first,
+                            _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST, PRECISION, CARRY)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, lo, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            m_i, l_i, acc, lo, hi, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -450,7 +458,7 @@ def _rel_attn_fwd_kernel(
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, lo, in_lo, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            m_i, l_i, acc, lo, in_lo, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -459,7 +467,7 @@ def _rel_attn_fwd_kernel(
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
             BLOCK_D, TMA, FOLD)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -468,7 +476,7 @@ def _rel_attn_fwd_kernel(
             WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
             BLOCK_D, TMA, FOLD)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, in_hi, hi, pos_prev, qu, wu, seg_q, ef_same, ef_diff, offs_m, offs_d,
+            m_i, l_i, acc, in_hi, hi, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
             d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
@@ -621,7 +629,7 @@ def _rel_bwd_dq_inner(
     pos_prev, ds_prev, r_row,           # carried from tile to tile (see below)
     start, end,                         # key range [start, end)
     in_lo, in_hi,                       # the interior key blocks (MASKED == 2)
-    qu, wu, do, lse, delta, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    qu, wu, rb_base, do, lse, delta, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
     k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
     row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
     KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -678,7 +686,8 @@ def _rel_bwd_dq_inner(
         k, v, r = _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd,
                              stride_vn, stride_vd, stride_rm, stride_rd, b, h, n0, offs_n,
                              Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
-        s, pos_prev = _rel_scores_chunked(qu, wu, k, r, pos_prev, skew_idx, skew_hi,
+        rb = _rb_rows(rb_base, row0 + n0 + BLOCK_N, BLOCK_N)             # r's rows
+        s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, skew_idx, skew_hi,
                                           UPCAST, PRECISION, CARRY)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
@@ -746,6 +755,7 @@ def _rel_dr_atomic(dr_base, r_row, ds_chunk, qu, wu, R_len, D, offs_d, d_ok,
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
     Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
+    RB, stride_rbh,     # (r_r_bias − r_w_bias)·r_m [H, R] fp32, padded (row_bias_table)
     DQ,             # [B, H, Tq, D] contiguous: dq without the segment term, written (in
                     # q's dtype, or fp32 where the launcher adds the segment term)
     DBIAS,          # [2, B, H, ⌈Tq / BLOCK_M⌉, D] fp32, written: the query block's shares of
@@ -841,13 +851,14 @@ def _rel_attn_bwd_dq_kernel(
     r_row = row0 + lo
     r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
                       BLOCK_N, BLOCK_D, TMA)
-    pos_prev = _first_chunk(qu, wu, r_first, _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST,
-                            PRECISION, CARRY)
+    rb_base = RB + h * stride_rbh
+    pos_prev = _first_chunk(qu, _rb_rows(rb_base, r_row, BLOCK_N), r_first,
+                            _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST, PRECISION, CARRY)
     ds_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
-            lo, hi, in_lo, in_hi, qu, wu, do, lse, delta, seg_q,
+            lo, hi, in_lo, in_hi, qu, wu, rb_base, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
@@ -858,7 +869,7 @@ def _rel_attn_bwd_dq_kernel(
     else:        # one loop, a runtime boundary test per tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
-            lo, hi, in_lo, in_hi, qu, wu, do, lse, delta, seg_q,
+            lo, hi, in_lo, in_hi, qu, wu, rb_base, do, lse, delta, seg_q,
             ef_same, ef_diff, offs_m, offs_d, d_ok, k_base, v_base, r_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd, row0, R_len,
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
@@ -1416,6 +1427,21 @@ def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device,
     return key_splits(B * H * cdiv(Tq, bm), Tk, bn, warps, sms)
 
 
+def row_bias_table(r, r_w_bias, r_r_bias, pad: int):
+    """``(r_r_bias − r_w_bias)·r_m`` for every row m of r: fp32 ``[H, R]`` (r ``[H, R, D]``,
+    the biases ``[H, D]``), the row bias the forward and dQ kernels add to their ``(q +
+    r_w_bias)·rᵀ`` tiles (:func:`_rb_rows`), products and sums in fp32 (as the kernels
+    formed it from the r tile before). A view into zeros ``pad`` rows wide on either side:
+    a tile's band reaches at most BLOCK_M rows before row 0 and 2·BLOCK_N past row R − 1
+    (the bounds of ``rel_attention``'s r check, the causal diagonal and the key range), so
+    the kernels read it without a mask; pad = BLOCK_M + 2·BLOCK_N."""
+    H, R = r.shape[0], r.shape[1]
+    table = torch.zeros((H, R + 2 * pad), dtype=torch.float32, device=r.device)
+    wu = (r_r_bias.float() - r_w_bias.float()).unsqueeze(-1)              # [H, D, 1]
+    table[:, pad:pad + R] = torch.bmm(r.float(), wu).squeeze(-1)         # [H, R]
+    return table[:, pad:pad + R]
+
+
 def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_start=None,
                           window=None, key_padding_mask=None, perm_rank=None, perm_strict=False,
                           seg_q=None, seg_k=None, seg_embed=None, r_s_bias=None,
@@ -1455,13 +1481,15 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
     split = num_splits > 1
     u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
+    rb = row_bias_table(r, u, w, bm + 2 * bn)
     seed_arg = _seed_arg(q, dropout_p, seed)
 
     def run():          # the launch rows read here: the tuner's when it has chosen some
         warps, stages = _config(D, Tq, q.dtype)[4:]
         tma = _tma_args("fwd", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
         fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
-            q, k, v, r, u, w, sq, sk, se, rsb, o_target, l_target, kpm, rank, kv_end, seed_arg,
+            q, k, v, r, u, rb, rb.stride(0), sq, sk, se, rsb, o_target, l_target, kpm, rank,
+            kv_end, seed_arg,
             *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
             *split_strides, keys_per_split, *mstrides,
             sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
@@ -1536,6 +1564,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype))
         u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
+        rb = row_bias_table(r, u, w, bm + 2 * bn)
         seed_arg = _seed_arg(q, dropout_p, seed)
         done = {}
 
@@ -1553,7 +1582,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 if atomic else dq
             bulk = _dr_bulk_args(dr_acc, bn, bd) if mode == "bulk" else {}
             fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
-                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dq, d_bias, seg_a, dr_acc,
+                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, rb, rb.stride(0), dq,
+                d_bias, seg_a, dr_acc,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"],
                 ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype),
                 **_tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn,

@@ -11,7 +11,7 @@ import torch
 import ctxfast
 from test_attention import DEVICE, needs_triton
 from test_rel_attention import _inputs, check
-from utils import spy_launches
+from utils import needs_interpreter, spy_launches
 
 
 @needs_triton
@@ -318,3 +318,43 @@ def test_tma_tiles_against_reference(monkeypatch, halves):
     monkeypatch.setattr(kcommon, "_bwd_delta_kernel", None)   # any launch would fail here
     with pytest.raises(ValueError, match="CTXFAST_ATTN_TMA"):
         krel.rel_attention_backward(torch.randn_like(out), *ts, out, lse)
+
+
+@needs_interpreter    # records the jitted helper's calls: only the interpreter runs them as Python
+def test_row_bias_reads_stay_in_the_padded_table(monkeypatch):
+    """The forward and dQ kernels read the position term's row bias (row_bias_table) without
+    a mask: every read ``row_start + [0, BLOCK)`` must fall within the table's zero pad
+    (BLOCK_M + 2·BLOCK_N rows on either side of r's R rows). Recorded through _rb_rows for
+    Transformer-XL's and XLNet's layouts, odd lengths, a window, decoding and a longer r,
+    forward and backward, at the interpreter's 16-row tiles and at 64 x 64 ones."""
+    from ctxfast.kernels import rel_attention as krel
+    reads = []
+
+    def recorded(rb_base, row_start, BLOCK_R, _fn=krel._rb_rows):
+        reads.append((int(row_start), int(BLOCK_R)))
+        return _fn(rb_base, row_start, BLOCK_R)
+    monkeypatch.setattr(krel, "_rb_rows", recorded)
+    cases = [dict(Tq=17, mem=0), dict(Tq=33, mem=31), dict(Tq=1, mem=40), dict(Tq=5, mem=70),
+             dict(Tq=29, mem=20, window=9), dict(Tq=19, mem=14, R_extra=23),
+             dict(Tq=21, mem=12, causal=False, xlnet=True)]
+    for tile in (None, 64):
+        if tile is not None:
+            monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "tile", tile)
+        for case in cases:
+            Tq, mem = case["Tq"], case["mem"]
+            Tk = Tq + mem
+            R = Tk + Tq if case.get("xlnet") else Tk + case.get("R_extra", 0)
+            ts = [t.requires_grad_(True) for t in _inputs(2, 2, Tq, Tk, 16, R, torch.float32)]
+            kw = dict(causal=case.get("causal", True), window=case.get("window"))
+            if case.get("xlnet"):
+                kw["pos_start"] = Tk
+            reads.clear()
+            out = ctxfast.rel_attention(*ts, backend="triton", **kw)
+            out.sum().backward()
+            bm, bn = krel._config(16, Tq, torch.float32)[:2]
+            bm_b, bn_b = krel._config(16, None, torch.float32)[:2]
+            pad = min(bm + 2 * bn, bm_b + 2 * bn_b)
+            assert reads, case
+            lo = min(s for s, _ in reads)
+            hi = max(s + n for s, n in reads)
+            assert -pad <= lo and hi <= R + pad, (case, tile, lo, hi, R, pad)
