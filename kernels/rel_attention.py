@@ -1427,18 +1427,46 @@ def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device,
     return key_splits(B * H * cdiv(Tq, bm), Tk, bn, warps, sms)
 
 
+@triton.jit
+def _row_bias_kernel(
+    R, stride_rh, stride_rm, stride_rd,  # r [H, R, D], any strides
+    U, W,                   # r_w_bias, r_r_bias [H, D] contiguous
+    RB,                     # table [H, R_len + 2·pad] fp32 contiguous, written (every entry)
+    R_len, D, pad,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One block of table rows of one head: ``(w − u)·r_m`` for r's rows, 0 in the pad."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)        # table rows
+    m = t - pad                                                   # r's rows
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    wu = (tl.load(W + h * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+          - tl.load(U + h * D + offs_d, mask=d_ok, other=0.0).to(tl.float32))
+    in_r = (m >= 0) & (m < R_len)
+    r = tl.load(R + h * stride_rh + m[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                mask=in_r[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(RB + h * (R_len + 2 * pad) + t, tl.sum(r * wu[None, :], 1),
+             mask=t < R_len + 2 * pad)
+
+
 def row_bias_table(r, r_w_bias, r_r_bias, pad: int):
     """``(r_r_bias − r_w_bias)·r_m`` for every row m of r: fp32 ``[H, R]`` (r ``[H, R, D]``,
-    the biases ``[H, D]``), the row bias the forward and dQ kernels add to their ``(q +
-    r_w_bias)·rᵀ`` tiles (:func:`_rb_rows`), products and sums in fp32 (as the kernels
-    formed it from the r tile before). A view into zeros ``pad`` rows wide on either side:
-    a tile's band reaches at most BLOCK_M rows before row 0 and 2·BLOCK_N past row R − 1
-    (the bounds of ``rel_attention``'s r check, the causal diagonal and the key range), so
-    the kernels read it without a mask; pad = BLOCK_M + 2·BLOCK_N."""
-    H, R = r.shape[0], r.shape[1]
-    table = torch.zeros((H, R + 2 * pad), dtype=torch.float32, device=r.device)
-    wu = (r_r_bias.float() - r_w_bias.float()).unsqueeze(-1)              # [H, D, 1]
-    table[:, pad:pad + R] = torch.bmm(r.float(), wu).squeeze(-1)         # [H, R]
+    the biases ``[H, D]`` contiguous), the row bias the forward and dQ kernels add to their
+    ``(q + r_w_bias)·rᵀ`` tiles (:func:`_rb_rows`), products and sums in fp32 (as the
+    kernels formed it from the r tile before). A view into zeros ``pad`` rows wide on either
+    side: a tile's band reaches at most BLOCK_M rows before row 0 and 2·BLOCK_N past row
+    R − 1 (the bounds of ``rel_attention``'s r check, the causal diagonal and the key range),
+    so the kernels read it without a mask; pad = BLOCK_M + 2·BLOCK_N. One launch
+    (:func:`_row_bias_kernel`), the pad written with the rest."""
+    H, R, D = r.shape
+    width = R + 2 * pad
+    table = torch.empty((H, width), dtype=torch.float32, device=r.device)
+    if H > 0:
+        block_r = 64 if D <= 128 else 32
+        fast(_row_bias_kernel)[(cdiv(width, block_r), H)](
+            r, *r.stride(), r_w_bias, r_r_bias, table, R, D, pad,
+            BLOCK_R=block_r, BLOCK_D=max(16, next_pow2(D)), num_warps=4)
     return table[:, pad:pad + R]
 
 

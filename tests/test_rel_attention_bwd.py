@@ -358,3 +358,21 @@ def test_row_bias_reads_stay_in_the_padded_table(monkeypatch):
             lo = min(s for s, _ in reads)
             hi = max(s + n for s, n in reads)
             assert -pad <= lo and hi <= R + pad, (case, tile, lo, hi, R, pad)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_row_bias_table(dtype):
+    """row_bias_table: (r_r_bias − r_w_bias)·r_m in fp32 for every row of r (a strided r as
+    the models pass it: [R, H, D] storage), zeros in the pad on either side."""
+    from ctxfast.kernels import rel_attention as krel
+    H, R, D, pad = 3, 37, 40, 19
+    r = torch.randn(R, H, D, device=DEVICE).to(dtype).transpose(0, 1)      # [H, R, D]
+    u, w = (torch.randn(H, D, device=DEVICE).to(dtype) for _ in range(2))
+    table = krel.row_bias_table(r, u, w, pad)
+    want = torch.einsum("hrd,hd->hr", r.double(), w.double() - u.double())
+    assert table.shape == (H, R) and table.dtype == torch.float32
+    assert (table.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    whole = table.as_strided((H, R + 2 * pad), (table.stride(0), 1),
+                             table.storage_offset() - pad)
+    assert (whole[:, :pad] == 0).all() and (whole[:, pad + R:] == 0).all()

@@ -100,7 +100,7 @@ KERNELS = [
     "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
     "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
-    "_rel_attn_bwd_dr_kernel",
+    "_rel_attn_bwd_dr_kernel", "_row_bias_kernel",
     "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel",
     "_rel_shift_kernel", "_bwd_delta_kernel",
 ]
