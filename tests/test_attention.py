@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast import reference
-from utils import (CPU_BACKENDS, DEVICE, TRITON_ON_CPU, assert_within_2x_eager, needs_interpreter,
-                   rel_err, softmax_grad_terms, spy_launches)
+from utils import (ATTN_BACKENDS, CPU_BACKENDS, DEVICE, TRITON_ON_CPU, assert_within_2x_eager,
+                   needs_interpreter, rel_err, softmax_grad_terms, spy_launches)
 
 needs_triton = pytest.mark.skipif(not TRITON_ON_CPU and not torch.cuda.is_available(),
                                   reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -960,11 +960,7 @@ def test_row_tiles_rules_and_launch_key():
     assert all(vars(d)[k] == vars(full)[k] for k in vars(d) if k != "base")
 
 
-_EDGE_BACKENDS = [b for b in ("eager", "cpu", "triton") if b in ctxfast.BACKENDS
-                  and ctxfast.why_unavailable(b, DEVICE) is None]
-
-
-@pytest.mark.parametrize("backend", _EDGE_BACKENDS)
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
 @pytest.mark.parametrize("op", ["attention", "rel_attention"])
 def test_head_dim_zero_with_the_default_scale(backend, op):
     """D = 0: an empty [B, H, Tq, 0] output (the default scale D ** -0.5 raised
@@ -999,9 +995,9 @@ def test_ranks_beyond_int32(op):
 
     want = run(small, "eager")
     for backend in ("eager", "cpu"):
-        if backend in _EDGE_BACKENDS:
+        if backend in ATTN_BACKENDS:
             assert rel_err(run(rank, backend), want) < 1e-5, backend
-    if "triton" in _EDGE_BACKENDS:
+    if "triton" in ATTN_BACKENDS:
         with pytest.raises(ValueError, match="reads perm_rank as int32"):
             run(rank, "triton")
         assert rel_err(run(small, "triton"), want) < 1e-5

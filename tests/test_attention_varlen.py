@@ -5,7 +5,7 @@ import torch
 import ctxfast
 from ctxfast import reference
 from test_attention import DEVICE, needs_triton
-from utils import rel_err
+from utils import ATTN_BACKENDS, rel_err
 
 
 def _packed(lens_q, lens_k, H, D, dtype=torch.float32):
@@ -104,9 +104,7 @@ def test_varlen_bad_input(change, exc, words):
         assert w in str(info.value), f"{w!r} not in {info.value}"
 
 
-@pytest.mark.parametrize("backend", ["eager"] + (["cpu"] if DEVICE == "cpu" else [])
-                         + (["triton"] if "triton" in ctxfast.BACKENDS and ctxfast.why_unavailable(
-                             "triton", DEVICE) is None else []))
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
 def test_no_sequence_at_all(backend):
     """cu_seqlens [0] (a batch of none): zeros in q's graph with zero gradient, on every
     backend (eager returned a tensor outside the graph: backward raised)."""

@@ -7,8 +7,8 @@ import torch
 
 import ctxfast
 from ctxfast import reference
-from test_attention import DEVICE, FLOOR, TRITON_ON_CPU, needs_triton
-from utils import assert_within_2x_eager, rel_err, rel_grad_terms
+from test_attention import DEVICE, FLOOR, needs_triton
+from utils import ATTN_BACKENDS, assert_within_2x_eager, rel_err, rel_grad_terms
 
 NAMES = ["q", "k", "v", "r", "r_w_bias", "r_r_bias", "seg_embed", "r_s_bias"]
 
@@ -239,8 +239,7 @@ def test_opcheck_and_compile():
     assert rel_err(r.grad, l64[3].grad) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["eager"] + (["cpu"] if DEVICE == "cpu" else [])
-                         + (["triton"] if TRITON_ON_CPU or DEVICE == "cuda" else []))
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
 def test_autocast_casts_every_float_input(backend):
     """Under autocast, fp32 biases, r and seg_embed meet bf16 queries (what a model's
     parameters and autocast's matmul outputs are): the op runs in bf16, as
@@ -332,8 +331,7 @@ def test_empty_inputs_through_the_dispatcher(B, Tq, mem):
 
 @pytest.mark.parametrize("op", ["attention", "rel_attention"])
 @pytest.mark.parametrize("where", ["q", "k", "scale"])
-@pytest.mark.parametrize("backend", ["eager"] + (["cpu"] if DEVICE == "cpu" else [])
-                         + (["triton"] if TRITON_ON_CPU or DEVICE == "cuda" else []))
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
 def test_nan_inputs_give_nan(backend, where, op):
     """A NaN in q, k or the scale gives NaN where eager's softmax gives it (the rows it
     reaches, and the gradients), never zeros: the cpu backend's row maxima skip NaN, and a

@@ -15,6 +15,10 @@ TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 # The device every test runs on: CUDA when present, else CPU (conftest's `device` fixture
 # returns it). Tests that need the Triton interpreter skip on CUDA with `needs_interpreter`.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The attention ops' backends that can run on DEVICE in this process (eager always; cpu on
+# CPU tensors where ctxfast._C is built; triton on CUDA or under the interpreter).
+ATTN_BACKENDS = [b for b in ("eager", "cpu", "triton")
+                 if b in ctxfast.BACKENDS and ctxfast.why_unavailable(b, DEVICE) is None]
 needs_interpreter = pytest.mark.skipif(
     not TRITON_ON_CPU, reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 "
     "(set on machines without CUDA; on a CUDA machine the same kernels are tested on GPU)")

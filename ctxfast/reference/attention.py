@@ -40,6 +40,19 @@ def attention_mask(B: int, Tq: int, Tk: int, *, causal: bool = False,
     return visible
 
 
+def masked_softmax(scores: Tensor) -> Tensor:
+    """Softmax over the last dim of scores with ``-inf`` at the pairs not visible; a row
+    with no visible pair (or no key at all) gives zeros."""
+    if scores.shape[-1] > 0:
+        row_max = scores.amax(-1, keepdim=True)
+    else:                                                                 # Tk = 0: no key
+        row_max = scores.new_zeros(*scores.shape[:-1], 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    denom = p.sum(-1, keepdim=True)
+    return p / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               key_padding_mask: Optional[Tensor] = None, perm_rank: Optional[Tensor] = None,
               perm_stream: str = "content", dropout_mask: Optional[Tensor] = None,
@@ -56,15 +69,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                              perm_rank=perm_rank, perm_stream=perm_stream,
                              device=q.device).unsqueeze(1)           # [B, 1, Tq, Tk]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale           # [B, H, Tq, Tk]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if scores.shape[-1] > 0:
-        row_max = scores.amax(-1, keepdim=True)
-    else:                                                            # Tk = 0: no key at all
-        row_max = scores.new_zeros(*scores.shape[:-1], 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - row_max)                                  # 0 where masked
-    denom = p.sum(-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))    # empty rows stay 0
+    p = masked_softmax(scores.masked_fill(~visible, float("-inf")))  # empty rows stay 0
     if dropout_mask is not None and dropout_p > 0:
         p = p * dropout_mask / (1.0 - dropout_p)
     return torch.matmul(p.to(v.dtype), v)                            # [B, H, Tq, Dv]

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .attention import attention_mask
+from .attention import attention_mask, masked_softmax
 from .rel_shift import rel_shift_pad_view
 
 
@@ -95,19 +95,6 @@ def rel_scores(q: Tensor, k: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tens
         diff = (seg_q[:, :, None] != seg_k[:, None, :]).unsqueeze(1)      # [B, 1, Tq, Tk]
         scores = scores + torch.where(diff, ef[..., 1:2], ef[..., 0:1])
     return (scores * scale).masked_fill(~visible, float("-inf"))
-
-
-def masked_softmax(scores: Tensor) -> Tensor:
-    """Softmax over the last dim of scores with ``-inf`` at the pairs not visible; a row
-    with no visible pair (or no key at all) gives zeros."""
-    if scores.shape[-1] > 0:
-        row_max = scores.amax(-1, keepdim=True)
-    else:                                                                 # Tk = 0: no key
-        row_max = scores.new_zeros(*scores.shape[:-1], 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - row_max)
-    denom = p.sum(-1, keepdim=True)
-    return p / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
 def rel_attention_original(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
