@@ -35,6 +35,14 @@ then every later parameter from the keywords or its default). Triton's path is t
 changed (Triton raises then), or the grid is not a tuple; and for good, with a warning, if a
 launcher ever refuses the arguments (a Triton release this path does not match). ``CTXFAST_TRITON_LAUNCH=jit`` (at
 import) or ``LAUNCH = "jit"`` turns the fast path off; under the interpreter it is never on.
+
+Every launch on either path passes :data:`OPTIONS`, Triton compile options that ctxfast's
+kernels rely on, unless the call gives its own: ``enable_fp_fusion=True``. Triton 3.6-3.9
+fuse ``a * b + c`` into one FMA by default; 3.9 warns that 3.10 will not (its
+``TRITON_DEFAULT_FP_FUSION``), and without fusion the attention backward's exponent
+``s · scale − lse`` and ``P ∘ (dP − Δ)`` become a multiply and an add each (the sm_90 PTX of
+the D 64 dQ kernel: 64 ``fma.rn.f32`` a thread and tile, none without fusion; 64 more
+multiplies and adds, and ptxas fuses nothing else).
 Host time before the launcher, measured on a CPU (``benchmarks/launch_overhead.py``): ~44
 us per launch through Triton, ~7.6 through the fast path.
 """
@@ -56,6 +64,9 @@ LAUNCH = os.environ.get("CTXFAST_TRITON_LAUNCH", "fast")
 #: Compiled kernels remembered per wrapped kernel; past this many keys (calls whose shapes
 #: keep changing the int classes or alignments) the table starts again.
 MAX_KEYS = 256
+
+#: Triton compile options every launch passes unless the call names them (module docstring).
+OPTIONS = {"enable_fp_fusion": True}
 
 _I32_LO, _I32_HI = -(1 << 31), 1 << 31
 _I64_LO, _I64_HI = -(1 << 63), 1 << 63
@@ -156,6 +167,7 @@ class FastKernel:
         return True
 
     def launch(self, grid, args, kwargs):
+        kwargs = {**OPTIONS, **kwargs}
         state = _knob_state()
         if state is None or type(grid) is not tuple or self.fn.pre_run_hooks:
             return self.fn[grid](*args, **kwargs)
@@ -222,6 +234,17 @@ class FastKernel:
         return kernel
 
 
+class WithOptions:
+    """``kernel[grid](*args, **kwargs)`` through Triton's own path, with :data:`OPTIONS`
+    (the launch object when the fast path is off)."""
+
+    def __init__(self, fn: JITFunction):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.fn[grid](*args, **{**OPTIONS, **kwargs})
+
+
 _WRAPPED = {}
 
 
@@ -236,14 +259,14 @@ def _give_up(error: BaseException) -> None:
 
 def fast(kernel):
     """The launch object for ``kernel``: a :class:`FastKernel` for a Triton kernel on the
-    GPU path, the kernel itself under the interpreter, with ``LAUNCH != "fast"``, or when
-    ``kernel`` is not a ``JITFunction`` (a test's recorder or spy)."""
-    if LAUNCH != "fast":
-        if LAUNCH != "jit":
-            raise ValueError(f"CTXFAST_TRITON_LAUNCH must be 'fast' or 'jit', got {LAUNCH!r}")
-        return kernel
+    GPU path, a :class:`WithOptions` with ``LAUNCH == "jit"``, the kernel itself under the
+    interpreter or when ``kernel`` is not a ``JITFunction`` (a test's recorder or spy)."""
+    if LAUNCH not in ("fast", "jit"):
+        raise ValueError(f"CTXFAST_TRITON_LAUNCH must be 'fast' or 'jit', got {LAUNCH!r}")
     if _interpreting() or not isinstance(kernel, JITFunction):
         return kernel
+    if LAUNCH == "jit":
+        return WithOptions(kernel)
     # by identity: a JITFunction's own hash is its source's (computed on first use)
     wrapped = _WRAPPED.get(id(kernel))
     if wrapped is None or wrapped.fn is not kernel:

@@ -23,8 +23,11 @@ content and the position term) and add the per-row vector ``(w − u)·r_m`` of 
 the ``(q + u)·rᵀ`` product (:func:`_rb_rows`, read from a ``[H, R]`` table the launcher
 computes once, :func:`row_bias_table`): one ``[BLOCK_M, BLOCK_D]`` operand less in
 registers for the whole loop. (The dK/dV and dR kernels load a new query block per tile and
-form both ``q + u`` and ``q + w`` from it: there the row vector, with r in registers, spilled
-more on sm_90 than the second operand.)
+take both ``q + u`` and ``q + w``: there the row vector, with r in registers, spilled more on
+sm_90 than the second operand. They read the two operands ready-made, ``[B, H, Tq, D]`` in
+k's dtype, from :func:`_rel_bwd_prep_kernel`, which forms them once per call in the launch
+that computes Δ, instead of loading q and forming both at every tile: sm_90 SASS of the
+bf16 D 64 dK/dV loop 991 -> 940 instructions a tile, spill reloads in it 25 -> 0.)
 
 Two chunks. Where the query block is fixed and the loop walks the key blocks (forward,
 dQ), the band of key block ``n`` is two chunks of BLOCK_N rows of r, ``row0 + n + [0,
@@ -113,7 +116,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, _bwd_delta, _combine_splits, _dot, _fold_scale, _has_tma,
+from ._common import (LOG2E, _bwd_delta_kernel, _combine_splits, _dot, _fold_scale, _has_tma,
                       _interpreting, _keep, _key_range, _mask_args, _new_output,
                       _online_softmax_step, _query_block, _seed_arg, _split_targets,
                       _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
@@ -499,9 +502,14 @@ def _rel_attn_fwd_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
-    R, U, W,        # r [H, R, D]; r_w_bias, r_r_bias [H, D] contiguous
-    SEG_Q, SEG_K, SEG_E, RSB,   # as in the forward
+    K, V, DO,       # k, v [B, H, Tk, D]; do [B, H, Tq, D]; any strides
+    QU, QW,         # q + r_w_bias, q + r_r_bias [B, H, Tq, D] contiguous, in k's dtype
+                    # (:func:`_rel_bwd_prep_kernel`; q itself is not read: its strides
+                    # below are the launches' shared arguments)
+    R,              # r [H, R, D], any strides
+    SEG_Q, SEG_K,   # as in the forward
+    EF,             # [B, H, Tq, 2] fp32 contiguous (HAS_SEG): each row's segment terms
+                    # (q + r_s_bias)·seg_embed[0 | 1] (:func:`_rel_bwd_prep_kernel`)
     LSE, DELTA,     # [B, H, Tq] fp32 contiguous
     DK, DV,         # [B, H, Tk, D] contiguous, written
     KPM, RANK, KV_END, SEED,
@@ -535,12 +543,7 @@ def _rel_attn_bwd_dkdv_kernel(
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
                 + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     if HAS_SEG:
-        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
         seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
 
     lo = 0
@@ -569,8 +572,9 @@ def _rel_attn_bwd_dkdv_kernel(
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + ii
         q_mask = (offs_m[:, None] < Tq) & d_ok
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
-                    + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+        q_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
+        qu = tl.load(QU + q_off, mask=q_mask, other=0.0)
+        qw = tl.load(QW + q_off, mask=q_mask, other=0.0)
         do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
                      + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
         lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
@@ -579,8 +583,6 @@ def _rel_attn_bwd_dkdv_kernel(
         if HAS_PERM:
             rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
                              mask=offs_m < Tq, other=0)
-        qu = (q + u[None, :]).to(K.dtype.element_ty)
-        qw = (q + w[None, :]).to(K.dtype.element_ty)
         row0 = c - m0 - BLOCK_M + 1 + n0                  # first row of the tile's band
         if HALVES:          # the band's two chunks one after the other
             # both gathered halves joined where they are gathered, then one conversion
@@ -596,10 +598,10 @@ def _rel_attn_bwd_dkdv_kernel(
             r = _r_rows(r_base, row0 + band, R_len, offs_d, d_ok, stride_rm, stride_rd)
             s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
         if HAS_SEG:
-            qs = q + rsb[None, :]
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
-            s += _seg_term(seg_q, seg_k, tl.sum(qs * se0[None, :], 1),
-                           tl.sum(qs * se1[None, :], 1))[0]
+            ef = EF + (bh * Tq + offs_m) * 2
+            s += _seg_term(seg_q, seg_k, tl.load(ef, mask=offs_m < Tq, other=0.0),
+                           tl.load(ef + 1, mask=offs_m < Tq, other=0.0))[0]
         p = tl.exp2(s * qk_scale - lse[:, None])
         if (m0 < in_lo) | (m0 >= in_hi):                                 # boundary tile
             p = tl.where(_rel_visible(offs_m, offs_n, b, Tq, Tk, mem_len, window,
@@ -754,7 +756,9 @@ def _rel_dr_atomic(dr_base, r_row, ds_chunk, qu, wu, R_len, D, offs_d, d_ok,
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
+    Q, K, V, DO,    # q, do [B, H, Tq, D]; k, v [B, H, Tk, D]; any strides
+    R, U, W,        # r [H, R, D], any strides; r_w_bias, r_r_bias [H, D] contiguous
+    SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
     RB, stride_rbh,     # (r_r_bias − r_w_bias)·r_m [H, R] fp32, padded (row_bias_table)
     DQ,             # [B, H, Tq, D] contiguous: dq without the segment term, written (in
                     # q's dtype, or fp32 where the launcher adds the segment term)
@@ -943,7 +947,7 @@ def _rel_dr_ds(K0: tl.constexpr, WIDTH: tl.constexpr, pos, owned, qu, do, lse, d
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    Q, K, V, DO, R, U, W, SEG_Q, SEG_K, SEG_E, RSB, LSE, DELTA,   # as in the dK/dV kernel
+    K, V, DO, QU, QW, R, SEG_Q, SEG_K, EF, LSE, DELTA,   # as in the dK/dV kernel
     DR,             # [B, H, R, D] fp32: batch b's dr, every element written (summed over b
                     # by the launcher, in a fixed order)
     KPM, RANK, KV_END, SEED,
@@ -980,12 +984,6 @@ def _rel_attn_bwd_dr_kernel(
     offs_r = mr0 + jj
     r = tl.load(R + h * stride_rh + offs_r[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                 mask=(offs_r[:, None] < R_len) & d_ok, other=0.0)          # [BLOCK_N, BLOCK_D]
-    u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    if HAS_SEG:
-        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     # Query i meets the owned diagonals at keys j = i + d0 + [0, BLOCK_N): only queries with
     # -d0 - BLOCK_N < i < Tk - d0 (and, causal, only if d0 <= mem_len; window: only if the
     # last owned diagonal is within it).
@@ -1007,8 +1005,9 @@ def _rel_attn_bwd_dr_kernel(
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + ii
         q_mask = (offs_m[:, None] < Tq) & d_ok
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
-                    + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+        q_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
+        qu = tl.load(QU + q_off, mask=q_mask, other=0.0)
+        qw = tl.load(QW + q_off, mask=q_mask, other=0.0)
         do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
                      + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
         lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
@@ -1017,16 +1016,14 @@ def _rel_attn_bwd_dr_kernel(
         if HAS_PERM:
             rank_q = tl.load(RANK + b * stride_rank_b + offs_m * stride_rank_t,
                              mask=offs_m < Tq, other=0)
-        qu = (q + u[None, :]).to(K.dtype.element_ty)
-        qw = (q + w[None, :]).to(K.dtype.element_ty)
         seg_q = offs_m                                  # placeholders unless HAS_SEG
         ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
         ef_diff = ef_same
         if HAS_SEG:
-            qs = q + rsb[None, :]
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
-            ef_same = tl.sum(qs * se0[None, :], 1)
-            ef_diff = tl.sum(qs * se1[None, :], 1)
+            ef = EF + (bh * Tq + offs_m) * 2
+            ef_same = tl.load(ef, mask=offs_m < Tq, other=0.0)
+            ef_diff = tl.load(ef + 1, mask=offs_m < Tq, other=0.0)
         # the band of keys the block's rows meet, j = m0 + d0 + [0, 2·BLOCK_N)
         qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                       # [BLOCK_M, BLOCK_N]
         if HALVES:          # in two halves, each gathered into diagonal order before the next
@@ -1428,6 +1425,72 @@ def decode_splits(B: int, H: int, Tq: int, Tk: int, D: int, device,
 
 
 @triton.jit
+def _rel_bwd_prep_kernel(
+    DO, O,          # dout, out [B, H, Tq, D], any strides
+    DELTA,          # [B, H, Tq] fp32 contiguous, written: Δ_i = Σ_d dO_id · O_id
+    Q,              # q [B, H, Tq, D], any strides
+    U, W,           # r_w_bias, r_r_bias [H, D] contiguous
+    QU, QW,         # [B, H, Tq, D] contiguous, written: q + u, q + w in QU's dtype
+    SEG_E, RSB,     # HAS_SEG: seg_embed [2, H, D], r_s_bias [H, D] contiguous
+    EF,             # HAS_SEG: [B, H, Tq, 2] fp32 contiguous, written: (q + r_s_bias)·
+                    # seg_embed[0], (q + r_s_bias)·seg_embed[1]
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    H, Tq, D,
+    HAS_SEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """What the backward's dK/dV and dR kernels need per query row before their loops: Δ
+    (``kernels._common._bwd_delta_kernel``, called here), their query operands ``q + u`` and
+    ``q + w`` summed in fp32 and rounded once to QU's dtype, and with segments the row's two
+    segment terms, summed in fp32 (those kernels loaded q and formed all of them at every
+    tile before)."""
+    _bwd_delta_kernel(DO, O, DELTA, stride_dob, stride_doh, stride_dom, stride_dod,
+                      stride_ob, stride_oh, stride_om, stride_od, H, Tq, D, BLOCK_M, BLOCK_D)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    w = tl.load(W + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    out_off = (bh.to(tl.int64) * Tq + offs_m[:, None]) * D + offs_d[None, :]
+    tl.store(QU + out_off, (q + u[None, :]).to(QU.dtype.element_ty), mask=mask)
+    tl.store(QW + out_off, (q + w[None, :]).to(QW.dtype.element_ty), mask=mask)
+    if HAS_SEG:
+        qs = q + tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)[None, :]
+        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        ef = EF + (bh.to(tl.int64) * Tq + offs_m) * 2
+        tl.store(ef, tl.sum(qs * se0[None, :], 1), mask=offs_m < Tq)
+        tl.store(ef + 1, tl.sum(qs * se1[None, :], 1), mask=offs_m < Tq)
+
+
+def _bwd_prep(do, out, q, u, w, dtype, seg_embed=None, r_s_bias=None):
+    """(Δ fp32 ``[B, H, Tq]``, q + u, q + w ``[B, H, Tq, D]`` contiguous in ``dtype``, the
+    segment terms fp32 ``[B, H, Tq, 2]`` or Δ where there are no segments): one launch of
+    :func:`_rel_bwd_prep_kernel` (seg_embed, r_s_bias contiguous)."""
+    B, H, Tq, D = q.shape
+    has_seg = seg_embed is not None
+    delta = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    qu = torch.empty((B, H, Tq, D), dtype=dtype, device=q.device)
+    qw = torch.empty_like(qu)
+    ef = torch.empty((B, H, Tq, 2), dtype=torch.float32, device=q.device) if has_seg else delta
+    if delta.numel() == 0:
+        return delta, qu, qw, ef
+    block_d = max(16, next_pow2(D))
+    block_m = 16 if _interpreting() else max(1, min(64, 4096 // block_d))
+    fast(_rel_bwd_prep_kernel)[(cdiv(Tq, block_m), B * H)](
+        do, out, delta, q, u, w, qu, qw, seg_embed if has_seg else u,
+        r_s_bias if has_seg else u, ef, *do.stride(), *out.stride(), *q.stride(), H, Tq, D,
+        HAS_SEG=has_seg, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    return delta, qu, qw, ef
+
+
+@triton.jit
 def _row_bias_kernel(
     R, stride_rh, stride_rm, stride_rd,  # r [H, R, D], any strides
     U, W,                   # r_w_bias, r_r_bias [H, D] contiguous
@@ -1572,13 +1635,15 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
     if not work:
         d_rw, d_rr = (torch.zeros((H, D), dtype=torch.float32, device=q.device) for _ in "rr")
     else:
-        delta = _bwd_delta(do, out)                                        # [B, H, Tq]
+        u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
         if has_seg:
             sq, sk = seg_q.to(torch.int32), seg_k.to(torch.int32)
             se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
         else:
             sq = sk = se = rsb = kv_end
+        # Δ [B, H, Tq]; q + u, q + w [B, H, Tq, D]; the segment terms [B, H, Tq, 2] (or Δ)
+        delta, qu, qw, ef = _bwd_prep(do, out, q, u, w, k.dtype, *((se, rsb) if has_seg else ()))
         bm, bn, bd, band, _, _ = _config(D, None, q.dtype)      # (tiles are not tuned)
         common = (
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *r.stride(), *mstrides,
@@ -1591,7 +1656,6 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             WINDOW=window is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
             UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=dot_precision(q.dtype))
-        u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         rb = row_bias_table(r, u, w, bm + 2 * bn)
         seed_arg = _seed_arg(q, dropout_p, seed)
         done = {}
@@ -1602,7 +1666,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             launch = {k: dict(num_warps=w_, num_stages=s_)
                       for k, (w_, s_) in _bwd_launch(D, q.dtype, atomic).items()}
             fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
-                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dk, dv,
+                k, v, do, qu, qw, r, sq, sk, ef, lse, delta, dk, dv,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
                 HALVES=bn >= HALVES_MIN_BLOCK)
             d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
@@ -1622,7 +1686,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             else:
                 dr_b = _new_output((B, H, R, D), torch.float32, q.device)
                 fast(_rel_attn_bwd_dr_kernel)[(cdiv(R, bn), B * H)](
-                    q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, dr_b,
+                    k, v, do, qu, qw, r, sq, sk, ef, lse, delta, dr_b,
                     kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
                     HALVES=bn >= HALVES_MIN_BLOCK)
                 done["dr"] = dr_b.sum(0) if B > 1 else dr_b[0]

@@ -330,7 +330,7 @@ def test_a_launcher_that_refuses_the_arguments_turns_the_path_off(toy, monkeypat
         fk[(1,)](_x(), 64, 0.5, True, W=4)               # Triton's path instead
     assert _launch.LAUNCH == "jit" and fk.hits == 0
     assert [e[0] for e in log] == ["jit", "launch", "jit", "launch"]
-    assert _launch.fast(_toy_kernel) is _toy_kernel      # and from now on
+    assert isinstance(_launch.fast(_toy_kernel), _launch.WithOptions)   # and from now on
 
 
 def test_table_is_bounded(toy, monkeypatch):
@@ -346,13 +346,29 @@ def test_off_under_the_interpreter_with_jit_and_for_non_kernels(monkeypatch):
     assert _launch.fast(_toy_kernel) is _toy_kernel
     monkeypatch.setattr(_launch, "_interpreting", lambda: False)
     monkeypatch.setattr(_launch, "LAUNCH", "jit")
-    assert _launch.fast(_toy_kernel) is _toy_kernel
+    assert _launch.fast(_toy_kernel).fn is _toy_kernel
     monkeypatch.setattr(_launch, "LAUNCH", "fast")
     spy = object()
     assert _launch.fast(spy) is spy
     monkeypatch.setattr(_launch, "LAUNCH", "quick")
     with pytest.raises(ValueError, match="CTXFAST_TRITON_LAUNCH"):
         _launch.fast(_toy_kernel)
+
+
+@pytest.mark.parametrize("path", ["fast", "jit"])
+def test_every_launch_asks_for_fp_fusion(toy, path, monkeypatch):
+    """Both launch paths pass ``enable_fp_fusion=True`` (Triton 3.10's default is off: the
+    backward's exponents would lose their FMAs), and a call's own option wins."""
+    _, log = toy
+    monkeypatch.setattr(_launch, "LAUNCH", path)
+    launcher = _launch.fast(_toy_kernel)
+    assert isinstance(launcher, _launch.FastKernel if path == "fast" else _launch.WithOptions)
+    launcher[(1,)](_x(), 64, 0.5, True, W=4)
+    launcher[(1,)](_x(), 64, 0.5, True, W=4, enable_fp_fusion=False)
+    options = [e[1][1] for e in log if e[0] == "jit"]
+    assert len(options) == 2
+    assert "('enable_fp_fusion', True)" in options[0], options[0]
+    assert "('enable_fp_fusion', False)" in options[1], options[1]
 
 
 def test_every_launch_site_goes_through_fast():

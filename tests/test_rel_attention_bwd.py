@@ -309,13 +309,12 @@ def test_tma_tiles_against_reference(monkeypatch, halves):
     monkeypatch.setattr(krel, "TMA_MODE", "yes")
     with pytest.raises(ValueError, match="CTXFAST_ATTN_TMA"):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)
-    # the backward refuses it before its first launch (the row term's kernel)
+    # the backward refuses it before its first launch (the row term's and operands' kernel)
     monkeypatch.setattr(krel, "TMA_MODE", "on")
     ts = _inputs(1, 1, 5, 5, 16, 5)
     out, lse = rel_attention_forward(*ts)
     monkeypatch.setattr(krel, "TMA_MODE", "yes")
-    import ctxfast.kernels._common as kcommon
-    monkeypatch.setattr(kcommon, "_bwd_delta_kernel", None)   # any launch would fail here
+    monkeypatch.setattr(krel, "_rel_bwd_prep_kernel", None)   # any launch would fail here
     with pytest.raises(ValueError, match="CTXFAST_ATTN_TMA"):
         krel.rel_attention_backward(torch.randn_like(out), *ts, out, lse)
 

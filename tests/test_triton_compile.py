@@ -45,7 +45,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import warnings
 
 import pytest
 
@@ -83,14 +82,16 @@ REL_SPILL_BUDGET = {
     # (the position term's row bias read from a table, row_bias_table, 2026-11-27: forward
     # 212 -> 104; dQ 304 -> 324 B stored, all outside its loop, whose spill reloads fell
     # 64 -> 58 and instructions 1,102 -> 1,038 a tile in sm_90 SASS)
+    # (the dK/dV and dR kernels' query operands q + u, q + w read ready-made from the
+    # backward's first launch, 2026-11-28: dK/dV 164 -> 76, dR 440 -> 112, D 128 dR 16 -> 0)
     "rel_attention bf16 D=64 causal (training)": {
-        "_rel_attn_fwd_kernel": 104, "_rel_attn_bwd_dkdv_kernel": 164,
+        "_rel_attn_fwd_kernel": 104, "_rel_attn_bwd_dkdv_kernel": 76,
         "_rel_attn_bwd_dq_kernel": 324},
     "rel_attention bf16 D=64 causal (training, dR kernel)": {
-        "_rel_attn_bwd_dq_kernel": 452, "_rel_attn_bwd_dr_kernel": 440},
+        "_rel_attn_bwd_dq_kernel": 452, "_rel_attn_bwd_dr_kernel": 112},
     "rel_attention bf16 D=128 causal (training)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
-        "_rel_attn_bwd_dq_kernel": 0, "_rel_attn_bwd_dr_kernel": 16},
+        "_rel_attn_bwd_dq_kernel": 0, "_rel_attn_bwd_dr_kernel": 0},
     "rel_attention fp32/tf32 D=64 causal (training, XL evaluation)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
         "_rel_attn_bwd_dq_kernel": 0, "_rel_attn_bwd_dr_kernel": 0},
@@ -100,7 +101,7 @@ KERNELS = [
     "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
     "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
-    "_rel_attn_bwd_dr_kernel", "_row_bias_kernel",
+    "_rel_attn_bwd_dr_kernel", "_row_bias_kernel", "_rel_bwd_prep_kernel",
     "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel",
     "_rel_shift_kernel", "_bwd_delta_kernel",
 ]
@@ -444,7 +445,12 @@ def _specialise(fn, args, kwargs):
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+    from ctxfast.kernels import _launch
+
+    # the options every launch adds (kernels._launch.OPTIONS; the recorders stand where fast()
+    # would have added them)
+    options = {**_launch.OPTIONS,
+               **{k: v for k, v in kwargs.items() if k not in fn.arg_names}}
     bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in fn.arg_names})
     bound.apply_defaults()
     signature, constexprs, attrs = {}, {}, {}
@@ -522,6 +528,8 @@ def _ptxas_facts(ptx, arch):
     facts = {"wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
              "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
              "tma": len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
+             # float32 multiply-adds: tl.fma, or a * b + c fused where fusion is on
+             "fma_f32": len(re.findall(r"\bfma\.rn\.f32", ptx)),
              # TMA bulk reductions (tensor_descriptor.atomic_add)
              "tma_reduce": len(re.findall(r"\bcp\.reduce\.async\.bulk\.tensor", ptx)),
              # float atomic adds: relaxed reductions (red) / with ordering or a result (atom)
@@ -624,7 +632,9 @@ def main(claims: str, out_path: str):
     import time
 
     os.environ.pop("TRITON_INTERPRET", None)
-    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION is unset")  # triton 3.9
+    # Triton 3.10's default: a kernel fuses a * b + c only where its launch asks for it
+    # (test_backwards_fuse_multiply_adds)
+    os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
     reason = _probe()
     if reason is not None:
         result = {"unavailable": reason}
@@ -819,6 +829,20 @@ def test_forwards_fold_the_scale(compiled):
     bad = [f"{r['kernel']} [{r['variant']}]: {r['tile_fma']} tile FMAs" for r in rows
            if "FOLD=True" not in r["launch"] or r["tile_fma"] < 1]
     assert not bad, "forwards that scale the tile first:\n" + "\n".join(bad)
+
+
+def test_backwards_fuse_multiply_adds(compiled):
+    """The attention and rel_attention backwards' exponents ``s · scale − lse`` and ``P ∘
+    (dP − Δ)`` are fused multiply-adds in the sm_90 PTX (``fma.rn.f32``), although the
+    compiles run with ``TRITON_DEFAULT_FP_FUSION=0`` (Triton 3.10's default): every launch
+    asks for fusion itself (``kernels._launch.OPTIONS``). Without it the D 64 dQ kernel's
+    PTX has none of its 64."""
+    rows = [r for r in compiled["rows"] if r["ok"] and r["arch"] == 90 and "fma_f32" in r
+            and r["kernel"] in ("_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+                                "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel")]
+    assert len({r["kernel"] for r in rows}) == 4, "a backward kernel did not compile for sm_90"
+    bad = [f"{r['kernel']} [{r['variant']}]" for r in rows if r["fma_f32"] < 1]
+    assert not bad, "backwards without fused multiply-adds:\n" + "\n".join(bad)
 
 
 def test_tma_loads_where_asked(compiled):

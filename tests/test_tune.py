@@ -549,7 +549,7 @@ def test_rel_attention_checks_every_gradient(tuning, monkeypatch):
             def run(*args, **kwargs):
                 launch(*args, **kwargs)
                 if kwargs["ATOMIC_DR"]:
-                    args[16].add_(1.0)                # the dr accumulator
+                    args[real.arg_names.index("DR_ACC")].add_(1.0)    # the dr accumulator
             return run
     monkeypatch.setattr(krel, "_rel_attn_bwd_dq_kernel", Corrupting())
     rel_bwd.test_dr_against_float64(2, 2, 17, 17, 54, 35, None, True)
