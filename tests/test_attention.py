@@ -1001,3 +1001,26 @@ def test_ranks_beyond_int32(op):
         with pytest.raises(ValueError, match="reads perm_rank as int32"):
             run(rank, "triton")
         assert rel_err(run(small, "triton"), want) < 1e-5
+
+
+@pytest.mark.skipif("triton" not in ATTN_BACKENDS, reason="a check of the triton backend")
+@pytest.mark.parametrize("op", ["attention", "attention_varlen", "rel_attention"])
+def test_tensors_beyond_int32_offsets(op):
+    """The Triton kernels address q, k, v (and r) with 32-bit offsets and write gradients of
+    their sizes contiguously: a tensor of 2**31 elements is refused, naming it, before
+    anything is allocated or launched (expanded inputs here: a few bytes of storage)."""
+    T, D = 2**25, 64                                          # T·D = 2**31
+    big = torch.randn(1, 1, 1, D, device=DEVICE).expand(1, 1, T, D)
+    small = torch.randn(1, 1, 8, D, device=DEVICE)
+    with pytest.raises(ValueError, match=r"addresses k with 32-bit offsets.*2147483648"):
+        if op == "attention":
+            ctxfast.attention(small, big, big, backend="triton")
+        elif op == "attention_varlen":                        # [total, H, D]
+            q, k = small[0].transpose(0, 1), big[0].transpose(0, 1)
+            cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+                          for n in (8, T))
+            ctxfast.attention_varlen(q, k, k, cu_q, cu_k, 8, T, backend="triton")
+        else:
+            r = torch.randn(1, 1, D, device=DEVICE).expand(1, T + 8, D)
+            u = torch.randn(1, D, device=DEVICE)
+            ctxfast.rel_attention(small, big, big, r, u, u, backend="triton")

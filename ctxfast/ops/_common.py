@@ -137,6 +137,24 @@ def check_int32_ids(op: str, **ids) -> None:
                              f"must lie in [-2**31, 2**31), got {lo}..{hi}")
 
 
+def check_int32_extent(op: str, **tensors) -> None:
+    """The Triton attention kernels address each tensor with 32-bit offsets from its first
+    element (Triton passes a stride below 2**31 as i32, and ``b * stride_b`` is i32), and
+    write outputs and gradients of the same sizes contiguously: a tensor with 2**31 or more
+    elements, or whose last element lies 2**31 or more elements past its first, is refused
+    before anything is allocated or launched (it would read and write the wrong memory).
+    None entries are skipped."""
+    for name, t in tensors.items():
+        if t is None or t.numel() == 0:
+            continue
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        if max(t.numel(), extent) >= 2**31:
+            raise ValueError(
+                f"{op}: the triton backend addresses {name} with 32-bit offsets; {name} of "
+                f"shape {tuple(t.shape)} has {t.numel()} elements spanning {extent}, both must "
+                f"be below 2**31 (split the batch, or use backend='eager')")
+
+
 # The Triton kernels keep a whole head-dim row of q, k, v and the output accumulator in one
 # program (BLOCK_D = next power of two >= D): beyond 256 they exceed a GPU's registers and
 # shared memory. The eager backend has no such limit.

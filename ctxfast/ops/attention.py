@@ -38,6 +38,7 @@ from ._common import autocast as _autocast
 from ._common import softmax_scale as _softmax_scale
 from ._common import call_in_backward as _call_in_backward
 from ._common import check_attention as _check
+from ._common import check_int32_extent as _check_int32_extent
 from ._common import check_int32_ids as _check_int32_ids
 from ._common import check_qkv as _check_qkv
 from ._common import register_autograd as _register_autograd
@@ -234,6 +235,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                               perm_rank=perm_rank, perm_stream=perm_stream,
                               dropout_mask=mask, dropout_p=dropout_p, scale=sm_scale)
     _check_int32_ids("attention", perm_rank=perm_rank)
+    _check_int32_extent("attention", q=q, k=k, v=v)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
     out, _ = _fwd_triton(
         q, k, v, key_padding_mask, perm_rank, causal, perm_stream == "query", sm_scale,
@@ -442,6 +444,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             out = out.index_copy(0, torch.arange(cq[b], cq[b + 1], device=q.device),
                                  ob.squeeze(0).transpose(0, 1))
         return out
+    _check_int32_extent("attention_varlen", q=q, k=k, v=v)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
     out, _ = _varlen_fwd_triton(
         q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q,

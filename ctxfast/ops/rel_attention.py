@@ -28,6 +28,7 @@ from ._common import autocast as _autocast
 from ._common import softmax_scale as _softmax_scale
 from ._common import call_in_backward as _call_in_backward
 from ._common import check_attention as _check_attention
+from ._common import check_int32_extent as _check_int32_extent
 from ._common import check_int32_ids as _check_int32_ids
 from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
@@ -309,6 +310,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                                   perm_rank=perm_rank, perm_stream=perm_stream, dropout_mask=mask,
                                   dropout_p=dropout_p, scale=sm_scale, window=window, **seg)
     _check_int32_ids("rel_attention", perm_rank=perm_rank, seg_q=seg_q, seg_k=seg_k)
+    _check_int32_extent("rel_attention", q=q, k=k, v=v, r=r)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
     out, _ = _fwd_triton(
         q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k, seg_embed,
