@@ -1303,7 +1303,9 @@ _TUNE_CANDIDATES = {
     ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "off"},
                         {"tma": "on", "fwd": (4, 1)}, {"carry": False},
                         {"fold": False}],     # the tile scaled first: the FOLD's measure
-    ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}],
+    # (8 warps: no spill since the operands come ready-made, 2026-11-28; (8, 1) timed
+    # slower in round 3, when q + u and q + w were formed per tile)
+    ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
                        {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
