@@ -141,17 +141,46 @@ def score_grad_terms(scores: torch.Tensor, leaves, v: torch.Tensor, do: torch.Te
     return [0.0 if g is None else g.norm().item() for g in grads]
 
 
-def rel_grad_terms(tensors, do: torch.Tensor, **kw) -> list:
-    """score_grad_terms of ctxfast.rel_attention, one norm per tensor: ``tensors`` = (q, k,
-    v, r, r_w_bias, r_r_bias[, seg_embed, r_s_bias]), kw the op's other keyword arguments
-    (masks, window, scale, seg ids, a dropout mask and p; ``backend`` is ignored)."""
+def _rel_scores64(tensors, kw: dict):
+    """(scores [B, H, Tq, Tk] float64, its leaves, the dropout arguments) of
+    ctxfast.rel_attention's ``tensors`` = (q, k, v, r, r_w_bias, r_r_bias[, seg_embed,
+    r_s_bias]) and other keyword arguments ``kw`` (``backend`` ignored)."""
     kw = {n: a for n, a in kw.items() if n != "backend"}
     drop = {n: kw.pop(n) for n in ("dropout_mask", "dropout_p") if n in kw}
     leaves = [t.detach().double().requires_grad_(True) for t in tensors]
     q, k, v, r, u, w = leaves[:6]
     seg = dict(zip(("seg_embed", "r_s_bias"), leaves[6:]))
-    s = reference.rel_scores(q, k, r, u, w, **seg, **kw)             # [B, H, Tq, Tk]
-    return score_grad_terms(s, leaves, v, do, **drop)
+    return reference.rel_scores(q, k, r, u, w, **seg, **kw), leaves, drop
+
+
+def rel_grad_terms(tensors, do: torch.Tensor, **kw) -> list:
+    """score_grad_terms of ctxfast.rel_attention, one norm per tensor: ``tensors`` = (q, k,
+    v, r, r_w_bias, r_r_bias[, seg_embed, r_s_bias]), kw the op's other keyword arguments
+    (masks, window, scale, seg ids, a dropout mask and p; ``backend`` is ignored)."""
+    s, leaves, drop = _rel_scores64(tensors, kw)
+    return score_grad_terms(s, leaves, leaves[2], do, **drop)
+
+
+#: float32's unit roundoff: every kernel forms its softmax exponents in float32.
+U32 = 2.0 ** -24
+
+
+def exponent_floor(scores: torch.Tensor) -> float:
+    """The relative error a flash kernel's softmax weights carry from their exponent alone:
+    ``P = exp(s − lse)`` (the backward) or ``exp(s − m)`` (the forward, m the running row
+    max) from operands held in float32, each rounded by half an ulp of its size, so the
+    exponent is off by up to ``u·(|s| + |lse|)`` and P by that relatively: ``2·u·max|s|``
+    (u = 2**-24) for the scaled scores ``scores`` (float64, −inf where not visible). Eager,
+    which subtracts the row max from the scores it formed, has no such term. Below the
+    float32 floor (2e-6) for scores under ~17; ~1e-5 at a scale of 2.5 (scores of 83)."""
+    finite = scores.detach()[torch.isfinite(scores.detach())]
+    return 2 * U32 * finite.abs().max().item() if finite.numel() else 0.0
+
+
+def rel_exponent_floor(tensors, **kw) -> float:
+    """:func:`exponent_floor` of ctxfast.rel_attention's scores (arguments as
+    :func:`rel_grad_terms`)."""
+    return exponent_floor(_rel_scores64(tensors, kw)[0])
 
 
 def assert_param_grads_within_2x_eager(fast: "torch.nn.Module", eager: "torch.nn.Module",
