@@ -573,10 +573,17 @@ def _bwd_delta(do, out):
     delta = torch.empty((B, H, Tq), dtype=torch.float32, device=out.device)
     if delta.numel() == 0:
         return delta
-    block_d = max(16, next_pow2(D))
-    block_m = 16 if _interpreting() else max(1, min(64, 4096 // block_d))
+    block_m, block_d = delta_blocks(D)
     from ._launch import fast  # (here: _launch imports this module)
     fast(_bwd_delta_kernel)[(cdiv(Tq, block_m), B * H)](
         do, out, delta, *do.stride(), *out.stride(), H, Tq, D,
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     return delta
+
+
+def delta_blocks(D: int) -> tuple:
+    """(BLOCK_M, BLOCK_D) of the row-term launches (:func:`_bwd_delta_kernel` and the
+    kernels that call it): up to 64 rows of 4,096 elements a program; 16 rows under the
+    interpreter."""
+    block_d = max(16, next_pow2(D))
+    return (16 if _interpreting() else max(1, min(64, 4096 // block_d))), block_d

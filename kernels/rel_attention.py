@@ -120,7 +120,7 @@ from ._common import (LOG2E, _bwd_delta_kernel, _combine_splits, _dot, _fold_sca
                       _interpreting, _keep, _key_range, _mask_args, _new_output,
                       _online_softmax_step, _query_block, _seed_arg, _split_targets,
                       _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
-                      check_tma_mode, next_pow2, tma_args)
+                      check_tma_mode, delta_blocks, next_pow2, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -248,6 +248,18 @@ def _seg_term(seg_q, seg_k, ef_same, ef_diff):
     segment encoding, ``(q + r_s_bias)·seg_embed[same ? 0 : 1]`` from its per-row values."""
     same = seg_q[:, None] == seg_k[None, :]
     return tl.where(same, ef_same[:, None], ef_diff[:, None]), same
+
+
+@triton.jit
+def _seg_rows(q, RSB, SEG_E, h, H, D, offs_d):
+    """(ef_same, ef_diff) [BLOCK_M] fp32: each query row's two segment terms
+    ``(q + r_s_bias)·seg_embed[0 | 1]`` (q an fp32 ``[BLOCK_M, BLOCK_D]`` tile; RSB
+    ``[H, D]``, SEG_E ``[2, H, D]`` contiguous), the values :func:`_seg_term` places."""
+    d_ok = offs_d < D
+    qs = q + tl.load(RSB + h * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    se0 = tl.load(SEG_E + h * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    return tl.sum(qs * se0[None, :], 1), tl.sum(qs * se1[None, :], 1)
 
 
 @triton.jit
@@ -409,13 +421,8 @@ def _rel_attn_fwd_kernel(
     seg_q = offs_m                                    # placeholders unless HAS_SEG
     ef_same = tl.zeros([BLOCK_M], dtype=tl.float32)
     ef_diff = ef_same
-    if HAS_SEG:
-        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        qs = q + rsb[None, :]
-        ef_same = tl.sum(qs * se0[None, :], 1)        # [BLOCK_M]: segment term, same segment
-        ef_diff = tl.sum(qs * se1[None, :], 1)        # different segments
+    if HAS_SEG:     # [BLOCK_M] each: the segment term, same / different segments
+        ef_same, ef_diff = _seg_rows(q, RSB, SEG_E, h, H, D, offs_d)
         seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
     rank_q = offs_m
     if HAS_PERM:
@@ -814,12 +821,7 @@ def _rel_attn_bwd_dq_kernel(
     qu = (q + u[None, :]).to(K.dtype.element_ty)
     wu = w - u
     if HAS_SEG:
-        rsb = tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        qs = q + rsb[None, :]
-        ef_same = tl.sum(qs * se0[None, :], 1)
-        ef_diff = tl.sum(qs * se1[None, :], 1)
+        ef_same, ef_diff = _seg_rows(q, RSB, SEG_E, h, H, D, offs_d)
         seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
         a_diff = tl.zeros([BLOCK_M], dtype=tl.float32)    # Σ dS over the other segment
         p_diff = tl.zeros([BLOCK_M], dtype=tl.float32)    # Σ P over the other segment
@@ -1463,12 +1465,10 @@ def _rel_bwd_prep_kernel(
     tl.store(QU + out_off, (q + u[None, :]).to(QU.dtype.element_ty), mask=mask)
     tl.store(QW + out_off, (q + w[None, :]).to(QW.dtype.element_ty), mask=mask)
     if HAS_SEG:
-        qs = q + tl.load(RSB + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)[None, :]
-        se0 = tl.load(SEG_E + h * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        se1 = tl.load(SEG_E + (H + h) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        ef_same, ef_diff = _seg_rows(q, RSB, SEG_E, h, H, D, offs_d)
         ef = EF + (bh.to(tl.int64) * Tq + offs_m) * 2
-        tl.store(ef, tl.sum(qs * se0[None, :], 1), mask=offs_m < Tq)
-        tl.store(ef + 1, tl.sum(qs * se1[None, :], 1), mask=offs_m < Tq)
+        tl.store(ef, ef_same, mask=offs_m < Tq)
+        tl.store(ef + 1, ef_diff, mask=offs_m < Tq)
 
 
 def _bwd_prep(do, out, q, u, w, dtype, seg_embed=None, r_s_bias=None):
@@ -1483,8 +1483,7 @@ def _bwd_prep(do, out, q, u, w, dtype, seg_embed=None, r_s_bias=None):
     ef = torch.empty((B, H, Tq, 2), dtype=torch.float32, device=q.device) if has_seg else delta
     if delta.numel() == 0:
         return delta, qu, qw, ef
-    block_d = max(16, next_pow2(D))
-    block_m = 16 if _interpreting() else max(1, min(64, 4096 // block_d))
+    block_m, block_d = delta_blocks(D)
     fast(_rel_bwd_prep_kernel)[(cdiv(Tq, block_m), B * H)](
         do, out, delta, q, u, w, qu, qw, seg_embed if has_seg else u,
         r_s_bias if has_seg else u, ef, *do.stride(), *out.stride(), *q.stride(), H, Tq, D,

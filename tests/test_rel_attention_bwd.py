@@ -375,3 +375,39 @@ def test_row_bias_table(dtype):
     whole = table.as_strided((H, R + 2 * pad), (table.stride(0), 1),
                              table.storage_offset() - pad)
     assert (whole[:, :pad] == 0).all() and (whole[:, pad + R:] == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("Tq", [1, 17])
+@pytest.mark.parametrize("seg", [False, True])
+def test_backward_prep(dtype, Tq, seg):
+    """_bwd_prep (the backward's first launch): Δ = rowsum(dO ∘ O) in fp32, q + r_w_bias and
+    q + r_r_bias as the dK/dV and dR kernels formed them (an fp32 sum rounded once to k's
+    dtype: bitwise), and with segments each row's (q + r_s_bias)·seg_embed[0 | 1]; strided
+    q, dO and out ([B, T, H, D] storage, as the models pass them), D 41."""
+    from ctxfast.kernels import rel_attention as krel
+    B, H, D = 2, 3, 41
+
+    def strided():
+        return torch.randn(B, Tq, H, D, device=DEVICE).to(dtype).transpose(1, 2)
+
+    q, do, out = strided(), strided(), strided()
+    u, w, rsb = (torch.randn(H, D, device=DEVICE).to(dtype) for _ in range(3))
+    se = torch.randn(2, H, D, device=DEVICE).to(dtype)
+    delta, qu, qw, ef = krel._bwd_prep(do, out, q, u, w, dtype,
+                                       *((se, rsb) if seg else ()))
+    want = (do.double() * out.double()).sum(-1)
+    assert delta.dtype == torch.float32 and delta.shape == (B, H, Tq)
+    assert (delta.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for got, bias in ((qu, u), (qw, w)):
+        assert got.dtype == dtype and got.is_contiguous() and got.shape == q.shape
+        x = (q.float() + bias.float()[None, :, None]).contiguous()
+        if dtype == torch.bfloat16 and q.device.type == "cpu":
+            x = (x.view(torch.int32) & -65536).view(torch.float32)   # the interpreter truncates
+        assert torch.equal(got, x.to(dtype))
+    if seg:
+        qs = q.double() + rsb.double()[None, :, None]
+        want = torch.einsum("bhid,shd->bhis", qs, se.double())          # [B, H, Tq, 2]
+        assert ef.shape == (B, H, Tq, 2) and ef.dtype == torch.float32
+        assert (ef.double() - want).abs().max() <= 1e-5 * want.abs().max()
