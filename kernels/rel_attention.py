@@ -14,8 +14,9 @@ The shift. In a tile of queries ``i = m0 + ii`` (ii < BLOCK_M) and keys ``j = n0
 (jj < BLOCK_N), ``m = base + jj + (BLOCK_M − 1 − ii)`` with ``base = c − m0 − BLOCK_M + 1
 + n0``: every pair reads one band of ``BLOCK_M + BLOCK_N − 1`` consecutive rows of r. The
 kernel multiplies the queries by the band on the tensor cores and picks column ``jj +
-BLOCK_M − 1 − ii`` of row ii with ``tl.gather``: the skew the original code does with
-pad-and-view on a whole ``[Tq, R]`` tensor.
+BLOCK_M − 1 − ii`` of row ii by rotating each row of the product within a warp
+(:func:`_rotate`, :func:`_skewed`): the skew the original code does with pad-and-view on
+a whole ``[Tq, R]`` tensor.
 
 One query operand where the query block is held through the loop (forward, dQ):
 ``(q + w)·r_m = (q + u)·r_m + (w − u)·r_m``, so those kernels hold only ``q + u`` (for the
@@ -33,8 +34,8 @@ Two chunks. Where the query block is fixed and the loop walks the key blocks (fo
 dQ), the band of key block ``n`` is two chunks of BLOCK_N rows of r, ``row0 + n + [0,
 BLOCK_N)`` and the next, and the second is the next key block's first: each tile multiplies
 one new chunk (``[BLOCK_M, BLOCK_N]``, as the content term) and keeps the product for the
-next (:func:`_rel_scores_chunked`; pair (ii, jj) reads column ``idx`` of one of the two,
-:func:`_skew_chunks`), instead of a band twice as wide per tile. The forward costs three
+next (:func:`_rel_scores_chunked`; pair (ii, jj) reads a column of one of the two,
+:func:`_skewed`), instead of a band twice as wide per tile. The forward costs three
 ``[BLOCK_M, BLOCK_N] x [BLOCK_N, BLOCK_D]`` products per tile (content, position, PV) instead
 of four. The dK/dV and dR kernels fix a key block or a set of diagonals and walk the query
 blocks, whose queries change from tile to tile: they multiply the whole band.
@@ -42,7 +43,7 @@ blocks, whose queries change from tile to tile: they multiply the whole band.
 Backward, with ``P`` recomputed and ``dS = P ∘ (dP − Δ)`` as in ``kernels/attention.py``:
 ``dK = scale · dSᵀ (q + u)``, ``dV = Pᵀ dO``; ``dq = d(q + u) + d(q + v) = scale · (dS K +
 dS_band r_band)`` where ``dS_band[ii, jj + BLOCK_M − 1 − ii] = dS[ii, jj]`` (the skew undone
-with ``tl.gather``; in the dQ kernel chunk by chunk, one ``[BLOCK_M, BLOCK_N]`` product per
+by the opposite rotation; in the dQ kernel chunk by chunk, one ``[BLOCK_M, BLOCK_N]`` product per
 tile, :func:`_rel_bwd_dq_inner`). The dQ kernel stores dq once, in q's dtype, and the
 column sums of its two accumulators, ``Σ_i d(q + u)_i`` and ``Σ_i d(q + v)_i``, as
 ``[BLOCK_D]`` partials per query block: the launcher's d(r_w_bias) and d(r_r_bias) (no
@@ -126,13 +127,15 @@ from ._launch import fast
 
 
 @triton.jit
-def _rel_scores(qu, qw, k, r, skew, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _rel_scores(qu, qw, k, r, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] unscaled scores of a tile: ``(q + u)·kᵀ`` plus the position term,
-    ``(q + v)`` times the band of r rows ``[BAND, BLOCK_D]``, shifted into place with a
-    gather (skew ``[BLOCK_M, BLOCK_N]``: column of the band that pair (ii, jj) reads)."""
+    ``(q + v)`` times the band of r rows ``[2·BLOCK_N, BLOCK_D]``, shifted into place
+    (:func:`_skewed`)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-    qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, BAND]
-    return ac + tl.gather(qr, skew, 1)
+    qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, 2·BLOCK_N]
+    lo, hi = tl.split(tl.permute(tl.reshape(qr, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+    return ac + _skewed(lo, hi, _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -191,20 +194,56 @@ def _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd, stride_
 
 
 @triton.jit
-def _skew_chunks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(idx, hi) ``[BLOCK_M, BLOCK_N]``: pair (ii, jj) reads column ``jj + BLOCK_M − 1 − ii``
-    of its tile's band of r rows; as two chunks of BLOCK_N rows, that is column ``idx`` of
-    the second chunk where ``hi``, else of the first (needs BLOCK_M <= BLOCK_N + 1)."""
-    ii = tl.arange(0, BLOCK_M)
-    jj = tl.arange(0, BLOCK_N)
-    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])
-    hi = skew >= BLOCK_N
-    return tl.where(hi, skew - BLOCK_N, skew), hi
+def _rotate(x, sig, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[ii, jj] = x[ii, (jj + sig[ii]) mod BLOCK_N]``: row ii of ``x [BLOCK_M, BLOCK_N]``
+    rotated left by ``sig [BLOCK_M]`` (int32, >= 0). The skew of every rel_attention tile.
+
+    Same as ``tl.gather(x, (jj + sig) mod BLOCK_N, 1)``, at half its cost in shuffles on a
+    GPU. A gather gives each output element one shuffle per source column a lane holds
+    (Triton lays the source out with a row across the 32 lanes of a warp): two shuffles and
+    two selects an element for 64 columns. Here the even and odd columns are split apart
+    first; output column 2t + p reads source column 2t + p + sig, whose parity is p's
+    when sig is even and the other one when it is odd. So each output half gathers from one
+    half, chosen per row, of BLOCK_N / 2 columns: one shuffle an element, no select (sm_90
+    SASS of the bf16 D 64 forward's loop: 72 -> 40 shuffles a tile, 776 -> 685
+    instructions)."""
+    if BLOCK_N <= 32:   # a lane per column already
+        jj = tl.arange(0, BLOCK_N)
+        return tl.gather(x, (jj[None, :] + sig[:, None]) & (BLOCK_N - 1), 1)
+    HALF: tl.constexpr = BLOCK_N // 2
+    t = tl.arange(0, HALF)[None, :]
+    a = (sig >> 1)[:, None]
+    odd = (sig & 1)[:, None]
+    even_cols, odd_cols = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))   # [BLOCK_M, HALF]
+    out_e = tl.gather(tl.where(odd == 1, odd_cols, even_cols), (t + a) & (HALF - 1), 1)
+    out_o = tl.gather(tl.where(odd == 1, even_cols, odd_cols), (t + a + odd) & (HALF - 1), 1)
+    return tl.reshape(tl.join(out_e, out_o), [BLOCK_M, BLOCK_N])
 
 
 @triton.jit
-def _rel_scores_chunked(qu, rb_new, k, r_new, prev, skew_idx, skew_hi,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr):
+def _tile_skew(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M] int32: the rotation (:func:`_rotate`) that puts a chunk of BLOCK_N band
+    columns in place, ``(BLOCK_M − 1 − ii) mod BLOCK_N``: pair (ii, jj) reads band column
+    ``jj + BLOCK_M − 1 − ii``, column ``(jj + BLOCK_M − 1 − ii) mod BLOCK_N`` of its chunk."""
+    return (BLOCK_M - 1 - tl.arange(0, BLOCK_M)) & (BLOCK_N - 1)
+
+
+@triton.jit
+def _skewed(lo, hi, sig, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[ii, jj]`` = column ``jj + σ_ii`` of the two-chunk band ``[lo, hi]`` (each
+    ``[BLOCK_M, BLOCK_N]``), ``σ = sig mod BLOCK_N`` (``sig`` may carry a multiple of
+    2·BLOCK_N). Column ``c = (jj + σ) mod BLOCK_N`` of hi where ``jj + σ >= BLOCK_N``, which
+    is where ``c < σ``, else of lo: so the chunk is chosen on the source side, and one
+    rotation (:func:`_rotate`) places both."""
+    jj = tl.arange(0, BLOCK_N)
+    src = tl.where(jj[None, :] < (sig & (BLOCK_N - 1))[:, None], hi, lo)
+    return _rotate(src, sig, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _rel_scores_chunked(qu, rb_new, k, r_new, prev, sig,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(scores [BLOCK_M, BLOCK_N], the value to carry to the next tile) of a tile of a loop
     over key blocks with the query block fixed (forward, dQ). Key block ``n`` reads the band
     of r rows ``row0 + n + [0, 2·BLOCK_N)``: chunks ``t = n / BLOCK_N`` and ``t + 1``; the
@@ -212,33 +251,33 @@ def _rel_scores_chunked(qu, rb_new, k, r_new, prev, skew_idx, skew_hi,
     by one new chunk ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1; ``rb_new`` its rows'
     row bias, :func:`_rb_rows`) and keeps the product
     for the next: the position term costs one ``[BLOCK_M, BLOCK_N]`` product per tile, as
-    the content term does, not a band twice as wide. Pair (ii, jj) reads column
-    ``skew_idx`` of the second chunk where ``skew_hi``, else of the first.
+    the content term does, not a band twice as wide. Pair (ii, jj) reads band column
+    ``jj + sig_ii`` (``sig``: :func:`_tile_skew`, plus any multiple of 2·BLOCK_N).
 
-    CARRY False: ``prev`` is the previous chunk's product, gathered again here. CARRY True:
-    the skew is the same in every tile, so ``prev`` is the previous tile's *gathered*
-    product: one gather and one layout conversion per tile instead of two (on sm_90 each
-    gather is a round trip of the ``[BLOCK_M, BLOCK_N]`` fp32 tile through shared memory
-    into a row-per-warp layout; Triton 3.9's TTGIR: forward 3 -> 2 conversions of 2-D
-    tiles and 2 -> 1 gathers per tile, dQ 4 -> 3 and 3 -> 2). :func:`_carry` chooses (on
-    for 16-bit 64 x 64 tiles on a GPU, where the H200 timed it right and faster)."""
+    CARRY False: ``prev`` is the previous chunk's product; the two are placed by one
+    rotation (:func:`_skewed`). CARRY True: the skew is the same in every tile, so ``prev``
+    is the previous tile's *rotated* product, and the tile rotates only the new chunk and
+    takes each pair from one of the two. Both cost one rotation a tile; :func:`_carry`
+    chooses (on for 16-bit 64 x 64 tiles on a GPU, where the H200 timed it right and
+    faster when each tile gathered both chunks without it)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
     qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + rb_new[None, :]
-    pos_new = tl.gather(qr_new, skew_idx, 1)
     if CARRY:
-        return ac + tl.where(skew_hi, pos_new, prev), pos_new
-    return ac + tl.where(skew_hi, pos_new, tl.gather(prev, skew_idx, 1)), qr_new
+        pos_new = _rotate(qr_new, sig, BLOCK_M, BLOCK_N)
+        hi = ((tl.arange(0, BLOCK_N)[None, :] + sig[:, None]) & BLOCK_N) != 0
+        return ac + tl.where(hi, pos_new, prev), pos_new
+    return ac + _skewed(prev, qr_new, sig, BLOCK_M, BLOCK_N), qr_new
 
 
 @triton.jit
-def _first_chunk(qu, rb_first, r_first, skew_idx, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr, CARRY: tl.constexpr):
+def _first_chunk(qu, rb_first, r_first, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                 CARRY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The carried value of a loop's first tile (see :func:`_rel_scores_chunked`): ``(q +
-    v)·chunkᵀ`` of the first chunk of its band (row bias ``rb_first``), gathered with the
+    v)·chunkᵀ`` of the first chunk of its band (row bias ``rb_first``), rotated with the
     tiles' skew if CARRY."""
     qr = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + rb_first[None, :]
     if CARRY:
-        return tl.gather(qr, skew_idx, 1)
+        return _rotate(qr, _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
     return qr
 
 
@@ -340,15 +379,15 @@ def _rel_fwd_inner(
     fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, pos_prev),
     the last for the next loop over the following key blocks."""
     jj = tl.arange(0, BLOCK_N)
-    skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
+    sig = _tile_skew(BLOCK_M, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + jj
         k, v, r = _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd,
                              stride_vn, stride_vd, stride_rm, stride_rd, b, h, start_n, offs_n,
                              Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
         rb = _rb_rows(rb_base, row0 + start_n + BLOCK_N, BLOCK_N)          # r's rows
-        s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, skew_idx, skew_hi,
-                                          UPCAST, PRECISION, CARRY)      # [BLOCK_M, BLOCK_N]
+        s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, sig,
+                                          UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
@@ -453,7 +492,7 @@ def _rel_attn_fwd_kernel(
     r_first = _r_tile(RD, r_base, h, row0 + lo, R_len, offs_d, d_ok, stride_rm, stride_rd,
                       BLOCK_N, BLOCK_D, TMA)
     pos_prev = _first_chunk(qu, _rb_rows(rb_base, row0 + lo, BLOCK_N), r_first,
-                            _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST, PRECISION, CARRY)
+                            UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
             m_i, l_i, acc, lo, hi, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
@@ -566,9 +605,7 @@ def _rel_attn_bwd_dkdv_kernel(
         seed = tl.load(SEED)
     ii = tl.arange(0, BLOCK_M)
     jj = tl.arange(0, BLOCK_N)
-    skew_idx, skew_hi = _skew_chunks(BLOCK_M, BLOCK_N)
     band = tl.arange(0, BAND)
-    skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None])
     c = pos_start - mem_len
     r_base = R + h * stride_rh
 
@@ -592,18 +629,17 @@ def _rel_attn_bwd_dkdv_kernel(
                              mask=offs_m < Tq, other=0)
         row0 = c - m0 - BLOCK_M + 1 + n0                  # first row of the tile's band
         if HALVES:          # the band's two chunks one after the other
-            # both gathered halves joined where they are gathered, then one conversion
-            # back to the content product's layout (its accumulator): per tile three
-            # shared-memory round trips of the [BLOCK_M, BLOCK_N] fp32 tile, not four
+            # each pair's chunk chosen before one rotation places both (_skewed): sm_90
+            # SASS, bf16 D 64, 128 -> 32 shuffles and 940 -> 782 instructions a tile
             r = _r_rows(r_base, row0 + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            pos = tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION), skew_idx, 1)
+            pos_lo = _dot(qw, tl.trans(r), UPCAST, PRECISION)
             r = _r_rows(r_base, row0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            pos = tl.where(skew_hi, tl.gather(_dot(qw, tl.trans(r), UPCAST, PRECISION),
-                                              skew_idx, 1), pos)
+            pos = _skewed(pos_lo, _dot(qw, tl.trans(r), UPCAST, PRECISION),
+                          _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
             s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + pos
         else:               # the whole band at once
             r = _r_rows(r_base, row0 + band, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            s = _rel_scores(qu, qw, k, r, skew, UPCAST, PRECISION)
+            s = _rel_scores(qu, qw, k, r, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
         if HAS_SEG:
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
             ef = EF + (bh * Tq + offs_m) * 2
@@ -678,26 +714,25 @@ def _rel_bwd_dq_inner(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + jj
         # The skew's index tensors, formed in every tile on purpose: hoisted out of the loop
-        # (as the compiler does with loop-invariant ones) four [BLOCK_M, BLOCK_N] tensors
-        # stay live through it, and the 64 x 64 bf16 tiles spilled 196 B per thread on
-        # sm_90 instead of 96. `t2` (a multiple of 2·BLOCK_N) only keeps them in the loop.
-        # Pair (ii, jj) reads column ``jj + BLOCK_M − 1 − ii`` of the two-chunk band:
-        # column skew_idx of the second chunk where skew_hi, else of the first; chunk column
-        # cc of row ii holds pair ``cc − (BLOCK_M − 1 − ii)`` of the first chunk (dS_lo,
-        # where that is >= 0: unskew_lo) or that plus BLOCK_N of the second (dS_hi).
+        # (as the compiler does with loop-invariant ones) they stay live through it, and
+        # the 64 x 64 bf16 tiles spilled 196 B per thread on sm_90 instead of 96 (with the
+        # rotations, 472-580 B instead of 168-188 and 123 spill reloads a tile instead of
+        # 34, for 1,413 instructions a tile instead of 1,600, Triton 3.6). `t2` (a multiple
+        # of 2·BLOCK_N) only keeps them in the loop. Pair (ii, jj) reads column ``jj +
+        # BLOCK_M − 1 − ii`` of the two-chunk band (sig); chunk column cc of row ii holds
+        # pair ``cc − (BLOCK_M − 1 − ii)`` of the first chunk (dS_lo, where that is >= 0:
+        # unskew_lo) or that plus BLOCK_N of the second (dS_hi): the rotation by
+        # ``BLOCK_N − BLOCK_M + 1 + ii``.
         t2 = 2 * (n0 - start)
-        skew = jj[None, :] + (BLOCK_M - 1 - ii[:, None]) + t2      # [BLOCK_M, BLOCK_N]
-        skew_idx = skew & (BLOCK_N - 1)
-        skew_hi = (skew & BLOCK_N) != 0
+        sig = (BLOCK_M - 1 - ii) + t2                       # the skew, _rel_scores_chunked
         unskew = jj[None, :] - (BLOCK_M - 1 - ii[:, None]) + BLOCK_N + t2
         unskew_lo = (unskew & BLOCK_N) != 0
-        unskew = unskew & (BLOCK_N - 1)
         k, v, r = _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd,
                              stride_vn, stride_vd, stride_rm, stride_rd, b, h, n0, offs_n,
                              Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
         rb = _rb_rows(rb_base, row0 + n0 + BLOCK_N, BLOCK_N)             # r's rows
-        s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, skew_idx, skew_hi,
-                                          UPCAST, PRECISION, CARRY)
+        s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, sig,
+                                          UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
@@ -722,7 +757,7 @@ def _rel_bwd_dq_inner(
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])                                # [BLOCK_M, BLOCK_N]
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
-        ds_chunks = tl.gather(ds, unskew, 1)                          # [BLOCK_M, BLOCK_N]
+        ds_chunks = _rotate(ds, BLOCK_N - BLOCK_M + 1 + ii + t2, BLOCK_M, BLOCK_N)
         ds_first = tl.where(unskew_lo, ds_chunks, 0.0) + ds_prev      # dS on chunk r_row
         r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
                           BLOCK_N, BLOCK_D, TMA)
@@ -859,7 +894,7 @@ def _rel_attn_bwd_dq_kernel(
                       BLOCK_N, BLOCK_D, TMA)
     rb_base = RB + h * stride_rbh
     pos_prev = _first_chunk(qu, _rb_rows(rb_base, r_row, BLOCK_N), r_first,
-                            _skew_chunks(BLOCK_M, BLOCK_N)[0], UPCAST, PRECISION, CARRY)
+                            UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
     ds_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
@@ -1031,18 +1066,15 @@ def _rel_attn_bwd_dr_kernel(
         if HALVES:          # in two halves, each gathered into diagonal order before the next
             # The index tensors formed per tile on purpose (hoisted, they stay live through
             # the loop and spill): t2, a multiple of 2·BLOCK_N, only keeps them here. Pair
-            # (ii, jj) of the diagonal order is band column ii + jj: column diag of the
-            # second half where diag_hi, else of the first (square tiles). Pair (ii, cc) of
-            # half h lies on diagonal cc + h·BLOCK_N − ii, owned where in [0, BLOCK_N): from
-            # x = cc − ii + BLOCK_N + t2, its low bits and bit BLOCK_N.
+            # (ii, jj) of the diagonal order is band column ii + jj (_skewed by ii; square
+            # tiles). Pair (ii, cc) of half h lies on diagonal cc + h·BLOCK_N − ii, owned
+            # where in [0, BLOCK_N): from x = cc − ii + BLOCK_N + t2, its low bits (the
+            # rotation by BLOCK_N − ii) and bit BLOCK_N.
             t2 = (m0 - lo) // BLOCK_M * (2 * BLOCK_N)
-            diag = ii[:, None] + jj[None, :] + t2
-            diag_hi = (diag & BLOCK_N) != 0
-            diag = diag & (BLOCK_N - 1)
             x = jj[None, :] - ii[:, None] + BLOCK_N + t2
             first = (x & BLOCK_N) != 0
-            own = x & (BLOCK_N - 1)
-            pos = tl.gather(qr, own, 1)              # the same gather serves both halves
+            # the same rotation serves both halves: pair (ii, cc) is on diagonal x mod BLOCK_N
+            pos = _rotate(qr, BLOCK_N - ii + t2, BLOCK_M, BLOCK_N)
             ds_lo = _rel_dr_ds(0, BLOCK_N, pos, first, qu, do, lse, delta, offs_m, m0 + d0,
                                b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d, d_ok,
                                stride_kn, stride_kd, stride_vn, stride_vd, SEG_K, stride_sk_b,
@@ -1050,7 +1082,6 @@ def _rel_attn_bwd_dr_kernel(
                                stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
                                CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
                                WINDOW, UPCAST, PRECISION)
-            ds_diag = tl.gather(ds_lo, diag, 1)
             ds_hi = _rel_dr_ds(BLOCK_N, BLOCK_N, pos, ~first, qu, do, lse, delta, offs_m,
                                m0 + d0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d,
                                d_ok, stride_kn, stride_kd, stride_vn, stride_vd, SEG_K,
@@ -1058,7 +1089,7 @@ def _rel_attn_bwd_dr_kernel(
                                stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed,
                                qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT,
                                HAS_SEG, DROPOUT, WINDOW, UPCAST, PRECISION)
-            ds_diag = tl.where(diag_hi, tl.gather(ds_hi, diag, 1), ds_diag)  # dS on the diagonals
+            ds_diag = _skewed(ds_lo, ds_hi, ii + t2, BLOCK_M, BLOCK_N)   # dS on the diagonals
         else:               # the whole band at once
             own = tl.arange(0, 2 * BLOCK_N)[None, :] - ii[:, None]  # [BLOCK_M, BAND]: diagonal
             owned = (own >= 0) & (own < BLOCK_N)

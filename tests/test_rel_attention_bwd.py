@@ -411,3 +411,44 @@ def test_backward_prep(dtype, Tq, seg):
         want = torch.einsum("bhid,shd->bhis", qs, se.double())          # [B, H, Tq, 2]
         assert ef.shape == (B, H, Tq, 2) and ef.dtype == torch.float32
         assert (ef.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+try:
+    import triton
+    import triton.language as tl
+    from ctxfast.kernels.rel_attention import _rotate, _skewed
+
+    @triton.jit
+    def _skew_probe(X, SIG, ROT, SKEW, BM: tl.constexpr, BN: tl.constexpr):
+        """ROT = _rotate(X[:, :BN], SIG), SKEW = _skewed(X[:, :BN], X[:, BN:], SIG)."""
+        ii = tl.arange(0, BM)[:, None]
+        jj = tl.arange(0, BN)[None, :]
+        lo = tl.load(X + ii * 2 * BN + jj)
+        hi = tl.load(X + ii * 2 * BN + BN + jj)
+        sig = tl.load(SIG + tl.arange(0, BM))
+        tl.store(ROT + ii * BN + jj, _rotate(lo, sig, BM, BN))
+        tl.store(SKEW + ii * BN + jj, _skewed(lo, hi, sig, BM, BN))
+except ImportError:                     # no Triton: the test that needs it is skipped
+    _skew_probe = None
+
+
+@needs_triton
+@pytest.mark.parametrize("BLOCK_M, BLOCK_N", [(16, 16), (32, 32), (64, 64), (16, 64),
+                                              (32, 128)])
+def test_rotation_and_skew_are_gathers(BLOCK_M, BLOCK_N):
+    """The skew every rel_attention tile applies (kernels.rel_attention._rotate: row ii
+    rotated left by sig[ii], its even and odd columns apart from 64 columns up; _skewed:
+    band column jj + sig[ii] of two chunks) element for element the torch.gather it stands
+    for: any shift, multiples of 2·BLOCK_N added (the dQ and dR loops add them), narrow and
+    wide tiles, NaN and inf carried through."""
+    x = torch.randn(BLOCK_M, 2 * BLOCK_N, device=DEVICE)
+    x[0, 3], x[BLOCK_M - 1, BLOCK_N + 1] = float("nan"), float("inf")
+    shift = torch.randint(0, BLOCK_N, (BLOCK_M,), device=DEVICE)
+    shift[:2] = torch.tensor([0, BLOCK_N - 1])
+    sig = (shift + 2 * BLOCK_N * torch.randint(0, 4, (BLOCK_M,), device=DEVICE)).int()
+    rot, skew = (torch.empty(BLOCK_M, BLOCK_N, device=DEVICE) for _ in range(2))
+    _skew_probe[(1,)](x, sig, rot, skew, BLOCK_M, BLOCK_N)
+    cols = torch.arange(BLOCK_N, device=DEVICE)[None, :] + shift[:, None]
+    for got, want in ((rot, x[:, :BLOCK_N].gather(1, cols % BLOCK_N)), (skew, x.gather(1, cols))):
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert same.all(), f"differs at {same.logical_not().nonzero()[:8].tolist()}"

@@ -338,7 +338,7 @@ def test_flex_rel_attention_runs_uncompiled_on_cpu(bench):
 def test_forward_with_a_query_block_shorter_than_the_key_block(monkeypatch, force_splits, kind):
     """The decoding tile (16 queries against 64-key blocks on a GPU) under the interpreter:
     the forward's position term takes one new chunk of BLOCK_N rows of r per key block and
-    reads each pair's row from that chunk or the one before (``_skew_chunks``), which holds
+    reads each pair's row from that chunk or the one before (``_skewed``), which holds
     for any BLOCK_M <= BLOCK_N + 1, not only the square tiles every other test runs.
     Forward and every gradient against float64 (the backward on its own square tiles)."""
     rel, _ = _kernels()

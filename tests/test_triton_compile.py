@@ -84,11 +84,14 @@ REL_SPILL_BUDGET = {
     # 64 -> 58 and instructions 1,102 -> 1,038 a tile in sm_90 SASS)
     # (the dK/dV and dR kernels' query operands q + u, q + w read ready-made from the
     # backward's first launch, 2026-11-28: dK/dV 164 -> 76, dR 440 -> 112, D 128 dR 16 -> 0)
+    # (the skew as a rotation of even and odd columns, kernels/rel_attention._rotate,
+    # 2026-11-28: forward 104 -> 12, dK/dV 76 -> 0, dQ 324 -> 256 and 452 -> 168, dR
+    # 112 -> 60)
     "rel_attention bf16 D=64 causal (training)": {
-        "_rel_attn_fwd_kernel": 104, "_rel_attn_bwd_dkdv_kernel": 76,
-        "_rel_attn_bwd_dq_kernel": 324},
+        "_rel_attn_fwd_kernel": 12, "_rel_attn_bwd_dkdv_kernel": 0,
+        "_rel_attn_bwd_dq_kernel": 256},
     "rel_attention bf16 D=64 causal (training, dR kernel)": {
-        "_rel_attn_bwd_dq_kernel": 452, "_rel_attn_bwd_dr_kernel": 112},
+        "_rel_attn_bwd_dq_kernel": 168, "_rel_attn_bwd_dr_kernel": 60},
     "rel_attention bf16 D=128 causal (training)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
         "_rel_attn_bwd_dq_kernel": 0, "_rel_attn_bwd_dr_kernel": 0},
