@@ -1093,15 +1093,19 @@ def _rel_attn_bwd_dr_kernel(
         else:               # the whole band at once
             own = tl.arange(0, 2 * BLOCK_N)[None, :] - ii[:, None]  # [BLOCK_M, BAND]: diagonal
             owned = (own >= 0) & (own < BLOCK_N)
-            own = tl.minimum(tl.maximum(own, 0), BLOCK_N - 1)
-            ds = _rel_dr_ds(0, 2 * BLOCK_N, tl.gather(qr, own, 1), owned, qu, do, lse, delta,
+            # pair (ii, cc) owned reads column cc − ii of qr (in either half of the band):
+            # one rotation, the same for both halves
+            pos = _rotate(qr, BLOCK_N - ii, BLOCK_M, BLOCK_N)
+            pos = tl.reshape(tl.permute(tl.join(pos, pos), [0, 2, 1]), [BLOCK_M, 2 * BLOCK_N])
+            ds = _rel_dr_ds(0, 2 * BLOCK_N, pos, owned, qu, do, lse, delta,
                             offs_m, m0 + d0, b, bh, Tq, Tk, mem_len, window, k_base, v_base, offs_d,
                             d_ok, stride_kn, stride_kd, stride_vn, stride_vd, SEG_K,
                             stride_sk_b, seg_q, ef_same, ef_diff, KPM, stride_kpm_b,
                             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed,
                             qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG,
                             DROPOUT, WINDOW, UPCAST, PRECISION)
-            ds_diag = tl.gather(ds, ii[:, None] + jj[None, :], 1)      # [BLOCK_M, BLOCK_N]
+            ds_lo, ds_hi = tl.split(tl.permute(tl.reshape(ds, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+            ds_diag = _skewed(ds_lo, ds_hi, ii, BLOCK_M, BLOCK_N)        # [BLOCK_M, BLOCK_N]
         dr += _dot(tl.trans(ds_diag).to(qw.dtype), qw, UPCAST, PRECISION)
 
     tl.store(DR + (bh * R_len + offs_r[:, None]) * D + offs_d[None, :], dr * sm_scale,
