@@ -134,7 +134,7 @@ def _rel_scores(qu, qw, k, r, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     (:func:`_skewed`)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
     qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, 2·BLOCK_N]
-    lo, hi = tl.split(tl.permute(tl.reshape(qr, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+    lo, hi = _band_halves(qr, BLOCK_M, BLOCK_N)
     return ac + _skewed(lo, hi, _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
 
 
@@ -205,7 +205,7 @@ def _rotate(x, sig, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     first; output column 2t + p reads source column 2t + p + sig, whose parity is p's
     when sig is even and the other one when it is odd. So each output half gathers from one
     half, chosen per row, of BLOCK_N / 2 columns: one shuffle an element, no select (sm_90
-    SASS of the bf16 D 64 forward's loop: 72 -> 40 shuffles a tile, 776 -> 685
+    SASS of the bf16 D 64 forward's loop: 72 -> 40 shuffles a tile, 776 -> 684
     instructions)."""
     if BLOCK_N <= 32:   # a lane per column already
         jj = tl.arange(0, BLOCK_N)
@@ -229,12 +229,22 @@ def _tile_skew(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _band_halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lo, hi) ``[BLOCK_M, BLOCK_N]`` each: columns ``[0, BLOCK_N)`` and ``[BLOCK_N,
+    2·BLOCK_N)`` of a band ``x [BLOCK_M, 2·BLOCK_N]`` (a register relabelling on the MMA
+    layout, where the top column bit is a register bit)."""
+    return tl.split(tl.permute(tl.reshape(x, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+
+
+@triton.jit
 def _skewed(lo, hi, sig, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``out[ii, jj]`` = column ``jj + σ_ii`` of the two-chunk band ``[lo, hi]`` (each
     ``[BLOCK_M, BLOCK_N]``), ``σ = sig mod BLOCK_N`` (``sig`` may carry a multiple of
     2·BLOCK_N). Column ``c = (jj + σ) mod BLOCK_N`` of hi where ``jj + σ >= BLOCK_N``, which
     is where ``c < σ``, else of lo: so the chunk is chosen on the source side, and one
-    rotation (:func:`_rotate`) places both."""
+    rotation (:func:`_rotate`) places both. Needs BLOCK_M <= BLOCK_N (every tile of
+    :func:`_config`): row ii's shift is BLOCK_M − 1 − ii (or ii) < BLOCK_N."""
+    tl.static_assert(BLOCK_M <= BLOCK_N)
     jj = tl.arange(0, BLOCK_N)
     src = tl.where(jj[None, :] < (sig & (BLOCK_N - 1))[:, None], hi, lo)
     return _rotate(src, sig, BLOCK_M, BLOCK_N)
@@ -1104,7 +1114,7 @@ def _rel_attn_bwd_dr_kernel(
                             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed,
                             qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG,
                             DROPOUT, WINDOW, UPCAST, PRECISION)
-            ds_lo, ds_hi = tl.split(tl.permute(tl.reshape(ds, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+            ds_lo, ds_hi = _band_halves(ds, BLOCK_M, BLOCK_N)
             ds_diag = _skewed(ds_lo, ds_hi, ii, BLOCK_M, BLOCK_N)        # [BLOCK_M, BLOCK_N]
         dr += _dot(tl.trans(ds_diag).to(qw.dtype), qw, UPCAST, PRECISION)
 

@@ -211,7 +211,7 @@ def test_carried_gather_against_reference(monkeypatch):
     gathered position product; kernels.rel_attention._rel_scores_chunked): the module's
     reference checks, forward and every gradient against float64 within 2x eager: memory,
     a longer r, XLNet's order with segments and padding, a window, rows that see no key,
-    dropout, split decoding; and a spy that both kernels ran with CARRY."""
+    dropout, split decoding, and at 64 x 64 tiles; a spy that both kernels ran with CARRY."""
     import ctxfast.kernels.rel_attention as krel
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "carry", True)
     seen = spy_launches(monkeypatch, krel,
@@ -223,6 +223,12 @@ def test_carried_gather_against_reference(monkeypatch):
     out3, lse3 = rel_attention_forward(*ts, num_splits=3)
     out1, lse1 = rel_attention_forward(*ts, num_splits=1)
     assert torch.allclose(out3, out1, rtol=1e-5, atol=1e-6)
+    # at the 64 x 64 tiles where a GPU carries it (the rotation's even / odd halves)
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "tile", 64)
+    test_dr_against_float64(2, 2, 67, 30, 100, None, None, True)
+    import test_rel_attention as rel_tests
+    rel_tests.test_rows_that_see_no_key()
+    monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "tile")
     assert {name for name, _ in seen} == {"_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"}
     assert all(carry for _, carry in seen), seen
 
