@@ -11,7 +11,9 @@ Forms (``LAUNCH_OVERRIDE``'s ``dq_mode`` / ``dr_mode``, set outside the timed ca
   H200 timed attention's 1.2-1.8x slower than ``kernel``, rel_attention's 1.05x faster: its
   16-bit default);
 * ``bulk``: the same partials, each staged in shared memory and added by one
-  ``cp.reduce.async.bulk.tensor`` (FlashAttention-3 adds its dQ tiles so), not yet timed.
+  ``cp.reduce.async.bulk.tensor`` (FlashAttention-3 adds its dQ tiles so), not yet timed;
+* ``gemm`` (rel_attention): no adds; the dQ kernel stores dS (``[B, H, Tq, Tk]``) and one
+  GEMM reads it along its diagonals against ``q + v``, not yet timed.
 
 Each form's outputs are compared with the ``kernel`` form's on the same inputs
 (``agree``: the tuner's rule, ``kernels/_tune.py`` ``_gap``; > 1 means a wrong answer, and
@@ -49,7 +51,9 @@ from ctxfast.kernels import rel_attention as krel  # noqa: E402
 FULL = (("attention", 16, 12, 1024, 0, 64), ("attention", 4, 16, 4096, 0, 128),
         ("rel_attention", 4, 16, 512, 1024, 64))
 QUICK = (("attention", 1, 2, 37, 0, 16), ("rel_attention", 1, 2, 19, 14, 16))
-MODES = ("kernel", "atomic", "bulk")
+#: The forms per op: rel_attention's dr also "gemm" (dS stored, summed along its diagonals).
+MODES = {"attention": ("kernel", "atomic", "bulk"),
+         "rel_attention": ("kernel", "atomic", "bulk", "gemm")}
 
 
 def _op(op):
@@ -86,7 +90,7 @@ def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
         module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
         fn = _op(op)
         base = None
-        for mode in MODES:
+        for mode in MODES[op]:
             module.LAUNCH_OVERRIDE[key] = mode
             try:
                 out = fn(*ins)

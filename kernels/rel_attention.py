@@ -697,7 +697,8 @@ def _rel_bwd_dq_inner(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     dr_base, D,                     # ATOMIC_DR: dr accumulator rows of this head, row stride D
-                                    # (2: the accumulator's descriptor, bulk reductions)
+                                    # (2: the accumulator's descriptor, bulk reductions; 3:
+                                    # this (b, h)'s [Tq, Tk] plane of the dS buffer)
     ATOMIC_DR: tl.constexpr, CARRY: tl.constexpr,
     KD, VD, RD, h, BLOCK_D: tl.constexpr, TMA: tl.constexpr,    # TMA: tiles via KD, VD, RD
 ):
@@ -766,6 +767,10 @@ def _rel_bwd_dq_inner(
             keep = _keep(seed, bh, offs_m, offs_n, Tq, Tk, p_drop)
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])                                # [BLOCK_M, BLOCK_N]
+        if ATOMIC_DR == 3:      # DR_MODE "gemm": dS itself, [B, H, Tq, Tk] at dr_base's plane
+            tl.store(dr_base + offs_m[:, None].to(tl.int64) * Tk + offs_n[None, :],
+                     ds.to(dr_base.dtype.element_ty),
+                     mask=(offs_m < Tq)[:, None] & (offs_n < Tk)[None, :])
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
         ds_chunks = _rotate(ds, BLOCK_N - BLOCK_M + 1 + ii + t2, BLOCK_M, BLOCK_N)
         ds_first = tl.where(unskew_lo, ds_chunks, 0.0) + ds_prev      # dS on chunk r_row
@@ -792,18 +797,22 @@ def _rel_dr_atomic(dr_base, r_row, ds_chunk, qu, wu, R_len, D, offs_d, d_ok,
     ``r_row + [0, BLOCK_N)`` of head h's fp32 dr accumulator: ATOMIC_DR 1, element-wise at
     dr_base (that head's rows, row stride D); 2, the whole tile in one TMA bulk reduction
     through dr_base, the ``[1, H, R, D]`` accumulator's descriptor (rows outside [0, R) and
-    columns past D are dropped by TMA)."""
-    rows = r_row + tl.arange(0, ds_chunk.shape[1])
-    diag = tl.sum(ds_chunk, 0)                               # [BLOCK_N]: Σ_i dS per row of r
-    part = _dot(tl.trans(ds_chunk).to(qu.dtype), qu, UPCAST, PRECISION) \
-        + diag[:, None] * wu[None, :]                        # dSᵀ (q + v)
-    if ATOMIC_DR == 2:
-        dr_base.atomic_add([0, h, r_row, 0], part.reshape(1, 1, part.shape[0], part.shape[1]))
-    else:
-        # relaxed: nothing reads dr before the kernel ends (acq_rel, the default, would order
-        # each add against the thread's other memory operations: atom.acq_rel, not red)
-        tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
-                      mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok, sem="relaxed")
+    columns past D are dropped by TMA). ATOMIC_DR 3 (DR_MODE "gemm"): nothing, the loop
+    stored the tile's dS for :func:`_rel_dr_gemm_kernel`."""
+    if ATOMIC_DR != 3:
+        rows = r_row + tl.arange(0, ds_chunk.shape[1])
+        diag = tl.sum(ds_chunk, 0)                           # [BLOCK_N]: Σ_i dS per row of r
+        part = _dot(tl.trans(ds_chunk).to(qu.dtype), qu, UPCAST, PRECISION) \
+            + diag[:, None] * wu[None, :]                    # dSᵀ (q + v)
+        if ATOMIC_DR == 2:
+            dr_base.atomic_add([0, h, r_row, 0],
+                               part.reshape(1, 1, part.shape[0], part.shape[1]))
+        else:
+            # relaxed: nothing reads dr before the kernel ends (acq_rel, the default, would
+            # order each add against the thread's other memory operations: atom.acq_rel,
+            # not red)
+            tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
+                          mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok, sem="relaxed")
 
 
 @triton.jit
@@ -818,6 +827,7 @@ def _rel_attn_bwd_dq_kernel(
                     # d(r_w_bias) = Σ_i d(q + u)_i and d(r_r_bias) = Σ_i d(q + v)_i
     SEG_A,          # [B, H, Tq, 2] fp32: Σ_j dS_ij over same / different segments (HAS_SEG)
     DR_ACC,         # ATOMIC_DR: dr accumulator [H, R, D] fp32 contiguous, zeroed, added to
+                    # (DR_GEMM: the dS buffer [B, H, Tq, Tk] contiguous, in k's dtype)
     KPM, RANK, KV_END, SEED,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -841,6 +851,10 @@ def _rel_attn_bwd_dq_kernel(
     TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
     DRD=None,       # DR_BULK: RowTiles of DR_ACC as [1, H, R, D] ([1, 1, BLOCK_N, BLOCK_D])
     DR_BULK: tl.constexpr = False,  # ATOMIC_DR by TMA bulk reductions of whole tiles
+    DR_GEMM: tl.constexpr = False,  # with ATOMIC_DR: dS stored in DR_ACC, not added (DR_MODE
+                                    # "gemm"), and each query block's key range in DS_SPAN
+    DS_SPAN=None,   # DR_GEMM: [B·H, ⌈Tq / BLOCK_M⌉, 2] int32, written: [lo, hi) of the keys
+                    # whose dS the block stored (the rest of its rows is never written)
 ):
     pid_m = tl.program_id(0)        # (longest first, _query_block, spilled 28 B more here)
     bh = tl.program_id(1)
@@ -848,6 +862,8 @@ def _rel_attn_bwd_dq_kernel(
     h = bh % H
     if DR_BULK:
         dr_base = DRD
+    elif DR_GEMM:
+        dr_base = DR_ACC + bh.to(tl.int64) * Tq * Tk
     else:
         dr_base = DR_ACC + h.to(tl.int64) * R_len * D
     m0 = pid_m * BLOCK_M
@@ -898,6 +914,10 @@ def _rel_attn_bwd_dq_kernel(
         lo = tl.maximum(lo, tl.maximum(m0 + mem_len - window + 1, 0) // BLOCK_N * BLOCK_N)
     in_lo, in_hi = _interior_keys(m0, Tk, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM, WINDOW,
                                   BLOCK_M, BLOCK_N)
+    if DR_GEMM:
+        span = DS_SPAN + (bh * tl.num_programs(0) + pid_m) * 2
+        tl.store(span, lo)
+        tl.store(span + 1, hi)
     # the first chunk of the first tile's band, carried through the loops (_rel_bwd_dq_inner)
     r_row = row0 + lo
     r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
@@ -915,7 +935,8 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK, CARRY, KD,
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK + 2 * DR_GEMM,
+            CARRY, KD,
             VD, RD, h, BLOCK_D, TMA)
     else:        # one loop, a runtime boundary test per tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
@@ -926,7 +947,8 @@ def _rel_attn_bwd_dq_kernel(
             SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window, KPM, stride_kpm_b,
             stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q, seed, qk_scale, p_drop,
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
-            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK, CARRY, KD,
+            BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK + 2 * DR_GEMM,
+            CARRY, KD,
             VD, RD, h, BLOCK_D, TMA)
     # the last tile's dS_hi, on the chunk after it
     r_last = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
@@ -934,7 +956,7 @@ def _rel_attn_bwd_dq_kernel(
     dqw += _dot(ds_prev.to(r_last.dtype), r_last, UPCAST, PRECISION)
     if ATOMIC_DR:
         _rel_dr_atomic(dr_base, r_row, ds_prev, qu, wu, R_len, D, offs_d, d_ok, UPCAST,
-                       PRECISION, h, ATOMIC_DR + DR_BULK)
+                       PRECISION, h, ATOMIC_DR + DR_BULK + 2 * DR_GEMM)
 
     out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(DQ + out_off, ((dqu + dqw) * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
@@ -1122,6 +1144,56 @@ def _rel_attn_bwd_dr_kernel(
              mask=(offs_r[:, None] < R_len) & d_ok)
 
 
+@triton.jit
+def _rel_dr_gemm_kernel(
+    DS,             # dS [B, H, Tq, Tk] contiguous (the dQ kernel's, DR_MODE "gemm"), unscaled;
+                    # row i of a (b, h) written at the keys DS_SPAN gives its query block only
+    DS_SPAN,        # [B·H, ⌈Tq / Q_BLOCK⌉, 2] int32: [lo, hi) of those keys per query block
+    QW,             # q + v [B, H, Tq, D], any strides
+    DR,             # dr [H, R, D] fp32 contiguous, written
+    B, H, Tq, Tk, R_len, D, c,  # c = pos_start − mem_len: pair (i, j) uses r row c + j − i
+    sm_scale,
+    stride_wb, stride_wh, stride_wm, stride_wd,
+    Q_BLOCK: tl.constexpr,      # the dQ kernel's BLOCK_M (DS_SPAN's query blocks)
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``dr[h, m] = scale · Σ_b Σ_i dS[b, h, i, i + m − c] · (q + v)[b, h, i]`` for BLOCK_R
+    rows m of r (program_id 0) of head h (program_id 1): a GEMM whose A operand is dS read
+    along its diagonals. The skew is in the addresses: tile ``X[i, t] = dS[i, i + m_t − c]``
+    is row i's keys ``i + m_0 − c + [0, BLOCK_R)``, contiguous, so the load places it and no
+    register moves; the keys a row's query block never stored (outside DS_SPAN) and those
+    outside [0, Tk) read as 0. Sums in a fixed order (no atomics): deterministic."""
+    pid_r = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    n_blocks = tl.cdiv(Tq, Q_BLOCK)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for b in range(0, B):
+        bh = b * H + h
+        ds_base = DS + bh.to(tl.int64) * Tq * Tk
+        span_base = DS_SPAN + bh * n_blocks * 2
+        w_base = QW + b * stride_wb + h * stride_wh
+        for i0 in range(0, Tq, BLOCK_K):
+            rows = i0 + offs_k                                            # [BLOCK_K]
+            row_ok = rows < Tq
+            blk = tl.minimum(rows, Tq - 1) // Q_BLOCK
+            lo = tl.load(span_base + blk * 2)
+            hi = tl.load(span_base + blk * 2 + 1)
+            keys = rows[:, None] + offs_r[None, :] - c                   # [BLOCK_K, BLOCK_R]
+            x = tl.load(ds_base + rows[:, None].to(tl.int64) * Tk + keys,
+                        mask=row_ok[:, None] & (keys >= lo[:, None]) & (keys < hi[:, None])
+                        & (offs_r < R_len)[None, :], other=0.0)
+            qw = tl.load(w_base + rows[:, None] * stride_wm + offs_d[None, :] * stride_wd,
+                         mask=row_ok[:, None] & d_ok, other=0.0)
+            acc += _dot(tl.trans(x), qw, UPCAST, PRECISION)
+    tl.store(DR + (h * R_len + offs_r[:, None]) * D + offs_d[None, :], acc * sm_scale,
+             mask=(offs_r[:, None] < R_len) & d_ok)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision`` (a constexpr), decided once per call by the launcher
     (inside the custom op, so torch.compile never traces it). fp32 runs on the tensor
@@ -1230,6 +1302,13 @@ def _bwd_launch(D: int, dtype: torch.dtype, atomic: bool = False) -> dict:
     return {k: _override(k, v) for k, v in launch.items()}
 
 
+def _dr_gemm_launch() -> dict:
+    """:func:`_rel_dr_gemm_kernel`'s (num_warps, num_stages): 4 warps and 3 stages on its
+    64 x 64 tiles (a plain GEMM's row; not tuned), or the override ``"dr_gemm"``."""
+    w_, s_ = (1, 1) if _interpreting() else _override("dr_gemm", (4, 3))
+    return dict(num_warps=w_, num_stages=s_)
+
+
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
 #: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str, "fold": bool}``:
 #: replaces :func:`_config`'s tile (not the decoding one) and :func:`_bwd_launch`'s rows for
@@ -1267,7 +1346,10 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 #: it forms for d(q + v) anyway, no third recompute; sums in no fixed order), "bulk" (the
 #: same sums, each tile's added in one TMA bulk reduction, ``cp.reduce.async.bulk.tensor``:
 #: a GPU of compute capability 9+ or the interpreter, D a multiple of 4, else the
-#: element-wise adds; not yet timed) or "auto" (the
+#: element-wise adds; not yet timed), "gemm" (the dQ kernel stores each tile's dS, the
+#: ``[B, H, Tq, Tk]`` matrix in k's dtype, and ``_rel_dr_gemm_kernel`` sums it along its
+#: diagonals against ``q + v``: no recompute and no atomics, deterministic; costs that
+#: buffer, ~4 bytes a score pair written and read at 16 bits; not yet timed) or "auto" (the
 #: default): atomic on 16-bit 64 x 64 tiles, where the H200 timed it faster (with dQ at 8
 #: warps, 1 stage: 900 us against 949 per backward, bf16 B4 H16 Tq512 mem1024 D64;
 #: benchmarks/results/nvidia-h200/2026-11-27-round4), unless torch's deterministic
@@ -1321,9 +1403,9 @@ def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
     DR_MODE). Refuses a bad setting, and "atomic" or "bulk" under torch's deterministic
     algorithms."""
     mode = _override("dr_mode", DR_MODE)
-    if mode not in ("auto", "kernel", "atomic", "bulk"):
-        raise ValueError(f"CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic' or 'bulk', "
-                         f"got {mode!r}")
+    if mode not in ("auto", "kernel", "atomic", "bulk", "gemm"):
+        raise ValueError("CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic', 'bulk' or "
+                         f"'gemm', got {mode!r}")
     deterministic = torch.are_deterministic_algorithms_enabled()
     if mode == "auto":
         tile = _config(D, None, dtype)[0]
@@ -1354,11 +1436,12 @@ _TUNE_CANDIDATES = {
     # slower in round 3, when q + u and q + w were formed per tile)
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
-                       {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)}],
+                       {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)},
+                       {"dr_mode": "gemm", "dq": (8, 1)}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
     ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
     ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
-    ("dq", 32, True): [{"dq": (4, 3)}, {"dq": (4, 1)}, {"tma": "on"}],
+    ("dq", 32, True): [{"dq": (4, 3)}, {"dq": (4, 1)}, {"tma": "on"}, {"dr_mode": "gemm"}],
     ("dr", 32, True): [{"dr": (4, 3)}, {"dr": (4, 1)}],
     ("fwd", 32, False): [{"fwd": (4, 1)}, {"fwd": (8, 3)}],
 }
@@ -1367,7 +1450,7 @@ _TUNE_CANDIDATES = {
 _TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}, {"fold": False}],
                      "dkdv": [{"dkdv": (2, 1)}],
                      "dq": [{"carry": True}, {"tma": "on"}, {"dr_mode": "atomic"},
-                            {"dr_mode": "bulk"}],
+                            {"dr_mode": "bulk"}, {"dr_mode": "gemm"}],
                      "dr": [{"dr": (2, 1)}]}
 
 
@@ -1390,13 +1473,14 @@ def _candidates(kernel, D, dtype, tma_ok):
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
     adds = ("atomic", "bulk")
+    no_dr_kernel = adds + ("gemm",)
     out = [{}] + [c for c in listing
                   if (tma_ok or ("tma" not in c and c.get("dr_mode") != "bulk"))
                   and c.get("carry", not carry) != carry
                   and ("dr_mode" not in c or c["dr_mode"] != dr)
                   and not (deterministic and c.get("dr_mode") in adds) and not same_tma(c)]
     if kernel == "dr":
-        return lambda chosen: [{}] if chosen.get("dr_mode", dr) in adds else out
+        return lambda chosen: [{}] if chosen.get("dr_mode", dr) in no_dr_kernel else out
     return out
 
 
@@ -1716,9 +1800,17 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
                 HALVES=bn >= HALVES_MIN_BLOCK)
             d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
-            dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) \
-                if atomic else dq
-            bulk = _dr_bulk_args(dr_acc, bn, bd) if mode == "bulk" else {}
+            if mode == "gemm":      # dS itself, and the keys each query block stored
+                dr_acc = torch.empty((B, H, Tq, Tk), dtype=k.dtype, device=q.device)
+                if _interpreting():     # tests: what no block stored must never be read
+                    dr_acc.fill_(float("nan"))
+                span = torch.empty((B * H, cdiv(Tq, bm), 2), dtype=torch.int32,
+                                   device=q.device)
+                bulk = dict(DR_GEMM=True, DS_SPAN=span)
+            else:
+                dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) \
+                    if atomic else dq
+                bulk = _dr_bulk_args(dr_acc, bn, bd) if mode == "bulk" else {}
             fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, rb, rb.stride(0), dq,
                 d_bias, seg_a, dr_acc,
@@ -1727,7 +1819,16 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 **_tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn,
                             bd), **bulk)
             done["d_rw"], done["d_rr"] = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))  # [H, D]
-            if atomic:
+            if mode == "gemm":
+                dr_out = _new_output((H, R, D), torch.float32, q.device)
+                br = 16 if _interpreting() else 64 if k.dtype.itemsize == 2 else 32
+                fast(_rel_dr_gemm_kernel)[(cdiv(R, br), H)](
+                    dr_acc, span, qw, dr_out, B, H, Tq, Tk, R, D, pos_start - (Tk - Tq),
+                    scale, *qw.stride(), Q_BLOCK=bm, BLOCK_R=br, BLOCK_K=br, BLOCK_D=bd,
+                    UPCAST=flags["UPCAST"], PRECISION=flags["PRECISION"],
+                    **_dr_gemm_launch())
+                done["dr"] = dr_out
+            elif atomic:
                 done["dr"] = dr_acc.mul_(scale)
             else:
                 dr_b = _new_output((B, H, R, D), torch.float32, q.device)

@@ -1140,8 +1140,9 @@ def test_linear_compare_times_every_form_and_restores_the_settings(tmp_path):
                     reason="the Triton attention kernels need a GPU or the interpreter")
 def test_backward_adds_compare_times_every_mode_and_clears_the_override(tmp_path):
     """benchmarks/backward_adds_compare.py (gpu_round's verify stage): per case a row for
-    each of dQ's / dr's modes (kernel, atomic, bulk) with both times and its agreement with
-    the kernel form, ratio lines against it; the launch overrides are empty after."""
+    each of dQ's / dr's modes (kernel, atomic, bulk; dr also gemm) with both times and its
+    agreement with the kernel form, ratio lines against it; the launch overrides are empty
+    after."""
     from utils import load_benchmark
 
     from ctxfast.kernels import attention as kattn
@@ -1150,9 +1151,10 @@ def test_backward_adds_compare_times_every_mode_and_clears_the_override(tmp_path
     out = tmp_path / "bac.json"
     assert bac.main(["--quick", "--reps", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["form"].split()[-1] for r in rows] == list(bac.MODES) * 2, rows
+    assert [r["form"].split()[-1] for r in rows] == [*bac.MODES["attention"],
+                                                     *bac.MODES["rel_attention"]], rows
     assert all(r["bwd_us"] > 0 and r["fwd_bwd_us"] > 0 and r["agree"] <= 1 for r in rows)
-    assert len(bac.ratios(rows)) == 4
+    assert len(bac.ratios(rows)) == 5
     assert "dq_mode" not in kattn.LAUNCH_OVERRIDE and "dr_mode" not in krel.LAUNCH_OVERRIDE
 
 
@@ -1413,3 +1415,38 @@ def test_lstm_launch_compare_ratios_against_cudnn():
     lines = compare.ratios(rows)
     assert len(lines) == 1 and "triton persistent" in lines[0], lines
     assert "fwd  2.00x cuDNN" in lines[0] and "fwd+bwd  0.80x cuDNN" in lines[0], lines
+
+
+def test_sass_loops_counts_loop_bodies_not_out_of_line_waits():
+    # nvdisasm text shaped as the TMA kernels' (sm_90): a loop whose barrier wait may spin
+    # branches out to a spin loop after the EXIT, which branches back into the loop's middle.
+    # That return branch is backward too, but its span holds the epilogue and the EXIT: the
+    # NOTES once recorded such a span (1,068 "instructions a tile" for a loop of 642).
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_2:",
+        "        /*0010*/                   FADD R2, R2, R3 ;",
+        "        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR17], R28 ;",
+        "        /*0030*/              @!P3 BRA `(.L_x_1) ;",
+        ".L_x_6:",
+        "        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR16], R24 ;",
+        "        /*0050*/               @P0 FSEL R4, R5, R6, !P1 ;",
+        "        /*0060*/              @!P4 BRA `(.L_x_2) ;",
+        "        /*0070*/                   STG.E desc[UR38][R6.64], R33 ;",
+        "        /*0080*/                   EXIT ;",
+        ".L_x_1:",
+        "        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR17], R28 ;",
+        "        /*00a0*/              @!P3 BRA `(.L_x_1) ;",
+        "        /*00b0*/                   BRA `(.L_x_6) ;",
+    ])
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        tool = _load("ctxfast_bench_sass_loops_t", "sass_loops.py")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    found = tool.loops(sass)
+    assert [(first, last, dict(ops)) for first, last, ops in found] == [
+        (1, 8, {"FADD": 1, "SYNCS": 1, "BRA": 2, "HGMMA": 1, "FSEL": 1})]
+    spins = [(first, last) for first, last, _ in tool.loops(sass, spin=True)]
+    assert spins == [(1, 8), (11, 13)]
+    assert tool.opcode("@!P1 FSEL R108, R25, R24, !P1") == "FSEL"

@@ -65,7 +65,7 @@ WGMMA_KERNELS = FACT_KERNELS[:3]
 #: that spills more than this (bytes of spill stores per thread) fails; one that spills
 #: less should lower the number.
 REL_FACT_KERNELS = ["_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel",
-                    "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"]
+                    "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel", "_rel_dr_gemm_kernel"]
 #: The Triton release whose compiler the spill rules were measured with: another compiles
 #: the same kernels differently (Triton 3.6, the GPU machines' release, spills 20-308 B in
 #: three attention / LSTM cases that 3.9 compiles clean, benchmarks/NOTES.md), so the no-spill
@@ -98,14 +98,18 @@ REL_SPILL_BUDGET = {
     "rel_attention fp32/tf32 D=64 causal (training, XL evaluation)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
         "_rel_attn_bwd_dq_kernel": 0, "_rel_attn_bwd_dr_kernel": 0},
+    # dr by the GEMM over a stored dS (DR_MODE "gemm", 2026-11-28): the dQ kernel at the
+    # atomic path's (8, 1) spills 68 B where the atomic one spills 256
+    "rel_attention bf16 D=64 causal, gemm dr": {
+        "_rel_attn_bwd_dq_kernel": 68, "_rel_dr_gemm_kernel": 0},
 }
 
 KERNELS = [
     "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
     "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
-    "_rel_attn_bwd_dr_kernel", "_row_bias_kernel", "_rel_bwd_prep_kernel",
-    "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel",
+    "_rel_attn_bwd_dr_kernel", "_rel_dr_gemm_kernel", "_row_bias_kernel",
+    "_rel_bwd_prep_kernel", "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel",
     "_rel_shift_kernel", "_bwd_delta_kernel",
 ]
 
@@ -231,6 +235,7 @@ def _cases():
             setting(_common, "_has_tma", lambda device: True)(fn))
     bulk_dq, bulk_dr = bulk(attention, "DQ_MODE"), bulk(rel_attention, "DR_MODE")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
+    gemm_dr = setting(rel_attention, "DR_MODE", "gemm")
     dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
 
     def tma(fn):
@@ -299,6 +304,12 @@ def _cases():
          atomic_dr(lambda: rel(bf16, 64, causal=True))),
         ("rel_attention bf16 D=64 causal, bulk dr", sm90,
          bulk_dr(lambda: rel(bf16, 64, causal=True))),
+        # the dQ kernel storing dS; the dr GEMM along its diagonals (DR_MODE "gemm")
+        ("rel_attention bf16 D=64 causal, gemm dr", sm90,
+         gemm_dr(lambda: rel(bf16, 64, causal=True))),
+        ("rel_attention fp32/tf32 D=128 causal+seg+dropout+window, gemm dr", both,
+         gemm_dr(tf32(lambda: rel(f32, 128, causal=True, seg=True, dropout=0.1,
+                                  window=100)))),
         ("rel_attention fp32/tf32 D=128 causal+seg+dropout+window, atomic dr", both,
          atomic_dr(tf32(lambda: rel(f32, 128, causal=True, seg=True, dropout=0.1,
                                     window=100)))),
@@ -868,20 +879,22 @@ def test_float_atomics_are_relaxed_reductions(compiled):
     the sm_90 PTX until 2026-11-27, when the atomic dQ timed 2.1-2.2x slower than the dQ
     kernel on an H200). Triton 3.6 (the GPU machines') lowers ``sem="relaxed"`` to
     ``atom.global.gpu.relaxed.add.v4.f32`` (relaxed, but returning the old value); 3.9 to
-    ``red``: below 3.9 the adds must be relaxed atoms, from 3.9 reductions."""
+    ``red``: below 3.9 the adds must be relaxed atoms, from 3.9 reductions. DR_MODE "gemm"
+    (ATOMIC_DR with DR_GEMM: dS stored, no adds) and "bulk" issue no element-wise ones."""
     import triton
 
     reds = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
     rows = [r for r in compiled["rows"] if r["arch"] == 90 and r["ok"] and "red_f32" in r
             and r["kernel"] in WGMMA_KERNELS + REL_FACT_KERNELS]
     atomic = [r for r in rows if ("ATOMIC_DQ=True" in r["launch"] or "ATOMIC_DR=True" in
-                                  r["launch"]) and "_BULK=True" not in r["launch"]]
+                                  r["launch"]) and "_BULK=True" not in r["launch"]
+              and "DR_GEMM=True" not in r["launch"]]
     assert atomic, "no atomic dQ / dr launch was compiled"
     problems = [f"{r['kernel']} [{r['variant']}]: {r['atom_f32']} atom "
                 f"({r['atom_ordered_f32']} not relaxed), {r['red_f32']} red"
                 for r in atomic if r["atom_ordered_f32"] or not (r["atom_f32"] + r["red_f32"])
                 or (reds and (r["atom_f32"] or not r["red_f32"]))]
-    problems += [f"{r['kernel']} [{r['variant']}]: float atomics without ATOMIC_*"
+    problems += [f"{r['kernel']} [{r['variant']}]: float atomics where no adds were asked for"
                  for r in rows if r not in atomic and (r["atom_f32"] or r["red_f32"])]
     assert not problems, "\n".join(problems)
 
