@@ -9,6 +9,8 @@ prints, for each loop, its instructions by opcode (predicates and modifiers drop
     python benchmarks/sass_loops.py --list
     python benchmarks/sass_loops.py "rel_attention bf16 D=64 causal (training), TMA" _rel_attn_fwd
     python benchmarks/sass_loops.py "attention bf16 D=64 causal" dkdv --ops HGMMA,SHFL,LDL
+    python benchmarks/sass_loops.py "rel_attention bf16 D=64 causal, gemm dr" _rel_attn_bwd_dq \
+        --override 'rel_attention:{"dq": [4, 1]}'
 
 A loop is a backward branch to a label and the instructions between them, that is, one
 trip of the loop's body when nothing inside it branches. Not loops, and left out:
@@ -103,6 +105,10 @@ def main(argv=None):
     p.add_argument("--ops", default="", help="comma-separated opcodes to print (default: all)")
     p.add_argument("--spin", action="store_true", help="also print the barrier spin loops")
     p.add_argument("--sass", metavar="FILE", help="also write the whole SASS here")
+    p.add_argument("--override", action="append", default=[], metavar="MODULE:JSON",
+                   help="launch rows for the recording: kernels.MODULE.LAUNCH_OVERRIDE "
+                        "updated with the JSON dict (lists for tuples), e.g. "
+                        "'rel_attention:{\"dq\": [4, 1]}'")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     import test_triton_compile as tc
@@ -111,6 +117,13 @@ def main(argv=None):
         for case, _archs, _fn in tc._cases():
             print(case)
         return
+    import importlib
+    import json
+    for item in args.override:
+        module, _, rows = item.partition(":")
+        table = importlib.import_module(f"ctxfast.kernels.{module}").LAUNCH_OVERRIDE
+        table.update({k: tuple(v) if isinstance(v, list) else v
+                      for k, v in json.loads(rows).items()})
     name, ck = compile_case(args.case, args.kernel)
     sass = disassemble(ck.asm["cubin"])
     if args.sass:

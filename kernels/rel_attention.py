@@ -55,7 +55,10 @@ seg_embed and r_s_bias. Each row of dS sums to 0, so they are taken as
 arithmetic, and free of the rounding of Δ (an error e in Δ moves dS_ij by −e·P_ij).
 Three kernels without atomics: dK/dV (a program per key block), dQ (a program per query
 block) and dR; or two, the dQ kernel adding dr with atomic adds (:data:`DR_MODE`: the
-default for 16-bit calls at D <= 64 unless torch's deterministic algorithms are on).
+default for 16-bit calls at D <= 64 unless torch's deterministic algorithms are on); or
+(DR_MODE "gemm") the dQ kernel storing dS itself and two GEMMs reading it along its
+diagonals, ``_rel_dqw_gemm_kernel`` (dq's position term ``dS_band r_band``) and
+``_rel_dr_gemm_kernel`` (dr, below): no atomics, no recompute.
 
 dR. Row ``m`` of r is used by the pairs on one diagonal of the score matrix,
 ``j − i = m − c``, so
@@ -82,6 +85,8 @@ dense, 3 TB/s), so 8 bytes per pair cost what ~2,600 FLOP per pair cost, against
 for one owned pair in two, the ``[BLOCK_M, BLOCK_N]`` position product and dr's own
 product, minus dr's band product that leaves the dQ kernel). The recompute is the cheaper
 of the two on an H100 and needs no memory beyond ``B·H·R·D`` (not measured on a GPU yet).
+DR_MODE "gemm" stores dS itself instead of partials: 2 bytes a pair at 16 bits, written
+once and read by two GEMMs, and it takes dq's position term out of the dQ loop too.
 
 Sliding window (``WINDOW``; Transformer-XL's ``same_length``): pair (i, j) is visible only
 if its distance ``mem_len + i − j < window``. The forward and dQ loops start at the first
@@ -714,7 +719,8 @@ def _rel_bwd_dq_inner(
     the chunk both use (first row ``r_row`` = ``row0 + n``), ``ds_prev`` the previous
     tile's ``dS_hi``; the kernel adds the last one after its last loop. ATOMIC_DR: also
     adds the chunk's rows of dr (:func:`_rel_dr_atomic`; the dR kernel's work, from the dS
-    this loop forms anyway).
+    this loop forms anyway). ATOMIC_DR 3 (DR_MODE "gemm"): stores dS at dr_base instead,
+    and forms neither ``d(q + v)`` nor dr (the GEMMs over the stored dS do).
 
     The kernel runs this once, with the runtime boundary test (MASKED 2) or every tile
     masked (MASKED 1, padding or a permutation). Not as the forward's three loops (boundary,
@@ -772,16 +778,17 @@ def _rel_bwd_dq_inner(
                      ds.to(dr_base.dtype.element_ty),
                      mask=(offs_m < Tq)[:, None] & (offs_n < Tk)[None, :])
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
-        ds_chunks = _rotate(ds, BLOCK_N - BLOCK_M + 1 + ii + t2, BLOCK_M, BLOCK_N)
-        ds_first = tl.where(unskew_lo, ds_chunks, 0.0) + ds_prev      # dS on chunk r_row
-        r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
-                          BLOCK_N, BLOCK_D, TMA)
-        dqw += _dot(ds_first.to(r.dtype), r_first, UPCAST, PRECISION)
-        if ATOMIC_DR:
-            _rel_dr_atomic(dr_base, r_row, ds_first, qu, wu, R_len, D, offs_d, d_ok,
-                           UPCAST, PRECISION, h, ATOMIC_DR)
-        ds_prev = tl.where(unskew_lo, 0.0, ds_chunks)
-        r_row = r_row + BLOCK_N
+        if ATOMIC_DR != 3:      # (3: d(q + v) and dr by the GEMMs over the stored dS)
+            ds_chunks = _rotate(ds, BLOCK_N - BLOCK_M + 1 + ii + t2, BLOCK_M, BLOCK_N)
+            ds_first = tl.where(unskew_lo, ds_chunks, 0.0) + ds_prev  # dS on chunk r_row
+            r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm,
+                              stride_rd, BLOCK_N, BLOCK_D, TMA)
+            dqw += _dot(ds_first.to(r.dtype), r_first, UPCAST, PRECISION)
+            if ATOMIC_DR:
+                _rel_dr_atomic(dr_base, r_row, ds_first, qu, wu, R_len, D, offs_d, d_ok,
+                               UPCAST, PRECISION, h, ATOMIC_DR)
+            ds_prev = tl.where(unskew_lo, 0.0, ds_chunks)
+            r_row = r_row + BLOCK_N
         if HAS_SEG:
             a_diff += tl.sum(tl.where(same, 0.0, ds), 1)
             p_diff += tl.sum(tl.where(same, 0.0, p), 1)
@@ -797,22 +804,18 @@ def _rel_dr_atomic(dr_base, r_row, ds_chunk, qu, wu, R_len, D, offs_d, d_ok,
     ``r_row + [0, BLOCK_N)`` of head h's fp32 dr accumulator: ATOMIC_DR 1, element-wise at
     dr_base (that head's rows, row stride D); 2, the whole tile in one TMA bulk reduction
     through dr_base, the ``[1, H, R, D]`` accumulator's descriptor (rows outside [0, R) and
-    columns past D are dropped by TMA). ATOMIC_DR 3 (DR_MODE "gemm"): nothing, the loop
-    stored the tile's dS for :func:`_rel_dr_gemm_kernel`."""
-    if ATOMIC_DR != 3:
-        rows = r_row + tl.arange(0, ds_chunk.shape[1])
-        diag = tl.sum(ds_chunk, 0)                           # [BLOCK_N]: Σ_i dS per row of r
-        part = _dot(tl.trans(ds_chunk).to(qu.dtype), qu, UPCAST, PRECISION) \
-            + diag[:, None] * wu[None, :]                    # dSᵀ (q + v)
-        if ATOMIC_DR == 2:
-            dr_base.atomic_add([0, h, r_row, 0],
-                               part.reshape(1, 1, part.shape[0], part.shape[1]))
-        else:
-            # relaxed: nothing reads dr before the kernel ends (acq_rel, the default, would
-            # order each add against the thread's other memory operations: atom.acq_rel,
-            # not red)
-            tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
-                          mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok, sem="relaxed")
+    columns past D are dropped by TMA)."""
+    rows = r_row + tl.arange(0, ds_chunk.shape[1])
+    diag = tl.sum(ds_chunk, 0)                               # [BLOCK_N]: Σ_i dS per row of r
+    part = _dot(tl.trans(ds_chunk).to(qu.dtype), qu, UPCAST, PRECISION) \
+        + diag[:, None] * wu[None, :]                        # dSᵀ (q + v)
+    if ATOMIC_DR == 2:
+        dr_base.atomic_add([0, h, r_row, 0], part.reshape(1, 1, part.shape[0], part.shape[1]))
+    else:
+        # relaxed: nothing reads dr before the kernel ends (acq_rel, the default, would order
+        # each add against the thread's other memory operations: atom.acq_rel, not red)
+        tl.atomic_add(dr_base + rows[:, None].to(tl.int64) * D + offs_d[None, :], part,
+                      mask=((rows >= 0) & (rows < R_len))[:, None] & d_ok, sem="relaxed")
 
 
 @triton.jit
@@ -851,8 +854,10 @@ def _rel_attn_bwd_dq_kernel(
     TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
     DRD=None,       # DR_BULK: RowTiles of DR_ACC as [1, H, R, D] ([1, 1, BLOCK_N, BLOCK_D])
     DR_BULK: tl.constexpr = False,  # ATOMIC_DR by TMA bulk reductions of whole tiles
-    DR_GEMM: tl.constexpr = False,  # with ATOMIC_DR: dS stored in DR_ACC, not added (DR_MODE
-                                    # "gemm"), and each query block's key range in DS_SPAN
+    DR_GEMM: tl.constexpr = False,  # with ATOMIC_DR (DR_MODE "gemm"): dS stored in DR_ACC
+                                    # and each query block's key range in DS_SPAN; dq gets
+                                    # d(q + u) only (DQ fp32), its d(q + v) term, that
+                                    # term's DBIAS share and dr come from the GEMMs over dS
     DS_SPAN=None,   # DR_GEMM: [B·H, ⌈Tq / BLOCK_M⌉, 2] int32, written: [lo, hi) of the keys
                     # whose dS the block stored (the rest of its rows is never written)
 ):
@@ -950,13 +955,13 @@ def _rel_attn_bwd_dq_kernel(
             BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK + 2 * DR_GEMM,
             CARRY, KD,
             VD, RD, h, BLOCK_D, TMA)
-    # the last tile's dS_hi, on the chunk after it
-    r_last = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
-                     BLOCK_N, BLOCK_D, TMA)
-    dqw += _dot(ds_prev.to(r_last.dtype), r_last, UPCAST, PRECISION)
-    if ATOMIC_DR:
-        _rel_dr_atomic(dr_base, r_row, ds_prev, qu, wu, R_len, D, offs_d, d_ok, UPCAST,
-                       PRECISION, h, ATOMIC_DR + DR_BULK + 2 * DR_GEMM)
+    if not DR_GEMM:     # the last tile's dS_hi, on the chunk after it
+        r_last = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
+                         BLOCK_N, BLOCK_D, TMA)
+        dqw += _dot(ds_prev.to(r_last.dtype), r_last, UPCAST, PRECISION)
+        if ATOMIC_DR:
+            _rel_dr_atomic(dr_base, r_row, ds_prev, qu, wu, R_len, D, offs_d, d_ok, UPCAST,
+                           PRECISION, h, ATOMIC_DR + DR_BULK)
 
     out_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(DQ + out_off, ((dqu + dqw) * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
@@ -964,8 +969,9 @@ def _rel_attn_bwd_dq_kernel(
     # d(q + v)_i (rows past Tq hold 0: their dS is 0)
     bias_off = (bh * tl.num_programs(0) + pid_m) * D + offs_d
     tl.store(DBIAS + bias_off, tl.sum(dqu, 0) * sm_scale, mask=offs_d < D)
-    tl.store(DBIAS + tl.num_programs(1) * tl.num_programs(0) * D + bias_off,
-             tl.sum(dqw, 0) * sm_scale, mask=offs_d < D)
+    if not DR_GEMM:     # (else _rel_dqw_gemm_kernel's)
+        tl.store(DBIAS + tl.num_programs(1) * tl.num_programs(0) * D + bias_off,
+                 tl.sum(dqw, 0) * sm_scale, mask=offs_d < D)
     if HAS_SEG:
         # Every row of dS sums to 0 (Σ_j P dP = Δ, Σ_j P = 1; with dropout too): the two
         # segment sums are small differences of large terms, and an error e in Δ moves each
@@ -1142,6 +1148,59 @@ def _rel_attn_bwd_dr_kernel(
 
     tl.store(DR + (bh * R_len + offs_r[:, None]) * D + offs_d[None, :], dr * sm_scale,
              mask=(offs_r[:, None] < R_len) & d_ok)
+
+
+@triton.jit
+def _rel_dqw_gemm_kernel(
+    DS, DS_SPAN,    # as in _rel_dr_gemm_kernel (BLOCK_M's query blocks)
+    R,              # r [H, R, D], any strides
+    DQ,             # [B, H, Tq, D] fp32 contiguous: scale · d(q + u) (the dQ kernel's), added to
+    DBIAS,          # [2, B, H, ⌈Tq / BLOCK_M⌉, D] fp32: the second half written (as the dQ
+                    # kernel does without DR_GEMM)
+    H, Tq, Tk, R_len, D, c,     # c = pos_start − mem_len: pair (i, j) uses r row c + j − i
+    sm_scale,
+    stride_rh, stride_rm, stride_rd,
+    BLOCK_M: tl.constexpr,      # the dQ kernel's (its programs and DS_SPAN's blocks)
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``d(q + v)[b, h, i] = Σ_j dS[i, j] · r[c + j − i] = Σ_m dS[i, i + m − c] · r[m]`` for
+    the query block program_id 0 of (b, h) = program_id 1: a GEMM over the band of r rows
+    that the block's stored keys reach, its A operand read along dS's diagonals as in
+    :func:`_rel_dr_gemm_kernel`. Adds ``scale ·`` it to DQ and stores its column sum (the
+    block's share of d(r_r_bias)). The dQ kernel then needs neither the rotation of dS onto
+    r's rows nor the product with r (DR_MODE "gemm")."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    h = bh % H
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_t = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    row_ok = offs_m < Tq
+    span = DS_SPAN + (bh * tl.num_programs(0) + pid_m) * 2
+    lo = tl.load(span)
+    hi = tl.load(span + 1)
+    ds_base = DS + bh.to(tl.int64) * Tq * Tk + offs_m[:, None].to(tl.int64) * Tk
+    r_base = R + h * stride_rh
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # r rows c + j − i of the block's pairs: j in [lo, hi), i in [m0, m0 + BLOCK_M)
+    for m1 in range(tl.maximum(c + lo - m0 - BLOCK_M + 1, 0), tl.minimum(c + hi - m0, R_len),
+                    BLOCK_R):
+        ms = m1 + offs_t                                                  # [BLOCK_R]
+        keys = offs_m[:, None] + ms[None, :] - c                         # [BLOCK_M, BLOCK_R]
+        x = tl.load(ds_base + keys, mask=row_ok[:, None] & (keys >= lo) & (keys < hi)
+                    & (ms < R_len)[None, :], other=0.0)
+        rt = tl.load(r_base + ms[:, None] * stride_rm + offs_d[None, :] * stride_rd,
+                     mask=(ms < R_len)[:, None] & d_ok, other=0.0)
+        acc += _dot(x, rt, UPCAST, PRECISION)
+    acc = acc * sm_scale
+    q_mask = row_ok[:, None] & d_ok
+    dq_ptrs = DQ + (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
+    tl.store(dq_ptrs, tl.load(dq_ptrs, mask=q_mask, other=0.0) + acc, mask=q_mask)
+    tl.store(DBIAS + (tl.num_programs(1) + bh) * tl.num_programs(0) * D + pid_m * D + offs_d,
+             tl.sum(acc, 0), mask=offs_d < D)
 
 
 @triton.jit
@@ -1347,9 +1406,11 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 #: same sums, each tile's added in one TMA bulk reduction, ``cp.reduce.async.bulk.tensor``:
 #: a GPU of compute capability 9+ or the interpreter, D a multiple of 4, else the
 #: element-wise adds; not yet timed), "gemm" (the dQ kernel stores each tile's dS, the
-#: ``[B, H, Tq, Tk]`` matrix in k's dtype, and ``_rel_dr_gemm_kernel`` sums it along its
-#: diagonals against ``q + v``: no recompute and no atomics, deterministic; costs that
-#: buffer, ~4 bytes a score pair written and read at 16 bits; not yet timed) or "auto" (the
+#: ``[B, H, Tq, Tk]`` matrix in k's dtype, and two GEMMs read it along its diagonals:
+#: ``_rel_dqw_gemm_kernel`` against r for dq's position term, ``_rel_dr_gemm_kernel``
+#: against ``q + v`` for dr; so the dQ loop rotates no dS and multiplies nothing by r; no
+#: recompute and no atomics, deterministic; costs that buffer, ~6 bytes a score pair
+#: written and read twice at 16 bits; not yet timed) or "auto" (the
 #: default): atomic on 16-bit 64 x 64 tiles, where the H200 timed it faster (with dQ at 8
 #: warps, 1 stage: 900 us against 949 per backward, bf16 B4 H16 Tq512 mem1024 D64;
 #: benchmarks/results/nvidia-h200/2026-11-27-round4), unless torch's deterministic
@@ -1437,7 +1498,7 @@ _TUNE_CANDIDATES = {
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
                        {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)},
-                       {"dr_mode": "gemm", "dq": (8, 1)}],
+                       {"dr_mode": "gemm", "dq": (8, 1)}, {"dr_mode": "gemm", "dq": (4, 1)}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
     ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
     ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
@@ -1800,7 +1861,10 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
                 HALVES=bn >= HALVES_MIN_BLOCK)
             d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
-            if mode == "gemm":      # dS itself, and the keys each query block stored
+            # "gemm": dq's two terms apart (fp32), dS itself, and the keys each block stored
+            dq_out = torch.empty_like(dq, dtype=torch.float32) \
+                if mode == "gemm" and dq.dtype != torch.float32 else dq
+            if mode == "gemm":
                 dr_acc = torch.empty((B, H, Tq, Tk), dtype=k.dtype, device=q.device)
                 if _interpreting():     # tests: what no block stored must never be read
                     dr_acc.fill_(float("nan"))
@@ -1812,19 +1876,25 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                     if atomic else dq
                 bulk = _dr_bulk_args(dr_acc, bn, bd) if mode == "bulk" else {}
             fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
-                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, rb, rb.stride(0), dq,
+                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, rb, rb.stride(0), dq_out,
                 d_bias, seg_a, dr_acc,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"],
                 ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype),
                 **_tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn,
                             bd), **bulk)
-            done["d_rw"], done["d_rr"] = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))  # [H, D]
             if mode == "gemm":
-                dr_out = _new_output((H, R, D), torch.float32, q.device)
                 br = 16 if _interpreting() else 64 if k.dtype.itemsize == 2 else 32
+                c = pos_start - (Tk - Tq)
+                fast(_rel_dqw_gemm_kernel)[(cdiv(Tq, bm), B * H)](
+                    dr_acc, span, r, dq_out, d_bias, H, Tq, Tk, R, D, c, scale, *r.stride(),
+                    BLOCK_M=bm, BLOCK_R=br, BLOCK_D=bd, UPCAST=flags["UPCAST"],
+                    PRECISION=flags["PRECISION"], **_dr_gemm_launch())
+                if dq_out is not dq:
+                    dq.copy_(dq_out)
+                dr_out = _new_output((H, R, D), torch.float32, q.device)
                 fast(_rel_dr_gemm_kernel)[(cdiv(R, br), H)](
-                    dr_acc, span, qw, dr_out, B, H, Tq, Tk, R, D, pos_start - (Tk - Tq),
-                    scale, *qw.stride(), Q_BLOCK=bm, BLOCK_R=br, BLOCK_K=br, BLOCK_D=bd,
+                    dr_acc, span, qw, dr_out, B, H, Tq, Tk, R, D, c, scale, *qw.stride(),
+                    Q_BLOCK=bm, BLOCK_R=br, BLOCK_K=br, BLOCK_D=bd,
                     UPCAST=flags["UPCAST"], PRECISION=flags["PRECISION"],
                     **_dr_gemm_launch())
                 done["dr"] = dr_out
@@ -1837,6 +1907,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                     kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
                     HALVES=bn >= HALVES_MIN_BLOCK)
                 done["dr"] = dr_b.sum(0) if B > 1 else dr_b[0]
+            done["d_rw"], done["d_rr"] = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))  # [H, D]
         _tuned(("dkdv", "dq", "dr"), q, (B, H, Tq, Tk, D),
                (causal, key_padding_mask is not None, perm_rank is not None, has_seg,
                 dropout_p > 0, window is not None, False), run,

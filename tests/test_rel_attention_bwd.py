@@ -151,7 +151,8 @@ def test_atomic_dr_against_reference(monkeypatch, mode):
     dS_bandᵀ (q + v) into an fp32 dr accumulator; no dR kernel), "bulk" (the same, a tile
     at a time by TMA bulk reductions: rows before 0 and past R dropped, which the
     interpreter runs through ctxfast's shim) or "gemm" (the dQ kernel stores dS and the
-    key range of each query block; a GEMM reads dS along its diagonals): the module's own
+    key range of each query block; two GEMMs read dS along its diagonals, for dq's position
+    term and for dr): the module's own
     reference checks run in that mode, forward and every gradient against float64 within
     2x eager: odd lengths and memory, a longer r, XLNet's order with segments and padding,
     a window, rows that see no key, dropout."""
