@@ -76,12 +76,13 @@ def test_flex_formulation_forward_and_backward(bench):  # noqa: F811
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (relative {rel_err(ours, ref):.2e})"
 
 
-@pytest.mark.parametrize("mode", ["kernel", "atomic", "bulk"])
+@pytest.mark.parametrize("mode", ["kernel", "atomic", "bulk", "gemm"])
 def test_training_shape_dr_modes(monkeypatch, mode):
-    """rel_attention's dr by the dR kernel, element-wise atomics or TMA bulk reductions
-    (sm_90+) at a training shape (bf16, 64 x 64 tiles: 8 query blocks of 8 sequences add
-    into each head's dr, the band's first rows before 0): every gradient within 2x eager
-    against float64."""
+    """rel_attention's dr by the dR kernel, element-wise atomics, TMA bulk reductions
+    (sm_90+) or GEMMs over the stored dS (which also form dq's position term) at a
+    training shape (bf16, 64 x 64 tiles: 8 query blocks of 8 sequences add into each
+    head's dr, the band's first rows before 0): every gradient within 2x eager against
+    float64."""
     import ctxfast.kernels.rel_attention as krel
     if mode == "bulk" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9 or later")
