@@ -1230,13 +1230,16 @@ def _rel_dr_gemm_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
     n_blocks = tl.cdiv(Tq, Q_BLOCK)
+    # the rows whose keys i + m − c meet [0, Tk) for some m of this program's
+    i_lo = tl.maximum(c - pid_r * BLOCK_R - BLOCK_R + 1, 0) // BLOCK_K * BLOCK_K
+    i_hi = tl.minimum(c - pid_r * BLOCK_R + Tk, Tq)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for b in range(0, B):
         bh = b * H + h
         ds_base = DS + bh.to(tl.int64) * Tq * Tk
         span_base = DS_SPAN + bh * n_blocks * 2
         w_base = QW + b * stride_wb + h * stride_wh
-        for i0 in range(0, Tq, BLOCK_K):
+        for i0 in range(i_lo, i_hi, BLOCK_K):
             rows = i0 + offs_k                                            # [BLOCK_K]
             row_ok = rows < Tq
             blk = tl.minimum(rows, Tq - 1) // Q_BLOCK
