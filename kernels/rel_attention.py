@@ -1211,6 +1211,7 @@ def _rel_dr_gemm_kernel(
     QW,             # q + v [B, H, Tq, D], any strides
     DR,             # dr [H, R, D] fp32 contiguous, written
     B, H, Tq, Tk, R_len, D, c,  # c = pos_start − mem_len: pair (i, j) uses r row c + j − i
+    m_end,          # no visible pair uses r rows from m_end on (causal: c + mem_len + 1)
     sm_scale,
     stride_wb, stride_wh, stride_wm, stride_wd,
     Q_BLOCK: tl.constexpr,      # the dQ kernel's BLOCK_M (DS_SPAN's query blocks)
@@ -1233,6 +1234,8 @@ def _rel_dr_gemm_kernel(
     # the rows whose keys i + m − c meet [0, Tk) for some m of this program's
     i_lo = tl.maximum(c - pid_r * BLOCK_R - BLOCK_R + 1, 0) // BLOCK_K * BLOCK_K
     i_hi = tl.minimum(c - pid_r * BLOCK_R + Tk, Tq)
+    if pid_r * BLOCK_R >= m_end:        # rows of r no visible pair uses: dr 0
+        i_hi = i_lo
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for b in range(0, B):
         bh = b * H + h
@@ -1896,7 +1899,8 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                     dq.copy_(dq_out)
                 dr_out = _new_output((H, R, D), torch.float32, q.device)
                 fast(_rel_dr_gemm_kernel)[(cdiv(R, br), H)](
-                    dr_acc, span, qw, dr_out, B, H, Tq, Tk, R, D, c, scale, *qw.stride(),
+                    dr_acc, span, qw, dr_out, B, H, Tq, Tk, R, D, c,
+                    c + (Tk - Tq) + 1 if causal else R, scale, *qw.stride(),
                     Q_BLOCK=bm, BLOCK_R=br, BLOCK_K=br, BLOCK_D=bd,
                     UPCAST=flags["UPCAST"], PRECISION=flags["PRECISION"],
                     **_dr_gemm_launch())
