@@ -12,8 +12,10 @@ Forms (``LAUNCH_OVERRIDE``'s ``dq_mode`` / ``dr_mode``, set outside the timed ca
   16-bit default);
 * ``bulk``: the same partials, each staged in shared memory and added by one
   ``cp.reduce.async.bulk.tensor`` (FlashAttention-3 adds its dQ tiles so), not yet timed;
-* ``gemm`` (rel_attention): no adds; the dQ kernel stores dS (``[B, H, Tq, Tk]``) and one
-  GEMM reads it along its diagonals against ``q + v``, not yet timed.
+* ``gemm`` (rel_attention): no adds; the dQ kernel stores dS (``[B, H, Tq, Tk]``) and two
+  GEMMs read it along its diagonals (dq's position term, dr), not yet timed;
+* ``stored`` (rel_attention): the same with P stored too, and dK, dV by a GEMM over the
+  two (no dK/dV kernel), not yet timed.
 
 Each form's outputs are compared with the ``kernel`` form's on the same inputs
 (``agree``: the tuner's rule, ``kernels/_tune.py`` ``_gap``; > 1 means a wrong answer, and
@@ -53,7 +55,7 @@ FULL = (("attention", 16, 12, 1024, 0, 64), ("attention", 4, 16, 4096, 0, 128),
 QUICK = (("attention", 1, 2, 37, 0, 16), ("rel_attention", 1, 2, 19, 14, 16))
 #: The forms per op: rel_attention's dr also "gemm" (dS stored, summed along its diagonals).
 MODES = {"attention": ("kernel", "atomic", "bulk"),
-         "rel_attention": ("kernel", "atomic", "bulk", "gemm")}
+         "rel_attention": ("kernel", "atomic", "bulk", "gemm", "stored")}
 
 
 def _op(op):

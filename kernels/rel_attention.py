@@ -706,6 +706,7 @@ def _rel_bwd_dq_inner(
                                     # this (b, h)'s [Tq, Tk] plane of the dS buffer)
     ATOMIC_DR: tl.constexpr, CARRY: tl.constexpr,
     KD, VD, RD, h, BLOCK_D: tl.constexpr, TMA: tl.constexpr,    # TMA: tiles via KD, VD, RD
+    p_off, STORE_P: tl.constexpr,   # ATOMIC_DR 3: also P (dropped out) at dr_base + p_off
 ):
     """The dQ kernel's loop over the key blocks ``[start, end)`` of one query block.
     Returns the two accumulators, the segment sums and the three carried values.
@@ -774,9 +775,16 @@ def _rel_bwd_dq_inner(
             dp = tl.where(keep, dp / (1.0 - p_drop), 0.0)
         ds = p * (dp - delta[:, None])                                # [BLOCK_M, BLOCK_N]
         if ATOMIC_DR == 3:      # DR_MODE "gemm": dS itself, [B, H, Tq, Tk] at dr_base's plane
-            tl.store(dr_base + offs_m[:, None].to(tl.int64) * Tk + offs_n[None, :],
-                     ds.to(dr_base.dtype.element_ty),
-                     mask=(offs_m < Tq)[:, None] & (offs_n < Tk)[None, :])
+            pair_off = offs_m[:, None].to(tl.int64) * Tk + offs_n[None, :]
+            pair_ok = (offs_m < Tq)[:, None] & (offs_n < Tk)[None, :]
+            tl.store(dr_base + pair_off, ds.to(dr_base.dtype.element_ty), mask=pair_ok)
+            if STORE_P:         # "stored": and P as dV takes it (with dropout's keep)
+                if DROPOUT:
+                    p_v = tl.where(keep, p / (1.0 - p_drop), 0.0)
+                else:
+                    p_v = p
+                tl.store(dr_base + p_off + pair_off, p_v.to(dr_base.dtype.element_ty),
+                         mask=pair_ok)
         dqu += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
         if ATOMIC_DR != 3:      # (3: d(q + v) and dr by the GEMMs over the stored dS)
             ds_chunks = _rotate(ds, BLOCK_N - BLOCK_M + 1 + ii + t2, BLOCK_M, BLOCK_N)
@@ -859,7 +867,10 @@ def _rel_attn_bwd_dq_kernel(
                                     # d(q + u) only (DQ fp32), its d(q + v) term, that
                                     # term's DBIAS share and dr come from the GEMMs over dS
     DS_SPAN=None,   # DR_GEMM: [B·H, ⌈Tq / BLOCK_M⌉, 2] int32, written: [lo, hi) of the keys
-                    # whose dS the block stored (the rest of its rows is never written)
+                    # whose dS the block stored (whole key tiles, so multiples of 16; kept
+                    # in units of 16); the rest of its rows is never written
+    P_OFF=0,        # STORE_P: elements from the dS buffer to the P buffer of the same shape
+    STORE_P: tl.constexpr = False,  # DR_GEMM: P stored too (DR_MODE "stored")
 ):
     pid_m = tl.program_id(0)        # (longest first, _query_block, spilled 28 B more here)
     bh = tl.program_id(1)
@@ -921,8 +932,8 @@ def _rel_attn_bwd_dq_kernel(
                                   BLOCK_M, BLOCK_N)
     if DR_GEMM:
         span = DS_SPAN + (bh * tl.num_programs(0) + pid_m) * 2
-        tl.store(span, lo)
-        tl.store(span + 1, hi)
+        tl.store(span, lo // 16)                        # (lo: 0 or a key tile's start)
+        tl.store(span + 1, (lo + tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N) * BLOCK_N) // 16)
     # the first chunk of the first tile's band, carried through the loops (_rel_bwd_dq_inner)
     r_row = row0 + lo
     r_first = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
@@ -942,7 +953,7 @@ def _rel_attn_bwd_dq_kernel(
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 1,
             BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK + 2 * DR_GEMM,
             CARRY, KD,
-            VD, RD, h, BLOCK_D, TMA)
+            VD, RD, h, BLOCK_D, TMA, P_OFF, STORE_P)
     else:        # one loop, a runtime boundary test per tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
             dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row,
@@ -954,7 +965,7 @@ def _rel_attn_bwd_dq_kernel(
             CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT, WINDOW, 2,
             BLOCK_M, BLOCK_N, UPCAST, PRECISION, dr_base, D, ATOMIC_DR + DR_BULK + 2 * DR_GEMM,
             CARRY, KD,
-            VD, RD, h, BLOCK_D, TMA)
+            VD, RD, h, BLOCK_D, TMA, P_OFF, STORE_P)
     if not DR_GEMM:     # the last tile's dS_hi, on the chunk after it
         r_last = _r_tile(RD, r_base, h, r_row, R_len, offs_d, d_ok, stride_rm, stride_rd,
                          BLOCK_N, BLOCK_D, TMA)
@@ -1151,6 +1162,70 @@ def _rel_attn_bwd_dr_kernel(
 
 
 @triton.jit
+def _rel_dkdv_gemm_kernel(
+    DS, P,          # dS and P (dropout's keep applied, as dV takes it) [B, H, Tq, Tk], the
+                    # dQ kernel's (DR_MODE "stored"); row i written at its block's span only
+    DS_SPAN,        # [B·H, ⌈Tq / Q_BLOCK⌉, 2] int32: [lo, hi) / 16 of the keys stored per
+                    # block (the dQ kernel's whole tiles; keys past Tk never stored)
+    QU, DO,         # q + r_w_bias [B, H, Tq, D] contiguous; do [B, H, Tq, D], any strides
+    DK, DV,         # [B, H, Tk, D] contiguous, written
+    KV_END,         # [B] int32 (HAS_KPM): the first padded key
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, Tq, Tk, mem_len, D, window, sm_scale,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, WINDOW: tl.constexpr,
+    Q_BLOCK: tl.constexpr,      # the dQ kernel's BLOCK_M (DS_SPAN's query blocks)
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``dK = scale · dSᵀ (q + u)``, ``dV = Pᵀ dO`` of key block program_id 0 of (b, h) =
+    program_id 1, from the stored dS and P: two GEMMs over the query blocks that can see
+    the block (the dK/dV kernel's range), nothing recomputed (no scores, no exponentials,
+    no skew). Entries a query block never stored read as 0."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < D
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(n0 - mem_len, 0) // BLOCK_M * BLOCK_M
+    hi = Tq
+    if HAS_KPM:
+        hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
+    if WINDOW:      # queries i < j - mem_len + window see key j
+        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - mem_len + window, 0))
+    plane = bh.to(tl.int64) * Tq * Tk
+    span_base = DS_SPAN + bh * tl.cdiv(Tq, Q_BLOCK) * 2
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        rows = m0 + offs_i                                                # [BLOCK_M]
+        row_ok = rows < Tq
+        blk = tl.minimum(rows, Tq - 1) // Q_BLOCK
+        k_lo = tl.load(span_base + blk * 2) * 16        # (multiples of 16: vector loads)
+        k_hi = tl.load(span_base + blk * 2 + 1) * 16
+        ok = row_ok[:, None] & (offs_n[None, :] >= k_lo[:, None]) \
+            & (offs_n[None, :] < k_hi[:, None]) & (offs_n < Tk)[None, :]
+        pair = plane + rows[:, None].to(tl.int64) * Tk + offs_n[None, :]
+        ds = tl.load(DS + pair, mask=ok, other=0.0)                       # [BLOCK_M, BLOCK_N]
+        p = tl.load(P + pair, mask=ok, other=0.0)
+        qu = tl.load(QU + (bh * Tq + rows[:, None]) * D + offs_d[None, :],
+                     mask=row_ok[:, None] & d_ok, other=0.0)
+        do = tl.load(DO + (bh // H) * stride_dob + (bh % H) * stride_doh
+                     + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                     mask=row_ok[:, None] & d_ok, other=0.0)
+        dk += _dot(tl.trans(ds), qu, UPCAST, PRECISION)
+        dv += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)
+    out_off = (bh * Tk + offs_n[:, None]) * D + offs_d[None, :]
+    kv_mask = (offs_n[:, None] < Tk) & d_ok
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
 def _rel_dqw_gemm_kernel(
     DS, DS_SPAN,    # as in _rel_dr_gemm_kernel (BLOCK_M's query blocks)
     R,              # r [H, R, D], any strides
@@ -1180,8 +1255,8 @@ def _rel_dqw_gemm_kernel(
     d_ok = offs_d[None, :] < D
     row_ok = offs_m < Tq
     span = DS_SPAN + (bh * tl.num_programs(0) + pid_m) * 2
-    lo = tl.load(span)
-    hi = tl.load(span + 1)
+    lo = tl.load(span) * 16
+    hi = tl.minimum(tl.load(span + 1) * 16, Tk)
     ds_base = DS + bh.to(tl.int64) * Tq * Tk + offs_m[:, None].to(tl.int64) * Tk
     r_base = R + h * stride_rh
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -1207,7 +1282,8 @@ def _rel_dqw_gemm_kernel(
 def _rel_dr_gemm_kernel(
     DS,             # dS [B, H, Tq, Tk] contiguous (the dQ kernel's, DR_MODE "gemm"), unscaled;
                     # row i of a (b, h) written at the keys DS_SPAN gives its query block only
-    DS_SPAN,        # [B·H, ⌈Tq / Q_BLOCK⌉, 2] int32: [lo, hi) of those keys per query block
+    DS_SPAN,        # [B·H, ⌈Tq / Q_BLOCK⌉, 2] int32: [lo, hi) / 16 of those keys per query
+                    # block (whole key tiles; keys past Tk never stored)
     QW,             # q + v [B, H, Tq, D], any strides
     DR,             # dr [H, R, D] fp32 contiguous, written
     B, H, Tq, Tk, R_len, D, c,  # c = pos_start − mem_len: pair (i, j) uses r row c + j − i
@@ -1246,8 +1322,8 @@ def _rel_dr_gemm_kernel(
             rows = i0 + offs_k                                            # [BLOCK_K]
             row_ok = rows < Tq
             blk = tl.minimum(rows, Tq - 1) // Q_BLOCK
-            lo = tl.load(span_base + blk * 2)
-            hi = tl.load(span_base + blk * 2 + 1)
+            lo = tl.load(span_base + blk * 2) * 16
+            hi = tl.minimum(tl.load(span_base + blk * 2 + 1) * 16, Tk)
             keys = rows[:, None] + offs_r[None, :] - c                   # [BLOCK_K, BLOCK_R]
             x = tl.load(ds_base + rows[:, None].to(tl.int64) * Tk + keys,
                         mask=row_ok[:, None] & (keys >= lo[:, None]) & (keys < hi[:, None])
@@ -1416,7 +1492,10 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 #: ``_rel_dqw_gemm_kernel`` against r for dq's position term, ``_rel_dr_gemm_kernel``
 #: against ``q + v`` for dr; so the dQ loop rotates no dS and multiplies nothing by r; no
 #: recompute and no atomics, deterministic; costs that buffer, ~6 bytes a score pair
-#: written and read twice at 16 bits; not yet timed) or "auto" (the
+#: written and read twice at 16 bits; not yet timed), "stored" (the same with P stored
+#: too, dropout's keep applied, and dK, dV by ``_rel_dkdv_gemm_kernel`` over the two: no
+#: dK/dV kernel, so the backward forms the scores once; a second such buffer; not yet
+#: timed) or "auto" (the
 #: default): atomic on 16-bit 64 x 64 tiles, where the H200 timed it faster (with dQ at 8
 #: warps, 1 stage: 900 us against 949 per backward, bf16 B4 H16 Tq512 mem1024 D64;
 #: benchmarks/results/nvidia-h200/2026-11-27-round4), unless torch's deterministic
@@ -1470,9 +1549,9 @@ def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
     DR_MODE). Refuses a bad setting, and "atomic" or "bulk" under torch's deterministic
     algorithms."""
     mode = _override("dr_mode", DR_MODE)
-    if mode not in ("auto", "kernel", "atomic", "bulk", "gemm"):
-        raise ValueError("CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic', 'bulk' or "
-                         f"'gemm', got {mode!r}")
+    if mode not in ("auto", "kernel", "atomic", "bulk", "gemm", "stored"):
+        raise ValueError("CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic', 'bulk', "
+                         f"'gemm' or 'stored', got {mode!r}")
     deterministic = torch.are_deterministic_algorithms_enabled()
     if mode == "auto":
         tile = _config(D, None, dtype)[0]
@@ -1504,11 +1583,13 @@ _TUNE_CANDIDATES = {
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
                        {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)},
-                       {"dr_mode": "gemm", "dq": (8, 1)}, {"dr_mode": "gemm", "dq": (4, 1)}],
+                       {"dr_mode": "gemm", "dq": (8, 1)}, {"dr_mode": "gemm", "dq": (4, 1)},
+                       {"dr_mode": "stored", "dq": (8, 1)}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
     ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
     ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
-    ("dq", 32, True): [{"dq": (4, 3)}, {"dq": (4, 1)}, {"tma": "on"}, {"dr_mode": "gemm"}],
+    ("dq", 32, True): [{"dq": (4, 3)}, {"dq": (4, 1)}, {"tma": "on"}, {"dr_mode": "gemm"},
+                       {"dr_mode": "stored"}],
     ("dr", 32, True): [{"dr": (4, 3)}, {"dr": (4, 1)}],
     ("fwd", 32, False): [{"fwd": (4, 1)}, {"fwd": (8, 3)}],
 }
@@ -1517,7 +1598,8 @@ _TUNE_CANDIDATES = {
 _TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}, {"fold": False}],
                      "dkdv": [{"dkdv": (2, 1)}],
                      "dq": [{"carry": True}, {"tma": "on"}, {"dr_mode": "atomic"},
-                            {"dr_mode": "bulk"}, {"dr_mode": "gemm"}],
+                            {"dr_mode": "bulk"}, {"dr_mode": "gemm"},
+                            {"dr_mode": "stored"}],
                      "dr": [{"dr": (2, 1)}]}
 
 
@@ -1540,7 +1622,7 @@ def _candidates(kernel, D, dtype, tma_ok):
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
     adds = ("atomic", "bulk")
-    no_dr_kernel = adds + ("gemm",)
+    no_dr_kernel = adds + ("gemm", "stored")
     out = [{}] + [c for c in listing
                   if (tma_ok or ("tma" not in c and c.get("dr_mode") != "bulk"))
                   and c.get("carry", not carry) != carry
@@ -1862,21 +1944,26 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             atomic = mode != "kernel"
             launch = {k: dict(num_warps=w_, num_stages=s_)
                       for k, (w_, s_) in _bwd_launch(D, q.dtype, atomic).items()}
-            fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
-                k, v, do, qu, qw, r, sq, sk, ef, lse, delta, dk, dv,
-                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
-                HALVES=bn >= HALVES_MIN_BLOCK)
+            stored = mode in ("gemm", "stored")     # dS (and P) stored, summed by GEMMs
+            if mode != "stored":                     # ("stored": dK, dV by a GEMM below)
+                fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
+                    k, v, do, qu, qw, r, sq, sk, ef, lse, delta, dk, dv,
+                    kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
+                    HALVES=bn >= HALVES_MIN_BLOCK)
             d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
-            # "gemm": dq's two terms apart (fp32), dS itself, and the keys each block stored
+            # stored: dq's two terms apart (fp32), dS (and P), the keys each block stored
             dq_out = torch.empty_like(dq, dtype=torch.float32) \
-                if mode == "gemm" and dq.dtype != torch.float32 else dq
-            if mode == "gemm":
-                dr_acc = torch.empty((B, H, Tq, Tk), dtype=k.dtype, device=q.device)
+                if stored and dq.dtype != torch.float32 else dq
+            if stored:
+                planes = torch.empty((2 if mode == "stored" else 1, B, H, Tq, Tk),
+                                     dtype=k.dtype, device=q.device)
                 if _interpreting():     # tests: what no block stored must never be read
-                    dr_acc.fill_(float("nan"))
+                    planes.fill_(float("nan"))
+                dr_acc = planes[0]
                 span = torch.empty((B * H, cdiv(Tq, bm), 2), dtype=torch.int32,
                                    device=q.device)
-                bulk = dict(DR_GEMM=True, DS_SPAN=span)
+                bulk = dict(DR_GEMM=True, DS_SPAN=span, STORE_P=mode == "stored",
+                            P_OFF=dr_acc.numel() if mode == "stored" else 0)
             else:
                 dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) \
                     if atomic else dq
@@ -1888,9 +1975,17 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype),
                 **_tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn,
                             bd), **bulk)
-            if mode == "gemm":
+            if stored:
                 br = 16 if _interpreting() else 64 if k.dtype.itemsize == 2 else 32
                 c = pos_start - (Tk - Tq)
+                if mode == "stored":
+                    fast(_rel_dkdv_gemm_kernel)[(cdiv(Tk, br), B * H)](
+                        dr_acc, planes[1], span, qu, do, dk, dv, kv_end, *do.stride(),
+                        H, Tq, Tk, Tk - Tq, D, window or 0, scale, CAUSAL=causal,
+                        HAS_KPM=key_padding_mask is not None, WINDOW=window is not None,
+                        Q_BLOCK=bm, BLOCK_N=br, BLOCK_M=br, BLOCK_D=bd,
+                        UPCAST=flags["UPCAST"], PRECISION=flags["PRECISION"],
+                        **_dr_gemm_launch())
                 fast(_rel_dqw_gemm_kernel)[(cdiv(Tq, bm), B * H)](
                     dr_acc, span, r, dq_out, d_bias, H, Tq, Tk, R, D, c, scale, *r.stride(),
                     BLOCK_M=bm, BLOCK_R=br, BLOCK_D=bd, UPCAST=flags["UPCAST"],

@@ -1156,7 +1156,7 @@ def test_linear_compare_times_every_form_and_restores_the_settings(tmp_path):
                     reason="the Triton attention kernels need a GPU or the interpreter")
 def test_backward_adds_compare_times_every_mode_and_clears_the_override(tmp_path):
     """benchmarks/backward_adds_compare.py (gpu_round's verify stage): per case a row for
-    each of dQ's / dr's modes (kernel, atomic, bulk; dr also gemm) with both times and its
+    each of dQ's / dr's modes (kernel, atomic, bulk; dr also gemm, stored) with both times and its
     agreement with the kernel form, ratio lines against it; the launch overrides are empty
     after."""
     from utils import load_benchmark
@@ -1170,7 +1170,7 @@ def test_backward_adds_compare_times_every_mode_and_clears_the_override(tmp_path
     assert [r["form"].split()[-1] for r in rows] == [*bac.MODES["attention"],
                                                      *bac.MODES["rel_attention"]], rows
     assert all(r["bwd_us"] > 0 and r["fwd_bwd_us"] > 0 and r["agree"] <= 1 for r in rows)
-    assert len(bac.ratios(rows)) == 5
+    assert len(bac.ratios(rows)) == 6
     assert "dq_mode" not in kattn.LAUNCH_OVERRIDE and "dr_mode" not in krel.LAUNCH_OVERRIDE
 
 

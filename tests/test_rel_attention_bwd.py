@@ -50,13 +50,14 @@ def test_interior_tiles_at_the_window_edge(causal, window):
 
 
 @needs_triton
-@pytest.mark.parametrize("how", ["fp32", "fp16-deterministic-algorithms", "fp16-gemm-dr"])
+@pytest.mark.parametrize("how", ["fp32", "fp16-deterministic-algorithms", "fp16-gemm-dr",
+                                 "fp16-stored-dr"])
 def test_backward_is_bitwise_deterministic(monkeypatch, how):
     """Two backward runs on the same inputs (dropout with the same seed, segments, padding,
     window): every gradient bitwise equal, in fp32 (the dR kernel by default) and in fp16
     under torch.use_deterministic_algorithms (which turns the default atomic dr of 16-bit
     D <= 64 calls on a GPU off); DR_MODE "gemm" (no atomics) is allowed under them, not
-    warn-only, and is deterministic too."""
+    warn-only, and is deterministic too, as is "stored"."""
     B, H, Tq, Tk, D = 3, 2, 13, 30, 16
     dtype = torch.float32 if how == "fp32" else torch.float16
     ts = _inputs(B, H, Tq, Tk, D, Tk + 3, dtype, seg=True)
@@ -75,12 +76,13 @@ def test_backward_is_bitwise_deterministic(monkeypatch, how):
 
     saved = (torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
-    if how == "fp16-gemm-dr":
+    if how in ("fp16-gemm-dr", "fp16-stored-dr"):
         import ctxfast.kernels.rel_attention as krel
-        monkeypatch.setattr(krel, "DR_MODE", "gemm")
+        monkeypatch.setattr(krel, "DR_MODE", how.split("-")[1])
     try:
         if how != "fp32":
-            torch.use_deterministic_algorithms(True, warn_only=how != "fp16-gemm-dr")
+            torch.use_deterministic_algorithms(True, warn_only=how == "fp16-deterministic-"
+                                                              "algorithms")
         first, second = grads(), grads()
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
@@ -145,14 +147,15 @@ def test_dr_mode_auto_and_deterministic_algorithms(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["atomic", "bulk", "gemm"])
+@pytest.mark.parametrize("mode", ["atomic", "bulk", "gemm", "stored"])
 def test_atomic_dr_against_reference(monkeypatch, mode):
     """kernels.rel_attention.DR_MODE = "atomic" (the dQ kernel adds each tile's
     dS_bandᵀ (q + v) into an fp32 dr accumulator; no dR kernel), "bulk" (the same, a tile
     at a time by TMA bulk reductions: rows before 0 and past R dropped, which the
     interpreter runs through ctxfast's shim) or "gemm" (the dQ kernel stores dS and the
     key range of each query block; two GEMMs read dS along its diagonals, for dq's position
-    term and for dr): the module's own
+    term and for dr) or "stored" (the same with P stored too, and dK, dV by a GEMM over
+    the two, no dK/dV kernel): the module's own
     reference checks run in that mode, forward and every gradient against float64 within
     2x eager: odd lengths and memory, a longer r, XLNet's order with segments and padding,
     a window, rows that see no key, dropout."""
@@ -163,6 +166,8 @@ def test_atomic_dr_against_reference(monkeypatch, mode):
                         lambda args, kwargs: (kwargs.get("ATOMIC_DR"), kwargs.get("DR_BULK"),
                                               kwargs.get("DR_GEMM")))
     gemms = spy_launches(monkeypatch, krel, ("_rel_dr_gemm_kernel",), lambda a, kw: None)
+    dkdv = spy_launches(monkeypatch, krel, ("_rel_attn_bwd_dkdv_kernel",
+                                            "_rel_dkdv_gemm_kernel"), lambda a, kw: None)
     test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
     test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
     test_dr_bidirectional_with_every_mask()
@@ -178,8 +183,12 @@ def test_atomic_dr_against_reference(monkeypatch, mode):
     monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "tile")
     assert seen and all(flags[0] for _, flags in seen), seen
     assert any(flags[1] for _, flags in seen) == (mode == "bulk"), seen
-    assert all(bool(flags[2]) == (mode == "gemm") for _, flags in seen), seen
-    assert (len(gemms) == len(seen)) if mode == "gemm" else not gemms, (gemms, seen)
+    stored = mode in ("gemm", "stored")
+    assert all(bool(flags[2]) == stored for _, flags in seen), seen
+    assert (len(gemms) == len(seen)) if stored else not gemms, (gemms, seen)
+    names = {name for name, _ in dkdv}
+    assert names == {"_rel_dkdv_gemm_kernel" if mode == "stored"
+                     else "_rel_attn_bwd_dkdv_kernel"}, names
     monkeypatch.setattr(krel, "DR_MODE", "fast")
     with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)

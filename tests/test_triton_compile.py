@@ -66,7 +66,7 @@ WGMMA_KERNELS = FACT_KERNELS[:3]
 #: less should lower the number.
 REL_FACT_KERNELS = ["_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel",
                     "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel",
-                    "_rel_dqw_gemm_kernel", "_rel_dr_gemm_kernel"]
+                    "_rel_dkdv_gemm_kernel", "_rel_dqw_gemm_kernel", "_rel_dr_gemm_kernel"]
 #: The Triton release whose compiler the spill rules were measured with: another compiles
 #: the same kernels differently (Triton 3.6, the GPU machines' release, spills 20-308 B in
 #: three attention / LSTM cases that 3.9 compiles clean, benchmarks/NOTES.md), so the no-spill
@@ -103,13 +103,18 @@ REL_SPILL_BUDGET = {
     # at the atomic path's (8, 1) spills nothing where the atomic one spills 256 B
     "rel_attention bf16 D=64 causal, gemm dr": {
         "_rel_attn_bwd_dq_kernel": 0, "_rel_dqw_gemm_kernel": 0, "_rel_dr_gemm_kernel": 0},
+    # and dK, dV by a GEMM over the stored P and dS (DR_MODE "stored"; its two other GEMMs
+    # are the launches of the case above, compiled once)
+    "rel_attention bf16 D=64 causal, stored dr": {
+        "_rel_attn_bwd_dq_kernel": 0, "_rel_dkdv_gemm_kernel": 0},
 }
 
 KERNELS = [
     "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
     "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
-    "_rel_attn_bwd_dr_kernel", "_rel_dqw_gemm_kernel", "_rel_dr_gemm_kernel", "_row_bias_kernel",
+    "_rel_attn_bwd_dr_kernel", "_rel_dkdv_gemm_kernel", "_rel_dqw_gemm_kernel",
+    "_rel_dr_gemm_kernel", "_row_bias_kernel",
     "_rel_bwd_prep_kernel", "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel",
     "_rel_shift_kernel", "_bwd_delta_kernel",
 ]
@@ -237,6 +242,7 @@ def _cases():
     bulk_dq, bulk_dr = bulk(attention, "DQ_MODE"), bulk(rel_attention, "DR_MODE")
     atomic_dr = setting(rel_attention, "DR_MODE", "atomic")
     gemm_dr = setting(rel_attention, "DR_MODE", "gemm")
+    stored_dr = setting(rel_attention, "DR_MODE", "stored")
     dr_kernel = setting(rel_attention, "DR_MODE", "kernel")
 
     def tma(fn):
@@ -312,6 +318,11 @@ def _cases():
         ("rel_attention fp32/tf32 D=128 causal+seg+dropout+window, gemm dr", both,
          gemm_dr(tf32(lambda: rel(f32, 128, causal=True, seg=True, dropout=0.1,
                                   window=100)))),
+        # and P stored: dK, dV by a GEMM over P and dS, no dK/dV kernel (DR_MODE "stored")
+        ("rel_attention bf16 D=64 causal, stored dr", sm90,
+         stored_dr(lambda: rel(bf16, 64, causal=True))),
+        ("rel_attention fp16 D=64 causal+kpm+perm_strict+seg+dropout+window, stored dr", both,
+         stored_dr(lambda: rel(f16, 64, **every_mask, seg=True, window=100))),
         ("rel_attention fp32/tf32 D=128 causal+seg+dropout+window, atomic dr", both,
          atomic_dr(tf32(lambda: rel(f32, 128, causal=True, seg=True, dropout=0.1,
                                     window=100)))),

@@ -76,10 +76,11 @@ def test_flex_formulation_forward_and_backward(bench):  # noqa: F811
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (relative {rel_err(ours, ref):.2e})"
 
 
-@pytest.mark.parametrize("mode", ["kernel", "atomic", "bulk", "gemm"])
+@pytest.mark.parametrize("mode", ["kernel", "atomic", "bulk", "gemm", "stored"])
 def test_training_shape_dr_modes(monkeypatch, mode):
     """rel_attention's dr by the dR kernel, element-wise atomics, TMA bulk reductions
-    (sm_90+) or GEMMs over the stored dS (which also form dq's position term) at a
+    (sm_90+) or GEMMs over the stored dS (which also form dq's position term; "stored":
+    and over the stored P, dK and dV) at a
     training shape (bf16, 64 x 64 tiles: 8 query blocks of 8 sequences add into each
     head's dr, the band's first rows before 0): every gradient within 2x eager against
     float64."""
