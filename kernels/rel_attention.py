@@ -562,6 +562,24 @@ def _rel_attn_fwd_kernel(
 
 
 @triton.jit
+def _query_range(b, n0, Tq, mem_len, window, KV_END, CAUSAL: tl.constexpr,
+                 HAS_KPM: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """[lo, hi): the queries (lo a multiple of BLOCK_M) that may see a key of the block at
+    n0 of batch b: from the causal diagonal's, none if the block is all padding (KV_END),
+    before the window's end (the dK/dV kernel's and _rel_dkdv_gemm_kernel's loops)."""
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(n0 - mem_len, 0) // BLOCK_M * BLOCK_M
+    hi = Tq
+    if HAS_KPM:
+        hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
+    if WINDOW:      # queries i < j - mem_len + window see key j
+        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - mem_len + window, 0))
+    return lo, hi
+
+
+@triton.jit
 def _rel_attn_bwd_dkdv_kernel(
     K, V, DO,       # k, v [B, H, Tk, D]; do [B, H, Tq, D]; any strides
     QU, QW,         # q + r_w_bias, q + r_r_bias [B, H, Tq, D] contiguous, in k's dtype
@@ -607,14 +625,8 @@ def _rel_attn_bwd_dkdv_kernel(
     if HAS_SEG:
         seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
 
-    lo = 0
-    if CAUSAL:
-        lo = tl.maximum(n0 - mem_len, 0) // BLOCK_M * BLOCK_M
-    hi = Tq
-    if HAS_KPM:
-        hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
-    if WINDOW:      # queries i < j - mem_len + window see key j
-        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - mem_len + window, 0))
+    lo, hi = _query_range(b, n0, Tq, mem_len, window, KV_END, CAUSAL, HAS_KPM, WINDOW,
+                          BLOCK_M, BLOCK_N)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -1189,14 +1201,8 @@ def _rel_dkdv_gemm_kernel(
     offs_i = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    lo = 0
-    if CAUSAL:
-        lo = tl.maximum(n0 - mem_len, 0) // BLOCK_M * BLOCK_M
-    hi = Tq
-    if HAS_KPM:
-        hi = tl.where(n0 < tl.load(KV_END + b), Tq, 0)
-    if WINDOW:      # queries i < j - mem_len + window see key j
-        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - mem_len + window, 0))
+    lo, hi = _query_range(b, n0, Tq, mem_len, window, KV_END, CAUSAL, HAS_KPM, WINDOW,
+                          BLOCK_M, BLOCK_N)
     plane = bh.to(tl.int64) * Tq * Tk
     span_base = DS_SPAN + bh * tl.cdiv(Tq, Q_BLOCK) * 2
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
