@@ -324,9 +324,10 @@ stage_verify() {
     benchmarks/linear_compare.py --out "$R/linear_compare.json"
   summarize linear_compare.log "^ratio|Error" 30
   # attention's dQ and rel_attention's dr summed by a kernel, element-wise atomics or TMA
-  # bulk reductions (untimed): the backward alone and fwd+bwd, each checked against the
-  # kernel form (~9 compiles); a winning "bulk" becomes DQ_MODE / DR_MODE "auto"'s choice
-  step "attention backward: dQ / dr by kernel, atomics, TMA bulk adds" 70 \
+  # bulk reductions, and rel_attention's backward over a stored dS ("gemm") and P
+  # ("stored") (untimed): the backward alone and fwd+bwd, each checked against the kernel
+  # form (~14 compiles; rel_attention first); a winner becomes DQ_MODE / DR_MODE "auto"'s
+  step "attention backward: dQ / dr by kernel, atomics, TMA bulk adds, stored dS" 100 \
     backward_adds_compare.log "$PY" benchmarks/backward_adds_compare.py \
     --out "$R/backward_adds_compare.json"
   summarize backward_adds_compare.log "^ratio|WRONG|Error" 12
