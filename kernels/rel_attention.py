@@ -1639,6 +1639,25 @@ def _candidates(kernel, D, dtype, tma_ok):
     return out
 
 
+#: Bytes of score-sized buffers (DR_MODE "gemm": dS; "stored": dS and P) up to which the
+#: tuner tries those modes: beyond, a first call would allocate (and leave in torch's
+#: cache) that much only to time a candidate. Asked for by name they run at any size.
+STORED_TUNE_BYTES = 1 << 30
+
+
+def _fitting(candidates, pairs: int, itemsize: int):
+    """``candidates`` (a list, or a function of the rows chosen before) without the
+    stored-dS modes whose buffers, ``pairs`` score pairs of ``itemsize`` bytes per plane,
+    exceed :data:`STORED_TUNE_BYTES`."""
+    planes = {"gemm": 1, "stored": 2}
+
+    def keep(c):
+        return pairs * itemsize * planes.get(c.get("dr_mode"), 0) <= STORED_TUNE_BYTES
+    if callable(candidates):
+        return lambda chosen: [c for c in candidates(chosen) if keep(c)]
+    return [c for c in candidates if keep(c)]
+
+
 def _tuned(kernels, q, dims, flags, run, outputs):
     """``run()`` (a launcher call writing ``outputs``, a list or a function returning it),
     through the tuner where it is on for q's device (kernels/_tune.py). flags: what else
@@ -1651,7 +1670,8 @@ def _tuned(kernels, q, dims, flags, run, outputs):
     kind = ("rel_attention", kernels, D, q.dtype, dot_precision(q.dtype), *flags, tma_ok,
             TMA_MODE, DR_MODE, torch.are_deterministic_algorithms_enabled(),
             size(B * H), size(Tq), size(Tk))
-    stages = [(name, _candidates(name, D, q.dtype, tma_ok)) for name in kernels]
+    stages = [(name, _fitting(_candidates(name, D, q.dtype, tma_ok), B * H * Tq * Tk,
+                              q.dtype.itemsize)) for name in kernels]
     return _tune.call(kind, stages, run, outputs, q.device, q.dtype)
 
 

@@ -248,6 +248,29 @@ def test_no_atomic_candidates_under_deterministic_algorithms(monkeypatch):
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
 
 
+def test_stored_modes_offered_only_where_their_buffers_fit(monkeypatch):
+    """rel_attention's dr modes over a stored dS ("gemm": one score-sized buffer; "stored":
+    two) are tuner candidates at the GPU's 16-bit D 64 rows while the buffers stay within
+    STORED_TUNE_BYTES, and not beyond (a first call would allocate them only to time a
+    candidate); the other candidates stay, and dR's list (a function) is filtered too."""
+    from ctxfast.kernels import rel_attention as krel
+    monkeypatch.setattr(krel, "_interpreting", lambda: False)
+    monkeypatch.setattr(krel, "DR_MODE", "atomic")
+    bf16 = torch.bfloat16
+    dq = krel._candidates("dq", 64, bf16, True)
+
+    def modes(cands):
+        return sorted({c.get("dr_mode") for c in cands if c.get("dr_mode")})
+    cap = krel.STORED_TUNE_BYTES
+    assert modes(dq) == ["bulk", "gemm", "kernel", "stored"]      # all offered here
+    assert modes(krel._fitting(dq, cap // 4, 2)) == ["bulk", "gemm", "kernel", "stored"]
+    assert modes(krel._fitting(dq, cap // 3, 2)) == ["bulk", "gemm", "kernel"]
+    assert modes(krel._fitting(dq, cap, 2)) == ["bulk", "kernel"]
+    assert len(krel._fitting(dq, cap, 2)) == len(dq) - 3          # two gemm rows, a stored
+    dr = krel._fitting(lambda chosen: [{}, {"dr_mode": "stored"}], cap, 2)
+    assert dr({}) == [{}]
+
+
 @pytest.mark.parametrize("mask", ["none", "kpm", "perm"])
 def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
     """The GPU candidates (as an sm_90 call with TMA gets them): no two candidates of a kernel
