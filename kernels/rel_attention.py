@@ -1450,8 +1450,9 @@ def _bwd_launch(D: int, dtype: torch.dtype, atomic: bool = False) -> dict:
 
 
 def _dr_gemm_launch() -> dict:
-    """:func:`_rel_dr_gemm_kernel`'s (num_warps, num_stages): 4 warps and 3 stages on its
-    64 x 64 tiles (a plain GEMM's row; not tuned), or the override ``"dr_gemm"``."""
+    """(num_warps, num_stages) of the GEMMs over the stored dS (:func:`_rel_dr_gemm_kernel`,
+    :func:`_rel_dqw_gemm_kernel`, :func:`_rel_dkdv_gemm_kernel`): 4 warps and 3 stages on
+    their 64 x 64 tiles (a plain GEMM's row; not tuned), or the override ``"dr_gemm"``."""
     w_, s_ = (1, 1) if _interpreting() else _override("dr_gemm", (4, 3))
     return dict(num_warps=w_, num_stages=s_)
 
@@ -1553,7 +1554,7 @@ def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
     """"kernel", "atomic" or "bulk" for a backward of head dim D and dtype: DR_MODE, or the
     override "dr_mode" (the tuner's row, the config sweep's), with "auto" resolved (see
     DR_MODE). Refuses a bad setting, and "atomic" or "bulk" under torch's deterministic
-    algorithms."""
+    algorithms ("gemm" and "stored" add nothing: allowed)."""
     mode = _override("dr_mode", DR_MODE)
     if mode not in ("auto", "kernel", "atomic", "bulk", "gemm", "stored"):
         raise ValueError("CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic', 'bulk', "
