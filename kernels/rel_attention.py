@@ -23,7 +23,10 @@ One query operand where the query block is held through the loop (forward, dQ):
 content and the position term) and add the per-row vector ``(w − u)·r_m`` of the r tile to
 the ``(q + u)·rᵀ`` product (:func:`_rb_rows`, read from a ``[H, R]`` table the launcher
 computes once, :func:`row_bias_table`): one ``[BLOCK_M, BLOCK_D]`` operand less in
-registers for the whole loop. (The dK/dV and dR kernels load a new query block per tile and
+registers for the whole loop. Where the forward reads TMA tiles (16-bit, 64 x 64), the
+vector comes as a product instead, ``ones [BLOCK_M, 16] x`` a ``[16, BLOCK_N]`` bf16 tile
+holding its two halves (:func:`_rb_tile`, :func:`_rb_add`), so the loop's pipeline loads
+it with k, v and r rather than in the iteration that needs it. (The dK/dV and dR kernels load a new query block per tile and
 take both ``q + u`` and ``q + w``: there the row vector, with r in registers, spilled more on
 sm_90 than the second operand. They read the two operands ready-made, ``[B, H, Tq, D]`` in
 k's dtype, from :func:`_rel_bwd_prep_kernel`, which forms them once per call in the launch
@@ -126,7 +129,7 @@ from ._common import (LOG2E, _bwd_delta_kernel, _combine_splits, _dot, _fold_sca
                       _interpreting, _keep, _key_range, _mask_args, _new_output,
                       _online_softmax_step, _query_block, _seed_arg, _split_targets,
                       _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
-                      check_tma_mode, delta_blocks, next_pow2, tma_args)
+                      check_tma_mode, delta_blocks, next_pow2, row_tiles, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -154,6 +157,40 @@ def _rb_rows(rb_base, row_start, BLOCK_R: tl.constexpr):
     11 -> 8 barriers; the dQ kernel's 1,102 -> 996): the r tile stays in shared memory for
     its product alone."""
     return tl.load(rb_base + row_start + tl.arange(0, BLOCK_R))
+
+
+@triton.jit
+def _rb_tile(rb_base, RBD, h, row_start, BLOCK_R: tl.constexpr, RB_MMA: tl.constexpr):
+    """The row bias of r's rows ``row_start + [0, BLOCK_R)``: the fp32 vector ``[BLOCK_R]``
+    (:func:`_rb_rows`), or (RB_MMA) the ``[BLOCK_R, 16]`` bf16 tile of the launcher's split
+    table that :func:`_rb_add` multiplies (:func:`row_bias_table`; column 0 the high half,
+    column 1 the low, 2-15 zero: 16 more columns of r's rows, in effect), through the
+    descriptor RBD of that table as ``[1, H, R, 16]`` (rows outside ``[0, R)`` read as 0, as
+    the pad). The tile feeds a product, so the loop's TMA pipeline loads it stages ahead
+    with k, v and r; the vector is loaded in the iteration that adds it, in the critical
+    path of the position product."""
+    if RB_MMA:
+        x = RBD.load([0, h, row_start, 0]).reshape(BLOCK_R, 16)
+    else:
+        x = _rb_rows(rb_base, row_start, BLOCK_R)
+    return x
+
+
+@triton.jit
+def _rb_add(qr, rb, UPCAST: tl.constexpr, PRECISION: tl.constexpr, RB_MMA: tl.constexpr,
+            BLOCK_M: tl.constexpr):
+    """``qr [BLOCK_M, BLOCK_R]`` plus the row bias ``rb`` of its columns (:func:`_rb_tile`):
+    added as a vector, or (RB_MMA) as the product ``ones [BLOCK_M, 16] x rbᵀ [16, BLOCK_R]``
+    with ones in columns 0 and 1 (its two halves summed in fp32 on the tensor cores: the row
+    bias to ~2^-16 of its size, in bf16 whatever the call's dtype)."""
+    if not RB_MMA:
+        out = qr + rb[None, :]
+    else:
+        # (tl.where, not a bool's .to(bf16): Triton 3.9's interpreter makes that 0)
+        ones = tl.where(tl.arange(0, 16) < 2, 1.0, 0.0).to(tl.bfloat16)
+        ones = tl.broadcast_to(ones[None, :], [BLOCK_M, 16])
+        out = qr + _dot(ones, tl.trans(rb), UPCAST, PRECISION)
+    return out
 
 
 @triton.jit
@@ -258,13 +295,13 @@ def _skewed(lo, hi, sig, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _rel_scores_chunked(qu, rb_new, k, r_new, prev, sig,
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RB_MMA: tl.constexpr):
     """(scores [BLOCK_M, BLOCK_N], the value to carry to the next tile) of a tile of a loop
     over key blocks with the query block fixed (forward, dQ). Key block ``n`` reads the band
     of r rows ``row0 + n + [0, 2·BLOCK_N)``: chunks ``t = n / BLOCK_N`` and ``t + 1``; the
     next key block reads chunks ``t + 1`` and ``t + 2``. So each tile multiplies ``(q + v)``
     by one new chunk ``r_new`` (``[BLOCK_N, BLOCK_D]``, chunk t + 1; ``rb_new`` its rows'
-    row bias, :func:`_rb_rows`) and keeps the product
+    row bias, :func:`_rb_tile`) and keeps the product
     for the next: the position term costs one ``[BLOCK_M, BLOCK_N]`` product per tile, as
     the content term does, not a band twice as wide. Pair (ii, jj) reads band column
     ``jj + sig_ii`` (``sig``: :func:`_tile_skew`, plus any multiple of 2·BLOCK_N).
@@ -276,7 +313,8 @@ def _rel_scores_chunked(qu, rb_new, k, r_new, prev, sig,
     chooses (on for 16-bit 64 x 64 tiles on a GPU, where the H200 timed it right and
     faster when each tile gathered both chunks without it)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-    qr_new = _dot(qu, tl.trans(r_new), UPCAST, PRECISION) + rb_new[None, :]
+    qr_new = _rb_add(_dot(qu, tl.trans(r_new), UPCAST, PRECISION), rb_new, UPCAST, PRECISION,
+                     RB_MMA, BLOCK_M)
     if CARRY:
         pos_new = _rotate(qr_new, sig, BLOCK_M, BLOCK_N)
         hi = ((tl.arange(0, BLOCK_N)[None, :] + sig[:, None]) & BLOCK_N) != 0
@@ -286,11 +324,13 @@ def _rel_scores_chunked(qu, rb_new, k, r_new, prev, sig,
 
 @triton.jit
 def _first_chunk(qu, rb_first, r_first, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                 CARRY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 CARRY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RB_MMA: tl.constexpr):
     """The carried value of a loop's first tile (see :func:`_rel_scores_chunked`): ``(q +
     v)·chunkᵀ`` of the first chunk of its band (row bias ``rb_first``), rotated with the
     tiles' skew if CARRY."""
-    qr = _dot(qu, tl.trans(r_first), UPCAST, PRECISION) + rb_first[None, :]
+    qr = _rb_add(_dot(qu, tl.trans(r_first), UPCAST, PRECISION), rb_first, UPCAST, PRECISION,
+                 RB_MMA, BLOCK_M)
     if CARRY:
         return _rotate(qr, _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
     return qr
@@ -376,7 +416,7 @@ def _rel_fwd_inner(
     m_i, l_i, acc, start, end,      # running max, normaliser, output; key range [start, end)
     pos_prev,                       # (q + v)·(rows row0 + start + [0, BLOCK_N) of r)ᵀ
                                     # (gathered if CARRY: _rel_scores_chunked)
-    qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
+    qu, rb_base, RBD, seg_q, ef_same, ef_diff, offs_m, offs_d, d_ok,
     k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm, stride_rd,
     row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
     KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
@@ -389,6 +429,7 @@ def _rel_fwd_inner(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
     KD, VD, RD, h, BLOCK_D: tl.constexpr, TMA: tl.constexpr,    # TMA: tiles via KD, VD, RD
     FOLD: tl.constexpr,             # qk_scale > 0 applied in the softmax step's FMA
+    RB_MMA: tl.constexpr,           # the row bias as a product (_rb_tile)
 ):
     """The forward's loop over the key blocks ``[start, end)`` of one query block (as the
     fused-attention tutorial's ``_attn_fwd_inner``): returns (m_i, l_i, acc, pos_prev),
@@ -400,9 +441,10 @@ def _rel_fwd_inner(
         k, v, r = _key_tiles(KD, VD, RD, k_base, v_base, r_base, stride_kn, stride_kd,
                              stride_vn, stride_vd, stride_rm, stride_rd, b, h, start_n, offs_n,
                              Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
-        rb = _rb_rows(rb_base, row0 + start_n + BLOCK_N, BLOCK_N)          # r's rows
+        rb = _rb_tile(rb_base, RBD, h, row0 + start_n + BLOCK_N, BLOCK_N,
+                      RB_MMA)                                              # r's rows
         s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, sig,
-                                          UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
+                                          UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N, RB_MMA)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             s += _seg_term(seg_q, seg_k, ef_same, ef_diff)[0]
@@ -457,6 +499,8 @@ def _rel_attn_fwd_kernel(
                                     # and of r as [1, H, R, D]
     TMA: tl.constexpr = False,      # key and r tiles through KD, VD, RD
     FOLD: tl.constexpr = False,     # qk_scale > 0, applied in the softmax step's FMA
+    RBD=None,                       # RB_MMA: RowTiles of the split table, [1, H, R, 16]
+    RB_MMA: tl.constexpr = False,   # the row bias as a product from RBD (_rb_tile, _rb_add)
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
     bh = tl.program_id(1)
@@ -506,48 +550,49 @@ def _rel_attn_fwd_kernel(
     # the first chunk of the first tile's band (the loops carry it on)
     r_first = _r_tile(RD, r_base, h, row0 + lo, R_len, offs_d, d_ok, stride_rm, stride_rd,
                       BLOCK_N, BLOCK_D, TMA)
-    pos_prev = _first_chunk(qu, _rb_rows(rb_base, row0 + lo, BLOCK_N), r_first,
-                            UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
+    pos_prev = _first_chunk(qu, _rb_tile(rb_base, RBD, h, row0 + lo, BLOCK_N,
+                                         RB_MMA), r_first,
+                            UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N, RB_MMA)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, lo, hi, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
-            d_ok,
+            m_i, l_i, acc, lo, hi, pos_prev, qu, rb_base, RBD, seg_q, ef_same,
+            ef_diff, offs_m, offs_d, d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA, FOLD)
+            BLOCK_D, TMA, FOLD, RB_MMA)
     else:   # boundary tiles before the interior, the interior (no mask work), the rest
         in_lo = tl.minimum(tl.maximum(in_lo, lo), hi)
         in_hi = tl.minimum(tl.maximum(in_hi, in_lo), hi)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, lo, in_lo, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
-            d_ok,
+            m_i, l_i, acc, lo, in_lo, pos_prev, qu, rb_base, RBD, seg_q, ef_same,
+            ef_diff, offs_m, offs_d, d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA, FOLD)
+            BLOCK_D, TMA, FOLD, RB_MMA)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
-            d_ok,
+            m_i, l_i, acc, in_lo, in_hi, pos_prev, qu, rb_base, RBD, seg_q, ef_same,
+            ef_diff, offs_m, offs_d, d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, False, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA, FOLD)
+            BLOCK_D, TMA, FOLD, RB_MMA)
         m_i, l_i, acc, pos_prev = _rel_fwd_inner(
-            m_i, l_i, acc, in_hi, hi, pos_prev, qu, rb_base, seg_q, ef_same, ef_diff, offs_m, offs_d,
-            d_ok,
+            m_i, l_i, acc, in_hi, hi, pos_prev, qu, rb_base, RBD, seg_q, ef_same,
+            ef_diff, offs_m, offs_d, d_ok,
             k_base, v_base, r_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_rm,
             stride_rd, row0, R_len, SEG_K, stride_sk_b, b, bh, Tq, Tk, mem_len, window,
             KPM, stride_kpm_b, stride_kpm_n, RANK, stride_rank_b, stride_rank_t, rank_q,
             seed, qk_scale, p_drop, CAUSAL, HAS_KPM, HAS_PERM, PERM_STRICT, HAS_SEG, DROPOUT,
             WINDOW, True, BLOCK_M, BLOCK_N, BAND, UPCAST, PRECISION, CARRY, KD, VD, RD, h,
-            BLOCK_D, TMA, FOLD)
+            BLOCK_D, TMA, FOLD, RB_MMA)
 
     has_key = l_i != 0      # 0: no key seen; NaN (from the inputs) goes on into out and lse
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -762,7 +807,7 @@ def _rel_bwd_dq_inner(
                              Tk, row0, R_len, offs_d, d_ok, BLOCK_N, BLOCK_D, TMA)
         rb = _rb_rows(rb_base, row0 + n0 + BLOCK_N, BLOCK_N)             # r's rows
         s, pos_prev = _rel_scores_chunked(qu, rb, k, r, pos_prev, sig,
-                                          UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
+                                          UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N, False)
         if HAS_SEG:
             seg_k = tl.load(SEG_K + b * stride_sk_b + offs_n, mask=offs_n < Tk, other=-2)
             seg_s, same = _seg_term(seg_q, seg_k, ef_same, ef_diff)
@@ -952,7 +997,7 @@ def _rel_attn_bwd_dq_kernel(
                       BLOCK_N, BLOCK_D, TMA)
     rb_base = RB + h * stride_rbh
     pos_prev = _first_chunk(qu, _rb_rows(rb_base, r_row, BLOCK_N), r_first,
-                            UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N)
+                            UPCAST, PRECISION, CARRY, BLOCK_M, BLOCK_N, False)
     ds_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if HAS_KPM or HAS_PERM:              # per-element masks: every tile is a boundary tile
         dqu, dqw, a_diff, p_diff, ds_all, pos_prev, ds_prev, r_row = _rel_bwd_dq_inner(
@@ -1341,6 +1386,13 @@ def _rel_dr_gemm_kernel(
              mask=(offs_r[:, None] < R_len) & d_ok)
 
 
+def _upcast(dtype: torch.dtype) -> bool:
+    """The forward's UPCAST: products in fp32 under the interpreter, for bf16 calls (whose
+    dots it gets wrong) and fp16 ones (whose row bias product is bf16, :func:`_rb_add`;
+    fp16 products are exact in fp32, so their other dots do not change)."""
+    return _interpreting() and dtype in (torch.bfloat16, torch.float16)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision`` (a constexpr), decided once per call by the launcher
     (inside the custom op, so torch.compile never traces it). fp32 runs on the tensor
@@ -1458,12 +1510,14 @@ def _dr_gemm_launch() -> dict:
 
 
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
-#: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str, "fold": bool}``:
+#: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str, "fold": bool,
+#: "rb_mma": bool}``:
 #: replaces :func:`_config`'s tile (not the decoding one) and :func:`_bwd_launch`'s rows for
 #: every call while set; "carry" turns on the forward's and dQ kernel's carried gather
 #: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`, "tma"
 #: :data:`TMA_MODE`, "fold" False scales the forward's tile before the softmax step (the
-#: form before its FOLD). Empty in normal use; the GPU config sweep
+#: form before its FOLD), "rb_mma" False adds the forward's row bias as a vector
+#: (:func:`_rb_mma_args`). Empty in normal use; the GPU config sweep
 #: (benchmarks/config_sweep.py) sets it to time (and check) candidates on the same inputs.
 #: The tuner's rows (kernels/_tune.py, ``CTXFAST_AUTOTUNE=on``) use the same names and come
 #: first.
@@ -1486,6 +1540,24 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
     if carry is not None:
         return bool(carry)
     return not _interpreting() and dtype.itemsize == 2 and next_pow2(D) <= 64
+
+
+def _rb_mma_args(tma: dict, dtype: torch.dtype, bm: int, bn: int, split_table) -> dict:
+    """The forward's RBD and RB_MMA (:func:`_rb_tile`): where the launch reads its tiles
+    through TMA descriptors (``tma``, :func:`_tma_args`), 16-bit, in 64 x 64 tiles, the row
+    bias comes as a product's operand, the split table (``split_table()``,
+    :func:`row_bias_table`), whose tiles ride the loop's TMA pipeline with k, v and r.
+    sm_90 SASS of the bf16 D 64 TMA forward's loop: 642 -> 593 instructions a tile, its 16
+    loads gone, one 64 x 64 x 16 product more, no spill; not timed on a GPU. Not taken
+    elsewhere, by the same count: the dQ kernel (TMA 1,151 -> 1,163 instructions, 224 ->
+    244 B spilled), the D 128 TMA tiles (420 -> 421, 204 -> 242 registers), the same tile
+    through pointers (cp.async; forward 684 -> 667 but 12 -> 56 B spilled), and float32 (a
+    TF32 product would round it). ``LAUNCH_OVERRIDE["rb_mma"]`` False turns it off."""
+    if (not tma or dtype.itemsize != 2 or bm != 64 or bn != 64
+            or _override("rb_mma") is False):
+        return {}
+    rbd = row_tiles(split_table().unsqueeze(0), bn, 16)
+    return dict(RBD=rbd, RB_MMA=True) if rbd is not None else {}
 
 
 #: How the backward computes dr: "kernel" (the dR kernel along the score diagonals,
@@ -1584,7 +1656,8 @@ def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
 _TUNE_CANDIDATES = {
     ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "off"},
                         {"tma": "on", "fwd": (4, 1)}, {"carry": False},
-                        {"fold": False}],     # the tile scaled first: the FOLD's measure
+                        {"fold": False},      # the tile scaled first: the FOLD's measure
+                        {"rb_mma": False}],   # the row bias as a vector (_rb_mma_args)
     # (8 warps: no spill since the operands come ready-made, 2026-11-28; (8, 1) timed
     # slower in round 3, when q + u and q + w were formed per tile)
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
@@ -1626,6 +1699,9 @@ def _candidates(kernel, D, dtype, tma_ok):
     table = _table_tma(kernel, tile, tile)
     same_tma = (lambda c: c.keys() == {"tma"}        # TMA as the table has it: its launch
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
+    # the row bias as a vector: the table launch's own where that takes no TMA tiles
+    same_rb = (lambda c: c.keys() == {"rb_mma"}
+               and not (tma_ok and check_tma_mode(TMA_MODE, table)))
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
     adds = ("atomic", "bulk")
@@ -1634,7 +1710,8 @@ def _candidates(kernel, D, dtype, tma_ok):
                   if (tma_ok or ("tma" not in c and c.get("dr_mode") != "bulk"))
                   and c.get("carry", not carry) != carry
                   and ("dr_mode" not in c or c["dr_mode"] != dr)
-                  and not (deterministic and c.get("dr_mode") in adds) and not same_tma(c)]
+                  and not (deterministic and c.get("dr_mode") in adds) and not same_tma(c)
+                  and not same_rb(c)]
     if kernel == "dr":
         return lambda chosen: [{}] if chosen.get("dr_mode", dr) in no_dr_kernel else out
     return out
@@ -1800,11 +1877,13 @@ def _bwd_prep(do, out, q, u, w, dtype, seg_embed=None, r_s_bias=None):
 def _row_bias_kernel(
     R, stride_rh, stride_rm, stride_rd,  # r [H, R, D], any strides
     U, W,                   # r_w_bias, r_r_bias [H, D] contiguous
-    RB,                     # table [H, R_len + 2·pad] fp32 contiguous, written (every entry)
-    R_len, D, pad,
+    RB,                     # table [H, width] fp32 (SPLIT: [H, width, 16] bf16) contiguous,
+                            # written (every entry)
+    R_len, D, pad, width,   # width >= R_len + 2·pad
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,    # bf16 halves: column 0 the value rounded, 1 the rest, 2-15 zero
 ):
-    """One block of table rows of one head: ``(w − u)·r_m`` for r's rows, 0 in the pad."""
+    """One block of table entries of one head: ``(w − u)·r_m`` for r's rows, 0 in the pad."""
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)        # table rows
     m = t - pad                                                   # r's rows
@@ -1815,11 +1894,20 @@ def _row_bias_kernel(
     in_r = (m >= 0) & (m < R_len)
     r = tl.load(R + h * stride_rh + m[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                 mask=in_r[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(RB + h * (R_len + 2 * pad) + t, tl.sum(r * wu[None, :], 1),
-             mask=t < R_len + 2 * pad)
+    val = tl.sum(r * wu[None, :], 1)
+    if SPLIT:
+        hi = val.to(tl.bfloat16)
+        lo = (val - hi.to(tl.float32)).to(tl.bfloat16)
+        k = tl.arange(0, 16)[None, :]
+        tile = tl.where(k == 0, hi.to(tl.float32)[:, None],
+                        tl.where(k == 1, lo.to(tl.float32)[:, None], 0.0))
+        tl.store(RB + (h * width + t[:, None]) * 16 + k, tile.to(tl.bfloat16),
+                 mask=(t < width)[:, None])
+    else:
+        tl.store(RB + h * width + t, val, mask=t < width)
 
 
-def row_bias_table(r, r_w_bias, r_r_bias, pad: int):
+def row_bias_table(r, r_w_bias, r_r_bias, pad: int, split: bool = False):
     """``(r_r_bias − r_w_bias)·r_m`` for every row m of r: fp32 ``[H, R]`` (r ``[H, R, D]``,
     the biases ``[H, D]`` contiguous), the row bias the forward and dQ kernels add to their
     ``(q + r_w_bias)·rᵀ`` tiles (:func:`_rb_rows`), products and sums in fp32 (as the
@@ -1827,15 +1915,21 @@ def row_bias_table(r, r_w_bias, r_r_bias, pad: int):
     side: a tile's band reaches at most BLOCK_M rows before row 0 and 2·BLOCK_N past row
     R − 1 (the bounds of ``rel_attention``'s r check, the causal diagonal and the key range),
     so the kernels read it without a mask; pad = BLOCK_M + 2·BLOCK_N. One launch
-    (:func:`_row_bias_kernel`), the pad written with the rest."""
+    (:func:`_row_bias_kernel`), the pad written with the rest.
+
+    ``split``: ``[H, R, 16]`` bf16 instead (a view of ``[H, width, 16]``: a TMA view), the
+    tiles :func:`_rb_add` multiplies: column 0 each value rounded to bf16, column 1 the
+    rest rounded, 2-15 zero (the two sum to the value within ~2^-16 of it)."""
     H, R, D = r.shape
     width = R + 2 * pad
-    table = torch.empty((H, width), dtype=torch.float32, device=r.device)
+    shape = (H, width, 16) if split else (H, width)
+    table = torch.empty(shape, dtype=torch.bfloat16 if split else torch.float32,
+                        device=r.device)
     if H > 0:
         block_r = 64 if D <= 128 else 32
         fast(_row_bias_kernel)[(cdiv(width, block_r), H)](
-            r, *r.stride(), r_w_bias, r_r_bias, table, R, D, pad,
-            BLOCK_R=block_r, BLOCK_D=max(16, next_pow2(D)), num_warps=4)
+            r, *r.stride(), r_w_bias, r_r_bias, table, R, D, pad, width,
+            BLOCK_R=block_r, BLOCK_D=max(16, next_pow2(D)), SPLIT=split, num_warps=4)
     return table[:, pad:pad + R]
 
 
@@ -1879,6 +1973,12 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     split = num_splits > 1
     u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
     rb = row_bias_table(r, u, w, bm + 2 * bn)
+    tables = {}
+
+    def split_table():  # made once, where a launch takes it (_rb_mma_args)
+        if not tables:
+            tables["split"] = row_bias_table(r, u, w, bm + 2 * bn, split=True)
+        return tables["split"]
     seed_arg = _seed_arg(q, dropout_p, seed)
 
     def run():          # the launch rows read here: the tuner's when it has chosen some
@@ -1896,10 +1996,10 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
             HAS_PERM=perm_rank is not None, PERM_STRICT=perm_strict, HAS_SEG=has_seg,
             DROPOUT=dropout_p > 0, WINDOW=window is not None, SPLIT_K=split,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
-            UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-            PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
+            UPCAST=_upcast(q.dtype), PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
             FOLD=_fold_scale(scale) and _override("fold") is not False,
             num_warps=warps, num_stages=stages, **tma,
+            **_rb_mma_args(tma, q.dtype, bm, bn, split_table),
         )
         if split:
             _combine_splits(o_target, l_target, out, lse)
@@ -1995,13 +2095,12 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 dr_acc = torch.zeros((H, R, D), dtype=torch.float32, device=q.device) \
                     if atomic else dq
                 bulk = _dr_bulk_args(dr_acc, bn, bd) if mode == "bulk" else {}
+            tma = _tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
             fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
                 q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, rb, rb.stride(0), dq_out,
                 d_bias, seg_a, dr_acc,
                 kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"],
-                ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype),
-                **_tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn,
-                            bd), **bulk)
+                ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype), **tma, **bulk)
             if stored:
                 br = 16 if _interpreting() else 64 if k.dtype.itemsize == 2 else 32
                 c = pos_start - (Tk - Tq)

@@ -400,6 +400,66 @@ def test_row_bias_table(dtype):
     whole = table.as_strided((H, R + 2 * pad), (table.stride(0), 1),
                              table.storage_offset() - pad)
     assert (whole[:, :pad] == 0).all() and (whole[:, pad + R:] == 0).all()
+    # split: [H, R, 16] bf16, columns 0 and 1 the value's two halves, the rest 0, a TMA view
+    split = krel.row_bias_table(r, u, w, pad, split=True)
+    assert split.shape == (H, R, 16) and split.dtype == torch.bfloat16
+    halves = split[..., 0].double() + split[..., 1].double()
+    assert (halves - table.double()).abs().max() <= 2 ** -15 * table.abs().max()
+    assert (split[..., 1] != 0).any() and (split[..., 2:] == 0).all()
+    whole = split.as_strided((H, R + 2 * pad, 16), (split.stride(0), 16, 1),
+                             split.storage_offset() - 16 * pad)
+    assert (whole[:, :pad] == 0).all() and (whole[:, pad + R:] == 0).all()
+    assert krel.row_tiles(split.unsqueeze(0), 64, 16) is not None
+
+
+def check_row_bias_product(monkeypatch, B, H, Tq, mem, D, dtype):
+    """The forward's lse with the row bias as a product (the launch's default) and as a
+    vector (the "rb_mma" override off) on the same inputs, r 9 rows longer than the keys:
+    within 2^-13 of the largest row bias (in the kernel's base-2 units: 8x what rounding it
+    to two bf16 halves can move; dropping the low half moves it ~30x the bound)."""
+    import ctxfast.kernels.rel_attention as krel
+    from ctxfast.kernels._common import LOG2E
+    q, k, v, r, u, w = _inputs(B, H, Tq, Tq + mem, D, Tq + mem + 9, dtype)
+    w = (w.float() * 3).to(dtype)                       # row biases well away from 0
+    _, lse = krel.rel_attention_forward(q, k, v, r, u, w)
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "rb_mma", False)
+    _, lse_v = krel.rel_attention_forward(q, k, v, r, u, w)
+    monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "rb_mma")
+    rb = krel.row_bias_table(r, u.contiguous(), w.contiguous(), 0)
+    bound = 2 ** -13 * rb.abs().max().item() * D ** -0.5 * LOG2E
+    worst = (lse - lse_v).abs().max().item()
+    assert worst <= bound, f"lse moved {worst:.3e} > {bound:.3e}"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_row_bias_as_a_product_on_tma_tiles(monkeypatch, dtype):
+    """The forward on TMA tiles (64 x 64, 16-bit: TMA_MODE "auto"'s) adds the row bias as
+    ``ones x`` the split table's tile (RB_MMA, _rb_mma_args), and nowhere else (dQ, 16-row
+    tiles, float32, the override off): a spy sees the flag. Its lse agrees with the vector
+    path's on the same inputs within what rounding the row bias to two bf16 halves can move
+    (2^-13 of the largest row bias, in the kernel's base-2 units: dropping the low half moves
+    it ~30x that), and the module's 16-bit reference check passes at these tiles. Odd
+    lengths, memory, two query blocks, r longer than the keys."""
+    import ctxfast.kernels.rel_attention as krel
+    import test_rel_attention as rel_tests
+    if not krel._has_tma(torch.device(DEVICE)):
+        pytest.skip("TMA descriptors need the interpreter or compute capability 9+")
+    monkeypatch.setattr(krel, "TMA_MODE", "auto")
+    seen = spy_launches(monkeypatch, krel, ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dq_kernel"),
+                        lambda args, kwargs: kwargs.get("RB_MMA", False))
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "tile", 64)
+    check_row_bias_product(monkeypatch, 2, 2, 70, 33, 32, dtype)
+    assert seen == [("_rel_attn_fwd_kernel", True), ("_rel_attn_fwd_kernel", False)], seen
+    seen.clear()
+    rel_tests.test_half_dtypes(dtype)                   # against float64, 2x eager, fwd + bwd
+    assert ("_rel_attn_fwd_kernel", True) in seen
+    assert ("_rel_attn_bwd_dq_kernel", True) not in seen, seen
+    monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "tile")
+    seen.clear()
+    rel_tests.test_half_dtypes(dtype)                   # 16-row tiles: the vector
+    assert seen and not any(mma for _, mma in seen), seen
+    assert not krel._rb_mma_args({"TMA": True}, torch.float32, 64, 64, lambda: None)
 
 
 @needs_triton

@@ -89,3 +89,21 @@ def test_training_shape_dr_modes(monkeypatch, mode):
         pytest.skip("TMA needs compute capability 9 or later")
     monkeypatch.setattr(krel, "DR_MODE", mode)
     check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_row_bias_product_at_a_training_shape(monkeypatch, dtype):
+    """The forward's row bias as a product of TMA tiles (its default at 64 x 64, 16-bit,
+    sm_90+) against the same forward adding it as a vector: rows of r before 0 and past R
+    read through the descriptor (negative coordinates included), every tile of 8 query
+    blocks (test_rel_attention_bwd.check_row_bias_product's bound)."""
+    import ctxfast.kernels.rel_attention as krel
+    from test_rel_attention_bwd import check_row_bias_product
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9 or later")
+    seen = []
+    real = krel._rb_mma_args
+    monkeypatch.setattr(krel, "_rb_mma_args", lambda *a: seen.append(real(*a)) or seen[-1])
+    check_row_bias_product(monkeypatch, 2, 4, 512, 1024, 64, dtype)
+    assert seen[0].get("RB_MMA") and not seen[1], seen
+
