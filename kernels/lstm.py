@@ -198,6 +198,14 @@ def _cell_fwd_tile(
     j = hb * BLOCK_H + r % BLOCK_H
     rows = (r // BLOCK_H) * H + j                                       # [4·BLOCK_H]
     rows_in = j < H
+    io = b_in[:, None] & h_in[None, :]
+    rowh = offs_b[:, None] * H + offs_h[None, :]
+    # The step's input projection and c_{t-1}, loaded before the product loop: they do not
+    # depend on h, so their latency passes under the loop instead of after it (the loop's
+    # pipeline stages only the loads that feed its product).
+    xw = tl.load(xw_ptr + offs_b[:, None] * (4 * H) + rows[None, :],
+                 mask=b_in[:, None] & rows_in[None, :], other=0.0)
+    c_prev = tl.load(c_ptr + rowh, mask=io, other=0.0)
     acc = tl.zeros((BLOCK_B, 4 * BLOCK_H), dtype=ACC)
     for k0 in range(0, P, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -211,17 +219,14 @@ def _cell_fwd_tile(
         if HAS_MASK:                                                   # DropConnect, in-tile
             w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
         acc += _dot(h, tl.trans(w), UPCAST, PRECISION)
-    z = acc * scale + tl.load(xw_ptr + offs_b[:, None] * (4 * H) + rows[None, :],
-                              mask=b_in[:, None] & rows_in[None, :], other=0.0).to(ACC)
+    z = acc * scale + xw.to(ACC)
     z_i, z_f, z_g, z_o = _split4(z, BLOCK_B, BLOCK_H)                  # 4 x [BLOCK_B, BLOCK_H]
     i = tl.sigmoid(z_i)
     f = tl.sigmoid(z_f)
     g = _tanh(z_g)
     o = tl.sigmoid(z_o)
-    io = b_in[:, None] & h_in[None, :]
     row4 = offs_b[:, None] * (4 * H) + offs_h[None, :]                 # gate i's column in [B, 4H]
-    rowh = offs_b[:, None] * H + offs_h[None, :]
-    c = f * tl.load(c_ptr + rowh, mask=io, other=0.0) + i * g
+    c = f * c_prev + i * g
     ty = gates_ptr.dtype.element_ty
     c_st = c.to(ty)
     if CELL_CLIP:
