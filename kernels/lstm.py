@@ -488,6 +488,19 @@ def _cell_bwd_tile(
     b_in = offs_b < B
     h_in = offs_h < H
     io = b_in[:, None] & h_in[None, :]
+    # the step's saved values and carried dc, loaded before dhp: none depends on it, so
+    # their latency passes under the projection's product loop (HAS_PROJ) and the partials'
+    # loads instead of after them
+    row4 = offs_b[:, None] * (4 * H) + offs_h[None, :]
+    rowh = offs_b[:, None] * H + offs_h[None, :]
+    i = tl.load(gates_ptr + row4, mask=io, other=0.0).to(ACC)
+    f = tl.load(gates_ptr + row4 + H, mask=io, other=0.0).to(ACC)
+    g = tl.load(gates_ptr + row4 + 2 * H, mask=io, other=0.0).to(ACC)
+    o = tl.load(gates_ptr + row4 + 3 * H, mask=io, other=0.0).to(ACC)
+    c = tl.load(cells_ptr + rowh, mask=io, other=0.0).to(ACC)
+    dc_in = (tl.load(dc_ptr + rowh, mask=io, other=0.0).to(ACC)
+             + tl.load(gc_ptr + rowh, mask=io, other=0.0).to(ACC))
+    c_prev = tl.load(cprev_ptr + rowh, mask=io, other=0.0).to(ACC)
     if (KSPLIT > 0) and (not HAS_PROJ):             # no projection: P = H, dhp = dh̃_t
         rowp = offs_b[:, None] * P + offs_h[None, :]
         if from_parts:
@@ -511,20 +524,10 @@ def _cell_bwd_tile(
     else:
         dhp = tl.load(dh_ptr + offs_b[:, None] * P + offs_h[None, :], mask=io, other=0.0,
                       cache_modifier=".cg").to(ACC)
-    row4 = offs_b[:, None] * (4 * H) + offs_h[None, :]
-    rowh = offs_b[:, None] * H + offs_h[None, :]
-    i = tl.load(gates_ptr + row4, mask=io, other=0.0).to(ACC)
-    f = tl.load(gates_ptr + row4 + H, mask=io, other=0.0).to(ACC)
-    g = tl.load(gates_ptr + row4 + 2 * H, mask=io, other=0.0).to(ACC)
-    o = tl.load(gates_ptr + row4 + 3 * H, mask=io, other=0.0).to(ACC)
-    c = tl.load(cells_ptr + rowh, mask=io, other=0.0).to(ACC)
     tc = _tanh(c)
-    dc = (tl.load(dc_ptr + rowh, mask=io, other=0.0).to(ACC)
-          + tl.load(gc_ptr + rowh, mask=io, other=0.0).to(ACC)
-          + dhp * o * (1.0 - tc * tc))
+    dc = dc_in + dhp * o * (1.0 - tc * tc)
     if CELL_CLIP:
         dc = tl.where(tl.abs(c) < tl.load(prm_ptr), dc, 0.0)
-    c_prev = tl.load(cprev_ptr + rowh, mask=io, other=0.0).to(ACC)
     dz_i = dc * g * i * (1.0 - i)
     dz_f = dc * c_prev * f * (1.0 - f)
     dz_g = dc * i * (1.0 - g * g)
