@@ -24,11 +24,12 @@ content and the position term) and add the per-row vector ``(w − u)·r_m`` of 
 the ``(q + u)·rᵀ`` product (:func:`_rb_rows`, read from a ``[H, R]`` table the launcher
 computes once, :func:`row_bias_table`): one ``[BLOCK_M, BLOCK_D]`` operand less in
 registers for the whole loop. Where the forward reads TMA tiles (16-bit, 64 x 64), the
-vector comes as a product instead, ``ones [BLOCK_M, 16] x`` a ``[16, BLOCK_N]`` bf16 tile
-holding its two halves (:func:`_rb_tile`, :func:`_rb_add`), so the loop's pipeline loads
-it with k, v and r rather than in the iteration that needs it. (The dK/dV and dR kernels load a new query block per tile and
-take both ``q + u`` and ``q + w``: there the row vector, with r in registers, spilled more on
-sm_90 than the second operand. They read the two operands ready-made, ``[B, H, Tq, D]`` in
+vector comes as a product instead, ``ones [BLOCK_M, 16]`` times a ``[BLOCK_N, 16]`` bf16
+tile (transposed) holding its two halves (:func:`_rb_tile`, :func:`_rb_add`), so the
+loop's pipeline loads it with k, v and r rather than in the iteration that needs it.
+(The dK/dV and dR kernels load a new query block per tile and take both ``q + u`` and
+``q + w``: there the row vector, with r in registers, spilled more on sm_90 than the
+second operand. They read the two operands ready-made, ``[B, H, Tq, D]`` in
 k's dtype, from :func:`_rel_bwd_prep_kernel`, which forms them once per call in the launch
 that computes Δ, instead of loading q and forming both at every tile: sm_90 SASS of the
 bf16 D 64 dK/dV loop 991 -> 940 instructions a tile, spill reloads in it 25 -> 0.)
