@@ -25,6 +25,13 @@ trip of the loop's body when nothing inside it branches. Not loops, and left out
 What the counts are: issue slots of a warp per trip (each instruction is issued once per
 warp). They say nothing of latency, of the tensor cores' time, or of shared-memory bank
 conflicts; a timing on a GPU does. Used for benchmarks/NOTES.md's "instructions a tile".
+
+``--loads`` also lists the loads inside loops that Triton's pipeliner left in place (plain
+``tt.load`` in the TTGIR; the staged ones are ``async_copy`` / TMA copies): it stages only
+loads that feed a ``tl.dot`` operand, so a load whose value a loop adds, compares or stores
+waits in the iteration that uses it (as rel_attention's row bias did)::
+
+    python benchmarks/sass_loops.py "lstm bf16 ULMFiT B=64 H=1152 mask" lstm_fwd --loads
 """
 import argparse
 import collections
@@ -63,6 +70,27 @@ def loops(sass: str, spin: bool = False):
         if ops["EXIT"] or (not spin and sum(ops.values()) <= 3):
             continue
         found.append((labels[m.group(1)], i, ops))
+    return found
+
+
+_LOAD = re.compile(r"^(%[\w#]+) = tt\.load ")
+
+
+def plain_loads(ttgir: str):
+    """[(value name, pointer type)] of the ``tt.load`` ops inside loops (``scf.for`` /
+    ``scf.while`` regions, nested regions included) of a kernel's TTGIR: the loads the
+    pipeliner did not stage."""
+    found, regions = [], []             # regions: is each open region (a) loop's?
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith("}") and regions:
+            regions.pop()
+        m = _LOAD.search(text)
+        if m and any(regions):           # the type: after the last " : ", before loc(...)
+            ty = text.rsplit(" loc(", 1)[0].rsplit(" : ", 1)[-1]
+            found.append((re.sub(r"_\d+$", "", m.group(1)), ty))
+        if text.endswith("{"):
+            regions.append("scf.for" in text or "scf.while" in text)
     return found
 
 
@@ -105,6 +133,8 @@ def main(argv=None):
     p.add_argument("--ops", default="", help="comma-separated opcodes to print (default: all)")
     p.add_argument("--spin", action="store_true", help="also print the barrier spin loops")
     p.add_argument("--sass", metavar="FILE", help="also write the whole SASS here")
+    p.add_argument("--loads", action="store_true",
+                   help="also list the loads inside loops the pipeliner left in place")
     p.add_argument("--override", action="append", default=[], metavar="MODULE:JSON",
                    help="launch rows for the recording: kernels.MODULE.LAUNCH_OVERRIDE "
                         "updated with the JSON dict (lists for tuples), e.g. "
@@ -137,6 +167,11 @@ def main(argv=None):
         shown = [(o, ops[o]) for o in wanted] if wanted else ops.most_common()
         print(f"loop at SASS lines {first}-{last}: {sum(ops.values())} instructions; "
               + " ".join(f"{o} {n}" for o, n in shown))
+    if args.loads:
+        found = plain_loads(ck.asm["ttgir"])
+        print(f"plain loads in loops (TTGIR): {len(found)}")
+        for (name, ty), n in collections.Counter(found).most_common():
+            print(f"  {n} x {name}: {ty}")
 
 
 if __name__ == "__main__":

@@ -1466,3 +1466,25 @@ def test_sass_loops_counts_loop_bodies_not_out_of_line_waits():
     spins = [(first, last) for first, last, _ in tool.loops(sass, spin=True)]
     assert spins == [(1, 8), (11, 13)]
     assert tool.opcode("@!P1 FSEL R108, R25, R24, !P1") == "FSEL"
+    # --loads: the TTGIR loads inside loops (an if and a reduce nested in one) and not
+    # those before or after it
+    ttgir = "\n".join([
+        "    %q = tt.load %q_ptr : tensor<64x64x!tt.ptr<bf16>, #blocked> loc(#loc1)",
+        "    %acc:2 = scf.for %i = %c0 to %n step %c64 iter_args(%a = %z) -> (f32) : i32 {",
+        "      %rb_218 = tt.load %rb_217 : tensor<64x!tt.ptr<f32>, #ttg.slice<{dim = 0}>> loc(#l)",
+        "      %m = \"tt.reduce\"(%x) <{axis = 1 : i32}> ({",
+        "      ^bb0(%u: f32, %v: f32):",
+        "        tt.reduce.return %u : f32 loc(#l)",
+        "      }) : (tensor<64x64xf32, #mma>) -> tensor<64xf32> loc(#l)",
+        "      %y = scf.if %p -> (f32) {",
+        "        %s_3 = tt.load %sp : !tt.ptr<f32> loc(#l)",
+        "        scf.yield %s_3 : f32 loc(#l)",
+        "      } else {",
+        "        scf.yield %a : f32 loc(#l)",
+        "      } loc(#l)",
+        "      scf.yield %y : f32 loc(#l)",
+        "    } loc(#loc9)",
+        "    %c = tt.load %c_ptr : tensor<64x!tt.ptr<f32>, #blocked> loc(#loc1)",
+    ])
+    assert tool.plain_loads(ttgir) == [
+        ("%rb", "tensor<64x!tt.ptr<f32>, #ttg.slice<{dim = 0}>>"), ("%s", "!tt.ptr<f32>")]
