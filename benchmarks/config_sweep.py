@@ -93,8 +93,8 @@ REL_VARIANTS = {
     # the other way, timed beside it
     "no_carry": ({"carry": False}, ("fwd", "dq"), (None, (4, 1), (4, 3), (8, 3))),
     "atomic_dr": ({"dr_mode": "atomic"}, ("dq",), (None, (4, 3), (8, 1))),
-    # the forward's row bias added as a vector (its default on TMA tiles: a product's operand)
-    "no_rb_mma": ({"rb_mma": False}, ("fwd",), (None, (4, 1), (8, 3))),
+    # the forward's row bias as a product's operand on its TMA tiles (RB_MMA, opt-in)
+    "rb_mma": ({"rb_mma": True}, ("fwd",), (None, (4, 1), (8, 3))),
 }
 KERNEL_NAMES = {
     ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",

@@ -24,9 +24,10 @@ content and the position term) and add the per-row vector ``(w − u)·r_m`` of 
 the ``(q + u)·rᵀ`` product (:func:`_rb_rows`, read from a ``[H, R]`` table the launcher
 computes once, :func:`row_bias_table`): one ``[BLOCK_M, BLOCK_D]`` operand less in
 registers for the whole loop. Where the forward reads TMA tiles (16-bit, 64 x 64), the
-vector comes as a product instead, ``ones [BLOCK_M, 16]`` times a ``[BLOCK_N, 16]`` bf16
-tile (transposed) holding its two halves (:func:`_rb_tile`, :func:`_rb_add`), so the
-loop's pipeline loads it with k, v and r rather than in the iteration that needs it.
+vector can come as a product instead (:data:`RB_MMA`, opt-in until a GPU times it),
+``ones [BLOCK_M, 16]`` times a ``[BLOCK_N, 16]`` bf16 tile (transposed) holding its two
+halves (:func:`_rb_tile`, :func:`_rb_add`), so the loop's pipeline loads it with k, v and
+r rather than in the iteration that needs it.
 (The dK/dV and dR kernels load a new query block per tile and take both ``q + u`` and
 ``q + w``: there the row vector, with r in registers, spilled more on sm_90 than the
 second operand. They read the two operands ready-made, ``[B, H, Tq, D]`` in
@@ -1517,8 +1518,8 @@ def _dr_gemm_launch() -> dict:
 #: every call while set; "carry" turns on the forward's and dQ kernel's carried gather
 #: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`, "tma"
 #: :data:`TMA_MODE`, "fold" False scales the forward's tile before the softmax step (the
-#: form before its FOLD), "rb_mma" False adds the forward's row bias as a vector
-#: (:func:`_rb_mma_args`). Empty in normal use; the GPU config sweep
+#: form before its FOLD), "rb_mma" replaces :data:`RB_MMA` (the forward's row bias as a
+#: product's operand, :func:`_rb_mma_args`). Empty in normal use; the GPU config sweep
 #: (benchmarks/config_sweep.py) sets it to time (and check) candidates on the same inputs.
 #: The tuner's rows (kernels/_tune.py, ``CTXFAST_AUTOTUNE=on``) use the same names and come
 #: first.
@@ -1543,19 +1544,27 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
     return not _interpreting() and dtype.itemsize == 2 and next_pow2(D) <= 64
 
 
+#: Whether the forward takes its row bias as a product's operand where it can
+#: (:func:`_rb_mma_args`): off until a GPU has run and timed it (its descriptor, a
+#: ``[64, 16]`` bf16 box at any row, is new to the hardware path); ``CTXFAST_REL_RB_MMA=1``
+#: or ``LAUNCH_OVERRIDE["rb_mma"]`` True turns it on, and the tuner offers it.
+RB_MMA = os.environ.get("CTXFAST_REL_RB_MMA", "0") == "1"
+
+
 def _rb_mma_args(tma: dict, dtype: torch.dtype, bm: int, bn: int, split_table) -> dict:
-    """The forward's RBD and RB_MMA (:func:`_rb_tile`): where the launch reads its tiles
-    through TMA descriptors (``tma``, :func:`_tma_args`), 16-bit, in 64 x 64 tiles, the row
-    bias comes as a product's operand, the split table (``split_table()``,
-    :func:`row_bias_table`), whose tiles ride the loop's TMA pipeline with k, v and r.
-    sm_90 SASS of the bf16 D 64 TMA forward's loop: 642 -> 593 instructions a tile, its 16
-    loads gone, one 64 x 64 x 16 product more, no spill; not timed on a GPU. Not taken
-    elsewhere, by the same count: the dQ kernel (TMA 1,151 -> 1,163 instructions, 224 ->
-    244 B spilled), the D 128 TMA tiles (420 -> 421, 204 -> 242 registers), the same tile
-    through pointers (cp.async; forward 684 -> 667 but 12 -> 56 B spilled), and float32 (a
-    TF32 product would round it). ``LAUNCH_OVERRIDE["rb_mma"]`` False turns it off."""
+    """The forward's RBD and RB_MMA (:func:`_rb_tile`) where :data:`RB_MMA` (or the
+    override "rb_mma") asks for them and the launch reads its tiles through TMA descriptors
+    (``tma``, :func:`_tma_args`), 16-bit, in 64 x 64 tiles: the row bias comes as a
+    product's operand, the split table (``split_table()``, :func:`row_bias_table`), whose
+    tiles ride the loop's TMA pipeline with k, v and r. sm_90 SASS of the bf16 D 64 TMA
+    forward's loop: 642 -> 593 instructions a tile, its 16 loads gone, one 64 x 64 x 16
+    product more, no spill; not timed on a GPU. Not offered elsewhere, by the same count:
+    the dQ kernel (TMA 1,151 -> 1,163 instructions, 224 -> 244 B spilled), the D 128 TMA
+    tiles (420 -> 421, 204 -> 242 registers), the same tile through pointers (cp.async;
+    forward 684 -> 667 but 12 -> 56 B spilled), and float32 (a TF32 product would round
+    it)."""
     if (not tma or dtype.itemsize != 2 or bm != 64 or bn != 64
-            or _override("rb_mma") is False):
+            or not _override("rb_mma", RB_MMA)):
         return {}
     rbd = row_tiles(split_table().unsqueeze(0), bn, 16)
     return dict(RBD=rbd, RB_MMA=True) if rbd is not None else {}
@@ -1658,7 +1667,7 @@ _TUNE_CANDIDATES = {
     ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "off"},
                         {"tma": "on", "fwd": (4, 1)}, {"carry": False},
                         {"fold": False},      # the tile scaled first: the FOLD's measure
-                        {"rb_mma": False}],   # the row bias as a vector (_rb_mma_args)
+                        {"rb_mma": True}],    # the row bias as a product (_rb_mma_args)
     # (8 warps: no spill since the operands come ready-made, 2026-11-28; (8, 1) timed
     # slower in round 3, when q + u and q + w were formed per tile)
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
@@ -1703,9 +1712,9 @@ def _candidates(kernel, D, dtype, tma_ok):
     table = _table_tma(kernel, tile, tile)
     same_tma = (lambda c: c.keys() == {"tma"}        # TMA as the table has it: its launch
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
-    # the row bias as a vector: the table launch's own where that takes no TMA tiles
+    # the row bias as a product: the table launch's own where that takes no TMA tiles
     same_rb = (lambda c: c.keys() == {"rb_mma"}
-               and not (tma_ok and check_tma_mode(TMA_MODE, table)))
+               and (c["rb_mma"] == RB_MMA or not (tma_ok and check_tma_mode(TMA_MODE, table))))
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
     adds = ("atomic", "bulk")

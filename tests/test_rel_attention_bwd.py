@@ -413,14 +413,15 @@ def test_row_bias_table(dtype):
 
 
 def check_row_bias_product(monkeypatch, B, H, Tq, mem, D, dtype):
-    """The forward's lse with the row bias as a product (the launch's default) and as a
-    vector (the "rb_mma" override off) on the same inputs, r 9 rows longer than the keys:
+    """The forward's lse with the row bias as a product (the "rb_mma" override on) and as
+    a vector (off) on the same inputs, r 9 rows longer than the keys:
     within 2^-13 of the largest row bias (in the kernel's base-2 units: 8x what rounding it
     to two bf16 halves can move; dropping the low half moves it ~30x the bound)."""
     import ctxfast.kernels.rel_attention as krel
     from ctxfast.kernels._common import LOG2E
     q, k, v, r, u, w = _inputs(B, H, Tq, Tq + mem, D, Tq + mem + 9, dtype)
     w = (w.float() * 3).to(dtype)                       # row biases well away from 0
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "rb_mma", True)
     _, lse = krel.rel_attention_forward(q, k, v, r, u, w)
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "rb_mma", False)
     _, lse_v = krel.rel_attention_forward(q, k, v, r, u, w)
@@ -434,13 +435,13 @@ def check_row_bias_product(monkeypatch, B, H, Tq, mem, D, dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_row_bias_as_a_product_on_tma_tiles(monkeypatch, dtype):
-    """The forward on TMA tiles (64 x 64, 16-bit: TMA_MODE "auto"'s) adds the row bias as
-    ``ones x`` the split table's tile (RB_MMA, _rb_mma_args), and nowhere else (dQ, 16-row
-    tiles, float32, the override off): a spy sees the flag. Its lse agrees with the vector
-    path's on the same inputs within what rounding the row bias to two bf16 halves can move
-    (2^-13 of the largest row bias, in the kernel's base-2 units: dropping the low half moves
-    it ~30x that), and the module's 16-bit reference check passes at these tiles. Odd
-    lengths, memory, two query blocks, r longer than the keys."""
+    """RB_MMA (opt-in; off by default): the forward on TMA tiles (64 x 64, 16-bit: TMA_MODE
+    "auto"'s) adds the row bias as ``ones x`` the split table's tile (_rb_mma_args), and
+    nowhere else (dQ, 16-row tiles, float32, the default): a spy sees the flag. Its lse
+    agrees with the vector path's on the same inputs within what rounding the row bias to
+    two bf16 halves can move (2^-13 of the largest row bias, in the kernel's base-2 units:
+    dropping the low half moves it ~30x that), and the module's 16-bit reference check
+    passes at these tiles. Odd lengths, memory, two query blocks, r longer than the keys."""
     import ctxfast.kernels.rel_attention as krel
     import test_rel_attention as rel_tests
     if not krel._has_tma(torch.device(DEVICE)):
@@ -451,6 +452,11 @@ def test_row_bias_as_a_product_on_tma_tiles(monkeypatch, dtype):
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "tile", 64)
     check_row_bias_product(monkeypatch, 2, 2, 70, 33, 32, dtype)
     assert seen == [("_rel_attn_fwd_kernel", True), ("_rel_attn_fwd_kernel", False)], seen
+    if "CTXFAST_REL_RB_MMA" not in os.environ:
+        seen.clear()
+        rel_tests.test_half_dtypes(dtype)               # the default: the vector
+        assert ("_rel_attn_fwd_kernel", False) in seen and not any(m for _, m in seen), seen
+    monkeypatch.setattr(krel, "RB_MMA", True)
     seen.clear()
     rel_tests.test_half_dtypes(dtype)                   # against float64, 2x eager, fwd + bwd
     assert ("_rel_attn_fwd_kernel", True) in seen

@@ -93,7 +93,7 @@ def test_training_shape_dr_modes(monkeypatch, mode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_row_bias_product_at_a_training_shape(monkeypatch, dtype):
-    """The forward's row bias as a product of TMA tiles (its default at 64 x 64, 16-bit,
+    """The forward's row bias as a product of TMA tiles (RB_MMA, opt-in: 64 x 64, 16-bit,
     sm_90+) against the same forward adding it as a vector: rows of r before 0 and past R
     read through the descriptor (negative coordinates included), every tile of 8 query
     blocks (test_rel_attention_bwd.check_row_bias_product's bound)."""
