@@ -48,7 +48,7 @@ _KERNEL_SETTINGS = ("CTXFAST_BACKEND", "CTXFAST_LSTM_CUDA_KERNEL", "CTXFAST_LSTM
                     "CTXFAST_ATTN_BWD_DQ", "CTXFAST_REL_BWD_DR", "CTXFAST_ATTN_CPU_GEMM",
                     "CTXFAST_LSTM_CPU_GEMM", "CTXFAST_CPU_LINEAR", "CTXFAST_ATTN_CPU_SIMD",
                     "CTXFAST_CPU_CACHE_MB", "CTXFAST_ATTN_TMA", "CTXFAST_AUTOTUNE",
-                    "CTXFAST_LINEAR_CUDA")
+                    "CTXFAST_LINEAR_CUDA", "CTXFAST_REL_RB_MMA")
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -1388,13 +1388,6 @@ def _rel_dr_gemm_kernel(
              mask=(offs_r[:, None] < R_len) & d_ok)
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    """The forward's UPCAST: products in fp32 under the interpreter, for bf16 calls (whose
-    dots it gets wrong) and fp16 ones (whose row bias product is bf16, :func:`_rb_add`;
-    fp16 products are exact in fp32, so their other dots do not change)."""
-    return _interpreting() and dtype in (torch.bfloat16, torch.float16)
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision`` (a constexpr), decided once per call by the launcher
     (inside the custom op, so torch.compile never traces it). fp32 runs on the tensor
@@ -1688,11 +1681,13 @@ _TUNE_CANDIDATES = {
 }
 
 #: The same under the interpreter (tests): the variants' code paths.
+#: (No "gemm" dr mode: "stored" runs the same two GEMMs and one more, and its reference
+#: battery, test_rel_attention_bwd.py, checks "gemm"; each candidate here re-runs a whole
+#: backward under the interpreter in every tuned test.)
 _TUNE_INTERPRETED = {"fwd": [{"carry": True}, {"tma": "on"}, {"fold": False}],
                      "dkdv": [{"dkdv": (2, 1)}],
                      "dq": [{"carry": True}, {"tma": "on"}, {"dr_mode": "atomic"},
-                            {"dr_mode": "bulk"}, {"dr_mode": "gemm"},
-                            {"dr_mode": "stored"}],
+                            {"dr_mode": "bulk"}, {"dr_mode": "stored"}],
                      "dr": [{"dr": (2, 1)}]}
 
 
@@ -1997,6 +1992,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     def run():          # the launch rows read here: the tuner's when it has chosen some
         warps, stages = _config(D, Tq, q.dtype)[4:]
         tma = _tma_args("fwd", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
+        rb_mma = _rb_mma_args(tma, q.dtype, bm, bn, split_table)
         fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
             q, k, v, r, u, rb, rb.stride(0), sq, sk, se, rsb, o_target, l_target, kpm, rank,
             kv_end, seed_arg,
@@ -2009,10 +2005,12 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
             HAS_PERM=perm_rank is not None, PERM_STRICT=perm_strict, HAS_SEG=has_seg,
             DROPOUT=dropout_p > 0, WINDOW=window is not None, SPLIT_K=split,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
-            UPCAST=_upcast(q.dtype), PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
+            # (the interpreter gets bf16 dots wrong: fp32 products for bf16 calls, and for
+            # fp16 ones with the bf16 row bias product; fp16's are exact in fp32 either way)
+            UPCAST=_interpreting() and (q.dtype == torch.bfloat16 or bool(rb_mma)),
+            PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
             FOLD=_fold_scale(scale) and _override("fold") is not False,
-            num_warps=warps, num_stages=stages, **tma,
-            **_rb_mma_args(tma, q.dtype, bm, bn, split_table),
+            num_warps=warps, num_stages=stages, **tma, **rb_mma,
         )
         if split:
             _combine_splits(o_target, l_target, out, lse)
