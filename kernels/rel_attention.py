@@ -1540,8 +1540,9 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 #: Whether the forward takes its row bias as a product's operand where it can
 #: (:func:`_rb_mma_args`): off until a GPU has run and timed it (its descriptor, a
 #: ``[64, 16]`` bf16 box at any row, is new to the hardware path); ``CTXFAST_REL_RB_MMA=1``
-#: or ``LAUNCH_OVERRIDE["rb_mma"]`` True turns it on, and the tuner offers it.
-RB_MMA = os.environ.get("CTXFAST_REL_RB_MMA", "0") == "1"
+#: (read at import; "0" the default, anything else refused at the first forward) or
+#: ``LAUNCH_OVERRIDE["rb_mma"]`` True turns it on, and the tuner offers it.
+RB_MMA = os.environ.get("CTXFAST_REL_RB_MMA", "0")
 
 
 def _rb_mma_args(tma: dict, dtype: torch.dtype, bm: int, bn: int, split_table) -> dict:
@@ -1556,8 +1557,10 @@ def _rb_mma_args(tma: dict, dtype: torch.dtype, bm: int, bn: int, split_table) -
     tiles (420 -> 421, 204 -> 242 registers), the same tile through pointers (cp.async;
     forward 684 -> 667 but 12 -> 56 B spilled), and float32 (a TF32 product would round
     it)."""
+    if RB_MMA not in ("0", "1", False, True):
+        raise ValueError(f"CTXFAST_REL_RB_MMA must be '0' or '1', got {RB_MMA!r}")
     if (not tma or dtype.itemsize != 2 or bm != 64 or bn != 64
-            or not _override("rb_mma", RB_MMA)):
+            or not _override("rb_mma", RB_MMA in ("1", True))):
         return {}
     rbd = row_tiles(split_table().unsqueeze(0), bn, 16)
     return dict(RBD=rbd, RB_MMA=True) if rbd is not None else {}
@@ -1709,7 +1712,8 @@ def _candidates(kernel, D, dtype, tma_ok):
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
     # the row bias as a product: the table launch's own where that takes no TMA tiles
     same_rb = (lambda c: c.keys() == {"rb_mma"}
-               and (c["rb_mma"] == RB_MMA or not (tma_ok and check_tma_mode(TMA_MODE, table))))
+               and (c["rb_mma"] == (RB_MMA in ("1", True))
+                    or not (tma_ok and check_tma_mode(TMA_MODE, table))))
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
     adds = ("atomic", "bulk")

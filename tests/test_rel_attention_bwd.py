@@ -456,16 +456,28 @@ def test_row_bias_as_a_product_on_tma_tiles(monkeypatch, dtype):
         seen.clear()
         rel_tests.test_half_dtypes(dtype)               # the default: the vector
         assert ("_rel_attn_fwd_kernel", False) in seen and not any(m for _, m in seen), seen
-    monkeypatch.setattr(krel, "RB_MMA", True)
+    monkeypatch.setattr(krel, "RB_MMA", "1")
     seen.clear()
     rel_tests.test_half_dtypes(dtype)                   # against float64, 2x eager, fwd + bwd
     assert ("_rel_attn_fwd_kernel", True) in seen
     assert ("_rel_attn_bwd_dq_kernel", True) not in seen, seen
+    # rows that see no key (every key of sequence 0 padded): zeros, zero gradients, no NaN;
+    # two query blocks, the second partial; every tile a masked one (the padding's loop)
+    kpm = torch.zeros(2, 103, dtype=torch.bool, device=DEVICE)
+    kpm[0] = True
+    kpm[1, 90:] = True
+    seen.clear()
+    out, grads = rel_tests.check(2, 2, 70, 103, 32, dtype=dtype, key_padding_mask=kpm)
+    assert ("_rel_attn_fwd_kernel", True) in seen, seen
+    assert (out[0] == 0).all() and (grads[0][0] == 0).all()
     monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "tile")
     seen.clear()
     rel_tests.test_half_dtypes(dtype)                   # 16-row tiles: the vector
     assert seen and not any(mma for _, mma in seen), seen
     assert not krel._rb_mma_args({"TMA": True}, torch.float32, 64, 64, lambda: None)
+    monkeypatch.setattr(krel, "RB_MMA", "yes")          # a bad CTXFAST_REL_RB_MMA: refused
+    with pytest.raises(ValueError, match="CTXFAST_REL_RB_MMA"):
+        krel._rb_mma_args({}, dtype, 64, 64, lambda: None)
 
 
 @needs_triton
