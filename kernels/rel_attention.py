@@ -1545,6 +1545,14 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 RB_MMA = os.environ.get("CTXFAST_REL_RB_MMA", "0")
 
 
+def _rb_mma_on() -> bool:
+    """:data:`RB_MMA` as a bool; any other value than "0" / "1" (or a bool) refused by name
+    (the forward's launcher asks before its first launch)."""
+    if RB_MMA not in ("0", "1", False, True):
+        raise ValueError(f"CTXFAST_REL_RB_MMA must be '0' or '1', got {RB_MMA!r}")
+    return RB_MMA in ("1", True)
+
+
 def _rb_mma_args(tma: dict, dtype: torch.dtype, bm: int, bn: int, split_table) -> dict:
     """The forward's RBD and RB_MMA (:func:`_rb_tile`) where :data:`RB_MMA` (or the
     override "rb_mma") asks for them and the launch reads its tiles through TMA descriptors
@@ -1557,10 +1565,8 @@ def _rb_mma_args(tma: dict, dtype: torch.dtype, bm: int, bn: int, split_table) -
     tiles (420 -> 421, 204 -> 242 registers), the same tile through pointers (cp.async;
     forward 684 -> 667 but 12 -> 56 B spilled), and float32 (a TF32 product would round
     it)."""
-    if RB_MMA not in ("0", "1", False, True):
-        raise ValueError(f"CTXFAST_REL_RB_MMA must be '0' or '1', got {RB_MMA!r}")
-    if (not tma or dtype.itemsize != 2 or bm != 64 or bn != 64
-            or not _override("rb_mma", RB_MMA in ("1", True))):
+    on = _rb_mma_on()
+    if not tma or dtype.itemsize != 2 or bm != 64 or bn != 64 or not _override("rb_mma", on):
         return {}
     rbd = row_tiles(split_table().unsqueeze(0), bn, 16)
     return dict(RBD=rbd, RB_MMA=True) if rbd is not None else {}
@@ -1712,7 +1718,7 @@ def _candidates(kernel, D, dtype, tma_ok):
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
     # the row bias as a product: the table launch's own where that takes no TMA tiles
     same_rb = (lambda c: c.keys() == {"rb_mma"}
-               and (c["rb_mma"] == (RB_MMA in ("1", True))
+               and (c["rb_mma"] == _rb_mma_on()
                     or not (tma_ok and check_tma_mode(TMA_MODE, table))))
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
     deterministic = torch.are_deterministic_algorithms_enabled()   # no atomic dr then
@@ -1983,6 +1989,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     num_splits, keys_per_split, o_target, l_target, o_strides, l_strides, split_strides = \
         _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
     split = num_splits > 1
+    _rb_mma_on()                        # a bad CTXFAST_REL_RB_MMA: refused before a launch
     u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
     rb = row_bias_table(r, u, w, bm + 2 * bn)
     tables = {}

@@ -476,8 +476,10 @@ def test_row_bias_as_a_product_on_tma_tiles(monkeypatch, dtype):
     assert seen and not any(mma for _, mma in seen), seen
     assert not krel._rb_mma_args({"TMA": True}, torch.float32, 64, 64, lambda: None)
     monkeypatch.setattr(krel, "RB_MMA", "yes")          # a bad CTXFAST_REL_RB_MMA: refused
+    launched = spy_launches(monkeypatch, krel, ("_row_bias_kernel",), lambda a, k: True)
     with pytest.raises(ValueError, match="CTXFAST_REL_RB_MMA"):
-        krel._rb_mma_args({}, dtype, 64, 64, lambda: None)
+        krel.rel_attention_forward(*_inputs(1, 1, 5, 5, 16, 5, dtype))
+    assert not launched                                 # before the forward's first launch
 
 
 @needs_triton
