@@ -368,6 +368,7 @@ lstm_backward_sweep() {
 # A second, short call on the still-warm machine after verify (round 5 had ~3 minutes
 # left: a machine idle for 30 s is given back, so this runs at once, unread): the AWD-LSTM
 # (ULMFiT) train step against fastai's (nn.LSTM + WeightDropout) at the benchmark's sizes,
+# the warp stalls of rel_attention's and attention's kernels (ncu, ~1.5 min),
 # Transformer-XL evaluation in float32 and bf16 (xl-eval --quick: the paper's lengths, a
 # smaller sample; not run on a GPU since the first H100 round), memcheck over the new backward code, the LSTM
 # model tests on CUDA (STAGE_BUDGET: the seconds left; the steps after it are cut).
@@ -377,6 +378,12 @@ stage_followup() {
     benchmarks/bench_models.py -q -p no:cacheprovider \
     -k "awd_lstm and ULMFiT and train and not eager"
   summarize models_awd_lstm.log "test_models\[|passed|failed|Error" 12
+  # where rel_attention's (and attention's) warps wait: round 5 timed its forward at 112 us
+  # where its SASS issues ~28 us and its products take ~24 us; ncu's warp states and stall
+  # samples per SASS line, exported as CSV (read again on a CPU: ncu_stalls.py --raw)
+  step "ncu: warp stalls of rel_attention and attention (fwd+bwd)" 110 ncu_stalls.log \
+    "$PY" benchmarks/ncu_stalls.py --out-dir "$R/ncu_stalls" --timeout 95
+  summarize ncu_stalls.log "kernel|stalled|samples" 24
   # the same step with the decoder on the Triton GEMM (tf32x3; CTXFAST_LINEAR_CUDA, read
   # at import): the decoder's share of the step (linear_compare in verify times it alone)
   step "AWD-LSTM train step, decoder on ctxfast.linear (triton)" 60 \

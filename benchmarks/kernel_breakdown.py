@@ -307,18 +307,21 @@ def host_split(device, dtype) -> List[Dict]:
     return rows
 
 
-def ncu_target(device, dtype) -> None:
+def ncu_target(device, dtype, target: str = "all") -> None:
     """The calls `gpu_round.sh --stage ncu` profiles: rel_attention forward+backward (B4 H16
     Tq512 mem3072 D64, Transformer-XL training) and ctxfast.attention's forward+backward at
     the same shape, each warmed up (compiled) first, then once inside the NVTX range
-    "profile" (ncu --nvtx --nvtx-include "profile/" keeps only those launches)."""
+    "profile" (ncu --nvtx --nvtx-include "profile/" keeps only those launches). ``target``
+    "rel" (benchmarks/ncu_stalls.py): the two ops only, at the tuner's rel_attention shape
+    (mem 1,024, where round 5 timed both)."""
     calls = []
-    shape = (4, 16, 512, 3072, 64) if device.type == "cuda" else (1, 2, 16, 16, 16)
+    shape = ((4, 16, 512, 3072 if target == "all" else 1024, 64) if device.type == "cuda"
+             else (1, 2, 16, 16, 16))
     for op in ("rel_attention", "attention"):
         ins, g = make_inputs(op, *shape, device, dtype)
         call = _call(op, True)
         calls.append(lambda call=call, ins=ins, g=g: torch.autograd.grad(call(*ins), ins, g))
-    lstm = device.type == "cuda" and ctxfast._dispatch.cuda_ext_available()
+    lstm = device.type == "cuda" and ctxfast._dispatch.cuda_ext_available() and target == "all"
     # the CUDA LSTM's persistent kernels (auto: the tensor-core ones) at the ULMFiT layer,
     # T 70 B 64 H 1152 with DropConnect: where a step's 28 us (bf16 forward) and 82 us
     # (float32 forward, one TF32 product at torch's default) go on the H200 is the question
@@ -346,7 +349,8 @@ def ncu_target(device, dtype) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
-    print("ncu target: rel_attention and attention forward+backward, B4 H16 Tq512 mem3072 D64"
+    print(f"ncu target: rel_attention and attention forward+backward, B{shape[0]} H{shape[1]} "
+          f"Tq{shape[2]} mem{shape[3]} D{shape[4]}"
           + ("; the CUDA LSTM forward+backward, T70 B64 H1152, bf16 and float32" if lstm
              else ""))
 
@@ -358,8 +362,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for the rows")
     ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
                     help="only cProfile CALLS fwd+bwd calls of each op (host time by function)")
-    ap.add_argument("--ncu-target", action="store_true",
-                    help="only run the calls gpu_round.sh --stage ncu profiles")
+    ap.add_argument("--ncu-target", nargs="?", const="all", choices=("all", "rel"),
+                    help="only run the calls gpu_round.sh --stage ncu profiles (rel: "
+                         "benchmarks/ncu_stalls.py's)")
     ap.add_argument("--host-split", action="store_true",
                     help="only time the parts of attention's host time alone (GPU)")
     args = ap.parse_args(argv)
@@ -367,7 +372,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cases = QUICK_CASES if args.quick or device.type != "cuda" else CASES
     if args.ncu_target:
-        ncu_target(device, dtype)
+        ncu_target(device, dtype, args.ncu_target)
         return 0
     if args.host_split:
         result = {"host_split": host_split(device, dtype)}

@@ -967,6 +967,10 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     assert any("CTXFAST_LINEAR_CUDA=triton" in c and "awd_lstm" in c
                for c in stages["followup"])
     assert any("bench_attention.py" in c and "decode" in c for c in stages["followup"])
+    # the warp stalls (ncu) right after the AWD-LSTM step, before the xl-eval runs
+    fu = stages["followup"]
+    stalls = next(i for i, c in enumerate(fu) if "ncu_stalls.py --out-dir" in c)
+    assert stalls < next(i for i, c in enumerate(fu) if "xl-eval --quick" in c)
     # verify: the timings first, the suite last (a cut stage keeps what only a GPU gives)
     step = {k: next(i for i, c in enumerate(verify) if k in c)
             for k in ("lstm_launch_compare.py", "linear_compare.py", "tune_report.py",
@@ -1286,6 +1290,85 @@ def test_kernel_breakdown_host_split_and_ncu_target(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH_DIR / "kernel_breakdown.py"),
                            "--ncu-target"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ncu target" in proc.stdout, proc.stdout + proc.stderr
+
+
+FAKE_NCU = r'''#!{python}
+"""A stand-in for ncu: records its arguments, writes the report, prints canned exports."""
+import sys
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(" ".join(args) + "\n")
+if "-o" in args:
+    open(args[args.index("-o") + 1] + ".ncu-rep", "w").write("report")
+elif "raw" in args:
+    sys.stdout.write({raw!r})
+elif "source" in args:
+    sys.stdout.write({source!r})
+'''
+
+NCU_RAW = (
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+    '"gpu__time_duration.sum","launch__registers_per_thread",'
+    '"sm__warps_active.avg.pct_of_peak_sustained_active",'
+    '"smsp__average_warp_latency_per_inst_issued.ratio",'
+    '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",'
+    '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",'
+    '"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"\n'
+    '"","","","","","","","msecond","register/thread","%","cycle","inst","inst","inst"\n'
+    '"0","1","python","h","_rel_attn_fwd_kernel","1","7","0.10451","255","12.30","30.5",'
+    '"9.10","2.50","4.00"\n'
+    '"1","1","python","h","_rel_attn_bwd_dq_kernel","1","7","1,234.5","232","11","40.0",'
+    '"1.00","20.00","3.00"\n')
+NCU_SOURCE = (
+    '"# Address","Source","Warp Stall Sampling (All Samples)",'
+    '"Warp Stall Sampling (Not-issued Samples)"\n'
+    '"0x3a70","SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR17+0x16000], R28","40","40"\n'
+    '"0x3a80","@!P3 BRA `(.L_x_2)","2","1"\n'
+    '"0x4080","BAR.SYNC.DEFER_BLOCKING 0x0","1,500","1,400"\n'
+    '"0x4160","BAR.SYNC.DEFER_BLOCKING 0x0","500","480"\n'
+    '"0x3e90","HGMMA.64x64x16.F32.BF16 R24, R88, gdesc[UR16], R24","0","0"\n'
+    '"# Address","Source","Warp Stall Sampling (All Samples)",'
+    '"Warp Stall Sampling (Not-issued Samples)"\n'
+    '"0x100","LDG.E R2, [R4.64]","7","7"\n')
+
+
+def test_ncu_stalls_profiles_exports_and_summarises(tmp_path):
+    # benchmarks/ncu_stalls.py against a stand-in ncu: one profile of kernel_breakdown.py's
+    # "rel" target with the warp-state and source sections, both exports, and per kernel the
+    # duration (units from the export's second row, thousands separators dropped), the
+    # stall reasons largest first, and the SASS lines and opcodes with the most samples.
+    log = tmp_path / "ncu_args.txt"
+    fake = tmp_path / "ncu"
+    fake.write_text(FAKE_NCU.format(python=sys.executable, log=str(log), raw=NCU_RAW,
+                                    source=NCU_SOURCE))
+    fake.chmod(0o755)
+    out = tmp_path / "stalls"
+    proc = subprocess.run([sys.executable, str(BENCH_DIR / "ncu_stalls.py"), "--out-dir",
+                           str(out), "--ncu", str(fake)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 3
+    assert "--ncu-target rel" in calls[0] and "--nvtx-include profile/" in calls[0]
+    assert all(f"--section {s}" in calls[0] for s in ("WarpStateStats", "SourceCounters"))
+    assert "--page raw --csv" in calls[1] and "--print-source sass" in calls[2]
+    data = json.loads((out / "stalls.json").read_text())
+    fwd, dq = data["kernels"]
+    assert fwd["kernel"] == "_rel_attn_fwd_kernel" and math.isclose(fwd["us"], 104.51)
+    assert math.isclose(dq["us"], 1234.5e3) and dq["registers"] == 232
+    assert fwd["stalls"] == {"barrier": 9.1, "long_scoreboard": 2.5, "wait": 4.0}
+    assert "barrier 9.10, wait 4.00, long_scoreboard 2.50" in proc.stdout
+    src = data["sources"]
+    assert len(src) == 2 and src[0]["samples"] == 2042 and src[1]["samples"] == 7
+    assert src[0]["by_opcode"][0] == ["BAR", 2000] and src[0]["top"][0][0] == "0x4080"
+    assert (out / "stalls_raw.csv").read_text() == NCU_RAW
+    # the exports summarised again without ncu (on a CPU)
+    again = subprocess.run([sys.executable, str(BENCH_DIR / "ncu_stalls.py"), "--raw",
+                            str(out / "stalls_raw.csv"), "--source",
+                            str(out / "stalls_source.csv")], capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0 and "_rel_attn_bwd_dq_kernel" in again.stdout, again.stderr
+    assert "long_scoreboard 20.00" in again.stdout
 
 
 def test_launch_override_reaches_the_launch_rows(monkeypatch):
