@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ctxfast  # noqa: E402
+from ctxfast.kernels.rel_attention import FWD_MAXNREG_3CTA  # noqa: E402
 from kernel_breakdown import make_inputs  # noqa: E402
 
 REPS = 3
@@ -95,6 +96,9 @@ REL_VARIANTS = {
     "atomic_dr": ({"dr_mode": "atomic"}, ("dq",), (None, (4, 3), (8, 1))),
     # the forward's row bias as a product's operand on its TMA tiles (RB_MMA, opt-in)
     "rb_mma": ({"rb_mma": True}, ("fwd",), (None, (4, 1), (8, 3))),
+    # the forward's registers capped so that three CTAs share an SM (FWD_MAXNREG_3CTA; two
+    # stages, else its shared memory fits two)
+    "three_ctas": ({"fwd_maxnreg": FWD_MAXNREG_3CTA}, ("fwd",), ((4, 2),)),
 }
 KERNEL_NAMES = {
     ("attention", "fwd"): "_attn_fwd_kernel", ("attention", "dkdv"): "_attn_bwd_dkdv_kernel",

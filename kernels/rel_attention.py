@@ -1506,14 +1506,16 @@ def _dr_gemm_launch() -> dict:
 
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
 #: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str, "fold": bool,
-#: "rb_mma": bool}``:
+#: "rb_mma": bool, "fwd_maxnreg": int}``:
 #: replaces :func:`_config`'s tile (not the decoding one) and :func:`_bwd_launch`'s rows for
 #: every call while set; "carry" turns on the forward's and dQ kernel's carried gather
 #: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`, "tma"
 #: :data:`TMA_MODE`, "fold" False scales the forward's tile before the softmax step (the
 #: form before its FOLD), "rb_mma" replaces :data:`RB_MMA` (the forward's row bias as a
-#: product's operand, :func:`_rb_mma_args`). Empty in normal use; the GPU config sweep
-#: (benchmarks/config_sweep.py) sets it to time (and check) candidates on the same inputs.
+#: product's operand, :func:`_rb_mma_args`), "fwd_maxnreg" caps the forward's registers
+#: per thread (:data:`FWD_MAXNREG_3CTA`; Triton's ``maxnreg``). Empty in normal use; the
+#: GPU config sweep (benchmarks/config_sweep.py) sets it to time (and check) candidates on
+#: the same inputs.
 #: The tuner's rows (kernels/_tune.py, ``CTXFAST_AUTOTUNE=on``) use the same names and come
 #: first.
 LAUNCH_OVERRIDE: dict = {}
@@ -1535,6 +1537,18 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
     if carry is not None:
         return bool(carry)
     return not _interpreting() and dtype.itemsize == 2 and next_pow2(D) <= 64
+
+
+#: The forward's register cap that fits three of its CTAs on an SM (sm_90: 65,536 registers
+#: / (3 x 128 threads) = 170, allocated by 8) with two stages of 16-bit 64 x 64 tiles (smem
+#: 72-75 KB a CTA against 228 KB an SM): a tuner candidate (the override "fwd_maxnreg"),
+#: not a default. The table row (4 warps, 3 stages, 255 registers, 99 KB) fits two CTAs an
+#: SM, and round 5's arithmetic puts the forward at ~5,000 cycles a tile for ~650 issued
+#: (benchmarks/NOTES.md): latency, which more warps an SM hide. The cap costs spills: sm_90
+#: SASS of the bf16 D 64 TMA forward's loop, Triton 3.9, 642 -> 719 instructions a tile
+#: (63 LDL, 14 STL; 308 B stored); with the row bias as a product, 593 -> 648 (50 LDL, 14
+#: STL; 320 B). Whether 12 warps an SM with those spills beat 8 without is a GPU's question.
+FWD_MAXNREG_3CTA = 168
 
 
 #: Whether the forward takes its row bias as a product's operand where it can
@@ -1669,7 +1683,10 @@ _TUNE_CANDIDATES = {
     ("fwd", 64, True): [{"fwd": (4, 1)}, {"tma": "on"}, {"tma": "off"},
                         {"tma": "on", "fwd": (4, 1)}, {"carry": False},
                         {"fold": False},      # the tile scaled first: the FOLD's measure
-                        {"rb_mma": True}],    # the row bias as a product (_rb_mma_args)
+                        {"rb_mma": True},     # the row bias as a product (_rb_mma_args)
+                        # three CTAs an SM (FWD_MAXNREG_3CTA): 12 warps where 8 wait
+                        {"fwd": (4, 2), "fwd_maxnreg": FWD_MAXNREG_3CTA},
+                        {"fwd": (4, 2), "fwd_maxnreg": FWD_MAXNREG_3CTA, "rb_mma": True}],
     # (8 warps: no spill since the operands come ready-made, 2026-11-28; (8, 1) timed
     # slower in round 3, when q + u and q + w were formed per tile)
     ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
@@ -1717,7 +1734,9 @@ def _candidates(kernel, D, dtype, tma_ok):
     same_tma = (lambda c: c.keys() == {"tma"}        # TMA as the table has it: its launch
                 and check_tma_mode(c["tma"], table) == check_tma_mode(TMA_MODE, table))
     # the row bias as a product: the table launch's own where that takes no TMA tiles
-    same_rb = (lambda c: c.keys() == {"rb_mma"}
+    # (and a candidate that adds it to another one of the list, likewise)
+    rest = lambda c: {k: v for k, v in c.items() if k != "rb_mma"}     # noqa: E731
+    same_rb = (lambda c: "rb_mma" in c and (not rest(c) or rest(c) in listing)
                and (c["rb_mma"] == _rb_mma_on()
                     or not (tma_ok and check_tma_mode(TMA_MODE, table))))
     dr = _dr_mode(D, dtype) if kernel in ("dq", "dr") else None   # the table's dr mode
@@ -2004,6 +2023,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         warps, stages = _config(D, Tq, q.dtype)[4:]
         tma = _tma_args("fwd", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
         rb_mma = _rb_mma_args(tma, q.dtype, bm, bn, split_table)
+        cap = _override("fwd_maxnreg")  # a register cap (FWD_MAXNREG_3CTA): tuner candidates
         fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
             q, k, v, r, u, rb, rb.stride(0), sq, sk, se, rsb, o_target, l_target, kpm, rank,
             kv_end, seed_arg,
@@ -2022,6 +2042,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
             PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
             FOLD=_fold_scale(scale) and _override("fold") is not False,
             num_warps=warps, num_stages=stages, **tma, **rb_mma,
+            **({"maxnreg": int(cap)} if cap else {}),
         )
         if split:
             _combine_splits(o_target, l_target, out, lse)

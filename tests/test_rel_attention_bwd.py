@@ -412,6 +412,36 @@ def test_row_bias_table(dtype):
     assert krel.row_tiles(split.unsqueeze(0), 64, 16) is not None
 
 
+@needs_triton
+def test_register_cap_reaches_the_forward_launch_only(monkeypatch):
+    """The override "fwd_maxnreg" (the tuner's three-CTAs-an-SM forward, FWD_MAXNREG_3CTA)
+    reaches the forward's launch as Triton's ``maxnreg`` and no backward launch; without it
+    no launch caps registers. The interpreter ignores the cap: the outputs and gradients
+    are the same bits either way."""
+    import ctxfast.kernels.rel_attention as krel
+    names = ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
+             "_rel_attn_bwd_dr_kernel")
+    seen = spy_launches(monkeypatch, krel, names,
+                        lambda args, kwargs: (kwargs.get("maxnreg"), kwargs.get("num_stages")))
+    q, k, v, r, u, w = _inputs(2, 2, 19, 31, 16, 31, torch.float32)
+
+    def run():
+        out, lse = krel.rel_attention_forward(q, k, v, r, u, w)
+        grads = krel.rel_attention_backward(torch.ones_like(out), q, k, v, r, u, w, out, lse)
+        return [out, lse, *grads]
+    plain = run()
+    assert seen and all(cap is None for _, (cap, _s) in seen), seen
+    seen.clear()
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd", (4, 2))
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd_maxnreg", krel.FWD_MAXNREG_3CTA)
+    capped = run()
+    fwd = [cap for n, (cap, _s) in seen if n == "_rel_attn_fwd_kernel"]
+    assert fwd == [krel.FWD_MAXNREG_3CTA], seen      # (the interpreter's rows: one stage)
+    assert all(cap is None for n, (cap, _s) in seen if n != "_rel_attn_fwd_kernel"), seen
+    for a, b in zip(plain, capped):
+        assert a is None and b is None or torch.equal(a, b)
+
+
 def check_row_bias_product(monkeypatch, B, H, Tq, mem, D, dtype):
     """The forward's lse with the row bias as a product (the "rb_mma" override on) and as
     a vector (off) on the same inputs, r 9 rows longer than the keys:

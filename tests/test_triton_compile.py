@@ -109,6 +109,13 @@ REL_SPILL_BUDGET = {
         "_rel_attn_bwd_dq_kernel": 0, "_rel_dkdv_gemm_kernel": 0},
 }
 
+# The rel_attention forward with a register cap: spills by design, held to what fits three
+# CTAs on an sm_90 SM (test_rel_attention_three_ctas_an_sm) and to its spill budget.
+REL_3CTA_CASE = "rel_attention bf16 D=64 causal (training), TMA, three CTAs an SM"
+REL_SPILL_BUDGET[REL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 308}
+# sm_90: registers and shared memory of an SM, and what the system keeps per CTA
+SM90_REGS, SM90_SMEM, SM90_SMEM_PER_CTA = 65536, 233472, 1024
+
 KERNELS = [
     "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
     "_dropout_keep_kernel",
@@ -292,6 +299,10 @@ def _cases():
          tma(lambda: rel(bf16, 64, causal=True))),
         ("rel_attention bf16 D=128 causal (training), TMA", sm90,
          tma(lambda: rel(bf16, 128, causal=True))),
+        # the tuner's forward at three CTAs an SM (kernels/rel_attention.FWD_MAXNREG_3CTA)
+        (REL_3CTA_CASE, sm90, tma(setting(rel_attention, "LAUNCH_OVERRIDE", {
+            "fwd": (4, 2), "fwd_maxnreg": rel_attention.FWD_MAXNREG_3CTA})(
+                lambda: rel(bf16, 64, causal=True, backward=False)))),
         ("rel_attention fp32/tf32 D=64 causal (training, XL evaluation)", sm90,
          tf32(lambda: rel(f32, 64, causal=True))),
         # rel_attention: forward, dK/dV and dQ; decoding: split-K forward + combine. The
@@ -940,6 +951,22 @@ def test_host_side_cdiv_and_next_pow2_match_triton():
         assert next_pow2(a) == triton.next_power_of_2(a), a
         for b in (1, 3, 16, 64, 128):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_rel_attention_three_ctas_an_sm(compiled):
+    """The forward's register-capped launch (a tuner candidate) fits three CTAs on an SM:
+    its registers and shared memory both leave room, where the table row (255 registers,
+    99 KB) fits two."""
+    rows = [r for r in compiled["rows"] if r["variant"] == REL_3CTA_CASE and r["arch"] == 90
+            and r["kernel"] == "_rel_attn_fwd_kernel" and r["ok"]]
+    assert rows, f"{REL_3CTA_CASE}: not compiled for sm_90"
+    r = rows[0]
+    ctas = (SM90_SMEM // (r["shared"] + SM90_SMEM_PER_CTA),
+            SM90_REGS // (r["regs"] * 4 * 32) if r["regs"] else None)
+    assert ctas[0] >= 3, f"{r['shared']} B of shared memory: {ctas[0]} CTAs an SM"
+    if r["regs"] is None:
+        pytest.skip("no ptxas for sm_90a in this Triton: registers unknown")
+    assert ctas[1] >= 3, f"{r['regs']} registers a thread: {ctas[1]} CTAs an SM"
 
 
 @pytest.mark.parametrize("kernel", REL_FACT_KERNELS)

@@ -322,6 +322,17 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
         assert len(cands) == len({repr(sorted(c.items())) for c in cands}), cands
         if kernel == "fwd":                   # the table's forward reads descriptors
             assert {"tma": "on"} not in cands and {"tma": "off"} in cands, cands
+            # three CTAs an SM (a register cap, two stages), with and without the row bias
+            # as a product; without descriptors (or with the product already on) that one
+            # would repeat the first
+            three = {"fwd": (4, 2), "fwd_maxnreg": krel.FWD_MAXNREG_3CTA}
+            assert three in cands and {**three, "rb_mma": True} in cands, cands
+            plain = krel._candidates(kernel, 64, torch.bfloat16, False)
+            assert three in plain and {**three, "rb_mma": True} not in plain, plain
+            monkeypatch.setattr(krel, "RB_MMA", "1")
+            on = krel._candidates(kernel, 64, torch.bfloat16, True)
+            assert three in on and {**three, "rb_mma": True} not in on, on
+            monkeypatch.setattr(krel, "RB_MMA", "0")
         if kernel == "dq":                    # the table's dr is atomic (16-bit D 64)
             assert {"dr_mode": "atomic", "dq": (8, 1)} not in cands, cands
             assert {"dr_mode": "kernel", "dq": (4, 1)} in cands, cands

@@ -107,3 +107,21 @@ def test_row_bias_product_at_a_training_shape(monkeypatch, dtype):
     check_row_bias_product(monkeypatch, 2, 4, 512, 1024, 64, dtype)
     assert seen[0].get("RB_MMA") and not seen[1], seen
 
+
+
+def test_three_ctas_an_sm_forward_at_a_training_shape(monkeypatch):
+    """The tuner's register-capped forward (FWD_MAXNREG_3CTA, two stages: three CTAs an SM,
+    spilling by design) against the table row's on the same inputs at a training shape
+    (bf16, 64 x 64 TMA tiles): the same softmax statistics and outputs to bf16 rounding (a
+    cap changes no arithmetic; a miscompile moves everything), and the module's reference
+    check with it in force."""
+    import ctxfast.kernels.rel_attention as krel
+    from ctxfast.kernels.rel_attention import rel_attention_forward
+    ts = _inputs(2, 4, 512, 1536, 64, 1536, dtype=torch.bfloat16)
+    out_t, lse_t = rel_attention_forward(*ts)
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd", (4, 2))
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd_maxnreg", krel.FWD_MAXNREG_3CTA)
+    out, lse = rel_attention_forward(*ts)
+    assert torch.allclose(lse, lse_t, rtol=0, atol=1e-4), (lse - lse_t).abs().max()
+    assert torch.allclose(out.float(), out_t.float(), rtol=2e-2, atol=2e-2)
+    check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
