@@ -1506,14 +1506,14 @@ def _dr_gemm_launch() -> dict:
 
 #: ``{"tile": BLOCK_M (square tiles, band 2·BLOCK_M), "fwd" | "dkdv" | "dq" | "dr":
 #: (num_warps, num_stages), "carry": bool, "dr_mode": str, "tma": str, "fold": bool,
-#: "rb_mma": bool, "fwd_maxnreg": int}``:
+#: "rb_mma": bool, "fwd_maxnreg" | "dkdv_maxnreg" | "dq_maxnreg" | "dr_maxnreg": int}``:
 #: replaces :func:`_config`'s tile (not the decoding one) and :func:`_bwd_launch`'s rows for
 #: every call while set; "carry" turns on the forward's and dQ kernel's carried gather
 #: (:func:`_rel_scores_chunked`), "dr_mode" replaces :data:`DR_MODE`, "tma"
 #: :data:`TMA_MODE`, "fold" False scales the forward's tile before the softmax step (the
 #: form before its FOLD), "rb_mma" replaces :data:`RB_MMA` (the forward's row bias as a
-#: product's operand, :func:`_rb_mma_args`), "fwd_maxnreg" caps the forward's registers
-#: per thread (:data:`FWD_MAXNREG_3CTA`; Triton's ``maxnreg``). Empty in normal use; the
+#: product's operand, :func:`_rb_mma_args`), "<kernel>_maxnreg" caps a kernel's registers
+#: per thread (:func:`_reg_cap`; Triton's ``maxnreg``). Empty in normal use; the
 #: GPU config sweep (benchmarks/config_sweep.py) sets it to time (and check) candidates on
 #: the same inputs.
 #: The tuner's rows (kernels/_tune.py, ``CTXFAST_AUTOTUNE=on``) use the same names and come
@@ -1549,6 +1549,19 @@ def _carry(D: int, dtype: torch.dtype) -> bool:
 #: (63 LDL, 14 STL; 308 B stored); with the row bias as a product, 593 -> 648 (50 LDL, 14
 #: STL; 320 B). Whether 12 warps an SM with those spills beat 8 without is a GPU's question.
 FWD_MAXNREG_3CTA = 168
+#: The same for the dK/dV kernel at 4 warps (three CTAs, 49 KB of shared memory each) and
+#: for the dQ kernel of DR_MODE "gemm" at 8 warps (two CTAs, 41 KB each; 232 registers
+#: without a cap, one CTA): tuner candidates.
+DKDV_MAXNREG_3CTA, DQ_MAXNREG_2CTA = 168, 128
+
+
+def _reg_cap(kernel: str) -> dict:
+    """``{"maxnreg": n}`` where the override ``"<kernel>_maxnreg"`` (:func:`_override`; the
+    tuner's rows) caps a kernel's registers per thread (fwd, dkdv, dq, dr), else ``{}``:
+    more CTAs an SM for kernels that mostly wait, at the price of spills
+    (:data:`FWD_MAXNREG_3CTA`)."""
+    cap = _override(kernel + "_maxnreg")
+    return {"maxnreg": int(cap)} if cap else {}
 
 
 #: Whether the forward takes its row bias as a product's operand where it can
@@ -1689,14 +1702,20 @@ _TUNE_CANDIDATES = {
                         {"fwd": (4, 2), "fwd_maxnreg": FWD_MAXNREG_3CTA, "rb_mma": True}],
     # (8 warps: no spill since the operands come ready-made, 2026-11-28; (8, 1) timed
     # slower in round 3, when q + u and q + w were formed per tile)
-    ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)}],
+    ("dkdv", 64, True): [{"dkdv": (4, 2)}, {"dkdv": (8, 3)}, {"dkdv": (8, 2)}, {"dkdv": (8, 1)},
+                         # three CTAs an SM (253 -> 168 registers; sm_90 SASS 782 -> 860
+                         # instructions a tile, 92 LDL / 8 STL, 312 B stored)
+                         {"dkdv": (4, 1), "dkdv_maxnreg": DKDV_MAXNREG_3CTA}],
     ("dq", 64, True): [{"carry": False}, {"tma": "on"}, {"dr_mode": "atomic", "dq": (8, 1)},
                        {"dr_mode": "kernel", "dq": (4, 1)}, {"dr_mode": "bulk", "dq": (8, 1)},
                        {"dr_mode": "gemm", "dq": (8, 1)}, {"dr_mode": "gemm", "dq": (4, 1)},
                        {"dr_mode": "stored", "dq": (8, 1)},
                        # 2 stages: k, v, r staged ahead (1 stage loads them in the loop);
                        # no spill there, 670 / 699 instructions a tile against 599 / 628
-                       {"dr_mode": "gemm", "dq": (8, 2)}, {"dr_mode": "stored", "dq": (8, 2)}],
+                       {"dr_mode": "gemm", "dq": (8, 2)}, {"dr_mode": "stored", "dq": (8, 2)},
+                       # two CTAs of 8 warps an SM (232 -> 128 registers; sm_90 SASS 599 ->
+                       # 736 instructions a tile, 94 LDL / 26 STL, 368 B stored)
+                       {"dr_mode": "gemm", "dq": (8, 1), "dq_maxnreg": DQ_MAXNREG_2CTA}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
     ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
     ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
@@ -2023,7 +2042,6 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         warps, stages = _config(D, Tq, q.dtype)[4:]
         tma = _tma_args("fwd", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
         rb_mma = _rb_mma_args(tma, q.dtype, bm, bn, split_table)
-        cap = _override("fwd_maxnreg")  # a register cap (FWD_MAXNREG_3CTA): tuner candidates
         fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
             q, k, v, r, u, rb, rb.stride(0), sq, sk, se, rsb, o_target, l_target, kpm, rank,
             kv_end, seed_arg,
@@ -2041,8 +2059,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
             UPCAST=_interpreting() and (q.dtype == torch.bfloat16 or bool(rb_mma)),
             PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
             FOLD=_fold_scale(scale) and _override("fold") is not False,
-            num_warps=warps, num_stages=stages, **tma, **rb_mma,
-            **({"maxnreg": int(cap)} if cap else {}),
+            num_warps=warps, num_stages=stages, **tma, **rb_mma, **_reg_cap("fwd"),
         )
         if split:
             _combine_splits(o_target, l_target, out, lse)
@@ -2112,7 +2129,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         def run():      # the launch rows read here: the tuner's when it has chosen some
             mode = _dr_mode(D, q.dtype)
             atomic = mode != "kernel"
-            launch = {k: dict(num_warps=w_, num_stages=s_)
+            launch = {k: dict(num_warps=w_, num_stages=s_, **_reg_cap(k))
                       for k, (w_, s_) in _bwd_launch(D, q.dtype, atomic).items()}
             stored = mode in ("gemm", "stored")     # dS (and P) stored, summed by GEMMs
             if mode != "stored":                     # ("stored": dK, dV by a GEMM below)

@@ -413,11 +413,12 @@ def test_row_bias_table(dtype):
 
 
 @needs_triton
-def test_register_cap_reaches_the_forward_launch_only(monkeypatch):
-    """The override "fwd_maxnreg" (the tuner's three-CTAs-an-SM forward, FWD_MAXNREG_3CTA)
-    reaches the forward's launch as Triton's ``maxnreg`` and no backward launch; without it
-    no launch caps registers. The interpreter ignores the cap: the outputs and gradients
-    are the same bits either way."""
+def test_register_caps_reach_their_launches_only(monkeypatch):
+    """The overrides "<kernel>_maxnreg" (the tuner's register-capped rows: the forward at
+    three CTAs an SM, the dQ kernel at two, kernels/rel_attention._reg_cap) reach their
+    kernel's launch as Triton's ``maxnreg`` and no other; without them no launch caps
+    registers. The interpreter ignores the cap: the outputs and gradients are the same
+    bits either way."""
     import ctxfast.kernels.rel_attention as krel
     names = ("_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
              "_rel_attn_bwd_dr_kernel")
@@ -434,10 +435,13 @@ def test_register_cap_reaches_the_forward_launch_only(monkeypatch):
     seen.clear()
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd", (4, 2))
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd_maxnreg", krel.FWD_MAXNREG_3CTA)
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "dq_maxnreg", krel.DQ_MAXNREG_2CTA)
     capped = run()
-    fwd = [cap for n, (cap, _s) in seen if n == "_rel_attn_fwd_kernel"]
-    assert fwd == [krel.FWD_MAXNREG_3CTA], seen      # (the interpreter's rows: one stage)
-    assert all(cap is None for n, (cap, _s) in seen if n != "_rel_attn_fwd_kernel"), seen
+    caps = {n: cap for n, (cap, _s) in seen}          # (the interpreter's rows: one stage)
+    assert caps == {"_rel_attn_fwd_kernel": krel.FWD_MAXNREG_3CTA,
+                    "_rel_attn_bwd_dkdv_kernel": None,
+                    "_rel_attn_bwd_dq_kernel": krel.DQ_MAXNREG_2CTA,
+                    "_rel_attn_bwd_dr_kernel": None}, seen
     for a, b in zip(plain, capped):
         assert a is None and b is None or torch.equal(a, b)
 

@@ -109,10 +109,18 @@ REL_SPILL_BUDGET = {
         "_rel_attn_bwd_dq_kernel": 0, "_rel_dkdv_gemm_kernel": 0},
 }
 
-# The rel_attention forward with a register cap: spills by design, held to what fits three
-# CTAs on an sm_90 SM (test_rel_attention_three_ctas_an_sm) and to its spill budget.
+# rel_attention's kernels with their registers capped (the tuner's candidates,
+# kernels/rel_attention._reg_cap): spills by design, held to their spill budgets and to the
+# CTAs an sm_90 SM then holds (test_rel_attention_register_caps_fit_more_ctas):
+# {case: {kernel: (warps, CTAs an SM)}}
 REL_3CTA_CASE = "rel_attention bf16 D=64 causal (training), TMA, three CTAs an SM"
+REL_CAPPED_BWD_CASE = "rel_attention bf16 D=64 causal, gemm dr, capped backward rows"
 REL_SPILL_BUDGET[REL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 308}
+REL_SPILL_BUDGET[REL_CAPPED_BWD_CASE] = {"_rel_attn_bwd_dkdv_kernel": 312,
+                                         "_rel_attn_bwd_dq_kernel": 368}
+REL_CAPPED_CTAS = {REL_3CTA_CASE: {"_rel_attn_fwd_kernel": (4, 3)},
+                   REL_CAPPED_BWD_CASE: {"_rel_attn_bwd_dkdv_kernel": (4, 3),
+                                         "_rel_attn_bwd_dq_kernel": (8, 2)}}
 # sm_90: registers and shared memory of an SM, and what the system keeps per CTA
 SM90_REGS, SM90_SMEM, SM90_SMEM_PER_CTA = 65536, 233472, 1024
 
@@ -332,6 +340,12 @@ def _cases():
         # and P stored: dK, dV by a GEMM over P and dS, no dK/dV kernel (DR_MODE "stored")
         ("rel_attention bf16 D=64 causal, stored dr", sm90,
          stored_dr(lambda: rel(bf16, 64, causal=True))),
+        # rel_attention's backward at its capped rows (after the cases whose launches it
+        # repeats): dK/dV at three CTAs an SM, the gemm mode's dQ at two
+        (REL_CAPPED_BWD_CASE, sm90, gemm_dr(setting(rel_attention, "LAUNCH_OVERRIDE", {
+            "dkdv": (4, 1), "dkdv_maxnreg": rel_attention.DKDV_MAXNREG_3CTA,
+            "dq": (8, 1), "dq_maxnreg": rel_attention.DQ_MAXNREG_2CTA})(
+                lambda: rel(bf16, 64, causal=True)))),
         ("rel_attention fp16 D=64 causal+kpm+perm_strict+seg+dropout+window, stored dr", both,
          stored_dr(lambda: rel(f16, 64, **every_mask, seg=True, window=100))),
         ("rel_attention fp32/tf32 D=128 causal+seg+dropout+window, atomic dr", both,
@@ -953,20 +967,27 @@ def test_host_side_cdiv_and_next_pow2_match_triton():
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
 
 
-def test_rel_attention_three_ctas_an_sm(compiled):
-    """The forward's register-capped launch (a tuner candidate) fits three CTAs on an SM:
-    its registers and shared memory both leave room, where the table row (255 registers,
-    99 KB) fits two."""
-    rows = [r for r in compiled["rows"] if r["variant"] == REL_3CTA_CASE and r["arch"] == 90
-            and r["kernel"] == "_rel_attn_fwd_kernel" and r["ok"]]
-    assert rows, f"{REL_3CTA_CASE}: not compiled for sm_90"
-    r = rows[0]
-    ctas = (SM90_SMEM // (r["shared"] + SM90_SMEM_PER_CTA),
-            SM90_REGS // (r["regs"] * 4 * 32) if r["regs"] else None)
-    assert ctas[0] >= 3, f"{r['shared']} B of shared memory: {ctas[0]} CTAs an SM"
-    if r["regs"] is None:
+def test_rel_attention_register_caps_fit_more_ctas(compiled):
+    """The register-capped launches (tuner candidates) fit the CTAs an SM they are for: their
+    registers and shared memory both leave room (the table rows: the forward's 255
+    registers and 99 KB fit two CTAs, dK/dV's 253 two, the gemm mode's dQ at 8 warps and
+    232 registers one)."""
+    regs_known = True
+    for case, kernels in REL_CAPPED_CTAS.items():
+        for kernel, (warps, want) in kernels.items():
+            rows = [r for r in compiled["rows"] if r["variant"] == case and r["arch"] == 90
+                    and r["kernel"] == kernel and r["ok"]]
+            assert rows, f"{kernel} [{case}]: not compiled for sm_90"
+            r = rows[0]
+            by_smem = SM90_SMEM // (r["shared"] + SM90_SMEM_PER_CTA)
+            assert by_smem >= want, f"{kernel}: {r['shared']} B of shared memory, {by_smem} CTAs"
+            if r["regs"] is None:
+                regs_known = False
+                continue
+            by_regs = SM90_REGS // (r["regs"] * warps * 32)
+            assert by_regs >= want, f"{kernel}: {r['regs']} registers a thread, {by_regs} CTAs"
+    if not regs_known:
         pytest.skip("no ptxas for sm_90a in this Triton: registers unknown")
-    assert ctas[1] >= 3, f"{r['regs']} registers a thread: {ctas[1]} CTAs an SM"
 
 
 @pytest.mark.parametrize("kernel", REL_FACT_KERNELS)

@@ -266,7 +266,7 @@ def test_stored_modes_offered_only_where_their_buffers_fit(monkeypatch):
     assert modes(krel._fitting(dq, cap // 4, 2)) == ["bulk", "gemm", "kernel", "stored"]
     assert modes(krel._fitting(dq, cap // 3, 2)) == ["bulk", "gemm", "kernel"]
     assert modes(krel._fitting(dq, cap, 2)) == ["bulk", "kernel"]
-    assert len(krel._fitting(dq, cap, 2)) == len(dq) - 5       # three gemm rows, two stored
+    assert len(krel._fitting(dq, cap, 2)) == len(dq) - 6       # four gemm rows, two stored
     dr = krel._fitting(lambda chosen: [{}, {"dr_mode": "stored"}], cap, 2)
     assert dr({}) == [{}]
 

@@ -125,3 +125,15 @@ def test_three_ctas_an_sm_forward_at_a_training_shape(monkeypatch):
     assert torch.allclose(lse, lse_t, rtol=0, atol=1e-4), (lse - lse_t).abs().max()
     assert torch.allclose(out.float(), out_t.float(), rtol=2e-2, atol=2e-2)
     check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
+
+
+def test_capped_backward_rows_at_a_training_shape(monkeypatch):
+    """The tuner's register-capped backward rows (dK/dV at three CTAs an SM, the gemm mode's
+    dQ at two: spilling by design) at a training shape: every gradient within 2x eager
+    against float64."""
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setattr(krel, "DR_MODE", "gemm")
+    for key, value in {"dkdv": (4, 1), "dkdv_maxnreg": krel.DKDV_MAXNREG_3CTA, "dq": (8, 1),
+                       "dq_maxnreg": krel.DQ_MAXNREG_2CTA}.items():
+        monkeypatch.setitem(krel.LAUNCH_OVERRIDE, key, value)
+    check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
