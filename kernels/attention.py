@@ -850,9 +850,11 @@ def _config(kernel: str, D: int, dtype: torch.dtype, causal: bool = False, mask:
 
 
 #: ``{"fwd" | "dkdv" | "dkdv_atomic" | "dq": (BLOCK_M, BLOCK_N, num_warps, num_stages),
-#: "<kernel>:tma": bool, "dq_mode": "kernel" | "atomic" | "bulk", "fwd:fold": bool}``: launch
+#: "<kernel>:tma": bool, "dq_mode": "kernel" | "atomic" | "bulk", "fwd:fold": bool,
+#: "<kernel>:maxnreg": int}``: launch
 #: rows that replace :func:`_config`'s (and :data:`TMA_MODE` for that kernel, :data:`DQ_MODE`,
-#: the forward's scale in the exponent's FMA, :func:`_fold`) for every call
+#: the forward's scale in the exponent's FMA, :func:`_fold`, a register cap per thread,
+#: :func:`_reg_cap`) for every call
 #: while set. Empty in normal use; the GPU config sweep (benchmarks/config_sweep.py) sets it
 #: to time candidates on the same inputs. The tuner's rows (``kernels/_tune.py``) use the
 #: same names and come first.
@@ -922,6 +924,24 @@ _TUNE_CANDIDATES = {
                   ((64, 64, 4, 2), True), ((128, 32, 8, 3), False), ((64, 128, 8, 2), False),
                   ((64, 128, 8, 3), False), ((64, 64, 4, 3), False)],
 }
+
+#: Register caps the tuner tries on the table rows of 16-bit D 64 calls without dropout or
+#: a mask (padding takes other rows) (``"<kernel>:maxnreg"``, :func:`_reg_cap`): one more CTA an SM where
+#: the registers, not the shared memory, set the count (sm_90, Triton 3.9, bf16 causal;
+#: not timed). dQ (128 x 64, 8 warps): 140 registers fit one CTA, 128 fit two, and ptxas
+#: then spills nothing (its loop 276 -> 295 instructions a tile). dK/dV (64 x 64, 4 warps,
+#: 67 KB): 238 registers fit two, 168 three, with 28 spill reloads a tile in its main loop
+#: (339 -> 381 instructions). The forward at D 64 (64 KB at 3 stages) is held to three by
+#: its shared memory; the D 128 rows by theirs or by spills a cap would need.
+_TUNE_REG_CAPS = {("dkdv", 64): 168, ("dq", 64): 128}
+
+
+def _reg_cap(kernel: str) -> dict:
+    """``{"maxnreg": n}`` where the override ``"<kernel>:maxnreg"`` (:func:`_override`; the
+    tuner's rows) caps that kernel's registers per thread, else ``{}``."""
+    cap = _override(kernel + ":maxnreg")
+    return {"maxnreg": int(cap)} if cap else {}
+
 
 #: With a permutation mask (no dropout) dK/dV's table row runs one stage (pipelined, its rank
 #: tiles spilled: :data:`_PERM_CONFIGS`); these rows are pipelined without spilling (sm_90,
@@ -1003,6 +1023,10 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
                     for row in _TUNE_ATOMIC_ROWS.get(64 if block_d <= 64 else 128, ())]
     if TUNE_EXP_EMU and dtype in TMA_DTYPES and not _interpreting():
         out.append({kernel + ":exp_emu": True})   # the table's row, half its exp2 on FMAs
+    cap = _TUNE_REG_CAPS.get((kernel, block_d)) if listing and mask == "none" and not dropout \
+        else None
+    if cap and not _interpreting():
+        out.append({kernel + ":maxnreg": cap})    # the table's row, more CTAs an SM
     if TUNE_FOLD_OFF and kernel == "fwd" and (dtype in TMA_DTYPES or _interpreting()):
         out.append({"fwd:fold": False})           # the table's row, the tile scaled first
     if kernel == "dq":
@@ -1146,7 +1170,7 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
         UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
         num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "fwd"),
-        FOLD=_fold(scale), **tma,
+        FOLD=_fold(scale), **tma, **_reg_cap("fwd"),
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
@@ -1238,7 +1262,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
         cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
-        EXP_EMU=_exp_emu(q.dtype, "dkdv"), **tma)
+        EXP_EMU=_exp_emu(q.dtype, "dkdv"), **tma, **_reg_cap("dkdv"))
     if atomic:
         dq.copy_(dq_acc)                        # scaled in the kernel: one pass here
         return
@@ -1248,7 +1272,7 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
         *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         EVEN_D=bd == D, num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "dq"),
-        **tma)
+        **tma, **_reg_cap("dq"))
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,

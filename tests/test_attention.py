@@ -745,6 +745,32 @@ def test_exp2_on_the_fma_pipe():
 
 
 @needs_triton
+def test_register_caps_reach_their_launches_only(monkeypatch):
+    """The overrides "<kernel>:maxnreg" (the tuner's register-capped rows, kernels/attention
+    ._TUNE_REG_CAPS) reach that kernel's launch as Triton's ``maxnreg`` and no other;
+    without them no launch caps registers. The interpreter ignores the cap: the same bits."""
+    import ctxfast.kernels.attention as kattn
+    seen = spy_launches(monkeypatch, kattn,
+                        ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"),
+                        lambda a, kw: kw.get("maxnreg"))
+    q, k, v = _inputs(2, 2, 21, 30, 32)
+
+    def run():
+        ts = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ctxfast.attention(*ts, causal=True, backend="triton")
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in ts]
+    plain = run()
+    assert seen and all(cap is None for _, cap in seen), seen
+    seen.clear()
+    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "dq:maxnreg", 128)
+    capped = run()
+    assert dict(seen) == {"_attn_fwd_kernel": None, "_attn_bwd_dkdv_kernel": None,
+                          "_attn_bwd_dq_kernel": 128}, seen
+    assert all(torch.equal(a, b) for a, b in zip(plain, capped))
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
     """EXP_EMU in the forward, dK/dV and dQ kernels (the tuner's ``"<kernel>:exp_emu"``

@@ -338,6 +338,28 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
             assert {"dr_mode": "kernel", "dq": (4, 1)} in cands, cands
 
 
+def test_register_caps_offered_where_registers_set_the_ctas(monkeypatch):
+    """attention's register-capped candidates (one more CTA an SM, kernels/attention.
+    _TUNE_REG_CAPS) are offered for 16-bit D 64 dK/dV and dQ with no mask and no dropout,
+    on the table's row, and nowhere else (the forward, D 128, padding or permutation
+    masks, dropout, float32); rel_attention's for its forward, dK/dV and dQ."""
+    monkeypatch.setattr(kattn, "_interpreting", lambda: False)
+    bf16 = torch.bfloat16
+
+    def caps(kernel, D=64, dtype=bf16, mask="none", dropout=False):
+        cands = kattn._candidates(kernel, D, dtype, mask, dropout, True, True)
+        cands = cands({}) if callable(cands) else cands
+        return [c for c in cands if any(k.endswith(":maxnreg") for k in c)]
+    assert caps("dkdv") == [{"dkdv:maxnreg": 168}] and caps("dq") == [{"dq:maxnreg": 128}]
+    assert not caps("fwd") and not caps("dkdv", D=128) and not caps("dq", D=128)
+    assert not caps("dq", mask="kpm") and not caps("dkdv", mask="perm")
+    assert not caps("dkdv", dropout=True) and not caps("dq", dtype=torch.float32)
+    from ctxfast.kernels import rel_attention as krel
+    monkeypatch.setattr(krel, "_interpreting", lambda: False)
+    for kernel, key in (("fwd", "fwd_maxnreg"), ("dkdv", "dkdv_maxnreg"), ("dq", "dq_maxnreg")):
+        assert [c for c in krel._candidates(kernel, 64, bf16, True) if key in c], kernel
+
+
 def test_options_timed_slower_are_not_candidates_by_default(monkeypatch):
     """dQ by atomic adds and the FMA exponentials, both timed slower than the table rows in
     every case the H200 reached (kernels/attention.py TUNE_ATOMIC_DQ, TUNE_EXP_EMU), cost a

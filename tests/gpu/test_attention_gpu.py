@@ -94,3 +94,16 @@ def test_dq_by_adds_large(monkeypatch, mode, dtype, D, Tq, Tk, kind):
     monkeypatch.setattr(kattn, "DQ_MODE", mode)
     check_against_reference(q, k, v, **_masks(kind, B, Tq, Tk))
     assert (mode == "bulk") == bool(bulk and all(bulk)), bulk
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("Tq, Tk", [(1025, 1025), (512, 1536)])
+def test_register_capped_backward_large(monkeypatch, dtype, Tq, Tk):
+    """The tuner's register-capped dK/dV and dQ rows (D 64, no mask: one more CTA an SM,
+    kernels/attention._TUNE_REG_CAPS; dK/dV spills by design) against float64 within 2x
+    eager, causal, at sizes with many key and query blocks."""
+    import ctxfast.kernels.attention as kattn
+    for (kernel, _D), cap in kattn._TUNE_REG_CAPS.items():
+        monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, kernel + ":maxnreg", cap)
+    q, k, v = (torch.randn(2, 4, T, 64, device="cuda", dtype=dtype) for T in (Tq, Tk, Tk))
+    check_against_reference(q, k, v, causal=True)
