@@ -337,7 +337,9 @@ stage_verify() {
   # (round 4: 130 s reached 6 of its 8 cases, the tuner had fewer candidates then)
   # (round 5: 169 s for 4 cases with the atomic and FMA-exponential candidates, since
   # dropped, and its winner adopted; 55 s re-checks the first cases, with the TMA bulk
-  # adds among the backward's candidates)
+  # adds among the backward's candidates) (31st session: rel_attention's case first, with
+  # its untimed candidates: the row bias product, register caps for more CTAs an SM, the
+  # stored-dS backward at two stages)
   step "tune report (attention)" 75 tune_report.log "$PY" \
     benchmarks/tune_report.py --time-budget 55 --out "$R/tune_report.json"
   summarize tune_report.log "x\)|chosen|Error|error" 40

@@ -45,16 +45,18 @@ class RelCase(tuple):
         return f"rel_attention {str(dtype)[6:]} B{B} H{H} Tq{Tq} mem{mem} D{D}"
 
 
-#: In the order a budget-cut report should have them: attention's GPT-2 and long causal
-#: D 128 cases (D 128's backward is the widest gap to SDPA; the tuner's atomic dQ and FMA
-#: exponentials are new there), Transformer-XL training (rel_attention bf16, then
-#: ctxfast.attention at its shape: the position term's cost, which should stay within 1.6x),
+#: In the order a budget-cut report should have them: Transformer-XL training first
+#: (rel_attention bf16: the furthest from its goal, 5x ctxfast.attention's time at its shape
+#: in round 5, and the most untimed candidates: the row bias product, the register-capped
+#: rows, the stored-dS backward at two stages), attention's GPT-2 and long causal D 128 cases
+#: (D 128's backward is the widest gap to SDPA), ctxfast.attention at the rel_attention
+#: shape (the position term's cost, which should stay within 1.6x),
 #: long causal D 64 and XL evaluation's forward (fp32, 128 queries against 3,800 keys),
 #: then BERT, Transformer-XL's attention with memory, XLNet.
 CASES = (
+    RelCase((4, 16, 512, 1024, 64, torch.bfloat16, ("fwd", "fwd+bwd"))),
     Case("causal", (16, 12, 1024, 1024, 64), "GPT-2", ("cuda",)),
     Case("causal", (4, 16, 4096, 4096, 128), "sweep", ("cuda",)),
-    RelCase((4, 16, 512, 1024, 64, torch.bfloat16, ("fwd", "fwd+bwd"))),
     Case("causal-memory", (4, 16, 512, 1536, 64), "rel-shape", ("cuda",)),
     Case("causal", (4, 32, 4096, 4096, 64), "sweep", ("cuda",)),
     RelCase((8, 8, 128, 3672, 64, torch.float32, ("fwd",))),
