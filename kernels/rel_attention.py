@@ -1722,7 +1722,11 @@ _TUNE_CANDIDATES = {
     ("dq", 32, True): [{"dq": (4, 3)}, {"dq": (4, 1)}, {"tma": "on"}, {"dr_mode": "gemm"},
                        {"dr_mode": "stored"}],
     ("dr", 32, True): [{"dr": (4, 3)}, {"dr": (4, 1)}],
-    ("fwd", 32, False): [{"fwd": (4, 1)}, {"fwd": (8, 3)}],
+    ("fwd", 32, False): [{"fwd": (4, 1)}, {"fwd": (8, 3)},
+                         # three CTAs an SM (XL evaluation's forward: 244 registers with one
+                         # TF32 product, 255 with tf32x3, two CTAs; capped, sm_90 SASS 429 ->
+                         # 442 instructions a tile, 52 B spilled; tf32x3 910 -> 1,064, 696 B)
+                         {"fwd_maxnreg": FWD_MAXNREG_3CTA}],
 }
 
 #: The same under the interpreter (tests): the variants' code paths.

@@ -115,10 +115,13 @@ REL_SPILL_BUDGET = {
 # {case: {kernel: (warps, CTAs an SM)}}
 REL_3CTA_CASE = "rel_attention bf16 D=64 causal (training), TMA, three CTAs an SM"
 REL_CAPPED_BWD_CASE = "rel_attention bf16 D=64 causal, gemm dr, capped backward rows"
+REL_XL_3CTA_CASE = "rel_attention fp32/tf32 D=64 causal (XL evaluation), three CTAs an SM"
+REL_SPILL_BUDGET[REL_XL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 52}
 REL_SPILL_BUDGET[REL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 308}
 REL_SPILL_BUDGET[REL_CAPPED_BWD_CASE] = {"_rel_attn_bwd_dkdv_kernel": 312,
                                          "_rel_attn_bwd_dq_kernel": 368}
 REL_CAPPED_CTAS = {REL_3CTA_CASE: {"_rel_attn_fwd_kernel": (4, 3)},
+                   REL_XL_3CTA_CASE: {"_rel_attn_fwd_kernel": (4, 3)},
                    REL_CAPPED_BWD_CASE: {"_rel_attn_bwd_dkdv_kernel": (4, 3),
                                          "_rel_attn_bwd_dq_kernel": (8, 2)}}
 # attention's register-capped tuner candidates (kernels/attention._TUNE_REG_CAPS):
@@ -316,6 +319,10 @@ def _cases():
                 lambda: rel(bf16, 64, causal=True, backward=False)))),
         ("rel_attention fp32/tf32 D=64 causal (training, XL evaluation)", sm90,
          tf32(lambda: rel(f32, 64, causal=True))),
+        # XL evaluation's forward at three CTAs an SM (the tuner's register-capped row)
+        (REL_XL_3CTA_CASE, sm90, tf32(setting(rel_attention, "LAUNCH_OVERRIDE", {
+            "fwd_maxnreg": rel_attention.FWD_MAXNREG_3CTA})(
+                lambda: rel(f32, 64, causal=True, backward=False)))),
         # rel_attention: forward, dK/dV and dQ; decoding: split-K forward + combine. The
         # heaviest tile of each row of kernels/rel_attention._config's table, both targets
         ("rel_attention fp32/tf32 D=128 causal+kpm+perm_strict+seg+dropout+window", both,
@@ -771,8 +778,8 @@ def _sixteen_bit(row):
 def facts_table(rows):
     """Markdown table of the FACT_KERNELS' sm_90 compiles (benchmarks/NOTES.md's
     "Compile facts (sm_90)" comes from it: ``python tests/test_triton_compile.py --facts``)."""
-    lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma | mma.sync | TMA |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma | mma.sync "
+             "| TMA | CTAs an SM |", "|---|---|---|---|---|---|---|---|---|---|"]
     order = FACT_KERNELS + REL_FACT_KERNELS
     for r in sorted((r for r in rows if r["kernel"] in order and r["arch"] == 90),
                     key=lambda r: (order.index(r["kernel"]), r["variant"])):
@@ -781,8 +788,17 @@ def facts_table(rows):
         lines.append(f"| {r['kernel']} | {r['variant']} ({blocks}) | {opts.get('num_warps')}/"
                      f"{opts.get('num_stages')} | {r.get('regs')} | {r.get('spill_stores')}/"
                      f"{r.get('spill_loads')} | {r['shared']} | {r.get('wgmma')} | "
-                     f"{r.get('mma_sync')} | {r.get('tma')} |")
+                     f"{r.get('mma_sync')} | {r.get('tma')} | {_ctas_text(r)} |")
     return "\n".join(lines)
+
+
+def _ctas_text(row) -> str:
+    """"2 (registers)" / "3 (shared memory)": the CTAs an sm_90 SM holds and what limits them
+    (the smaller count; "?" without a register count)."""
+    by_smem, by_regs = _ctas_an_sm(row)
+    if by_regs is None:
+        return f"<= {by_smem} (shared memory)"
+    return f"{by_regs} (registers)" if by_regs < by_smem else f"{by_smem} (shared memory)"
 
 
 @pytest.fixture(scope="module")

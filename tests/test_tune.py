@@ -292,7 +292,8 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                                               kattn._table_tma(kernel, D, dtype, False))
                          and mask != "perm")
                 launches = [table]
-                math = ("dq_mode", kernel + ":exp_emu", "fwd:fold")   # table tiles, other math
+                # table tiles with other math, or with a register cap
+                math = ("dq_mode", kernel + ":exp_emu", "fwd:fold", kernel + ":maxnreg")
                 for c in cands[1:]:
                     if any(name in c for name in math):
                         continue
