@@ -926,8 +926,8 @@ _TUNE_CANDIDATES = {
 }
 
 #: Register caps the tuner tries on the table rows of 16-bit D 64 calls without dropout or
-#: a mask (padding takes other rows) (``"<kernel>:maxnreg"``, :func:`_reg_cap`): one more CTA an SM where
-#: the registers, not the shared memory, set the count (sm_90, Triton 3.9, bf16 causal;
+#: a mask (padding takes other rows) (``"<kernel>:maxnreg"``, :func:`_reg_cap`): one more
+#: CTA an SM where the registers, not the shared memory, set the count (sm_90, Triton 3.9, bf16 causal;
 #: not timed). dQ (128 x 64, 8 warps): 140 registers fit one CTA, 128 fit two, and ptxas
 #: then spills nothing (its loop 276 -> 295 instructions a tile). dK/dV (64 x 64, 4 warps,
 #: 67 KB): 238 registers fit two, 168 three, with 28 spill reloads a tile in its main loop

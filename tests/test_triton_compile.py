@@ -778,8 +778,8 @@ def _sixteen_bit(row):
 def facts_table(rows):
     """Markdown table of the FACT_KERNELS' sm_90 compiles (benchmarks/NOTES.md's
     "Compile facts (sm_90)" comes from it: ``python tests/test_triton_compile.py --facts``)."""
-    lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma | mma.sync "
-             "| TMA | CTAs an SM |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma "
+             "| mma.sync | TMA | CTAs an SM |", "|---|---|---|---|---|---|---|---|---|---|"]
     order = FACT_KERNELS + REL_FACT_KERNELS
     for r in sorted((r for r in rows if r["kernel"] in order and r["arch"] == 90),
                     key=lambda r: (order.index(r["kernel"]), r["variant"])):
