@@ -309,20 +309,8 @@ stage_verify() {
   build
   # The timings that decide defaults first (what only a GPU gives, and what a cut stage
   # must keep), then the suite (round 4: 200 s reached 581 of 591 tests), then launch sweeps.
-  step "lstm: CUDA kernels against cuDNN" 110 lstm_cuda_compare.log "$PY" \
-    benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
-    "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
-    "triton persistent split-proj" "triton persistent split-k" "triton persistent f16-operands" \
-    "triton persistent split-k f16-operands" \
-    "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" "triton stepwise graphed" \
-    --out "$R/lstm_cuda_compare.json"
-  summarize lstm_cuda_compare.log "x cuDNN" 40
-  # a float32 decoder on the Triton GEMM (tf32x3, and with each K step summed apart)
-  # against cuBLAS's float32 GEMMs at the ULMFiT and ELMo sizes, with its error: what
-  # decides ctxfast.ops.linear.CUDA_DEFAULT (~9 compiles first; SWEEP rows: --sweep)
-  step "linear: tf32x3 decoder against cuBLAS" 75 linear_compare.log "$PY" \
-    benchmarks/linear_compare.py --out "$R/linear_compare.json"
-  summarize linear_compare.log "^ratio|Error" 30
+  # (31st session: rel_attention first, the op furthest from its goal with the most untimed
+  # candidates; the float32 decoder's comparison moved to followup)
   # attention's dQ and rel_attention's dr summed by a kernel, element-wise atomics or TMA
   # bulk reductions, and rel_attention's backward over a stored dS ("gemm") and P
   # ("stored") (untimed): the backward alone and fwd+bwd, each checked against the kernel
@@ -336,13 +324,21 @@ stage_verify() {
   # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
   # (round 4: 130 s reached 6 of its 8 cases, the tuner had fewer candidates then)
   # (round 5: 169 s for 4 cases with the atomic and FMA-exponential candidates, since
-  # dropped, and its winner adopted; 55 s re-checks the first cases, with the TMA bulk
-  # adds among the backward's candidates) (31st session: rel_attention's case first, with
-  # its untimed candidates: the row bias product, register caps for more CTAs an SM, the
-  # stored-dS backward at two stages)
-  step "tune report (attention)" 75 tune_report.log "$PY" \
-    benchmarks/tune_report.py --time-budget 55 --out "$R/tune_report.json"
-  summarize tune_report.log "x\)|chosen|Error|error" 40
+  # dropped, and its winner adopted) (31st session: rel_attention's case first, with its
+  # untimed candidates -- the row bias product, register caps for more CTAs an SM, the
+  # stored-dS backward at two stages: ~25 compiles, minutes; a cut step keeps every trial
+  # timed, tune_report.py writes them on SIGTERM)
+  step "tune report (rel_attention, attention)" 170 tune_report.log "$PY" \
+    benchmarks/tune_report.py --time-budget 150 --out "$R/tune_report.json"
+  summarize tune_report.log "x\)|chosen|Error|error|stopped" 40
+  step "lstm: CUDA kernels against cuDNN" 110 lstm_cuda_compare.log "$PY" \
+    benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
+    "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
+    "triton persistent split-proj" "triton persistent split-k" "triton persistent f16-operands" \
+    "triton persistent split-k f16-operands" \
+    "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" "triton stepwise graphed" \
+    --out "$R/lstm_cuda_compare.json"
+  summarize lstm_cuda_compare.log "x cuDNN" 40
   SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
   # What is left of the budget (25th session: the suite moved before these, so that the new
   # device code -- TMA bulk reductions, tf32x3 linear, CUDA graphs -- runs its GPU tests in
@@ -386,6 +382,12 @@ stage_followup() {
   step "ncu: warp stalls of rel_attention and attention (fwd+bwd)" 110 ncu_stalls.log \
     "$PY" benchmarks/ncu_stalls.py --out-dir "$R/ncu_stalls" --timeout 95
   summarize ncu_stalls.log "kernel|stalled|samples" 24
+  # a float32 decoder on the Triton GEMM (tf32x3, and with each K step summed apart)
+  # against cuBLAS's float32 GEMMs at the ULMFiT and ELMo sizes, with its error: what
+  # decides ctxfast.ops.linear.CUDA_DEFAULT (~9 compiles first; SWEEP rows: --sweep)
+  step "linear: tf32x3 decoder against cuBLAS" 75 linear_compare.log "$PY" \
+    benchmarks/linear_compare.py --out "$R/linear_compare.json"
+  summarize linear_compare.log "^ratio|Error" 30
   # the same step with the decoder on the Triton GEMM (tf32x3; CTXFAST_LINEAR_CUDA, read
   # at import): the decoder's share of the step (linear_compare in verify times it alone)
   step "AWD-LSTM train step, decoder on ctxfast.linear (triton)" 60 \

@@ -19,13 +19,16 @@ tests check against float64.
 
 Output: a printed table (µs, and tuned / table, tuned / SDPA speedups) and with --out a
 JSON of the cases, the rows chosen per kind and every trial run's record (kernel,
-candidate, µs, agreement, error): the rows to adopt into the tables come from it.
+candidate, µs, agreement, error): the rows to adopt into the tables come from it. The JSON
+is rewritten after each case, and on SIGTERM (a step's ``timeout``) with every trial timed
+so far (``"killed": true``): a case's tuning can take minutes of compiles.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -108,9 +111,11 @@ def _time(fn, device):
     return _tune._time_us(fn, {}, device)
 
 
-def report(device, dtype, cases, budget_s):
+def report(device, dtype, cases, budget_s, rows=None, written=lambda rows: None):
+    """The rows of ``cases`` (appended to ``rows`` as each case ends, ``written(rows)``
+    called then: the JSON is rewritten after every case)."""
     start = time.monotonic()
-    rows = []
+    rows = [] if rows is None else rows
     for case in cases:
         if time.monotonic() - start > budget_s:
             rows.append({"case": case.name, "error": "not run: time budget"})
@@ -143,6 +148,7 @@ def report(device, dtype, cases, budget_s):
         finally:
             _tune.MODE = saved
         rows.append(row)
+        written(rows)                   # (before the line: a reader of the log finds it)
         print(_line(row))
         sys.stdout.flush()
     return rows
@@ -172,23 +178,43 @@ def main(argv=None) -> int:
         _tune.ON_CPU = True
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     quick = args.quick or device.type != "cuda"
-    rows = report(device, dtype, QUICK_CASES if quick else CASES, args.time_budget)
-    chosen = [{"kind": [str(x) for x in kind], "rows": {k: list(v) if isinstance(v, tuple)
-                                                       else v for k, v in r.items()}}
-              for kind, r in _tune.tuned().items()]
-    for c in chosen:
+    rows = []
+
+    def write(rows, killed=False):
+        """The JSON so far: the finished cases, the rows chosen, every trial recorded (a
+        case cut by a timeout keeps the candidates it timed)."""
+        if args.out:
+            _write(args.out, device, rows, killed)
+
+    def on_term(signum, frame):     # gpu_round's step timeout: keep what was measured
+        write(rows, killed=True)
+        print(f"tune_report: stopped by signal {signum}; {len(_tune.records())} trials kept")
+        sys.stdout.flush()
+        os._exit(124)
+    signal.signal(signal.SIGTERM, on_term)
+    report(device, dtype, QUICK_CASES if quick else CASES, args.time_budget, rows, write)
+    for c in _chosen():
         print("chosen", " ".join(c["kind"][:9]), c["rows"] or "table rows")
-    if args.out:
-        records = [dict(r, kind=[str(x) for x in r["kind"]],
-                        candidate={k: list(v) if isinstance(v, tuple) else v
-                                   for k, v in r["candidate"].items()})
-                   for r in _tune.records()]
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda"
-                       else "cpu", "torch": torch.__version__,
-                       "triton": __import__("triton").__version__, "rows": rows,
-                       "chosen": chosen, "records": records}, f, indent=1)
+    write(rows)
     return 0
+
+
+def _chosen():
+    return [{"kind": [str(x) for x in kind], "rows": {k: list(v) if isinstance(v, tuple)
+                                                     else v for k, v in r.items()}}
+            for kind, r in _tune.tuned().items()]
+
+
+def _write(path, device, rows, killed=False):
+    records = [dict(r, kind=[str(x) for x in r["kind"]],
+                    candidate={k: list(v) if isinstance(v, tuple) else v
+                               for k, v in r["candidate"].items()})
+               for r in _tune.records()]
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda"
+                   else "cpu", "torch": torch.__version__,
+                   "triton": __import__("triton").__version__, "rows": rows,
+                   "chosen": _chosen(), "records": records, "killed": killed}, f, indent=1)
 
 
 if __name__ == "__main__":

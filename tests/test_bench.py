@@ -960,9 +960,9 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     # the Triton LSTM backward's launch sweep in verify, xl-eval's quick run in followup
     assert any("lstm_triton_sweep.py --backward" in c for c in verify)
     assert any("xl-eval --quick" in c for c in stages["followup"])
-    # the float32 decoder's GEMM against cuBLAS before the suite, its tests in the suite;
+    # the float32 decoder's GEMM against cuBLAS in followup, its tests in verify's suite;
     # the AWD-LSTM step with it in followup, and decoding against SDPA
-    assert any("linear_compare.py --out" in c for c in verify)
+    assert any("linear_compare.py --out" in c for c in stages["followup"])
     assert "tests/test_linear.py" in vsuite[0]
     assert any("CTXFAST_LINEAR_CUDA=triton" in c and "awd_lstm" in c
                for c in stages["followup"])
@@ -973,10 +973,9 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     assert stalls < next(i for i, c in enumerate(fu) if "xl-eval --quick" in c)
     # verify: the timings first, the suite last (a cut stage keeps what only a GPU gives)
     step = {k: next(i for i, c in enumerate(verify) if k in c)
-            for k in ("lstm_launch_compare.py", "linear_compare.py", "tune_report.py",
-                      " -m pytest tests/gpu ")}
-    assert step["lstm_launch_compare.py"] < step["tune_report.py"] < step[" -m pytest tests/gpu "]
-    assert step["linear_compare.py"] < step[" -m pytest tests/gpu "]
+            for k in ("lstm_launch_compare.py", "tune_report.py", " -m pytest tests/gpu ")}
+    # (rel_attention's tuning before the LSTM forms: the op furthest from its goal)
+    assert step["tune_report.py"] < step["lstm_launch_compare.py"] < step[" -m pytest tests/gpu "]
     # dQ / dr by a kernel, atomics or TMA bulk adds, timed before the suite
     adds = next(i for i, c in enumerate(verify) if "backward_adds_compare.py --out" in c)
     assert adds < step[" -m pytest tests/gpu "]
@@ -1430,6 +1429,33 @@ def test_tune_report_runs_every_step(tmp_path):
     assert len(data["chosen"]) == 6                    # fwd and bwd kinds of the three cases
     assert all(r["error"] is None and r["gap"] <= 1 for r in data["records"])
     assert sum(r["chosen"] for r in data["records"]) >= 4
+
+
+@needs_triton_kernels
+def test_tune_report_keeps_its_trials_when_stopped(tmp_path):
+    # gpu_round's step timeout sends SIGTERM: the report writes the JSON it has (the cases
+    # done, every trial timed so far, "killed") and exits 124, instead of losing a case's
+    # minutes of compiles.
+    import signal
+    out = tmp_path / "tune.json"
+    proc = subprocess.Popen([sys.executable, str(BENCH_DIR / "tune_report.py"), "--quick",
+                             "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()              # the first case's line: trials recorded
+        while first and not first.startswith("causal"):
+            first = proc.stdout.readline()
+        assert first, "the report printed no case"
+        done = json.loads(out.read_text())          # rewritten after each case
+        assert len(done["rows"]) == 1 and done["records"] and not done["killed"]
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 124 and "stopped by signal" in rest, rest
+    data = json.loads(out.read_text())
+    assert data["killed"] and len(data["records"]) >= len(done["records"])
+    assert data["rows"][0]["case"] == done["rows"][0]["case"]
 
 
 def test_config_sweep_refuses_unknown_ops_and_kernels():
