@@ -1553,6 +1553,10 @@ FWD_MAXNREG_3CTA = 168
 #: for the dQ kernel of DR_MODE "gemm" at 8 warps (two CTAs, 41 KB each; 232 registers
 #: without a cap, one CTA): tuner candidates.
 DKDV_MAXNREG_3CTA, DQ_MAXNREG_2CTA = 168, 128
+#: And for the D 128 dK/dV kernel (32 x 32 tiles, 8 warps, 144 registers: one CTA an SM):
+#: capped at 128 ptxas fits it in 126 registers without a spill (sm_90 SASS 397 -> 412
+#: instructions a tile), two CTAs an SM.
+DKDV128_MAXNREG_2CTA = 128
 
 
 def _reg_cap(kernel: str) -> dict:
@@ -1717,8 +1721,12 @@ _TUNE_CANDIDATES = {
                        # 736 instructions a tile, 94 LDL / 26 STL, 368 B stored)
                        {"dr_mode": "gemm", "dq": (8, 1), "dq_maxnreg": DQ_MAXNREG_2CTA}],
     ("dr", 64, True): [{"dr": (4, 3)}, {"dr": (8, 3)}],
-    ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"}],
-    ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)}],
+    ("fwd", 32, True): [{"fwd": (4, 1)}, {"tma": "on"},
+                        # three CTAs an SM (D 128: 204 registers, two; capped, 56 B spilled,
+                        # 10 reloads a tile)
+                        {"fwd_maxnreg": FWD_MAXNREG_3CTA}],
+    ("dkdv", 32, True): [{"dkdv": (4, 2)}, {"dkdv": (4, 1)},
+                         {"dkdv_maxnreg": DKDV128_MAXNREG_2CTA}],     # two CTAs, no spill
     ("dq", 32, True): [{"dq": (4, 3)}, {"dq": (4, 1)}, {"tma": "on"}, {"dr_mode": "gemm"},
                        {"dr_mode": "stored"}],
     ("dr", 32, True): [{"dr": (4, 3)}, {"dr": (4, 1)}],

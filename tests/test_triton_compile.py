@@ -116,12 +116,17 @@ REL_SPILL_BUDGET = {
 REL_3CTA_CASE = "rel_attention bf16 D=64 causal (training), TMA, three CTAs an SM"
 REL_CAPPED_BWD_CASE = "rel_attention bf16 D=64 causal, gemm dr, capped backward rows"
 REL_XL_3CTA_CASE = "rel_attention fp32/tf32 D=64 causal (XL evaluation), three CTAs an SM"
+REL_D128_CAPPED_CASE = "rel_attention bf16 D=128 causal (training), TMA, capped rows"
+REL_SPILL_BUDGET[REL_D128_CAPPED_CASE] = {"_rel_attn_fwd_kernel": 56,
+                                          "_rel_attn_bwd_dkdv_kernel": 0}
 REL_SPILL_BUDGET[REL_XL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 52}
 REL_SPILL_BUDGET[REL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 308}
 REL_SPILL_BUDGET[REL_CAPPED_BWD_CASE] = {"_rel_attn_bwd_dkdv_kernel": 312,
                                          "_rel_attn_bwd_dq_kernel": 368}
 REL_CAPPED_CTAS = {REL_3CTA_CASE: {"_rel_attn_fwd_kernel": (4, 3)},
                    REL_XL_3CTA_CASE: {"_rel_attn_fwd_kernel": (4, 3)},
+                   REL_D128_CAPPED_CASE: {"_rel_attn_fwd_kernel": (4, 3),
+                                          "_rel_attn_bwd_dkdv_kernel": (8, 2)},
                    REL_CAPPED_BWD_CASE: {"_rel_attn_bwd_dkdv_kernel": (4, 3),
                                          "_rel_attn_bwd_dq_kernel": (8, 2)}}
 # attention's register-capped tuner candidates (kernels/attention._TUNE_REG_CAPS):
@@ -319,6 +324,11 @@ def _cases():
                 lambda: rel(bf16, 64, causal=True, backward=False)))),
         ("rel_attention fp32/tf32 D=64 causal (training, XL evaluation)", sm90,
          tf32(lambda: rel(f32, 64, causal=True))),
+        # D 128 (32 x 32 tiles): the forward at three CTAs an SM, dK/dV at two
+        (REL_D128_CAPPED_CASE, sm90, tma(setting(rel_attention, "LAUNCH_OVERRIDE", {
+            "fwd_maxnreg": rel_attention.FWD_MAXNREG_3CTA,
+            "dkdv_maxnreg": rel_attention.DKDV128_MAXNREG_2CTA})(
+                lambda: rel(bf16, 128, causal=True)))),
         # XL evaluation's forward at three CTAs an SM (the tuner's register-capped row)
         (REL_XL_3CTA_CASE, sm90, tf32(setting(rel_attention, "LAUNCH_OVERRIDE", {
             "fwd_maxnreg": rel_attention.FWD_MAXNREG_3CTA})(

@@ -359,6 +359,8 @@ def test_register_caps_offered_where_registers_set_the_ctas(monkeypatch):
     monkeypatch.setattr(krel, "_interpreting", lambda: False)
     for kernel, key in (("fwd", "fwd_maxnreg"), ("dkdv", "dkdv_maxnreg"), ("dq", "dq_maxnreg")):
         assert [c for c in krel._candidates(kernel, 64, bf16, True) if key in c], kernel
+    for kernel, cap in (("fwd", krel.FWD_MAXNREG_3CTA), ("dkdv", krel.DKDV128_MAXNREG_2CTA)):
+        assert {kernel + "_maxnreg": cap} in krel._candidates(kernel, 128, bf16, True), kernel
 
 
 def test_options_timed_slower_are_not_candidates_by_default(monkeypatch):

@@ -127,13 +127,19 @@ def test_three_ctas_an_sm_forward_at_a_training_shape(monkeypatch):
     check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
 
 
-def test_capped_backward_rows_at_a_training_shape(monkeypatch):
-    """The tuner's register-capped backward rows (dK/dV at three CTAs an SM, the gemm mode's
-    dQ at two: spilling by design) at a training shape: every gradient within 2x eager
-    against float64."""
+@pytest.mark.parametrize("D", [64, 128])
+def test_capped_backward_rows_at_a_training_shape(monkeypatch, D):
+    """The tuner's register-capped rows at a training shape (bf16), every gradient within 2x
+    eager against float64: D 64, dK/dV at three CTAs an SM and the gemm mode's dQ at two
+    (spilling by design); D 128, the forward at three and dK/dV at two."""
     import ctxfast.kernels.rel_attention as krel
-    monkeypatch.setattr(krel, "DR_MODE", "gemm")
-    for key, value in {"dkdv": (4, 1), "dkdv_maxnreg": krel.DKDV_MAXNREG_3CTA, "dq": (8, 1),
-                       "dq_maxnreg": krel.DQ_MAXNREG_2CTA}.items():
+    if D == 64:
+        monkeypatch.setattr(krel, "DR_MODE", "gemm")
+        rows = {"dkdv": (4, 1), "dkdv_maxnreg": krel.DKDV_MAXNREG_3CTA, "dq": (8, 1),
+                "dq_maxnreg": krel.DQ_MAXNREG_2CTA}
+    else:
+        rows = {"fwd_maxnreg": krel.FWD_MAXNREG_3CTA,
+                "dkdv_maxnreg": krel.DKDV128_MAXNREG_2CTA}
+    for key, value in rows.items():
         monkeypatch.setitem(krel.LAUNCH_OVERRIDE, key, value)
-    check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
+    check(2, 4, 512, 1536, D, dtype=torch.bfloat16)
