@@ -35,6 +35,8 @@ import sys
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from sass_loops import opcode  # noqa: E402  (the SASS opcode parser of the loop counts)
 SECTIONS = ("WarpStateStats", "SourceCounters", "LaunchStats", "Occupancy", "SpeedOfLight")
 _STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 _TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
@@ -97,12 +99,6 @@ def parse_raw(text: str) -> List[Dict]:
     return out
 
 
-def _opcode(sass: str) -> str:
-    """``FSEL`` of ``@!P1 FSEL.xx R1, R2`` (predicate and modifiers dropped)."""
-    text = re.sub(r"^@!?U?P\w+\s+", "", sass.strip())
-    return text.split()[0].split(".")[0] if text else ""
-
-
 def parse_source(text: str, top: int = 12) -> List[Dict]:
     """Per kernel of ``ncu --page source --csv --print-source sass`` (a header row starts
     each): {"samples": total stall samples, "by_opcode": [(opcode, samples)] largest first,
@@ -130,7 +126,8 @@ def parse_source(text: str, top: int = 12) -> List[Dict]:
     for b in blocks:
         by_op: Dict[str, float] = {}
         for _a, s, n in b["lines"]:
-            by_op[_opcode(s)] = by_op.get(_opcode(s), 0.0) + n
+            op = opcode(s) if s else ""
+            by_op[op] = by_op.get(op, 0.0) + n
         out.append({"samples": sum(n for *_x, n in b["lines"]),
                     "by_opcode": sorted(by_op.items(), key=lambda kv: -kv[1])[:top],
                     "top": sorted(b["lines"], key=lambda x: -x[2])[:top]})

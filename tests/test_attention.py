@@ -767,6 +767,12 @@ def test_register_caps_reach_their_launches_only(monkeypatch):
     capped = run()
     assert dict(seen) == {"_attn_fwd_kernel": None, "_attn_bwd_dkdv_kernel": None,
                           "_attn_bwd_dq_kernel": 128}, seen
+    seen.clear()                                 # a different cap per kernel
+    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd:maxnreg", 152)
+    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "dkdv:maxnreg", 168)
+    run()
+    assert dict(seen) == {"_attn_fwd_kernel": 152, "_attn_bwd_dkdv_kernel": 168,
+                          "_attn_bwd_dq_kernel": 128}, seen
     assert all(torch.equal(a, b) for a, b in zip(plain, capped))
 
 

@@ -434,14 +434,18 @@ def test_register_caps_reach_their_launches_only(monkeypatch):
     assert seen and all(cap is None for _, (cap, _s) in seen), seen
     seen.clear()
     monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd", (4, 2))
-    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd_maxnreg", krel.FWD_MAXNREG_3CTA)
-    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "dq_maxnreg", krel.DQ_MAXNREG_2CTA)
+    # a different cap per kernel, so that one reaching another's launch shows
+    want = {"fwd": 168, "dkdv": 160, "dq": 128, "dr": 152}
+    for kernel, cap in want.items():
+        monkeypatch.setitem(krel.LAUNCH_OVERRIDE, kernel + "_maxnreg", cap)
     capped = run()
     caps = {n: cap for n, (cap, _s) in seen}          # (the interpreter's rows: one stage)
-    assert caps == {"_rel_attn_fwd_kernel": krel.FWD_MAXNREG_3CTA,
-                    "_rel_attn_bwd_dkdv_kernel": None,
-                    "_rel_attn_bwd_dq_kernel": krel.DQ_MAXNREG_2CTA,
-                    "_rel_attn_bwd_dr_kernel": None}, seen
+    assert caps == {f"_rel_attn_{'fwd' if k == 'fwd' else 'bwd_' + k}_kernel": c
+                    for k, c in want.items()}, seen
+    seen.clear()
+    monkeypatch.delitem(krel.LAUNCH_OVERRIDE, "dkdv_maxnreg")      # one alone: the others
+    run()
+    assert {n: cap for n, (cap, _s) in seen}["_rel_attn_bwd_dkdv_kernel"] is None, seen
     for a, b in zip(plain, capped):
         assert a is None and b is None or torch.equal(a, b)
 

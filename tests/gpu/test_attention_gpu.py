@@ -107,3 +107,8 @@ def test_register_capped_backward_large(monkeypatch, dtype, Tq, Tk):
         monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, kernel + ":maxnreg", cap)
     q, k, v = (torch.randn(2, 4, T, 64, device="cuda", dtype=dtype) for T in (Tq, Tk, Tk))
     check_against_reference(q, k, v, causal=True)
+    # and a sequence whose every key is padding: zeros, zero gradients, no NaN
+    kpm = torch.zeros(2, Tk, dtype=torch.bool, device="cuda")
+    kpm[0] = True
+    out, (dq, dk, dv) = check_against_reference(q, k, v, causal=True, key_padding_mask=kpm)
+    assert (out[0] == 0).all() and (dq[0] == 0).all() and (dk[0] == 0).all()

@@ -125,6 +125,7 @@ def test_three_ctas_an_sm_forward_at_a_training_shape(monkeypatch):
     assert torch.allclose(lse, lse_t, rtol=0, atol=1e-4), (lse - lse_t).abs().max()
     assert torch.allclose(out.float(), out_t.float(), rtol=2e-2, atol=2e-2)
     check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
+    _no_key_rows(64, torch.bfloat16)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -143,3 +144,25 @@ def test_capped_backward_rows_at_a_training_shape(monkeypatch, D):
     for key, value in rows.items():
         monkeypatch.setitem(krel.LAUNCH_OVERRIDE, key, value)
     check(2, 4, 512, 1536, D, dtype=torch.bfloat16)
+    _no_key_rows(D, torch.bfloat16)
+
+
+def _no_key_rows(D, dtype):
+    """A sequence whose every key is padding, at two query blocks and more: zeros out, zero
+    gradients through it, no NaN (test_rel_attention.test_rows_that_see_no_key's, larger)."""
+    kpm = torch.zeros(2, 300, dtype=torch.bool, device="cuda")
+    kpm[0] = True
+    out, grads = check(2, 2, 150, 300, D, dtype=dtype, key_padding_mask=kpm)
+    assert (out[0] == 0).all() and (grads[0][0] == 0).all()
+
+
+def test_capped_float32_forward_at_xl_evaluation(monkeypatch):
+    """The tuner's register-capped float32 forward (XL evaluation's: three CTAs an SM,
+    FWD_MAXNREG_3CTA), at torch's default precision (tf32x3) and with TF32 allowed: the
+    forward and every gradient within 2x eager against float64, and rows that see no key."""
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setitem(krel.LAUNCH_OVERRIDE, "fwd_maxnreg", krel.FWD_MAXNREG_3CTA)
+    for tf32 in (False, True):
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+        check(2, 4, 128, 1024, 64, dtype=torch.float32)
+        _no_key_rows(64, torch.float32)
