@@ -1,9 +1,12 @@
-"""DistributedDataParallel with ctxfast models: two processes (gloo, CPU) each train on
-one half of every batch for a few steps; the parameters must equal those of one process
-training on the whole batches.
+"""Data-parallel training of ctxfast models: two processes (gloo, CPU) each train on one half
+of every batch for a few steps, under DistributedDataParallel and under FSDP2
+(``fully_shard``: each layer's parameters sharded over the two ranks, gathered for its
+forward and backward, gradients reduce-scattered); the parameters must equal those of one
+process training on the whole batches.
 
-Adding a model is one entry in ``CASES``: a :class:`Case` with a builder, the batches and
-a step function. One spawn of two processes trains every case (see ``ddp_results``). The children get the parent's ``TRITON_INTERPRET`` (set before anything
+Adding a model is one entry in ``CASES``: a :class:`Case` with a builder, the batches, a
+step function and the layers FSDP shards apart. One spawn of two processes trains every
+case in both modes (see ``ddp_results``). The children get the parent's ``TRITON_INTERPRET`` (set before anything
 imports triton); the models run on ``backend="ctxfast"`` with ctxfast's default dispatch
 (on CPU tensors that is each op's default CPU implementation, see ``ctxfast info``).
 """
@@ -12,7 +15,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Iterable, List, Sequence
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ class Case:
     batch_dim: int                              # the dimension the ranks split
     step: Callable[[torch.nn.Module, Sequence[torch.Tensor], Any], Any]
     # step(model, batch, state) -> (mean loss to backpropagate, new state); state starts None
+    units: Callable[[torch.nn.Module], Iterable[torch.nn.Module]]   # FSDP's units, root aside
 
 
 # --------------------------------------------------------------------------- Transformer-XL
@@ -53,6 +57,27 @@ def _xl_step(model, batch, mems):
     x, y = batch
     loss, mems = model(x, y, *(mems or ()))
     return loss.mean(), mems
+
+
+# --------------------------------------------------------------------------- GPT
+
+def _gpt_build():
+    from ctxfast.models.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=37, n_positions=16, n_layer=2, n_head=2, n_embd=32))
+
+
+def _gpt_batches():
+    g = torch.Generator().manual_seed(3)
+    stream = torch.randint(0, 37, (4, 13), generator=g)                 # [B, T + 1]
+    return [(stream[:, :12], stream[:, 1:])] * STEPS
+
+
+def _gpt_step(model, batch, state):
+    """Causal LM loss; the weight-tied head (``lm_head`` is ``wte``) stays in the root unit."""
+    x, y = batch
+    _, loss = model(x, y)
+    return loss, state
 
 
 # --------------------------------------------------------------------------- AWD-LSTM
@@ -79,9 +104,14 @@ def _awd_step(model, batch, state):
 
 
 CASES = {
-    "transformer_xl": Case(_xl_build, _xl_batches, batch_dim=1, step=_xl_step),
-    "awd_lstm": Case(_awd_build, _awd_batches, batch_dim=0, step=_awd_step),
+    "transformer_xl": Case(_xl_build, _xl_batches, batch_dim=1, step=_xl_step,
+                           units=lambda m: m.layers),
+    "gpt": Case(_gpt_build, _gpt_batches, batch_dim=0, step=_gpt_step,
+                units=lambda m: m.transformer.h),
+    "awd_lstm": Case(_awd_build, _awd_batches, batch_dim=0, step=_awd_step,
+                     units=lambda m: m.encoder.rnns),
 }
+MODES = ("ddp", "fsdp")
 
 
 # --------------------------------------------------------------------------- training
@@ -97,22 +127,46 @@ def _train(case: Case, model: torch.nn.Module, rank: int, world: int) -> None:
         opt.step()
 
 
+def _wrap(mode: str, case: Case, model: torch.nn.Module, world: int) -> torch.nn.Module:
+    """The model under DDP, or sharded by FSDP2: each of ``case.units`` a unit of its own,
+    the rest (embeddings, tied heads, shared biases) the root's."""
+    if mode == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    for unit in case.units(model):
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full_state(mode: str, model: torch.nn.Module) -> dict:
+    """Every parameter and buffer whole (FSDP's shards gathered: a collective, each rank in
+    the same order)."""
+    if mode == "ddp":
+        model = model.module
+    from torch.distributed.tensor import DTensor
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            for k, v in model.state_dict().items()}
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, triton_interpret: str) -> None:
-    """Train every case under DDP; save each case's parameters, or the error it raised."""
+    """Train every case in each mode; save each one's parameters, or the error it raised."""
     if triton_interpret:
         os.environ["TRITON_INTERPRET"] = triton_interpret
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
-        for name, case in CASES.items():
-            path = os.path.join(out_dir, f"{name}-rank{rank}.pt")
-            try:
-                ddp = torch.nn.parallel.DistributedDataParallel(case.build())
-                _train(case, ddp, rank, world)
-                torch.save({k: v.detach() for k, v in ddp.module.state_dict().items()}, path)
-            except Exception:  # reported by that case's test; the other cases still run
-                torch.save({"error": traceback.format_exc()}, path)
+        for mode in MODES:
+            for name, case in CASES.items():
+                path = os.path.join(out_dir, f"{mode}-{name}-rank{rank}.pt")
+                try:
+                    model = _wrap(mode, case, case.build(), world)
+                    _train(case, model, rank, world)
+                    torch.save(_full_state(mode, model), path)
+                except Exception:  # reported by that case's test; the other cases still run
+                    torch.save({"error": traceback.format_exc()}, path)
     finally:
         dist.destroy_process_group()
     # Every result is saved: leave without the interpreter's teardown. In about 5 % of runs
@@ -126,8 +180,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, triton_interpre
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    """One spawn of two processes trains every case (the start-up, mostly importing torch
-    and torch._dynamo for DDP, is paid once). -> the folder of their results."""
+    """One spawn of two processes trains every case in each mode (the start-up, mostly
+    importing torch and torch._dynamo for DDP, is paid once). -> the folder of their
+    results."""
     out = tmp_path_factory.mktemp("ddp")
     mp.spawn(_worker, args=(WORLD, str(out / "store"), str(out),
                             os.environ.get("TRITON_INTERPRET", "")),
@@ -135,10 +190,11 @@ def ddp_results(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_ddp_two_processes_equal_one_process(name, ddp_results):
+def test_two_processes_equal_one_process(name, mode, ddp_results):
     case = CASES[name]
-    ranks = [torch.load(ddp_results / f"{name}-rank{r}.pt") for r in range(WORLD)]
+    ranks = [torch.load(ddp_results / f"{mode}-{name}-rank{r}.pt") for r in range(WORLD)]
     for r, sd in enumerate(ranks):
         assert "error" not in sd, f"rank {r} failed:\n{sd.get('error')}"
     single = case.build()
