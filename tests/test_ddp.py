@@ -103,6 +103,37 @@ def _awd_step(model, batch, state):
     return loss, state
 
 
+# --------------------------------------------------------------------------- ELMo biLM
+
+def _elmo_build():
+    from ctxfast.models.elmo import ElmoBiLM, ElmoConfig
+    torch.manual_seed(0)
+    return ElmoBiLM(ElmoConfig(char_embed_dim=4, filters=((1, 4), (2, 6)), n_highway=1,
+                               projection_dim=8, cell_size=16, max_characters_per_token=8,
+                               vocab_size=19, cell_clip=0.1, proj_clip=0.02, dropout=0.0,
+                               lm_dropout=0.0))
+
+
+def _elmo_batches():
+    """Sentences of one length: each half's mean loss then weighs its tokens as the whole
+    batch's does (padding would give the halves other token counts)."""
+    from ctxfast.models.elmo import batch_to_ids
+    g = torch.Generator().manual_seed(4)
+    words = ["ab", "c", "def", "g", "hij", "kl"]
+    out = []
+    for _ in range(STEPS):
+        pick = torch.randint(0, len(words), (4, 3), generator=g).tolist()
+        char_ids = batch_to_ids([[words[i] for i in row] for row in pick], 8)   # [4, 3, 8]
+        out.append((char_ids, torch.randint(0, 19, (4, 3), generator=g)))
+    return out
+
+
+def _elmo_step(model, batch, state):
+    """Both LM losses through the projected biLSTM with both clips active."""
+    char_ids, word_ids = batch
+    return model(char_ids, word_ids).loss, state
+
+
 CASES = {
     "transformer_xl": Case(_xl_build, _xl_batches, batch_dim=1, step=_xl_step,
                            units=lambda m: m.layers),
@@ -110,6 +141,8 @@ CASES = {
                 units=lambda m: m.transformer.h),
     "awd_lstm": Case(_awd_build, _awd_batches, batch_dim=0, step=_awd_step,
                      units=lambda m: m.encoder.rnns),
+    "elmo_bilm": Case(_elmo_build, _elmo_batches, batch_dim=0, step=_elmo_step,
+                      units=lambda m: [*m.lstm.forward_layers, *m.lstm.backward_layers]),
 }
 MODES = ("ddp", "fsdp")
 
