@@ -20,12 +20,15 @@ FAST_MATH_FLAGS = ("--use_fast_math", "-use_fast_math", "--ftz=true", "--prec-di
 
 
 def _setup_nvcc_flags():
-    """NVCC_FLAGS as assigned in setup.py (a literal list)."""
+    """NVCC_FLAGS as assigned in setup.py (a literal list), without ``--threads N``: one
+    target after the other keeps ptxas's per-kernel reports in order for the parser."""
     tree = ast.parse((ROOT / "setup.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "NVCC_FLAGS" for t in node.targets):
-            return ast.literal_eval(node.value)
+            flags = ast.literal_eval(node.value)
+            return [f for i, f in enumerate(flags)
+                    if f != "--threads" and (i == 0 or flags[i - 1] != "--threads")]
     raise AssertionError("setup.py no longer assigns NVCC_FLAGS as a literal list")
 
 
