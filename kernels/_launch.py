@@ -46,9 +46,11 @@ multiplies and adds, and ptxas fuses nothing else).
 Host time before the launcher, measured on a CPU (``benchmarks/launch_overhead.py``): ~44
 us per launch through Triton, ~7.6 through the fast path.
 """
+import contextlib
 import importlib
 import inspect
 import os
+import threading
 import warnings
 
 import torch
@@ -67,6 +69,8 @@ MAX_KEYS = 256
 
 #: Triton compile options every launch passes unless the call names them (module docstring).
 OPTIONS = {"enable_fp_fusion": True}
+
+_LOCAL = threading.local()
 
 _I32_LO, _I32_HI = -(1 << 31), 1 << 31
 _I64_LO, _I64_HI = -(1 << 63), 1 << 63
@@ -116,6 +120,26 @@ def _knob_state():
         return None
     comp = knobs.compilation
     return rt.debug, comp.instrumentation_mode, getattr(comp, "fpsan_homomorphic_casts", None)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Launches on this thread compile their kernel and run nothing: Triton's warm-up
+    (``JITFunction.run(warmup=True)``), which leaves the compiled kernel in Triton's cache as
+    a launch would. A launcher called in it still allocates and runs its torch ops, on
+    outputs no kernel wrote. For compiling a tuner's candidate rows side by side
+    (kernels/_tune.py); under the interpreter launches are not wrapped and run."""
+    saved = compiling_only()
+    _LOCAL.compile_only = True
+    try:
+        yield
+    finally:
+        _LOCAL.compile_only = saved
+
+
+def compiling_only() -> bool:
+    """Whether :func:`compile_only` is in force on this thread."""
+    return getattr(_LOCAL, "compile_only", False)
 
 
 _device_stream = None  # (get_current_device, get_current_stream) of Triton's active driver
@@ -168,6 +192,8 @@ class FastKernel:
 
     def launch(self, grid, args, kwargs):
         kwargs = {**OPTIONS, **kwargs}
+        if compiling_only():
+            return self.fn.run(*args, grid=grid, warmup=True, **kwargs)
         state = _knob_state()
         if state is None or type(grid) is not tuple or self.fn.pre_run_hooks:
             return self.fn[grid](*args, **kwargs)
@@ -242,7 +268,8 @@ class WithOptions:
         self.fn = fn
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.fn[grid](*args, **{**OPTIONS, **kwargs})
+        return lambda *args, **kwargs: self.fn.run(*args, grid=grid, warmup=compiling_only(),
+                                                   **{**OPTIONS, **kwargs})
 
 
 _WRAPPED = {}

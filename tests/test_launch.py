@@ -14,6 +14,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -229,6 +230,39 @@ def test_a_new_key_goes_through_triton(toy, change, monkeypatch):
     fk[(1,)](*args, **kwargs)
     assert fk.misses == 2 and fk.hits == 0
     assert [e[0] for e in log].count("jit") == 2
+
+
+def test_compile_only_warms_up_and_launches_nothing(toy, monkeypatch):
+    """Under compile_only (this thread only) both launch paths ask Triton for a warm-up
+    (compile, cache, no launch) with the options every launch passes, and the fast path
+    remembers nothing; outside it they launch again."""
+    fk, log = toy
+    calls = []
+
+    compiled = _FakeCompiled(log)
+
+    def jit_run(*args, grid, warmup, **kwargs):
+        calls.append((threading.current_thread().name, warmup, kwargs.get("enable_fp_fusion")))
+        return compiled
+
+    monkeypatch.setattr(_toy_kernel, "run", jit_run, raising=False)
+    plain = _launch.WithOptions(_toy_kernel)
+    me = threading.current_thread().name
+    with _launch.compile_only():
+        assert _launch.compiling_only()
+        assert fk[(3, 2)](_x(), 64, 0.5, True, W=4) is compiled
+        assert plain[(3,)](_x(), 64, 0.5, True, W=4) is compiled
+        other = threading.Thread(target=lambda: fk[(1,)](_x(), 64, 0.5, True, W=4),
+                                 name="other")
+        other.start()
+        other.join()
+    assert not _launch.compiling_only()
+    assert calls[:2] == [(me, True, True), (me, True, True)]
+    assert [c for c in calls if c[0] == "other"][0][1] is False    # not that thread's mode
+    assert fk.hits == 0 and fk.misses == 1 and len(fk.cache) == 1  # 'other' only
+    calls.clear()
+    plain[(3,)](_x(), 64, 0.5, True, W=4)
+    assert calls == [(me, False, True)]
 
 
 def _toy_desc(x_ptr, n, W: tl.constexpr, D=None, TMA: tl.constexpr = False):

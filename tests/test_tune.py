@@ -7,8 +7,10 @@ small candidate rows; where a test needs a given row to win, a stand-in timer
 (``_tune.TIMER``) says which. Every tuned call is checked against the float64 reference
 (the 2x-eager rule of tests/test_attention.py).
 """
+import contextlib
 import math
 import os
+import threading
 import zlib
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 import ctxfast
 import test_attention as ta
 from ctxfast import reference
-from ctxfast.kernels import _tune
+from ctxfast.kernels import _launch, _tune
 from ctxfast.kernels import attention as kattn
 from utils import DEVICE, assert_within_2x_eager, needs_interpreter, spy_launches
 
@@ -566,6 +568,56 @@ def test_gpu_timing_protocol(monkeypatch):
     first_round = log[log.index(spins[0]):]
     assert first_round[:3] == [spins[0], "event", "call"]      # spin, start, the calls, end
     assert first_round[2:12] == ["call"] * 10 and first_round[12] == "event"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_gpu_candidates_compile_side_by_side_before_they_are_timed(monkeypatch, device):
+    """A GPU call's candidates of each kernel (each with the rows chosen before it) are
+    compiled before the first is timed: the table row on the calling thread, the others on
+    worker threads, each with its own rows in force and launches compiling only. A row that
+    fails there is still run by the timed loop, which records its error; a CPU call
+    compiles nothing ahead."""
+    log = []
+    out = torch.zeros(3)
+
+    def run():
+        rows = dict(_tune.current())
+        log.append((threading.current_thread() is threading.main_thread(), rows,
+                    _launch.compiling_only()))
+        if rows.get("bad"):
+            raise RuntimeError("no such row")
+        if not _launch.compiling_only():
+            out.fill_(1.0)
+
+    monkeypatch.setattr(_tune, "TIMER", lambda once, rows: 10.0 - rows.get("a", 0)
+                        - rows.get("b", 0))
+    monkeypatch.setattr(_tune, "COMPILE_THREADS", 3)
+    monkeypatch.setattr(_tune, "_sync", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    kernels = [("a", [{}, {"a": 1}, {"a": 2}, {"a": 3, "bad": True}]),
+               ("b", lambda chosen: [{}, {"b": 1}])]
+    _tune.reset()
+    try:
+        rows = _tune._tune("kind", kernels, run, [out], torch.device(device, 0)
+                           if device == "cuda" else torch.device("cpu"), 1e-3)
+        records = _tune.records()
+    finally:
+        _tune.reset()
+    assert rows == {"a": 2, "b": 1}
+    ahead = [(main, r) for main, r, only in log if only]
+    timed = [r for main, r, only in log if not only and main]
+    if device == "cpu":
+        assert not ahead and len(timed) == 6
+        return
+    first_a = [{}, {"a": 1}, {"a": 2}, {"a": 3, "bad": True}]
+    assert ahead[0] == (True, {})                               # the table row, here
+    assert sorted(map(repr, (r for _, r in ahead[1:4]))) == sorted(map(repr, first_a[1:]))
+    assert not any(main for main, _ in ahead[1:4])              # the others on workers
+    assert log[:4] == [(m, r, True) for m, r in ahead[:4]]      # all before any timed run
+    assert ahead[4:] == [(True, {"a": 2}), (False, {"a": 2, "b": 1})]   # b after a's choice
+    assert timed == first_a + [{"a": 2}, {"a": 2, "b": 1}]
+    assert [r["error"] for r in records if r["candidate"].get("bad")] == [
+        "RuntimeError: no such row"]
 
 
 def test_rel_attention_tuned_against_reference(tuning):

@@ -73,3 +73,61 @@ def test_fast_launch_matches_jit_launch(op, dtype, monkeypatch):
     wrapped = list(_launch._WRAPPED.values())
     assert wrapped and sum(w.hits for w in wrapped) > 0
     assert all(w.misses >= 1 for w in wrapped)
+
+
+@pytest.mark.parametrize("launch", ["fast", "jit"])
+def test_tuner_compiles_candidates_ahead_on_worker_threads(launch, monkeypatch):
+    """CTXFAST_AUTOTUNE's first call of a kind (rel_attention bf16, forward and backward)
+    compiles each kernel's candidates before timing them (kernels/_tune.py
+    ``_compile_ahead``): every compile made while tuning happens in that phase, some on
+    worker threads, none in the timed trials; the tuned call's gradients match the table
+    rows' within the tuner's own agreement (the tuner checks its outputs; here the
+    gradients of the call that tuned against an untuned one)."""
+    import threading
+
+    from triton import knobs
+
+    from ctxfast.kernels import _tune
+
+    state = {"tuning": 0, "ahead": 0, "callers": set()}
+    events = []
+    real_ahead, real_tune = _tune._compile_ahead, _tune._tune
+
+    def ahead(*args, **kwargs):
+        state["ahead"] += 1
+        state["callers"].add(threading.get_ident())
+        try:
+            return real_ahead(*args, **kwargs)
+        finally:
+            state["ahead"] -= 1
+
+    def tune(*args, **kwargs):
+        state["tuning"] += 1
+        try:
+            return real_tune(*args, **kwargs)
+        finally:
+            state["tuning"] -= 1
+
+    def compiled(**kwargs):
+        events.append((threading.get_ident(), state["tuning"] > 0, state["ahead"] > 0))
+
+    monkeypatch.setattr(_launch, "LAUNCH", launch)
+    monkeypatch.setattr(_launch, "_WRAPPED", {})
+    monkeypatch.setattr(_tune, "_compile_ahead", ahead)
+    monkeypatch.setattr(_tune, "_tune", tune)
+    monkeypatch.setattr(_tune, "COMPILE_THREADS", 4)
+    ins = _inputs(torch.bfloat16, 0)
+    want = _rel_attention(*ins)
+    monkeypatch.setattr(_tune, "MODE", "on")
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", compiled)
+    _tune.reset()
+    try:
+        got = _rel_attention(*ins)
+    finally:
+        _tune.reset()
+    during = [e for e in events if e[1]]
+    assert not [e for e in during if not e[2]], f"compiled while timing: {events}"
+    assert any(ident not in state["callers"] for ident, _, _ in during), events
+    for j, (a, b) in enumerate(zip(got, want)):
+        gap = float((a.float() - b.float()).abs().max()) / float(b.float().abs().max())
+        assert gap <= _tune.AGREE[torch.bfloat16], f"output {j}: {gap}"
