@@ -133,7 +133,7 @@ from ._common import (LOG2E, _bwd_delta_kernel, _combine_splits, _dot, _fold_sca
                       _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
                       check_tma_mode, delta_blocks, next_pow2, row_tiles, tma_args)
 from . import _tune
-from ._launch import fast
+from ._launch import compiling_only, fast
 
 
 @triton.jit
@@ -2044,7 +2044,11 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     rb = row_bias_table(r, u, w, bm + 2 * bn)
     tables = {}
 
-    def split_table():  # made once, where a launch takes it (_rb_mma_args)
+    def split_table():  # made once, where a launch takes it (_rb_mma_args); never kept
+        # from a run that compiles only (the tuner's candidates compiled ahead: its kernel
+        # did not run, so the table holds nothing yet)
+        if compiling_only():
+            return row_bias_table(r, u, w, bm + 2 * bn, split=True)
         if not tables:
             tables["split"] = row_bias_table(r, u, w, bm + 2 * bn, split=True)
         return tables["split"]
