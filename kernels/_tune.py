@@ -256,7 +256,9 @@ def _compile_ahead(rows_list, run, device) -> None:
     thread (it makes Triton's per-device tables of each kernel), the others on up to
     :data:`COMPILE_THREADS` threads, each with its rows in force (:func:`active`) and
     launches compiling only (``_launch.compile_only``). The timed loop then finds them
-    compiled. An error here (a row that cannot compile) is left for that loop to meet
+    compiled. Such a run writes nothing a kernel computes, so ``run`` must keep nothing
+    from it for later runs (rel_attention's forward builds its split row-bias table anew
+    there instead of keeping it). An error here (a row that cannot compile) is left for that loop to meet
     again and record, where the table row's error is raised."""
     from ._launch import compile_only
 
