@@ -113,6 +113,18 @@ def test_tuner_compiles_candidates_ahead_on_worker_threads(launch, monkeypatch):
 
     monkeypatch.setattr(_launch, "LAUNCH", launch)
     monkeypatch.setattr(_launch, "_WRAPPED", {})
+    # Triton's in-process tables of compiled kernels, emptied: an earlier test in this
+    # process may have compiled these rows (a compile from Triton's disk cache still counts)
+    from collections import defaultdict
+
+    from triton.runtime.jit import JITFunction
+
+    from ctxfast.kernels import _common as kcommon
+    from ctxfast.kernels import rel_attention as krel
+    for mod in (krel, kcommon):
+        for fn in vars(mod).values():
+            if isinstance(fn, JITFunction):
+                monkeypatch.setattr(fn, "device_caches", defaultdict(fn.create_binder))
     monkeypatch.setattr(_tune, "_compile_ahead", ahead)
     monkeypatch.setattr(_tune, "_tune", tune)
     monkeypatch.setattr(_tune, "COMPILE_THREADS", 4)
