@@ -142,6 +142,18 @@ def compiling_only() -> bool:
     return getattr(_LOCAL, "compile_only", False)
 
 
+_TABLES_LOCK = threading.Lock()
+
+
+def _warm_up(fn: JITFunction, grid, args, kwargs):
+    """Triton's warm-up of ``fn`` (compile, cache, no launch), its per-device tables made
+    first under a lock: threads compiling side by side would each make them and keep only
+    the last one's compiled kernels (the others compiled again at their first launch)."""
+    with _TABLES_LOCK:
+        fn.device_caches[_driver_calls()[0]()]
+    return fn.run(*args, grid=grid, warmup=True, **kwargs)
+
+
 _device_stream = None  # (get_current_device, get_current_stream) of Triton's active driver
 
 
@@ -193,7 +205,7 @@ class FastKernel:
     def launch(self, grid, args, kwargs):
         kwargs = {**OPTIONS, **kwargs}
         if compiling_only():
-            return self.fn.run(*args, grid=grid, warmup=True, **kwargs)
+            return _warm_up(self.fn, grid, args, kwargs)
         state = _knob_state()
         if state is None or type(grid) is not tuple or self.fn.pre_run_hooks:
             return self.fn[grid](*args, **kwargs)
@@ -268,8 +280,12 @@ class WithOptions:
         self.fn = fn
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.fn.run(*args, grid=grid, warmup=compiling_only(),
-                                                   **{**OPTIONS, **kwargs})
+        def launch(*args, **kwargs):
+            kwargs = {**OPTIONS, **kwargs}
+            if compiling_only():
+                return _warm_up(self.fn, grid, args, kwargs)
+            return self.fn[grid](*args, **kwargs)
+        return launch
 
 
 _WRAPPED = {}

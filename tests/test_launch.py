@@ -10,6 +10,7 @@ the first call, a new key, a launch hook, a changed global, or a grid that is no
 tuple, and is off under the interpreter and with ``LAUNCH = "jit"``. Whether the GPU's
 launcher takes the arguments is checked on a GPU (``tests/gpu/test_launch_gpu.py``).
 """
+import collections
 import itertools
 import os
 import subprocess
@@ -234,8 +235,9 @@ def test_a_new_key_goes_through_triton(toy, change, monkeypatch):
 
 def test_compile_only_warms_up_and_launches_nothing(toy, monkeypatch):
     """Under compile_only (this thread only) both launch paths ask Triton for a warm-up
-    (compile, cache, no launch) with the options every launch passes, and the fast path
-    remembers nothing; outside it they launch again."""
+    (compile, cache, no launch) with the options every launch passes, the kernel's tables
+    for the current device made first, and the fast path remembers nothing; outside it
+    they launch again."""
     fk, log = toy
     calls = []
 
@@ -246,6 +248,8 @@ def test_compile_only_warms_up_and_launches_nothing(toy, monkeypatch):
         return compiled
 
     monkeypatch.setattr(_toy_kernel, "run", jit_run, raising=False)
+    tables = collections.defaultdict(lambda: "tables")      # Triton's per-device tables
+    monkeypatch.setattr(_toy_kernel, "device_caches", tables)
     plain = _launch.WithOptions(_toy_kernel)
     me = threading.current_thread().name
     with _launch.compile_only():
@@ -258,6 +262,7 @@ def test_compile_only_warms_up_and_launches_nothing(toy, monkeypatch):
         other.join()
     assert not _launch.compiling_only()
     assert calls[:2] == [(me, True, True), (me, True, True)]
+    assert list(tables) == [0]          # made before the warm-up (under the tables' lock)
     assert [c for c in calls if c[0] == "other"][0][1] is False    # not that thread's mode
     assert fk.hits == 0 and fk.misses == 1 and len(fk.cache) == 1  # 'other' only
     calls.clear()
