@@ -28,6 +28,8 @@ attention's shapes.
 
 Timing: ``_common.median_timer`` (CUDA events, the median of ``--reps`` after 3 warm-up
 calls; the wall clock on a CPU, after one). Nothing but the call runs in the timed region.
+On a GPU every form's backward kernels are compiled side by side before the first form
+runs (:func:`_compile_forms`: the tuner's ``compile_ahead``).
 """
 from __future__ import annotations
 
@@ -69,6 +71,42 @@ def _sdpa(*a):
     return F.scaled_dot_product_attention(*a, is_causal=True)
 
 
+#: The kernel-level backward each op's autograd calls (looked up there at every call).
+_BACKWARDS = {"rel_attention": (krel, "rel_attention_backward"),
+              "attention": (kattn, "attention_backward")}
+
+
+def _backward_call(op, fn, ins, g):
+    """(function, args, kwargs) of the kernel-level backward that one call of ``fn`` makes,
+    recorded while it runs for real (forward and backward)."""
+    module, name = _BACKWARDS[op]
+    real, seen = getattr(module, name), []
+
+    def record(*args, **kwargs):
+        if not seen:
+            seen.append((real, args, kwargs))
+        return real(*args, **kwargs)
+    setattr(module, name, record)
+    try:
+        torch.autograd.grad(fn(*ins), ins, g)
+    finally:
+        setattr(module, name, real)
+    if not seen:
+        raise RuntimeError(f"{op}: the call made no kernel-level backward ({name})")
+    return seen[0]
+
+
+def _compile_forms(op, fn, ins, g, key, modes, device) -> None:
+    """Every form's backward kernels compiled side by side (``_tune.compile_ahead``: one
+    thread per form, its mode in force there, launches compiling only) by replaying the
+    kernel-level backward of one real call: the forms' first calls then find them
+    compiled. GPU only (the interpreter compiles nothing)."""
+    if device.type != "cuda":
+        return
+    backward, args, kwargs = _backward_call(op, fn, ins, g)
+    _tune.compile_ahead([{key: m} for m in modes], lambda: backward(*args, **kwargs), device)
+
+
 def _timed(fn, ins, g, time_ms) -> Dict[str, float]:
     """{"bwd_us", "fwd_bwd_us"} of fn(*ins) with upstream gradient g."""
     out = fn(*ins)
@@ -92,6 +130,7 @@ def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
         case = f"{op} {str(dtype)[6:]} B{B} H{H} Tq{Tq} mem{mem} D{D}"
         module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
         fn = _op(op)
+        _compile_forms(op, fn, ins, g, key, MODES[op], device)
         base = None
         for mode in MODES[op]:
             module.LAUNCH_OVERRIDE[key] = mode

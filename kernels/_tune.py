@@ -33,7 +33,7 @@ graph is being captured (the table rows run; nothing is cached).
 Cost of a first call: one compile per candidate kernel (Triton caches compiles on disk, so
 a later process pays only the timing, a few ms per candidate) and a copy of the call's
 outputs. On a GPU the candidates of a kernel are compiled side by side before the first is
-timed (:func:`_compile_ahead`, :data:`COMPILE_THREADS` threads: Triton's compile spends
+timed (:func:`compile_ahead`, :data:`COMPILE_THREADS` threads: Triton's compile spends
 most of its time outside the GIL, in its passes and in ptxas; the six kernels of a bf16
 rel_attention training call compiled for sm_90 on a 2-core CPU in 4.3 s one after the
 other, 2.3 s on two threads). Which row wins can differ between processes (timing noise), so two processes may
@@ -72,7 +72,7 @@ HOLD_MARGIN = 1.5
 HOLD_CLOCK_HZ = 2.0e9
 
 #: Threads compiling a kernel's candidate rows before they are timed (GPU calls;
-#: :func:`_compile_ahead`). 1: each candidate compiles when it first runs.
+#: :func:`compile_ahead`). 1: each candidate compiles when it first runs.
 COMPILE_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                              else (os.cpu_count() or 1)))
 
@@ -250,16 +250,17 @@ def _time_us(once, rows, device) -> float:
     return best * 1e3
 
 
-def _compile_ahead(rows_list, run, device) -> None:
-    """Compile the launches of ``run()`` under each of ``rows_list`` (a kernel's candidates,
-    each merged with the rows chosen before it) without running them: the first on this
-    thread (it makes Triton's per-device tables of each kernel), the others on up to
-    :data:`COMPILE_THREADS` threads, each with its rows in force (:func:`active`) and
-    launches compiling only (``_launch.compile_only``). The timed loop then finds them
-    compiled. Such a run writes nothing a kernel computes, so ``run`` must keep nothing
-    from it for later runs (rel_attention's forward builds its split row-bias table anew
-    there instead of keeping it). An error here (a row that cannot compile) is left for that loop to meet
-    again and record, where the table row's error is raised."""
+def compile_ahead(rows_list, run, device) -> None:
+    """Compile the launches of ``run()`` under each of ``rows_list`` (e.g. a kernel's
+    candidates, each merged with the rows chosen before it) without running them, on up to
+    :data:`COMPILE_THREADS` threads side by side, each with its rows in force
+    (:func:`active`) and launches compiling only (``_launch.compile_only``). Later runs
+    then find them compiled. Such a run writes nothing a kernel computes, so ``run`` must
+    keep nothing from it for later runs (rel_attention's forward builds its split row-bias
+    table anew there instead of keeping it). ``run`` is called directly on the threads,
+    under ``no_grad``: never through autograd, whose engine runs the backward on a thread
+    of its own that sees none of these rows. An error here (a row that cannot compile) is
+    left for the later runs to meet again (the tuner records it, or raises the table row's)."""
     from ._launch import compile_only
 
     def one(rows):
@@ -270,12 +271,9 @@ def _compile_ahead(rows_list, run, device) -> None:
         except Exception:   # noqa: BLE001 -- met again, and recorded, by the timed loop
             pass
 
-    if not rows_list:
-        return
-    one(rows_list[0])
-    if len(rows_list) > 1:
-        with ThreadPoolExecutor(max_workers=min(COMPILE_THREADS, len(rows_list) - 1)) as ex:
-            list(ex.map(one, rows_list[1:]))
+    if rows_list:
+        with ThreadPoolExecutor(max_workers=min(COMPILE_THREADS, len(rows_list))) as ex:
+            list(ex.map(one, rows_list))
 
 
 def _tune(kind, kernels, run, outputs, device, tol) -> dict:
@@ -291,7 +289,7 @@ def _tune(kind, kernels, run, outputs, device, tol) -> dict:
         if len(candidates) < 2:
             continue                            # nothing to choose
         if device.type == "cuda" and COMPILE_THREADS > 1:
-            _compile_ahead([{**chosen, **c} for c in candidates], run, device)
+            compile_ahead([{**chosen, **c} for c in candidates], run, device)
         best_us, best, best_rec = math.inf, {}, None
         for cand in candidates:
             rows = {**chosen, **cand}

@@ -1177,6 +1177,49 @@ def test_backward_adds_compare_times_every_mode_and_clears_the_override(tmp_path
     assert "dq_mode" not in kattn.LAUNCH_OVERRIDE and "dr_mode" not in krel.LAUNCH_OVERRIDE
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="launches recorded through the interpreter")
+@pytest.mark.parametrize("op", ["attention", "rel_attention"])
+def test_backward_adds_compare_compiles_what_each_form_launches(op, monkeypatch):
+    """On a GPU the script compiles every form's backward kernels ahead, by replaying the
+    kernel-level backward of one call on a thread with that form's mode in force
+    (``_compile_forms``). The replay must launch what the form's own call launches
+    (kernels, constexprs, warps, stages), or it compiles kernels nobody runs. Here the
+    replay runs (one thread: the interpreter is not thread-safe) and its backward launches
+    are compared with those of each form's own call."""
+    import contextlib
+
+    from utils import load_benchmark, spy_launches
+
+    from ctxfast.kernels import _tune
+    from ctxfast.kernels import attention as kattn
+    from ctxfast.kernels import rel_attention as krel
+    bac = load_benchmark("backward_adds_compare.py")
+    module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
+    names = [n for n in vars(module) if n.startswith(("_rel_attn_bwd_", "_rel_bwd_", "_rel_d",
+                                                      "_attn_bwd_")) and n.endswith("_kernel")]
+    scalars = (bool, int, float, str, type(None))
+    seen = spy_launches(monkeypatch, module, names, lambda args, kwargs: repr(sorted(
+        (k, v) for k, v in kwargs.items() if isinstance(v, scalars))))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_tune, "COMPILE_THREADS", 1)
+    case = next(c for c in bac.QUICK if c[0] == op)
+    torch.manual_seed(0)
+    ins, g = bac.make_inputs(op, *case[1:], torch.device("cpu"), torch.float32)
+    fn = bac._op(op)
+    backward, args, kwargs = bac._backward_call(op, fn, ins, g)
+    for mode in bac.MODES[op]:
+        seen.clear()
+        _tune.compile_ahead([{key: mode}], lambda: backward(*args, **kwargs),
+                            torch.device("cpu"))
+        replayed = sorted(seen)
+        seen.clear()
+        monkeypatch.setitem(module.LAUNCH_OVERRIDE, key, mode)
+        torch.autograd.grad(fn(*ins), ins, g)
+        monkeypatch.delitem(module.LAUNCH_OVERRIDE, key)
+        assert replayed and replayed == sorted(seen), (mode, replayed, sorted(seen))
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton LSTM needs a GPU or the interpreter")
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])

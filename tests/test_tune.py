@@ -573,8 +573,8 @@ def test_gpu_timing_protocol(monkeypatch):
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_gpu_candidates_compile_side_by_side_before_they_are_timed(monkeypatch, device):
     """A GPU call's candidates of each kernel (each with the rows chosen before it) are
-    compiled before the first is timed: the table row on the calling thread, the others on
-    worker threads, each with its own rows in force and launches compiling only. A row that
+    compiled before the first is timed, on worker threads, each with its own rows in force
+    and launches compiling only. A row that
     fails there is still run by the timed loop, which records its error; a CPU call
     compiles nothing ahead."""
     log = []
@@ -610,11 +610,11 @@ def test_gpu_candidates_compile_side_by_side_before_they_are_timed(monkeypatch, 
         assert not ahead and len(timed) == 6
         return
     first_a = [{}, {"a": 1}, {"a": 2}, {"a": 3, "bad": True}]
-    assert ahead[0] == (True, {})                               # the table row, here
-    assert sorted(map(repr, (r for _, r in ahead[1:4]))) == sorted(map(repr, first_a[1:]))
-    assert not any(main for main, _ in ahead[1:4])              # the others on workers
+    assert not any(main for main, _ in ahead)                   # all on worker threads
+    rows_of = lambda part: sorted(map(repr, (r for _, r in part)))     # noqa: E731
+    assert rows_of(ahead[:4]) == rows_of([(0, r) for r in first_a])
     assert log[:4] == [(m, r, True) for m, r in ahead[:4]]      # all before any timed run
-    assert ahead[4:] == [(True, {"a": 2}), (False, {"a": 2, "b": 1})]   # b after a's choice
+    assert rows_of(ahead[4:]) == rows_of([(0, {"a": 2}), (0, {"a": 2, "b": 1})])  # a chosen
     assert timed == first_a + [{"a": 2}, {"a": 2, "b": 1}]
     assert [r["error"] for r in records if r["candidate"].get("bad")] == [
         "RuntimeError: no such row"]

@@ -79,7 +79,7 @@ def test_fast_launch_matches_jit_launch(op, dtype, monkeypatch):
 def test_tuner_compiles_candidates_ahead_on_worker_threads(launch, monkeypatch):
     """CTXFAST_AUTOTUNE's first call of a kind (rel_attention bf16, forward and backward)
     compiles each kernel's candidates before timing them (kernels/_tune.py
-    ``_compile_ahead``): every compile made while tuning happens in that phase, some on
+    ``compile_ahead``): every compile made while tuning happens in that phase, some on
     worker threads, none in the timed trials; the tuned call's gradients match the table
     rows' within the tuner's own agreement (the tuner checks its outputs; here the
     gradients of the call that tuned against an untuned one)."""
@@ -91,7 +91,7 @@ def test_tuner_compiles_candidates_ahead_on_worker_threads(launch, monkeypatch):
 
     state = {"tuning": 0, "ahead": 0, "callers": set()}
     events = []
-    real_ahead, real_tune = _tune._compile_ahead, _tune._tune
+    real_ahead, real_tune = _tune.compile_ahead, _tune._tune
 
     def ahead(*args, **kwargs):
         state["ahead"] += 1
@@ -125,7 +125,7 @@ def test_tuner_compiles_candidates_ahead_on_worker_threads(launch, monkeypatch):
         for fn in vars(mod).values():
             if isinstance(fn, JITFunction):
                 monkeypatch.setattr(fn, "device_caches", defaultdict(fn.create_binder))
-    monkeypatch.setattr(_tune, "_compile_ahead", ahead)
+    monkeypatch.setattr(_tune, "compile_ahead", ahead)
     monkeypatch.setattr(_tune, "_tune", tune)
     monkeypatch.setattr(_tune, "COMPILE_THREADS", 4)
     ins = _inputs(torch.bfloat16, 0)
