@@ -16,10 +16,13 @@ is checked for the other).
 Each candidate's output is compared with the table row's (relative error, the same
 inputs): a candidate that disagrees beyond the dtype's bound (another summation order
 moves a few ulps; a miscompiled launch moves everything) is reported and never the
-winner. Timing: CUDA events, median of ``--reps`` after 2 warm-up calls (the first
-compiles); ``--quick`` on a CPU: tiny sizes under the interpreter, wall-clock time, the
-first three candidates and the last (a check that the script runs, not a timing). The time
-budget stops starting candidates when spent (and says so); each row prints as it lands.
+winner. Timing: CUDA events, median of ``--reps`` after 2 warm-up calls. On a GPU every
+row of a case is compiled first, side by side (``kernels/_tune.py`` ``compile_ahead``, each
+row in force on its own thread: the ``"lstm_config"`` row ``kernels.lstm`` reads before
+``CONFIG_OVERRIDE``). ``--quick`` on a CPU: tiny sizes under the interpreter, wall-clock
+time, the first three candidates and the last (a check that the script runs, not a
+timing). The time budget stops starting candidates when spent (and says so); each row
+prints as it lands.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from triton.runtime.errors import OutOfResources
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402
+from ctxfast.kernels import _tune  # noqa: E402
 from ctxfast.kernels import lstm as klstm  # noqa: E402
 
 #: (name, hidden, proj, T, B): the recurrence's sizes (the input projection is not timed)
@@ -133,6 +137,9 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float,
                 cands = CANDIDATES_SPLIT + cands
             if quick:                                 # a check that each kind of row runs
                 cands = cands[:3] + cands[-1:]
+            if device.type == "cuda":   # every row compiled side by side, before any is timed
+                _tune.compile_ahead([{"lstm_config": over} for over in [None] + cands], call,
+                                    device)
             timed = set()                             # the launches timed for this case
             table_out: Optional[torch.Tensor] = None
             table_ms: Optional[float] = None

@@ -36,8 +36,9 @@ outputs. On a GPU the candidates of a kernel are compiled side by side before th
 timed (:func:`compile_ahead`, :data:`COMPILE_THREADS` threads: Triton's compile spends
 most of its time outside the GIL, in its passes and in ptxas; the six kernels of a bf16
 rel_attention training call compiled for sm_90 on a 2-core CPU in 4.3 s one after the
-other, 2.3 s on two threads). Which row wins can differ between processes (timing noise), so two processes may
-give results that differ in the last bits, as with ``triton.autotune``.
+other, 2.3 s on two threads). Which row wins can differ between processes (timing
+noise), so two processes may give results that differ in the last bits, as with
+``triton.autotune``.
 
 Kernel modules ask :func:`current` for the rows in force (a thread-local dict, empty
 outside a tuned call) before their own tables; :func:`call` sets it around a launcher call.

@@ -103,6 +103,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _tune
 from ._common import _dot, _interpreting, _precision, _rnn_tf32_allowed, cdiv, next_pow2
 from ._launch import fast
 
@@ -900,6 +901,14 @@ def _proj_split_config(cfg: dict, B: int, P: int, n_hb: int, programs: int) -> d
 #: ``benchmarks/lstm_triton_sweep.py`` times on a GPU. None: the table.
 CONFIG_OVERRIDE: Optional[dict] = None
 
+
+def _config_override() -> Optional[dict]:
+    """The launch override in force: on a thread compiling a sweep's candidates side by
+    side, its rows' ``"lstm_config"`` (``kernels/_tune.py`` ``compile_ahead``; thread-local,
+    where :data:`CONFIG_OVERRIDE` would be shared), else :data:`CONFIG_OVERRIDE`."""
+    rows = _tune.current()
+    return rows["lstm_config"] if "lstm_config" in rows else CONFIG_OVERRIDE
+
 _CONFIG_KEYS = ("BLOCK_B", "BLOCK_H", "BLOCK_K", "BLOCK_P", "num_warps", "num_stages",
                 "BLOCK_PS", "KSPLIT")
 _SPLIT_K_KEYS = ("BLOCK_PS", "KSPLIT")           # read by _bwd_split_config, not _config's
@@ -932,7 +941,7 @@ def _bwd_split_config(cfg: dict, B: int, H: int, P: int, device: torch.device) -
     16-wide tiles, so the CPU tests cross slice and tile edges. A KSPLIT in CONFIG_OVERRIDE
     turns the split on whatever BWD_SPLIT_K says (the launch sweep's rows; 0: with this
     function's slice count)."""
-    over = CONFIG_OVERRIDE or {}
+    over = _config_override() or {}
     if not (BWD_SPLIT_K or "KSPLIT" in over):
         return dict(KSPLIT=0, K_CHUNK=cfg["BLOCK_K"], BLOCK_PS=16)
     k_steps = cdiv(4 * H, cfg["BLOCK_K"])
@@ -952,12 +961,13 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
           device: torch.device) -> Tuple[dict, Optional[int], dict]:
     """(tile config, persistent grid or None for stepwise, launch options)."""
     cfg = _config(B, H, P, dtype, device)
-    if CONFIG_OVERRIDE:
-        bad = sorted(set(CONFIG_OVERRIDE) - set(_CONFIG_KEYS))
+    override = _config_override()
+    if override:
+        bad = sorted(set(override) - set(_CONFIG_KEYS))
         if bad:
             raise ValueError(f"kernels.lstm.CONFIG_OVERRIDE: unknown keys {bad}; expected "
                              f"some of {list(_CONFIG_KEYS)}")
-        for key, v in CONFIG_OVERRIDE.items():
+        for key, v in override.items():
             # tile sides: powers of two, >= 16 (a tl.dot's least side) but BLOCK_H (x 4
             # gates); warps a power of two up to 16; stages >= 1
             least = {"BLOCK_H": 4, "num_warps": 1, "num_stages": 1, "KSPLIT": 0}.get(key, 16)
@@ -967,7 +977,7 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
                 raise ValueError(f"kernels.lstm.CONFIG_OVERRIDE[{key!r}] must be an int >= "
                                  f"{least}{', a power of two' if pow2 else ''}"
                                  f"{' (at most 16)' if key == 'num_warps' else ''}, got {v!r}")
-        cfg = {**cfg, **{k: v for k, v in CONFIG_OVERRIDE.items() if k not in _SPLIT_K_KEYS}}
+        cfg = {**cfg, **{k: v for k, v in override.items() if k not in _SPLIT_K_KEYS}}
     mode = LAUNCH
     if mode not in (None, "persistent", "stepwise"):
         raise ValueError(f"kernels.lstm.LAUNCH must be None, 'persistent' or 'stepwise', got {mode!r}")

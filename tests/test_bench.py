@@ -1220,6 +1220,46 @@ def test_backward_adds_compare_compiles_what_each_form_launches(op, monkeypatch)
         assert replayed and replayed == sorted(seen), (mode, replayed, sorted(seen))
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="launches recorded through the interpreter")
+def test_lstm_sweep_rows_compiled_ahead_launch_as_the_override(monkeypatch):
+    """The LSTM launch sweep compiles its rows ahead on threads, each row as that thread's
+    ``"lstm_config"`` (kernels.lstm reads it before CONFIG_OVERRIDE, which threads would
+    share): a forward and backward with a row in force that way launch what the same calls
+    launch with CONFIG_OVERRIDE set to it (kernels, constexprs, warps, stages), and not
+    what the table row launches."""
+    from utils import load_benchmark, spy_launches
+
+    from ctxfast.kernels import _tune
+    from ctxfast.kernels import lstm as klstm
+    sweep = load_benchmark("lstm_triton_sweep.py")
+    names = [n for n, v in vars(klstm).items() if n.endswith("_kernel")
+             and hasattr(v, "__getitem__")]          # (the interpreter's kernel objects)
+    assert "_lstm_fwd_kernel" in names and "_lstm_bwd_kernel" in names, names
+    scalars = (bool, int, float, str, type(None))
+    seen = spy_launches(monkeypatch, klstm, names, lambda args, kwargs: repr(sorted(
+        (k, v) for k, v in kwargs.items() if isinstance(v, scalars))))
+    _, H, P, T, B = sweep.QUICK[1]                            # with a projection
+    args = sweep._inputs(H, P, T, B, torch.float32, torch.device("cpu"))
+
+    def call():
+        out, cells, gates = klstm.lstm_forward(*args)
+        klstm.lstm_backward(torch.ones_like(out), torch.ones_like(cells), *args[1:],
+                            out, cells, gates)
+        return sorted(seen)
+
+    table = call()
+    for row in ({"BLOCK_K": 32, "num_stages": 5}, sweep.CANDIDATES_SPLIT[3]):
+        seen.clear()
+        with _tune.active({"lstm_config": row}):
+            ahead = call()
+        seen.clear()
+        monkeypatch.setattr(klstm, "CONFIG_OVERRIDE", row)
+        own = call()
+        monkeypatch.setattr(klstm, "CONFIG_OVERRIDE", None)
+        assert ahead == own and own != table, (row, ahead, own)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton LSTM needs a GPU or the interpreter")
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
