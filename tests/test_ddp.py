@@ -6,9 +6,10 @@ process training on the whole batches.
 
 Adding a model is one entry in ``CASES``: a :class:`Case` with a builder, the batches, a
 step function and the layers FSDP shards apart. One spawn of two processes trains every
-case in both modes (see ``ddp_results``). The children get the parent's ``TRITON_INTERPRET`` (set before anything
-imports triton); the models run on ``backend="ctxfast"`` with ctxfast's default dispatch
-(on CPU tensors that is each op's default CPU implementation, see ``ctxfast info``).
+case in both modes (see ``ddp_results``). The children get the parent's
+``TRITON_INTERPRET`` (set before anything imports triton); the models run on
+``backend="ctxfast"`` with ctxfast's default dispatch (on CPU tensors that is each op's
+default CPU implementation, see ``ctxfast info``).
 """
 import datetime
 import os
