@@ -58,6 +58,65 @@ QUICK = [("tiny", 8, 20, 0, 5, 3, None), ("tiny proj", 8, 20, 12, 5, 3, 3.0)]
 P_DROP = 0.2
 
 
+def _triton_rows(name: str) -> Dict[str, object]:
+    """The ``kernels.lstm`` settings of a Triton form, as ``{"lstm:<setting>": value}``: what
+    :func:`_form` sets on the module, and what a thread compiling the form ahead has in
+    force (``kernels/_tune.py`` ``compile_ahead``); empty for other forms."""
+    rows: Dict[str, object] = {}
+    if name.startswith("triton stepwise"):      # (" graphed": the same launches, replayed)
+        rows["lstm:LAUNCH"] = "stepwise"
+    elif name.startswith("triton persistent"):
+        rows["lstm:LAUNCH"] = "persistent"
+        if name.endswith("ieee"):                 # exact fp32 products (FMA), not tf32x3
+            rows["lstm:FP32_PRECISION"] = "ieee"
+        if name.endswith("split-proj"):           # the projection over the unit blocks
+            rows["lstm:PROJ_SPLIT"] = True
+        if " split-k" in name:                    # the backward over gate-column slices
+            rows["lstm:BWD_SPLIT_K"] = True
+        if " f16-operands" in name:               # float32's products on fp16 operands
+            rows["lstm:F16_OPERANDS"] = True
+    return rows
+
+
+def _kernel_calls(run_once) -> List[tuple]:
+    """(function, args, kwargs) of the kernel-level LSTM forward and backward that
+    ``run_once()`` makes (its first of each), recorded while it runs for real."""
+    from ctxfast.kernels import lstm as lstm_kernels
+    calls: Dict[str, tuple] = {}
+    saved = {n: getattr(lstm_kernels, n) for n in ("lstm_forward", "lstm_backward")}
+
+    def record(name):
+        def call(*args, **kwargs):
+            calls.setdefault(name, (saved[name], args, kwargs))
+            return saved[name](*args, **kwargs)
+        return call
+    try:
+        for name in saved:
+            setattr(lstm_kernels, name, record(name))
+        run_once()
+    finally:
+        for name, fn in saved.items():
+            setattr(lstm_kernels, name, fn)
+    return [calls[n] for n in saved if n in calls]
+
+
+def _compile_forms(forms: List[str], run_once, device) -> None:
+    """The Triton forms' kernels compiled side by side before any form is timed (GPU): the
+    kernel-level forward and backward of one real call (``run_once``), replayed on one
+    thread per form with its settings in force (:func:`_triton_rows`), launches compiling
+    only."""
+    rows = [_triton_rows(f) for f in forms if _triton_rows(f)]
+    if device.type != "cuda" or not rows:
+        return
+    from ctxfast.kernels import _tune
+    calls = _kernel_calls(run_once)
+
+    def replay():
+        for fn, args, kwargs in calls:
+            fn(*args, **kwargs)
+    _tune.compile_ahead(list({repr(r): r for r in rows}.values()), replay, device)
+
+
 @contextlib.contextmanager
 def _form(name: str):
     """Select a launch form for the duration of the block (set before timing, restored
@@ -72,19 +131,9 @@ def _form(name: str):
     saved_tf32 = torch.backends.cudnn.allow_tf32
     if name.startswith(("cuda ", "cuDNN")) and name.endswith((" tf32x3", " ieee")):
         torch.backends.cudnn.allow_tf32 = False   # float32 without TF32 (ours: tf32x3)
-    if name.startswith("triton stepwise"):      # (" graphed": the same launches, replayed)
-        lstm_kernels.LAUNCH = "stepwise"
-    elif name.startswith("triton persistent"):
-        lstm_kernels.LAUNCH = "persistent"
-        if name.endswith("ieee"):                 # exact fp32 products (FMA), not tf32x3
-            lstm_kernels.FP32_PRECISION = "ieee"
-        if name.endswith("split-proj"):           # the projection over the unit blocks
-            lstm_kernels.PROJ_SPLIT = True
-        if " split-k" in name:                    # the backward over gate-column slices
-            lstm_kernels.BWD_SPLIT_K = True
-        if " f16-operands" in name:               # float32's products on fp16 operands
-            lstm_kernels.F16_OPERANDS = True
-    elif name.startswith("cuda "):
+    for key, value in _triton_rows(name).items():   # the Triton forms' settings
+        setattr(lstm_kernels, key[len("lstm:"):], value)
+    if name.startswith("cuda "):
         os.environ["CTXFAST_LSTM_CUDA_KERNEL"] = name.split()[1].replace("-", "_")
         # the grouped tensor-core backward (the default), or one partial per block
         os.environ["CTXFAST_LSTM_CUDA_BWD_REDUCE"] = "groups" if " groups" in name else "blocks"
@@ -161,13 +210,19 @@ def run(quick: bool, reps: int, dtypes: List[str], only=None) -> List[Dict]:
             g = torch.randn(T, B, Pe, device=device, dtype=dtype)
             params = [ref.weight_ih_l0, ref.weight_hh_l0, ref.bias_ih_l0, ref.bias_hh_l0]
             w_hr = ref.weight_hr_l0 if P else None
-            for form in _forms(device):
-                if only and form not in only:
-                    continue
-                if ((form.endswith("split-proj") and not P)
-                        or (" f16-operands" in form
-                            and (dtype != torch.float32 or (P and clip is None)))):
-                    continue                      # the same launch as "triton persistent"
+            forms = [f for f in _forms(device) if not (only and f not in only) and not (
+                (f.endswith("split-proj") and not P)
+                or (" f16-operands" in f and (dtype != torch.float32 or (P and clip is None))))]
+            # (left out: the same launch as "triton persistent")
+
+            def triton_call():
+                out = ctxfast.lstm(x, None, *params, w_hr, weight_mask=mask,
+                                   weight_dropout=P_DROP, cell_clip=clip, proj_clip=clip,
+                                   backend="triton")[0]
+                torch.autograd.grad(out, [x, *params], g, allow_unused=True)
+            with _form("triton persistent"):
+                _compile_forms(forms, triton_call, device)
+            for form in forms:
                 if form.startswith("cuDNN+WeightDropout"):
                     if clip is not None:
                         continue                                    # nn.LSTM cannot clip

@@ -830,7 +830,7 @@ def lstm_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float64:
         return "ieee"
     if dtype == torch.float32:
-        return "tf32" if _rnn_tf32_allowed() else FP32_PRECISION
+        return "tf32" if _rnn_tf32_allowed() else _setting("FP32_PRECISION")
     return _precision(dtype)
 
 
@@ -877,7 +877,7 @@ PROJ_SPLIT: bool = False
 def _proj_split(cfg: dict, has_proj: bool) -> bool:
     """Whether this launch takes PROJ_SPLIT (its partial products need a unit block of at
     least 16, a tl.dot's K)."""
-    return PROJ_SPLIT and has_proj and cfg["BLOCK_H"] >= 16
+    return _setting("PROJ_SPLIT") and has_proj and cfg["BLOCK_H"] >= 16
 
 
 def _proj_split_config(cfg: dict, B: int, P: int, n_hb: int, programs: int) -> dict:
@@ -900,6 +900,17 @@ def _proj_split_config(cfg: dict, B: int, P: int, n_hb: int, programs: int) -> d
 #: (:func:`_bwd_split_config`; a KSPLIT turns the split on): what
 #: ``benchmarks/lstm_triton_sweep.py`` times on a GPU. None: the table.
 CONFIG_OVERRIDE: Optional[dict] = None
+
+
+def _setting(name: str):
+    """Module setting ``name`` (:data:`LAUNCH`, :data:`FP32_PRECISION`, :data:`PROJ_SPLIT`,
+    :data:`BWD_SPLIT_K`, :data:`F16_OPERANDS`) in force: on a thread compiling a launch
+    comparison's forms side by side, its rows' ``"lstm:<name>"`` (``kernels/_tune.py``
+    ``compile_ahead``; thread-local, where the module's value would be shared), else the
+    module's."""
+    rows = _tune.current()
+    key = "lstm:" + name
+    return rows[key] if key in rows else globals()[name]
 
 
 def _config_override() -> Optional[dict]:
@@ -942,7 +953,7 @@ def _bwd_split_config(cfg: dict, B: int, H: int, P: int, device: torch.device) -
     turns the split on whatever BWD_SPLIT_K says (the launch sweep's rows; 0: with this
     function's slice count)."""
     over = _config_override() or {}
-    if not (BWD_SPLIT_K or "KSPLIT" in over):
+    if not (_setting("BWD_SPLIT_K") or "KSPLIT" in over):
         return dict(KSPLIT=0, K_CHUNK=cfg["BLOCK_K"], BLOCK_PS=16)
     k_steps = cdiv(4 * H, cfg["BLOCK_K"])
     if _interpreting():
@@ -978,7 +989,7 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
                                  f"{least}{', a power of two' if pow2 else ''}"
                                  f"{' (at most 16)' if key == 'num_warps' else ''}, got {v!r}")
         cfg = {**cfg, **{k: v for k, v in override.items() if k not in _SPLIT_K_KEYS}}
-    mode = LAUNCH
+    mode = _setting("LAUNCH")
     if mode not in (None, "persistent", "stepwise"):
         raise ValueError(f"kernels.lstm.LAUNCH must be None, 'persistent' or 'stepwise', got {mode!r}")
     if _interpreting():                   # programs run one after another: one program
@@ -1018,7 +1029,7 @@ def _f16_operands(dtype: torch.dtype, has_proj: bool, T: int,
                   proj_clip: float = math.inf) -> bool:
     """Whether this forward takes F16_OPERANDS: more than one step (step 0 never does), and
     h bounded: no projection (|h| <= 1) or a finite proj_clip."""
-    return (F16_OPERANDS and dtype == torch.float32 and T > 1
+    return (_setting("F16_OPERANDS") and dtype == torch.float32 and T > 1
             and (not has_proj or not math.isinf(proj_clip))
             and lstm_precision(dtype) == "tf32")
 

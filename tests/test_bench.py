@@ -1260,6 +1260,57 @@ def test_lstm_sweep_rows_compiled_ahead_launch_as_the_override(monkeypatch):
         assert ahead == own and own != table, (row, ahead, own)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="launches recorded through the interpreter")
+def test_lstm_launch_compare_compiles_what_each_triton_form_launches(monkeypatch):
+    """lstm_launch_compare.py compiles its Triton forms ahead on a GPU, by replaying one
+    real call's kernel-level forward and backward on a thread per form, the form's
+    kernels.lstm settings in force there as rows (``_triton_rows``; ``_form`` sets the same
+    on the module). Each replay must launch what the form's own call launches (kernels,
+    constexprs, warps, stages): checked here for every Triton form, with a projection."""
+    import contextlib
+
+    from utils import load_benchmark, spy_launches
+
+    import ctxfast
+    from ctxfast.kernels import _tune
+    from ctxfast.kernels import lstm as klstm
+    lc = load_benchmark("lstm_launch_compare.py")
+    names = [n for n, v in vars(klstm).items() if n.endswith("_kernel")
+             and hasattr(v, "__getitem__")]
+    scalars = (bool, int, float, str, type(None))
+    seen = spy_launches(monkeypatch, klstm, names, lambda args, kwargs: repr(sorted(
+        (k, v) for k, v in kwargs.items() if isinstance(v, scalars))))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_tune, "COMPILE_THREADS", 1)      # the interpreter: one at a time
+    torch.manual_seed(0)
+    _, I, H, P, T, B, clip = lc.QUICK[1]
+    x = torch.randn(T, B, I, requires_grad=True)
+    ws = [(torch.randn(*shape) * 0.3).requires_grad_()
+          for shape in ((4 * H, I), (4 * H, P), (4 * H,), (4 * H,), (P, H))]
+    mask = (torch.rand(4 * H, P) >= lc.P_DROP).float()
+    g = torch.randn(T, B, P)
+
+    def call():
+        out = ctxfast.lstm(x, None, *ws, weight_mask=mask, weight_dropout=lc.P_DROP,
+                           cell_clip=clip, proj_clip=clip, backend="triton")[0]
+        torch.autograd.grad(out, [x, *ws], g)
+    with lc._form("triton persistent"):
+        calls = lc._kernel_calls(call)
+    assert [fn.__name__ for fn, _, _ in calls] == ["lstm_forward", "lstm_backward"]
+    forms = [f for f in lc._forms(torch.device("cpu")) if f.startswith("triton")]
+    assert len(forms) >= 6, forms
+    for form in forms:
+        seen.clear()
+        _tune.compile_ahead([lc._triton_rows(form)],
+                            lambda: [fn(*a, **kw) for fn, a, kw in calls], torch.device("cpu"))
+        ahead = sorted(seen)
+        seen.clear()
+        with lc._form(form):
+            call()
+        assert ahead and ahead == sorted(seen), (form, ahead, sorted(seen))
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the Triton LSTM needs a GPU or the interpreter")
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
