@@ -639,3 +639,27 @@ def median_timer(device: torch.device, reps: int) -> Callable[[Callable[[], obje
             ts.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(ts)
     return cuda_ms if device.type == "cuda" else wall_ms
+
+
+def record_calls(module, names: Sequence[str], run_once: Callable[[], object]) -> list:
+    """``[(function, args, kwargs), ...]``: the first call of each of ``module``'s functions
+    ``names`` that ``run_once()`` makes (looked up on the module at call time, as ctxfast's
+    ops look up their kernel-level launchers), recorded while it runs for real, in the
+    order of ``names``; a function it did not call is left out. For replaying those calls
+    on threads that compile ahead (``kernels/_tune.py`` ``compile_ahead``)."""
+    saved = {n: getattr(module, n) for n in names}
+    calls: Dict[str, tuple] = {}
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            calls.setdefault(name, (saved[name], args, kwargs))
+            return saved[name](*args, **kwargs)
+        return call
+    try:
+        for name in names:
+            setattr(module, name, recorder(name))
+        run_once()
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+    return [calls[n] for n in names if n in calls]

@@ -80,20 +80,10 @@ def _backward_call(op, fn, ins, g):
     """(function, args, kwargs) of the kernel-level backward that one call of ``fn`` makes,
     recorded while it runs for real (forward and backward)."""
     module, name = _BACKWARDS[op]
-    real, seen = getattr(module, name), []
-
-    def record(*args, **kwargs):
-        if not seen:
-            seen.append((real, args, kwargs))
-        return real(*args, **kwargs)
-    setattr(module, name, record)
-    try:
-        torch.autograd.grad(fn(*ins), ins, g)
-    finally:
-        setattr(module, name, real)
-    if not seen:
+    calls = _common.record_calls(module, [name], lambda: torch.autograd.grad(fn(*ins), ins, g))
+    if not calls:
         raise RuntimeError(f"{op}: the call made no kernel-level backward ({name})")
-    return seen[0]
+    return calls[0]
 
 
 def _compile_forms(op, fn, ins, g, key, modes, device) -> None:

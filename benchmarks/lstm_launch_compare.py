@@ -82,22 +82,7 @@ def _kernel_calls(run_once) -> List[tuple]:
     """(function, args, kwargs) of the kernel-level LSTM forward and backward that
     ``run_once()`` makes (its first of each), recorded while it runs for real."""
     from ctxfast.kernels import lstm as lstm_kernels
-    calls: Dict[str, tuple] = {}
-    saved = {n: getattr(lstm_kernels, n) for n in ("lstm_forward", "lstm_backward")}
-
-    def record(name):
-        def call(*args, **kwargs):
-            calls.setdefault(name, (saved[name], args, kwargs))
-            return saved[name](*args, **kwargs)
-        return call
-    try:
-        for name in saved:
-            setattr(lstm_kernels, name, record(name))
-        run_once()
-    finally:
-        for name, fn in saved.items():
-            setattr(lstm_kernels, name, fn)
-    return [calls[n] for n in saved if n in calls]
+    return _common.record_calls(lstm_kernels, ("lstm_forward", "lstm_backward"), run_once)
 
 
 def _compile_forms(forms: List[str], run_once, device) -> None:

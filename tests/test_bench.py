@@ -1189,7 +1189,7 @@ def test_backward_adds_compare_compiles_what_each_form_launches(op, monkeypatch)
     are compared with those of each form's own call."""
     import contextlib
 
-    from utils import load_benchmark, spy_launches
+    from utils import load_benchmark, spy_launch_settings
 
     from ctxfast.kernels import _tune
     from ctxfast.kernels import attention as kattn
@@ -1198,9 +1198,7 @@ def test_backward_adds_compare_compiles_what_each_form_launches(op, monkeypatch)
     module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
     names = [n for n in vars(module) if n.startswith(("_rel_attn_bwd_", "_rel_bwd_", "_rel_d",
                                                       "_attn_bwd_")) and n.endswith("_kernel")]
-    scalars = (bool, int, float, str, type(None))
-    seen = spy_launches(monkeypatch, module, names, lambda args, kwargs: repr(sorted(
-        (k, v) for k, v in kwargs.items() if isinstance(v, scalars))))
+    seen = spy_launch_settings(monkeypatch, module, names)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_tune, "COMPILE_THREADS", 1)
     case = next(c for c in bac.QUICK if c[0] == op)
@@ -1228,17 +1226,12 @@ def test_lstm_sweep_rows_compiled_ahead_launch_as_the_override(monkeypatch):
     share): a forward and backward with a row in force that way launch what the same calls
     launch with CONFIG_OVERRIDE set to it (kernels, constexprs, warps, stages), and not
     what the table row launches."""
-    from utils import load_benchmark, spy_launches
+    from utils import load_benchmark, spy_launch_settings
 
     from ctxfast.kernels import _tune
     from ctxfast.kernels import lstm as klstm
     sweep = load_benchmark("lstm_triton_sweep.py")
-    names = [n for n, v in vars(klstm).items() if n.endswith("_kernel")
-             and hasattr(v, "__getitem__")]          # (the interpreter's kernel objects)
-    assert "_lstm_fwd_kernel" in names and "_lstm_bwd_kernel" in names, names
-    scalars = (bool, int, float, str, type(None))
-    seen = spy_launches(monkeypatch, klstm, names, lambda args, kwargs: repr(sorted(
-        (k, v) for k, v in kwargs.items() if isinstance(v, scalars))))
+    seen = spy_launch_settings(monkeypatch, klstm)
     _, H, P, T, B = sweep.QUICK[1]                            # with a projection
     args = sweep._inputs(H, P, T, B, torch.float32, torch.device("cpu"))
 
@@ -1270,17 +1263,13 @@ def test_lstm_launch_compare_compiles_what_each_triton_form_launches(monkeypatch
     constexprs, warps, stages): checked here for every Triton form, with a projection."""
     import contextlib
 
-    from utils import load_benchmark, spy_launches
+    from utils import load_benchmark, spy_launch_settings
 
     import ctxfast
     from ctxfast.kernels import _tune
     from ctxfast.kernels import lstm as klstm
     lc = load_benchmark("lstm_launch_compare.py")
-    names = [n for n, v in vars(klstm).items() if n.endswith("_kernel")
-             and hasattr(v, "__getitem__")]
-    scalars = (bool, int, float, str, type(None))
-    seen = spy_launches(monkeypatch, klstm, names, lambda args, kwargs: repr(sorted(
-        (k, v) for k, v in kwargs.items() if isinstance(v, scalars))))
+    seen = spy_launch_settings(monkeypatch, klstm)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(_tune, "COMPILE_THREADS", 1)      # the interpreter: one at a time
     torch.manual_seed(0)

@@ -224,6 +224,19 @@ def spy_launches(monkeypatch, module, names, pick, with_name=True):
     return seen
 
 
+def spy_launch_settings(monkeypatch, module, names=None):
+    """:func:`spy_launches` recording, per launch, the kernel's name and its keyword
+    arguments that are plain values (constexprs, ``num_warps``, ``num_stages``; not tensors
+    or descriptors), as a comparable string. ``names``: the module's kernels (every
+    ``*_kernel`` it holds) by default."""
+    if names is None:
+        names = [n for n, v in vars(module).items() if n.endswith("_kernel")
+                 and hasattr(v, "__getitem__")]         # (JIT or interpreter kernel objects)
+    plain = (bool, int, float, str, type(None))
+    return spy_launches(monkeypatch, module, names, lambda args, kwargs: repr(sorted(
+        (k, v) for k, v in kwargs.items() if isinstance(v, plain))))
+
+
 def load_benchmark(filename: str):
     """A module of benchmarks/ (not a package) by file name, e.g. "lstm_phase_clock.py"."""
     import importlib.util
