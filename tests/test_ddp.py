@@ -74,11 +74,8 @@ def _gpt_batches():
     return [(stream[:, :12], stream[:, 1:])] * STEPS
 
 
-def _gpt_step(model, batch, state):
-    """Causal LM loss; the weight-tied head (``lm_head`` is ``wte``) stays in the root unit."""
-    x, y = batch
-    _, loss = model(x, y)
-    return loss, state
+# the step: causal LM loss, as AWD-LSTM's (_awd_step); the weight-tied head (``lm_head``
+# is ``wte``) stays in the root unit
 
 
 # --------------------------------------------------------------------------- AWD-LSTM
@@ -98,7 +95,8 @@ def _awd_batches():
 
 
 def _awd_step(model, batch, state):
-    """One BPTT window; the model carries its rows' hidden state (detached) itself."""
+    """One BPTT window (AWD-LSTM: the model carries its rows' hidden state, detached,
+    itself); GPT's step too: ``(logits, loss) = model(x, y)``."""
     x, y = batch
     _, loss = model(x, y)
     return loss, state
@@ -138,7 +136,7 @@ def _elmo_step(model, batch, state):
 CASES = {
     "transformer_xl": Case(_xl_build, _xl_batches, batch_dim=1, step=_xl_step,
                            units=lambda m: m.layers),
-    "gpt": Case(_gpt_build, _gpt_batches, batch_dim=0, step=_gpt_step,
+    "gpt": Case(_gpt_build, _gpt_batches, batch_dim=0, step=_awd_step,
                 units=lambda m: m.transformer.h),
     "awd_lstm": Case(_awd_build, _awd_batches, batch_dim=0, step=_awd_step,
                      units=lambda m: m.encoder.rnns),

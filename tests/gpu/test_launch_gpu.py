@@ -93,20 +93,17 @@ def test_tuner_compiles_candidates_ahead_on_worker_threads(launch, monkeypatch):
     events = []
     real_ahead, real_tune = _tune.compile_ahead, _tune._tune
 
-    def ahead(*args, **kwargs):
-        state["ahead"] += 1
-        state["callers"].add(threading.get_ident())
-        try:
-            return real_ahead(*args, **kwargs)
-        finally:
-            state["ahead"] -= 1
-
-    def tune(*args, **kwargs):
-        state["tuning"] += 1
-        try:
-            return real_tune(*args, **kwargs)
-        finally:
-            state["tuning"] -= 1
+    def inside(key, real):      # real, counting the calls in progress in state[key]
+        def call(*args, **kwargs):
+            state[key] += 1
+            if key == "ahead":  # the threads that called it: not its workers
+                state["callers"].add(threading.get_ident())
+            try:
+                return real(*args, **kwargs)
+            finally:
+                state[key] -= 1
+        return call
+    ahead, tune = inside("ahead", real_ahead), inside("tuning", real_tune)
 
     def compiled(**kwargs):
         events.append((threading.get_ident(), state["tuning"] > 0, state["ahead"] > 0))
