@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import _interpreter
+
 LOG2E = 1.4426950408889634
 
 
@@ -438,44 +440,17 @@ def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@functools.lru_cache(maxsize=None)
-def interpreter_descriptor_reduce() -> None:
-    """Teach the Triton interpreter ``tensor_descriptor.atomic_add`` (a TMA bulk reduction,
-    ``cp.reduce.async.bulk.tensor``, on sm_90+), which its builder lacks (Triton 3.6-3.9):
-    the tile's elements inside the tensor are added to memory, those outside (rows past the
-    end, columns past D, negative rows) are dropped, as TMA does. The interpreter runs one
-    program at a time, so a load, an add and a store are the whole reduction. Called by the
-    launchers that take the bulk path while interpreting; a Triton whose interpreter has its
-    own is left alone."""
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if hasattr(builder, "create_descriptor_reduce"):
-        return
-
-    def create_descriptor_reduce(self, kind, desc, value, indices):
-        if kind != interpreter._ir.DESCRIPTOR_REDUCE_KIND.ADD:
-            raise NotImplementedError(f"descriptor reduction {kind} (ctxfast's interpreter "
-                                      "shim adds only)")
-        ptrs, mask = desc.materialize_pointers(indices)
-        mask = getattr(mask, "data", mask)          # a TensorHandle from Triton 3.7 on
-        old = interpreter._interpreter.load(ptrs.data, mask, 0 * value.data, value.data.dtype)
-        interpreter._interpreter.store(ptrs.data, old + value.data, mask)
-
-    builder.create_descriptor_reduce = create_descriptor_reduce
-
-
 def bulk_add_args(acc, rows: int, block_d: int, desc_name: str, flag_name: str) -> dict:
     """A launch's keyword arguments for adding tiles into the fp32 accumulator ``acc``
     (``[B, H, T, D]``) by TMA bulk reductions: ``{desc_name: RowTiles in [rows, block_d]
     tiles, flag_name: True}``, or ``{}`` (the element-wise adds) where acc's device has no
     TMA or TMA cannot address it (:func:`row_tiles`: D not a multiple of 4 in fp32). Under
-    the interpreter it installs :func:`interpreter_descriptor_reduce` first."""
+    the interpreter it installs ``_interpreter.descriptor_reduce`` first."""
     desc = row_tiles(acc, rows, block_d) if _has_tma(acc.device) else None
     if desc is None:
         return {}
     if _interpreting():
-        interpreter_descriptor_reduce()
+        _interpreter.descriptor_reduce()
     return {desc_name: desc, flag_name: True}
 
 

@@ -57,6 +57,7 @@ import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
+from . import _interpreter
 from ._common import _interpreting
 
 #: "fast" (default): :func:`fast` returns the wrapper; "jit": the kernel itself (every
@@ -303,10 +304,14 @@ def _give_up(error: BaseException) -> None:
 def fast(kernel):
     """The launch object for ``kernel``: a :class:`FastKernel` for a Triton kernel on the
     GPU path, a :class:`WithOptions` with ``LAUNCH == "jit"``, the kernel itself under the
-    interpreter or when ``kernel`` is not a ``JITFunction`` (a test's recorder or spy)."""
+    interpreter (which skips its dead work from then on: ``_interpreter.skip_dead_work``)
+    or when ``kernel`` is not a ``JITFunction`` (a test's recorder or spy)."""
     if LAUNCH not in ("fast", "jit"):
         raise ValueError(f"CTXFAST_TRITON_LAUNCH must be 'fast' or 'jit', got {LAUNCH!r}")
-    if _interpreting() or not isinstance(kernel, JITFunction):
+    if _interpreting():
+        _interpreter.skip_dead_work()
+        return kernel
+    if not isinstance(kernel, JITFunction):
         return kernel
     if LAUNCH == "jit":
         return WithOptions(kernel)

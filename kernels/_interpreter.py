@@ -1,0 +1,118 @@
+"""What ctxfast adds to Triton's interpreter (``TRITON_INTERPRET=1``, how the kernels run
+on a CPU and in CI): one operation its builder lacks, and two pieces of work it does that
+can change no result. Installed lazily by the launchers, only while interpreting; a Triton
+whose interpreter differs from what these expect (3.6-3.9) is left alone.
+
+* :func:`descriptor_reduce`: ``tensor_descriptor.atomic_add``, a TMA bulk reduction.
+* :func:`skip_dead_work`:
+
+  - **integer overflow checks that assert nothing.** Every ``+``, ``-`` and ``*`` of 32-bit
+    integers (the kernels' offset arithmetic) builds an overflow check: both operands cast
+    to int64, the operation redone, two comparisons, then a ``device_assert`` that is a
+    no-op unless the interpreter's options have ``debug`` on, which the interpreter never
+    sets (Triton 3.6-3.9). ``sanitize_overflow`` off skips building it; with ``debug`` on it
+    is left as it is.
+  - **the language patched again on every call of a ``@triton.jit`` helper.** A kernel's
+    launch patches ``triton.language`` (every builtin wrapped to take the interpreter's
+    semantics) and restores it when the kernel returns; each call of a helper inside it
+    walks the same modules again (``inspect.getmembers`` over ``tl``, ``tl.tensor``,
+    ``tl.math``). A helper whose language modules the running kernel has already patched
+    now skips that walk; one that reaches a module not yet patched (Triton's own
+    ``tl.core`` helpers such as ``tl.max``) patches it as before.
+
+On this CPU (2 cores, Triton 3.9) the two take ``benchmarks/backward_adds_compare.py
+--quick`` from 18.9 to 8.5 s; the numbers are in benchmarks/NOTES.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+
+@functools.lru_cache(maxsize=None)
+def descriptor_reduce() -> None:
+    """Teach the Triton interpreter ``tensor_descriptor.atomic_add`` (a TMA bulk reduction,
+    ``cp.reduce.async.bulk.tensor``, on sm_90+), which its builder lacks (Triton 3.6-3.9):
+    the tile's elements inside the tensor are added to memory, those outside (rows past the
+    end, columns past D, negative rows) are dropped, as TMA does. The interpreter runs one
+    program at a time, so a load, an add and a store are the whole reduction. Called by the
+    launchers that take the bulk path while interpreting; a Triton whose interpreter has its
+    own is left alone."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if hasattr(builder, "create_descriptor_reduce"):
+        return
+
+    def create_descriptor_reduce(self, kind, desc, value, indices):
+        if kind != interpreter._ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"descriptor reduction {kind} (ctxfast's interpreter "
+                                      "shim adds only)")
+        ptrs, mask = desc.materialize_pointers(indices)
+        mask = getattr(mask, "data", mask)          # a TensorHandle from Triton 3.7 on
+        old = interpreter._interpreter.load(ptrs.data, mask, 0 * value.data, value.data.dtype)
+        interpreter._interpreter.store(ptrs.data, old + value.data, mask)
+
+    builder.create_descriptor_reduce = create_descriptor_reduce
+
+
+@functools.lru_cache(maxsize=None)
+def skip_dead_work() -> bool:
+    """Install both skips of the module docstring into Triton's interpreter, once; whether
+    the language patching is now skipped for helpers (False: this Triton's interpreter is
+    not the one the skip was written for, and it was left alone)."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if (dataclasses.is_dataclass(options) and not getattr(options, "debug", True)
+            and getattr(options, "sanitize_overflow", False)):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None:
+        return False
+    if getattr(patch_lang, "_ctxfast", False):
+        return True
+    import triton.language as tl
+
+    langs = (tl, tl.core)
+    launch_call = executor.__call__
+    # ids of the language modules patched since the running kernel's launch began (its
+    # own and its helpers'); None outside a launch
+    state = {"patched": None}
+
+    def modules_of(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values()
+                         if inspect.ismodule(v) and any(v is lang for lang in langs))
+
+    class _Nothing:
+        """The scope of a patch skipped: nothing to restore."""
+
+        def restore(self):
+            pass
+
+    def once_per_launch(fn):
+        patched = state["patched"]
+        if patched is None:                   # outside a launch: as Triton does
+            return patch_lang(fn)
+        mods = modules_of(fn)
+        if patched and mods <= patched:       # a helper: its modules are patched already
+            return _Nothing()
+        scope = patch_lang(fn)                # the kernel's own, or a helper that reaches a
+        state["patched"] = patched | mods     # new module (Triton never restores a helper's)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        state["patched"] = frozenset()
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            state["patched"] = None
+
+    once_per_launch._ctxfast = True
+    interpreter._patch_lang = once_per_launch
+    executor.__call__ = launch
+    return True
