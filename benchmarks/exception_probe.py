@@ -12,19 +12,28 @@ fault is on, each case in its own process (a crash ends only that case):
 * ``_cuda``: a ``TORCH_CHECK_TYPE`` in ctxfast._cuda (only where it is built and a GPU is
   present);
 
-and prints the compilers on the PATH and which libstdc++ / libgcc_s / libgomp the process
+The ``torch`` and ``_cuda`` cases each run in a fresh process. The ``_C`` cases run in
+processes forked from this one after it has imported torch and ctxfast once (what each
+child would import first anyway; a fresh interpreter per case took ~2 s of the probe's
+~2.5 s a case); a child that crashes still ends only itself.
+
+It also prints the compilers on the PATH and which libstdc++ / libgcc_s / libgomp the process
 loaded. ``gpu_round.sh`` runs it right after the build.
 
     python benchmarks/exception_probe.py        # exit 1 if any case crashed or did not raise
 """
 from __future__ import annotations
 
+import faulthandler
 import glob
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from typing import Tuple
 
 # Each ctxfast case first installs a SIGSEGV handler that prints the native stack
 # (ctxfast::probe_segv_backtrace); the probe resolves its frames with addr2line.
@@ -79,6 +88,57 @@ def _child(code: str) -> None:
     sys.exit(3)
 
 
+#: Cases run in a process of their own: libtorch alone (ctxfast not loaded), and CUDA (a
+#: CUDA context cannot be made in a process forked after the parent may have initialised
+#: the driver).
+FRESH = ("torch", "_cuda")
+TIMEOUT_S = 120
+
+
+def _fresh(name: str) -> Tuple[int, str, str]:
+    """(exit status, stdout, stderr) of case `name` in a new Python process."""
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", name],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _forked(name: str) -> Tuple[int, str, str]:
+    """(exit status, negative for a signal, as subprocess gives it; stdout; stderr) of case
+    `name` in a child forked from this process, which has imported torch and ctxfast."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        pid = os.fork()
+        if pid == 0:                                   # the child: never returns
+            status = 4
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                faulthandler.enable()
+                _child(CASES[name])
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else 4
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            done, wait_status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                _, wait_status = os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+        code = (-os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status)
+                else os.WEXITSTATUS(wait_status))
+        out.seek(0)
+        err.seek(0)
+        return code, out.read(), err.read()
+
+
 def _resolve(line: str) -> str:
     """A glibc backtrace frame ``/path/lib.so(+0x1a2b) [0x7f..]`` with the function and
     source line addr2line gives for it (where addr2line is installed)."""
@@ -126,24 +186,27 @@ def main() -> int:
         _child(CASES[sys.argv[2]])
     _compilers()
     bad = 0
-    for name, code in CASES.items():
+    for name in CASES:
         if name == "_cuda":
             check = ("import torch, importlib.util, sys; sys.exit(0 if torch.cuda.is_available() "
                      "and importlib.util.find_spec('ctxfast._cuda') else 1)")
             if subprocess.run([sys.executable, "-c", check]).returncode != 0:
                 print("probe _cuda: skipped (no GPU or ctxfast._cuda not built)")
                 continue
-        proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", name],
-                              capture_output=True, text=True, timeout=120)
-        ok = proc.returncode == 0
+        if name not in FRESH and "ctxfast" not in sys.modules:
+            # what every forked case imports first (_child: this checkout's ctxfast)
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            import ctxfast  # noqa: F401
+        code, out, err = (_fresh if name in FRESH else _forked)(name)
+        ok = code == 0
         bad += not ok
-        head = proc.stdout.strip().splitlines() or ["(no output)"]
-        status = "ok" if ok else f"FAILED (exit {proc.returncode})"
+        head = out.strip().splitlines() or ["(no output)"]
+        status = "ok" if ok else f"FAILED (exit {code})"
         print(f"probe {name}: {status}: {head[0]}")
         for line in head[1:]:
             print(line)
         if not ok:
-            print("\n".join(_resolve(line) for line in proc.stderr.strip().splitlines()[:60]))
+            print("\n".join(_resolve(line) for line in err.strip().splitlines()[:60]))
     return 1 if bad else 0
 
 

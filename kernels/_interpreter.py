@@ -84,9 +84,17 @@ def skip_dead_work() -> bool:
     # own and its helpers'); None outside a launch
     state = {"patched": None}
 
+    # id of a module's globals -> (those globals, their count, the language modules in them)
+    seen = {}
+
     def modules_of(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values()
-                         if inspect.ismodule(v) and any(v is lang for lang in langs))
+        names = fn.__globals__
+        known = seen.get(id(names))
+        if known is None or known[0] is not names or known[1] != len(names):
+            mods = frozenset(id(v) for v in names.values()
+                             if inspect.ismodule(v) and any(v is lang for lang in langs))
+            known = seen[id(names)] = (names, len(names), mods)
+        return known[2]
 
     class _Nothing:
         """The scope of a patch skipped: nothing to restore."""

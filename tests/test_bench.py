@@ -1372,6 +1372,22 @@ def test_exception_probe_sees_the_cpu_op_raise():
     assert "probe _C lstm (CPU): ok: raised ValueError: lstm_recurrence_native" in proc.stdout
 
 
+def test_exception_probe_survives_a_case_that_crashes():
+    # Forked cases (the _C ones): a child that dies of SIGSEGV or does not raise fails
+    # only itself, with its exit status and native stack, and the cases after it still run.
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import exception_probe as ep\n"
+            "ep.CASES = {'_C segv': ep._SETUP + 'import ctypes; ctypes.string_at(0)',\n"
+            "            '_C silent': ep._SETUP + 'x = 1', '_C': ep.CASES['_C']}\n"
+            "sys.argv = sys.argv[:1]; sys.exit(ep.main())")
+    proc = subprocess.run([sys.executable, "-c", code, str(BENCH_DIR)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "probe _C segv: FAILED (exit -11)" in proc.stdout, proc.stdout
+    assert "native stack at the fault:" in proc.stdout
+    assert "probe _C silent: FAILED (exit 3): did not raise" in proc.stdout
+    assert "probe _C: ok: raised ValueError: keep_mask_cpu" in proc.stdout
+
+
 def _quick_json(script, tmp_path):
     """Run benchmarks/<script> --quick --out <json> (the CPU check of a GPU round's script)
     and return its JSON; the script must exit 0."""
