@@ -4,6 +4,12 @@ can change no result. Installed lazily by the launchers, only while interpreting
 whose interpreter differs from what these expect (3.6-3.9) is left alone.
 
 * :func:`descriptor_reduce`: ``tensor_descriptor.atomic_add``, a TMA bulk reduction.
+* :func:`bf16_casts`: conversions to and from bfloat16 as a GPU makes them. The
+  interpreter keeps bf16 as uint16 bit patterns and converts float32 -> bf16 by
+  truncation (a GPU rounds to nearest even), and any other type -> bf16 (and bf16 -> any
+  but float32 / float16) by a numpy ``astype`` of the bit patterns (``True`` -> 1 ->
+  9.2e-41). bf16 arithmetic and ``tl.dot`` on bf16 stay as Triton has them (wrong: the
+  kernels' ``UPCAST`` takes fp32 products there).
 * :func:`skip_dead_work`:
 
   - **integer overflow checks that assert nothing.** Every ``+``, ``-`` and ``*`` of 32-bit
@@ -28,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+
+import numpy as np
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +63,79 @@ def descriptor_reduce() -> None:
         interpreter._interpreter.store(ptrs.data, old + value.data, mask)
 
     builder.create_descriptor_reduce = create_descriptor_reduce
+
+
+@functools.lru_cache(maxsize=None)
+def install() -> None:
+    """Everything this module adds that applies to every launch: :func:`skip_dead_work`
+    and :func:`bf16_casts` (``kernels._launch.fast`` calls it while interpreting)."""
+    skip_dead_work()
+    bf16_casts()
+
+
+def _float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of float32 values, rounded to nearest even as
+    ``cvt.rn.bf16.f32`` does: overflow to inf, NaN kept a (quiet) NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) >> 16
+    nan = np.isnan(x)
+    out = rounded.astype(np.uint16)
+    if nan.any():
+        out[nan] = ((bits[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return out
+
+
+def _bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (exact)."""
+    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_casts() -> bool:
+    """Install conversions to and from bfloat16 that round as a GPU does (module
+    docstring) into the interpreter's builder; False where its ``cast_impl`` is not the
+    one this was written for (Triton 3.6-3.9) and it was left alone."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast_impl = getattr(builder, "cast_impl", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if cast_impl is None or handle is None or np_dtype is None:
+        return False
+    if getattr(cast_impl, "_ctxfast", False):
+        return True
+    import triton.language as tl
+
+    bf16 = tl.bfloat16
+
+    def exact_cast_impl(self, src, dst_type):
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if (src_ty == bf16) == (dst_ty == bf16):
+            return cast_impl(self, src, dst_type)
+        if dst_ty == bf16:                     # anything -> float32 (numpy) -> bf16 (RNE)
+            wide = src.data.astype(np.float32)
+            return handle(_float32_to_bf16_bits(wide).reshape(src.data.shape), bf16)
+        wide = _bf16_bits_to_float32(src.data).reshape(src.data.shape)   # bf16 -> float32
+        with np.errstate(invalid="ignore"):           # NaN / inf to an integer: as numpy does
+            return handle(wide.astype(np_dtype(dst_type)), dst_ty)
+
+    fp_to_fp = builder.create_fp_to_fp
+    rtne = interpreter._ir.ROUNDING_MODE.RTNE
+
+    def exact_fp_to_fp(self, src, dst_type, rounding_mode):
+        # .to(tl.bfloat16, fp_downcast_rounding="rtne"); "rtz" truncates, as Triton does
+        if (dst_type.scalar == bf16 and src.dtype.scalar == tl.float32
+                and rounding_mode == rtne):
+            return exact_cast_impl(self, src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    exact_cast_impl._ctxfast = True
+    # every other conversion of the builder (create_fp_trunc, create_si_to_fp, ...) calls
+    # self.cast_impl
+    builder.cast_impl = exact_cast_impl
+    builder.create_fp_to_fp = exact_fp_to_fp
+    return True
 
 
 @functools.lru_cache(maxsize=None)

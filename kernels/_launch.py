@@ -304,12 +304,12 @@ def _give_up(error: BaseException) -> None:
 def fast(kernel):
     """The launch object for ``kernel``: a :class:`FastKernel` for a Triton kernel on the
     GPU path, a :class:`WithOptions` with ``LAUNCH == "jit"``, the kernel itself under the
-    interpreter (which skips its dead work from then on: ``_interpreter.skip_dead_work``)
+    interpreter (whose fixes it installs first: ``_interpreter.install``)
     or when ``kernel`` is not a ``JITFunction`` (a test's recorder or spy)."""
     if LAUNCH not in ("fast", "jit"):
         raise ValueError(f"CTXFAST_TRITON_LAUNCH must be 'fast' or 'jit', got {LAUNCH!r}")
     if _interpreting():
-        _interpreter.skip_dead_work()
+        _interpreter.install()
         return kernel
     if not isinstance(kernel, JITFunction):
         return kernel

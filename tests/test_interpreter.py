@@ -1,6 +1,7 @@
 """What ctxfast adds to Triton's interpreter (``kernels/_interpreter.py``): the two skips of
 work that changes no result (integer overflow checks that assert nothing; the language
-patched again on every helper call) and the bulk-reduction shim. The suite runs through
+patched again on every helper call), bfloat16 conversions rounded as a GPU rounds them, and
+the bulk-reduction shim. The suite runs through
 them everywhere under the interpreter; these tests check that they are installed, that they
 skip what they say and nothing more, and that a launch that fails leaves nothing behind."""
 import os
@@ -134,3 +135,50 @@ def test_overflow_checks_were_dead_before_they_were_skipped():
     cond = tl.tensor(interpreter.TensorHandle(torch.zeros(1, dtype=torch.bool).numpy(),
                                               tl.int1), tl.int1)
     assert semantic.device_assert(cond, "would fail", None) is None
+
+
+@triton.jit
+def _bf16_casts_kernel(x_ptr, flag_ptr, int_ptr, half_ptr, out_ptr, N: tl.constexpr):
+    # out rows: fp32 -> bf16 (RNE), bool -> bf16, int32 -> bf16, fp16 -> bf16,
+    # fp32 -> bf16 with rounding "rtne" and "rtz", bf16 -> int32 / fp32 / fp16 (as fp32)
+    o = tl.arange(0, N)
+    x = tl.load(x_ptr + o)
+    b = x.to(tl.bfloat16)
+    tl.store(out_ptr + o, b.to(tl.float32))
+    tl.store(out_ptr + N + o, tl.load(flag_ptr + o).to(tl.bfloat16).to(tl.float32))
+    tl.store(out_ptr + 2 * N + o, tl.load(int_ptr + o).to(tl.bfloat16).to(tl.float32))
+    tl.store(out_ptr + 3 * N + o, tl.load(half_ptr + o).to(tl.bfloat16).to(tl.float32))
+    tl.store(out_ptr + 4 * N + o,
+             x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32))
+    tl.store(out_ptr + 5 * N + o,
+             x.to(tl.bfloat16, fp_downcast_rounding="rtz").to(tl.float32))
+    tl.store(out_ptr + 6 * N + o, b.to(tl.int32).to(tl.float32))
+    tl.store(out_ptr + 7 * N + o, b.to(tl.float16).to(tl.float32))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+def test_bf16_conversions_round_as_a_gpu_does():
+    # torch's conversions round to nearest even (cvt.rn.bf16.f32 on a GPU); "rtz" truncates.
+    # Triton's interpreter truncated every float32 -> bf16 and turned bool / int -> bf16
+    # into bit patterns (True -> 9.2e-41).
+    n = 256
+    x = torch.randn(n) * torch.logspace(-3, 3, n)
+    # ties in bf16 (the low 16 bits 0x8000: even and odd kept mantissas), overflow to inf,
+    # inf, NaN
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x7F7FFFFF], dtype=torch.int32)
+    x[:3] = ties.view(torch.float32)
+    x[3:6] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    flags = torch.rand(n) > 0.5
+    ints = torch.randint(-300000, 300000, (n,), dtype=torch.int32)
+    half = torch.randn(n).half()
+    out = torch.empty(8, n)
+    _launch.fast(_bf16_casts_kernel)[(1,)](x, flags, ints, half, out, N=n)
+    rne = x.bfloat16().float()
+    rtz = (x.view(torch.int32) & -65536).view(torch.float32)
+    for row, want in ((0, rne), (1, flags.bfloat16().float()), (2, ints.bfloat16().float()),
+                      (3, half.bfloat16().float()), (4, rne), (5, rtz)):
+        torch.testing.assert_close(out[row], want, rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, row=row: f"row {row}: {m}")
+    finite = slice(6, None)
+    torch.testing.assert_close(out[6, finite], rne[finite].int().float(), rtol=0, atol=0)
+    torch.testing.assert_close(out[7, finite], rne[finite].half().float(), rtol=0, atol=0)

@@ -163,11 +163,6 @@ AMP_BACKENDS = (["cpu"] if DEVICE == "cpu" else []) + ([FAST] if FAST else [])
 
 @pytest.mark.parametrize("backend", AMP_BACKENDS)
 def test_autocast_bf16_trains_within_twice_eager(backend):
-    if backend == "triton" and TRITON_ON_CPU:
-        pytest.skip("the Triton interpreter runs one program at a time: the draws this test "
-                    "needs take ~30 s there; Triton under autocast is checked op by op on the "
-                    "CPU (test_rel_attention.py::test_autocast_casts_every_float_input) and "
-                    "here on a GPU")
     """fp32 weights under torch.autocast(bfloat16), as mixed-precision training runs: the
     fp32 biases and seg_embed meet bf16 queries inside rel_attention. Outputs and every
     parameter's gradient are no further from the fp64 model than eager's under the same
