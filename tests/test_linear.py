@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast import reference
-from utils import DEVICE, TRITON_ON_CPU, assert_within_2x_eager, rel_err, spy_launches
+from utils import DEVICE, assert_within_2x_eager, rel_err, spy_launches
 
 linear_ops = importlib.import_module("ctxfast.ops.linear")
 BACKENDS = [b for b in ctxfast.BACKENDS if ctxfast.why_unavailable(b, DEVICE) is None]

@@ -18,7 +18,7 @@ import torch
 import ctxfast
 from ctxfast import _dispatch, reference
 from ctxfast.ops.lstm import _NATIVE
-from utils import DEVICE, TRITON_ON_CPU, assert_within_2x_eager, rel_err, spy_launches
+from utils import DEVICE, assert_within_2x_eager, rel_err, spy_launches
 
 BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
             if ctxfast.why_unavailable(b, DEVICE) is None]
