@@ -6,9 +6,11 @@ The launch rows in ``kernels/attention.py`` (``_CONFIGS``) and ``kernels/rel_att
 wgmma use on sm_90 (benchmarks/NOTES.md). The first H100 round's sweep of the old forward
 kernel spanned 248-418 TFLOP/s across configurations of one shape. This sweep sets each
 module's ``LAUNCH_OVERRIDE`` to one candidate for one kernel (the others keep their rows),
-runs forward + backward ``REPS`` times under ``torch.profiler`` after a warm-up call (which
-compiles), and records that kernel's device time per call. A candidate that does not
-compile or run (shared memory, registers) is recorded as failed.
+runs forward + backward ``REPS`` times under ``torch.profiler`` after a warm-up call, and
+records that kernel's device time per call. On a GPU every row of a case is compiled
+first, side by side on threads (``kernels/_tune.compile_ahead``), so the warm-up finds it
+compiled. A candidate that does not compile or run (shared memory, registers) is recorded
+as failed.
 
     python benchmarks/config_sweep.py --out sweep.json [--time-budget 180]
     TRITON_INTERPRET=1 python benchmarks/config_sweep.py --quick   # CPU: the steps run
@@ -39,6 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import ctxfast  # noqa: E402
 from ctxfast.kernels.rel_attention import FWD_MAXNREG_3CTA  # noqa: E402
 from kernel_breakdown import make_inputs  # noqa: E402
@@ -108,6 +111,56 @@ KERNEL_NAMES = {
     ("rel_attention", "dq"): "_rel_attn_bwd_dq_kernel",
     ("rel_attention", "dr"): "_rel_attn_bwd_dr_kernel",
 }
+
+
+def _overrides(op: str, kernel: str, cand, tile, variant) -> Dict:
+    """The ``LAUNCH_OVERRIDE`` entries (the tuner's row keys, which a thread's rows give
+    too) of one sweep row: the candidate launch of ``kernel``, rel_attention's tile, and the
+    variant's settings. Attention's "tma" is ``"<kernel>:tma": True`` for its three
+    kernels (what ``TMA_MODE`` "on" does for them); rel_attention's variants are
+    :data:`REL_VARIANTS`' (its "tma" is ``{"tma": "on"}``)."""
+    over = {}
+    if cand is not None:
+        over[kernel] = cand
+    if tile is not None:
+        over["tile"] = tile
+    if variant == "tma" and op == "attention":
+        over.update({k + ":tma": True for k in ATTENTION_CANDIDATES})
+    elif variant is not None:
+        over.update(REL_VARIANTS[variant][0])
+    return over
+
+
+def _kernel_calls(op: str, checked):
+    """``run()``: the kernel-level forward (and backward) that one real call of ``checked``
+    (``_call``'s checked call of ``op``) makes, replayed. A thread's rows reach those
+    launchers; an autograd backward runs on the engine's own thread, which sees none."""
+    from ctxfast.kernels import attention as attn_k
+    from ctxfast.kernels import rel_attention as rel_k
+    module, name = (attn_k, "attention") if op == "attention" else (rel_k, "rel_attention")
+    calls = _common.record_calls(module, [name + "_forward", name + "_backward"], checked)
+    if not calls:
+        raise RuntimeError(f"{op}: the call made no kernel-level forward ({name}_forward)")
+
+    def run():
+        for fn, args, kwargs in calls:
+            fn(*args, **kwargs)
+    return run
+
+
+def _compile_ahead(jobs, calls, device) -> None:
+    """On a GPU, every row of the sweep compiled side by side before any is timed
+    (``kernels/_tune.compile_ahead``: one thread per row, its overrides in force there as
+    a tuned call's rows, launches compiling only), per case, by replaying the kernel-level
+    calls of one real call (:func:`_kernel_calls`): each row's warm-up call then finds its
+    kernels compiled."""
+    if device.type != "cuda":
+        return
+    from ctxfast.kernels import _tune
+    for key, call in calls.items():
+        rows = [_overrides(op, kernel, cand, tile, variant)
+                for op, case, kernel, cand, tile, variant in jobs if (op, case) == key]
+        _tune.compile_ahead(rows, _kernel_calls(key[0], call[1]), device)
 
 
 def _kernel_us(fn, name: str, device) -> Optional[float]:
@@ -188,11 +241,10 @@ def _measure(fn, name, device) -> Tuple[Optional[float], Optional[str]]:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
-def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -> List[Dict]:
-    from ctxfast.kernels import attention as attn_k
+def _jobs(dtype, quick: bool, ops=None, kernels=None) -> List[tuple]:
+    """The sweep's rows in the order they are timed: (op, case, kernel, candidate, tile,
+    variant)."""
     from ctxfast.kernels import rel_attention as rel_k
-    start = time.monotonic()
-    rows: List[Dict] = []
     att_cases = ((1, 2, 16, 0, 16),) if quick else ATTENTION_CASES
     rel_cases = ((1, 2, 16, 16, 16),) if quick else REL_CASES
     xl_cases = ((1, 2, 16, 16, 16),) if quick else XL_EVAL_CASES
@@ -235,10 +287,26 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
         for tile in tiles(case, torch.float32):
             for launch in (REL_LAUNCHES[:2] if quick else REL_LAUNCHES):
                 jobs.append(("rel_attention fp32 fwd", case, "fwd", launch, tile, None))
-    jobs = [j for j in jobs if (not ops or j[0].split()[0] in ops)
+    return [j for j in jobs if (not ops or j[0].split()[0] in ops)
             and (not kernels or j[2] in kernels)]
+
+
+def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -> List[Dict]:
+    from ctxfast.kernels import attention as attn_k
+    from ctxfast.kernels import rel_attention as rel_k
+    start = time.monotonic()
+    rows: List[Dict] = []
+    jobs = _jobs(dtype, quick, ops, kernels)
     calls, checks = {}, {}
-    tma_mode = attn_k.TMA_MODE
+    for op, case, *_ in jobs:
+        key = (op, case)
+        if key not in calls:
+            xl = op == "rel_attention fp32 fwd"
+            base_op, dt = ("rel_attention", torch.float32) if xl else (op, dtype)
+            ins, g = make_inputs(base_op, *case, device, dt)
+            calls[key] = _call(base_op, ins, g, forward_only=xl)
+            checks[key] = _bounds(base_op, ins, g, forward_only=xl)
+    _compile_ahead(jobs, calls, device)
     for op, case, kernel, cand, tile, variant in jobs:
         if time.monotonic() - start > budget_s:
             rows.append({"op": op, "case": case, "kernel": kernel, "candidate": cand,
@@ -248,20 +316,8 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
         mod = attn_k if op == "attention" else rel_k
         xl = op == "rel_attention fp32 fwd"
         mod.LAUNCH_OVERRIDE.clear()
-        if cand is not None:
-            mod.LAUNCH_OVERRIDE[kernel] = cand
-        if tile is not None:
-            mod.LAUNCH_OVERRIDE["tile"] = tile
-        if variant == "tma":
-            attn_k.TMA_MODE = "on"
-        elif variant is not None:
-            mod.LAUNCH_OVERRIDE.update(REL_VARIANTS[variant][0])
+        mod.LAUNCH_OVERRIDE.update(_overrides(op, kernel, cand, tile, variant))
         key = (op, case)
-        if key not in calls:
-            base_op, dt = ("rel_attention", torch.float32) if xl else (op, dtype)
-            ins, g = make_inputs(base_op, *case, device, dt)
-            calls[key] = _call(base_op, ins, g, forward_only=xl)
-            checks[key] = _bounds(base_op, ins, g, forward_only=xl)
         worst, ratios = None, None
         try:
             us, err = _measure(calls[key][0], KERNEL_NAMES[("rel_attention" if xl else op, kernel)],
@@ -271,7 +327,6 @@ def sweep(device, dtype, budget_s: float, quick: bool, ops=None, kernels=None) -
                 worst = max(ratios)
         finally:
             mod.LAUNCH_OVERRIDE.clear()
-            attn_k.TMA_MODE = tma_mode
         names = ["out"] + (["q", "k", "v", "r", "r_w_bias", "r_r_bias"] if "rel" in op
                            else ["q", "k", "v"])
         row = {"op": op, "case": "B{} H{} Tq{} mem{} D{}".format(*case), "kernel": kernel,

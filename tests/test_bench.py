@@ -1631,6 +1631,58 @@ def test_config_sweep_flags_a_wrong_candidate(monkeypatch):
     assert all("(4, 1)" not in line for line in config_sweep.summary(rows))
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="launches recorded through the interpreter")
+def test_config_sweep_rows_compiled_ahead_launch_as_their_overrides(monkeypatch):
+    """On a GPU the sweep compiles every row of a case ahead on threads, each row's
+    LAUNCH_OVERRIDE entries as that thread's rows, by replaying the kernel-level calls of
+    one real call (``_kernel_calls``). For every row of the quick sweep, at fp16 (where the
+    "tma" rows read descriptors), the replay must launch what the row's own timed call
+    launches with the module's LAUNCH_OVERRIDE set (kernels, constexprs, warps, stages), or
+    it compiles kernels nobody times. The "tma" rows read descriptors in both ops
+    (rel_attention's used to set attention's module flag, and timed its default)."""
+    import contextlib
+
+    from utils import spy_launch_settings
+
+    sys.path.insert(0, str(BENCH_DIR))
+    import config_sweep
+    from ctxfast.kernels import _tune
+    from ctxfast.kernels import attention as attn_k
+    from ctxfast.kernels import rel_attention as rel_k
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_tune, "COMPILE_THREADS", 1)
+    cpu = torch.device("cpu")
+    for module in (attn_k, rel_k):
+        monkeypatch.setattr(module, "LAUNCH_OVERRIDE", {})
+    jobs = config_sweep._jobs(torch.float16, True, ops=["attention", "rel_attention"])
+    for op, module in (("attention", attn_k), ("rel_attention", rel_k)):
+        # (rel_attention's _rel_bwd_prep_kernel calls _bwd_delta_kernel inside itself)
+        seen = spy_launch_settings(monkeypatch, module, [
+            n for n in vars(module) if n.endswith("_kernel") and n != "_bwd_delta_kernel"
+            and hasattr(getattr(module, n), "__getitem__")])
+        case = next(j[1] for j in jobs if j[0] == op)
+        torch.manual_seed(0)
+        ins, g = config_sweep.make_inputs(op, *case, cpu, torch.float16)
+        timed, checked = config_sweep._call(op, ins, g)
+        replay = config_sweep._kernel_calls(op, checked)
+        rows = [j for j in jobs if j[0] == op]
+        tma = []
+        for job in rows:
+            over = config_sweep._overrides(*job[:1], *job[2:])
+            seen.clear()
+            _tune.compile_ahead([over], replay, cpu)
+            replayed = sorted(seen)
+            seen.clear()
+            module.LAUNCH_OVERRIDE.update(over)
+            timed()
+            module.LAUNCH_OVERRIDE.clear()
+            assert replayed and replayed == sorted(seen), (job, replayed, sorted(seen))
+            if job[5] == "tma":
+                tma.append(any("('TMA', True)" in s for _, s in seen))
+        assert tma and all(tma), (op, tma)
+
+
 def test_model_steps_read_no_value_to_the_host_on_the_gpu_path(tmp_path):
     # A value read (.item(), int(t), bool(t), torch.equal) is a host-device sync on a GPU;
     # the models' input checks made 2-7 per training step. With the value checks of CPU
