@@ -663,3 +663,14 @@ def record_calls(module, names: Sequence[str], run_once: Callable[[], object]) -
         for name, fn in saved.items():
             setattr(module, name, fn)
     return [calls[n] for n in names if n in calls]
+
+
+def replayer(calls: Sequence[tuple]) -> Callable[[], None]:
+    """``run()`` that makes the calls :func:`record_calls` recorded again, in order (the
+    ``run`` of ``kernels/_tune.compile_ahead``: on its threads the rows in force reach these
+    kernel-level launchers, which an autograd backward, run on the engine's own thread,
+    would not)."""
+    def run():
+        for fn, args, kwargs in calls:
+            fn(*args, **kwargs)
+    return run

@@ -141,11 +141,7 @@ def _kernel_calls(op: str, checked):
     calls = _common.record_calls(module, [name + "_forward", name + "_backward"], checked)
     if not calls:
         raise RuntimeError(f"{op}: the call made no kernel-level forward ({name}_forward)")
-
-    def run():
-        for fn, args, kwargs in calls:
-            fn(*args, **kwargs)
-    return run
+    return _common.replayer(calls)
 
 
 def _compile_ahead(jobs, calls, device) -> None:

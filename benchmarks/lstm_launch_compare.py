@@ -94,12 +94,8 @@ def _compile_forms(forms: List[str], run_once, device) -> None:
     if device.type != "cuda" or not rows:
         return
     from ctxfast.kernels import _tune
-    calls = _kernel_calls(run_once)
-
-    def replay():
-        for fn, args, kwargs in calls:
-            fn(*args, **kwargs)
-    _tune.compile_ahead(list({repr(r): r for r in rows}.values()), replay, device)
+    _tune.compile_ahead(list({repr(r): r for r in rows}.values()),
+                        _common.replayer(_kernel_calls(run_once)), device)
 
 
 @contextlib.contextmanager

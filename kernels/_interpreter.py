@@ -1,6 +1,6 @@
 """What ctxfast adds to Triton's interpreter (``TRITON_INTERPRET=1``, how the kernels run
-on a CPU and in CI): one operation its builder lacks, and two pieces of work it does that
-can change no result. Installed lazily by the launchers, only while interpreting; a Triton
+on a CPU and in CI): one operation its builder lacks, bfloat16 conversions rounded as a
+GPU rounds them, and two pieces of work it does that can change no result. Installed lazily by the launchers, only while interpreting; a Triton
 whose interpreter differs from what these expect (3.6-3.9) is left alone.
 
 * :func:`descriptor_reduce`: ``tensor_descriptor.atomic_add``, a TMA bulk reduction.
@@ -24,10 +24,10 @@ whose interpreter differs from what these expect (3.6-3.9) is left alone.
     walks the same modules again (``inspect.getmembers`` over ``tl``, ``tl.tensor``,
     ``tl.math``). A helper whose language modules the running kernel has already patched
     now skips that walk; one that reaches a module not yet patched (Triton's own
-    ``tl.core`` helpers such as ``tl.max``) patches it as before.
+    ``tl.ravel``, whose globals name ``tl.core`` only) patches it as before.
 
 On this CPU (2 cores, Triton 3.9) the two take ``benchmarks/backward_adds_compare.py
---quick`` from 18.9 to 8.5 s; the numbers are in benchmarks/NOTES.md.
+--quick`` from 18.9 to 6.6 s; the numbers are in benchmarks/NOTES.md.
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ BACKENDS = [b for b in ctxfast.BACKENDS if ctxfast.why_unavailable(b, DEVICE) is
 needs_triton = pytest.mark.skipif("triton" not in BACKENDS,
                                   reason="Triton cannot run here (no GPU, no interpreter)")
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-# bf16 under the interpreter too: ctxfast rounds its float32 -> bfloat16 conversions to
-# nearest even there, as a GPU does (kernels/_interpreter.py; Triton's truncates)
+# bf16 under the interpreter too (its dots take fp32 products there, UPCAST; the bf16
+# output is rounded to nearest even as on a GPU, kernels/_interpreter.py; these cases also
+# passed with Triton's own truncation)
 DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16]
 
 
