@@ -114,3 +114,67 @@ def test_no_sequence_at_all(backend):
     assert out.shape == x.shape and (out == 0).all()
     out.sum().backward()
     assert (x.grad == 0).all()
+
+
+def _lens_cases():
+    return [([5, 17, 1, 33], [5, 17, 1, 33]), ([3, 20], [9, 31]), ([7, 0, 12], [7, 4, 12]),
+            ([9, 5], [4, 5])]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens_q, lens_k", _lens_cases())
+def test_eager_traced_form_matches_per_sequence_reference(causal, lens_q, lens_k):
+    """The eager backend's form under torch.compile (one masked attention over all packed
+    rows) against the float64 reference, forward and backward; two query rows after the
+    last sequence belong to none: zeros, zero gradient."""
+    from ctxfast.ops.attention import _varlen_eager_traced
+    q, k, v, cu_q, cu_k, _, _ = _packed(lens_q, lens_k, H=2, D=16)
+    q = torch.cat([q, torch.randn(2, 2, 16, device=DEVICE)])       # [total_q + 2, H, D]
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = _varlen_eager_traced(*leaves, cu_q, cu_k, causal, 0.0, 16 ** -0.5, None)
+    leaves64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = _per_sequence_reference(leaves64[0][:-2], *leaves64[1:], cu_q, cu_k, causal)
+    ref = torch.cat([ref, ref.new_zeros(2, 2, 16)])
+    assert (out[-2:] == 0).all()
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_grads = torch.autograd.grad(ref, leaves64, do.double(), allow_unused=True)
+    assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
+        assert rel_err(g, r) < 1e-5, (name, rel_err(g, r))
+    assert (grads[0][-2:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
+def test_compiles_fullgraph_with_lengths_from_data(backend):
+    """torch.compile(fullgraph=True) of a padded batch packed inside the graph (nonzero; the
+    lengths and max_seqlen from data, as BERT's varlen path): every backend traces without a
+    graph break (the checks guarded on max_seqlen and on the packed sizes, and the eager
+    backend's loop over sequences sliced at their values, broke it) and gives the uncompiled
+    call's outputs and gradients."""
+    H, D, T = 2, 16, 9
+    keep = torch.tensor([[1] * 7 + [0] * 2, [1] * 3 + [0] * 6, [1] * 9], dtype=torch.bool,
+                        device=DEVICE)                                   # [B, T]
+
+    def f(x, keep):
+        B = x.shape[0]
+        idx = keep.reshape(-1).nonzero().squeeze(1)                      # [total]
+        lens = keep.sum(1, dtype=torch.int32)                            # [B]
+        cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))  # [B + 1]
+        mx = int(lens.max())
+        xp = x.reshape(B * T, H, D)[idx]                                 # [total, H, D]
+        out = ctxfast.attention_varlen(xp, xp, xp, cu, cu, mx, mx, causal=True,
+                                       backend=backend)
+        return out.square().sum()
+
+    x = torch.randn(3, T, H * D, device=DEVICE, requires_grad=True)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True,
+                                    capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        loss = compiled(x, keep)
+        (grad,) = torch.autograd.grad(loss, x)
+    ref_loss = f(x, keep)
+    (ref_grad,) = torch.autograd.grad(ref_loss, x)
+    assert rel_err(loss, ref_loss) < 1e-5 and rel_err(grad, ref_grad) < 1e-5

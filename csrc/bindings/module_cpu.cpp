@@ -62,11 +62,11 @@ TORCH_LIBRARY(ctxfast, m) {
         "bool perm_strict, float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("attention_varlen_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-        "Tensor cu_seqlens_k, bool causal, float scale, int max_seqlen_q, int max_seqlen_k, "
+        "Tensor cu_seqlens_k, bool causal, float scale, SymInt max_seqlen_q, SymInt max_seqlen_k, "
         "float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
   m.def("attention_varlen_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, float scale, "
-        "int max_seqlen_q, int max_seqlen_k, float dropout_p, Tensor? seed) "
+        "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor)");
   // The CPU kernels' cache of freed output buffers (csrc/cpu/output_cache.h; cap
   // CTXFAST_CPU_CACHE_MB): free every cached block (returns the bytes), or the bytes held.

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch._functorch.pyfunctorch import \
     retrieve_all_functorch_interpreters as _functorch_interpreters
 
@@ -145,14 +146,18 @@ def check_int32_extent(op: str, **tensors) -> None:
     before anything is allocated or launched (it would read and write the wrong memory).
     None entries are skipped."""
     for name, t in tensors.items():
-        if t is None or t.numel() == 0:
+        if t is None or guard_or_false(t.numel() == 0):
             continue
+        numel = t.numel()
         extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-        if max(t.numel(), extent) >= 2**31:
+        if guard_or_false(numel >= 2**31) or guard_or_false(extent >= 2**31):
             raise ValueError(
                 f"{op}: the triton backend addresses {name} with 32-bit offsets; {name} of "
-                f"shape {tuple(t.shape)} has {t.numel()} elements spanning {extent}, both must "
+                f"shape {tuple(t.shape)} has {numel} elements spanning {extent}, both must "
                 f"be below 2**31 (split the batch, or use backend='eager')")
+        # sizes traced from data (torch.compile of a packed batch): checked when the graph runs
+        torch._check(numel < 2**31, lambda: f"{op}: {name} must have below 2**31 elements")
+        torch._check(extent < 2**31, lambda: f"{op}: {name} must span below 2**31 elements")
 
 
 # The Triton kernels keep a whole head-dim row of q, k, v and the output accumulator in one

@@ -30,7 +30,9 @@ Face attention interface is ``ctxfast.integrations.hf``.
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .. import _dispatch
 from .. import reference as _ref
@@ -379,7 +381,8 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise TypeError(f"attention_varlen: {name} must be an int32 tensor [B + 1]")
         if cu.device != q.device:
             raise ValueError(f"attention_varlen: {name} must be on {q.device}, got {cu.device}")
-        if not isinstance(mx, int) or mx < 0:
+        # guard_or_false: a max_seqlen traced from data (torch.compile) is not guarded on
+        if not isinstance(mx, (int, torch.SymInt)) or guard_or_false(mx < 0):
             raise TypeError(f"attention_varlen: max_seqlen for {name} must be an int >= 0")
         if _values_checked(cu):   # on CPU: on CUDA a host sync per call (not checked there)
             vals = cu.tolist()
@@ -392,6 +395,44 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                                  f"{max(lens)} > max_seqlen {mx}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention_varlen: dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def _varlen_rows(cu: Tensor, total) -> Tuple[Tensor, Tensor, Tensor]:
+    """Of each of ``total`` packed rows: its sequence (``B`` = outside every sequence) and
+    its place in that sequence, each ``[total]``; and the sequences' lengths ``[B + 1]``
+    (the last 0: outside)."""
+    cu = cu.long()
+    lens = F.pad(cu[1:] - cu[:-1], (0, 1))                              # [B + 1]
+    start = F.pad(cu[:-1], (0, 1))                                      # [B + 1]
+    row = torch.arange(total, device=cu.device)                         # [total]
+    seq = torch.searchsorted(cu[1:].contiguous(), row, right=True)      # [total], in [0, B]
+    return seq, row - start[seq], lens
+
+
+def _varlen_eager_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, dropout_p, sm_scale,
+                         generator):
+    """The eager backend's attention_varlen as torch.compile traces it: one masked attention
+    over all packed rows (``[H, total_q, total_k]`` scores) instead of a loop over sequences
+    sliced at their values, which dynamo cannot trace without a graph break. The same
+    visibility and zeros as the loop; dropout draws its own mask."""
+    seq_q, pos_q, lens_q = _varlen_rows(cu_seqlens_q, q.shape[0])
+    seq_k, pos_k, lens_k = _varlen_rows(cu_seqlens_k, k.shape[0])
+    inside = seq_q < cu_seqlens_q.numel() - 1                           # [total_q]
+    visible = (seq_q[:, None] == seq_k[None, :]) & inside[:, None]      # [total_q, total_k]
+    if causal:   # bottom-right aligned per sequence: key j <= i + (len_k - len_q)
+        last = pos_q + lens_k[seq_q] - lens_q[seq_q]                    # [total_q]
+        visible = visible & (pos_k[None, :] <= last[:, None])
+    scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale              # [H, total_q, total_k]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # the rows' maxima, over one more -inf column: a length dynamo can prove non-zero
+    shift = F.pad(scores, (0, 1), value=float("-inf")).amax(-1, keepdim=True).detach()
+    e = torch.exp(scores - torch.where(torch.isfinite(shift), shift, 0.0))
+    denom = e.sum(-1, keepdim=True)
+    p = e / torch.where(denom > 0, denom, 1.0)
+    if dropout_p > 0:
+        keep = torch.rand(p.shape, generator=generator, device=q.device) >= dropout_p
+        p = p * keep / (1.0 - dropout_p)
+    return torch.einsum("hqk,khd->qhd", p.to(v.dtype), v)               # [total_q, H, D]
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -408,7 +449,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             (non-decreasing, within the totals and the max lengths) are checked on CPU
             tensors only: on a GPU that check would synchronise the device at every call,
             so there, as in FlashAttention, they are the caller's to get right.
-        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints; under
+            torch.compile they may be traced from data, e.g. ``int(lens.max())``).
         causal: per sequence, bottom-right aligned: query i sees key j iff
             ``j <= i + (len_k - len_q)``.
         dropout_p, scale, generator, backend: as :func:`attention`.
@@ -426,6 +468,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, sm_scale, int(max_seqlen_q),
             int(max_seqlen_k), float(dropout_p), seed)
         return out
+    if name == "eager" and torch.compiler.is_compiling():
+        return _varlen_eager_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, dropout_p,
+                                    sm_scale, generator)
     if name == "eager":
         # zeros for rows no sequence covers, in q's graph (zero gradient) even with no
         # sequence at all (cu_seqlens [0]), as the cpu and triton ops
