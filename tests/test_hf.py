@@ -1,5 +1,7 @@
 """ctxfast.integrations.hf: BERT and GPT-2 built from configs (no downloads) give the same
 hidden states on ctxfast attention as on transformers' "sdpa"."""
+import inspect
+
 import pytest
 import torch
 
@@ -60,11 +62,14 @@ def test_gpt2_decoding_with_cache(backend):
     ids = torch.randint(0, 100, (2, 11), device=DEVICE)
     with torch.no_grad():
         full = model(input_ids=ids).last_hidden_state
+        # transformers renamed past_key_values to cache (argument and output; 5.x)
+        name = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                else "past_key_values")
         step = model(input_ids=ids[:, :8], use_cache=True)
-        past, outs = step.past_key_values, [step.last_hidden_state]
+        past, outs = getattr(step, name), [step.last_hidden_state]
         for t in range(8, 11):
-            step = model(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
-            past = step.past_key_values
+            step = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: past})
+            past = getattr(step, name)
             outs.append(step.last_hidden_state)
     err = (torch.cat(outs, 1) - full).abs().max().item()
     assert err < 1e-5, err
