@@ -138,6 +138,15 @@ def check_int32_ids(op: str, **ids) -> None:
                              f"must lie in [-2**31, 2**31), got {lo}..{hi}")
 
 
+def uniform(shape, generator: Optional[torch.Generator], device) -> Tensor:
+    """``torch.rand(shape)`` on ``device``, from ``generator`` where one is given. Without
+    one, ``generator=`` is left out: torch.rand's generator overload refuses sizes that
+    ``torch.compile(dynamic=True)`` traces (torch 2.13)."""
+    if generator is None:
+        return torch.rand(shape, device=device)
+    return torch.rand(shape, generator=generator, device=device)
+
+
 def check_int32_extent(op: str, **tensors) -> None:
     """The Triton attention kernels address each tensor with 32-bit offsets from its first
     element (Triton passes a stride below 2**31 as i32, and ``b * stride_b`` is i32), and

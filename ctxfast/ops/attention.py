@@ -46,6 +46,7 @@ from ._common import check_qkv as _check_qkv
 from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
 from ._common import shape as _shape
+from ._common import uniform as _uniform
 from ._common import values_checked as _values_checked
 from ._common import MAX_HEAD_DIM  # noqa: F401  (re-exported: the Triton kernels' limit)
 
@@ -230,8 +231,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         mask = None
         if dropout_p > 0:
             B, H, Tq, _ = q.shape
-            keep = torch.rand((B, H, Tq, k.shape[2]), generator=generator,
-                              device=q.device) >= dropout_p
+            keep = _uniform((B, H, Tq, k.shape[2]), generator, q.device) >= dropout_p
             mask = keep
         return _ref.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                               perm_rank=perm_rank, perm_stream=perm_stream,
@@ -430,7 +430,7 @@ def _varlen_eager_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, dropout_p,
     denom = e.sum(-1, keepdim=True)
     p = e / torch.where(denom > 0, denom, 1.0)
     if dropout_p > 0:
-        keep = torch.rand(p.shape, generator=generator, device=q.device) >= dropout_p
+        keep = _uniform(p.shape, generator, q.device) >= dropout_p
         p = p * keep / (1.0 - dropout_p)
     return torch.einsum("hqk,khd->qhd", p.to(v.dtype), v)               # [total_q, H, D]
 
@@ -482,8 +482,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]), (v, ck[b], ck[b + 1])))
             mask = None
             if dropout_p > 0:
-                mask = torch.rand((1, q.shape[1], qb.shape[2], kb.shape[2]), generator=generator,
-                                  device=q.device) >= dropout_p
+                mask = _uniform((1, q.shape[1], qb.shape[2], kb.shape[2]), generator,
+                                q.device) >= dropout_p
             ob = _ref.attention(qb, kb, vb, causal=causal, dropout_mask=mask,
                                 dropout_p=dropout_p, scale=sm_scale)
             out = out.index_copy(0, torch.arange(cq[b], cq[b + 1], device=q.device),

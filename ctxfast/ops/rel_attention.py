@@ -33,6 +33,7 @@ from ._common import check_int32_ids as _check_int32_ids
 from ._common import register_autograd as _register_autograd
 from ._common import resolve as _resolve
 from ._common import shape as _shape
+from ._common import uniform as _uniform
 from .attention import draw_seed
 
 # The C++ CPU kernels (csrc/cpu/attention.cpp) exist only once the extension was rebuilt
@@ -304,7 +305,7 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
         mask = None
         if dropout_p > 0:
             B, H, Tq, _ = q.shape
-            mask = torch.rand((B, H, Tq, Tk), generator=generator, device=q.device) >= dropout_p
+            mask = _uniform((B, H, Tq, Tk), generator, q.device) >= dropout_p
         return _ref.rel_attention(q, k, v, r, r_w_bias, r_r_bias, causal=causal,
                                   pos_start=pos_start, key_padding_mask=key_padding_mask,
                                   perm_rank=perm_rank, perm_stream=perm_stream, dropout_mask=mask,

@@ -26,7 +26,8 @@ from torch import Tensor
 
 def _clamp(x: Tensor, clip: float) -> Tensor:
     """clamp(x, -clip, clip); clip = inf means no clip."""
-    return x if math.isinf(clip) else x.clamp(-clip, clip)
+    # ==, not math.isinf: under torch.compile(dynamic=True) clip may be a traced float
+    return x if clip == math.inf else x.clamp(-clip, clip)
 
 
 def lstm_recurrence(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
