@@ -2,8 +2,9 @@
 the float arguments (scales, dropout probabilities, clips) are traced as symbols, as a
 training script compiled once for all batch shapes traces them. Two calls of different
 sizes through one compiled function give the uncompiled call's outputs and gradients.
-(A custom op's float argument is then specialised by torch: another value recompiles.) (The eager backends broke here: ``math.isinf`` of a traced clip, and
-``torch.rand(..., generator=None)`` of traced sizes.)"""
+A custom op's float argument is then specialised by torch (another value recompiles).
+The eager backends broke here: ``math.isinf`` of a traced clip, and
+``torch.rand(..., generator=None)`` of traced sizes."""
 import pytest
 import torch
 
