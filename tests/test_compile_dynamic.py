@@ -25,9 +25,11 @@ def _check(fn, calls):
     """fn(*args) -> a scalar loss of leaves; each call: (leaves, args). Compiled once."""
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
-    for leaves, args in calls:
+    for seed, (leaves, args) in enumerate(calls):
+        torch.manual_seed(seed)      # dropout: the same draws (aot_eager keeps torch's stream)
         loss = compiled(*args)
         grads = torch.autograd.grad(loss, leaves)
+        torch.manual_seed(seed)
         ref = fn(*args)
         ref_grads = torch.autograd.grad(ref, leaves)
         assert_close(loss.detach(), ref.detach(), name="loss")
@@ -38,10 +40,8 @@ def _check(fn, calls):
 @pytest.mark.parametrize("backend", BACKENDS["attention"])
 def test_attention(backend):
     def fn(q, k, v, scale, p):
-        out = ctxfast.attention(q, k, v, causal=True, scale=scale, backend=backend)
-        # dropout traced too (its mask is drawn differently compiled: not compared)
-        dropped = ctxfast.attention(q, k, v, dropout_p=p, backend=backend)
-        return out.square().sum() + 0 * dropped.sum()
+        out = ctxfast.attention(q, k, v, causal=True, scale=scale, dropout_p=p, backend=backend)
+        return out.square().sum()
 
     calls = []
     for T, scale, p in ((7, 0.3, 0.1), (9, 0.3, 0.1)):
@@ -53,9 +53,9 @@ def test_attention(backend):
 @pytest.mark.parametrize("backend", BACKENDS["rel_attention"])
 def test_rel_attention(backend):
     def fn(q, k, v, r, rw, rr, scale, p):
-        out = ctxfast.rel_attention(q, k, v, r, rw, rr, scale=scale, backend=backend)
-        dropped = ctxfast.rel_attention(q, k, v, r, rw, rr, dropout_p=p, backend=backend)
-        return out.square().sum() + 0 * dropped.sum()
+        out = ctxfast.rel_attention(q, k, v, r, rw, rr, scale=scale, dropout_p=p,
+                                    backend=backend)
+        return out.square().sum()
 
     calls = []
     for T, scale, p in ((6, 0.3, 0.1), (8, 0.3, 0.1)):
