@@ -28,12 +28,15 @@ def _per_sequence_reference(q, k, v, cu_q, cu_k, causal):
     return torch.cat(outs)
 
 
+LENS_CASES = [([5, 17, 1, 33], [5, 17, 1, 33]),
+              ([3, 20], [9, 31]),           # memory per sequence
+              ([7, 0, 12], [7, 4, 12]),     # an empty query sequence
+              ([9, 5], [4, 5])]             # causal: 5 rows see no key
+
+
 @needs_triton
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lens_q, lens_k", [([5, 17, 1, 33], [5, 17, 1, 33]),
-                                            ([3, 20], [9, 31]),     # memory per sequence
-                                            ([7, 0, 12], [7, 4, 12]),   # an empty query sequence
-                                            ([9, 5], [4, 5])])  # causal: 5 rows see no key
+@pytest.mark.parametrize("lens_q, lens_k", LENS_CASES)
 def test_varlen_matches_per_sequence_reference(causal, lens_q, lens_k):
     q, k, v, cu_q, cu_k, mq, mk = _packed(lens_q, lens_k, H=2, D=32)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -90,6 +93,8 @@ def test_varlen_opcheck():
     (dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "not decrease"]),
     (dict(cu_seqlens_q=torch.tensor([0, 3.0, 10])), TypeError, ["cu_seqlens_q must be an int32"]),
     (dict(max_seqlen_q=4), ValueError, ["max_seqlen 4"]),
+    (dict(max_seqlen_k=-1), TypeError, ["max_seqlen for cu_seqlens_k", "int >= 0"]),
+    (dict(max_seqlen_q=7.0), TypeError, ["max_seqlen for cu_seqlens_q", "int >= 0"]),
     (dict(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32)), ValueError, ["same length B + 1"]),
 ])
 def test_varlen_bad_input(change, exc, words):
@@ -116,13 +121,8 @@ def test_no_sequence_at_all(backend):
     assert (x.grad == 0).all()
 
 
-def _lens_cases():
-    return [([5, 17, 1, 33], [5, 17, 1, 33]), ([3, 20], [9, 31]), ([7, 0, 12], [7, 4, 12]),
-            ([9, 5], [4, 5])]
-
-
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lens_q, lens_k", _lens_cases())
+@pytest.mark.parametrize("lens_q, lens_k", LENS_CASES)
 def test_eager_traced_form_matches_per_sequence_reference(causal, lens_q, lens_k):
     """The eager backend's form under torch.compile (one masked attention over all packed
     rows) against the float64 reference, forward and backward; two query rows after the

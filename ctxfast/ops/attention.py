@@ -423,12 +423,7 @@ def _varlen_eager_traced(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, dropout_p,
         last = pos_q + lens_k[seq_q] - lens_q[seq_q]                    # [total_q]
         visible = visible & (pos_k[None, :] <= last[:, None])
     scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale              # [H, total_q, total_k]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    # the rows' maxima, over one more -inf column: a length dynamo can prove non-zero
-    shift = F.pad(scores, (0, 1), value=float("-inf")).amax(-1, keepdim=True).detach()
-    e = torch.exp(scores - torch.where(torch.isfinite(shift), shift, 0.0))
-    denom = e.sum(-1, keepdim=True)
-    p = e / torch.where(denom > 0, denom, 1.0)
+    p = _ref.masked_softmax(scores.masked_fill(~visible, float("-inf")))  # empty rows: 0
     if dropout_p > 0:
         keep = _uniform(p.shape, generator, q.device) >= dropout_p
         p = p * keep / (1.0 - dropout_p)

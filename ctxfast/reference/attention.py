@@ -16,6 +16,7 @@ key gets ``out[i] = 0`` (and zero gradient), never NaN.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -43,10 +44,9 @@ def attention_mask(B: int, Tq: int, Tk: int, *, causal: bool = False,
 def masked_softmax(scores: Tensor) -> Tensor:
     """Softmax over the last dim of scores with ``-inf`` at the pairs not visible; a row
     with no visible pair (or no key at all) gives zeros."""
-    if scores.shape[-1] > 0:
-        row_max = scores.amax(-1, keepdim=True)
-    else:                                                                 # Tk = 0: no key
-        row_max = scores.new_zeros(*scores.shape[:-1], 1)
+    # the maxima over one more -inf column: Tk = 0 needs no branch, and torch.compile can
+    # trace a Tk known only from data (a packed batch)
+    row_max = F.pad(scores, (0, 1), value=float("-inf")).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)
     denom = p.sum(-1, keepdim=True)
