@@ -1,7 +1,8 @@
 """What ctxfast adds to Triton's interpreter (``TRITON_INTERPRET=1``, how the kernels run
 on a CPU and in CI): one operation its builder lacks, bfloat16 conversions rounded as a
-GPU rounds them, and two pieces of work it does that can change no result. Installed lazily by the launchers, only while interpreting; a Triton
-whose interpreter differs from what these expect (3.6-3.9) is left alone.
+GPU rounds them, and work it does that can change no result, skipped or done once.
+Installed lazily by the launchers, only while interpreting; a Triton whose interpreter
+differs from what these expect (3.6-3.9) is left alone.
 
 * :func:`descriptor_reduce`: ``tensor_descriptor.atomic_add``, a TMA bulk reduction.
 * :func:`bf16_casts`: conversions to and from bfloat16 as a GPU makes them. The
@@ -26,8 +27,19 @@ whose interpreter differs from what these expect (3.6-3.9) is left alone.
     now skips that walk; one that reaches a module not yet patched (Triton's own
     ``tl.ravel``, whose globals name ``tl.core`` only) patches it as before.
 
-On this CPU (2 cores, Triton 3.9) the two take ``benchmarks/backward_adds_compare.py
---quick`` from 18.9 to 6.6 s; the numbers are in benchmarks/NOTES.md.
+* :func:`reuse_types`: **types built again for every value.** Each operation builds its
+  result's ``block_type`` from scratch (the shape unwrapped from constexprs, checked to be
+  powers of two, its name formatted), and each ``tl.tensor`` a Triton tuple of constexprs
+  for its shape. Both are now built once per element type and shape and copied (every
+  value keeps a shape tuple of its own). Also: ``broadcast_impl_value`` returns two
+  operands of one shape (or two scalars) as they are, without comparing the shapes through
+  Triton tuples; ``_unwrap_if_constexpr`` tests the commonest kinds first; the numpy dtype
+  of a Triton type is looked up once per type name (Triton builds a dict of every type on
+  each call).
+
+On a CPU of 2 cores (Triton 3.9) the skips took ``benchmarks/backward_adds_compare.py
+--quick`` from 18.9 to 6.6 s, and on a slower one the reuse of types from 52 to 42 s; the
+numbers are in benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -67,9 +79,11 @@ def descriptor_reduce() -> None:
 
 @functools.lru_cache(maxsize=None)
 def install() -> None:
-    """Everything this module adds that applies to every launch: :func:`skip_dead_work`
-    and :func:`bf16_casts` (``kernels._launch.fast`` calls it while interpreting)."""
+    """Everything this module adds that applies to every launch: :func:`skip_dead_work`,
+    :func:`reuse_types` and :func:`bf16_casts` (``kernels._launch.fast`` calls it while
+    interpreting)."""
     skip_dead_work()
+    reuse_types()
     bf16_casts()
 
 
@@ -204,4 +218,142 @@ def skip_dead_work() -> bool:
     once_per_launch._ctxfast = True
     interpreter._patch_lang = once_per_launch
     executor.__call__ = launch
+    return True
+
+
+def _shape_ints(shape) -> tuple | None:
+    """A block shape (list or Triton tuple of ints or constexpr ints) as a tuple of ints;
+    None for anything else, left to Triton (which refuses a Python tuple)."""
+    import triton.language.core as core
+
+    kind = type(shape)
+    if kind is core.tuple:
+        shape = shape.values
+    elif kind is not list:
+        return None
+    ints = []
+    for dim in shape:
+        dim_kind = type(dim)
+        if dim_kind is int:
+            ints.append(dim)
+        elif dim_kind is core.constexpr and type(dim.value) is int:
+            ints.append(dim.value)
+        else:
+            return None
+    return tuple(ints)
+
+
+@functools.lru_cache(maxsize=None)
+def reuse_types() -> bool:
+    """Install the reuse of types of the module docstring, once; False where Triton's
+    classes are not those it was written for (3.6-3.9: the fields their constructors set)
+    and they were left alone. Each piece returns what Triton's own returns (compared field
+    by field in ``tests/test_interpreter.py``), so it would be exact under the compiler
+    too; it is installed only while interpreting."""
+    import triton.language.core as core
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    block_type, tensor, ttuple, constexpr = core.block_type, core.tensor, core.tuple, core.constexpr
+    if getattr(block_type.__init__, "_ctxfast", False):
+        return True
+    probe_type = block_type(core.float32, [2, 4])
+    probe = tensor(None, probe_type)
+    if (set(vars(probe_type)) != {"element_ty", "shape", "numel", "name"}
+            or set(vars(probe)) != {"handle", "shape", "numel", "type", "dtype"}
+            or type(probe_type.shape) is not ttuple or type(probe.shape) is not ttuple
+            or not callable(getattr(interpreter, "_get_np_dtype", None))
+            or not callable(getattr(core, "_unwrap_if_constexpr", None))
+            or not callable(getattr(TritonSemantic, "broadcast_impl_value", None))):
+        return False
+
+    # block types: (element type's name, shape) -> (shape, numel, name) of the first one
+    block_init = block_type.__init__
+    block_parts = {}
+
+    def reused_block_init(self, element_ty, shape):
+        ints = _shape_ints(shape)
+        name = getattr(element_ty, "name", None)
+        if ints is None or type(name) is not str:
+            return block_init(self, element_ty, shape)
+        parts = block_parts.get((name, ints))
+        if parts is None:                     # Triton's own, which validates the shape
+            block_init(self, element_ty, shape)
+            block_parts[(name, ints)] = (ttuple(self.shape.values, self.shape.type),
+                                         self.numel, self.name)
+            return
+        shape_tuple, numel, type_name = parts
+        self.element_ty = element_ty
+        self.shape = ttuple(shape_tuple.values, shape_tuple.type)    # a tuple of its own
+        self.numel = numel
+        self.name = type_name
+
+    # tensors of a block type: shape (ints) -> (numel, the shape's constexprs, their type)
+    tensor_init = tensor.__init__
+    tensor_parts = {}
+
+    def reused_tensor_init(self, handle, type):  # noqa: A002 (Triton's parameter name)
+        block_shape = getattr(type, "shape", None)
+        if block_shape.__class__ is not ttuple or not type.is_block():
+            return tensor_init(self, handle, type)
+        key = (*block_shape.values,)
+        parts = tensor_parts.get(key)
+        if parts is None:
+            tensor_init(self, handle, type)
+            tensor_parts[key] = (self.numel, list(self.shape.values), self.shape.type)
+            return
+        numel, dims, dims_type = parts
+        self.handle = handle
+        self.shape = ttuple(dims, dims_type)     # copies the list: a tuple of its own
+        self.numel = numel
+        self.type = type
+        self.dtype = type.scalar
+
+    # two operands of one shape (or two scalars): Triton returns them as they are, after
+    # comparing the shapes through Triton tuples and lists
+    broadcast = TritonSemantic.broadcast_impl_value
+
+    def reused_broadcast(self, lhs, rhs):
+        lhs_ty, rhs_ty = lhs.type, rhs.type
+        if lhs_ty.__class__ is block_type and rhs_ty.__class__ is block_type:
+            if lhs_ty.shape.values == rhs_ty.shape.values:
+                return lhs, rhs
+        elif not lhs_ty.is_block() and not rhs_ty.is_block():
+            return lhs, rhs
+        return broadcast(self, lhs, rhs)
+
+    # the commonest arguments first (Triton's tests lists, tuples and Triton tuples first)
+    unwrap = core._unwrap_if_constexpr
+
+    def reused_unwrap(value):
+        kind = value.__class__
+        if kind is constexpr:
+            return value.value
+        if kind is tensor or kind is int:
+            return value
+        return unwrap(value)
+
+    # numpy dtypes: Triton builds a dict of every type on each call
+    np_dtype = interpreter._get_np_dtype
+    np_dtypes = {}
+
+    def reused_np_dtype(tt_dtype):
+        name = getattr(tt_dtype, "name", None)
+        found = np_dtypes.get(name) if type(name) is str else None
+        if found is None:
+            found = np_dtype(tt_dtype)
+            if type(name) is str:
+                np_dtypes[name] = found
+        return found
+
+    for reused, own in ((reused_block_init, block_init), (reused_tensor_init, tensor_init),
+                        (reused_broadcast, broadcast), (reused_unwrap, unwrap),
+                        (reused_np_dtype, np_dtype)):
+        reused.triton = own                   # Triton's own, for the tests to compare with
+    reused_block_init._ctxfast = True
+    block_type.__init__ = reused_block_init
+    tensor.__init__ = reused_tensor_init
+    TritonSemantic.broadcast_impl_value = reused_broadcast
+    core._unwrap_if_constexpr = reused_unwrap
+    interpreter._get_np_dtype = reused_np_dtype
     return True

@@ -1,9 +1,10 @@
 """What ctxfast adds to Triton's interpreter (``kernels/_interpreter.py``): the two skips of
 work that changes no result (integer overflow checks that assert nothing; the language
-patched again on every helper call), bfloat16 conversions rounded as a GPU rounds them, and
-the bulk-reduction shim. The suite runs through
-them everywhere under the interpreter; these tests check that they are installed, that they
-skip what they say and nothing more, and that a launch that fails leaves nothing behind."""
+patched again on every helper call), types built once per shape instead of per value,
+bfloat16 conversions rounded as a GPU rounds them, and the bulk-reduction shim. The suite
+runs through them everywhere under the interpreter; these tests check that they are
+installed, that they skip what they say and nothing more (the types built once are Triton's
+own, field by field), and that a launch that fails leaves nothing behind."""
 import os
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def test_installed_by_the_first_launch():
     options = interpreter.interpreter_builder.options
     # the checks would feed device_assert, a no-op without debug: only then are they skipped
     assert options.debug is False and options.sanitize_overflow is False
+    assert getattr(tl.core.block_type.__init__, "_ctxfast", False)      # reuse_types
 
 
 def test_helpers_do_not_walk_the_language_again(monkeypatch):
@@ -182,3 +184,128 @@ def test_bf16_conversions_round_as_a_gpu_does():
     finite = slice(6, None)
     torch.testing.assert_close(out[6, finite], rne[finite].int().float(), rtol=0, atol=0)
     torch.testing.assert_close(out[7, finite], rne[finite].half().float(), rtol=0, atol=0)
+
+
+def _fields(value) -> dict:
+    """A Triton type's or tensor's fields, with its tuples and constexprs as plain values."""
+    def plain(v):
+        if isinstance(v, tl.core.tuple):
+            return ("tuple", [plain(x) for x in v.values], str(v.type))
+        if isinstance(v, tl.constexpr):
+            return ("constexpr", v.value)
+        return v
+    return {k: plain(v) for k, v in vars(value).items()}
+
+
+
+def _tritons_own(cls, *args):
+    """An instance of ``cls`` built by Triton's own constructor, which reuse_types keeps."""
+    value = cls.__new__(cls)
+    cls.__init__.triton(value, *args)
+    return value
+
+
+_SHAPES = ([4], [2, 8], [16, 1, 4], [tl.constexpr(8), 2], tl.core.tuple([1, 32]))
+
+
+@pytest.mark.parametrize("element", ["float32", "bfloat16", "int1", "pointer"])
+def test_reused_types_are_tritons_own(element):
+    # Built twice (the first builds and keeps, the second reuses) and compared field by
+    # field with Triton's own; every one has a shape tuple (and list) of its own.
+    assert _interpreter.reuse_types() is True
+    elem = tl.pointer_type(tl.float16) if element == "pointer" else getattr(tl, element)
+    for shape in _SHAPES:
+        want = _tritons_own(tl.block_type, elem, shape)
+        types = [tl.block_type(elem, shape) for _ in range(3)]
+        for got in types:
+            assert _fields(got) == _fields(want) and got.element_ty is elem, (shape, got)
+        want_t = _tritons_own(tl.tensor, "handle", want)
+        tensors = [tl.tensor("handle", ty) for ty in types]
+        for got in tensors:
+            assert _fields(got) == {**_fields(want_t), "type": got.type}, (shape, got)
+        for made in (types, tensors):               # each a shape tuple and list of its own
+            assert len({id(x.shape) for x in made}) == 3, shape
+            assert len({id(x.shape.values) for x in made}) == 3, shape
+    scalar = tl.tensor("handle", elem)
+    assert _fields(scalar) == _fields(_tritons_own(tl.tensor, "handle", elem))
+
+
+def test_shapes_triton_refuses_are_still_refused():
+    assert _interpreter.reuse_types() is True
+    for _ in range(2):
+        with pytest.raises(ValueError, match="power of 2"):
+            tl.block_type(tl.float32, [3])
+        with pytest.raises(TypeError, match="0d block_type"):
+            tl.block_type(tl.float32, [])
+        tl.block_type(tl.float32, [2, 4])
+        with pytest.raises(AssertionError):      # a Python tuple: Triton asserts a list
+            tl.block_type(tl.float32, (2, 4))
+
+
+def test_unwrap_and_numpy_dtypes_are_tritons_own():
+    from triton.runtime import interpreter
+    assert _interpreter.reuse_types() is True
+    unwrap = tl.core._unwrap_if_constexpr
+    t = tl.tensor("handle", tl.float32)
+    for value in (tl.constexpr(3), tl.constexpr(2.5), 7, t, [tl.constexpr(1), 2], 1.5, None,
+                  (tl.constexpr(4), 5)):
+        got, want = unwrap(value), unwrap.triton(value)
+        assert (type(got), repr(got)) == (type(want), repr(want)), (value, got, want)
+    types = [getattr(tl, n) for n in ("int1", "int8", "int16", "int32", "int64", "uint8",
+                                      "uint16", "uint32", "uint64", "float16", "bfloat16",
+                                      "float32", "float64")]
+    types += [tl.pointer_type(tl.float32), tl.block_type(tl.bfloat16, [4, 2]),
+              tl.block_type(tl.pointer_type(tl.int8), [8])]
+    for ty in types + types:
+        assert interpreter._get_np_dtype(ty) == interpreter._get_np_dtype.triton(ty), ty
+
+
+@triton.jit
+def _broadcasts_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr):
+    rows, cols = tl.arange(0, M), tl.arange(0, N)
+    a = tl.load(a_ptr + rows)
+    b = tl.load(b_ptr + cols)
+    outer = a[:, None] * b[None, :] + 1.5          # [M, 1] x [1, N], then a scalar
+    same = outer - outer * 0.25                     # two operands of one shape
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], same + a[:, None])
+
+
+def test_broadcasts_of_every_kind_are_exact():
+    assert _interpreter.reuse_types() is True
+    a, b = torch.randn(8), torch.randn(16)
+    out = torch.empty(8, 16)
+    _launch.fast(_broadcasts_kernel)[(1,)](a, b, out, M=8, N=16)
+    outer = a[:, None] * b[None, :] + 1.5
+    torch.testing.assert_close(out, outer - outer * 0.25 + a[:, None], rtol=0, atol=0)
+
+
+def test_a_second_launch_builds_no_block_type_anew(monkeypatch):
+    # Triton's own constructor validates every shape (validate_block_shape); with the types
+    # reused, a launch whose shapes were all seen before validates none.
+    _run_rows(2)
+    calls = []
+    validate = tl.core.validate_block_shape
+    monkeypatch.setattr(tl.core, "validate_block_shape",
+                        lambda shape: calls.append(shape) or validate(shape))
+    _run_rows(2)
+    assert calls == []
+
+
+def test_reuse_types_leaves_a_triton_it_does_not_know_alone():
+    # A block type whose constructor sets a field this was not written for: not installed.
+    code = textwrap.dedent("""
+        import triton.language.core as core
+        from ctxfast.kernels import _interpreter
+        own = core.block_type.__init__
+        def init(self, *args):
+            own(self, *args)
+            self.layout = None
+        core.block_type.__init__ = init
+        assert _interpreter.reuse_types() is False
+        assert core.block_type.__init__ is init and core.tensor.__init__.__module__ != \\
+            _interpreter.__name__
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
