@@ -20,20 +20,21 @@ for sm_90, and for sm_80 where the case says so (the heaviest case of each kerne
 The cases cover every kernel the launchers launch, fp16, bf16 and fp32, each constexpr
 flag on in at least one case, and every launch row the tuner (``kernels/_tune.py``) times
 for a 16-bit attention call at D 64 and 128; not the full cross product (a cold compile
-takes seconds per kernel). fp32 attention is compiled with ``input_precision="tf32"`` (torch's allow_tf32
-on; in the heavy variants measured it needs more shared memory on sm_90 than exact fp32);
+takes seconds per kernel). fp32 attention is compiled with ``input_precision="tf32"``
+(torch's allow_tf32 on; in the heavy variants measured it needs more shared memory on sm_90
+than exact fp32);
 exact-fp32 ("ieee", torch's default for attention) dots are compiled for the LSTM only
 (whose fp32 default is tf32x3, with "ieee" as a variant): lowered to FMA loops they take
 10-100 s per attention kernel to compile.
 
-For the attention and LSTM kernels (FACT_KERNELS) the sm_90 compile also records registers and
-spills (Triton's bundled ``ptxas-blackwell -v`` on the PTX: Triton leaves them unset without a
-GPU) and counts wgmma / mma.sync instructions in the PTX; ``test_kernel_compile_facts``
-asserts wgmma-only fp16/bf16 dots and, with the Triton release the rules were measured with
-(FACTS_TRITON), no spills. The rel_attention kernels (REL_FACT_KERNELS)
-are recorded the same way and held to a spill ratchet on their training cases
-(``test_rel_attention_spill_ratchet``). ``-s`` prints the table that benchmarks/NOTES.md's
-"Compile facts (sm_90)" records.
+For the attention and LSTM kernels (FACT_KERNELS) the sm_90 compile also records registers
+and spills (Triton's bundled ``ptxas-blackwell -v`` on the PTX, its output kept beside
+Triton's cache: Triton leaves them unset without a GPU) and counts wgmma / mma.sync
+instructions in the PTX; ``test_kernel_compile_facts`` asserts wgmma-only fp16/bf16 dots
+and, with the Triton release the rules were measured with (FACTS_TRITON), no spills. The
+rel_attention kernels (REL_FACT_KERNELS) are recorded the same way and held to a spill
+ratchet on their training cases (``test_rel_attention_spill_ratchet``). ``-s`` prints the
+table that benchmarks/NOTES.md's "Compile facts (sm_90)" records.
 
 The compiles run in subprocesses (this file run as a script, one per CPU core, at most 4,
 sharing the work), started once by a module-scoped fixture; each test checks one kernel
@@ -615,14 +616,7 @@ def _ptxas_facts(ptx, arch):
                   if os.path.exists(os.path.join(bindir, n))), None)
     if ptxas is None:
         return facts
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        arch_flag = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        proc = subprocess.run([ptxas, "-v", f"-arch={arch_flag}", src, "-o",
-                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
+    log = _ptxas_log(ptxas, f"sm_{arch}a" if arch >= 90 else f"sm_{arch}", ptx)
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if regs:
@@ -630,6 +624,41 @@ def _ptxas_facts(ptx, arch):
     if spills:
         facts["spill_stores"], facts["spill_loads"] = map(int, spills.groups())
     return facts
+
+
+def _ptxas_log(ptxas, arch_flag, ptx):
+    """What ``ptxas -v`` prints for `ptx`, kept beside Triton's own cache (its
+    ``knobs.cache.dir``, under ``ctxfast-ptxas-v``) keyed by the PTX, the target and the
+    ptxas binary: with Triton's cache warm, every compile here is a cache hit, and the
+    ptxas runs were then ~90% of this file's time (~0.5 s each, 190 of them). An empty
+    Triton cache directory starts this one empty too."""
+    import hashlib
+
+    import triton
+
+    stat = os.stat(ptxas)
+    key = hashlib.sha256(f"{ptxas} {stat.st_size} {stat.st_mtime_ns} {arch_flag}\n{ptx}"
+                         .encode()).hexdigest()
+    knobs = getattr(triton, "knobs", None)
+    root = getattr(getattr(knobs, "cache", None), "dir", None) or os.environ.get(
+        "TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+    kept = os.path.join(root, "ctxfast-ptxas-v", key + ".log")
+    if os.path.exists(kept):
+        with open(kept) as f:
+            return f.read()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([ptxas, "-v", f"-arch={arch_flag}", src, "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode == 0:                  # a failure is not kept: it runs again
+        os.makedirs(os.path.dirname(kept), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(kept), delete=False) as f:
+            f.write(log)
+        os.replace(f.name, kept)              # whole or absent, with shards racing
+    return log
 
 
 def _loop_facts(ttgir):
@@ -1076,3 +1105,23 @@ def test_rel_attention_spill_ratchet(compiled, kernel):
             problems.append(f"{where}: {r['wgmma']} wgmma, {r['mma_sync']} mma.sync in the PTX")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
+
+
+def test_ptxas_output_kept_beside_tritons_cache(tmp_path, monkeypatch):
+    # A stand-in ptxas that counts its runs: the same PTX and target run it once, another
+    # PTX or target again, and a failed run is not kept.
+    runs = tmp_path / "runs"
+    ptxas = tmp_path / "ptxas"
+    ptxas.write_text(f"#!/bin/sh\necho run >> {runs}\necho 'Used 40 registers'\n"
+                     "grep -q fail \"$3\" && exit 1\nexit 0\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+
+    def count():
+        return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+    for ptx, arch, want in (("a", "sm_90a", 1), ("a", "sm_90a", 1), ("b", "sm_90a", 2),
+                            ("a", "sm_80", 3), ("fail", "sm_90a", 4), ("fail", "sm_90a", 5)):
+        assert "Used 40 registers" in _ptxas_log(str(ptxas), arch, ptx)
+        assert count() == want, (ptx, arch, count())
+    assert len(list((tmp_path / "cache" / "ctxfast-ptxas-v").iterdir())) == 3
