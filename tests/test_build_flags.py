@@ -14,6 +14,8 @@ import subprocess
 
 import pytest
 
+from utils import cached_build
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST_MATH_FLAGS = ("--use_fast_math", "-use_fast_math", "--ftz=true", "--prec-div=false",
                    "--prec-sqrt=false")
@@ -54,7 +56,7 @@ def test_cuda_kernels_have_no_approximate_transcendentals(tmp_path, source):
     ptx = tmp_path / (source + ".ptx")
     cmd = ["nvcc", "-ptx", *flags, f"-I{ROOT / 'csrc'}", "-arch=compute_90",
            str(ROOT / "csrc" / "cuda" / source), "-o", str(ptx)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = cached_build(cmd, ptx, [ROOT / "csrc"], timeout=300)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}"
     text = ptx.read_text()
     found = sorted(set(re.findall(r"\b(tanh\.approx\.f32|div\.approx\.f32|div\.full\.f32|"
@@ -108,7 +110,7 @@ def test_cuda_kernels_do_not_spill(tmp_path, source):
     cmd = ["nvcc", "-fatbin", *flags, "-gencode", "arch=compute_90,code=sm_90", "-Xptxas",
            "-v", f"-I{ROOT / 'csrc'}", str(ROOT / "csrc" / "cuda" / source), "-o",
            str(tmp_path / "k.fatbin")]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = cached_build(cmd, tmp_path / "k.fatbin", [ROOT / "csrc"], timeout=300)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}"
     facts = _ptxas_facts(run.stdout + run.stderr)
     assert facts, f"no ptxas report parsed for {source}:\n{(run.stdout + run.stderr)[-2000:]}"
@@ -124,7 +126,8 @@ def test_grid_sync_probe_builds(tmp_path):
     compiles for sm_90 here, so a round does not spend device time on a build error."""
     cmd = ["nvcc", "-O3", "-arch=sm_90", "-c", str(ROOT / "benchmarks" / "grid_sync_probe.cu"),
            "-o", str(tmp_path / "p.o")]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = cached_build(cmd, tmp_path / "p.o", [ROOT / "benchmarks" / "grid_sync_probe.cu"],
+                       timeout=300)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}"
 
 
@@ -222,3 +225,37 @@ def test_link_argument_survives_a_linker_that_finds_the_archive_first(tmp_path):
         "control: with only the archive on the path, -lstdc++ should have linked it statically"
     needed = link("ours.so", arg)
     assert any(n.startswith("libstdc++.so") for n in needed), (arg, needed)
+
+
+def test_cached_build_compiles_once_per_input(tmp_path, monkeypatch):
+    # A stand-in compiler that counts its runs and writes its output: the same command and
+    # inputs compile once (the output and log come back), a changed input or command again,
+    # a failure is not kept, and CTXFAST_TEST_BUILD_CACHE=0 always compiles.
+    runs, src = tmp_path / "runs", tmp_path / "src"
+    src.mkdir()
+    (src / "k.cu").write_text("one")
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho run >> {runs}\n"
+                  "grep -q fail \"$1\" && exit 1\necho built; cat \"$1\" > \"$2\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CTXFAST_TEST_BUILD_CACHE", str(tmp_path / "cache"))
+
+    def build(flag="-O1"):
+        out = tmp_path / "out"
+        out.unlink(missing_ok=True)
+        run = cached_build([str(cc), str(src / "k.cu"), str(out), flag], out, [src])
+        return run.returncode, run.stdout, out.read_text() if out.exists() else None
+
+    def count():
+        return len(runs.read_text().splitlines())
+
+    assert build() == (0, "built\n", "one") and count() == 1
+    assert build() == (0, "built\n", "one") and count() == 1
+    (src / "k.cu").write_text("two")
+    assert build() == (0, "built\n", "two") and count() == 2
+    assert build("-O2") == (0, "built\n", "two") and count() == 3
+    (src / "k.cu").write_text("fail")
+    assert build()[0] == 1 and build()[0] == 1 and count() == 5
+    (src / "k.cu").write_text("two")
+    monkeypatch.setenv("CTXFAST_TEST_BUILD_CACHE", "0")
+    assert build() == (0, "built\n", "two") and count() == 6

@@ -33,7 +33,7 @@ import torch
 from ctxfast.kernels.lstm import _clip_values    # the clips as stored (the bindings' rule)
 from test_cuda_bindings import _cuda_include
 from test_lstm_native import make_inputs, reference_all
-from utils import assert_within_2x_eager, load_benchmark
+from utils import assert_within_2x_eager, cached_build, load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emu"
@@ -54,7 +54,7 @@ def emulator(tmp_path_factory) -> Path:
     cmd = [cxx, "-std=c++20", "-O1", "-g", "-pthread", "-fsanitize=address",
            "-fno-omit-frame-pointer", f"-I{ROOT / 'csrc'}", f"-I{EMU}", f"-I{inc}",
            str(EMU / "lstm_emu.cpp"), "-o", str(exe)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = cached_build(cmd, exe, [ROOT / "csrc", EMU], timeout=600)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}"
     return exe
 
