@@ -221,28 +221,6 @@ def skip_dead_work() -> bool:
     return True
 
 
-def _shape_ints(shape) -> tuple | None:
-    """A block shape (list or Triton tuple of ints or constexpr ints) as a tuple of ints;
-    None for anything else, left to Triton (which refuses a Python tuple)."""
-    import triton.language.core as core
-
-    kind = type(shape)
-    if kind is core.tuple:
-        shape = shape.values
-    elif kind is not list:
-        return None
-    ints = []
-    for dim in shape:
-        dim_kind = type(dim)
-        if dim_kind is int:
-            ints.append(dim)
-        elif dim_kind is core.constexpr and type(dim.value) is int:
-            ints.append(dim.value)
-        else:
-            return None
-    return tuple(ints)
-
-
 @functools.lru_cache(maxsize=None)
 def reuse_types() -> bool:
     """Install the reuse of types of the module docstring, once; False where Triton's
@@ -267,12 +245,31 @@ def reuse_types() -> bool:
             or not callable(getattr(TritonSemantic, "broadcast_impl_value", None))):
         return False
 
+    def shape_ints(shape) -> tuple | None:
+        """A block shape (list or Triton tuple of ints or constexpr ints) as a tuple of
+        ints; None for anything else, left to Triton (which refuses a Python tuple)."""
+        kind = shape.__class__
+        if kind is ttuple:
+            shape = shape.values
+        elif kind is not list:
+            return None
+        ints = []
+        for dim in shape:
+            dim_kind = dim.__class__
+            if dim_kind is int:
+                ints.append(dim)
+            elif dim_kind is constexpr and dim.value.__class__ is int:
+                ints.append(dim.value)
+            else:
+                return None
+        return tuple(ints)
+
     # block types: (element type's name, shape) -> (shape, numel, name) of the first one
     block_init = block_type.__init__
     block_parts = {}
 
     def reused_block_init(self, element_ty, shape):
-        ints = _shape_ints(shape)
+        ints = shape_ints(shape)
         name = getattr(element_ty, "name", None)
         if ints is None or type(name) is not str:
             return block_init(self, element_ty, shape)
