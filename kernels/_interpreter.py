@@ -33,9 +33,12 @@ differs from what these expect (3.6-3.9) is left alone.
   for its shape. Both are now built once per element type and shape and copied (every
   value keeps a shape tuple of its own). Also: ``broadcast_impl_value`` returns two
   operands of one shape (or two scalars) as they are, without comparing the shapes through
-  Triton tuples; ``_unwrap_if_constexpr`` tests the commonest kinds first; the numpy dtype
-  of a Triton type is looked up once per type name (Triton builds a dict of every type on
-  each call).
+  Triton tuples, and computes the shape of two blocks of one rank on ints, and splats a
+  scalar without building its IR type again; ``binary_op_type_checking_impl`` takes two
+  tensors of one type that promotes to itself straight to the broadcast (no promotion
+  rules, no casts that return their input); ``_unwrap_if_constexpr`` tests the commonest
+  kinds first; the numpy dtype of a Triton type is looked up once per type name (Triton
+  builds a dict of every type on each call).
 
 On a CPU of 2 cores (Triton 3.9) the skips took ``benchmarks/backward_adds_compare.py
 --quick`` from 18.9 to 6.6 s, and on a slower one the reuse of types from 52 to 42 s; the
@@ -221,6 +224,14 @@ def skip_dead_work() -> bool:
     return True
 
 
+def _parameters(fn) -> tuple:
+    """The names of a function's parameters; () for anything else."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
 @functools.lru_cache(maxsize=None)
 def reuse_types() -> bool:
     """Install the reuse of types of the module docstring, once; False where Triton's
@@ -242,7 +253,12 @@ def reuse_types() -> bool:
             or type(probe_type.shape) is not ttuple or type(probe.shape) is not ttuple
             or not callable(getattr(interpreter, "_get_np_dtype", None))
             or not callable(getattr(core, "_unwrap_if_constexpr", None))
-            or not callable(getattr(TritonSemantic, "broadcast_impl_value", None))):
+            or not callable(getattr(TritonSemantic, "broadcast_impl_value", None))
+            or not callable(getattr(interpreter.InterpreterBuilder, "create_splat", None))
+            or getattr(TritonSemantic, "tensor", None) is not tensor
+            or _parameters(getattr(TritonSemantic, "binary_op_type_checking_impl", None))
+            != ("self", "lhs", "rhs", "allow_lhs_ptr", "allow_rhs_ptr", "arithmetic_check",
+                "div_or_mod")):
         return False
 
     def shape_ints(shape) -> tuple | None:
@@ -306,18 +322,87 @@ def reuse_types() -> bool:
         self.type = type
         self.dtype = type.scalar
 
-    # two operands of one shape (or two scalars): Triton returns them as they are, after
-    # comparing the shapes through Triton tuples and lists
+    # Broadcasts. Two operands of one shape (or two scalars): Triton returns them as they
+    # are, after comparing the shapes through Triton tuples and lists. Two blocks of one
+    # rank: Triton's result shape, computed on ints. A block and a scalar, on the
+    # interpreter's builder: the splat is given the block type itself (what Triton gives
+    # it, ``to_ir``, is an equal block type whose shape is all the splat reads).
     broadcast = TritonSemantic.broadcast_impl_value
+    builder_cls = interpreter.InterpreterBuilder
+    splat = builder_cls.create_splat
+
+    def splat_to(self, block_ty, value):
+        """``value`` (a scalar) made a block of ``block_ty``'s shape; None where Triton
+        must do it (another builder, a patched splat, an fp8 type whose ``to_ir`` checks
+        the target)."""
+        builder = self.builder
+        scalar_ty = value.type
+        if (builder.__class__ is not builder_cls or builder_cls.create_splat is not splat
+                or "fp8" in scalar_ty.name):
+            return None
+        ret_ty = block_type(scalar_ty, block_ty.shape)
+        return self.tensor(builder.create_splat(ret_ty, value.handle), ret_ty)
 
     def reused_broadcast(self, lhs, rhs):
         lhs_ty, rhs_ty = lhs.type, rhs.type
-        if lhs_ty.__class__ is block_type and rhs_ty.__class__ is block_type:
-            if lhs_ty.shape.values == rhs_ty.shape.values:
+        lhs_block, rhs_block = lhs_ty.__class__ is block_type, rhs_ty.__class__ is block_type
+        if lhs_block and rhs_block:
+            lhs_dims, rhs_dims = lhs_ty.shape.values, rhs_ty.shape.values
+            if lhs_dims == rhs_dims:
                 return lhs, rhs
+            if len(lhs_dims) == len(rhs_dims):
+                ret = []
+                for left, right in zip(lhs_dims, rhs_dims):
+                    if left.__class__ is not int or right.__class__ is not int:
+                        return broadcast(self, lhs, rhs)
+                    if left == 1:
+                        ret.append(right)
+                    elif right == 1 or right == left:
+                        ret.append(left)
+                    else:                     # incompatible: Triton's own error
+                        return broadcast(self, lhs, rhs)
+                builder, ret_dims = self.builder, (*ret,)
+                if (*lhs_dims,) != ret_dims:
+                    lhs = self.tensor(builder.create_broadcast(lhs.handle, ret),
+                                           block_type(lhs_ty.scalar, ret))
+                if (*rhs_dims,) != ret_dims:
+                    rhs = self.tensor(builder.create_broadcast(rhs.handle, ret),
+                                           block_type(rhs_ty.scalar, ret))
+                return lhs, rhs
+        elif lhs_block:
+            if not rhs_ty.is_block():
+                splat_rhs = splat_to(self, lhs_ty, rhs)
+                if splat_rhs is not None:
+                    return lhs, splat_rhs
+        elif rhs_block:
+            if not lhs_ty.is_block():
+                splat_lhs = splat_to(self, rhs_ty, lhs)
+                if splat_lhs is not None:
+                    return splat_lhs, rhs
         elif not lhs_ty.is_block() and not rhs_ty.is_block():
             return lhs, rhs
         return broadcast(self, lhs, rhs)
+
+    # Type checks of a binary operation: two tensors of one scalar type that is its own
+    # computation type (Triton's promotion of a type with itself; fp16 and bf16 are made
+    # fp32 for a division or remainder) need no cast, only the broadcast.
+    binary_check = TritonSemantic.binary_op_type_checking_impl
+    dtype_cls = core.dtype
+    own_type = frozenset(("fp32", "fp64", "int1", "int8", "int16", "int32", "int64", "uint8",
+                          "uint16", "uint32", "uint64"))
+    own_type_unless_divided = frozenset(("fp16", "bf16"))
+
+    def reused_binary_check(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
+                            arithmetic_check=True, div_or_mod=False):
+        if lhs.__class__ is tensor and rhs.__class__ is tensor:
+            lhs_ty, rhs_ty = lhs.dtype, rhs.dtype
+            if lhs_ty.__class__ is dtype_cls and rhs_ty.__class__ is dtype_cls:
+                name = lhs_ty.name
+                if name == rhs_ty.name and (name in own_type or (
+                        name in own_type_unless_divided and not div_or_mod)):
+                    return self.broadcast_impl_value(lhs, rhs)
+        return binary_check(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check,
+                            div_or_mod)
 
     # the commonest arguments first (Triton's tests lists, tuples and Triton tuples first)
     unwrap = core._unwrap_if_constexpr
@@ -344,13 +429,15 @@ def reuse_types() -> bool:
         return found
 
     for reused, own in ((reused_block_init, block_init), (reused_tensor_init, tensor_init),
-                        (reused_broadcast, broadcast), (reused_unwrap, unwrap),
+                        (reused_broadcast, broadcast), (reused_binary_check, binary_check),
+                        (reused_unwrap, unwrap),
                         (reused_np_dtype, np_dtype)):
         reused.triton = own                   # Triton's own, for the tests to compare with
     reused_block_init._ctxfast = True
     block_type.__init__ = reused_block_init
     tensor.__init__ = reused_tensor_init
     TritonSemantic.broadcast_impl_value = reused_broadcast
+    TritonSemantic.binary_op_type_checking_impl = reused_binary_check
     core._unwrap_if_constexpr = reused_unwrap
     interpreter._get_np_dtype = reused_np_dtype
     return True

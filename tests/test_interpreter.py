@@ -309,3 +309,113 @@ def test_reuse_types_leaves_a_triton_it_does_not_know_alone():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- the type checks and broadcasts of a binary operation, against Triton's own ---------
+
+_ELEMENTS = ("int1", "int8", "int32", "int64", "uint8", "uint32", "float16", "bfloat16",
+             "float32", "float64", "float8e5", "pointer<fp32>", "pointer<fp16>")
+# (lhs shape, rhs shape); None: a scalar tensor, int / float: a Python number
+_OPERAND_SHAPES = (((4, 8), (4, 8)), ((4, 1), (1, 8)), ((1, 8), (4, 8)), ((2, 1, 4), (2, 8, 1)),
+                   ((4, 8), None), (None, (8,)), (None, None), ((8,), (4, 8)), ((4,), (8,)),
+                   ((4, 8), 3), (2.5, (8,)), (None, -1))
+# (allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+_FLAGS = ((False, False, True, False), (False, False, True, True), (True, False, True, False),
+          (False, True, True, False), (False, False, False, False), (True, True, False, True))
+
+
+def _element(name):
+    return (tl.pointer_type(getattr(tl, {"fp32": "float32", "fp16": "float16"}[name[8:-1]]))
+            if name.startswith("pointer") else getattr(tl, name))
+
+
+def _operand(element, shape, rng):
+    """A tensor of ``element`` (a block of ``shape``; a scalar for None) holding random
+    values, or ``shape`` itself where it is a Python number."""
+    from triton.runtime import interpreter
+    if isinstance(shape, (int, float)):
+        return shape
+    np_type = interpreter._get_np_dtype(element)
+    data = rng.integers(1, 100, size=shape or (1,)).astype(np_type)
+    handle = interpreter.TensorHandle(data, element)
+    return tl.tensor(handle, tl.block_type(element, list(shape)) if shape else element)
+
+
+def _outcome(check, sem, lhs, rhs, flags):
+    """What ``check`` returns (types, handle data, whether each operand came back as it
+    was), or the error it raises."""
+    try:
+        results = check(sem, lhs, rhs, *flags)
+    except Exception as err:                   # noqa: BLE001 (compared with Triton's own)
+        return ("raises", type(err).__name__, str(err))
+    return [(_fields(r.type) if r.type.is_block() else str(r.type), str(r.handle.dtype),
+             r.handle.data.shape, r.handle.data.dtype, r.handle.data.tobytes(), r is op)
+            for r, op in zip(results, (lhs, rhs))]
+
+
+@pytest.mark.parametrize("lhs_element", _ELEMENTS)
+def test_binary_type_checks_and_broadcasts_are_tritons_own(lhs_element, monkeypatch):
+    # Every pair of element types, shapes (equal, broadcast on either side, another rank,
+    # incompatible, scalars, Python numbers) and flags, checked by ctxfast's fast paths and
+    # by Triton's own: the same types, the same data, the same operands returned as they
+    # were, the same errors.
+    import numpy as np
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+    assert _interpreter.reuse_types() is True
+    sem = TritonSemantic(interpreter.interpreter_builder)
+    check, broadcast = (TritonSemantic.binary_op_type_checking_impl,
+                        TritonSemantic.broadcast_impl_value)
+    rng = np.random.default_rng(0)
+    compared = 0
+    for rhs_element in _ELEMENTS:
+        for lhs_shape, rhs_shape in _OPERAND_SHAPES:
+            lhs = _operand(_element(lhs_element), lhs_shape, rng)
+            rhs = _operand(_element(rhs_element), rhs_shape, rng)
+            for flags in _FLAGS:
+                got = _outcome(check, sem, lhs, rhs, flags)
+                with monkeypatch.context() as own:
+                    own.setattr(TritonSemantic, "broadcast_impl_value", broadcast.triton)
+                    want = _outcome(check.triton, sem, lhs, rhs, flags)
+                assert got == want, (lhs_element, rhs_element, lhs_shape, rhs_shape, flags,
+                                     got, want)
+                compared += 1
+    assert compared == len(_ELEMENTS) * len(_OPERAND_SHAPES) * len(_FLAGS)
+
+
+def test_binary_operands_of_one_type_skip_the_promotion_rules(monkeypatch):
+    # fp32 with fp32 (and bf16 with bf16, but for a division) needs no promotion and no
+    # cast; bf16 divided promotes to fp32 as Triton says, and mixed types take Triton's path.
+    from triton.language.semantic import TritonSemantic
+    assert _interpreter.reuse_types() is True
+    calls = []
+    promote = TritonSemantic.computation_type_impl
+    monkeypatch.setattr(TritonSemantic, "computation_type_impl",
+                        lambda self, *args: calls.append(args[0].name) or promote(self, *args))
+    # Triton's broadcast reads the shapes of two blocks through get_block_shapes
+    shapes_read = []
+    own_shapes = tl.block_type.get_block_shapes
+    monkeypatch.setattr(tl.block_type, "get_block_shapes",
+                        lambda self: shapes_read.append(self) or own_shapes(self))
+    a, b = torch.randn(8), torch.randn(16)
+    out = torch.empty(8, 16)
+    _launch.fast(_broadcasts_kernel)[(1,)](a, b, out, M=8, N=16)
+    assert "fp32" in calls                      # its Python floats (1.5, 0.25) are promoted
+    assert shapes_read == []                    # every broadcast of it taken on ints
+    calls.clear()
+    x, y = torch.randn(32).bfloat16(), torch.randn(32).bfloat16()
+    out = torch.empty(3, 32)
+    _launch.fast(_bf16_ops_kernel)[(1,)](x, y, out, N=32)
+    assert calls == ["bf16"]                    # the division alone
+    # (the interpreter's bf16 products and sums are wrong: module docstring; its quotient
+    # is taken in fp32)
+    torch.testing.assert_close(out[1], x.float() / y.float(), rtol=0, atol=0)
+
+
+@triton.jit
+def _bf16_ops_kernel(x_ptr, y_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x, y = tl.load(x_ptr + offs), tl.load(y_ptr + offs)
+    tl.store(out_ptr + offs, (x * y).to(tl.float32))
+    tl.store(out_ptr + N + offs, (x / y).to(tl.float32))
+    tl.store(out_ptr + 2 * N + offs, ((x + y) - x).to(tl.float32))
