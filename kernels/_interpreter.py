@@ -251,6 +251,8 @@ def reuse_types() -> bool:
     if (set(vars(probe_type)) != {"element_ty", "shape", "numel", "name"}
             or set(vars(probe)) != {"handle", "shape", "numel", "type", "dtype"}
             or type(probe_type.shape) is not ttuple or type(probe.shape) is not ttuple
+            or set(vars(probe.shape)) != {"values", "type"}
+            or type(probe.shape.values) is not list or type(probe_type.shape.values) is not list
             or not callable(getattr(interpreter, "_get_np_dtype", None))
             or not callable(getattr(core, "_unwrap_if_constexpr", None))
             or not callable(getattr(TritonSemantic, "broadcast_impl_value", None))
@@ -280,6 +282,16 @@ def reuse_types() -> bool:
                 return None
         return tuple(ints)
 
+    new_tuple = ttuple.__new__
+
+    def copy_tuple(values, tuple_type):
+        """A Triton tuple of a copy of ``values`` (a list) and ``tuple_type``: what
+        ``core.tuple(values, tuple_type)`` makes, without its checks of the arguments."""
+        copy = new_tuple(ttuple)
+        copy.values = values[:]
+        copy.type = tuple_type
+        return copy
+
     # block types: (element type's name, shape) -> (shape, numel, name) of the first one
     block_init = block_type.__init__
     block_parts = {}
@@ -292,24 +304,31 @@ def reuse_types() -> bool:
         parts = block_parts.get((name, ints))
         if parts is None:                     # Triton's own, which validates the shape
             block_init(self, element_ty, shape)
-            block_parts[(name, ints)] = (ttuple(self.shape.values, self.shape.type),
+            block_parts[(name, ints)] = (copy_tuple(self.shape.values, self.shape.type),
                                          self.numel, self.name)
             return
         shape_tuple, numel, type_name = parts
         self.element_ty = element_ty
-        self.shape = ttuple(shape_tuple.values, shape_tuple.type)    # a tuple of its own
+        self.shape = copy_tuple(shape_tuple.values, shape_tuple.type)   # a tuple of its own
         self.numel = numel
         self.name = type_name
 
-    # tensors of a block type: shape (ints) -> (numel, the shape's constexprs, their type)
+    # tensors: shape (ints; () for a scalar) -> (numel, the shape's constexprs, their type)
     tensor_init = tensor.__init__
     tensor_parts = {}
+    scalar_types = (core.dtype, core.pointer_type)
 
     def reused_tensor_init(self, handle, type):  # noqa: A002 (Triton's parameter name)
-        block_shape = getattr(type, "shape", None)
-        if block_shape.__class__ is not ttuple or not type.is_block():
+        kind = type.__class__
+        if kind is block_type:
+            block_shape = type.shape
+            if block_shape.__class__ is not ttuple:
+                return tensor_init(self, handle, type)
+            key = (*block_shape.values,)
+        elif kind in scalar_types:
+            key = ()
+        else:
             return tensor_init(self, handle, type)
-        key = (*block_shape.values,)
         parts = tensor_parts.get(key)
         if parts is None:
             tensor_init(self, handle, type)
@@ -317,7 +336,7 @@ def reuse_types() -> bool:
             return
         numel, dims, dims_type = parts
         self.handle = handle
-        self.shape = ttuple(dims, dims_type)     # copies the list: a tuple of its own
+        self.shape = copy_tuple(dims, dims_type)     # a tuple (and list) of its own
         self.numel = numel
         self.type = type
         self.dtype = type.scalar

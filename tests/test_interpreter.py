@@ -226,8 +226,11 @@ def test_reused_types_are_tritons_own(element):
         for made in (types, tensors):               # each a shape tuple and list of its own
             assert len({id(x.shape) for x in made}) == 3, shape
             assert len({id(x.shape.values) for x in made}) == 3, shape
-    scalar = tl.tensor("handle", elem)
-    assert _fields(scalar) == _fields(_tritons_own(tl.tensor, "handle", elem))
+    want_s = _tritons_own(tl.tensor, "handle", elem)
+    scalars = [tl.tensor("handle", elem) for _ in range(3)]       # scalars: kept the same way
+    for got in scalars:
+        assert _fields(got) == _fields(want_s) and type(got.shape.values) is list, got
+    assert len({id(x.shape) for x in scalars}) == len({id(x.shape.values) for x in scalars}) == 3
 
 
 def test_shapes_triton_refuses_are_still_refused():
