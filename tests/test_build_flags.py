@@ -163,6 +163,19 @@ def test_extensions_link_the_shared_libstdcxx():
         assert not own, f"{so.name} defines libstdc++'s own stream code: {own[:5]}"
 
 
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf (binutils) not found")
+def test_extensions_carry_no_debug_information():
+    """setup.py builds the C++ with -g0 after Python's CFLAGS (-g): debug information for
+    the torch templates the bindings use doubled the build on a fresh install."""
+    mods = _built_modules()
+    assert mods, "ctxfast._C is not built"
+    for so in mods:
+        sections = subprocess.run(["readelf", "-S", "-W", str(so)], capture_output=True,
+                                  text=True, check=True).stdout
+        debug = sorted(set(re.findall(r"\.debug_\w+", sections)))
+        assert not debug, f"{so.name} carries debug sections {debug}; is -g0 in CXX_FLAGS?"
+
+
 def test_refusals_format_numbers_and_sizes():
     """A C++ refusal's message keeps the numbers and sizes it formats (a static libstdc++
     copy dropped them with GCC 12 and crashed with GCC 13)."""
