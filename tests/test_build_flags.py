@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from utils import cached_build
+from utils import cached_build, keep_whole
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST_MATH_FLAGS = ("--use_fast_math", "-use_fast_math", "--ftz=true", "--prec-div=false",
@@ -272,3 +272,33 @@ def test_cached_build_compiles_once_per_input(tmp_path, monkeypatch):
     (src / "k.cu").write_text("two")
     monkeypatch.setenv("CTXFAST_TEST_BUILD_CACHE", "0")
     assert build() == (0, "built\n", "two") and count() == 6
+
+
+def test_keep_whole_writes_whole_or_not_at_all(tmp_path):
+    # A file is replaced whole; a directory another process kept first stays as it was;
+    # no staging copy is left beside either, and a fill that fails keeps nothing.
+    log = tmp_path / "a" / "k.log"
+    keep_whole(log, lambda staging: staging.write_text("first"))
+    keep_whole(log, lambda staging: staging.write_text("second"))
+    assert log.read_text() == "second"
+
+    def fill_dir(text):
+        def fill(staging):
+            staging.mkdir()
+            (staging / "run.json").write_text(text)
+        return fill
+
+    kept = tmp_path / "builds" / "key"
+    keep_whole(kept, fill_dir("first"))
+    keep_whole(kept, fill_dir("second"))
+    assert (kept / "run.json").read_text() == "first"
+
+    def fails(staging):
+        staging.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        keep_whole(tmp_path / "b" / "k.log", fails)
+    assert not (tmp_path / "b" / "k.log").exists()
+    left = [p.name for p in tmp_path.rglob("*") if p.name.startswith(".")]
+    assert left == [], left

@@ -48,6 +48,7 @@ import sys
 import tempfile
 
 import pytest
+from utils import keep_whole
 
 #: Shared memory a block may use (the opt-in maximum), bytes, per target.
 SMEM_LIMIT = {90: 232448, 80: 166912}
@@ -654,10 +655,7 @@ def _ptxas_log(ptxas, arch_flag, ptx):
                                os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if proc.returncode == 0:                  # a failure is not kept: it runs again
-        os.makedirs(os.path.dirname(kept), exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(kept), delete=False) as f:
-            f.write(log)
-        os.replace(f.name, kept)              # whole or absent, with shards racing
+        keep_whole(kept, lambda staging: staging.write_text(log))
     return log
 
 

@@ -281,15 +281,39 @@ def cached_build(cmd: list, output, inputs: list, timeout: int = 600):
         return subprocess.CompletedProcess(cmd, 0, run["stdout"], run["stderr"])
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if run.returncode == 0:                       # a failure is not kept: it runs again
-        staging = Path(root) / "builds" / f".{kept.name}.{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        if output is not None:
-            shutil.copy2(output, staging / "output")
-        (staging / "run.json").write_text(json.dumps({"stdout": run.stdout,
-                                                      "stderr": run.stderr}))
-        try:
-            staging.rename(kept)                  # whole or absent, with workers racing
-        except OSError:                           # another worker kept it first
-            shutil.rmtree(staging, ignore_errors=True)
+        def fill(staging):
+            staging.mkdir()
+            if output is not None:
+                shutil.copy2(output, staging / "output")
+            (staging / "run.json").write_text(json.dumps({"stdout": run.stdout,
+                                                          "stderr": run.stderr}))
+        keep_whole(kept, fill)
     return run
+
+
+def keep_whole(path, fill) -> None:
+    """Make `path` (a file or a directory) whole or not at all, with processes racing:
+    ``fill(staging)`` writes it under a name of this process's beside `path`, which is then
+    renamed to `path`. Where another process kept a directory first, its copy stays; a
+    fill that fails leaves nothing."""
+    import shutil
+    from pathlib import Path
+
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    def remove_staging():
+        shutil.rmtree(staging, ignore_errors=True)
+        if staging.is_file():
+            staging.unlink()
+
+    remove_staging()
+    try:
+        fill(staging)
+    except BaseException:
+        remove_staging()
+        raise
+    try:
+        os.replace(staging, path)                 # a directory: refused if `path` exists
+    except OSError:
+        remove_staging()
