@@ -383,10 +383,10 @@ def reuse_types() -> bool:
                 builder, ret_dims = self.builder, (*ret,)
                 if (*lhs_dims,) != ret_dims:
                     lhs = self.tensor(builder.create_broadcast(lhs.handle, ret),
-                                           block_type(lhs_ty.scalar, ret))
+                                      block_type(lhs_ty.scalar, ret))
                 if (*rhs_dims,) != ret_dims:
                     rhs = self.tensor(builder.create_broadcast(rhs.handle, ret),
-                                           block_type(rhs_ty.scalar, ret))
+                                      block_type(rhs_ty.scalar, ret))
                 return lhs, rhs
         elif lhs_block:
             if not rhs_ty.is_block():

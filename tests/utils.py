@@ -302,6 +302,7 @@ def keep_whole(path, fill) -> None:
     path = Path(path)
     staging = path.with_name(f".{path.name}.{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
+
     def remove_staging():
         shutil.rmtree(staging, ignore_errors=True)
         if staging.is_file():
