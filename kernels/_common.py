@@ -6,6 +6,7 @@ split-K (flash-decoding) combine kernel and its buffers, and the host-side helpe
 
 Shapes and the visibility rules are those of ``kernels/attention.py``'s docstring.
 """
+import contextlib
 import dataclasses
 import functools
 import math
@@ -375,19 +376,49 @@ def row_tiles(x, rows: int, block_d: int):
     for such a tensor (rank, 16-byte base and strides, unit last stride, positive sizes;
     the block is a power of two in each dim, <= 256, by the launchers' tiles), and they ran
     at every launch of every call (~2.7 us a descriptor on the CPU, ~1.7 this way)."""
+    if not tma_addressable(x):
+        return None
+    shape, st = list(x.shape), list(x.stride())
+    if not _unchecked_desc_ok():
+        return RowTiles(x, shape, st, [1, 1, rows, block_d])
+    return _unchecked_desc(x, shape, st, [1, 1, rows, block_d])
+
+
+def tma_addressable(x) -> bool:
+    """TMA can read x ``[B, H, T, D]`` by rows of any (b, h): the last dim contiguous, the
+    base and the other strides positive multiples of 16 bytes, no empty dim (the checks of
+    :func:`row_tiles`; a kernel that builds its descriptors on the device, per (b, h), needs
+    the same)."""
     st = x.stride()
     if len(st) != 4 or st[3] != 1:
-        return None
+        return False
     es = x.element_size()
     b0, b1, b2 = st[0] * es, st[1] * es, st[2] * es
     if b0 <= 0 or b1 <= 0 or b2 <= 0 or (b0 | b1 | b2) & 15 or x.data_ptr() & 15:
-        return None
-    shape = list(x.shape)
-    if 0 in shape:
-        return None
-    if not _unchecked_desc_ok():
-        return RowTiles(x, shape, list(st), [1, 1, rows, block_d])
-    return _unchecked_desc(x, shape, list(st), [1, 1, rows, block_d])
+        return False
+    return 0 not in x.shape
+
+
+@contextlib.contextmanager
+def descriptor_scratch(device: torch.device):
+    """Global memory for the launches in the body that build tensor descriptors on the
+    device (``tl.make_tensor_descriptor``: 128 B a descriptor and program, which Triton's
+    launcher asks of the allocator in ``triton.set_allocator``'s context variable). Set for
+    the body only, from torch's caching allocator on ``device`` (stream-ordered: the buffer
+    is reused only after the launch that holds it), and the caller's allocator, if any, put
+    back after. Nothing is needed under the interpreter."""
+    if _interpreting() or device.type != "cuda":
+        yield
+        return
+    from triton.runtime import _allocation
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+    token = _allocation._allocator.set(alloc)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def _unchecked_desc(x, shape, strides, block):

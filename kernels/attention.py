@@ -24,6 +24,13 @@ sm_90, measured), and the loop bounds already leave out the key blocks past the 
 unpadded key and, in rank order, above the staircase. Causal grids hand the last query
 blocks (the longest rows) to the first programs.
 
+Warp specialisation (:func:`_attn_fwd_ws_kernel`; the tuner's ``"fwd:ws"`` rows, not yet a
+table's choice): a second forward for dense 16-bit calls without padding, permutation mask
+or dropout, whose one key loop Triton's sm_90 pipeline splits into a producer warp (TMA
+loads) and two consumer warpgroups (products and softmax), FlashAttention-3's schedule.
+What the split needs (descriptors built on the device, one loop, no branch in it) costs it
+the interior / boundary split above: a causal call masks every tile.
+
 Permutation masks in rank order (``SORTED``: a permutation mask without causal): the
 launchers sort each batch's current tokens by rank once per call, ``order = argsort(rank[b])``
 (stable) and ``rank_sorted = rank[b, order]`` (non-decreasing), and the kernels solve the
@@ -69,7 +76,8 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _e
                       _fold_scale, _has_tma, _interpreting, _keep, _keep_t, _key_range,
                       _load_rows, _mask_args, _new_output, _online_softmax_step, _precision,
                       _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
-                      _visible, bulk_add_args, cdiv, check_tma_mode, next_pow2, tma_args)
+                      _visible, bulk_add_args, cdiv, check_tma_mode, descriptor_scratch,
+                      next_pow2, tma_addressable, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -374,6 +382,76 @@ def _attn_fwd_kernel(
                                PRECISION, TMA, EXP_EMU, FOLD)
     _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + rows_m[:, None] * stride_om
                   + offs_d[None, :] * stride_od, LSE + rows_m, offs_m, Tq, d_ok, SPLIT_K)
+
+
+@triton.jit
+def _attn_fwd_ws_kernel(
+    Q, K, V,        # q [B, H, Tq, D], k, v [B, H, Tk, D]; 16-bit, TMA-addressable
+                    # (_common.tma_addressable): last dim contiguous, 16-byte rows and bases
+    O,              # out [B, H, Tq, D], written
+    LSE,            # lse [B, H, Tq] fp32, written (base 2)
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh,   # of lse: element (b, h, i) at b*stride_lb + h*stride_lh + i
+    H, Tq, Tk, mem_len, D,
+    qk_scale,       # scale * log2(e)
+    CAUSAL: tl.constexpr,
+    MASK_KEYS: tl.constexpr,    # not CAUSAL, Tk not a multiple of BLOCK_N: keys past Tk masked
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    FOLD: tl.constexpr,         # qk_scale > 0, applied in the softmax step's FMA
+):
+    """The forward of a dense call without padding, permutation mask or dropout (causal or
+    not, with memory keys), warp-specialised: one loop over the key tiles, marked
+    ``warp_specialize``, that Triton's sm_90 pipeline splits into a producer warp issuing
+    the TMA loads of k and v and two consumer warpgroups, each with half of the query block,
+    doing the products and the softmax (FlashAttention-3's schedule), with registers moved
+    from the producer to the consumers (``setmaxnreg``). Launched with 4 warps; the split
+    runs 12. What the split needs, found by compiling for sm_90 (Triton 3.6 and 3.9): the
+    descriptors built on the device (``tl.make_tensor_descriptor``; with the launcher's
+    host descriptors or a pointer load of q the pass fails), one loop (the interior /
+    boundary pair of :func:`_fwd_tiles` fails the pass; a branch around the mask inside the
+    loop turns the split off), so the causal diagonal and the key end are an element
+    mask on every tile of a causal call. Per (b, h) descriptors: rows past Tq and Tk read
+    as 0 (no row masks). Elsewhere (the interpreter, other GPUs) the same loop runs as an
+    ordinary one."""
+    pid_m = _query_block(tl.program_id(0), CAUSAL)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m0 = pid_m * BLOCK_M
+    qd = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[Tq, D],
+                                   strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
+    kd = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[Tk, D],
+                                   strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    vd = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[Tk, D],
+                                   strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    q = qd.load([m0, 0])
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+        k = kd.load([start_n, 0])
+        v = vd.load([start_n, 0])
+        s = _fwd_scores(q, k, qk_scale, UPCAST, PRECISION, FOLD)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if CAUSAL:      # keys past Tk are past every stored row's diagonal too
+            s = tl.where(offs_n[None, :] <= offs_m[:, None] + mem_len, s, float("-inf"))
+        elif MASK_KEYS:
+            s = tl.where(offs_n[None, :] < Tk, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, 0, bh, offs_m, offs_n, Tq, Tk,
+                                             0.0, qk_scale, False, UPCAST, PRECISION, False,
+                                             FOLD)
+    offs_d = tl.arange(0, BLOCK_D)
+    _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+                  + offs_d[None, :] * stride_od, LSE + b * stride_lb + h * stride_lh + offs_m,
+                  offs_m, Tq, offs_d[None, :] < D, False)
 
 
 @triton.jit
@@ -975,7 +1053,7 @@ TUNE_BULK_DQ = True
 _TUNE_INTERPRETED = [(None, True), ((32, 16, 1, 1), False), ((16, 32, 1, 1), False)]
 
 
-def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
+def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok, ws_ok=False):
     """The tuner's candidates for one kernel of a call: dicts of override names
     (:data:`LAUNCH_OVERRIDE`'s), ``{}`` (the table row) first. With :data:`TUNE_ATOMIC_DQ`
     (:data:`TUNE_BULK_DQ`: where the call can use descriptors and D is a multiple of 4)
@@ -984,7 +1062,9 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
     deterministic algorithms), which launches no dQ kernel: dQ's list is then a function of
     the rows chosen before it (``{}`` alone after atomic adds). With :data:`TUNE_EXP_EMU`
     each 16-bit kernel also tries its table row with half of each tile's exponentials on the
-    FMA pipe (``"<kernel>:exp_emu"``, :func:`_exp_emu`)."""
+    FMA pipe (``"<kernel>:exp_emu"``, :func:`_exp_emu`). With :data:`TUNE_WS` and ws_ok
+    (:func:`_ws_possible`) the forward also tries the warp-specialised kernel
+    (``"fwd:ws"``) at the rows of :data:`_WS_CANDIDATES`."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         listing = _TUNE_INTERPRETED
@@ -1029,25 +1109,34 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok):
         out.append({kernel + ":maxnreg": cap})    # the table's row, more CTAs an SM
     if TUNE_FOLD_OFF and kernel == "fwd" and (dtype in TMA_DTYPES or _interpreting()):
         out.append({"fwd:fold": False})           # the table's row, the tile scaled first
+    if TUNE_WS and kernel == "fwd" and ws_ok:
+        if _interpreting():
+            out.append({"fwd:ws": True})          # its interpreter row (_launch_forward_ws)
+        else:
+            out += [{"fwd:ws": True, "fwd": row}
+                    for row in _WS_CANDIDATES[64 if block_d <= 64 else 128]]
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") in ("atomic", "bulk") else out
     return out
 
 
-def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs):
+def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs, ws=None):
     """``run()`` (a launcher call writing ``outputs``), through the tuner where it is on for
     q's device (kernels/_tune.py): the first call of each kind times :func:`_candidates`
-    for ``kernels`` in order and keeps the fastest whose outputs agree with the table's."""
+    for ``kernels`` in order and keeps the fastest whose outputs agree with the table's.
+    ws: None, or a function saying whether the warp-specialised forward can serve the call
+    (:func:`_ws_possible`; asked only when tuning)."""
     if not _tune.wanted(q.device):
         return run()
+    ws_ok = ws is not None and ws()
     B, H, Tq, Tk, D, max_q, max_k = dims
     tma_ok = _tma_possible(q.dtype, q.device, cu, order)
     size = _tune.size_class
     kind = ("attention", kernels, D, q.dtype, _precision(q.dtype), causal, mask, dropout,
             cu is not None, order is not None, tma_ok, TMA_MODE, DQ_MODE,
             torch.are_deterministic_algorithms_enabled(), size(B * H), size(max_q),
-            size(max_k))
-    stages = [(name, _candidates(name, D, q.dtype, mask, dropout, cu is None, tma_ok))
+            size(max_k), ws_ok)
+    stages = [(name, _candidates(name, D, q.dtype, mask, dropout, cu is None, tma_ok, ws_ok))
               for name in kernels]
     return _tune.call(kind, stages, run, outputs, q.device, q.dtype)
 
@@ -1145,6 +1234,10 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     [B|1, H, T, D]; dims = (B, H, Tq, Tk, D, max_q, max_k); cu = (cu_q, cu_k) or None.
     num_splits > 1 (dense only): flash-decoding, keys split over programs, then combined.
     order: None, or (order, span) of :func:`_rank_ordered`, with the masks already permuted."""
+    if _override("fwd:ws") and _ws_possible(q, k, v, key_padding_mask, perm_rank, dropout_p,
+                                            cu, order, num_splits > 1):
+        return _launch_forward_ws(q, k, v, out, lse, lse_strides, dims, causal=causal,
+                                  scale=scale)
     B, H, Tq, Tk, D, max_q, max_k = dims
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     cu_q, cu_k = cu if cu is not None else (kv_end, kv_end)
@@ -1174,6 +1267,53 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     )
     if split:
         _combine_splits(o_target, l_target, out, lse)
+
+
+#: The warp-specialised forward's launch row (BLOCK_M, BLOCK_N, num_warps, num_stages) where
+#: the override ``"fwd:ws"`` asks for it without a ``"fwd"`` row of its own. 4 warps: Triton
+#: splits them into a producer warp and two consumer warpgroups (12 warps run); at 8 it does
+#: not split.
+_WS_ROW = (128, 128, 4, 2)
+
+#: The rows the tuner times the warp-specialised forward with (:data:`TUNE_WS`), per
+#: head-dim bucket. Each compiles for sm_90 with the split (``setmaxnreg``), every dot a
+#: wgmma and no spill (Triton 3.6 and 3.9, bf16, causal and not; shared memory in
+#: benchmarks/NOTES.md; tests/test_triton_compile.py's "warp-specialised" cases).
+_WS_CANDIDATES = {64: [(128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3)],
+                  128: [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 4, 3)]}
+
+#: Whether the tuner also times the warp-specialised forward (:func:`_attn_fwd_ws_kernel`)
+#: on the calls it can serve (:func:`_ws_possible`): not yet timed on a GPU, so never the
+#: table's choice.
+TUNE_WS = True
+
+
+def _ws_possible(q, k, v, key_padding_mask, perm_rank, dropout_p, cu, order,
+                 split=False) -> bool:
+    """The warp-specialised forward can serve this call: dense (not varlen, not in rank
+    order, not split-K), no padding or permutation mask, no dropout, 16-bit, D <= 128, a
+    device with TMA (or the interpreter) and q, k, v addressable by TMA row by row."""
+    return (cu is None and order is None and not split and key_padding_mask is None
+            and perm_rank is None and dropout_p == 0 and q.dtype in TMA_DTYPES
+            and q.shape[-1] <= 128 and _has_tma(q.device)
+            and all(tma_addressable(t) for t in (q, k, v)))
+
+
+def _launch_forward_ws(q, k, v, out, lse, lse_strides, dims, *, causal, scale):
+    """:func:`_attn_fwd_ws_kernel` on a call :func:`_ws_possible` accepts, with the
+    override ``"fwd"``'s row, else :data:`_WS_ROW` (16 x 16 x 1 x 1 under the interpreter:
+    several blocks at the tests' lengths)."""
+    B, H, Tq, Tk, D = dims[:5]
+    row = _override("fwd") or ((16, 16, 1, 1) if _interpreting() else _WS_ROW)
+    bm, bn, warps, stages = row
+    with descriptor_scratch(q.device):
+        fast(_attn_fwd_ws_kernel)[(cdiv(Tq, bm), B * H)](
+            q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *out.stride(), *lse_strides, H, Tq, Tk, Tk - Tq, D, scale * LOG2E,
+            CAUSAL=causal, MASK_KEYS=not causal and Tk % bn != 0, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_D=max(16, next_pow2(D)),
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+            FOLD=_fold(scale), num_warps=warps, num_stages=stages)
 
 
 #: How the backward computes dQ: "kernel" (a second kernel over key blocks per query block,
@@ -1313,7 +1453,8 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
         run()
     else:
         _tuned(("fwd",), q, dims, causal, _mask_kind(kpm, rank), dropout_p > 0, None, order,
-               run, (out, lse))
+               run, (out, lse),
+               lambda: _ws_possible(q, k, v, kpm, rank, dropout_p, None, order))
     return out, lse
 
 

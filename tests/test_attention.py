@@ -778,6 +778,62 @@ def test_register_caps_reach_their_launches_only(monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_warp_specialised_forward(monkeypatch, dtype):
+    """The warp-specialised forward (kernels/attention._attn_fwd_ws_kernel: the tuner's
+    ``"fwd:ws"`` rows) serves the dense 16-bit calls without padding, permutation mask or
+    dropout, and is within 2x eager of float64, forward and every gradient (the backward
+    reads its lse): causal with memory keys and without, more queries than keys, key
+    counts that are and are not a multiple of its tile (MASK_KEYS), a head dim that is not
+    a power of two (the descriptors' columns past D read as 0), one query. Calls it cannot
+    serve take the other forward."""
+    import ctxfast.kernels.attention as kattn
+    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd:ws", True)
+    seen = spy_launches(monkeypatch, kattn, ("_attn_fwd_kernel", "_attn_fwd_ws_kernel"),
+                        lambda a, kw: kw.get("MASK_KEYS"))
+    cases = ((True, 37, 37, 64), (True, 21, 45, 32), (False, 33, 32, 64),
+             (False, 19, 50, 24), (True, 1, 17, 16), (False, 40, 7, 32))
+    for causal, Tq, Tk, D in cases:
+        seen.clear()
+        q, k, v = _inputs(2, 2, Tq, Tk, D, dtype=dtype)
+        check_against_reference(q, k, v, causal=causal)
+        assert seen and set(seen) == {("_attn_fwd_ws_kernel", not causal and Tk % 16 != 0)}, \
+            (causal, Tq, Tk, D, seen)
+    # what it cannot serve: padding, a permutation mask, dropout, float32, rows TMA cannot
+    # address (D 20 in 16 bits: 40-byte rows)
+    for kind, dt, D, kw in (("pad", dtype, 32, {}), ("perm", dtype, 32, {}),
+                            ("", dtype, 32, {"dropout_p": 0.2}), ("causal", torch.float32, 32, {}),
+                            ("causal", dtype, 20, {})):
+        seen.clear()
+        q, k, v = _inputs(2, 2, 17, 21, D, dtype=dt)
+        ctxfast.attention(q, k, v, backend="triton", **_masks(kind, 2, 17, 21), **kw)
+        assert [n for n, _ in seen] == ["_attn_fwd_kernel"], (kind, dt, D, seen)
+
+
+def test_descriptor_scratch_is_set_for_its_body_only(monkeypatch):
+    """kernels._common.descriptor_scratch (the global memory of descriptors built on the
+    device): on a CUDA device the body runs with its allocator in Triton's context
+    variable, and the caller's is back after, also when the body raises; nothing is set
+    under the interpreter or for a CPU tensor."""
+    from triton.runtime import _allocation
+
+    from ctxfast.kernels import _common
+    mine = _allocation._allocator.set(lambda size, alignment, stream: None)  # a caller's
+    try:
+        callers = _allocation._allocator.get()
+        with _common.descriptor_scratch(torch.device("cpu")):
+            assert _allocation._allocator.get() is callers
+        monkeypatch.setattr(_common, "_interpreting", lambda: False)
+        with pytest.raises(KeyError):
+            with _common.descriptor_scratch(torch.device("cuda")):
+                assert _allocation._allocator.get() is not callers
+                raise KeyError("body")
+        assert _allocation._allocator.get() is callers
+    finally:
+        _allocation._allocator.reset(mine)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_the_exponentials_on_the_fma_pipe(monkeypatch, dtype):
     """EXP_EMU in the forward, dK/dV and dQ kernels (the tuner's ``"<kernel>:exp_emu"``
     candidates): a 16-bit call with it on launches it in all three and stays within 2x

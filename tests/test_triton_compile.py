@@ -55,11 +55,11 @@ SMEM_LIMIT = {90: 232448, 80: 166912}
 
 #: Kernels whose registers, spills and MMA instructions are recorded (sm_90) and checked:
 #: no spills, and their 16-bit dots lower to Hopper's wgmma.
-FACT_KERNELS = ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
-                "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel"]
+FACT_KERNELS = ["_attn_fwd_kernel", "_attn_fwd_ws_kernel", "_attn_bwd_dkdv_kernel",
+                "_attn_bwd_dq_kernel", "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel"]
 #: Of FACT_KERNELS, those whose 16-bit dots must all be wgmma (the LSTM's batch block of 32
 #: rows is too short for a warpgroup MMA: mma.sync there is expected).
-WGMMA_KERNELS = FACT_KERNELS[:3]
+WGMMA_KERNELS = FACT_KERNELS[:4]
 
 #: rel_attention's kernels: registers and spills recorded too, and held to a ratchet on the
 #: training cases below, not to zero: the dQ and dR kernels' 64 x 64 16-bit tiles still
@@ -138,8 +138,8 @@ ATTN_CAPPED = {"_attn_bwd_dkdv_kernel": (3, 292), "_attn_bwd_dq_kernel": (2, 0)}
 SM90_REGS, SM90_SMEM, SM90_SMEM_PER_CTA = 65536, 233472, 1024
 
 KERNELS = [
-    "_attn_fwd_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
-    "_dropout_keep_kernel",
+    "_attn_fwd_kernel", "_attn_fwd_ws_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel",
+    "_attn_bwd_dq_kernel", "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
     "_rel_attn_bwd_dr_kernel", "_rel_dkdv_gemm_kernel", "_rel_dqw_gemm_kernel",
     "_rel_dr_gemm_kernel", "_row_bias_kernel",
@@ -300,7 +300,7 @@ def _cases():
     tuning = []
     for D in (64, 128):
         for kernel in ("fwd", "dkdv", "dq"):
-            cands = attention._candidates(kernel, D, bf16, "none", False, True, True)
+            cands = attention._candidates(kernel, D, bf16, "none", False, True, True, True)
             for rows in (cands({}) if callable(cands) else cands)[1:]:
                 tuning.append((f"attention bf16 D={D} causal, tuning candidate {rows}", sm90,
                                tuned(rows)(lambda D=D: attn(bf16, D, causal=True))))
@@ -404,6 +404,15 @@ def _cases():
         ("attention bf16 D=128 causal, bulk dQ", sm90,
          bulk_dq(lambda: attn(bf16, 128, causal=True))),
         ("attention bf16 D=64 causal, bulk dQ", sm90, bulk_dq(lambda: attn(bf16, 64, causal=True))),
+        # the warp-specialised forward (the tuner's "fwd:ws" rows; the causal ones are
+        # among the tuning candidates below): not causal, keys a multiple of its tile or not
+        # (MASK_KEYS); sm_80 compiles it too (its descriptors become pointer loads) though
+        # only a GPU with TMA launches it
+        ("attention bf16 D=128, warp-specialised", both,
+         tuned({"fwd:ws": True})(lambda: attn(bf16, 128, backward=False))),
+        ("attention fp16 D=64 Tk=250, warp-specialised", sm90,
+         tuned({"fwd:ws": True, "fwd": (128, 64, 4, 3)})(
+             lambda: attn(f16, 64, Tk=250, backward=False))),
         # the loops' tiles through TMA descriptors (TMA_MODE "on"; sm_90 only)
         ("attention bf16 D=128 causal, TMA", sm90, tma(lambda: attn(bf16, 128, causal=True))),
         ("attention bf16 D=64 causal, TMA", sm90, tma(lambda: attn(bf16, 64, causal=True))),
@@ -611,6 +620,8 @@ def _ptxas_facts(ptx, arch):
              "atom_f32": len(re.findall(r"\batom\.global\.[\w.]*add[\w.]*f32", ptx)),
              "atom_ordered_f32": len([a for a in re.findall(r"\batom\.global\.[\w.]*add[\w.]*f32",
                                                             ptx) if ".relaxed." not in a]),
+             # warp specialisation: the producer gives registers up, the consumers take them
+             "setmaxnreg": len(re.findall(r"\bsetmaxnreg\.", ptx)),
              "regs": None, "spill_stores": None, "spill_loads": None}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next((os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
@@ -754,6 +765,7 @@ def main(claims: str, out_path: str):
                     row["shared"] = compiled.metadata.shared
                     row["ok"] = True
                     if arch == 90 and kernel.__name__ in FACT_KERNELS + REL_FACT_KERNELS:
+                        row["warps_run"] = compiled.metadata.num_warps
                         row.update(_ptxas_facts(compiled.asm["ptx"], arch))
                         row.update(_loop_facts(compiled.asm["ttgir"]))
                 except Exception as e:  # noqa: BLE001 - reported by the test
@@ -933,12 +945,29 @@ def test_forwards_fold_the_scale(compiled):
     thread and tile fewer). Every case compiles with a positive scale; the tuner's
     comparison row without the fold ("fwd:fold" False) is the one exception."""
     rows = [r for r in compiled["rows"] if r["ok"] and r["arch"] == 90
-            and r["kernel"] in ("_attn_fwd_kernel", "_rel_attn_fwd_kernel")
+            and r["kernel"] in ("_attn_fwd_kernel", "_attn_fwd_ws_kernel", "_rel_attn_fwd_kernel")
             and r.get("tile_fma") is not None and "'fwd:fold': False" not in r["variant"]]
     assert rows, "no forward compiled for sm_90"
     bad = [f"{r['kernel']} [{r['variant']}]: {r['tile_fma']} tile FMAs" for r in rows
            if "FOLD=True" not in r["launch"] or r["tile_fma"] < 1]
     assert not bad, "forwards that scale the tile first:\n" + "\n".join(bad)
+
+
+def test_forward_is_warp_specialised(compiled):
+    """The warp-specialised forward (``_attn_fwd_ws_kernel``, the tuner's ``"fwd:ws"``
+    rows), launched with 4 warps, is split by Triton on sm_90 into a producer and two
+    consumer warpgroups: 12 warps run, with ``setmaxnreg`` moving registers between them,
+    in every case (a change to its loop that Triton's pass cannot split, e.g. a branch
+    inside it, compiles to a plain 4-warp kernel and fails here). No other kernel is
+    split."""
+    rows = [r for r in compiled["rows"] if r["ok"] and r["arch"] == 90 and "setmaxnreg" in r]
+    ws = [r for r in rows if r["kernel"] == "_attn_fwd_ws_kernel"]
+    assert len(ws) >= 4, f"{len(ws)} warp-specialised forwards compiled for sm_90"
+    bad = [f"{r['kernel']} [{r['variant']}] ({r['launch']}): {r['warps_run']} warps run, "
+           f"{r['setmaxnreg']} setmaxnreg" for r in rows
+           if (r in ws) != (r["setmaxnreg"] > 0 and r["warps_run"] == 12)
+           or (r in ws and "num_warps=4" not in r["launch"])]
+    assert not bad, "\n".join(bad)
 
 
 def test_backwards_fuse_multiply_adds(compiled):
@@ -962,8 +991,11 @@ def test_tma_loads_where_asked(compiled):
     rows = [r for r in compiled["rows"] if r["arch"] == 90 and r["ok"] and "tma" in r]
     asked = [r for r in rows if "TMA=True" in r["launch"]]
     assert asked, "no launch with TMA=True was compiled"
+
+    def wants(r):                # the warp-specialised forward loads through TMA always
+        return "TMA=True" in r["launch"] or r["kernel"] == "_attn_fwd_ws_kernel"
     problems = [f"{r['kernel']} [{r['variant']}]: {r['tma']} TMA loads" for r in rows
-                if ("TMA=True" in r["launch"]) != bool(r["tma"])]
+                if wants(r) != bool(r["tma"])]
     assert not problems, "\n".join(problems)
 
 

@@ -285,7 +285,8 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
     for D in (64, 128):
         for dtype in (torch.bfloat16, torch.float16):
             for kernel in ("fwd", "dkdv", "dq"):
-                cands = kattn._candidates(kernel, D, dtype, mask, False, True, mask != "perm")
+                cands = kattn._candidates(kernel, D, dtype, mask, False, True, mask != "perm",
+                                          mask == "none")
                 cands = cands({}) if callable(cands) else cands
                 bm, bn, _, warps, stages = kattn._config_of(kernel, D, dtype, False, mask,
                                                            False, False)
@@ -299,12 +300,18 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                 for c in cands[1:]:
                     if any(name in c for name in math):
                         continue
+                    if "fwd:ws" in c:          # the warp-specialised kernel: its own launches
+                        launches.append((c["fwd"], "ws"))
+                        continue
                     launches.append((c.get(kernel, table[0]), c.get(kernel + ":tma", table[1])))
                 assert len(set(launches)) == len(launches), (D, dtype, kernel, launches)
                 emu = [c for c in cands if kernel + ":exp_emu" in c]   # the table's row
                 assert emu == [{kernel + ":exp_emu": True}], emu
                 fold = [c for c in cands if "fwd:fold" in c]           # the table's row
                 assert fold == ([{"fwd:fold": False}] if kernel == "fwd" else []), fold
+                ws = [c["fwd"] for c in cands if "fwd:ws" in c]        # where it can serve
+                assert ws == (kattn._WS_CANDIDATES[D] if kernel == "fwd" and mask == "none"
+                              else []), (D, kernel, mask, ws)
                 # dQ by atomic adds (element-wise, bulk): per mode the dK/dV-with-dQ table
                 # row first, then other rows
                 for mode in ("atomic", "bulk"):
@@ -363,6 +370,37 @@ def test_register_caps_offered_where_registers_set_the_ctas(monkeypatch):
         assert [c for c in krel._candidates(kernel, 64, bf16, True) if key in c], kernel
     for kernel, cap in (("fwd", krel.FWD_MAXNREG_3CTA), ("dkdv", krel.DKDV128_MAXNREG_2CTA)):
         assert {kernel + "_maxnreg": cap} in krel._candidates(kernel, 128, bf16, True), kernel
+
+
+def test_warp_specialised_forward_is_tuned_where_it_can_serve(tuning, monkeypatch):
+    """An eligible call (dense, 16-bit, no padding / permutation mask / dropout: kernels/
+    attention._ws_possible) times the warp-specialised forward (``"fwd:ws"``) among its
+    candidates, and where it is the fastest the next call of the kind launches it; an
+    ineligible call (padding) never tries it. Its outputs agree with the table row's."""
+    favourite = {"fwd:ws": True}
+    monkeypatch.setattr(_tune, "TIMER", _favour(favourite))
+    _call(causal=True, dtype=torch.float16)
+    fwd = [r for r in _tune.records() if r["kernel"] == "fwd"]
+    assert [r["candidate"] for r in fwd if r["chosen"]] == [favourite], fwd
+    assert all(r["error"] is None and r["gap"] <= 1 for r in fwd), fwd
+    seen = spy_launches(monkeypatch, kattn, ["_attn_fwd_kernel", "_attn_fwd_ws_kernel"],
+                        lambda a, kw: None)
+    (q, k, v), out, _ = _call(causal=True, dtype=torch.float16)
+    assert [n for n, _ in seen] == ["_attn_fwd_ws_kernel"], seen
+    ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    same = reference.attention(q, k, v, causal=True)
+    assert_within_2x_eager(out, same, ref, ta.FLOOR[q.dtype])
+    _tune.reset()
+    kpm = torch.zeros(1, 40, dtype=torch.bool, device=DEVICE)
+    kpm[:, -5:] = True
+    _call(key_padding_mask=kpm, dtype=torch.float16)
+    assert not [r for r in _tune.records() if "fwd:ws" in r["candidate"]]
+    monkeypatch.setattr(kattn, "_interpreting", lambda: False)      # an sm_90 call's rows
+    rows = [c["fwd"] for c in kattn._candidates("fwd", 64, torch.bfloat16, "none", False, True,
+                                                True, True) if "fwd:ws" in c]
+    assert rows == kattn._WS_CANDIDATES[64]
+    assert not [c for c in kattn._candidates("fwd", 64, torch.bfloat16, "none", False, True,
+                                             True, False) if "fwd:ws" in c]
 
 
 def test_options_timed_slower_are_not_candidates_by_default(monkeypatch):

@@ -112,3 +112,28 @@ def test_register_capped_backward_large(monkeypatch, dtype, Tq, Tk):
     kpm[0] = True
     out, (dq, dk, dv) = check_against_reference(q, k, v, causal=True, key_padding_mask=kpm)
     assert (out[0] == 0).all() and (dq[0] == 0).all() and (dk[0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Tq, Tk, causal", [(1025, 1025, True), (512, 1536, True),
+                                            (777, 1000, False), (1, 4096, False)])
+def test_warp_specialised_forward_large(monkeypatch, dtype, D, Tq, Tk, causal):
+    """The warp-specialised forward (the tuner's ``"fwd:ws"`` rows, each of
+    kernels/attention._WS_CANDIDATES: descriptors built on the device, their global
+    scratch from kernels._common.descriptor_scratch) against float64 within 2x eager at
+    sizes with many blocks; the allocator of the caller's context is left as it was."""
+    import ctxfast.kernels.attention as kattn
+    from triton.runtime import _allocation
+    before = _allocation._allocator.get()
+    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd:ws", True)
+    seen = []
+    launch = kattn._launch_forward_ws
+    monkeypatch.setattr(kattn, "_launch_forward_ws",
+                        lambda *a, **kw: seen.append(1) or launch(*a, **kw))
+    q, k, v = (torch.randn(2, 4, T, D, device="cuda", dtype=dtype) for T in (Tq, Tk, Tk))
+    for row in kattn._WS_CANDIDATES[D]:
+        monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd", row)
+        check_against_reference(q, k, v, causal=causal)
+    assert len(seen) == len(kattn._WS_CANDIDATES[D])
+    assert _allocation._allocator.get() is before
