@@ -2027,7 +2027,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
     kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
     has_seg = seg_embed is not None
     if has_seg:
-        sq, sk = seg_q.to(torch.int32), seg_k.to(torch.int32)
+        sq, sk = (s.to(torch.int32).contiguous() for s in (seg_q, seg_k))  # unit stride
         se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
     else:
         sq = sk = se = rsb = kv_end
@@ -2120,7 +2120,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
         kpm, rank, kv_end, mstrides = _mask_args(q, key_padding_mask, perm_rank)
         if has_seg:
-            sq, sk = seg_q.to(torch.int32), seg_k.to(torch.int32)
+            sq, sk = (s.to(torch.int32).contiguous() for s in (seg_q, seg_k))  # unit stride
             se, rsb = seg_embed.contiguous(), r_s_bias.contiguous()
         else:
             sq = sk = se = rsb = kv_end

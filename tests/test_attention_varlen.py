@@ -91,10 +91,14 @@ def test_varlen_opcheck():
 @pytest.mark.parametrize("change, exc, words", [
     (dict(q=torch.randn(2, 5, 2, 16)), ValueError, ["q must have shape [total, H, D]"]),
     (dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "not decrease"]),
-    (dict(cu_seqlens_q=torch.tensor([0, 3.0, 10])), TypeError, ["cu_seqlens_q must be an int32"]),
+    (dict(cu_seqlens_q=torch.tensor([0, 3.0, 10])), TypeError,
+     ["cu_seqlens_q must be an int32 or int64 tensor", "got torch.float32"]),
     (dict(max_seqlen_q=4), ValueError, ["max_seqlen 4"]),
-    (dict(max_seqlen_k=-1), TypeError, ["max_seqlen for cu_seqlens_k", "int >= 0"]),
-    (dict(max_seqlen_q=7.0), TypeError, ["max_seqlen for cu_seqlens_q", "int >= 0"]),
+    (dict(max_seqlen_k=-1), ValueError, ["max_seqlen for cu_seqlens_k", ">= 0, got -1"]),
+    (dict(max_seqlen_q=7.0), TypeError, ["max_seqlen for cu_seqlens_q", "an int, got float"]),
+    (dict(scale="x"), TypeError, ["attention_varlen: scale must be a float or None"]),
+    (dict(dropout_p="0.1"), TypeError, ["attention_varlen: dropout_p must be a float"]),
+    (dict(dropout_p=0.1, generator="g"), TypeError, ["generator", "torch.Generator or None"]),
     (dict(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32)), ValueError, ["same length B + 1"]),
 ])
 def test_varlen_bad_input(change, exc, words):
@@ -107,6 +111,20 @@ def test_varlen_bad_input(change, exc, words):
         ctxfast.attention_varlen(**args)
     for w in words:
         assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
+def test_strided_int32_offsets(backend):
+    """cu_seqlens given as a strided int32 view (every other element of a buffer) read as
+    their values on every backend: the triton kernels read element b at b, and took the
+    view as it was (wrong rows: garbage, NaN or a crash)."""
+    q, k, v, cu_q, cu_k, mq, mk = _packed([3, 5, 4], [6, 5, 2], H=2, D=16)
+    strided = [torch.stack([cu, torch.zeros_like(cu)], 1).reshape(-1)[::2] for cu in
+               (cu_q.to(torch.int32), cu_k.to(torch.int32))]
+    assert strided[0].stride() == (2,) and torch.equal(strided[0], cu_q.to(torch.int32))
+    ref = ctxfast.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)
+    out = ctxfast.attention_varlen(q, k, v, *strided, mq, mk, causal=True, backend=backend)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("backend", ATTN_BACKENDS)

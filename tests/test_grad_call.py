@@ -227,6 +227,46 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
                  name="jvp that does not reach the op")
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_second_derivatives_are_refused_by_name(backend):
+    """A gradient of a gradient through an op (create_graph=True, then differentiating the
+    gradient) raises NotImplementedError naming the op, on every backend's backward op: the
+    C++ CPU ones gave silent zeros there (no Autograd kernel: torch warns and goes on), the
+    Triton ones an error from the dispatcher at the first backward. The first backward
+    itself, with create_graph=True, still gives the gradient (a gradient penalty that does
+    not differentiate through the op again works), and warns nothing; except rel_attention's
+    C++ CPU autograd Function (its eager path), which refuses create_graph=True at once."""
+    import warnings
+    if backend not in CPU_BACKENDS:
+        pytest.skip(f"no {backend} backend here")
+    q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    x, w_ih, w_hh = (torch.randn(*s, requires_grad=True) for s in ((4, 2, 3), (12, 3), (12, 3)))
+    r, u, w = torch.randn(2, 5, 8), torch.randn(2, 8), torch.randn(2, 8)
+    cases = {
+        "attention": (lambda q: ctxfast.attention(q, k, v, causal=True, backend=backend), q),
+        "attention_varlen": (lambda q: ctxfast.attention_varlen(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 3, 3,
+            backend=backend), q),
+        "rel_attention": (lambda q: ctxfast.rel_attention(q, k, v, r, u, w, backend=backend),
+                          q),
+        "lstm": (lambda x: ctxfast.lstm(x, None, w_ih, w_hh, backend=backend)[0], x),
+    }
+    for name, (f, leaf) in cases.items():
+        if name == "rel_attention" and backend == "cpu":
+            with pytest.raises(NotImplementedError, match=f"^{name}: a second derivative"):
+                torch.autograd.grad(f(leaf).square().sum(), leaf, create_graph=True)
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = f(leaf)
+            g, = torch.autograd.grad(out.square().sum(), leaf, create_graph=True)
+        plain, = torch.autograd.grad(f(leaf).square().sum(), leaf)
+        assert_equal(g.detach(), plain, name=f"{name}: first derivative with create_graph")
+        with pytest.raises(NotImplementedError, match=f"^{name}: a second derivative"):
+            torch.autograd.grad(g.square().sum(), leaf)
+
+
 @needs_cpu
 def test_per_sample_gradients_with_vmap():
     """vmap(grad(...)) through the ops (per-sample gradients, as DP-SGD code computes them):

@@ -299,6 +299,12 @@ def _bad():
         ValueError, ["seg_k must be on"]
     yield "keys-shorter-not-causal", dict(base, causal=False, k=k[:, :, :3], v=v[:, :, :3]), \
         ValueError, ["rel_attention: the keys are [memory; current]", "Tk >= Tq"]
+    yield "seg-embed-not-a-tensor", dict(seg, seg_embed=[1.0]), ValueError, \
+        ["seg_embed must be a tensor [2, H, D]", "got list"]
+    yield "pos-start-bool", dict(base, pos_start=True), TypeError, ["pos_start must be an int"]
+    yield "q-rank", dict(base, q=q[0]), ValueError, ["rel_attention: q must have shape"]
+    yield "dropout-str", dict(base, dropout_p="0.1"), TypeError, \
+        ["rel_attention: dropout_p must be a float"]
 
 
 @pytest.mark.parametrize("case", list(_bad()), ids=lambda c: c[0])
@@ -308,6 +314,37 @@ def test_bad_input(no_dispatch, case):
         ctxfast.rel_attention(**kw)
     for word in words:
         assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
+def test_strided_int32_segments(backend):
+    """Segment ids given as strided int32 views (XLNet's time-major [T, B] transposed) are
+    read as their values on every backend, forward and gradients: the triton kernels read
+    row b's ids with a unit stride and took the view as it was (wrong output, no error)."""
+    B, H, Tq, Tk, D = 2, 2, 5, 9, 16
+    ts = [t.requires_grad_(True) for t in _inputs(B, H, Tq, Tk, D, Tk + Tq)]
+    seg = dict(seg_embed=torch.randn(2, H, D, device=DEVICE),
+               r_s_bias=torch.randn(H, D, device=DEVICE), causal=False, pos_start=Tk)
+    time_major = [torch.randint(0, 2, (T, B), dtype=torch.int32, device=DEVICE) for T in (Tq, Tk)]
+    runs = []
+    for seg_q, seg_k in ([s.t() for s in time_major], [s.t().contiguous() for s in time_major]):
+        out = ctxfast.rel_attention(*ts, seg_q=seg_q, seg_k=seg_k, backend=backend, **seg)
+        runs.append([out] + list(torch.autograd.grad(out.square().sum(), ts)))
+    assert time_major[0].t().stride() == (1, B)
+    for name, a, b in zip(["out"] + NAMES, *runs):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", ATTN_BACKENDS)
+def test_no_query_in_xlnet_layout(backend):
+    """Tq = 0 with XLNet's relative positions (pos_start = Tk, R = Tk + Tq = Tk), causal:
+    no distance is needed, so r is not too short; an empty output on every backend (the
+    check refused it)."""
+    q = torch.randn(2, 2, 0, 8, device=DEVICE)
+    k, v = (torch.randn(2, 2, 6, 8, device=DEVICE) for _ in range(2))
+    r, u, w = (torch.randn(*s, device=DEVICE) for s in ((2, 6, 8), (2, 8), (2, 8)))
+    out = ctxfast.rel_attention(q, k, v, r, u, w, causal=True, pos_start=6, backend=backend)
+    assert out.shape == (2, 2, 0, 8)
 
 
 @needs_triton

@@ -63,8 +63,8 @@ void check(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, co
                     op, ": r_w_bias and r_r_bias must have shape [", H, ", ", D, "]");
   const int64_t R = r.size(1);
   const int64_t lowest = pos_start - (Tk - 1), highest = causal ? pos_start : pos_start + Tq - 1;
-  TORCH_CHECK_VALUE(lowest >= 0 && highest < R, op, ": r too short: rows ", lowest, "..",
-                    highest, " are needed, r has R=", R);
+  TORCH_CHECK_VALUE(Tq == 0 || (lowest >= 0 && highest < R), op, ": r too short: rows ",
+                    lowest, "..", highest, " are needed, r has R=", R);  // (no query: none)
   if (kpm && kpm->defined())
     TORCH_CHECK_VALUE(kpm->scalar_type() == at::kBool && kpm->dim() == 2 && kpm->size(0) == B &&
                           kpm->size(1) == Tk,
@@ -248,15 +248,19 @@ struct RelAttentionCpuGrad : public torch::autograd::Function<RelAttentionCpuGra
     variable_list g(19);
     if (!grads[0].defined()) return g;
     Tensor dq, dk, dv, dr, du, dw, dse, drsb;
-    {
-      at::AutoDispatchBelowAutograd below;
-      std::tie(dq, dk, dv, dr, du, dw, dse, drsb) = op.call(
-          grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], opt(s[8]), opt(s[9]),
-          opt(s[10]), opt(s[11]), opt(s[12]), opt(s[13]), ctx->saved_data["causal"].toBool(),
-          ctx->saved_data["pos_start"].toInt(), ctx->saved_data["window"].toInt(),
-          ctx->saved_data["perm_strict"].toBool(), ctx->saved_data["scale"].toDouble(),
-          ctx->saved_data["dropout_p"].toDouble(), opt(s[14]));
-    }
+    // A backward with create_graph=True: its gradients would need a derivative, which this
+    // path cannot record (the Python formula marks them so, ops/_common.first_order_only)
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !at::GradMode::is_enabled(),
+        "rel_attention: a second derivative (the gradient of its gradient: create_graph=True) "
+        "is not implemented; its CPU backward refuses create_graph=True");
+    at::AutoDispatchBelowAutograd below;
+    std::tie(dq, dk, dv, dr, du, dw, dse, drsb) = op.call(
+        grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], opt(s[8]), opt(s[9]),
+        opt(s[10]), opt(s[11]), opt(s[12]), opt(s[13]), ctx->saved_data["causal"].toBool(),
+        ctx->saved_data["pos_start"].toInt(), ctx->saved_data["window"].toInt(),
+        ctx->saved_data["perm_strict"].toBool(), ctx->saved_data["scale"].toDouble(),
+        ctx->saved_data["dropout_p"].toDouble(), opt(s[14]));
     g[0] = dq;
     g[1] = dk;
     g[2] = dv;

@@ -56,48 +56,58 @@ def check_qkv(op: str, q, k, v, layout: str) -> None:
                          f"{k.device}, {v.device}")
 
 
-def check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale):
-    check_qkv("attention", q, k, v, "[B, H, T, D]")
+def check_dropout_scale(op: str, dropout_p, scale) -> None:
+    """dropout_p a number in [0, 1) and scale None or a number (bools neither), named by
+    `op` in the error."""
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
+        raise TypeError(f"{op}: dropout_p must be a float in [0, 1), got "
+                        f"{type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        # (numbers.Real: Python's and NumPy's ints and floats, np.float32 included)
+        raise TypeError(f"{op}: scale must be a float or None, got {type(scale).__name__}")
+
+
+def check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p, scale,
+                    op: str = "attention"):
+    check_qkv(op, q, k, v, "[B, H, T, D]")
     qs, ks, vs = q.shape, k.shape, v.shape
     B, H, Tq, D = qs
     Tk = ks[2]
     if ks[0] != B or ks[1] != H or ks[3] != D:
-        raise ValueError(f"attention: k must have shape [B, H, Tk, D] = [{B}, {H}, Tk, {D}] "
+        raise ValueError(f"{op}: k must have shape [B, H, Tk, D] = [{B}, {H}, Tk, {D}] "
                          f"to match q {shape(q)}, got {shape(k)}")
     if vs[0] != B or vs[1] != H or vs[2] != Tk or vs[3] != D:
-        raise ValueError(f"attention: v must have shape [B, H, Tk, D] = {list(k.shape)} to "
+        raise ValueError(f"{op}: v must have shape [B, H, Tk, D] = {list(k.shape)} to "
                          f"match k (head dims of q, k, v must agree), got {shape(v)}")
     if (causal or perm_rank is not None) and Tk < Tq:
-        raise ValueError(f"attention: with causal or perm_rank the keys are [memory; current], "
+        raise ValueError(f"{op}: with causal or perm_rank the keys are [memory; current], "
                          f"so Tk >= Tq is needed; got q {shape(q)}, k {shape(k)}")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("attention: key_padding_mask must be a bool tensor [B, Tk] "
+            raise TypeError(f"{op}: key_padding_mask must be a bool tensor [B, Tk] "
                             "(True = padding)")
         if shape(key_padding_mask) != (B, Tk):
-            raise ValueError(f"attention: key_padding_mask must have shape [B, Tk] = "
+            raise ValueError(f"{op}: key_padding_mask must have shape [B, Tk] = "
                              f"[{B}, {Tk}], got {shape(key_padding_mask)}")
         if key_padding_mask.device != q.device:
-            raise ValueError(f"attention: key_padding_mask must be on {q.device}, got "
+            raise ValueError(f"{op}: key_padding_mask must be on {q.device}, got "
                              f"{key_padding_mask.device}")
     if perm_rank is not None:
         if (not isinstance(perm_rank, Tensor) or perm_rank.dtype.is_floating_point
                 or perm_rank.dtype.is_complex or perm_rank.dtype == torch.bool):
-            raise TypeError("attention: perm_rank must be an integer tensor [B, Tq], got "
+            raise TypeError(f"{op}: perm_rank must be an integer tensor [B, Tq], got "
                             f"{getattr(perm_rank, 'dtype', type(perm_rank).__name__)}")
         if shape(perm_rank) != (B, Tq):
-            raise ValueError(f"attention: perm_rank must have shape [B, Tq] = [{B}, {Tq}], "
+            raise ValueError(f"{op}: perm_rank must have shape [B, Tq] = [{B}, {Tq}], "
                              f"got {shape(perm_rank)}")
         if perm_rank.device != q.device:
-            raise ValueError(f"attention: perm_rank must be on {q.device}, got {perm_rank.device}")
+            raise ValueError(f"{op}: perm_rank must be on {q.device}, got {perm_rank.device}")
     if perm_stream not in ("content", "query"):
-        raise ValueError(f"attention: perm_stream must be 'content' or 'query', got "
+        raise ValueError(f"{op}: perm_stream must be 'content' or 'query', got "
                          f"{perm_stream!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
-        # (numbers.Real: Python's and NumPy's ints and floats, np.float32 included)
-        raise TypeError(f"attention: scale must be a float or None, got {type(scale).__name__}")
+    check_dropout_scale(op, dropout_p, scale)
 
 
 def softmax_scale(D: int, scale) -> float:
@@ -366,14 +376,61 @@ class GradCall:
         return _call_below_autograd(self.op, args)
 
 
+class _SecondDerivative(torch.autograd.Function):
+    """The identity on a gradient that :func:`first_order_only` computed, made a function
+    of what it depends on (``anchors``: the tensors that need a gradient among the upstream
+    gradients and the op's saved inputs), whose derivative raises NotImplementedError
+    naming the op."""
+
+    @staticmethod
+    def forward(ctx, name, x, *anchors):
+        ctx.name = name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{ctx.name}: a second derivative (the gradient of its gradient: "
+            "create_graph=True, then a gradient through the first) is not implemented")
+
+
+def first_order_only(name: str, backward: Callable) -> Callable:
+    """An autograd formula `backward` of op `name` for a backward taken with
+    ``create_graph=True``: the gradients are computed as in any backward, and the
+    derivative of each raises NotImplementedError naming the op when one is taken (as
+    ``torch.autograd.function.once_differentiable``, also where only the op's inputs, not
+    the upstream gradient, need a gradient). The backward ops have no derivative of their
+    own: without this a C++ one (no Autograd kernel) gave silent zeros there, with a
+    warning, and a custom op raised at the first backward. Under functorch transforms and
+    torch.compile the formula runs as it is."""
+    def run(ctx, *grads):
+        if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch._C._are_functorch_transforms_active()):
+            return backward(ctx, *grads)
+        # what the gradients depend on: the upstream gradients and the op's saved inputs
+        anchors = [t for t in (*grads, *ctx.saved_tensors)
+                   if isinstance(t, Tensor) and t.requires_grad]
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        if not anchors:
+            return out
+        return tuple(_SecondDerivative.apply(name, g, *anchors) if isinstance(g, Tensor)
+                     else g for g in out)
+    return run
+
+
 def register_autograd(op: Union[str, Callable], backward: Callable,
-                      setup_context: Callable, fast: Optional[Callable] = None) -> GradCall:
+                      setup_context: Callable, fast: Optional[Callable] = None, *,
+                      first_order: Optional[str] = None) -> GradCall:
     """``torch.library.register_autograd(op, backward, setup_context=setup_context)`` for
     `op` (``"ctxfast::name"`` of a C++ op, or a ``torch.library.custom_op``), and the
     :class:`GradCall` of ``torch.ops.ctxfast.name`` that the op's Python function calls.
     Every argument is passed positionally (setup_context receives them all). `fast`: the
     same op and formula with a C++ autograd kernel, which GradCall takes in plain eager code
-    with something to differentiate (:class:`GradCall`)."""
+    with something to differentiate (:class:`GradCall`). `first_order`: the public op's
+    name, where `backward` has no derivative (:func:`first_order_only`)."""
+    if first_order is not None:
+        backward = first_order_only(first_order, backward)
     if isinstance(op, str):
         torch.library.register_autograd(op, backward, setup_context=setup_context)
         name = op.split("::")[-1]

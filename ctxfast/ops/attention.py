@@ -40,6 +40,7 @@ from ._common import autocast as _autocast
 from ._common import softmax_scale as _softmax_scale
 from ._common import call_in_backward as _call_in_backward
 from ._common import check_attention as _check
+from ._common import check_dropout_scale as _check_dropout_scale
 from ._common import check_int32_extent as _check_int32_extent
 from ._common import check_int32_ids as _check_int32_ids
 from ._common import check_qkv as _check_qkv
@@ -134,7 +135,8 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-_fwd_triton = _register_autograd(_attention_fwd_triton, _fwd_backward, _fwd_setup_context)
+_fwd_triton = _register_autograd(_attention_fwd_triton, _fwd_backward, _fwd_setup_context,
+                                 first_order="attention")
 
 
 # C++ CPU ops (schemas in csrc/bindings/module_cpu.cpp): ``attention_fwd_cpu(q, k, v,
@@ -179,7 +181,7 @@ if _CPU:
     torch.library.register_fake("ctxfast::attention_fwd_cpu")(_cpu_fwd_fake)
     torch.library.register_fake("ctxfast::attention_bwd_cpu")(_cpu_bwd_fake)
     _fwd_cpu = _register_autograd("ctxfast::attention_fwd_cpu", _cpu_backward,
-                                  _cpu_setup_context)
+                                  _cpu_setup_context, first_order="attention")
 
 
 # --------------------------------------------------------------------------- public op
@@ -249,6 +251,9 @@ def draw_seed(device, generator: Optional[torch.Generator] = None) -> Tensor:
     """The dropout seed the Triton backend draws for one call: int64 ``[1]`` on `device`,
     from `generator` (or torch's global RNG). Call it with an identically seeded generator
     to get the seed again and :func:`dropout_keep_mask` to get the mask."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError("generator (the dropout mask's) must be a torch.Generator or None, "
+                        f"got {type(generator).__name__}")
     gen_device = generator.device if generator is not None else torch.device(device)
     seed = torch.randint(0, 2**62, (1,), generator=generator, device=gen_device,
                          dtype=torch.int64)
@@ -323,7 +328,7 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 
 _varlen_fwd_triton = _register_autograd(_attention_varlen_fwd_triton, _varlen_backward,
-                                        _varlen_setup_context)
+                                        _varlen_setup_context, first_order="attention_varlen")
 
 
 # C++ CPU ops: ``attention_varlen_fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
@@ -362,10 +367,12 @@ if _CPU:
     torch.library.register_fake("ctxfast::attention_varlen_fwd_cpu")(_cpu_varlen_fwd_fake)
     torch.library.register_fake("ctxfast::attention_varlen_bwd_cpu")(_cpu_varlen_bwd_fake)
     _varlen_fwd_cpu = _register_autograd("ctxfast::attention_varlen_fwd_cpu",
-                                         _cpu_varlen_backward, _cpu_varlen_setup_context)
+                                         _cpu_varlen_backward, _cpu_varlen_setup_context,
+                                         first_order="attention_varlen")
 
 
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p):
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                  scale):
     _check_qkv("attention_varlen", q, k, v, "[total, H, D]")
     if k.shape[1:] != q.shape[1:] or v.shape != k.shape:
         raise ValueError(f"attention_varlen: k, v must have shape [total_k, H, D] = "
@@ -378,12 +385,16 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                                 ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
         if (not isinstance(cu, Tensor) or cu.dtype not in (torch.int32, torch.int64)
                 or cu.dim() != 1 or cu.numel() < 1):
-            raise TypeError(f"attention_varlen: {name} must be an int32 tensor [B + 1]")
+            raise TypeError(f"attention_varlen: {name} must be an int32 or int64 tensor "
+                            f"[B + 1], got {getattr(cu, 'dtype', type(cu).__name__)}")
         if cu.device != q.device:
             raise ValueError(f"attention_varlen: {name} must be on {q.device}, got {cu.device}")
         # guard_or_false: a max_seqlen traced from data (torch.compile) is not guarded on
-        if not isinstance(mx, (int, torch.SymInt)) or guard_or_false(mx < 0):
-            raise TypeError(f"attention_varlen: max_seqlen for {name} must be an int >= 0")
+        if not isinstance(mx, (int, torch.SymInt)) or isinstance(mx, bool):
+            raise TypeError(f"attention_varlen: max_seqlen for {name} must be an int, got "
+                            f"{type(mx).__name__}")
+        if guard_or_false(mx < 0):
+            raise ValueError(f"attention_varlen: max_seqlen for {name} must be >= 0, got {mx}")
         if _values_checked(cu):   # on CPU: on CUDA a host sync per call (not checked there)
             vals = cu.tolist()
             lens = [b - a for a, b in zip(vals, vals[1:])]
@@ -393,8 +404,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             if lens and max(lens) > mx:
                 raise ValueError(f"attention_varlen: a sequence of {name} has length "
                                  f"{max(lens)} > max_seqlen {mx}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"attention_varlen: dropout_p must be in [0, 1), got {dropout_p}")
+    _check_dropout_scale("attention_varlen", dropout_p, scale)
 
 
 def _varlen_rows(cu: Tensor, total) -> Tuple[Tensor, Tensor, Tensor]:
@@ -454,7 +464,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         ``[total_q, H, D]``; rows outside every sequence, and queries that see no key, are 0.
     """
     q, k, v = _autocast(q, k, v)
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                  scale)
     name = _resolve("attention_varlen", q, backend)
     sm_scale = _softmax_scale(q.shape[-1], scale)
     if name == "cpu":
@@ -486,7 +497,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         return out
     _check_int32_extent("attention_varlen", q=q, k=k, v=v)
     seed = draw_seed(q.device, generator) if dropout_p > 0 else None
-    out, _ = _varlen_fwd_triton(
-        q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), max_seqlen_q,
-        max_seqlen_k, causal, sm_scale, float(dropout_p), seed)
+    # int32 with a unit stride: the kernels read cu[b] as element b
+    cu_q, cu_k = (cu.to(torch.int32).contiguous() for cu in (cu_seqlens_q, cu_seqlens_k))
+    out, _ = _varlen_fwd_triton(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal,
+                                sm_scale, float(dropout_p), seed)
     return out

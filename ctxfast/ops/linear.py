@@ -53,6 +53,7 @@ from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import check_float_tensor as _check_float_tensor
+from ._common import first_order_only as _first_order_only
 
 _dispatch.register_op("linear", supported=("triton", "cuda", "cpu", "eager"),
                       cpu_default=("eager",), cuda_default=("eager",))
@@ -134,7 +135,7 @@ def _grad(ctx, g):
             gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None)
 
 
-_linear.register_autograd(_grad, setup_context=_setup)
+_linear.register_autograd(_first_order_only("linear", _grad), setup_context=_setup)
 
 
 def _check(x: object, weight: object, bias: object) -> None:

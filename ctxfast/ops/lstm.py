@@ -134,7 +134,7 @@ _recurrence_triton = _register_autograd(
     _lstm_recurrence_triton,
     _make_backward(lambda *a: _call_in_backward(
         torch.ops.ctxfast.lstm_recurrence_backward_triton, *a)),
-    _setup_context)
+    _setup_context, first_order="lstm")
 
 
 # --------------------------------------------------------------------------- C++ ops
@@ -145,7 +145,7 @@ if _NATIVE:
     _recurrence_native = _register_autograd(
         "ctxfast::lstm_recurrence_native",
         _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
-        _setup_context)
+        _setup_context, first_order="lstm")
 
 
 # ---------------------------------------- Triton forward, C++ backward (the CUDA default)
@@ -178,7 +178,7 @@ if _NATIVE:
     _recurrence_split = _register_autograd(
         _lstm_recurrence_split,
         _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
-        _setup_context)
+        _setup_context, first_order="lstm")
 
 
 def _default_route(name: str, asked: Optional[str], x: Tensor) -> str:

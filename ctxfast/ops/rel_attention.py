@@ -127,7 +127,8 @@ def _backward(ctx, grad_out, grad_lse):
             None, None, None, None, None, None, None)
 
 
-_fwd_triton = _register_autograd(_rel_fwd, _backward, _setup_context)
+_fwd_triton = _register_autograd(_rel_fwd, _backward, _setup_context,
+                                 first_order="rel_attention")
 
 
 # C++ CPU ops (schemas in csrc/bindings/module_cpu.cpp): ``rel_attention_fwd_cpu(q, k, v, r,
@@ -189,13 +190,14 @@ if _CPU:
     _fwd_cpu = _register_autograd(
         "ctxfast::rel_attention_fwd_cpu", _cpu_backward, _cpu_setup_context,
         fast=(torch.ops.ctxfast.rel_attention_cpu_grad.default
-              if hasattr(torch.ops.ctxfast, "rel_attention_cpu_grad") else None))
+              if hasattr(torch.ops.ctxfast, "rel_attention_cpu_grad") else None),
+        first_order="rel_attention")
 
 
 def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, perm_rank,
            perm_stream, seg_q, seg_k, seg_embed, r_s_bias, dropout_p, scale, window):
     _check_attention(q, k, v, causal, key_padding_mask, perm_rank, perm_stream, dropout_p,
-                     scale)
+                     scale, op="rel_attention")
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     if Tk < Tq:     # causal or not: the distances count from [memory; current]
@@ -212,7 +214,7 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"rel_attention: {name} must have q's dtype and device "
                             f"({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
-    if not isinstance(pos_start, int):
+    if not isinstance(pos_start, int) or isinstance(pos_start, bool):
         raise TypeError(f"rel_attention: pos_start must be an int, got {type(pos_start).__name__}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
@@ -221,7 +223,7 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
     R = r.shape[1]
     lowest = pos_start - (Tk - 1)                     # row of the largest distance, Tk - 1
     highest = pos_start if causal else pos_start + Tq - 1   # distance 0, or 1 - Tq
-    if lowest < 0 or highest >= R:
+    if Tq > 0 and (lowest < 0 or highest >= R):      # (no query: no distance is needed)
         raise ValueError(
             f"rel_attention: r too short for the distances: rows {lowest}..{highest} of r are "
             f"needed (pos_start={pos_start}, Tq={Tq}, Tk={Tk}, causal={causal}), r has R={R} "
@@ -237,9 +239,12 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
                                  f"{_shape(t) if isinstance(t, Tensor) else ''}")
             if t.device != q.device:
                 raise ValueError(f"rel_attention: {name} must be on {q.device}, got {t.device}")
-        if _shape(seg_embed) != (2, H, D) or _shape(r_s_bias) != (H, D):
-            raise ValueError(f"rel_attention: seg_embed must have shape [2, H, D] = [2, {H}, {D}] "
-                             f"and r_s_bias [H, D]; got {_shape(seg_embed)}, {_shape(r_s_bias)}")
+        if (not isinstance(seg_embed, Tensor) or not isinstance(r_s_bias, Tensor)
+                or _shape(seg_embed) != (2, H, D) or _shape(r_s_bias) != (H, D)):
+            got = [_shape(t) if isinstance(t, Tensor) else type(t).__name__
+                   for t in (seg_embed, r_s_bias)]
+            raise ValueError(f"rel_attention: seg_embed must be a tensor [2, H, D] = "
+                             f"[2, {H}, {D}] and r_s_bias [H, D]; got {got[0]}, {got[1]}")
         for name, t in (("seg_embed", seg_embed), ("r_s_bias", r_s_bias)):
             if t.dtype != q.dtype or t.device != q.device:
                 raise TypeError(f"rel_attention: {name} must have q's dtype and device "
