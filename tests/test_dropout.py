@@ -196,6 +196,39 @@ def test_embedding_dropout_bad_inputs():
             ctxfast.nn.EmbeddingDropout(torch.nn.Embedding(5, 3), 0.1)(torch.tensor([[bad]]))
 
 
+def test_embedding_dropout_refuses_ids_on_another_device_and_a_bad_padding_idx():
+    """Meta ids gave uninitialised values; padding_idx out of range a bare AssertionError
+    from F.embedding."""
+    w = torch.randn(10, 4)
+    ids = torch.tensor([[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="input_ids is on meta but weight is on cpu"):
+        ctxfast.embedding_dropout(w, ids.to("meta"), 0.5)
+    with pytest.raises(ValueError, match="input_ids is on meta but weight is on cpu"):
+        EmbeddingDropout(torch.nn.Embedding(10, 4), 0.5)(ids.to("meta"))
+    for bad in (10, 20, -11):
+        with pytest.raises(ValueError, match=rf"padding_idx must be in \[-V, V\) with V = 10.*"
+                                             rf"got {bad}"):
+            ctxfast.embedding_dropout(w, ids, 0.5, padding_idx=bad)
+    with pytest.raises(TypeError, match="padding_idx must be None or an int, got float"):
+        ctxfast.embedding_dropout(w, ids, 0.5, padding_idx=1.0)
+    out = ctxfast.embedding_dropout(w, ids, 0.0, padding_idx=-1)        # row 9, as F.embedding
+    assert torch.equal(out, F.embedding(ids, w, padding_idx=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32], ids=str)
+def test_embedding_dropout_takes_any_integer_dtype(dtype):
+    """The docstring's "integer tensor": narrow dtypes too (uint8 must not index as a bool
+    mask), the same result as int64 ids."""
+    w = torch.randn(10, 4, requires_grad=True)
+    ids = torch.tensor([[1, 2, 2], [9, 0, 4]])
+    mask = torch.tensor([1., 0, 1, 1, 1, 0, 1, 1, 1, 1])
+    for kw in (dict(mask=mask, scale=0.5), dict(training=False)):
+        out = ctxfast.embedding_dropout(w, ids.to(dtype), 0.3, **kw)
+        assert torch.equal(out, ctxfast.embedding_dropout(w, ids, 0.3, **kw)), kw
+    out.sum().backward()
+    assert w.grad is not None
+
+
 # --------------------------------------------------------------------------- DropConnect masks
 
 def _philox4x32_10(seed: int, counter: int):

@@ -9,6 +9,7 @@ eager reference. The other tests use ctxfast's default dispatch. Toy sizes: hidd
 <= 16 keep the interpreted Triton LSTM at one program per step.
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -412,3 +413,14 @@ def test_bad_inputs_raise_naming_the_argument():
         AWDLSTM(_config(weight_p=1.0))
     with pytest.raises(ValueError, match="lin_ps"):
         AWDLSTMClassifier(_config(lin_ftrs=(6, 5)))
+
+
+def test_config_probabilities_name_the_field_and_the_range():
+    """A non-number (embed_p="0.1") raised TypeError: '<=' not supported."""
+    for name, bad, rng in [("embed_p", "0.1", r"\[0, 1\]"), ("hidden_p", None, r"\[0, 1\]"),
+                           ("output_p", True, r"\[0, 1\]"), ("input_p", 1.5, r"\[0, 1\]"),
+                           ("weight_p", "0.2", r"\[0, 1\)"), ("weight_p", 1.0, r"\[0, 1\)")]:
+        with pytest.raises(ValueError, match=rf"AWDLSTMConfig.{name} must be a float in {rng}, "
+                                             rf"got {re.escape(repr(bad))}"):
+            AWDLSTM(_config(**{name: bad}))
+    AWDLSTM(_config(embed_p=1, input_p=0, output_p=1.0))            # ints and the ends: fine

@@ -185,6 +185,20 @@ def test_bad_inputs_raise_clear_errors():
         Bert(_config(backend="cuda"))
 
 
+def test_inputs_on_another_device_are_refused():
+    """Meta input_ids or token_type_ids gave NaN outputs on CPU."""
+    model = Bert(_config(n_layer=1))
+    ids = torch.randint(0, V, (2, 5))
+    with pytest.raises(ValueError, match="input_ids is on meta, the model on cpu"):
+        model(ids.to("meta"))
+    with pytest.raises(ValueError, match="token_type_ids is on meta, the model on cpu"):
+        model(ids, torch.zeros_like(ids).to("meta"))
+    with pytest.raises(ValueError, match="mlm_labels is on meta, the model on cpu"):
+        model(ids, mlm_labels=ids.to("meta"))
+    with pytest.raises(ValueError, match="nsp_labels is on meta, the model on cpu"):
+        model(ids, nsp_labels=torch.zeros(2, dtype=torch.long, device="meta"))
+
+
 @pytest.mark.parametrize("backend", ["ctxfast", "eager"])
 def test_varlen_torch_compile_fullgraph_forward_backward(backend):
     """The packed path under torch.compile(fullgraph=True): packing makes the total and

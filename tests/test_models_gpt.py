@@ -13,7 +13,7 @@ import torch
 
 import ctxfast
 from ctxfast.models import GPT, GPTConfig
-from ctxfast.models._common import KVCache
+from ctxfast.models._common import KVCache, KVMemory
 from utils import DEVICE, assert_close, assert_within_2x_eager
 
 TRITON = ctxfast.why_unavailable("triton", DEVICE) is None
@@ -262,3 +262,36 @@ def test_bad_inputs_raise_clear_errors():
         model.generate(torch.zeros(1, 0, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="divisible"):
         GPT(_config(n_embd=30, n_head=4))
+
+
+def test_inputs_on_another_device_are_refused():
+    """Meta ids gave NaN logits on CPU; targets on another device an opaque torch error."""
+    model = GPT(_config())
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="idx is on meta, the model on cpu"):
+        model(idx.to("meta"))
+    with pytest.raises(ValueError, match="targets is on meta, the model on cpu"):
+        model(idx, idx.to("meta"))
+    with pytest.raises(ValueError, match="idx is on meta, the model on cpu"):
+        model.generate(idx.to("meta"), 2)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_cache_refuses_another_batch_naming_both(grad):
+    """A cache filled with batch 1 and called with batch 2: without gradients the B=1 rows
+    were broadcast silently, with them torch.cat failed opaquely."""
+    model = GPT(_config())
+    cache = KVCache(model.config.n_layer)
+    with torch.set_grad_enabled(grad):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="KVCache holds a batch of B=1 .* the input has B=2"):
+            model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
+        assert cache.length == 3
+        one = KVCache(1)                             # the cache by itself, as SelfAttention uses it
+        one.update(0, torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+        with pytest.raises(ValueError, match="KVCache holds a batch of B=1 .* the input has B=2"):
+            one.update(0, torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
+    mem = KVMemory(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"KVMemory.extend: .* = \[1, 2, Q, 4\] .* got \[2, 2"):
+        mem.extend(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
+

@@ -398,6 +398,21 @@ def test_bad_config_and_arguments():
         model.generate(ids(2, 1), -1)
 
 
+def test_inputs_on_another_device_are_refused():
+    """Meta data (or target) gave garbage log-probabilities and losses on CPU."""
+    model = TransformerXL(tiny())
+    x = ids(4, 2)
+    for call in (lambda: model(x.to("meta")), lambda: model.forward_hidden(x.to("meta")),
+                 lambda: model.log_probs(x.to("meta")),
+                 lambda: model.log_probs(x.to("meta"), validate=False),
+                 lambda: model.generate(x.to("meta"), 1)):
+        with pytest.raises(ValueError, match=r"TransformerXL: (data|prompt) is on meta, the "
+                                             r"model on cpu"):
+            call()
+    with pytest.raises(ValueError, match="TransformerXL: target is on meta, the model on cpu"):
+        model(x, x.to("meta"))
+
+
 # --------------------------------------------------------------------------- adaptive softmax
 
 @pytest.mark.parametrize("div_val", [1, 2])

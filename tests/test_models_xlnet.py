@@ -370,6 +370,30 @@ def test_bad_config_and_backend():
         _config(reuse_kv=1)
 
 
+def test_labels_out_of_the_vocabulary_are_refused_as_the_other_models_do():
+    """labels >= vocab_size raised torch's IndexError from cross_entropy; float labels a
+    shape error."""
+    model = XLNetLMHeadModel(_config(), backend="eager")
+    ids = torch.randint(0, V, (2, 6))
+    with pytest.raises(ValueError, match=rf"XLNetLMHeadModel: labels must be in \[0, {V}\) or "
+                                         r"-100 \(ignored\), got"):
+        model(ids, labels=ids + V)
+    with pytest.raises(TypeError, match="XLNetLMHeadModel: labels must be an integer tensor"):
+        model(ids, labels=ids.float())
+    labels = ids.masked_fill(ids < 5, -100)                      # -100: ignored, accepted
+    assert model(ids, labels=labels).loss.isfinite()
+
+
+def test_d_model_not_divisible_by_n_head_is_refused_unless_d_head_is_given():
+    """d_head = d_model // n_head silently dropped the remainder (16 // 3 = 5); HF refuses."""
+    with pytest.raises(ValueError, match=r"d_model = 16 must be divisible by n_head = 3"):
+        XLNetConfig(d_model=16, n_head=3)
+    with pytest.raises(ValueError, match=r"n_head must be an int >= 1, got 0"):
+        XLNetConfig(d_model=16, n_head=0)
+    assert XLNetConfig(d_model=16, n_head=3, d_head=8).d_head == 8   # explicit: as given
+    assert XLNetConfig(d_model=16, n_head=4).d_head == 4
+
+
 def test_backends_route_to_the_op_and_the_reference(monkeypatch):
     calls = []
     op, ref = ctxfast.ops.rel_attention, ctxfast.reference.rel_attention

@@ -82,6 +82,53 @@ def test_same_length_mask_is_a_window():
     assert _window_of(_mask(4, 3), 4, 7) is None
 
 
+def _unmasked_by_distance(m, w, r, mems):
+    """No mask, every query sees every key: query i and key j at distance d = mlen + i - j
+    (negative for the keys after i) use row klen - 1 - d of r, indexed directly."""
+    qlen, bsz = w.shape[:2]
+    cat = w if mems is None else torch.cat([mems, w], 0)
+    q, k, v = torch.chunk(m.qkv_net(m.layer_norm(cat) if m.pre_lnorm else cat), 3, -1)
+    klen, H, Dh = k.shape[0], m.n_head, m.d_head
+    q = q[-qlen:].view(qlen, bsz, H, Dh)
+    k, v = k.view(klen, bsz, H, Dh), v.view(klen, bsz, H, Dh)
+    rk = m.r_net(r.reshape(r.shape[0], -1)).view(-1, H, Dh)
+    i, j = torch.arange(qlen, device=w.device)[:, None], torch.arange(klen, device=w.device)
+    rows = rk[klen - 1 - (klen - qlen + i - j)]                           # [qlen, klen, H, Dh]
+    ac = torch.einsum("ibnd,jbnd->bnij", q + m.r_w_bias, k)
+    bd = torch.einsum("ibnd,ijnd->bnij", q + m.r_r_bias, rows)
+    prob = F.softmax((ac + bd) * m.scale, -1)
+    out = m.o_net(torch.einsum("bnij,jbnd->ibnd", prob, v).reshape(qlen, bsz, H * Dh))
+    return w + out if m.pre_lnorm else m.layer_norm(w + out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mlen", [0, 3])
+def test_no_mask_needs_the_negative_distances_in_r(backend, mlen):
+    """attn_mask=None: with qlen > 1 the keys after a query are at negative distances,
+    which r's klen rows do not encode (the original code's rel_shift wraps them onto other
+    rows): refused with the reason, and computed by distance when r carries qlen - 1 more
+    rows (distances down to 1 - qlen). qlen = 1 needs none: klen rows, the causal result."""
+    torch.manual_seed(2)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0,
+                                                    backend=backend).to(DEVICE).eval()
+    qlen, bsz = 5, 2
+    klen = qlen + mlen
+    w = torch.randn(qlen, bsz, 32, device=DEVICE)
+    mems = torch.randn(mlen, bsz, 32, device=DEVICE) if mlen else None
+    with pytest.raises(ValueError, match=rf"attn_mask=None .* qlen = 5 > 1 .* klen \+ qlen - 1 "
+                                         rf"= {klen + 4} rows"):
+        m(w, torch.randn(klen, 32, device=DEVICE), mems=mems)
+    r = torch.randn(klen + qlen - 1, 1, 32, device=DEVICE)
+    out = m(w, r, mems=mems)
+    assert rel_err(out, _unmasked_by_distance(m, w, r, mems)) < 1e-5
+    causal = m(w, r, attn_mask=_mask(qlen, mlen), mems=mems)       # the extra rows: unused
+    assert rel_err(causal, _original_layer(m, w, r[:klen], _mask(qlen, mlen), mems)) < 1e-5
+    with pytest.raises(ValueError, match=rf"r must have klen = {klen} rows .* got {klen + 1}"):
+        m(w, r[:klen + 1], attn_mask=_mask(qlen, mlen), mems=mems)
+    one = m(w[:1], r[:mlen + 1], mems=mems)                         # qlen 1: nothing after it
+    assert rel_err(one, _original_layer(m, w[:1], r[:mlen + 1], None, mems)) < 1e-5
+
+
 @pytest.mark.parametrize("mask", ["not-causal", "diagonal-masked", "ragged", "shape"])
 def test_other_masks_are_refused(mask):
     m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 16, 8, dropout=0.0)

@@ -185,6 +185,33 @@ def test_cli_rejects_a_checkpoint_too_small_for_the_stream(tmp_path, capsys):
     assert "n_token=40" in capsys.readouterr().err
 
 
+def _bad_checkpoints(tmp_path):
+    """Files torch.load cannot read (each raised its own uncaught error: UnpicklingError,
+    EOFError, KeyError) and contents that are no checkpoint of the model (TypeError)."""
+    sd = tiny_model(n_token=256).state_dict()
+    yield "garbage", bytes(range(256)) * 2, "--checkpoint: cannot read"
+    yield "empty", b"", "--checkpoint: cannot read"
+    yield "text", b"hello world\n", "--checkpoint: cannot read"
+    yield "bogus-config", {"state_dict": sd, "config": {"bogus": 1}}, \
+        "--checkpoint: its 'config' does not fit TransformerXLConfig"
+    yield "state-dict-not-a-dict", {"state_dict": [1, 2]}, \
+        "--checkpoint: its 'state_dict' must be a dict"
+
+
+def test_cli_reports_an_unreadable_or_unfitting_checkpoint_as_a_flag_error(tmp_path, capsys):
+    for name, content, msg in _bad_checkpoints(tmp_path):
+        path = tmp_path / f"{name}.pt"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        with pytest.raises(SystemExit) as e:
+            cli.main(["xl-eval", *TINY, "--checkpoint", str(path)])
+        assert e.value.code == 2, name
+        err = capsys.readouterr().err
+        assert f"xl-eval: error: {msg}" in err, f"{name}: {msg!r} not in {err!r}"
+
+
 def test_cli_smoke_tiny_run_writes_the_report(tmp_path, capsys):
     out = tmp_path / "report"
     assert cli.main(["xl-eval", *TINY, "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0

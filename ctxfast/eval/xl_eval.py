@@ -731,18 +731,38 @@ def _unreadable(s: Settings) -> dict:
     return dict(dropout=0.0, dropatt=0.0, pre_lnorm=s.model.pre_lnorm, mem_len=s.model.mem_len)
 
 
+def _load_error(e: Exception) -> str:
+    """The gist of torch.load's error: its type and first line (for the weights-only
+    unpickler's, the line after "WeightsUnpickler error:", not the advice around it)."""
+    lines = [ln.strip() for ln in str(e).split("WeightsUnpickler error:")[-1].splitlines()]
+    lines = [ln for ln in lines if ln]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 def load_model(s: Settings, vocab_needed: int) -> TransformerXL:
     """Random weights (seeded) of ``s.model``, or the checkpoint's."""
     if s.checkpoint is None:
         torch.manual_seed(s.seed)
         model = TransformerXL(s.model)
     else:
-        obj = torch.load(s.checkpoint, map_location="cpu", weights_only=True)
+        try:
+            obj = torch.load(s.checkpoint, map_location="cpu", weights_only=True)
+        except Exception as e:  # a foreign file raises what its bytes lead to: UnpicklingError,
+            # EOFError, KeyError, IndexError, UnicodeDecodeError, struct.error, RuntimeError, ...
+            raise ValueError(f"--checkpoint: cannot read {s.checkpoint} as a PyTorch "
+                             f"checkpoint ({_load_error(e)})") from e
         if isinstance(obj, dict) and "state_dict" in obj:
+            if not isinstance(obj["state_dict"], dict):
+                raise ValueError(f"--checkpoint: its 'state_dict' must be a dict of tensors, "
+                                 f"got {type(obj['state_dict']).__name__}")
             cfg = obj.get("config")
             if isinstance(cfg, dict):
-                model = TransformerXL(TransformerXLConfig(**{**cfg, "dropout": 0.0,
-                                                             "dropatt": 0.0}))
+                try:
+                    model = TransformerXL(TransformerXLConfig(**{**cfg, "dropout": 0.0,
+                                                                 "dropatt": 0.0}))
+                except TypeError as e:                  # an unknown field, a wrong type
+                    raise ValueError(f"--checkpoint: its 'config' does not fit "
+                                     f"TransformerXLConfig: {e}") from e
                 model.load_state_dict(obj["state_dict"])
             else:
                 model = TransformerXL.from_state_dict(obj["state_dict"], **_unreadable(s))

@@ -106,6 +106,12 @@ class KVMemory:
     def extend(self, k_new: Tensor, v_new: Tensor, room: Optional[int] = None) -> "KVMemory":
         """These rows followed by ``k_new, v_new [B, H, Q, d_head]``; a new buffer, where
         one is needed, gets ``room`` rows of room (default ``max(8 · Q, 128)``)."""
+        ks = self.k.shape
+        if k_new.dim() != 4 or k_new.shape[:2] != ks[:2] or k_new.shape[3] != ks[3] \
+                or v_new.shape != k_new.shape:
+            raise ValueError(f"KVMemory.extend: k_new and v_new must have shape [B, H, Q, "
+                             f"d_head] = [{ks[0]}, {ks[1]}, Q, {ks[3]}] to follow the kept rows, "
+                             f"got {list(k_new.shape)} and {list(v_new.shape)}")
         span, q = self._span(), k_new.shape[2]
         if span is not None:
             kb, vb, frontier = self._buf
@@ -188,8 +194,18 @@ class KVCache:
         kv = self.layers[0]
         return 0 if kv is None else kv[0].shape[2]
 
+    def check_batch(self, B: int, layer: Optional[int] = None) -> None:
+        """ValueError unless the cache (its `layer`, or every layer) is empty or holds ``B``
+        sequences: a cache belongs to one batch (``reset()`` it for another)."""
+        for kv in self.layers if layer is None else [self.layers[layer]]:
+            if kv is not None and kv[0].shape[0] != B:
+                raise ValueError(f"KVCache holds a batch of B={kv[0].shape[0]} sequences but "
+                                 f"the input has B={B}; reset() the cache (or use a new one) "
+                                 f"for another batch")
+
     def update(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         """Append the new ``k, v [B, H, t, D]``; returns all keys and values ``[B, H, T+t, D]``."""
+        self.check_batch(k.shape[0], layer)
         past = self.layers[layer]
         graph = torch.is_grad_enabled() and any(
             x.requires_grad for x in (k, v, *(past or ())))
@@ -306,16 +322,26 @@ def unpack(x: Tensor, indices: Tensor, B: int, T: int) -> Tensor:
 
 # --------------------------------------------------------------------------- checks
 
+def check_device(name: str, t: Tensor, device: torch.device) -> None:
+    """`t` (argument `name`) is on the model's `device`, else ValueError: an embedding
+    lookup of ids on the meta device returns uninitialised values, not an error."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the model on {device}")
+
+
 def check_ids(name: str, ids: Tensor, vocab: int, max_len: Optional[int] = None,
-              what: str = "vocab_size") -> None:
+              what: str = "vocab_size", device: Optional[torch.device] = None) -> None:
     """A ``[B, T]`` integer tensor with values in ``[0, vocab)`` and ``T <= max_len``
-    (positions left; None = no limit). Raises before anything runs."""
+    (positions left; None = no limit), on ``device`` (the model's; None = not checked).
+    Raises before anything runs."""
     if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool \
             or ids.dtype.is_complex:
         raise TypeError(f"{name} must be an integer tensor [B, T], got "
                         f"{getattr(ids, 'dtype', type(ids).__name__)}")
     if ids.dim() != 2:
         raise ValueError(f"{name} must have shape [B, T], got {tuple(ids.shape)}")
+    if device is not None:
+        check_device(name, ids, device)
     if max_len is not None and ids.shape[1] > max_len:
         raise ValueError(f"{name} has length T={ids.shape[1]} but only {max_len} positions "
                          f"are left (n_positions minus cached tokens)")
@@ -324,6 +350,26 @@ def check_ids(name: str, ids: Tensor, vocab: int, max_len: Optional[int] = None,
         if lo < 0 or hi >= vocab:
             raise ValueError(f"{name} must be in [0, {vocab}) ({what}), got values in "
                              f"[{lo}, {hi}]")
+
+
+def check_labels(name: str, labels: Optional[Tensor], shape: tuple, n: int,
+                 device: Optional[torch.device] = None) -> None:
+    """None, or an integer tensor of ``shape`` with values in ``[0, n)`` or -100 (ignored),
+    on ``device`` (None = not checked): the targets of a cross-entropy over ``n`` classes."""
+    if labels is None:
+        return
+    if not isinstance(labels, Tensor) or labels.dtype.is_floating_point \
+            or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor {list(shape)}")
+    if tuple(labels.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(labels.shape)}")
+    if device is not None:
+        check_device(name, labels, device)
+    if values_checked(labels):
+        bad = (labels != -100) & ((labels < 0) | (labels >= n))
+        if bool(bad.any()):
+            raise ValueError(f"{name} must be in [0, {n}) or -100 (ignored), got "
+                             f"{labels[bad][0].item()}")
 
 
 def check_sampling(max_new_tokens: object, temperature: float, top_k: object) -> None:
@@ -368,4 +414,5 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
 
 __all__ = ["MODEL_BACKENDS", "check_backend", "attend", "attend_varlen", "KVCache",
            "KVMemory", "attach", "attached", "reuse_allowed", "reuse_key",
-           "SelfAttention", "MLP", "pack", "unpack", "check_ids", "init_weights"]
+           "SelfAttention", "MLP", "pack", "unpack", "check_device", "check_ids",
+           "check_labels", "init_weights"]

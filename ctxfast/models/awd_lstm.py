@@ -98,12 +98,13 @@ def _check_config(c: AWDLSTMConfig) -> None:
     if not (isinstance(c.pad_token, int) and 0 <= c.pad_token < c.vocab_size):
         raise ValueError(f"AWDLSTMConfig.pad_token must be in [0, vocab_size={c.vocab_size}), "
                          f"got {c.pad_token!r}")
-    for name in ("embed_p", "input_p", "hidden_p", "output_p"):
+    for name in ("embed_p", "input_p", "hidden_p", "output_p", "weight_p"):
         v = getattr(c, name)
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"AWDLSTMConfig.{name} must be in [0, 1], got {v!r}")
-    if not 0.0 <= c.weight_p < 1.0:
-        raise ValueError(f"AWDLSTMConfig.weight_p must be in [0, 1), got {c.weight_p!r}")
+        closed = name != "weight_p"                   # DropConnect keeps some weight: p < 1
+        if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not (0.0 <= v <= 1.0 if closed else 0.0 <= v < 1.0):
+            raise ValueError(f"AWDLSTMConfig.{name} must be a float in [0, 1"
+                             f"{']' if closed else ')'}, got {v!r}")
     if len(c.lin_ps) != len(c.lin_ftrs):
         raise ValueError(f"AWDLSTMConfig.lin_ps must have one dropout per lin_ftrs entry, got "
                          f"lin_ftrs={c.lin_ftrs}, lin_ps={c.lin_ps}")
@@ -204,14 +205,12 @@ class AWDLSTM(nn.Module):
         output ``[B, T, emb_sz]`` (before any output dropout). Continues from the carried
         state and replaces it with the new final state, detached."""
         c = self.config
-        check_ids("input_ids", input_ids, c.vocab_size)
+        p0 = self.encoder.weight
+        check_ids("input_ids", input_ids, c.vocab_size, device=p0.device)
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids must hold at least one time step, got shape "
                              f"{tuple(input_ids.shape)}")
-        p0 = self.encoder.weight
-        if input_ids.device != p0.device:
-            raise ValueError(f"input_ids is on {input_ids.device}, the model on {p0.device}")
         hidden = self._hidden_for(B, p0)
         x = locked(self.input_dp, self.embed(input_ids), c.backend)           # [B, T, E]
         new_hidden = []

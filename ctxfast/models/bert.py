@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (MLP, SelfAttention, activation, check_backend, check_ids, init_weights,
-                      pack, unpack, values_checked)
+from ._common import (MLP, SelfAttention, activation, check_backend, check_ids, check_labels,
+                      init_weights, pack, unpack, values_checked)
 
 
 @dataclass
@@ -138,13 +138,14 @@ class Bert(nn.Module):
         mlm_labels ``[B, T]`` (-100 = not predicted); nsp_labels ``[B]`` (0 = B follows A,
         1 = random); varlen: pack the padded batch (default ``config.varlen``)."""
         cfg = self.config
-        check_ids("input_ids", input_ids, cfg.vocab_size, cfg.n_positions)
+        device = self.embeddings.word.weight.device
+        check_ids("input_ids", input_ids, cfg.vocab_size, cfg.n_positions, device=device)
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids must hold at least one token per row ([CLS]), got T=0")
         if token_type_ids is not None:
             check_ids("token_type_ids", token_type_ids, cfg.type_vocab_size, None,
-                      what="type_vocab_size")
+                      what="type_vocab_size", device=device)
             if token_type_ids.shape != input_ids.shape:
                 raise ValueError(f"token_type_ids must have the shape of input_ids [B, T] = "
                                  f"{(B, T)}, got {tuple(token_type_ids.shape)}")
@@ -153,8 +154,8 @@ class Bert(nn.Module):
             raise ValueError("mlm_labels given but the model has no MLM head (add_mlm_head)")
         if nsp_labels is not None and self.nsp is None:
             raise ValueError("nsp_labels given but the model has no NSP head (add_nsp_head)")
-        _check_labels("mlm_labels", mlm_labels, (B, T), cfg.vocab_size)
-        _check_labels("nsp_labels", nsp_labels, (B,), 2)
+        check_labels("mlm_labels", mlm_labels, (B, T), cfg.vocab_size, device)
+        check_labels("nsp_labels", nsp_labels, (B,), 2, device)
 
         emb = self.embeddings
         pos = torch.arange(T, device=input_ids.device)          # [T]
@@ -216,20 +217,6 @@ def _check_attention_mask(mask: Optional[Tensor], B: int, T: int, device) -> Opt
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
         mask = mask != 0
     return mask
-
-
-def _check_labels(name: str, labels: Optional[Tensor], shape: tuple, n: int) -> None:
-    if labels is None:
-        return
-    if not isinstance(labels, Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor {list(shape)}")
-    if tuple(labels.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(labels.shape)}")
-    if values_checked(labels):
-        bad = (labels != -100) & ((labels < 0) | (labels >= n))
-        if bool(bad.any()):
-            raise ValueError(f"{name} must be in [0, {n}) or -100 (ignored), got "
-                             f"{labels[bad][0].item()}")
 
 
 __all__ = ["BertConfig", "BertOutput", "Bert", "EncoderLayer"]

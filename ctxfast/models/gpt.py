@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (MLP, KVCache, SelfAttention, check_backend, check_ids, check_sampling,
-                      init_weights, lm_decoder, next_token, values_checked)
+from ._common import (MLP, KVCache, SelfAttention, check_backend, check_device, check_ids,
+                      check_sampling, init_weights, lm_decoder, next_token, values_checked)
 
 
 @dataclass
@@ -127,7 +127,10 @@ class GPT(nn.Module):
         """
         cfg = self.config
         past = cache.length if cache is not None else 0
-        check_ids("idx", idx, cfg.vocab_size, cfg.n_positions - past)
+        check_ids("idx", idx, cfg.vocab_size, cfg.n_positions - past,
+                  device=self.transformer.wte.weight.device)
+        if cache is not None:
+            cache.check_batch(idx.shape[0])
         if targets is not None:
             _check_targets(targets, idx, cfg.vocab_size)
         B, T = idx.shape
@@ -161,7 +164,8 @@ class GPT(nn.Module):
         """
         cfg = self.config
         check_sampling(max_new_tokens, temperature, top_k)
-        check_ids("idx", idx, cfg.vocab_size)                  # longer than n_positions is fine
+        check_ids("idx", idx, cfg.vocab_size,                  # longer than n_positions is fine
+                  device=self.transformer.wte.weight.device)
         if idx.shape[1] == 0:
             raise ValueError("idx must hold at least one token to generate from, got T=0")
         cache = KVCache(cfg.n_layer) if use_cache else None
@@ -184,6 +188,7 @@ def _check_targets(targets: Tensor, idx: Tensor, vocab: int) -> None:
     if targets.shape != idx.shape:
         raise ValueError(f"targets must have the shape of idx [B, T] = {tuple(idx.shape)}, "
                          f"got {tuple(targets.shape)}")
+    check_device("targets", targets, idx.device)                # idx is on the model's device
     if values_checked(targets):
         bad = (targets != -100) & ((targets < 0) | (targets >= vocab))
         if bool(bad.any()):

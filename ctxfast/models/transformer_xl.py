@@ -58,8 +58,8 @@ from torch import Tensor, nn
 
 from .. import ops, reference
 from ..nn.rel_attention import RelPartialLearnableMultiHeadAttn as _RelAttnLayer
-from ._common import (KVMemory, attach, attached, check_sampling, next_token, reuse_allowed,
-                      reuse_key, values_checked)
+from ._common import (KVMemory, attach, attached, check_device, check_sampling, next_token,
+                      reuse_allowed, reuse_key, values_checked)
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 
@@ -524,6 +524,7 @@ class TransformerXL(nn.Module):
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
             raise ValueError(f"TransformerXL: {name} must have shape [T, B] (time-major, "
                              f"T, B >= 1), got {tuple(ids.shape)}")
+        check_device(f"TransformerXL: {name}", ids, self.word_emb.emb_layers[0].weight.device)
         if values_checked(ids):
             lo, hi = torch.aminmax(ids)
             lo, hi = int(lo), int(hi)
@@ -691,12 +692,14 @@ class TransformerXL(nn.Module):
         new mems), ``T' = T`` or, with ``last``, only the last ``last`` positions (the
         output layer then runs on those only: what a sliding-window evaluation needs).
         ``validate=False`` skips the id range check (one host sync per call) for callers
-        that checked the whole stream once; shapes are always checked."""
+        that checked the whole stream once; shapes and the device are always checked."""
         if validate:
             self._check_ids("data", data)
         elif not isinstance(data, Tensor) or data.dim() != 2:
             raise ValueError(f"TransformerXL: data must have shape [T, B], got "
                              f"{tuple(getattr(data, 'shape', ()))}")
+        else:
+            check_device("TransformerXL: data", data, self.word_emb.emb_layers[0].weight.device)
         T, B = data.shape
         if last is not None and (not isinstance(last, int) or not 1 <= last <= T):
             raise ValueError(f"TransformerXL.log_probs: last must be an int in [1, T={T}], "

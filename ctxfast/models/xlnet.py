@@ -60,7 +60,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import reference
-from ._common import KVMemory, attach, attached, reuse_allowed, reuse_key, values_checked
+from ._common import (KVMemory, attach, attached, check_labels, reuse_allowed, reuse_key,
+                      values_checked)
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
            "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
@@ -84,7 +85,7 @@ class XLNetConfig:
     d_model: int = 768
     n_layer: int = 12
     n_head: int = 12
-    d_head: Optional[int] = None         # default d_model // n_head
+    d_head: Optional[int] = None         # default d_model / n_head (which must divide)
     d_inner: int = 3072
     ff_activation: str = "gelu"
     attn_type: str = "bi"                # "bi" (XLNet) or "uni" (causal, Transformer-XL-like)
@@ -102,7 +103,13 @@ class XLNetConfig:
     reuse_kv: bool = True                # ctxfast, no grad: keys / values of the memory kept
 
     def __post_init__(self):
+        if isinstance(self.n_head, bool) or not isinstance(self.n_head, int) or self.n_head < 1:
+            raise ValueError(f"XLNetConfig: n_head must be an int >= 1, got {self.n_head!r}")
         if self.d_head is None:
+            if self.d_model % self.n_head:
+                raise ValueError(f"XLNetConfig: d_model = {self.d_model} must be divisible by "
+                                 f"n_head = {self.n_head} (d_head = d_model / n_head), or give "
+                                 f"d_head explicitly")
             self.d_head = self.d_model // self.n_head
         if self.d_model % 2:
             raise ValueError(f"XLNetConfig: d_model must be even (sin/cos positional "
@@ -635,6 +642,8 @@ class XLNetLMHeadModel(nn.Module):
             if not isinstance(labels, Tensor) or tuple(labels.shape) != (input_ids.shape[0], L):
                 raise ValueError(f"XLNetLMHeadModel: labels must have shape [B, P or T] = "
                                  f"[{input_ids.shape[0]}, {L}], got {_shape(labels)}")
+            check_labels("XLNetLMHeadModel: labels", labels, (input_ids.shape[0], L),
+                         self.config.vocab_size, self.transformer.word_embedding.weight.device)
         out = self.transformer(input_ids, attention_mask, token_type_ids, mems, perm_rank,
                                target_mapping, use_mems)
         logits = self.lm_loss(out.last_hidden_state)                       # [B, L, V]

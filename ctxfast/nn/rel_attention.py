@@ -9,11 +9,17 @@ so an original layer's ``state_dict`` loads with ``strict=True``.
 
 Layouts as in the original: ``w [qlen, bsz, d_model]``, ``r [rlen, d_model]`` (or
 ``[rlen, 1, d_model]``) with ``rlen = klen = mlen + qlen`` and row m encoding distance
-``klen - 1 - m``, ``mems [mlen, bsz, d_model]``. ``attn_mask`` may be None (no mask) or
-the standard causal mask ``triu(ones(qlen, klen), 1 + mlen)`` (True = masked), which runs
-as ``causal=True``, or that mask plus the original code's ``same_length`` part
-``tril(ones(qlen, klen), -mask_shift_len)``, which runs as ``causal=True, window=mlen +
-mask_shift_len`` (= the model's ``mem_len``); other masks raise ``NotImplementedError``.
+``klen - 1 - m``, ``mems [mlen, bsz, d_model]``. ``attn_mask`` may be the standard causal
+mask ``triu(ones(qlen, klen), 1 + mlen)`` (True = masked), which runs as ``causal=True``,
+or that mask plus the original code's ``same_length`` part ``tril(ones(qlen, klen),
+-mask_shift_len)``, which runs as ``causal=True, window=mlen + mask_shift_len`` (= the
+model's ``mem_len``); other masks raise ``NotImplementedError``. ``attn_mask=None`` (no
+mask: every query sees every key) with ``qlen = 1`` is the causal result; with ``qlen > 1``
+the keys after a query are at negative distances, down to ``1 - qlen``, which klen rows
+of r do not encode (the original code's ``rel_shift`` wraps them onto other rows, a
+result that means nothing), so r must then carry them: ``rlen = klen + qlen - 1``, row m
+still encoding distance ``klen - 1 - m`` (``pos_seq = arange(klen - 1, -qlen, -1)``);
+None with klen rows and ``qlen > 1`` raises ``ValueError``.
 """
 import weakref
 from typing import Optional
@@ -96,16 +102,25 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                                  f"[n_head, d_head] = [{H}, {Dh}], got "
                                  f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
         qlen, bsz = w.shape[0], w.shape[1]
+        klen = qlen + (0 if mems is None else mems.shape[0])
+        r2 = r.reshape(r.shape[0], -1)                                  # [rlen, d_model]
+        rlen = r2.shape[0]
+        if attn_mask is None and rlen == klen and qlen > 1:
+            raise ValueError(
+                f"RelPartialLearnableMultiHeadAttn: attn_mask=None (no mask) with qlen = {qlen} "
+                f"> 1 lets a query see the keys after it, at negative distances, which r's "
+                f"klen = {klen} rows (distances {klen - 1}..0) do not encode (the original "
+                f"code's rel_shift wraps them onto other rows); pass the causal mask, or r "
+                f"with klen + qlen - 1 = {klen + qlen - 1} rows (distances down to {1 - qlen})")
+        if rlen not in (klen, klen + qlen - 1):
+            raise ValueError(f"RelPartialLearnableMultiHeadAttn: r must have klen = {klen} rows "
+                             f"(mems + w), or klen + qlen - 1 = {klen + qlen - 1} (distances "
+                             f"down to {1 - qlen}, for no mask), got {rlen}")
         cat = w if mems is None else torch.cat([mems, w], 0)           # [klen, bsz, d_model]
-        klen = cat.shape[0]
         heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)
         q, k, v = torch.chunk(heads, 3, dim=-1)                         # [klen, bsz, H*Dh] each
         q = q[-qlen:]
-        r2 = r.reshape(r.shape[0], -1)                                  # [rlen, d_model]
-        if r2.shape[0] != klen:
-            raise ValueError(f"RelPartialLearnableMultiHeadAttn: r must have klen = {klen} rows "
-                             f"(mems + w), got {r2.shape[0]}")
-        r_head = self.r_net(r2).view(klen, H, Dh).transpose(0, 1)      # [H, rlen, Dh]
+        r_head = self.r_net(r2).view(rlen, H, Dh).transpose(0, 1)      # [H, rlen, Dh]
         # [T, bsz, H*Dh] -> [T, bsz, H, Dh] -> [bsz, H, T, Dh]
         q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
         causal, window = False, None

@@ -127,10 +127,12 @@ def embedding_dropout(weight: Tensor, input_ids: Tensor, p: float, *,
 
     Args:
         weight: ``[V, E]`` embedding matrix, floating point.
-        input_ids: integer tensor of any shape ``[*S]``, values in ``[0, V)``.
+        input_ids: integer tensor of any shape ``[*S]`` (any integer dtype; other than
+            int32/int64 it is converted to int64), values in ``[0, V)``, on weight's device.
         p: drop probability of a word, in [0, 1].
         scale: optional extra factor on the whole output (fastai's ``scale``).
-        padding_idx: as in ``F.embedding``: that row gets no gradient.
+        padding_idx: as in ``F.embedding`` (an int in ``[-V, V)``): that row gets no
+            gradient.
         training: False: no word is dropped (``mask`` ignored); ``scale`` still applies.
         mask: keep-mask ``[V]`` (0/1, bool or floating point); None: sampled.
         generator: the random stream used when the mask is sampled.
@@ -140,9 +142,11 @@ def embedding_dropout(weight: Tensor, input_ids: Tensor, p: float, *,
         ``[*S, E]`` in weight's dtype; differentiable in weight.
 
     Raises:
-        TypeError: bad dtypes (weight not floating point, input_ids not integer, mask).
+        TypeError: bad dtypes (weight not floating point, input_ids not integer, mask),
+            padding_idx not an int.
         ValueError: weight not 2-D, p outside [0, 1], a mask of the wrong shape/device,
-            an id of input_ids outside ``[0, V)`` (checked on CPU).
+            input_ids on another device than weight, padding_idx outside ``[-V, V)``, an
+            id of input_ids outside ``[0, V)`` (checked on CPU).
     """
     op = "embedding_dropout"
     if not isinstance(weight, Tensor) or not weight.is_floating_point():
@@ -153,9 +157,21 @@ def embedding_dropout(weight: Tensor, input_ids: Tensor, p: float, *,
             or input_ids.is_complex() or input_ids.dtype == torch.bool):
         got = input_ids.dtype if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise TypeError(f"{op}: input_ids must be an integer torch.Tensor, got {got}")
+    if input_ids.device != weight.device:
+        raise ValueError(f"{op}: input_ids is on {input_ids.device} but weight is on "
+                         f"{weight.device}")
     p = _check_p(p, op)
     V = weight.shape[0]
+    if padding_idx is not None:
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+            raise TypeError(f"{op}: padding_idx must be None or an int, got "
+                            f"{type(padding_idx).__name__}")
+        if not -V <= padding_idx < V:
+            raise ValueError(f"{op}: padding_idx must be in [-V, V) with V = {V} (rows of "
+                             f"weight), got {padding_idx}")
     check_ids_in_vocab(op, "input_ids", input_ids, V)
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        input_ids = input_ids.long()           # F.embedding and indexing take int32/int64
     out = F.embedding(input_ids, weight, padding_idx, None, 2.0, scale_grad_by_freq,
                       sparse)                                               # [*S, E]
     factor: Optional[Tensor] = None
