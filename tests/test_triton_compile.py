@@ -1058,9 +1058,11 @@ def test_host_side_cdiv_and_next_pow2_match_triton():
 
 
 def _ctas_an_sm(row):
-    """(CTAs an sm_90 SM holds by shared memory, by registers or None) of a compiled row."""
+    """(CTAs an sm_90 SM holds by shared memory, by registers or None) of a compiled row;
+    the registers of every warp that runs (a warp-specialised kernel launched with 4 runs
+    12, each at the registers ptxas reports before ``setmaxnreg`` moves them)."""
     import re
-    warps = int(re.search(r"num_warps=(\d+)", row["launch"]).group(1))
+    warps = row.get("warps_run") or int(re.search(r"num_warps=(\d+)", row["launch"]).group(1))
     by_smem = SM90_SMEM // (row["shared"] + SM90_SMEM_PER_CTA)
     return by_smem, SM90_REGS // (row["regs"] * warps * 32) if row["regs"] else None
 
