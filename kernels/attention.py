@@ -24,12 +24,14 @@ sm_90, measured), and the loop bounds already leave out the key blocks past the 
 unpadded key and, in rank order, above the staircase. Causal grids hand the last query
 blocks (the longest rows) to the first programs.
 
-Warp specialisation (:func:`_attn_fwd_ws_kernel`; the tuner's ``"fwd:ws"`` rows, not yet a
-table's choice): a second forward for dense 16-bit calls without padding, permutation mask
-or dropout, whose one key loop Triton's sm_90 pipeline splits into a producer warp (TMA
-loads) and two consumer warpgroups (products and softmax), FlashAttention-3's schedule.
-What the split needs (descriptors built on the device, one loop, no branch in it) costs it
-the interior / boundary split above: a causal call masks every tile.
+Warp specialisation (:func:`_attn_fwd_ws_kernel`, :func:`_attn_bwd_dkdv_ws_kernel`,
+:func:`_attn_bwd_dq_ws_kernel`; the tuner's ``"<kernel>:ws"`` rows, not yet a table's
+choice): a second forward, dK/dV and dQ for dense 16-bit calls without padding,
+permutation mask or dropout, whose one loop Triton's sm_90 pipeline splits into a producer
+warp (TMA loads) and two consumer warpgroups (products and softmax), FlashAttention-3's
+schedule. What the split needs (descriptors built on the device, one loop, no branch in
+it; in dQ lse and delta by TMA too) costs them the interior / boundary split above: a
+causal call masks every tile.
 
 Permutation masks in rank order (``SORTED``: a permutation mask without causal): the
 launchers sort each batch's current tokens by rank once per call, ``order = argsort(rank[b])``
@@ -385,6 +387,16 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
+def _rows_desc(X, b, h, stride_b, stride_h, stride_r, T, D, BLOCK_R: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """A descriptor built on the device for sequence (b, h) of X ``[B, H, T, D]`` (last dim
+    contiguous, 16-byte rows) in ``[BLOCK_R, BLOCK_D]`` tiles: rows past T and columns
+    past D read as 0 (the warp-specialised kernels)."""
+    return tl.make_tensor_descriptor(X + b * stride_b + h * stride_h, shape=[T, D],
+                                     strides=[stride_r, 1], block_shape=[BLOCK_R, BLOCK_D])
+
+
+@triton.jit
 def _attn_fwd_ws_kernel(
     Q, K, V,        # q [B, H, Tq, D], k, v [B, H, Tk, D]; 16-bit, TMA-addressable
                     # (_common.tma_addressable): last dim contiguous, 16-byte rows and bases
@@ -422,12 +434,9 @@ def _attn_fwd_ws_kernel(
     b = bh // H
     h = bh % H
     m0 = pid_m * BLOCK_M
-    qd = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[Tq, D],
-                                   strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
-    kd = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[Tk, D],
-                                   strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-    vd = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[Tk, D],
-                                   strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    qd = _rows_desc(Q, b, h, stride_qb, stride_qh, stride_qm, Tq, D, BLOCK_M, BLOCK_D)
+    kd = _rows_desc(K, b, h, stride_kb, stride_kh, stride_kn, Tk, D, BLOCK_N, BLOCK_D)
+    vd = _rows_desc(V, b, h, stride_vb, stride_vh, stride_vn, Tk, D, BLOCK_N, BLOCK_D)
     q = qd.load([m0, 0])
     offs_m = m0 + tl.arange(0, BLOCK_M)
     hi = Tk
@@ -452,6 +461,146 @@ def _attn_fwd_ws_kernel(
     _fwd_epilogue(acc, l_i, m_i, O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
                   + offs_d[None, :] * stride_od, LSE + b * stride_lb + h * stride_lh + offs_m,
                   offs_m, Tq, offs_d[None, :] < D, False)
+
+
+@triton.jit
+def _bwd_descs(Q, K, V, DO, b, h, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+               stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+               Tq, Tk, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(q, dO in [BLOCK_M, BLOCK_D] tiles, k, v in [BLOCK_N, BLOCK_D]): the descriptors of
+    sequence (b, h) that the warp-specialised backward kernels read (:func:`_rows_desc`)."""
+    return (_rows_desc(Q, b, h, stride_qb, stride_qh, stride_qm, Tq, D, BLOCK_M, BLOCK_D),
+            _rows_desc(DO, b, h, stride_dob, stride_doh, stride_dom, Tq, D, BLOCK_M, BLOCK_D),
+            _rows_desc(K, b, h, stride_kb, stride_kh, stride_kn, Tk, D, BLOCK_N, BLOCK_D),
+            _rows_desc(V, b, h, stride_vb, stride_vh, stride_vn, Tk, D, BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _attn_bwd_dkdv_ws_kernel(
+    Q, K, V, DO,    # q, do [B, H, Tq, D], k, v [B, H, Tk, D]; 16-bit, TMA-addressable
+    LSE, DELTA,     # [B, H, Tq] fp32: forward's lse (base 2), rowsum(dO * O)
+    DK, DV,         # dk, dv [B, H, Tk, D], written (same layout)
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_lb, stride_lh,   # of lse and delta
+    H, Tq, Tk, mem_len, D,
+    qk_scale, sm_scale,     # scale * log2(e), scale
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """:func:`_attn_bwd_dkdv_kernel` for the calls :func:`_attn_fwd_ws_kernel` serves,
+    warp-specialised the same way (4 warps launched, 12 run: a producer warp loading the q
+    and dO tiles by TMA, two consumer warpgroups with half of the key block each; BLOCK_N
+    128). One loop over the query tiles; a causal call masks every tile. Rows past Tq read
+    as 0 and their lse as +inf (probability 0): no other mask."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    n0 = pid_n * BLOCK_N
+    qd, dod, kd, vd = _bwd_descs(Q, K, V, DO, b, h, stride_qb, stride_qh, stride_qm,
+                                 stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                                 stride_vn, stride_dob, stride_doh, stride_dom, Tq, Tk, D,
+                                 BLOCK_M, BLOCK_N, BLOCK_D)
+    k = kd.load([n0, 0])
+    v = vd.load([n0, 0])
+    LSE += b * stride_lb + h * stride_lh
+    DELTA += b * stride_lb + h * stride_lh
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    lo = 0
+    if CAUSAL:      # queries i >= j - mem_len see key j: start at the block of the first one
+        lo = tl.maximum(n0 - mem_len, 0) // BLOCK_M * BLOCK_M
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for start_m in tl.range(lo, Tq, BLOCK_M, warp_specialize=True):
+        q = qd.load([start_m, 0])
+        do = dod.load([start_m, 0])
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        lse = tl.load(LSE + offs_m, mask=offs_m < Tq, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < Tq, other=0.0)
+        p_t = tl.exp2(_scores(k, q, qk_scale, UPCAST, PRECISION) - lse[None, :])   # [N, M]
+        if CAUSAL:
+            p_t = tl.where(offs_m[None, :] + mem_len >= offs_n[:, None], p_t, 0.0)
+        dp_t = _dot(v, tl.trans(do), UPCAST, PRECISION)                  # (dO Vᵀ)ᵀ
+        dv += _dot(p_t.to(do.dtype), do, UPCAST, PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, UPCAST, PRECISION)
+    offs_d = tl.arange(0, BLOCK_D)
+    out_off = (b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn
+               + offs_d[None, :] * stride_dkd)
+    kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < D)
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_ws_kernel(
+    Q, K, V, DO,    # as in _attn_bwd_dkdv_ws_kernel
+    LSE, DELTA,     # [B, H, Tq] fp32, rows of (b, h) on 16 bytes
+    DQ,             # dq [B, H, Tq, D], written
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_lb, stride_lh,   # of lse and delta
+    H, Tq, Tk, mem_len, D,
+    qk_scale, sm_scale,
+    CAUSAL: tl.constexpr,
+    MASK_KEYS: tl.constexpr,    # not CAUSAL, Tk not a multiple of BLOCK_N: keys past Tk masked
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """:func:`_attn_bwd_dq_kernel` for the calls :func:`_attn_fwd_ws_kernel` serves,
+    warp-specialised the same way (a producer warp loading the k and v tiles, two consumer
+    warpgroups with half of the query block each). One loop over the key tiles. lse and
+    delta through 1-D descriptors: their rows (b, h) must start on 16 bytes (Tq a multiple
+    of 4 for the launchers' [B, H, Tq] buffers)."""
+    pid_m = _query_block(tl.program_id(0), CAUSAL)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m0 = pid_m * BLOCK_M
+    qd, dod, kd, vd = _bwd_descs(Q, K, V, DO, b, h, stride_qb, stride_qh, stride_qm,
+                                 stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                                 stride_vn, stride_dob, stride_doh, stride_dom, Tq, Tk, D,
+                                 BLOCK_M, BLOCK_N, BLOCK_D)
+    # lse and delta by TMA too: with pointer loads Triton's split fails ("unsupported load
+    # type for producer commit"). Rows past Tq read 0 (their q and dO rows too: p = 1,
+    # ds = 0, and their dq is not stored)
+    ld = tl.make_tensor_descriptor(LSE + b * stride_lb + h * stride_lh, shape=[Tq],
+                                   strides=[1], block_shape=[BLOCK_M])
+    dd = tl.make_tensor_descriptor(DELTA + b * stride_lb + h * stride_lh, shape=[Tq],
+                                   strides=[1], block_shape=[BLOCK_M])
+    q = qd.load([m0, 0])
+    do = dod.load([m0, 0])
+    lse = ld.load([m0])
+    delta = dd.load([m0])
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M + mem_len)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+        k = kd.load([start_n, 0])
+        v = vd.load([start_n, 0])
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        p = tl.exp2(_scores(q, k, qk_scale, UPCAST, PRECISION) - lse[:, None])   # [M, N]
+        if CAUSAL:      # keys past Tk are past every stored row's diagonal too
+            p = tl.where(offs_n[None, :] <= offs_m[:, None] + mem_len, p, 0.0)
+        elif MASK_KEYS:
+            p = tl.where(offs_n[None, :] < Tk, p, 0.0)
+        dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm
+             + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < Tq) & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -1063,8 +1212,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok, ws_ok=False):
     the rows chosen before it (``{}`` alone after atomic adds). With :data:`TUNE_EXP_EMU`
     each 16-bit kernel also tries its table row with half of each tile's exponentials on the
     FMA pipe (``"<kernel>:exp_emu"``, :func:`_exp_emu`). With :data:`TUNE_WS` and ws_ok
-    (:func:`_ws_possible`) the forward also tries the warp-specialised kernel
-    (``"fwd:ws"``) at the rows of :data:`_WS_CANDIDATES`."""
+    (:func:`_ws_possible`) each kernel also tries its warp-specialised twin
+    (``"<kernel>:ws"``) at the rows of :data:`_WS_CANDIDATES`."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
         listing = _TUNE_INTERPRETED
@@ -1109,12 +1258,12 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok, ws_ok=False):
         out.append({kernel + ":maxnreg": cap})    # the table's row, more CTAs an SM
     if TUNE_FOLD_OFF and kernel == "fwd" and (dtype in TMA_DTYPES or _interpreting()):
         out.append({"fwd:fold": False})           # the table's row, the tile scaled first
-    if TUNE_WS and kernel == "fwd" and ws_ok:
+    if TUNE_WS and ws_ok:
         if _interpreting():
-            out.append({"fwd:ws": True})          # its interpreter row (_launch_forward_ws)
+            out.append({kernel + ":ws": True})    # its interpreter row (_WS_ROW's docs)
         else:
-            out += [{"fwd:ws": True, "fwd": row}
-                    for row in _WS_CANDIDATES[64 if block_d <= 64 else 128]]
+            out += [{kernel + ":ws": True, kernel: row}
+                    for row in _WS_CANDIDATES[(kernel, 64 if block_d <= 64 else 128)]]
     if kernel == "dq":
         return lambda chosen: [{}] if chosen.get("dq_mode") in ("atomic", "bulk") else out
     return out
@@ -1124,11 +1273,11 @@ def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs, ws=
     """``run()`` (a launcher call writing ``outputs``), through the tuner where it is on for
     q's device (kernels/_tune.py): the first call of each kind times :func:`_candidates`
     for ``kernels`` in order and keeps the fastest whose outputs agree with the table's.
-    ws: None, or a function saying whether the warp-specialised forward can serve the call
-    (:func:`_ws_possible`; asked only when tuning)."""
+    ws: None, or a function giving the kernels whose warp-specialised twins can serve the
+    call (:func:`_ws_possible`, :func:`_ws_bwd_kernels`; asked only when tuning)."""
     if not _tune.wanted(q.device):
         return run()
-    ws_ok = ws is not None and ws()
+    ws_ok = tuple(ws()) if ws is not None else ()
     B, H, Tq, Tk, D, max_q, max_k = dims
     tma_ok = _tma_possible(q.dtype, q.device, cu, order)
     size = _tune.size_class
@@ -1136,8 +1285,8 @@ def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs, ws=
             cu is not None, order is not None, tma_ok, TMA_MODE, DQ_MODE,
             torch.are_deterministic_algorithms_enabled(), size(B * H), size(max_q),
             size(max_k), ws_ok)
-    stages = [(name, _candidates(name, D, q.dtype, mask, dropout, cu is None, tma_ok, ws_ok))
-              for name in kernels]
+    stages = [(name, _candidates(name, D, q.dtype, mask, dropout, cu is None, tma_ok,
+                                 name in ws_ok)) for name in kernels]
     return _tune.call(kind, stages, run, outputs, q.device, q.dtype)
 
 
@@ -1269,22 +1418,29 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
         _combine_splits(o_target, l_target, out, lse)
 
 
-#: The warp-specialised forward's launch row (BLOCK_M, BLOCK_N, num_warps, num_stages) where
-#: the override ``"fwd:ws"`` asks for it without a ``"fwd"`` row of its own. 4 warps: Triton
-#: splits them into a producer warp and two consumer warpgroups (12 warps run); at 8 it does
-#: not split.
-_WS_ROW = (128, 128, 4, 2)
+#: The warp-specialised kernels' launch rows (BLOCK_M, BLOCK_N, num_warps, num_stages) where
+#: the override ``"<kernel>:ws"`` asks for one without a ``"<kernel>"`` row of its own. 4
+#: warps: Triton splits them into a producer warp and two consumer warpgroups (12 warps
+#: run); at 8 it does not split. The consumers split the program's own block: the
+#: forward's and dQ's query block (BLOCK_M), dK/dV's key block (BLOCK_N).
+_WS_ROW = {"fwd": (128, 128, 4, 2), "dkdv": (32, 128, 4, 2), "dq": (128, 64, 4, 2)}
 
-#: The rows the tuner times the warp-specialised forward with (:data:`TUNE_WS`), per
-#: head-dim bucket. Each compiles for sm_90 with the split (``setmaxnreg``), every dot a
-#: wgmma and no spill (Triton 3.6 and 3.9, bf16, causal and not; shared memory in
+#: The rows the tuner times the warp-specialised kernels with (:data:`TUNE_WS`), per kernel
+#: and head-dim bucket. Each compiles for sm_90 with the split (``setmaxnreg``), every dot a
+#: wgmma and no spill (Triton 3.9; bf16, causal and not; shared memory in
 #: benchmarks/NOTES.md; tests/test_triton_compile.py's "warp-specialised" cases).
-_WS_CANDIDATES = {64: [(128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3)],
-                  128: [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 4, 3)]}
+_WS_CANDIDATES = {
+    ("fwd", 64): [(128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3)],
+    ("fwd", 128): [(128, 128, 4, 2), (128, 64, 4, 2), (128, 64, 4, 3)],
+    ("dkdv", 64): [(64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2)],
+    ("dkdv", 128): [(32, 128, 4, 2), (32, 128, 4, 3), (16, 128, 4, 2)],
+    ("dq", 64): [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3)],
+    ("dq", 128): [(128, 64, 4, 2), (128, 32, 4, 2), (128, 64, 4, 3)],
+}
 
-#: Whether the tuner also times the warp-specialised forward (:func:`_attn_fwd_ws_kernel`)
-#: on the calls it can serve (:func:`_ws_possible`): not yet timed on a GPU, so never the
-#: table's choice.
+#: Whether the tuner also times the warp-specialised kernels (:func:`_attn_fwd_ws_kernel`,
+#: :func:`_attn_bwd_dkdv_ws_kernel`, :func:`_attn_bwd_dq_ws_kernel`) on the calls they can
+#: serve (:func:`_ws_possible`): not yet timed on a GPU, so never the table's choice.
 TUNE_WS = True
 
 
@@ -1299,12 +1455,46 @@ def _ws_possible(q, k, v, key_padding_mask, perm_rank, dropout_p, cu, order,
             and all(tma_addressable(t) for t in (q, k, v)))
 
 
+def _ws_bwd_kernels(q, k, v, do, lse, delta, lse_strides, key_padding_mask, perm_rank,
+                    dropout_p, cu, order) -> tuple:
+    """Which warp-specialised backward kernels can serve the call: none unless
+    :func:`_ws_possible` and dO addressable by TMA; then dK/dV, and dQ where the rows of lse
+    and delta start on 16 bytes (it reads them by TMA)."""
+    if not (_ws_possible(q, k, v, key_padding_mask, perm_rank, dropout_p, cu, order)
+            and tma_addressable(do)):
+        return ()
+    rows_ok = all(t.data_ptr() % 16 == 0 for t in (lse, delta)) and all(
+        s * 4 % 16 == 0 for s in lse_strides)
+    return ("dkdv", "dq") if rows_ok else ("dkdv",)
+
+
+def _launch_bwd_ws(kernel, name, do, q, k, v, lse, delta, outs, lse_strides, dims, *, causal,
+                   scale):
+    """A warp-specialised backward kernel (`name` "dkdv": :func:`_attn_bwd_dkdv_ws_kernel`
+    writing outs = (dk, dv); "dq": :func:`_attn_bwd_dq_ws_kernel` writing (dq,)) on a call
+    :func:`_ws_possible` accepts (and dO addressable by TMA), with the override `name`'s
+    row, else :data:`_WS_ROW`'s (16 x 16 x 1 x 1 under the interpreter)."""
+    B, H, Tq, Tk, D = dims[:5]
+    row = _override(name) or ((16, 16, 1, 1) if _interpreting() else _WS_ROW[name])
+    bm, bn, warps, stages = row
+    grid = (cdiv(Tk, bn) if name == "dkdv" else cdiv(Tq, bm), B * H)
+    keys = {} if name == "dkdv" else {"MASK_KEYS": not causal and Tk % bn != 0}
+    with descriptor_scratch(q.device):
+        fast(kernel)[grid](
+            q, k, v, do, lse, delta, *outs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], *outs[0].stride(), *lse_strides, H, Tq, Tk, Tk - Tq, D,
+            scale * LOG2E, scale, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_D=max(16, next_pow2(D)),
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+            num_warps=warps, num_stages=stages, **keys)
+
+
 def _launch_forward_ws(q, k, v, out, lse, lse_strides, dims, *, causal, scale):
     """:func:`_attn_fwd_ws_kernel` on a call :func:`_ws_possible` accepts, with the
-    override ``"fwd"``'s row, else :data:`_WS_ROW` (16 x 16 x 1 x 1 under the interpreter:
+    override ``"fwd"``'s row, else :data:`_WS_ROW`'s (16 x 16 x 1 x 1 under the interpreter:
     several blocks at the tests' lengths)."""
     B, H, Tq, Tk, D = dims[:5]
-    row = _override("fwd") or ((16, 16, 1, 1) if _interpreting() else _WS_ROW)
+    row = _override("fwd") or ((16, 16, 1, 1) if _interpreting() else _WS_ROW["fwd"])
     bm, bn, warps, stages = row
     with descriptor_scratch(q.device):
         fast(_attn_fwd_ws_kernel)[(cdiv(Tq, bm), B * H)](
@@ -1392,19 +1582,34 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
     kind = _mask_kind(key_padding_mask, perm_rank)
     mode = "kernel" if cu is not None else _dq_mode()
     atomic = mode != "kernel"
-    bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype, causal,
-                                        kind, dropout_p > 0)
-    dq_acc = torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic else dk
-    tma = _tma_args("dkdv", ("QD", "DOD"), (q, do), bm, bd, q.device, cu, order, dropout_p > 0)
-    if mode == "bulk":
-        tma.update(_dq_bulk_args(dq_acc, bm, bd, order))
-    fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
-        cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
-        EXP_EMU=_exp_emu(q.dtype, "dkdv"), **tma, **_reg_cap("dkdv"))
-    if atomic:
-        dq.copy_(dq_acc)                        # scaled in the kernel: one pass here
+    ws = {name: bool(_override(name + ":ws")) for name in ("dkdv", "dq")}
+    if any(ws.values()):                          # what the call lets them serve
+        can = _ws_bwd_kernels(q, k, v, do, lse, delta, lse_strides, key_padding_mask,
+                              perm_rank, dropout_p, cu, order)
+        ws = {name: on and name in can for name, on in ws.items()}
+    if ws["dkdv"] and not atomic:
+        _launch_bwd_ws(_attn_bwd_dkdv_ws_kernel, "dkdv", do, q, k, v, lse, delta, (dk, dv),
+                       lse_strides, dims, causal=causal, scale=scale)
+    else:
+        bm, bn, bd, warps, stages = _config("dkdv_atomic" if atomic else "dkdv", D, q.dtype,
+                                            causal, kind, dropout_p > 0)
+        dq_acc = (torch.zeros((B, H, Tq, D), dtype=torch.float32, device=q.device) if atomic
+                  else dk)
+        tma = _tma_args("dkdv", ("QD", "DOD"), (q, do), bm, bd, q.device, cu, order,
+                        dropout_p > 0)
+        if mode == "bulk":
+            tma.update(_dq_bulk_args(dq_acc, bm, bd, order))
+        fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
+            q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
+            cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
+            EXP_EMU=_exp_emu(q.dtype, "dkdv"), **tma, **_reg_cap("dkdv"))
+        if atomic:
+            dq.copy_(dq_acc)                        # scaled in the kernel: one pass here
+            return
+    if ws["dq"]:
+        _launch_bwd_ws(_attn_bwd_dq_ws_kernel, "dq", do, q, k, v, lse, delta, (dq,),
+                       lse_strides, dims, causal=causal, scale=scale)
         return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
     tma = _tma_args("dq", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0)
@@ -1454,7 +1659,8 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
     else:
         _tuned(("fwd",), q, dims, causal, _mask_kind(kpm, rank), dropout_p > 0, None, order,
                run, (out, lse),
-               lambda: _ws_possible(q, k, v, kpm, rank, dropout_p, None, order))
+               lambda: ("fwd",) if _ws_possible(q, k, v, kpm, rank, dropout_p, None, order)
+               else ())
     return out, lse
 
 
@@ -1483,7 +1689,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
                          perm_strict=perm_strict, scale=scale, dropout_p=dropout_p, seed=seed,
                          order=order)
     _tuned(("dkdv", "dq"), q, dims, causal, _mask_kind(kpm, rank), dropout_p > 0, None, order,
-           run, (dq, dk, dv))
+           run, (dq, dk, dv),
+           lambda: _ws_bwd_kernels(q, k, v, do, lse, delta, (H * Tq, Tq), kpm, rank,
+                                   dropout_p, None, order))
     return dq, dk, dv
 
 

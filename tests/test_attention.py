@@ -778,35 +778,43 @@ def test_register_caps_reach_their_launches_only(monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_warp_specialised_forward(monkeypatch, dtype):
-    """The warp-specialised forward (kernels/attention._attn_fwd_ws_kernel: the tuner's
-    ``"fwd:ws"`` rows) serves the dense 16-bit calls without padding, permutation mask or
-    dropout, and is within 2x eager of float64, forward and every gradient (the backward
-    reads its lse): causal with memory keys and without, more queries than keys, key
-    counts that are and are not a multiple of its tile (MASK_KEYS), a head dim that is not
-    a power of two (the descriptors' columns past D read as 0), one query. Calls it cannot
-    serve take the other forward."""
+def test_warp_specialised_kernels(monkeypatch, dtype):
+    """The warp-specialised forward, dK/dV and dQ kernels (kernels/attention.
+    _attn_fwd_ws_kernel and its backward twins: the tuner's ``"<kernel>:ws"`` rows) serve
+    the dense 16-bit calls without padding, permutation mask or dropout, and are within 2x
+    eager of float64, forward and every gradient: causal with memory keys and without,
+    more queries than keys, key counts that are and are not a multiple of their tiles
+    (MASK_KEYS), a head dim that is not a power of two (the descriptors' columns past D
+    read as 0), one query. Calls they cannot serve take the other kernels (dQ's also where
+    Tq is not a multiple of 4)."""
     import ctxfast.kernels.attention as kattn
-    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd:ws", True)
-    seen = spy_launches(monkeypatch, kattn, ("_attn_fwd_kernel", "_attn_fwd_ws_kernel"),
-                        lambda a, kw: kw.get("MASK_KEYS"))
-    cases = ((True, 37, 37, 64), (True, 21, 45, 32), (False, 33, 32, 64),
-             (False, 19, 50, 24), (True, 1, 17, 16), (False, 40, 7, 32))
+    for kernel in ("fwd", "dkdv", "dq"):
+        monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, kernel + ":ws", True)
+    names = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+             "_attn_fwd_ws_kernel", "_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_ws_kernel")
+    seen = spy_launches(monkeypatch, kattn, names, lambda a, kw: kw.get("MASK_KEYS"))
+    cases = ((True, 36, 37, 64), (True, 20, 45, 32), (False, 33, 32, 64),
+             (False, 20, 50, 24), (True, 1, 17, 16), (False, 40, 7, 32))
     for causal, Tq, Tk, D in cases:
         seen.clear()
         q, k, v = _inputs(2, 2, Tq, Tk, D, dtype=dtype)
         check_against_reference(q, k, v, causal=causal)
-        assert seen and set(seen) == {("_attn_fwd_ws_kernel", not causal and Tk % 16 != 0)}, \
-            (causal, Tq, Tk, D, seen)
-    # what it cannot serve: padding, a permutation mask, dropout, float32, rows TMA cannot
+        mask_keys = not causal and Tk % 16 != 0
+        # dQ's reads lse and delta by TMA: their rows must start on 16 bytes (Tq % 4 == 0)
+        dq = ("_attn_bwd_dq_ws_kernel", mask_keys) if Tq % 4 == 0 else \
+            ("_attn_bwd_dq_kernel", None)
+        assert set(seen) == {("_attn_fwd_ws_kernel", mask_keys),
+                             ("_attn_bwd_dkdv_ws_kernel", None), dq}, (causal, Tq, Tk, D, seen)
+    # what they cannot serve: padding, a permutation mask, dropout, float32, rows TMA cannot
     # address (D 20 in 16 bits: 40-byte rows)
     for kind, dt, D, kw in (("pad", dtype, 32, {}), ("perm", dtype, 32, {}),
                             ("", dtype, 32, {"dropout_p": 0.2}), ("causal", torch.float32, 32, {}),
                             ("causal", dtype, 20, {})):
         seen.clear()
-        q, k, v = _inputs(2, 2, 17, 21, D, dtype=dt)
-        ctxfast.attention(q, k, v, backend="triton", **_masks(kind, 2, 17, 21), **kw)
-        assert [n for n, _ in seen] == ["_attn_fwd_kernel"], (kind, dt, D, seen)
+        q, k, v = (t.requires_grad_() for t in _inputs(2, 2, 17, 21, D, dtype=dt))
+        out = ctxfast.attention(q, k, v, backend="triton", **_masks(kind, 2, 17, 21), **kw)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        assert [n for n, _ in seen] == list(names[:3]), (kind, dt, D, seen)
 
 
 def test_descriptor_scratch_is_set_for_its_body_only(monkeypatch):

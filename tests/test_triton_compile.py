@@ -56,10 +56,13 @@ SMEM_LIMIT = {90: 232448, 80: 166912}
 #: Kernels whose registers, spills and MMA instructions are recorded (sm_90) and checked:
 #: no spills, and their 16-bit dots lower to Hopper's wgmma.
 FACT_KERNELS = ["_attn_fwd_kernel", "_attn_fwd_ws_kernel", "_attn_bwd_dkdv_kernel",
-                "_attn_bwd_dq_kernel", "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel"]
+                "_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dq_ws_kernel",
+                "_lstm_fwd_kernel", "_lstm_bwd_kernel", "_linear_kernel"]
 #: Of FACT_KERNELS, those whose 16-bit dots must all be wgmma (the LSTM's batch block of 32
 #: rows is too short for a warpgroup MMA: mma.sync there is expected).
-WGMMA_KERNELS = FACT_KERNELS[:4]
+WGMMA_KERNELS = FACT_KERNELS[:6]
+#: The warp-specialised kernels (split by Triton into producer and consumer warps on sm_90).
+WS_KERNELS = ["_attn_fwd_ws_kernel", "_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_ws_kernel"]
 
 #: rel_attention's kernels: registers and spills recorded too, and held to a ratchet on the
 #: training cases below, not to zero: the dQ and dR kernels' 64 x 64 16-bit tiles still
@@ -139,7 +142,8 @@ SM90_REGS, SM90_SMEM, SM90_SMEM_PER_CTA = 65536, 233472, 1024
 
 KERNELS = [
     "_attn_fwd_kernel", "_attn_fwd_ws_kernel", "_attn_combine_kernel", "_attn_bwd_dkdv_kernel",
-    "_attn_bwd_dq_kernel", "_dropout_keep_kernel",
+    "_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dq_ws_kernel",
+    "_dropout_keep_kernel",
     "_rel_attn_fwd_kernel", "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel",
     "_rel_attn_bwd_dr_kernel", "_rel_dkdv_gemm_kernel", "_rel_dqw_gemm_kernel",
     "_rel_dr_gemm_kernel", "_row_bias_kernel",
@@ -404,15 +408,15 @@ def _cases():
         ("attention bf16 D=128 causal, bulk dQ", sm90,
          bulk_dq(lambda: attn(bf16, 128, causal=True))),
         ("attention bf16 D=64 causal, bulk dQ", sm90, bulk_dq(lambda: attn(bf16, 64, causal=True))),
-        # the warp-specialised forward (the tuner's "fwd:ws" rows; the causal ones are
-        # among the tuning candidates below): not causal, keys a multiple of its tile or not
-        # (MASK_KEYS); sm_80 compiles it too (its descriptors become pointer loads) though
-        # only a GPU with TMA launches it
+        # the warp-specialised kernels (the tuner's "<kernel>:ws" rows; the causal ones are
+        # among the tuning candidates below): not causal, keys a multiple of their tiles or
+        # not (MASK_KEYS); sm_80 compiles them too (their descriptors become pointer loads)
+        # though only a GPU with TMA launches them
         ("attention bf16 D=128, warp-specialised", both,
-         tuned({"fwd:ws": True})(lambda: attn(bf16, 128, backward=False))),
+         tuned({"fwd:ws": True, "dkdv:ws": True, "dq:ws": True})(lambda: attn(bf16, 128))),
         ("attention fp16 D=64 Tk=250, warp-specialised", sm90,
-         tuned({"fwd:ws": True, "fwd": (128, 64, 4, 3)})(
-             lambda: attn(f16, 64, Tk=250, backward=False))),
+         tuned({"fwd:ws": True, "fwd": (128, 64, 4, 3), "dkdv:ws": True, "dq:ws": True})(
+             lambda: attn(f16, 64, Tk=250))),
         # the loops' tiles through TMA descriptors (TMA_MODE "on"; sm_90 only)
         ("attention bf16 D=128 causal, TMA", sm90, tma(lambda: attn(bf16, 128, causal=True))),
         ("attention bf16 D=64 causal, TMA", sm90, tma(lambda: attn(bf16, 64, causal=True))),
@@ -830,7 +834,7 @@ def facts_table(rows):
     lines = ["| kernel | case | warps/stages | regs | spill st/ld (B) | smem (B) | wgmma "
              "| mma.sync | TMA | CTAs an SM |", "|---|---|---|---|---|---|---|---|---|---|"]
     order = FACT_KERNELS + REL_FACT_KERNELS
-    for r in sorted((r for r in rows if r["kernel"] in order and r["arch"] == 90),
+    for r in sorted((r for r in rows if r["kernel"] in order and r["arch"] == 90 and r["ok"]),
                     key=lambda r: (order.index(r["kernel"]), r["variant"])):
         opts = dict(kv.split("=", 1) for kv in r["launch"].split() if "=" in kv)
         blocks = "x".join(opts.get(k, "?") for k in ("BLOCK_M", "BLOCK_N"))
@@ -953,16 +957,18 @@ def test_forwards_fold_the_scale(compiled):
     assert not bad, "forwards that scale the tile first:\n" + "\n".join(bad)
 
 
-def test_forward_is_warp_specialised(compiled):
-    """The warp-specialised forward (``_attn_fwd_ws_kernel``, the tuner's ``"fwd:ws"``
-    rows), launched with 4 warps, is split by Triton on sm_90 into a producer and two
+def test_kernels_are_warp_specialised(compiled):
+    """The warp-specialised attention kernels (WS_KERNELS, the tuner's ``"<kernel>:ws"``
+    rows), launched with 4 warps, are split by Triton on sm_90 into a producer and two
     consumer warpgroups: 12 warps run, with ``setmaxnreg`` moving registers between them,
-    in every case (a change to its loop that Triton's pass cannot split, e.g. a branch
+    in every case (a change to a loop that Triton's pass cannot split, e.g. a branch
     inside it, compiles to a plain 4-warp kernel and fails here). No other kernel is
     split."""
     rows = [r for r in compiled["rows"] if r["ok"] and r["arch"] == 90 and "setmaxnreg" in r]
-    ws = [r for r in rows if r["kernel"] == "_attn_fwd_ws_kernel"]
-    assert len(ws) >= 4, f"{len(ws)} warp-specialised forwards compiled for sm_90"
+    ws = [r for r in rows if r["kernel"] in WS_KERNELS]
+    for kernel in WS_KERNELS:
+        n = len([r for r in ws if r["kernel"] == kernel])
+        assert n >= 4, f"{kernel}: {n} compiled for sm_90"
     bad = [f"{r['kernel']} [{r['variant']}] ({r['launch']}): {r['warps_run']} warps run, "
            f"{r['setmaxnreg']} setmaxnreg" for r in rows
            if (r in ws) != (r["setmaxnreg"] > 0 and r["warps_run"] == 12)
@@ -978,8 +984,9 @@ def test_backwards_fuse_multiply_adds(compiled):
     PTX has none of its 64."""
     rows = [r for r in compiled["rows"] if r["ok"] and r["arch"] == 90 and "fma_f32" in r
             and r["kernel"] in ("_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+                                "_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_ws_kernel",
                                 "_rel_attn_bwd_dkdv_kernel", "_rel_attn_bwd_dq_kernel")]
-    assert len({r["kernel"] for r in rows}) == 4, "a backward kernel did not compile for sm_90"
+    assert len({r["kernel"] for r in rows}) == 6, "a backward kernel did not compile for sm_90"
     bad = [f"{r['kernel']} [{r['variant']}]" for r in rows if r["fma_f32"] < 1]
     assert not bad, "backwards without fused multiply-adds:\n" + "\n".join(bad)
 
@@ -992,8 +999,8 @@ def test_tma_loads_where_asked(compiled):
     asked = [r for r in rows if "TMA=True" in r["launch"]]
     assert asked, "no launch with TMA=True was compiled"
 
-    def wants(r):                # the warp-specialised forward loads through TMA always
-        return "TMA=True" in r["launch"] or r["kernel"] == "_attn_fwd_ws_kernel"
+    def wants(r):                # the warp-specialised kernels load through TMA always
+        return "TMA=True" in r["launch"] or r["kernel"] in WS_KERNELS
     problems = [f"{r['kernel']} [{r['variant']}]: {r['tma']} TMA loads" for r in rows
                 if wants(r) != bool(r["tma"])]
     assert not problems, "\n".join(problems)

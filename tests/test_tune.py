@@ -300,8 +300,8 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                 for c in cands[1:]:
                     if any(name in c for name in math):
                         continue
-                    if "fwd:ws" in c:          # the warp-specialised kernel: its own launches
-                        launches.append((c["fwd"], "ws"))
+                    if kernel + ":ws" in c:    # the warp-specialised kernel: its own launches
+                        launches.append((c[kernel], "ws"))
                         continue
                     launches.append((c.get(kernel, table[0]), c.get(kernel + ":tma", table[1])))
                 assert len(set(launches)) == len(launches), (D, dtype, kernel, launches)
@@ -309,9 +309,9 @@ def test_gpu_candidates_time_each_launch_once(monkeypatch, mask):
                 assert emu == [{kernel + ":exp_emu": True}], emu
                 fold = [c for c in cands if "fwd:fold" in c]           # the table's row
                 assert fold == ([{"fwd:fold": False}] if kernel == "fwd" else []), fold
-                ws = [c["fwd"] for c in cands if "fwd:ws" in c]        # where it can serve
-                assert ws == (kattn._WS_CANDIDATES[D] if kernel == "fwd" and mask == "none"
-                              else []), (D, kernel, mask, ws)
+                ws = [c[kernel] for c in cands if kernel + ":ws" in c]   # where it can serve
+                assert ws == (kattn._WS_CANDIDATES[(kernel, D)] if mask == "none" else []), \
+                    (D, kernel, mask, ws)
                 # dQ by atomic adds (element-wise, bulk): per mode the dK/dV-with-dQ table
                 # row first, then other rows
                 for mode in ("atomic", "bulk"):
@@ -372,21 +372,24 @@ def test_register_caps_offered_where_registers_set_the_ctas(monkeypatch):
         assert {kernel + "_maxnreg": cap} in krel._candidates(kernel, 128, bf16, True), kernel
 
 
-def test_warp_specialised_forward_is_tuned_where_it_can_serve(tuning, monkeypatch):
+def test_warp_specialised_kernels_are_tuned_where_they_can_serve(tuning, monkeypatch):
     """An eligible call (dense, 16-bit, no padding / permutation mask / dropout: kernels/
-    attention._ws_possible) times the warp-specialised forward (``"fwd:ws"``) among its
-    candidates, and where it is the fastest the next call of the kind launches it; an
-    ineligible call (padding) never tries it. Its outputs agree with the table row's."""
-    favourite = {"fwd:ws": True}
-    monkeypatch.setattr(_tune, "TIMER", _favour(favourite))
+    attention._ws_possible) times the warp-specialised forward, dK/dV and dQ kernels
+    (``"<kernel>:ws"``) among its candidates, and where they are the fastest the next call
+    of the kind launches them; an ineligible call (padding) never tries them. Their outputs
+    agree with the table rows'."""
+    monkeypatch.setattr(_tune, "TIMER", lambda once, rows: 10.0 - sum(   # more: faster
+        bool(on) for name, on in rows.items() if name.endswith(":ws")))
     _call(causal=True, dtype=torch.float16)
-    fwd = [r for r in _tune.records() if r["kernel"] == "fwd"]
-    assert [r["candidate"] for r in fwd if r["chosen"]] == [favourite], fwd
-    assert all(r["error"] is None and r["gap"] <= 1 for r in fwd), fwd
-    seen = spy_launches(monkeypatch, kattn, ["_attn_fwd_kernel", "_attn_fwd_ws_kernel"],
-                        lambda a, kw: None)
-    (q, k, v), out, _ = _call(causal=True, dtype=torch.float16)
-    assert [n for n, _ in seen] == ["_attn_fwd_ws_kernel"], seen
+    chosen = {r["kernel"]: r["candidate"] for r in _tune.records() if r["chosen"]}
+    assert chosen == {"fwd": {"fwd:ws": True}, "dkdv": {"dkdv:ws": True},
+                      "dq": {"dq:ws": True}}, chosen
+    assert all(r["error"] is None and r["gap"] <= 1 for r in _tune.records()), _tune.records()
+    names = ("_attn_fwd_kernel", "_attn_fwd_ws_kernel", "_attn_bwd_dkdv_kernel",
+             "_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dq_ws_kernel")
+    seen = spy_launches(monkeypatch, kattn, names, lambda a, kw: None)
+    (q, k, v), out, grads = _call(causal=True, dtype=torch.float16)
+    assert [n for n, _ in seen] == list(names[1::2]), seen
     ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
     same = reference.attention(q, k, v, causal=True)
     assert_within_2x_eager(out, same, ref, ta.FLOOR[q.dtype])
@@ -394,13 +397,16 @@ def test_warp_specialised_forward_is_tuned_where_it_can_serve(tuning, monkeypatc
     kpm = torch.zeros(1, 40, dtype=torch.bool, device=DEVICE)
     kpm[:, -5:] = True
     _call(key_padding_mask=kpm, dtype=torch.float16)
-    assert not [r for r in _tune.records() if "fwd:ws" in r["candidate"]]
+    assert not [r for r in _tune.records() if any(n.endswith(":ws") for n in r["candidate"])]
     monkeypatch.setattr(kattn, "_interpreting", lambda: False)      # an sm_90 call's rows
-    rows = [c["fwd"] for c in kattn._candidates("fwd", 64, torch.bfloat16, "none", False, True,
-                                                True, True) if "fwd:ws" in c]
-    assert rows == kattn._WS_CANDIDATES[64]
-    assert not [c for c in kattn._candidates("fwd", 64, torch.bfloat16, "none", False, True,
-                                             True, False) if "fwd:ws" in c]
+    for kernel in ("fwd", "dkdv", "dq"):
+        cands = kattn._candidates(kernel, 64, torch.bfloat16, "none", False, True, True, True)
+        cands = cands({}) if callable(cands) else cands
+        rows = [c[kernel] for c in cands if kernel + ":ws" in c]
+        assert rows == kattn._WS_CANDIDATES[(kernel, 64)], kernel
+        cands = kattn._candidates(kernel, 64, torch.bfloat16, "none", False, True, True, False)
+        cands = cands({}) if callable(cands) else cands
+        assert not [c for c in cands if kernel + ":ws" in c], kernel
 
 
 def test_options_timed_slower_are_not_candidates_by_default(monkeypatch):

@@ -116,24 +116,30 @@ def test_register_capped_backward_large(monkeypatch, dtype, Tq, Tk):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("Tq, Tk, causal", [(1025, 1025, True), (512, 1536, True),
-                                            (777, 1000, False), (1, 4096, False)])
-def test_warp_specialised_forward_large(monkeypatch, dtype, D, Tq, Tk, causal):
-    """The warp-specialised forward (the tuner's ``"fwd:ws"`` rows, each of
-    kernels/attention._WS_CANDIDATES: descriptors built on the device, their global
-    scratch from kernels._common.descriptor_scratch) against float64 within 2x eager at
-    sizes with many blocks; the allocator of the caller's context is left as it was."""
+@pytest.mark.parametrize("Tq, Tk, causal", [(1024, 1024, True), (1025, 1025, True),
+                                            (512, 1536, True), (776, 1000, False),
+                                            (1, 4096, False)])
+def test_warp_specialised_kernels_large(monkeypatch, dtype, D, Tq, Tk, causal):
+    """The warp-specialised forward, dK/dV and dQ kernels (the tuner's ``"<kernel>:ws"``
+    rows, each of kernels/attention._WS_CANDIDATES: descriptors built on the device, their
+    global scratch from kernels._common.descriptor_scratch) against float64 within 2x eager
+    at sizes with many blocks (dQ's where Tq is a multiple of 4); the allocator of the
+    caller's context is left as it was."""
     import ctxfast.kernels.attention as kattn
     from triton.runtime import _allocation
     before = _allocation._allocator.get()
-    monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd:ws", True)
     seen = []
-    launch = kattn._launch_forward_ws
-    monkeypatch.setattr(kattn, "_launch_forward_ws",
-                        lambda *a, **kw: seen.append(1) or launch(*a, **kw))
+    for name in ("_launch_forward_ws", "_launch_bwd_ws"):
+        launch = getattr(kattn, name)
+        monkeypatch.setattr(kattn, name, lambda *a, launch=launch, name=name, **kw:
+                            seen.append(name) or launch(*a, **kw))
     q, k, v = (torch.randn(2, 4, T, D, device="cuda", dtype=dtype) for T in (Tq, Tk, Tk))
-    for row in kattn._WS_CANDIDATES[D]:
-        monkeypatch.setitem(kattn.LAUNCH_OVERRIDE, "fwd", row)
+    rows = [kattn._WS_CANDIDATES[(kernel, D)] for kernel in ("fwd", "dkdv", "dq")]
+    for fwd, dkdv, dq in zip(*rows):
+        monkeypatch.setattr(kattn, "LAUNCH_OVERRIDE", {
+            "fwd:ws": True, "dkdv:ws": True, "dq:ws": True, "fwd": fwd, "dkdv": dkdv, "dq": dq})
         check_against_reference(q, k, v, causal=causal)
-    assert len(seen) == len(kattn._WS_CANDIDATES[D])
+    n = len(rows[0])
+    assert seen.count("_launch_forward_ws") == n
+    assert seen.count("_launch_bwd_ws") == n * (2 if Tq % 4 == 0 else 1)
     assert _allocation._allocator.get() is before
