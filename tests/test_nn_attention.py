@@ -1,5 +1,7 @@
 """ctxfast.nn.MultiheadAttention is a drop-in for torch.nn.MultiheadAttention: the same
 state_dict loads, and outputs, weights and gradients agree."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -83,3 +85,29 @@ def test_general_attn_mask_is_refused():
     x = torch.randn(5, 1, 16, device=DEVICE)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         ours(x, x, x, attn_mask=torch.rand(5, 5, device=DEVICE) < 0.5)
+
+
+@pytest.mark.parametrize("case", ["embed_dim", "kdim", "batch", "rank", "lengths", "kpm"])
+def test_wrong_shapes_are_named(case):
+    """Shapes that do not fit the module are refused by name before any projection (they
+    raised torch's own matmul / reshape / unpacking errors)."""
+    m = ctxfast.nn.MultiheadAttention(8, 2, kdim=6, vdim=4)
+    q, k, v = torch.randn(5, 3, 8), torch.randn(7, 3, 6), torch.randn(7, 3, 4)
+    kw = {}
+    if case == "embed_dim":
+        q, words = torch.randn(5, 3, 6), "query must have last dim embed_dim = 8"
+    elif case == "kdim":
+        k, words = torch.randn(7, 3, 8), "key must have last dim kdim = 6"
+    elif case == "batch":
+        k, v, words = k[:, :2], v[:, :2], "same batch size, got 3 and 2"
+    elif case == "rank":
+        q, words = q[:, :, None], "must all be [T, B, E] or all unbatched [T, E]"
+    elif case == "lengths":
+        v, words = v[:6], "key and value must have the same length and batch"
+    else:
+        kw["key_padding_mask"] = torch.zeros(3, 6, dtype=torch.bool)
+        words = "key_padding_mask must have shape [B, Tk] = [3, 7]"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        m(q, k, v, **kw)
+    assert m(torch.randn(5, 3, 8), torch.randn(7, 3, 6), torch.randn(7, 3, 4))[0].shape == \
+        (5, 3, 8)

@@ -39,6 +39,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         """query ``[Tq, B, E]`` (``[B, Tq, E]`` if batch_first), key/value ``[Tk, B, kdim/vdim]``
         -> (output ``[Tq, B, E]``, weights ``[B, Tq, Tk]`` averaged over heads (or
         ``[B, H, Tq, Tk]``) if need_weights else None). Unbatched 2-D inputs work too."""
+        _check_shapes(self, query, key, value)
         unbatched = query.dim() == 2
         if unbatched:                                        # [T, E] -> [T, 1, E] (or [1, T, E])
             bdim = 0 if self.batch_first else 1
@@ -48,6 +49,13 @@ class MultiheadAttention(nn.MultiheadAttention):
         if self.batch_first:                                 # [B, T, E] -> [T, B, E]
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         Tq, B, E = query.shape
+        if key.shape[1] != B:
+            raise ValueError(f"ctxfast.nn.MultiheadAttention: query and key must have the same "
+                             f"batch size, got {B} and {key.shape[1]}")
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (B, key.shape[0]):
+            raise ValueError(f"ctxfast.nn.MultiheadAttention: key_padding_mask must have shape "
+                             f"[B, Tk] = [{B}, {key.shape[0]}], got "
+                             f"{tuple(key_padding_mask.shape)}")
         causal = is_causal
         if attn_mask is not None:
             if not (is_causal and _is_causal_mask(attn_mask, Tq, key.shape[0])):
@@ -121,3 +129,26 @@ def _is_causal_mask(mask: Tensor, Tq: int, Tk: int) -> bool:
     want = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).triu(1 + Tk - Tq)
     got = mask if mask.dtype == torch.bool else torch.isinf(mask) & (mask < 0)
     return bool((got == want).all())
+
+
+def _check_shapes(mha, query, key, value) -> None:
+    """query, key, value are 3-D (or all 2-D: unbatched) with last dims embed_dim, kdim and
+    vdim, key and value of one length and batch; else ValueError naming the argument."""
+    name = "ctxfast.nn.MultiheadAttention"
+    layout = "[B, T, E]" if mha.batch_first else "[T, B, E]"
+    for arg, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: {arg} must be a tensor, got {type(t).__name__}")
+    if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(f"{name}: query, key and value must all be {layout} or all "
+                         f"unbatched [T, E], got shapes {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+    for arg, t, dim, what in (("query", query, mha.embed_dim, "embed_dim"),
+                              ("key", key, mha.kdim, "kdim"),
+                              ("value", value, mha.vdim, "vdim")):
+        if t.shape[-1] != dim:
+            raise ValueError(f"{name}: {arg} must have last dim {what} = {dim}, got shape "
+                             f"{tuple(t.shape)}")
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(f"{name}: key and value must have the same length and batch, got "
+                         f"shapes {tuple(key.shape)} and {tuple(value.shape)}")
