@@ -116,15 +116,19 @@ def test_varlen_bad_input(change, exc, words):
 @pytest.mark.parametrize("backend", ATTN_BACKENDS)
 def test_strided_int32_offsets(backend):
     """cu_seqlens given as a strided int32 view (every other element of a buffer) read as
-    their values on every backend: the triton kernels read element b at b, and took the
-    view as it was (wrong rows: garbage, NaN or a crash)."""
+    their values on every backend, forward and gradients: the triton kernels read element b
+    at b, and took the view as it was (wrong rows: garbage, NaN or a crash)."""
     q, k, v, cu_q, cu_k, mq, mk = _packed([3, 5, 4], [6, 5, 2], H=2, D=16)
     strided = [torch.stack([cu, torch.zeros_like(cu)], 1).reshape(-1)[::2] for cu in
                (cu_q.to(torch.int32), cu_k.to(torch.int32))]
     assert strided[0].stride() == (2,) and torch.equal(strided[0], cu_q.to(torch.int32))
-    ref = ctxfast.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)
-    out = ctxfast.attention_varlen(q, k, v, *strided, mq, mk, causal=True, backend=backend)
-    assert torch.equal(out, ref)
+    runs = []
+    for cus in ((cu_q, cu_k), strided):
+        ts = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ctxfast.attention_varlen(*ts, *cus, mq, mk, causal=True, backend=backend)
+        runs.append([out] + list(torch.autograd.grad(out.square().sum(), ts)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("backend", ATTN_BACKENDS)

@@ -4,6 +4,8 @@ optimizer step; half precision; bad inputs. Agreement with Hugging Face is in
 test_from_hf_xlnet.py."""
 import copy
 
+import re
+
 import pytest
 import torch
 
@@ -521,3 +523,22 @@ def test_use_mems_defaults_from_the_config_as_hf():
     assert model.eval()(ids, use_mems=False).mems is None
     model.config.use_mems_train = True
     assert model.train()(ids).mems is not None
+
+
+def test_inputs_on_another_device_are_refused():
+    """input_ids, token_type_ids, target_mapping and mems on another device than the model
+    (the meta device here) are refused by name (models/_common.check_device)."""
+    model = XLNetModel(_config(), backend="eager")
+    c = model.config
+    ids = torch.randint(0, V, (2, 6))
+    meta = torch.device("meta")
+    mems = [torch.randn(3, 2, c.d_model) for _ in range(c.n_layer)]
+    for arg, kw in (("input_ids", dict(input_ids=ids.to(meta))),
+                    ("token_type_ids", dict(input_ids=ids, token_type_ids=ids.to(meta))),
+                    ("target_mapping", dict(input_ids=ids,
+                                            target_mapping=torch.eye(6)[None, :2].expand(2, -1, -1)
+                                            .to(meta))),
+                    ("mems[1]", dict(input_ids=ids, mems=[mems[0], mems[1].to(meta)]
+                                     + mems[2:]))):
+        with pytest.raises(ValueError, match=re.escape(f"{arg} is on meta, the model on cpu")):
+            model(**kw)

@@ -60,8 +60,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import reference
-from ._common import (KVMemory, attach, attached, check_labels, reuse_allowed, reuse_key,
-                      values_checked)
+from ._common import (KVMemory, attach, attached, check_device, check_labels, reuse_allowed,
+                      reuse_key, values_checked)
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
            "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
@@ -480,8 +480,7 @@ class XLNetModel(nn.Module):
         if B == 0 or T == 0:
             raise ValueError(f"{name}: input_ids must not be empty, got shape [{B}, {T}]")
         device = self.word_embedding.weight.device
-        if input_ids.device != device:
-            raise ValueError(f"{name}: input_ids is on {input_ids.device}, the model on {device}")
+        check_device(f"{name}: input_ids", input_ids, device)
         if values_checked(input_ids):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= c.vocab_size:
@@ -496,17 +495,14 @@ class XLNetModel(nn.Module):
                                  f"[{B}, {T}], got {_shape(t)}")
             if arg != "attention_mask" and not _is_int(t):
                 raise ValueError(f"{name}: {arg} must be an integer tensor [B, T], got {t.dtype}")
-            if t.device != device:
-                raise ValueError(f"{name}: {arg} is on {t.device}, the model on {device}")
+            check_device(f"{name}: {arg}", t, device)
         if target_mapping is not None:
             if (not isinstance(target_mapping, Tensor) or target_mapping.dim() != 3
                     or target_mapping.shape[0] != B or target_mapping.shape[2] != T
                     or target_mapping.shape[1] == 0):
                 raise ValueError(f"{name}: target_mapping must have shape [B, P, T] = "
                                  f"[{B}, P, {T}] with P >= 1, got {_shape(target_mapping)}")
-            if target_mapping.device != device:
-                raise ValueError(f"{name}: target_mapping is on {target_mapping.device}, the "
-                                 f"model on {device}")
+            check_device(f"{name}: target_mapping", target_mapping, device)
         if mems is not None:
             if not isinstance(mems, (list, tuple)) or len(mems) != c.n_layer:
                 raise ValueError(f"{name}: mems must be a list of n_layer = {c.n_layer} tensors "
@@ -519,8 +515,7 @@ class XLNetModel(nn.Module):
                     raise ValueError(f"{name}: mems[{i}] must be a float tensor [mlen, B, "
                                      f"d_model] = [{mlen}, {B}, {c.d_model}] (HF's layout, one "
                                      f"mlen for all layers), got {_shape(mem)}")
-                if mem.device != device:
-                    raise ValueError(f"{name}: mems[{i}] is on {mem.device}, the model on {device}")
+                check_device(f"{name}: mems[{i}]", mem, device)
         if c.bi_data and B % 2:
             raise ValueError(f"{name}: bi_data needs an even batch (half forward, half "
                              f"backward distances), got input_ids with B = {B}")
