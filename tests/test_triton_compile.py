@@ -705,6 +705,20 @@ def _loop_facts(ttgir):
     return {"loops": loops, "unpipelined": unpipelined, "tile_fma": tile_fma}
 
 
+def _partition_rows(ttgir):
+    """Per partition of a warp-specialised kernel's TTGIR (``partitionN(...)`` regions of
+    ``ttg.warp_specialize``, in order), the row counts of the 2-D tiles it stores (``tt.store``
+    or a descriptor store), sorted; [] for a kernel that is not split. Data partitioning gives
+    each consumer half of the program's block; a pass that cannot partition may instead hand
+    both consumers the whole block (each computing and storing the same rows)."""
+    import re
+
+    parts = re.split(r"\n\s*partition\d+\(", ttgir)[1:]
+    return [sorted({int(m) for m in re.findall(
+        r"tt\.(?:store|descriptor_store) [^\n]*: (?:!tt\.tensordesc<)?tensor<(\d+)x\d+x", p)})
+        for p in parts]
+
+
 def _probe():
     """None if Triton can compile a trivial kernel for every target here (each has its
     own ptxas), else why it cannot."""
@@ -772,6 +786,7 @@ def main(claims: str, out_path: str):
                         row["warps_run"] = compiled.metadata.num_warps
                         row.update(_ptxas_facts(compiled.asm["ptx"], arch))
                         row.update(_loop_facts(compiled.asm["ttgir"]))
+                        row["partition_rows"] = _partition_rows(compiled.asm["ttgir"])
                 except Exception as e:  # noqa: BLE001 - reported by the test
                     log.seek(0)
                     row["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + log.read()[-3000:]
@@ -974,6 +989,17 @@ def test_kernels_are_warp_specialised(compiled):
            if (r in ws) != (r["setmaxnreg"] > 0 and r["warps_run"] == 12)
            or (r in ws and "num_warps=4" not in r["launch"])]
     assert not bad, "\n".join(bad)
+    import re
+
+    # each consumer warpgroup holds half of the block it stores: the forward's and dQ's
+    # query rows, dK/dV's key rows (the producer stores nothing)
+    for r in ws:
+        block = int(re.search(r"BLOCK_N=(\d+)" if "dkdv" in r["kernel"] else r"BLOCK_M=(\d+)",
+                              r["launch"]).group(1))
+        stores = [p for p in r["partition_rows"] if p]
+        assert stores == [[block // 2]] * 2, (
+            f"{r['kernel']} [{r['variant']}] ({r['launch']}): the partitions store rows "
+            f"{r['partition_rows']}, not {block // 2} each in two consumers")
 
 
 def test_backwards_fuse_multiply_adds(compiled):
