@@ -83,6 +83,7 @@ step() {
   note "$name (timeout ${t}s)"
   timeout "$t" "$@" > "$R/$logf" 2>&1
   local rc=$?
+  STEP_RC=$rc
   echo "$name rc=$rc$([ $rc = 124 ] && echo ' (timed out)')" | tee -a "$S"
   return 0
 }
@@ -328,6 +329,11 @@ stage_verify() {
   # untimed candidates -- the row bias product, register caps for more CTAs an SM, the
   # stored-dS backward at two stages: ~25 compiles, minutes; a cut step keeps every trial
   # timed, tune_report.py writes them on SIGTERM)
+  # the warp-specialised attention kernels (the tuner's "<kernel>:ws" candidates, never run
+  # on a GPU; Triton's split of them is new) launched once each at GPT-2's size against
+  # float64 first: if one fails or hangs, the tuner leaves them out (CTXFAST_TUNE_WS=0), so
+  # that a hung candidate cannot take the tune report's step (compiles the tuner reuses)
+  ws_guard 60
   step "tune report (rel_attention, attention)" 170 tune_report.log "$PY" \
     benchmarks/tune_report.py --time-budget 150 --out "$R/tune_report.json"
   summarize tune_report.log "x\)|chosen|Error|error|stopped" 40
@@ -353,6 +359,22 @@ stage_verify() {
   # (round 5 measured it: GRID_PROBE=1 to run it again; ~6 s: nvcc, then 3 x 6 launches)
   (( ${GRID_PROBE:-0} )) && grid_sync_probe 25
   lstm_phase_clock 30
+}
+
+# The warp-specialised attention kernels' GPU test at one size (bf16 D 64, causal T 1024:
+# every candidate row of the three kernels) in one process; CTXFAST_TUNE_WS=0 for the rest
+# of the stage unless it passes.
+ws_guard() {
+  STEP_RC=0
+  step "warp-specialised attention kernels, once each" "${1:-60}" ws_guard.log "$PY" -m pytest \
+    tests/gpu/test_attention_gpu.py -q -p no:cacheprovider -p no:xdist \
+    -k "warp_specialised and bfloat16 and 64 and 1024-1024-True"
+  summarize ws_guard.log " passed| failed|Error" 4
+  (( DRY )) && return 0
+  if [ "$STEP_RC" != 0 ]; then
+    export CTXFAST_TUNE_WS=0
+    echo "ws guard: rc=$STEP_RC: CTXFAST_TUNE_WS=0 for the rest of the stage" | tee -a "$S"
+  fi
 }
 
 # The Triton LSTM backward's launch sweep (benchmarks/lstm_triton_sweep.py --backward), bf16.

@@ -1211,8 +1211,8 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok, ws_ok=False):
     deterministic algorithms), which launches no dQ kernel: dQ's list is then a function of
     the rows chosen before it (``{}`` alone after atomic adds). With :data:`TUNE_EXP_EMU`
     each 16-bit kernel also tries its table row with half of each tile's exponentials on the
-    FMA pipe (``"<kernel>:exp_emu"``, :func:`_exp_emu`). With :data:`TUNE_WS` and ws_ok
-    (:func:`_ws_possible`) each kernel also tries its warp-specialised twin
+    FMA pipe (``"<kernel>:exp_emu"``, :func:`_exp_emu`). With ws_ok (:func:`_ws_possible`
+    and :data:`TUNE_WS`: :func:`_tuned`) each kernel also tries its warp-specialised twin
     (``"<kernel>:ws"``) at the rows of :data:`_WS_CANDIDATES`."""
     block_d = max(16, next_pow2(D))
     if _interpreting():
@@ -1258,7 +1258,7 @@ def _candidates(kernel, D, dtype, mask, dropout, dense, tma_ok, ws_ok=False):
         out.append({kernel + ":maxnreg": cap})    # the table's row, more CTAs an SM
     if TUNE_FOLD_OFF and kernel == "fwd" and (dtype in TMA_DTYPES or _interpreting()):
         out.append({"fwd:fold": False})           # the table's row, the tile scaled first
-    if TUNE_WS and ws_ok:
+    if ws_ok:
         if _interpreting():
             out.append({kernel + ":ws": True})    # its interpreter row (_WS_ROW's docs)
         else:
@@ -1277,7 +1277,7 @@ def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs, ws=
     call (:func:`_ws_possible`, :func:`_ws_bwd_kernels`; asked only when tuning)."""
     if not _tune.wanted(q.device):
         return run()
-    ws_ok = tuple(ws()) if ws is not None else ()
+    ws_ok = tuple(ws()) if ws is not None and _tune_ws() else ()
     B, H, Tq, Tk, D, max_q, max_k = dims
     tma_ok = _tma_possible(q.dtype, q.device, cu, order)
     size = _tune.size_class
@@ -1441,7 +1441,17 @@ _WS_CANDIDATES = {
 #: Whether the tuner also times the warp-specialised kernels (:func:`_attn_fwd_ws_kernel`,
 #: :func:`_attn_bwd_dkdv_ws_kernel`, :func:`_attn_bwd_dq_ws_kernel`) on the calls they can
 #: serve (:func:`_ws_possible`): not yet timed on a GPU, so never the table's choice.
-TUNE_WS = True
+#: ``CTXFAST_TUNE_WS=0`` (read at import; "1" the default, anything else refused by the
+#: first tuned call they could serve) leaves them out: e.g. on a Triton release whose split of them fails
+#: or hangs on the GPU (benchmarks/gpu_round.sh sets it when its one launch of each fails).
+TUNE_WS = os.environ.get("CTXFAST_TUNE_WS", "1")
+
+
+def _tune_ws() -> bool:
+    """:data:`TUNE_WS` as a bool; any other value than "0" / "1" (or a bool) refused by name."""
+    if TUNE_WS not in ("0", "1", False, True):
+        raise ValueError(f"CTXFAST_TUNE_WS must be '0' or '1', got {TUNE_WS!r}")
+    return TUNE_WS in ("1", True)
 
 
 def _ws_possible(q, k, v, key_padding_mask, perm_rank, dropout_p, cu, order,

@@ -409,6 +409,23 @@ def test_warp_specialised_kernels_are_tuned_where_they_can_serve(tuning, monkeyp
         assert not [c for c in cands if kernel + ":ws" in c], kernel
 
 
+def test_warp_specialised_kernels_left_out_by_setting(tuning, monkeypatch):
+    """``CTXFAST_TUNE_WS=0`` (kernels/attention.TUNE_WS, read at import): an eligible call
+    tunes without the warp-specialised kernels; a value other than "0" / "1" is refused by
+    name before any launch."""
+    monkeypatch.setattr(kattn, "TUNE_WS", "0")
+    _call(causal=True, dtype=torch.float16)
+    assert _tune.records()
+    assert not [r for r in _tune.records() if any(n.endswith(":ws") for n in r["candidate"])]
+    _tune.reset()
+    monkeypatch.setattr(kattn, "TUNE_WS", "yes")
+    seen = spy_launches(monkeypatch, kattn, ("_attn_fwd_kernel", "_attn_fwd_ws_kernel"),
+                        lambda a, kw: None)
+    with pytest.raises(ValueError, match="CTXFAST_TUNE_WS must be '0' or '1'"):
+        _call(causal=True, dtype=torch.float16)
+    assert not seen
+
+
 def test_options_timed_slower_are_not_candidates_by_default(monkeypatch):
     """dQ by atomic adds and the FMA exponentials, both timed slower than the table rows in
     every case the H200 reached (kernels/attention.py TUNE_ATOMIC_DQ, TUNE_EXP_EMU), cost a
