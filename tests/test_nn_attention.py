@@ -74,6 +74,40 @@ def test_cross_attention_kdim_vdim_bias_kv_zero_attn(backend):
                                         average_attn_weights=False))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("extra", ["bias_kv", "zero_attn", "both"])
+def test_causal_with_extra_keys(backend, extra):
+    """add_bias_kv / add_zero_attn with is_causal: the extra keys are visible to every query
+    and the causal diagonal stays where it was (torch pads its causal mask with a visible
+    column; a query must not see the next token). Against torch's mask path (need_weights
+    True; its is_causal fast path with need_weights False hides the extra keys instead)."""
+    kw = dict(add_bias_kv=extra != "zero_attn", add_zero_attn=extra != "bias_kv")
+    ref, ours = _pair(backend, embed_dim=32, num_heads=4, batch_first=True, **kw)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    causal = nn.Transformer.generate_square_subsequent_mask(9, device=DEVICE)
+    _compare(ref, ours, (x, x, x), dict(attn_mask=causal, is_causal=True, need_weights=True,
+                                        average_attn_weights=False))
+    out_r = ref(x, x, x, attn_mask=causal, is_causal=True, need_weights=True)[0]
+    out_o = ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+    assert rel_err(out_o, out_r) < 2e-5, rel_err(out_o, out_r)
+    x2 = x.clone()
+    x2[:, 1:] += 1.0                           # later tokens change: query 0's output does not
+    assert torch.equal(ours(x2, x2, x2, attn_mask=causal, is_causal=True)[0][:, 0], out_o[:, 0])
+
+
+def test_fully_padded_row_has_zero_weights():
+    """A batch row whose every key is padding: output the out_proj bias (zero attention) and
+    weights 0 (torch gives NaN for both), not NaN weights beside a finite output."""
+    _, ours = _pair("eager", embed_dim=16, num_heads=2, batch_first=True)
+    x = torch.randn(2, 5, 16, device=DEVICE)
+    kpm = torch.zeros(2, 5, dtype=torch.bool, device=DEVICE)
+    kpm[1] = True
+    out, w = ours(x, x, x, key_padding_mask=kpm)
+    assert torch.equal(w[1], torch.zeros_like(w[1])) and not w.isnan().any()
+    assert torch.allclose(out[1], ours.out_proj.bias.expand(5, 16))
+    assert torch.allclose(w[0].sum(-1), torch.ones(5, device=DEVICE))
+
+
 def test_unbatched_input():
     ref, ours = _pair("eager", embed_dim=16, num_heads=2)
     x = torch.randn(5, 16, device=DEVICE)
@@ -85,6 +119,17 @@ def test_general_attn_mask_is_refused():
     x = torch.randn(5, 1, 16, device=DEVICE)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         ours(x, x, x, attn_mask=torch.rand(5, 5, device=DEVICE) < 0.5)
+    # a float mask with -inf where the causal one has it and a bias elsewhere (ALiBi; a
+    # [B*H, T, T] mask with a bias per head) is not the causal mask: refused, not run as it
+    causal = nn.Transformer.generate_square_subsequent_mask(5, device=DEVICE)
+    i = torch.arange(5, device=DEVICE)
+    alibi = causal - 0.5 * (i[:, None] - i[None, :]).clamp(min=0)
+    per_head = causal.expand(2, 5, 5).clone()
+    per_head[1] += alibi.nan_to_num(neginf=0.0)
+    for mask in (alibi, per_head):
+        with pytest.raises(NotImplementedError, match="attn_mask"):
+            ours(x, x, x, attn_mask=mask, is_causal=True)
+    ours(x, x, x, attn_mask=causal.expand(2, 5, 5), is_causal=True)   # causal per head: runs
 
 
 @pytest.mark.parametrize("case", ["embed_dim", "kdim", "batch", "rank", "lengths", "kpm"])

@@ -7,6 +7,14 @@ and ``is_causal=True`` (with ``attn_mask`` None or the causal mask itself). A ge
 ``attn_mask`` is not expressible from O(T) data and raises ``NotImplementedError``.
 ``need_weights=True`` (torch's default) also returns the attention weights, which this
 computes separately in eager PyTorch (O(T²)); pass ``need_weights=False`` for the fast path.
+They are the weights before attention dropout (torch returns them after it, in training);
+a query that sees no key (every key padding) has weights 0, as its output (the out_proj
+bias alone), where torch gives NaN for both.
+
+``add_bias_kv`` / ``add_zero_attn``: the extra key is visible to every query, also with
+``is_causal`` (as torch pads its mask with a visible column). The op takes the extra keys
+first (its causal diagonal is aligned to the last key, so appended keys would shift it by
+one); the returned weights have them last, as torch's.
 """
 from typing import Optional, Tuple
 
@@ -67,21 +75,26 @@ class MultiheadAttention(nn.MultiheadAttention):
                             "(True = padding)")
 
         q, k, v = self._project(query, key, value)           # [T, B, E] each
+        extra_k, extra_v = [], []                            # keys every query sees, first
         if self.bias_k is not None:                          # one extra learned key/value
-            k = torch.cat([k, self.bias_k.expand(1, B, E)])
-            v = torch.cat([v, self.bias_v.expand(1, B, E)])
-            key_padding_mask = _pad_mask(key_padding_mask, B, k.shape[0], k.device)
+            extra_k.append(self.bias_k.expand(1, B, E))
+            extra_v.append(self.bias_v.expand(1, B, E))
         if self.add_zero_attn:                               # one extra zero key/value
-            k = torch.cat([k, k.new_zeros(1, B, E)])
-            v = torch.cat([v, v.new_zeros(1, B, E)])
-            key_padding_mask = _pad_mask(key_padding_mask, B, k.shape[0], k.device)
+            extra_k.append(k.new_zeros(1, B, E))
+            extra_v.append(v.new_zeros(1, B, E))
+        n_extra = len(extra_k)
+        if n_extra:                                          # [n_extra + Tk, B, E]
+            k, v = torch.cat(extra_k + [k]), torch.cat(extra_v + [v])
+            if key_padding_mask is not None:
+                key_padding_mask = torch.cat([key_padding_mask.new_zeros(B, n_extra),
+                                              key_padding_mask], 1)
         H, Dh = self.num_heads, self.head_dim
         Tk = k.shape[0]
         # [T, B, E] -> [T, B, H, Dh] -> [B, H, T, Dh]
         q, k, v = (t.reshape(t.shape[0], B, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
-        if causal and Tk < Tq:
+        if causal and Tk - n_extra < Tq:
             raise ValueError(f"ctxfast.nn.MultiheadAttention: is_causal needs at least as many "
-                             f"keys as queries, got Tq={Tq}, Tk={Tk}")
+                             f"keys as queries, got Tq={Tq}, Tk={Tk - n_extra}")
         out = ops.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                             dropout_p=self.dropout if self.training else 0.0,
                             backend=self.backend)            # [B, H, Tq, Dh]
@@ -94,6 +107,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             scores = torch.matmul(q, k.transpose(-1, -2)) * Dh ** -0.5
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
             weights = torch.softmax(scores, -1)              # [B, H, Tq, Tk]
+            weights = weights.masked_fill(~mask[:, None].any(-1, keepdim=True), 0.0)
+            if n_extra:                                      # torch's order: extra keys last
+                weights = torch.cat([weights[..., n_extra:], weights[..., :n_extra]], -1)
             if average_attn_weights:
                 weights = weights.mean(1)                    # [B, Tq, Tk]
         if self.batch_first:
@@ -115,20 +131,16 @@ class MultiheadAttention(nn.MultiheadAttention):
                 F.linear(value, self.v_proj_weight, bv))
 
 
-def _pad_mask(kpm: Optional[Tensor], B: int, Tk: int, device) -> Optional[Tensor]:
-    """Extend a [B, Tk-1] padding mask by one visible key (or None stays None)."""
-    if kpm is None:
-        return None
-    return torch.cat([kpm, torch.zeros(B, 1, dtype=torch.bool, device=device)], 1)
-
-
 def _is_causal_mask(mask: Tensor, Tq: int, Tk: int) -> bool:
-    """True if `mask` ([Tq, Tk], bool True = masked, or float -inf = masked) is the causal mask."""
-    if tuple(mask.shape[-2:]) != (Tq, Tk):
+    """True if `mask` (``[Tq, Tk]`` or ``[B·H, Tq, Tk]``; bool, True = masked, or float, -inf
+    = masked and 0 elsewhere) is the causal mask: a float mask with any other value (a bias:
+    ALiBi, relative positions) is not, whatever its -inf entries."""
+    if mask.dim() not in (2, 3) or tuple(mask.shape[-2:]) != (Tq, Tk):
         return False
     want = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).triu(1 + Tk - Tq)
-    got = mask if mask.dtype == torch.bool else torch.isinf(mask) & (mask < 0)
-    return bool((got == want).all())
+    if mask.dtype == torch.bool:
+        return bool((mask == want).all())
+    return bool(((mask == float("-inf")) == want).all() and (mask[..., ~want] == 0).all())
 
 
 def _check_shapes(mha, query, key, value) -> None:
