@@ -135,6 +135,19 @@ def test_gpt2_options_untied_head_and_layer_scaling():
         assert_close(model(idx)[0], hf(input_ids=idx).logits, name="logits")
 
 
+def test_gpt2_dropout_rates_are_carried():
+    """HF's three GPT-2 dropout rates reach the model: embd_pdrop the embeddings',
+    resid_pdrop the residual branches', attn_pdrop the attention's (each distinct here)."""
+    hf = transformers.GPT2LMHeadModel(_gpt2_config(embd_pdrop=0.5, resid_pdrop=0.25,
+                                                   attn_pdrop=0.125))
+    model = from_hf(hf, backend="eager")
+    assert model.transformer.drop.p == 0.5
+    assert (model.config.dropout, model.config.attn_dropout) == (0.25, 0.125)
+    rates = {m.p for name, m in model.named_modules()
+             if isinstance(m, nn.Dropout) and name.startswith("transformer.h.")}
+    assert rates <= {0.25, 0.125} and 0.25 in rates, rates
+
+
 @pytest.mark.parametrize("backend", ["ctxfast", "eager"])
 def test_gpt2_model_hidden_states_through_tied_head(backend):
     """GPT2Model has no head: ours gets one tied to wte, so logits = hidden @ wte.T."""

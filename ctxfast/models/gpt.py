@@ -38,8 +38,9 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     n_inner: Optional[int] = None    # feed-forward width; None = 4 * n_embd
-    dropout: float = 0.0             # embeddings, residual branches
+    dropout: float = 0.0             # residual branches (and embeddings, unless embd_dropout)
     attn_dropout: float = 0.0        # attention probabilities
+    embd_dropout: Optional[float] = None   # embeddings; None = dropout (HF's embd_pdrop)
     bias: bool = True                # biases in Linear layers
     layer_norm_eps: float = 1e-5
     activation: str = "gelu_tanh"    # GPT-2: "gelu_tanh" (gelu_new); GPT-1: "gelu"
@@ -93,7 +94,8 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, C),
             wpe=nn.Embedding(config.n_positions, C),
-            drop=nn.Dropout(config.dropout),
+            drop=nn.Dropout(config.dropout if config.embd_dropout is None
+                            else config.embd_dropout),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
         ))
         if config.prenorm:

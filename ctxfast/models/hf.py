@@ -90,7 +90,8 @@ def _gpt2(hf: nn.Module, kind: str, backend: str) -> GPT:
     tied = kind == "GPT2Model" or hf.lm_head.weight is tr.wte.weight
     cfg = GPTConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_layer=c.n_layer,
                     n_head=c.n_head, n_embd=c.n_embd, n_inner=c.n_inner,
-                    dropout=c.resid_pdrop, attn_dropout=c.attn_pdrop, bias=True,
+                    dropout=c.resid_pdrop, attn_dropout=c.attn_pdrop,
+                    embd_dropout=c.embd_pdrop, bias=True,
                     layer_norm_eps=c.layer_norm_epsilon,
                     activation=_act(c.activation_function, "activation_function"),
                     prenorm=True, tie_weights=tied,
