@@ -109,6 +109,26 @@ def test_varlen_left_padding_and_empty_row():
     assert (var[~am] == 0).all()
 
 
+def test_varlen_with_pooler_refuses_left_padding():
+    """With a pooler (it reads position 0, [CLS]) the varlen path, which does not compute
+    padded positions, refuses a row whose position 0 is padding but that has tokens (left
+    padding: the pooled output would be tanh(bias) of zeros), naming the row; right
+    padding and rows without tokens run, and the pooled output equals the padded path's."""
+    model = Bert(_config(n_layer=1)).to(DEVICE).eval()
+    ids = torch.randint(1, V, (3, 6), device=DEVICE)
+    am = torch.ones(3, 6, dtype=torch.bool, device=DEVICE)
+    am[0, 4:] = False                                        # right padding
+    am[1] = False                                            # no token at all
+    with torch.no_grad(), ops_backend():
+        pad = model(ids, attention_mask=am)
+        var = model(ids, attention_mask=am, varlen=True)
+        assert_close(var.pooler_output[[0, 2]], pad.pooler_output[[0, 2]], name="pooled")
+        am[2, :2] = False                                    # left padding in row 2
+        with pytest.raises(ValueError, match=r"position 0 of rows \[2\] is padding"):
+            model(ids, attention_mask=am, varlen=True)
+        model(ids, attention_mask=am)                        # the padded path takes it
+
+
 def test_mask_of_ones_equals_no_mask_and_config_varlen():
     model = Bert(_config(n_layer=1)).to(DEVICE).eval()
     ids = torch.randint(0, V, (2, 5), device=DEVICE)

@@ -12,7 +12,9 @@ ctxfast's ``key_padding_mask``. The *varlen* path (``BertConfig.varlen`` or
 ``[total, D]`` tensor right after the embeddings, runs every layer on it with
 :func:`ctxfast.attention_varlen` (no compute on padding) and unpacks at the end; the
 hidden states of real tokens are the same as the padded path's, and padding positions
-come back as zeros (in the padded path they hold values that mean nothing).
+come back as zeros (in the padded path they hold values that mean nothing). With a pooler,
+varlen needs position 0 ([CLS], which the pooler reads) unpadded: left padding is refused
+there (the padded path takes it, as Hugging Face does).
 
     cfg = BertConfig(vocab_size=100, n_positions=64, n_layer=2, n_head=2, n_embd=32)
     out = Bert(cfg)(input_ids, token_type_ids, attention_mask, mlm_labels=labels)
@@ -171,6 +173,8 @@ class Bert(nn.Module):
             for layer in self.layers:
                 x = layer(x)
         elif use_varlen:                                        # pack, run, unpack
+            if self.pooler is not None and not torch.compiler.is_compiling():
+                _check_first_position_kept(keep)
             xp, indices, cu_seqlens, max_seqlen = pack(x, keep)  # [total, D]
             for layer in self.layers:
                 xp = layer.forward_packed(xp, cu_seqlens, max_seqlen)
@@ -198,6 +202,20 @@ class Bert(nn.Module):
         if losses:
             out.loss = sum(losses[1:], losses[0])
         return out
+
+
+def _check_first_position_kept(keep: Tensor) -> None:
+    """The varlen path with a pooler: the pooler reads position 0 ([CLS]), which the packed
+    layers do not compute where it is padding (left padding): refused, naming the rows
+    (the padded path computes it, as Hugging Face does). Rows that are all padding pass
+    (their pooled output means nothing on either path). One small reduction beside pack's
+    own host sync."""
+    left = (~keep[:, 0] & keep.any(1)).nonzero().flatten().tolist()
+    if left:
+        raise ValueError(f"varlen=True: position 0 of rows {left[:8]} is padding (left "
+                         "padding), but the pooler reads position 0 ([CLS]) and the varlen "
+                         "path does not compute padded positions; pad on the right, or use "
+                         "varlen=False")
 
 
 def _check_attention_mask(mask: Optional[Tensor], B: int, T: int, device) -> Optional[Tensor]:
