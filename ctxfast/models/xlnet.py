@@ -36,8 +36,11 @@ Differences from HF, all in rows that carry no information:
 * a query that sees no key (the query stream of the first token in the order, without
   memory) gets zeros where HF's ``-1e30`` mask gives a uniform average of all values;
 * a padded position does not see itself (HF's content stream lets every position see
-  itself), so the hidden states *of padded positions* differ; those of real tokens agree.
-  Memory is always visible, so in HF too padded positions cached in ``mems`` are attended;
+  itself), so the hidden states *of padded positions* differ; those of real tokens agree
+  within the segment. Memory is always visible (in HF too), and the padded positions'
+  states are cached in ``mems`` as they are: so with padding and ``mems``, the *next*
+  segment's outputs differ from HF's (each attends to its own padded states). Without
+  padding in the cached segment they agree;
 * in training, the dropout mask of the positional encodings is drawn once and shared by
   the batch (HF's draws one per sequence); the other dropouts are as HF's.
 
@@ -48,8 +51,10 @@ two agree on outputs and gradients.
 
 The query stream runs at the ``T`` sequence positions as HF does (the P prediction queries
 are scattered to their positions with ``target_mapping``, attended, and gathered back),
-so any ``target_mapping`` (not only one-hot rows) gives HF's result; it costs T query rows
-per layer, not P.
+so a ``target_mapping`` that is not one-hot gives HF's result too, as long as it puts no
+weight on a position whose query stream sees no key (the first in the order, without
+memory: 0 here, HF's uniform average there, the first difference above); it costs T query
+rows per layer, not P.
 """
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
