@@ -28,12 +28,14 @@ vector can come as a product instead (:data:`RB_MMA`, opt-in until a GPU times i
 ``ones [BLOCK_M, 16]`` times a ``[BLOCK_N, 16]`` bf16 tile (transposed) holding its two
 halves (:func:`_rb_tile`, :func:`_rb_add`), so the loop's pipeline loads it with k, v and
 r rather than in the iteration that needs it.
-(The dK/dV and dR kernels load a new query block per tile and take both ``q + u`` and
-``q + w``: there the row vector, with r in registers, spilled more on sm_90 than the
-second operand. They read the two operands ready-made, ``[B, H, Tq, D]`` in
-k's dtype, from :func:`_rel_bwd_prep_kernel`, which forms them once per call in the launch
-that computes Δ, instead of loading q and forming both at every tile: sm_90 SASS of the
-bf16 D 64 dK/dV loop 991 -> 940 instructions a tile, spill reloads in it 25 -> 0.)
+The dK/dV and dR kernels, which recompute P, form the position term the same way, ``(q +
+u)·r_m`` plus the row bias (:func:`_rb_band`), and not as ``(q + w)·r_m``: at 16 bits ``q +
+u`` and ``q + w`` round differently, and a P recomputed from the other rounding does not
+match the forward's lse (rows of P summing to 1 ± 1%, dV and dK off by that at fp16). dR's
+product takes ``q + w`` itself (the derivative). They load a new query block per tile and
+read those operands ready-made, ``[B, H, Tq, D]`` in k's dtype, from
+:func:`_rel_bwd_prep_kernel`, which forms them once per call in the launch that computes Δ,
+instead of loading q and forming them at every tile.
 
 Two chunks. Where the query block is fixed and the loop walks the key blocks (forward,
 dQ), the band of key block ``n`` is two chunks of BLOCK_N rows of r, ``row0 + n + [0,
@@ -137,13 +139,14 @@ from ._launch import compiling_only, fast
 
 
 @triton.jit
-def _rel_scores(qu, qw, k, r, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _rel_scores(qu, rb, k, r, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] unscaled scores of a tile: ``(q + u)·kᵀ`` plus the position term,
-    ``(q + v)`` times the band of r rows ``[2·BLOCK_N, BLOCK_D]``, shifted into place
-    (:func:`_skewed`)."""
+    """[BLOCK_M, BLOCK_N] unscaled scores of a tile: ``(q + u)·kᵀ`` plus the position term
+    over the band of r rows ``[2·BLOCK_N, BLOCK_D]``, ``(q + u)·rᵀ`` plus the band's row
+    bias ``rb`` ``[2·BLOCK_N]`` (:func:`_rb_band`) as the forward forms it, shifted into
+    place (:func:`_skewed`)."""
     ac = _dot(qu, tl.trans(k), UPCAST, PRECISION)
-    qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                     # [BLOCK_M, 2·BLOCK_N]
+    qr = _dot(qu, tl.trans(r), UPCAST, PRECISION) + rb[None, :]       # [BLOCK_M, 2·BLOCK_N]
     lo, hi = _band_halves(qr, BLOCK_M, BLOCK_N)
     return ac + _skewed(lo, hi, _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
 
@@ -159,6 +162,17 @@ def _rb_rows(rb_base, row_start, BLOCK_R: tl.constexpr):
     11 -> 8 barriers; the dQ kernel's 1,102 -> 996): the r tile stays in shared memory for
     its product alone."""
     return tl.load(rb_base + row_start + tl.arange(0, BLOCK_R))
+
+
+@triton.jit
+def _rb_band(rb_base, rows, R_len):
+    """The row bias (:func:`_rb_rows`) of r's rows ``rows``, 0 outside ``[0, R_len)`` (a
+    masked load: the backward kernels' bands need no pad of the table). The dK/dV and dR
+    kernels recompute the position term as the forward formed it, ``(q + u)·r_m`` plus this,
+    not as ``(q + v)·r_m``: at 16 bits ``q + u`` and ``q + v`` round differently, and P
+    recomputed from the other rounding does not match the forward's lse (its rows do not
+    sum to 1; dV and dK off by ~1e-2 relative at fp16)."""
+    return tl.load(rb_base + rows, mask=(rows >= 0) & (rows < R_len), other=0.0)
 
 
 @triton.jit
@@ -629,10 +643,11 @@ def _query_range(b, n0, Tq, mem_len, window, KV_END, CAUSAL: tl.constexpr,
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
     K, V, DO,       # k, v [B, H, Tk, D]; do [B, H, Tq, D]; any strides
-    QU, QW,         # q + r_w_bias, q + r_r_bias [B, H, Tq, D] contiguous, in k's dtype
+    QU,             # q + r_w_bias [B, H, Tq, D] contiguous, in k's dtype
                     # (:func:`_rel_bwd_prep_kernel`; q itself is not read: its strides
                     # below are the launches' shared arguments)
     R,              # r [H, R, D], any strides
+    RB, stride_rbh,     # (r_r_bias − r_w_bias)·r_m [H, R] fp32 (row_bias_table)
     SEG_Q, SEG_K,   # as in the forward
     EF,             # [B, H, Tq, 2] fp32 contiguous (HAS_SEG): each row's segment terms
                     # (q + r_s_bias)·seg_embed[0 | 1] (:func:`_rel_bwd_prep_kernel`)
@@ -682,6 +697,7 @@ def _rel_attn_bwd_dkdv_kernel(
     band = tl.arange(0, BAND)
     c = pos_start - mem_len
     r_base = R + h * stride_rh
+    rb_base = RB + h * stride_rbh
 
     in_lo, in_hi = _interior_queries(n0, Tq, mem_len, window, CAUSAL, HAS_KPM, HAS_PERM,
                                      WINDOW, BLOCK_M, BLOCK_N)
@@ -692,7 +708,6 @@ def _rel_attn_bwd_dkdv_kernel(
         q_mask = (offs_m[:, None] < Tq) & d_ok
         q_off = (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
         qu = tl.load(QU + q_off, mask=q_mask, other=0.0)
-        qw = tl.load(QW + q_off, mask=q_mask, other=0.0)
         do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
                      + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
         lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))
@@ -706,14 +721,17 @@ def _rel_attn_bwd_dkdv_kernel(
             # each pair's chunk chosen before one rotation places both (_skewed): sm_90
             # SASS, bf16 D 64, 128 -> 32 shuffles and 940 -> 782 instructions a tile
             r = _r_rows(r_base, row0 + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            pos_lo = _dot(qw, tl.trans(r), UPCAST, PRECISION)
+            pos_lo = _dot(qu, tl.trans(r), UPCAST, PRECISION) \
+                + _rb_band(rb_base, row0 + jj, R_len)[None, :]
             r = _r_rows(r_base, row0 + BLOCK_N + jj, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            pos = _skewed(pos_lo, _dot(qw, tl.trans(r), UPCAST, PRECISION),
-                          _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
+            pos_hi = _dot(qu, tl.trans(r), UPCAST, PRECISION) \
+                + _rb_band(rb_base, row0 + BLOCK_N + jj, R_len)[None, :]
+            pos = _skewed(pos_lo, pos_hi, _tile_skew(BLOCK_M, BLOCK_N), BLOCK_M, BLOCK_N)
             s = _dot(qu, tl.trans(k), UPCAST, PRECISION) + pos
         else:               # the whole band at once
             r = _r_rows(r_base, row0 + band, R_len, offs_d, d_ok, stride_rm, stride_rd)
-            s = _rel_scores(qu, qw, k, r, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+            s = _rel_scores(qu, _rb_band(rb_base, row0 + band, R_len), k, r, UPCAST,
+                            PRECISION, BLOCK_M, BLOCK_N)
         if HAS_SEG:
             seg_q = tl.load(SEG_Q + b * stride_sq_b + offs_m, mask=offs_m < Tq, other=-1)
             ef = EF + (bh * Tq + offs_m) * 2
@@ -1092,7 +1110,9 @@ def _rel_dr_ds(K0: tl.constexpr, WIDTH: tl.constexpr, pos, owned, qu, do, lse, d
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    K, V, DO, QU, QW, R, SEG_Q, SEG_K, EF, LSE, DELTA,   # as in the dK/dV kernel
+    K, V, DO, QU,   # as in the dK/dV kernel
+    QW,             # q + r_r_bias [B, H, Tq, D] contiguous, in k's dtype (dr's operand)
+    R, RB, stride_rbh, SEG_Q, SEG_K, EF, LSE, DELTA,     # as in the dK/dV kernel
     DR,             # [B, H, R, D] fp32: batch b's dr, every element written (summed over b
                     # by the launcher, in a fixed order)
     KPM, RANK, KV_END, SEED,
@@ -1129,6 +1149,7 @@ def _rel_attn_bwd_dr_kernel(
     offs_r = mr0 + jj
     r = tl.load(R + h * stride_rh + offs_r[:, None] * stride_rm + offs_d[None, :] * stride_rd,
                 mask=(offs_r[:, None] < R_len) & d_ok, other=0.0)          # [BLOCK_N, BLOCK_D]
+    rb = _rb_band(RB + h * stride_rbh, offs_r, R_len)                     # [BLOCK_N]
     # Query i meets the owned diagonals at keys j = i + d0 + [0, BLOCK_N): only queries with
     # -d0 - BLOCK_N < i < Tk - d0 (and, causal, only if d0 <= mem_len; window: only if the
     # last owned diagonal is within it).
@@ -1169,8 +1190,9 @@ def _rel_attn_bwd_dr_kernel(
             ef = EF + (bh * Tq + offs_m) * 2
             ef_same = tl.load(ef, mask=offs_m < Tq, other=0.0)
             ef_diff = tl.load(ef + 1, mask=offs_m < Tq, other=0.0)
-        # the band of keys the block's rows meet, j = m0 + d0 + [0, 2·BLOCK_N)
-        qr = _dot(qw, tl.trans(r), UPCAST, PRECISION)                       # [BLOCK_M, BLOCK_N]
+        # the band of keys the block's rows meet, j = m0 + d0 + [0, 2·BLOCK_N); the position
+        # term as the forward formed it, (q + u)·r_m plus the row bias (_rb_band)
+        qr = _dot(qu, tl.trans(r), UPCAST, PRECISION) + rb[None, :]         # [BLOCK_M, BLOCK_N]
         if HALVES:          # in two halves, each gathered into diagonal order before the next
             # The index tensors formed per tile on purpose (hoisted, they stay live through
             # the loop and spill): t2, a multiple of 2·BLOCK_N, only keeps them here. Pair
@@ -1554,8 +1576,8 @@ FWD_MAXNREG_3CTA = 168
 #: without a cap, one CTA): tuner candidates.
 DKDV_MAXNREG_3CTA, DQ_MAXNREG_2CTA = 168, 128
 #: And for the D 128 dK/dV kernel (32 x 32 tiles, 8 warps, 144 registers: one CTA an SM):
-#: capped at 128 ptxas fits it in 126 registers without a spill (sm_90 SASS 397 -> 412
-#: instructions a tile), two CTAs an SM.
+#: capped at 128, two CTAs an SM (ptxas fitted it in 126 registers without a spill until
+#: the kernel took the forward's row bias, 2026-11-29: 140 B of spill stores since).
 DKDV128_MAXNREG_2CTA = 128
 
 
@@ -2150,7 +2172,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             stored = mode in ("gemm", "stored")     # dS (and P) stored, summed by GEMMs
             if mode != "stored":                     # ("stored": dK, dV by a GEMM below)
                 fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
-                    k, v, do, qu, qw, r, sq, sk, ef, lse, delta, dk, dv,
+                    k, v, do, qu, r, rb, rb.stride(0), sq, sk, ef, lse, delta, dk, dv,
                     kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
                     HALVES=bn >= HALVES_MIN_BLOCK)
             d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
@@ -2207,7 +2229,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
             else:
                 dr_b = _new_output((B, H, R, D), torch.float32, q.device)
                 fast(_rel_attn_bwd_dr_kernel)[(cdiv(R, bn), B * H)](
-                    k, v, do, qu, qw, r, sq, sk, ef, lse, delta, dr_b,
+                    k, v, do, qu, qw, r, rb, rb.stride(0), sq, sk, ef, lse, delta, dr_b,
                     kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
                     HALVES=bn >= HALVES_MIN_BLOCK)
                 done["dr"] = dr_b.sum(0) if B > 1 else dr_b[0]

@@ -14,17 +14,20 @@ from utils import (ATTN_BACKENDS, assert_within_2x_eager, rel_err, rel_exponent_
 NAMES = ["q", "k", "v", "r", "r_w_bias", "r_r_bias", "seg_embed", "r_s_bias"]
 
 
-def _inputs(B, H, Tq, Tk, D, R, dtype=torch.float32, seg=False):
-    mk = lambda *s: torch.randn(*s, dtype=dtype, device=DEVICE)  # noqa: E731
-    ts = [mk(B, H, Tq, D), mk(B, H, Tk, D), mk(B, H, Tk, D), mk(H, R, D), mk(H, D), mk(H, D)]
+def _inputs(B, H, Tq, Tk, D, R, dtype=torch.float32, seg=False, mag=1.0):
+    """q, k, v, r, r_w_bias, r_r_bias (and seg_embed, r_s_bias): normal, q, k and r times
+    mag (rounded to dtype after scaling)."""
+    mk = lambda *s, m=1.0: (torch.randn(*s, device=DEVICE) * m).to(dtype)  # noqa: E731
+    ts = [mk(B, H, Tq, D, m=mag), mk(B, H, Tk, D, m=mag), mk(B, H, Tk, D),
+          mk(H, R, D, m=mag), mk(H, D), mk(H, D)]
     if seg:
         ts += [mk(2, H, D), mk(H, D)]
     return ts
 
 
-def check(B, H, Tq, Tk, D, R=None, dtype=torch.float32, seg=False, **kw):
+def check(B, H, Tq, Tk, D, R=None, dtype=torch.float32, seg=False, mag=1.0, **kw):
     R = R or Tk
-    ts = _inputs(B, H, Tq, Tk, D, R, dtype, seg)
+    ts = _inputs(B, H, Tq, Tk, D, R, dtype, seg, mag)
     extra = {}
     if seg:
         extra = dict(seg_q=torch.randint(0, 2, (B, Tq), device=DEVICE),
@@ -184,6 +187,26 @@ def test_transformer_xl_with_a_longer_r():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_dtypes(dtype):
     check(1, 2, 17, 40, 64, dtype=dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("mem", [0, 23])
+def test_half_backward_recomputes_the_forwards_scores(mem):
+    """fp16 with large scores (q, k, r of scale 4, the biases 1): the backward's P, recomputed
+    in the dK/dV and dR kernels, must be the forward's (whose lse it divides by): the
+    forward forms the position term as (q + u)·r plus the row bias (w − u)·r, and q + u and
+    q + w round differently at 16 bits. With P recomputed from q + w the rows of P did not
+    sum to 1: with dO all ones, Σ_j dV[j] = Σ_i Σ_j P_ij = Tq was off by ~1%. Also every
+    gradient within 2x eager of float64."""
+    torch.manual_seed(3)
+    Tq = 33
+    check(1, 2, Tq, Tq + mem, 64, dtype=torch.float16, mag=4.0)
+    q, k, v, r, u, w = _inputs(1, 2, Tq, Tq + mem, 64, Tq + mem, torch.float16, mag=4.0)
+    v.requires_grad_(True)
+    out = ctxfast.rel_attention(q, k, v, r, u, w, backend="triton")
+    (dv,) = torch.autograd.grad(out, v, torch.ones_like(out))
+    total = dv.double().sum(2)                                # [B, H, D]: Tq each
+    assert (total - Tq).abs().max() < Tq * 2e-3, total[0, :, :4]
 
 
 @needs_triton

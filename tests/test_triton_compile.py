@@ -93,11 +93,16 @@ REL_SPILL_BUDGET = {
     # (the skew as a rotation of even and odd columns, kernels/rel_attention._rotate,
     # 2026-11-28: forward 104 -> 12, dK/dV 76 -> 0, dQ 324 -> 256 and 452 -> 168, dR
     # 112 -> 60)
+    # (the dK/dV and dR kernels' position term recomputed as the forward forms it, (q + u)·r
+    # plus the row bias, 2026-11-29, a correctness fix: at 16 bits P from (q + w)·r did not
+    # match the forward's lse; the default rows keep their budgets, the dR kernel at
+    # bf16 D 64 -- a path of DR_MODE "kernel" and of deterministic mode only -- 60 -> 136;
+    # the capped candidates below too)
     "rel_attention bf16 D=64 causal (training)": {
         "_rel_attn_fwd_kernel": 12, "_rel_attn_bwd_dkdv_kernel": 0,
         "_rel_attn_bwd_dq_kernel": 256},
     "rel_attention bf16 D=64 causal (training, dR kernel)": {
-        "_rel_attn_bwd_dq_kernel": 168, "_rel_attn_bwd_dr_kernel": 60},
+        "_rel_attn_bwd_dq_kernel": 168, "_rel_attn_bwd_dr_kernel": 136},
     "rel_attention bf16 D=128 causal (training)": {
         "_rel_attn_fwd_kernel": 0, "_rel_attn_bwd_dkdv_kernel": 0,
         "_rel_attn_bwd_dq_kernel": 0, "_rel_attn_bwd_dr_kernel": 0},
@@ -122,11 +127,13 @@ REL_3CTA_CASE = "rel_attention bf16 D=64 causal (training), TMA, three CTAs an S
 REL_CAPPED_BWD_CASE = "rel_attention bf16 D=64 causal, gemm dr, capped backward rows"
 REL_XL_3CTA_CASE = "rel_attention fp32/tf32 D=64 causal (XL evaluation), three CTAs an SM"
 REL_D128_CAPPED_CASE = "rel_attention bf16 D=128 causal (training), TMA, capped rows"
+# (2026-11-29, the position term as the forward's: the capped dK/dV rows D 128 0 -> 140, D 64
+# 312 -> 420; their uncapped table rows spill nothing)
 REL_SPILL_BUDGET[REL_D128_CAPPED_CASE] = {"_rel_attn_fwd_kernel": 56,
-                                          "_rel_attn_bwd_dkdv_kernel": 0}
+                                          "_rel_attn_bwd_dkdv_kernel": 140}
 REL_SPILL_BUDGET[REL_XL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 52}
 REL_SPILL_BUDGET[REL_3CTA_CASE] = {"_rel_attn_fwd_kernel": 308}
-REL_SPILL_BUDGET[REL_CAPPED_BWD_CASE] = {"_rel_attn_bwd_dkdv_kernel": 312,
+REL_SPILL_BUDGET[REL_CAPPED_BWD_CASE] = {"_rel_attn_bwd_dkdv_kernel": 420,
                                          "_rel_attn_bwd_dq_kernel": 368}
 REL_CAPPED_CTAS = {REL_3CTA_CASE: {"_rel_attn_fwd_kernel": (4, 3)},
                    REL_XL_3CTA_CASE: {"_rel_attn_fwd_kernel": (4, 3)},
