@@ -1125,3 +1125,29 @@ def test_tensors_beyond_int32_offsets(op):
             r = torch.randn(1, 1, D, device=DEVICE).expand(1, T + 8, D)
             u = torch.randn(1, D, device=DEVICE)
             ctxfast.rel_attention(small, big, big, r, u, u, backend="triton")
+
+
+def test_eager_fp16_scores_past_the_fp16_range_before_scaling():
+    """fp16 q·k of 65,536 (rows of ±32, D 64) overflows fp16 before the scale of 1/8 brings
+    it to 8,192: the eager backend, the eager rel_attention and nn.MultiheadAttention's
+    returned weights scale q first (as torch's own attention) and stay finite, equal to
+    float64's within fp16's error. (They gave NaN, where SDPA and the kernels are finite.)"""
+    sign = torch.where(torch.rand(1, 1, 4, 64, device=DEVICE) < 0.5, -1.0, 1.0)
+    q = (32 * sign).half()
+    k = q.clone()
+    k[:, :, 1:3] = -k[:, :, 1:3]                              # keys 0 and 3 match each query
+    v = torch.randn(1, 1, 4, 64, device=DEVICE).half()
+    out = ctxfast.attention(q, k, v, backend="eager")
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert out.isfinite().all() and (out.double() - ref).abs().max() < 1e-2
+    r = torch.zeros(1, 4, 64, device=DEVICE).half()
+    bias = torch.zeros(1, 64, device=DEVICE).half()
+    out = reference.rel_attention(q, k, v, r, bias, bias, causal=False)
+    assert out.isfinite().all() and (out.double() - ref).abs().max() < 1e-2
+    mha = ctxfast.nn.MultiheadAttention(64, 1, bias=False).to(DEVICE).half()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.eye(64).repeat(3, 1))
+    x = q[0, 0][:, None]                                     # [T, B, E]
+    _, weights = mha(x, x, x)                                # each row sees itself
+    want = torch.eye(4, device=DEVICE, dtype=weights.dtype)
+    assert weights.isfinite().all() and torch.allclose(weights[0], want, atol=1e-3), weights

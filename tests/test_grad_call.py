@@ -377,3 +377,55 @@ def test_triton_ops_skip_the_dispatcher_only_where_nothing_else_must_see_them(mo
         fq, fk, fv = (mode.from_tensor(t) for t in detached)
         fake = ctxfast.attention(fq, fk, fv, causal=True, backend="triton")
     assert called == [] and tuple(fake.shape) == tuple(q.shape)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_func_grad_through_every_op(backend):
+    """torch.func.grad and vmap(grad) through every op on the backends GradCall serves
+    (attention, attention_varlen, rel_attention, lstm, rel_shift, linear) give the plain
+    backward's gradient. (Through the Triton ops, and rel_shift on every backend, they
+    failed in torch's autograd.Function check, "must override the setup_context
+    staticmethod", naming no op: the backward op's own custom-op autograd kernel.) A
+    gradient of a gradient (grad of grad) is refused naming the op, except rel_shift's,
+    whose gradient is its inverse and differentiable; forward mode (jvp) is refused."""
+    if backend not in CPU_BACKENDS:
+        pytest.skip(f"no {backend} backend here")
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    w_ih, w_hh = torch.randn(12, 3), torch.randn(12, 3)
+    r, u, w = torch.randn(2, 5, 8), torch.randn(2, 8), torch.randn(2, 8)
+    wl = torch.randn(6, 8)
+    cases = {
+        "attention": (lambda q: ctxfast.attention(q, k, v, causal=True, backend=backend),
+                      (1, 2, 5, 8)),
+        "attention_varlen": (lambda q: ctxfast.attention_varlen(
+            q, k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 3, 3, backend=backend),
+            (5, 2, 8)),
+        "rel_attention": (lambda q: ctxfast.rel_attention(q, k, v, r, u, w, backend=backend),
+                          (1, 2, 5, 8)),
+        "lstm": (lambda x: ctxfast.lstm(x, None, w_ih, w_hh, backend=backend)[0], (4, 2, 3)),
+        "rel_shift": (lambda x: ctxfast.rel_shift(x, backend=backend), (2, 4, 6)),
+    }
+    if backend == "triton":
+        cases["linear"] = (lambda x: ctxfast.linear(x, wl, backend=backend), (3, 8))
+    for name, (f, shape) in cases.items():
+        x = torch.randn(*shape)
+        weight = torch.randn_like(f(x))
+
+        def loss(x_):
+            return (f(x_) * weight).sum()
+
+        leaf = x.clone().requires_grad_(True)
+        plain, = torch.autograd.grad(loss(leaf), leaf)
+        assert_equal(torch.func.grad(loss)(x), plain, name=f"{name}: torch.func.grad")
+        xs = torch.stack([x, 2 * x])
+        per_sample = torch.func.vmap(torch.func.grad(loss))(xs)
+        assert_equal(per_sample[0], plain, name=f"{name}: vmap(grad)")
+        if name == "rel_shift":
+            torch.func.grad(lambda x_: torch.func.grad(loss)(x_).square().sum())(x)
+        else:
+            with pytest.raises(NotImplementedError, match=f"^{name}: a second derivative"):
+                torch.func.grad(lambda x_: torch.func.grad(loss)(x_).square().sum())(x)
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                torch.func.jvp(f, (x,), (torch.randn_like(x),))

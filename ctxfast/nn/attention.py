@@ -104,7 +104,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if need_weights:                                     # eager, O(T²): API compatibility
             mask = reference.attention_mask(B, Tq, Tk, causal=causal,
                                             key_padding_mask=key_padding_mask, device=q.device)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * Dh ** -0.5
+            scores = torch.matmul(q * Dh ** -0.5, k.transpose(-1, -2))   # q first, as torch
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
             weights = torch.softmax(scores, -1)              # [B, H, Tq, Tk]
             weights = weights.masked_fill(~mask[:, None].any(-1, keepdim=True), 0.0)

@@ -298,14 +298,32 @@ def _refuse_jvp(name: str, args) -> None:
             name, "torch.func.jvp, jacfwd or hessian"))
 
 
-def call_in_backward(op: Callable, *args):
+def call_in_backward(op: Callable, *args, name: Optional[str] = None):
     """Call a ctxfast backward op from an autograd formula. In a plain backward (grad mode
     off: no ``create_graph``), outside ``torch.compile`` and functorch transforms, the
     dispatcher starts below the autograd key: a ``torch.library.custom_op``'s own autograd
     kernel would only pass the call on, in Python (~50 µs a call measured on a CPU, torch
-    2.13; a floor under every small attention backward on a GPU)."""
-    if (torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active()):
+    2.13; a floor under every small attention backward on a GPU).
+
+    Under functorch transforms (``torch.func.grad``, ``vjp``, ``jacrev``, ``vmap`` of them)
+    the op runs with grad mode off: a custom op's autograd kernel is an
+    ``autograd.Function`` without ``setup_context``, which the transforms refuse with an
+    error that names no op ("must override the setup_context staticmethod"), and the
+    backward ops have no derivative anyway. A gradient of the gradient (two grad
+    transforms, e.g. ``grad(grad(f))``) is refused by the public op's `name` instead, as
+    :func:`first_order_only` refuses it in eager code."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if torch._C._are_functorch_transforms_active():
+        grads = [i for i in _functorch_interpreters()
+                 if i.key() == torch._C._functorch.TransformType.Grad]
+        if len(grads) > 1:
+            raise NotImplementedError(
+                f"{name or op}: a second derivative (the gradient of its gradient: nested "
+                "torch.func.grad / vjp / jacrev) is not implemented")
+        with torch.no_grad():
+            return op(*args)
+    if torch.is_grad_enabled():
         return op(*args)
     return _call_below_autograd(op, args)
 

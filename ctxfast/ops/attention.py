@@ -131,7 +131,7 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     dq, dk, dv = _call_in_backward(
         torch.ops.ctxfast.attention_bwd_triton,
         grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale,
-        ctx.dropout_p, seed)
+        ctx.dropout_p, seed, name="attention")
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -171,9 +171,10 @@ def _cpu_setup_context(ctx, inputs, output):
 
 def _cpu_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, kpm, rank, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ctxfast.attention_bwd_cpu(
+    dq, dk, dv = _call_in_backward(
+        torch.ops.ctxfast.attention_bwd_cpu,
         grad_out, q, k, v, out, lse, kpm, rank, ctx.causal, ctx.perm_strict, ctx.scale,
-        ctx.dropout_p, seed)
+        ctx.dropout_p, seed, name="attention")
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -323,7 +324,8 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     max_q, max_k, causal, scale, dropout_p = ctx.args
     dq, dk, dv = _call_in_backward(
         torch.ops.ctxfast.attention_varlen_bwd_triton,
-        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed)
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
+        name="attention_varlen")
     return (dq, dk, dv) + (None,) * 8
 
 
@@ -358,8 +360,9 @@ def _cpu_varlen_setup_context(ctx, inputs, output):
 
 def _cpu_varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.ctxfast.attention_varlen_bwd_cpu(
-        grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args, seed)
+    dq, dk, dv = _call_in_backward(
+        torch.ops.ctxfast.attention_varlen_bwd_cpu,
+        grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args, seed, name="attention_varlen")
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

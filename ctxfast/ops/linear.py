@@ -53,7 +53,8 @@ from .. import _dispatch
 from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import check_float_tensor as _check_float_tensor
-from ._common import first_order_only as _first_order_only
+from ._common import call_in_backward as _call_in_backward
+from ._common import register_autograd as _register_autograd
 
 _dispatch.register_op("linear", supported=("triton", "cuda", "cpu", "eager"),
                       cpu_default=("eager",), cuda_default=("eager",))
@@ -130,12 +131,16 @@ def _setup(ctx, inputs, output):
 def _grad(ctx, g):
     x2, w = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    gx, gw, gb = torch.ops.ctxfast.linear_backward(g, x2, w, need_x, need_w, ctx.mode)
+    gx, gw, gb = _call_in_backward(torch.ops.ctxfast.linear_backward, g, x2, w, need_x, need_w,
+                                   ctx.mode, name="linear")
     return (gx if need_x else None, gw if need_w else None,
             gb if ctx.has_bias and ctx.needs_input_grad[2] else None, None)
 
 
-_linear.register_autograd(_first_order_only("linear", _grad), setup_context=_setup)
+#: ``torch.ops.ctxfast.linear`` with its formula (ops._common.GradCall: forward mode and
+#: torch.func.jvp refused by name, torch.func.grad / vjp accepted); what the public function
+#: and the LSTM's input projection call
+linear_op = _register_autograd(_linear, _grad, _setup, first_order="linear")
 
 
 def _check(x: object, weight: object, bias: object) -> None:
@@ -209,6 +214,5 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     if name != "triton":                        # eager, or ATen's GEMMs (cpu, cuda)
         return _ref.linear(x, weight, bias)
     lead = x.shape[:-1]
-    y = torch.ops.ctxfast.linear(x.reshape(lead.numel(), x.shape[-1]), weight, bias,
-                                 "triton")                                # [M, N]
+    y = linear_op(x.reshape(lead.numel(), x.shape[-1]), weight, bias, "triton")   # [M, N]
     return y.view(*lead, weight.shape[0])                                 # [..., N]

@@ -39,7 +39,7 @@ from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 from ._common import autocast as _autocast
 from ._common import call_in_backward as _call_in_backward
 from ._common import register_autograd as _register_autograd
-from . import linear as _linear_ops  # noqa: F401 (registers ctxfast::linear, the projection)
+from . import linear as _linear_ops  # ctxfast::linear: the projection (linear_op)
 
 
 # The C++ recurrence exists only once csrc/ has it and the extension was rebuilt.
@@ -133,7 +133,7 @@ _lstm_recurrence_backward_triton.register_fake(_backward_fake)
 _recurrence_triton = _register_autograd(
     _lstm_recurrence_triton,
     _make_backward(lambda *a: _call_in_backward(
-        torch.ops.ctxfast.lstm_recurrence_backward_triton, *a)),
+        torch.ops.ctxfast.lstm_recurrence_backward_triton, *a, name="lstm")),
     _setup_context, first_order="lstm")
 
 
@@ -144,7 +144,8 @@ if _NATIVE:
     torch.library.register_fake("ctxfast::lstm_recurrence_backward_native")(_backward_fake)
     _recurrence_native = _register_autograd(
         "ctxfast::lstm_recurrence_native",
-        _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
+        _make_backward(lambda *a: _call_in_backward(
+            torch.ops.ctxfast.lstm_recurrence_backward_native, *a, name="lstm")),
         _setup_context, first_order="lstm")
 
 
@@ -177,7 +178,8 @@ if _NATIVE:
     _lstm_recurrence_split.register_fake(_recurrence_fake)
     _recurrence_split = _register_autograd(
         _lstm_recurrence_split,
-        _make_backward(lambda *a: torch.ops.ctxfast.lstm_recurrence_backward_native(*a)),
+        _make_backward(lambda *a: _call_in_backward(
+            torch.ops.ctxfast.lstm_recurrence_backward_native, *a, name="lstm")),
         _setup_context, first_order="lstm")
 
 
@@ -365,7 +367,7 @@ def _projection(x: Tensor, w_ih: Tensor, bias: Optional[Tensor], name: str) -> T
         raise ValueError(f"ctxfast.lstm: {_LINEAR[5:]}")
     if x.is_cuda and x.dtype == torch.float32 and RNN_TF32_PROJECTION and x.numel() > 0:
         T, B, I = x.shape
-        xw = torch.ops.ctxfast.linear(x.reshape(T * B, I), w_ih, bias, "rnn")  # [T B, 4H]
+        xw = _linear_ops.linear_op(x.reshape(T * B, I), w_ih, bias, "rnn")    # [T B, 4H]
         return xw.view(T, B, -1)                                                # [T, B, 4H]
     if (name != "cpu" or _LINEAR != "onednn" or x.dtype != torch.float32
             or x.numel() == 0 or torch.compiler.is_compiling()):

@@ -120,7 +120,7 @@ def _backward(ctx, grad_out, grad_lse):
     dq, dk, dv, dr, du, dw, dse, drsb = _call_in_backward(
         torch.ops.ctxfast.rel_attention_bwd_triton,
         grad_out, q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, se, rsb, causal,
-        pos_start, window, perm_strict, scale, dropout_p, seed)
+        pos_start, window, perm_strict, scale, dropout_p, seed, name="rel_attention")
     if not ctx.has_seg:
         dse = drsb = None
     return (dq, dk, dv, dr, du, dw, None, None, None, None, dse, drsb,
@@ -172,9 +172,10 @@ def _cpu_backward(ctx, grad_out, grad_lse):
     q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias, seed = \
         ctx.saved_tensors
     causal, pos_start, window, perm_strict, scale, dropout_p = ctx.args
-    dq, dk, dv, dr, du, dw, dse, drsb = torch.ops.ctxfast.rel_attention_bwd_cpu(
+    dq, dk, dv, dr, du, dw, dse, drsb = _call_in_backward(
+        torch.ops.ctxfast.rel_attention_bwd_cpu,
         grad_out, q, k, v, r, u, w, out, lse, kpm, rank, seg_q, seg_k, seg_embed, r_s_bias,
-        causal, pos_start, window, perm_strict, scale, dropout_p, seed)
+        causal, pos_start, window, perm_strict, scale, dropout_p, seed, name="rel_attention")
     if seg_embed is None:
         dse = drsb = None
     return (dq, dk, dv, dr, du, dw, None, None, None, None, dse, drsb,

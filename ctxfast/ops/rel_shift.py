@@ -48,7 +48,10 @@ if _dispatch.c_available():
         ctx.inverse = inputs[1] if len(inputs) > 1 else False
 
     def _native_backward(ctx, grad):
-        return torch.ops.ctxfast.rel_shift_native(grad, not ctx.inverse), None
+        # through the GradCall (not torch.ops directly): differentiable, and under
+        # functorch transforms a Function they accept (the custom op's own autograd kernel
+        # has no setup_context)
+        return _native(grad, not ctx.inverse), None
 
     _native = _register_autograd("ctxfast::rel_shift_native", _native_backward,
                                  _native_setup_context)
@@ -70,7 +73,7 @@ def _triton_setup_context(ctx, inputs, output):
 
 
 def _triton_backward(ctx, grad):
-    return torch.ops.ctxfast.rel_shift_triton(grad, not ctx.inverse), None
+    return _triton(grad, not ctx.inverse), None          # (as _native_backward)
 
 
 _triton = _register_autograd(_rel_shift_triton, _triton_backward, _triton_setup_context)

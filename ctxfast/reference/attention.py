@@ -68,7 +68,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     visible = attention_mask(B, Tq, Tk, causal=causal, key_padding_mask=key_padding_mask,
                              perm_rank=perm_rank, perm_stream=perm_stream,
                              device=q.device).unsqueeze(1)           # [B, 1, Tq, Tk]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale           # [B, H, Tq, Tk]
+    # q scaled first (as torch's own attention): at fp16, q·k may pass 65504 where the
+    # scaled score does not
+    scores = torch.matmul(q * scale, k.transpose(-1, -2))           # [B, H, Tq, Tk]
     p = masked_softmax(scores.masked_fill(~visible, float("-inf")))  # empty rows stay 0
     if dropout_mask is not None and dropout_p > 0:
         p = p * dropout_mask / (1.0 - dropout_p)

@@ -83,18 +83,22 @@ def rel_scores(q: Tensor, k: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tens
         dist = (Tk - Tq) + torch.arange(Tq, device=q.device)[:, None] \
             - torch.arange(Tk, device=q.device)[None, :]                  # [Tq, Tk]
         visible = visible & (dist < window)
-    ac = torch.matmul(q + r_w_bias[None, :, None, :], k.transpose(-1, -2))  # [B, H, Tq, Tk]
+    # the query operands scaled first (as torch's own attention): at fp16 the unscaled
+    # products may pass 65504 where the scaled scores do not
+    qu = (q + r_w_bias[None, :, None, :]) * scale                         # [B, H, Tq, D]
+    qw = (q + r_r_bias[None, :, None, :]) * scale
+    ac = torch.matmul(qu, k.transpose(-1, -2))                            # [B, H, Tq, Tk]
     rows = distance_rows(Tq, Tk, pos_start, q.device)                     # [Tq, Tk]
-    qr = torch.matmul(q + r_r_bias[None, :, None, :], r.transpose(-1, -2)[None])  # [B, H, Tq, R]
+    qr = torch.matmul(qw, r.transpose(-1, -2)[None])                      # [B, H, Tq, R]
     bd = torch.gather(qr, -1, rows.clamp(0, R - 1).expand(B, H, Tq, Tk))  # [B, H, Tq, Tk]
     bd = bd.masked_fill(~((rows >= 0) & (rows < R)), 0.0)                 # (never visible)
     scores = ac + bd
     if seg_embed is not None:
-        qs = q + r_s_bias[None, :, None, :]                               # [B, H, Tq, D]
+        qs = (q + r_s_bias[None, :, None, :]) * scale                     # [B, H, Tq, D]
         ef = torch.einsum("bhid,shd->bhis", qs, seg_embed)                # [B, H, Tq, 2]
         diff = (seg_q[:, :, None] != seg_k[:, None, :]).unsqueeze(1)      # [B, 1, Tq, Tk]
         scores = scores + torch.where(diff, ef[..., 1:2], ef[..., 0:1])
-    return (scores * scale).masked_fill(~visible, float("-inf"))
+    return scores.masked_fill(~visible, float("-inf"))
 
 
 def rel_attention_original(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
