@@ -329,6 +329,19 @@ def test_bool_mask_equals_float_mask_and_weight_dropout_needs_a_mask():
         _call(ctxfast.lstm, args, {"weight_dropout": 0.4}, backend="triton")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mask_that_requires_grad_is_a_constant(backend):
+    """weight_mask is a constant on every backend: a float mask with requires_grad gets no
+    gradient and the output equals the detached mask's (the eager backend differentiated
+    it, the kernels detached it: the backends disagreed)."""
+    args, kw = _inputs(2, 3, 5, 16, 0, mask=True)
+    mask = kw["weight_mask"].clone().requires_grad_(True)
+    out, _, _ = _call(ctxfast.lstm, args, dict(kw, weight_mask=mask), backend=backend)
+    ref, _, _ = _call(ctxfast.lstm, args, kw, backend=backend)
+    assert torch.equal(out, ref)
+    assert torch.autograd.grad(out.sum(), mask, allow_unused=True)[0] is None
+
+
 @needs_triton
 def test_dropped_weights_get_zero_gradient():
     args, kw = _inputs(3, 2, 5, 16, 0, mask=True)

@@ -407,7 +407,8 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             layer and direction. All of x's dtype and device.
         weight_mask: ``[4H, P]`` DropConnect mask of 0/1 (bool or w_hh's dtype), shared by
             all time steps, or None. The op is deterministic given the mask (the module
-            samples it). ``weight_dropout > 0`` without a mask is refused (ValueError).
+            samples it). ``weight_dropout > 0`` without a mask is refused (ValueError). A
+            constant on every backend: no gradient flows to it, even if it requires one.
         weight_dropout: the drop probability p in ``[0, 1)`` the mask was drawn with; the
             kept weights are scaled by ``1 / (1 - p)``.
         cell_clip, proj_clip: AllenNLP's ``LstmCellWithProjection`` clips (> 0, None: no
@@ -448,7 +449,8 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             "lstm_recurrence_native op (rebuild the extension with the LSTM kernels: "
             "`pip install --no-build-isolation -e .`)")
     name = _fp64_route(_dispatch.resolve("lstm", x.device, backend), asked, source, x)
-    if name == "eager":
+    if name == "eager":         # the mask a constant, as the kernels take it
+        weight_mask = None if weight_mask is None else weight_mask.detach()
         return _ref.lstm(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask=weight_mask,
                          weight_dropout=weight_dropout, cell_clip=cell_clip,
                          proj_clip=proj_clip, reverse=reverse)
