@@ -91,8 +91,10 @@ def test_storage_of_a_cached_output_resizes():
 
 def _run(code, **env):
     """Runs `code` in a fresh process (the setting is read once per process) after the
-    imports and q [2, 8, 128, 64] (a 512 KiB output); returns the exit code and the output."""
-    code = "import torch, ctxfast\nq = torch.randn(2, 8, 128, 64)\n" + code
+    imports and q [2, 8, 128, 64] (a 512 KiB output, seeded: the same inputs every run);
+    returns the exit code and the output."""
+    code = ("import torch, ctxfast\ntorch.manual_seed(0)\nq = torch.randn(2, 8, 128, 64)\n"
+            + code)
     run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
                          capture_output=True, text=True, timeout=300)
     return run.returncode, run.stdout + run.stderr[-3000:]
