@@ -34,6 +34,7 @@ import importlib
 import importlib.util
 import json
 import os
+import threading
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,9 +44,13 @@ BACKENDS: Tuple[str, ...] = ("triton", "cuda", "cpu", "eager")
 # name -> (supported backends, default order on CPU tensors, default order on CUDA tensors)
 _OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]] = {}
 
-# Stack of names set by `with ctxfast.backend(...)`. A plain list (not a ContextVar) so
-# that torch.compile can trace the lookup without a graph break.
+# Names set by `with ctxfast.backend(...)`: each thread's own stack (what eager calls read),
+# and every thread's entries in one plain list (what torch.compile's traced calls read: it
+# traces and guards a module-level list; a ContextVar or a thread id is a graph break, and
+# a threading.local attribute is traced as a constant, unguarded).
+_local = threading.local()
 _stack: List[str] = []
+_stack_lock = threading.Lock()
 
 
 class BackendUnavailable(RuntimeError):
@@ -185,8 +190,9 @@ def requested_backend(backend: Optional[str] = None) -> Tuple[Optional[str], str
     """(name, where it came from) of the backend asked for, or (None, '') if none."""
     if backend is not None:
         return _check_name(backend, "backend="), "the backend= argument"
-    if _stack:
-        return _stack[-1], "ctxfast.backend(...)"
+    stack = _stack if torch.compiler.is_compiling() else getattr(_local, "stack", None)
+    if stack:
+        return stack[-1], "ctxfast.backend(...)"
     env = os.environ.get("CTXFAST_BACKEND")
     if env and (env := env.strip()) and env != "auto":
         return _check_name(env, "CTXFAST_BACKEND"), "CTXFAST_BACKEND"
@@ -227,13 +233,23 @@ def default_backend(op: str, device: torch.device) -> str:
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[None]:
     """Run every ctxfast op inside the block on backend `name` (unless a call says
-    ``backend=`` itself). Blocks nest; the innermost wins.
+    ``backend=`` itself). Blocks nest; the innermost wins. The block holds for the thread
+    that opens it (other threads' calls are not affected), except in code compiled by
+    torch.compile, which reads every thread's blocks (the innermost opened last): in
+    compiled code run from several threads, pass ``backend=`` instead.
 
     >>> with ctxfast.backend("eager"):
     ...     y = ctxfast.rel_shift(x)
     """
-    _stack.append(_check_name(name, "ctxfast.backend"))
+    name = _check_name(name, "ctxfast.backend")
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    _local.stack.append(name)
+    with _stack_lock:
+        _stack.append(name)
     try:
         yield
     finally:
-        _stack.pop()
+        _local.stack.pop()
+        with _stack_lock:          # this thread's entry (blocks of other threads may follow)
+            del _stack[len(_stack) - 1 - _stack[::-1].index(name)]

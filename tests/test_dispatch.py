@@ -39,6 +39,48 @@ def test_context_manager_nests_and_restores():
     assert _dispatch.resolve("rel_shift", CPU) == "cpu"
 
 
+def test_context_manager_holds_for_its_own_thread():
+    """A ``ctxfast.backend`` block holds for the thread that opened it: another thread's
+    calls keep their own choice (they took it, silently: one list for the process), and
+    blocks of two threads that close out of order leave each thread its own. Compiled
+    code reads the blocks of every thread (documented) and is guarded on them: a block
+    opened after the first call recompiles, not reuses the stale choice."""
+    import threading
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        with ctxfast.backend("eager"):
+            seen["inside"] = _dispatch.resolve("rel_shift", CPU)
+            entered.set()
+            release.wait(30)
+        seen["after"] = _dispatch.resolve("rel_shift", CPU)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert entered.wait(30)
+    assert _dispatch.resolve("rel_shift", CPU) == "cpu"      # not the other thread's block
+    with ctxfast.backend("cpu"):
+        release.set()                                         # its block closes inside ours
+        assert done.wait(30)
+        assert _dispatch.resolve("rel_shift", CPU) == "cpu"
+        with ctxfast.backend("eager"):
+            assert _dispatch.resolve("rel_shift", CPU) == "eager"
+    t.join()
+    assert seen == {"inside": "eager", "after": "cpu"}
+    assert _dispatch.resolve("rel_shift", CPU) == "cpu" and not _dispatch._stack
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + len(_dispatch.resolve("rel_shift", CPU)), fullgraph=True,
+                      backend="eager")
+    x = torch.zeros(1)
+    assert f(x).item() == len("cpu")
+    with ctxfast.backend("eager"):
+        assert f(x).item() == len("eager")
+    assert f(x).item() == len("cpu")
+    torch._dynamo.reset()
+
+
 def test_env_auto_means_default(monkeypatch):
     monkeypatch.setenv("CTXFAST_BACKEND", "auto")
     assert _dispatch.resolve("rel_shift", CPU) == "cpu"
