@@ -1277,7 +1277,8 @@ def _tuned(kernels, q, dims, causal, mask, dropout, cu, order, run, outputs, ws=
     call (:func:`_ws_possible`, :func:`_ws_bwd_kernels`; asked only when tuning)."""
     if not _tune.wanted(q.device):
         return run()
-    ws_ok = tuple(ws()) if ws is not None and _tune_ws() else ()
+    tune_ws = _tune_ws()                # a bad CTXFAST_TUNE_WS: refused by every tuned call
+    ws_ok = tuple(ws()) if ws is not None and tune_ws else ()
     B, H, Tq, Tk, D, max_q, max_k = dims
     tma_ok = _tma_possible(q.dtype, q.device, cu, order)
     size = _tune.size_class
@@ -1442,7 +1443,7 @@ _WS_CANDIDATES = {
 #: :func:`_attn_bwd_dkdv_ws_kernel`, :func:`_attn_bwd_dq_ws_kernel`) on the calls they can
 #: serve (:func:`_ws_possible`): not yet timed on a GPU, so never the table's choice.
 #: ``CTXFAST_TUNE_WS=0`` (read at import; "1" the default, anything else refused by the
-#: first tuned call they could serve) leaves them out: e.g. on a Triton release whose split of them fails
+#: first tuned call) leaves them out: e.g. on a Triton release whose split of them fails
 #: or hangs on the GPU (benchmarks/gpu_round.sh sets it when its one launch of each fails).
 TUNE_WS = os.environ.get("CTXFAST_TUNE_WS", "1")
 
@@ -1547,12 +1548,18 @@ def _exp_emu(dtype, kernel: str) -> bool:
     return bool(_override(kernel + ":exp_emu")) and dtype in (torch.float16, torch.bfloat16)
 
 
-def _dq_mode() -> str:
-    """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``; "atomic" and
-    "bulk" refused under ``torch.use_deterministic_algorithms(True)`` (not warn-only)."""
+def _check_dq_mode_name() -> None:
+    """:data:`DQ_MODE` refused by name if it is not a mode (the forward asks too: a bad
+    setting is refused before any kernel runs, not at the first backward)."""
     if DQ_MODE not in ("kernel", "atomic", "bulk"):
         raise ValueError("CTXFAST_ATTN_BWD_DQ must be 'kernel', 'atomic' or 'bulk', "
                          f"got {DQ_MODE!r}")
+
+
+def _dq_mode() -> str:
+    """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``; "atomic" and
+    "bulk" refused under ``torch.use_deterministic_algorithms(True)`` (not warn-only)."""
+    _check_dq_mode_name()
     mode = _override("dq_mode") or DQ_MODE
     if mode != "kernel" and torch.are_deterministic_algorithms_enabled() \
             and not torch.is_deterministic_algorithms_warn_only_enabled():
@@ -1651,6 +1658,7 @@ def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank
         return out, lse.fill_(float("inf"))
     if Tk == 0:
         return out.zero_(), lse.fill_(float("inf"))
+    _check_dq_mode_name()               # a bad CTXFAST_ATTN_BWD_DQ: refused before a launch
     if num_splits is None:
         bm, bn = _config("fwd", D, q.dtype, causal, _mask_kind(key_padding_mask, perm_rank),
                          dropout_p > 0)[:2]

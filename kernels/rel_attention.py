@@ -1687,15 +1687,22 @@ def _dr_bulk_args(dr_acc, bn: int, block_d: int) -> dict:
     return bulk_add_args(dr_acc.unsqueeze(0), bn, block_d, "DRD", "DR_BULK")
 
 
+def _check_dr_mode_name(mode=None) -> None:
+    """`mode` (default :data:`DR_MODE`) refused by name if it is not a mode (the forward
+    asks too: refused before any kernel runs, not at the first backward)."""
+    mode = DR_MODE if mode is None else mode
+    if mode not in ("auto", "kernel", "atomic", "bulk", "gemm", "stored"):
+        raise ValueError("CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic', 'bulk', "
+                         f"'gemm' or 'stored', got {mode!r}")
+
+
 def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
     """"kernel", "atomic" or "bulk" for a backward of head dim D and dtype: DR_MODE, or the
     override "dr_mode" (the tuner's row, the config sweep's), with "auto" resolved (see
     DR_MODE). Refuses a bad setting, and "atomic" or "bulk" under torch's deterministic
     algorithms ("gemm" and "stored" add nothing: allowed)."""
     mode = _override("dr_mode", DR_MODE)
-    if mode not in ("auto", "kernel", "atomic", "bulk", "gemm", "stored"):
-        raise ValueError("CTXFAST_REL_BWD_DR must be 'auto', 'kernel', 'atomic', 'bulk', "
-                         f"'gemm' or 'stored', got {mode!r}")
+    _check_dr_mode_name(mode)
     deterministic = torch.are_deterministic_algorithms_enabled()
     if mode == "auto":
         tile = _config(D, None, dtype)[0]
@@ -2062,6 +2069,7 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         _split_targets(out, lse, B, H, Tq, Tk, D, bn, num_splits)
     split = num_splits > 1
     _rb_mma_on()                        # a bad CTXFAST_REL_RB_MMA: refused before a launch
+    _check_dr_mode_name()               # so is a bad CTXFAST_REL_BWD_DR (not at the backward)
     u, w = r_w_bias.contiguous(), r_r_bias.contiguous()
     rb = row_bias_table(r, u, w, bm + 2 * bn)
     tables = {}

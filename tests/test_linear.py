@@ -243,7 +243,8 @@ def test_default_backend(monkeypatch):
         with ctxfast.backend("triton"):
             assert linear_ops._route(x, "eager") == "eager"
     monkeypatch.setattr(linear_ops, "CUDA_DEFAULT", "cuda")
-    with pytest.raises(ValueError, match="CUDA_DEFAULT must be 'eager' or 'triton'"):
+    with pytest.raises(ValueError, match=r"CTXFAST_LINEAR_CUDA \(ctxfast.ops.linear."
+                                         r"CUDA_DEFAULT\) must be 'eager' or"):
         ctxfast.linear(x, w, b)
 
 

@@ -192,6 +192,14 @@ def test_atomic_dr_against_reference(monkeypatch, mode):
     monkeypatch.setattr(krel, "DR_MODE", "fast")
     with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
         test_dr_against_float64(1, 1, 5, 0, 5, None, None, True)
+    # refused at the forward, before its first launch (not only at the backward)
+    fwd = spy_launches(monkeypatch, krel, ("_row_bias_kernel", "_rel_attn_fwd_kernel"),
+                       lambda a, kw: None)
+    q, k, v = (torch.randn(1, 1, 5, 16) for _ in range(3))
+    r, u, w = torch.randn(1, 5, 16), torch.randn(1, 16), torch.randn(1, 16)
+    with pytest.raises(ValueError, match="CTXFAST_REL_BWD_DR"):
+        ctxfast.rel_attention(q, k, v, r, u, w, backend="triton")
+    assert not fwd
 
 
 def _variant_reference_checks():

@@ -423,6 +423,8 @@ def test_warp_specialised_kernels_left_out_by_setting(tuning, monkeypatch):
                         lambda a, kw: None)
     with pytest.raises(ValueError, match="CTXFAST_TUNE_WS must be '0' or '1'"):
         _call(causal=True, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CTXFAST_TUNE_WS must be '0' or '1'"):
+        _call(dtype=torch.float32)              # also a call the kernels could not serve
     assert not seen
 
 

@@ -169,8 +169,8 @@ def _check(x: object, weight: object, bias: object) -> None:
 def _route(x: Tensor, backend: Optional[str]) -> str:
     """The backend this call runs (see :func:`linear`)."""
     if CUDA_DEFAULT not in ("eager", "triton"):
-        raise ValueError("ctxfast.ops.linear.CUDA_DEFAULT must be 'eager' or 'triton', got "
-                         f"{CUDA_DEFAULT!r}")
+        raise ValueError("CTXFAST_LINEAR_CUDA (ctxfast.ops.linear.CUDA_DEFAULT) must be "
+                         f"'eager' or 'triton', got {CUDA_DEFAULT!r}")
     asked, _ = _dispatch.requested_backend(backend)
     if asked is None:
         if (CUDA_DEFAULT == "triton" and x.is_cuda and x.dtype == torch.float32
