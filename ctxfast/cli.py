@@ -316,7 +316,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return cmd_bench(args, rest)
     if args.cmd == "xl-eval":
         from .eval import xl_eval  # noqa: PLC0415 (imports the models only when asked for)
-        return xl_eval.main(rest)
+        try:
+            _dispatch.requested_backend()      # a bad CTXFAST_BACKEND: one line, not a trace
+        except ValueError as e:
+            parser.exit(2, f"ctxfast xl-eval: error: {e}\n")
+        try:
+            return xl_eval.main(rest)
+        except _dispatch.BackendUnavailable as e:   # e.g. CTXFAST_BACKEND=triton, no GPU
+            parser.exit(2, f"ctxfast xl-eval: error: {e}\n")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import ctxfast
 
 
@@ -152,3 +154,16 @@ def test_bench_prints_compact_tables_and_where_the_report_is(tmp_path):
     assert "report (" in out and str(tmp_path) in out and ".md" in out
     assert "benchmark '" not in out and "Name (time in" not in out    # no raw tables
     assert "rel_shift" in r.stderr                                    # the progress bar
+
+
+def test_xl_eval_with_a_bad_backend_setting_says_so_in_a_line(monkeypatch, capsys):
+    """``CTXFAST_BACKEND`` that is not a backend, or one that cannot run here: xl-eval exits
+    2 with one ``error:`` line naming the setting (it printed a traceback, exit 1)."""
+    from ctxfast import cli
+    monkeypatch.setenv("CTXFAST_BACKEND", "bogus")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["xl-eval", "--quick"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "ctxfast xl-eval: error: CTXFAST_BACKEND: unknown backend 'bogus'" in err
+    assert "Traceback" not in err

@@ -28,7 +28,7 @@ from .. import ops, reference
 class MultiheadAttention(nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` on ctxfast's fused attention.
 
-    Extra keyword: ``backend`` (``"triton" | "eager" | None``), passed to
+    Extra keyword: ``backend`` (``"triton" | "cpu" | "eager" | None``), passed to
     ``ctxfast.attention``.
     """
 
