@@ -711,6 +711,12 @@ def test_from_state_dict_infers_adaptive_shapes_and_requires_what_it_cannot(div_
     x = ids(5, 2, n=60)
     with torch.no_grad():
         assert torch.equal(model(x)[0], src(x)[0])
+    # a key the sizes are read from, missing: named (it was a bare KeyError)
+    for key in ("layers.0.dec_attn.o_net.weight", "layers.0.pos_ff.CoreNet.0.weight",
+                "r_w_bias"):
+        partial = {k: t for k, t in sd.items() if k != key}
+        with pytest.raises(ValueError, match=f"has no .*{re.escape(key)}"):
+            TransformerXL.from_state_dict(partial, **need)
 
 
 def test_one_class_per_name_old_model_layer_name_deprecated():

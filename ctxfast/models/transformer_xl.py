@@ -781,9 +781,16 @@ class TransformerXL(nn.Module):
             cutoffs = [int(sum(sizes[:i + 1])) for i in range(n_emb - 1)]
         n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
         untie_r = "r_w_bias" not in sd
-        H, Dh = (sd["layers.0.dec_attn.r_w_bias"] if untie_r else sd["r_w_bias"]).shape
-        d_model = sd["layers.0.dec_attn.o_net.weight"].shape[0]
-        d_inner = sd["layers.0.pos_ff.CoreNet.0.weight"].shape[0]
+        shape_keys = ("layers.0.dec_attn.r_w_bias" if untie_r else "r_w_bias",
+                      "layers.0.dec_attn.o_net.weight", "layers.0.pos_ff.CoreNet.0.weight")
+        missing = [k for k in shape_keys if k not in sd]
+        if missing:
+            raise ValueError(f"config_from_state_dict: the state_dict has no {missing} (the "
+                             "sizes are read from them: r_w_bias, shared or layer 0's, gives "
+                             "n_head and d_head; layer 0's o_net d_model and CoreNet d_inner)")
+        H, Dh = sd[shape_keys[0]].shape
+        d_model = sd[shape_keys[1]].shape[0]
+        d_inner = sd[shape_keys[2]].shape[0]
 
         def same(a, b):
             return a in sd and b in sd and sd[a].shape == sd[b].shape and torch.equal(sd[a], sd[b])
