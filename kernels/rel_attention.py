@@ -2254,7 +2254,10 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
         qs = q.float() + r_s_bias.float()[None, :, None]                  # [B, H, Tq, D]
         d_qs = seg_a[..., 0:1] * se[0][None, :, None] + seg_a[..., 1:2] * se[1][None, :, None]
         dq = dq + d_qs
-        d_seg_embed = torch.einsum("bhis,bhid->shd", seg_a, qs).to(seg_embed.dtype)
+        # contiguous, as the op's fake declares it (einsum's strides are its own: under
+        # torch.compile inductor checks them)
+        d_seg_embed = torch.einsum("bhis,bhid->shd", seg_a, qs).to(seg_embed.dtype) \
+            .contiguous()
         d_r_s_bias = d_qs.sum((0, 2)).to(r_s_bias.dtype)
     return (dq.to(q.dtype), dk, dv, dr.to(r.dtype), d_rw.to(r_w_bias.dtype),
             d_rr.to(r_r_bias.dtype), d_seg_embed, d_r_s_bias)

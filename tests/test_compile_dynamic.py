@@ -83,3 +83,30 @@ def test_lstm(backend):
         mask = torch.rand(4 * H, P, device=DEVICE) > 0.3
         calls.append(((x, w_ih, w_hh, w_hr, b), (x, w_ih, w_hh, w_hr, b, mask, *clips)))
     _check(fn, calls)
+
+
+@pytest.mark.parametrize("backend", BACKENDS["rel_attention"])
+def test_rel_attention_segments_under_inductor(backend):
+    """XLNet's segment term under torch.compile with inductor (which checks each custom
+    op's output strides against its fake): d_seg_embed came out of an einsum with strides of
+    its own, and the backward failed inductor's check ("expected ... stride 16==32"); now
+    contiguous, as the fakes declare. Gradients of every input as eager's."""
+    torch.manual_seed(0)
+    B, H, T, D = 1, 2, 6, 16
+    ts = [_randn(B, H, T, D), _randn(B, H, T, D), _randn(B, H, T, D), _randn(H, 2 * T, D),
+          _randn(H, D), _randn(H, D), _randn(2, H, D), _randn(H, D)]
+    seg = torch.randint(0, 2, (B, T), device=DEVICE)
+
+    def fn(q, k, v, r, rw, rr, se, rs):
+        return ctxfast.rel_attention(q, k, v, r, rw, rr, causal=False, pos_start=T,
+                                     seg_q=seg, seg_k=seg, seg_embed=se, r_s_bias=rs,
+                                     backend=backend).square().sum()
+
+    torch._dynamo.reset()
+    try:
+        got = torch.autograd.grad(torch.compile(fn, fullgraph=True)(*ts), ts)
+    finally:
+        torch._dynamo.reset()
+    want = torch.autograd.grad(fn(*ts), ts)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, name=f"grad {i}")

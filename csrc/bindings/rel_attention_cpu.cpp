@@ -176,7 +176,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rel_a
   Tensor dse = at::empty({0}, dq.options()), drsb = at::empty({0}, dq.options());
   if (sa.seg.defined()) {  // def [B, H, Tq, 2]: d(ef) / scale
     Tensor dqs = at::einsum("bhis,shd->bhid", {def, sa.seg_embed}).mul_(scale);
-    dse = at::einsum("bhis,bhid->shd", {def, sa.qs}).mul_(scale);
+    // contiguous, as the op's fake declares it (under torch.compile inductor checks it)
+    dse = at::einsum("bhis,bhid->shd", {def, sa.qs}).mul_(scale).contiguous();
     drsb = dqs.sum(at::IntArrayRef{0, 2});
     dq.add_(dqs);
   }
