@@ -156,3 +156,21 @@ def test_wrong_shapes_are_named(case):
         m(q, k, v, **kw)
     assert m(torch.randn(5, 3, 8), torch.randn(7, 3, 6), torch.randn(7, 3, 4))[0].shape == \
         (5, 3, 8)
+
+
+def test_causal_mask_compiles_without_a_graph_break():
+    """attn_mask (the causal mask) with is_causal=True under torch.compile(fullgraph=True):
+    the mask's values are not read there (a data-dependent branch: the graph broke, and
+    fullgraph failed), only its shape; the output is the eager one."""
+    _, ours = _pair("eager", embed_dim=16, num_heads=2, batch_first=True)
+    x = torch.randn(2, 7, 16, device=DEVICE)
+    causal = nn.Transformer.generate_square_subsequent_mask(7, device=DEVICE)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(lambda t: ours(t, t, t, attn_mask=causal, is_causal=True,
+                                           need_weights=False)[0],
+                            fullgraph=True, backend="eager")(x)
+    finally:
+        torch._dynamo.reset()
+    want = ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+    assert torch.equal(got, want)

@@ -203,7 +203,11 @@ class AWDLSTM(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids ``[B, T]`` (ids in ``[0, vocab_size)``, T >= 1) -> the last layer's
         output ``[B, T, emb_sz]`` (before any output dropout). Continues from the carried
-        state and replaces it with the new final state, detached."""
+        state and replaces it with the new final state, detached. So a call is not a pure
+        function of its inputs: under activation checkpointing
+        (``torch.utils.checkpoint``) of this module the recomputation starts from the state
+        the first pass left, and the gradients are wrong (fastai's module has the same
+        property); checkpoint the ``rnns`` layers instead (each is pure given its state)."""
         c = self.config
         p0 = self.encoder.weight
         check_ids("input_ids", input_ids, c.vocab_size, device=p0.device)
