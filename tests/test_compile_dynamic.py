@@ -110,3 +110,27 @@ def test_rel_attention_segments_under_inductor(backend):
     want = torch.autograd.grad(fn(*ts), ts)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_close(g, w, name=f"grad {i}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS["rel_attention"])
+def test_rel_attention_key_lengths_share_one_graph(backend):
+    """Transformer-XL's default pos_start (Tk - 1) traced from the key length: sequences of
+    5 lengths under dynamic=True compile one graph after the first (the cpu op's schema
+    took ``int pos_start``, so each length specialised a graph of its own: fullgraph hit
+    the recompile limit at the 9th length)."""
+    from torch._dynamo.testing import CompileCounter
+
+    def fn(q, k, v, r, rw, rr):
+        return ctxfast.rel_attention(q, k, v, r, rw, rr, backend=backend).square().sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=counter)
+    try:
+        for T in (5, 6, 9, 12, 7):
+            ts = [_randn(1, 2, T, 16), _randn(1, 2, T, 16), _randn(1, 2, T, 16),
+                  _randn(2, T, 16), _randn(2, 16), _randn(2, 16)]
+            assert_close(compiled(*ts), fn(*ts), name=f"T={T}")
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count <= 2, counter.frame_count

@@ -127,13 +127,13 @@ TORCH_LIBRARY(ctxfast, m) {
   // d_seg_embed, d_r_s_bias (the last two empty without segments).
   m.def("rel_attention_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
         "Tensor r_r_bias, Tensor? key_padding_mask, Tensor? perm_rank, Tensor? seg_q, "
-        "Tensor? seg_k, Tensor? seg_embed, Tensor? r_s_bias, bool causal, int pos_start, "
-        "int window, bool perm_strict, float scale, float dropout_p, Tensor? seed) "
+        "Tensor? seg_k, Tensor? seg_embed, Tensor? r_s_bias, bool causal, SymInt pos_start, "
+        "SymInt window, bool perm_strict, float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor)");
   m.def("rel_attention_bwd_cpu(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor r, "
         "Tensor r_w_bias, Tensor r_r_bias, Tensor out, Tensor lse, Tensor? key_padding_mask, "
         "Tensor? perm_rank, Tensor? seg_q, Tensor? seg_k, Tensor? seg_embed, "
-        "Tensor? r_s_bias, bool causal, int pos_start, int window, bool perm_strict, "
+        "Tensor? r_s_bias, bool causal, SymInt pos_start, SymInt window, bool perm_strict, "
         "float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // rel_attention_fwd_cpu with its gradient as a C++ autograd Function (the eager path
@@ -141,7 +141,7 @@ TORCH_LIBRARY(ctxfast, m) {
   // only: not for torch.compile, which takes rel_attention_fwd_cpu and its formula.
   m.def("rel_attention_cpu_grad(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
         "Tensor r_r_bias, Tensor? key_padding_mask, Tensor? perm_rank, Tensor? seg_q, "
-        "Tensor? seg_k, Tensor? seg_embed, Tensor? r_s_bias, bool causal, int pos_start, "
-        "int window, bool perm_strict, float scale, float dropout_p, Tensor? seed) "
+        "Tensor? seg_k, Tensor? seg_embed, Tensor? r_s_bias, bool causal, SymInt pos_start, "
+        "SymInt window, bool perm_strict, float scale, float dropout_p, Tensor? seed) "
         "-> (Tensor, Tensor)");
 }

@@ -215,10 +215,11 @@ def _check(q, k, v, r, r_w_bias, r_r_bias, causal, pos_start, key_padding_mask, 
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"rel_attention: {name} must have q's dtype and device "
                             f"({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
-    if not isinstance(pos_start, int) or isinstance(pos_start, bool):
+    # (a SymInt too: a length traced by torch.compile(dynamic=True) or torch.export)
+    if not isinstance(pos_start, (int, torch.SymInt)) or isinstance(pos_start, bool):
         raise TypeError(f"rel_attention: pos_start must be an int, got {type(pos_start).__name__}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
+    if window is not None and (isinstance(window, bool)
+                               or not isinstance(window, (int, torch.SymInt)) or window < 1):
         raise ValueError(f"rel_attention: window must be None or an int >= 1 (the most keys a "
                          f"query sees: distance < window), got {window!r}")
     R = r.shape[1]
