@@ -231,6 +231,14 @@ def test_debug_setting_is_checked_before_any_kernel():
     _setting_refused_in_fresh_process("CTXFAST_ATTN_CPU_DEBUG", "posion")
 
 
+@pytest.mark.parametrize("value", ["bogus", "0,0", "64", "16,16x"])
+def test_tile_setting_is_checked_before_any_kernel(value):
+    """CTXFAST_ATTN_CPU_TILE takes two positive integers "BQ,BK": another value is a
+    ValueError naming it, in a fresh process (the C++ parser ignored it: the default tiles
+    ran as if it were unset)."""
+    _setting_refused_in_fresh_process("CTXFAST_ATTN_CPU_TILE", value)
+
+
 @pytest.mark.parametrize("Tq, Tk, kind", [(1, 1, "none"), (1, 1, "causal"), (1, 40, "causal"),
                                           (17, 17, "causal"), (17, 5, "none"),
                                           (200, 200, "causal-pad"), (3, 50, "perm-query"),

@@ -58,17 +58,23 @@ namespace {
 using at::Tensor;
 
 // Tile sizes: kBlockQ queries x kBlockK keys. CTXFAST_ATTN_CPU_TILE="BQ,BK" overrides them
-// (read once; for tuning).
+// (read once; for tuning). Any other value is kept in `bad` and refused by
+// check_gemm_setting (a ValueError naming it), not ignored.
 struct Tile {
   int64_t q = 64, k = 128;
   bool given = false;  // set by CTXFAST_ATTN_CPU_TILE
+  std::string bad;     // CTXFAST_ATTN_CPU_TILE when it is not two positive integers
   Tile() {
     const char* v = std::getenv("CTXFAST_ATTN_CPU_TILE");
+    if (v == nullptr || *v == '\0') return;
     long a = 0, b = 0;
-    if (v && std::sscanf(v, "%ld,%ld", &a, &b) == 2 && a > 0 && b > 0) {
+    int end = 0;
+    if (std::sscanf(v, "%ld,%ld%n", &a, &b, &end) == 2 && v[end] == '\0' && a > 0 && b > 0) {
       q = a;
       k = b;
       given = true;
+    } else {
+      bad = v;
     }
   }
 };
@@ -820,6 +826,8 @@ void transpose_rows(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
 // ValueError from every entry point below, before any kernel runs: a forced path is never
 // replaced silently.
 void check_gemm_setting() {
+  TORCH_CHECK_VALUE(tile().bad.empty(), "CTXFAST_ATTN_CPU_TILE must be 'BQ,BK', two positive "
+                    "integers (or unset), got '", tile().bad, "'");
   const DebugSetting& d = debug_setting();
   TORCH_CHECK_VALUE(d.bad.empty(), "CTXFAST_ATTN_CPU_DEBUG must be a comma-separated list of "
                     "'poison' and 'reverse' (or unset), got '", d.value, "'");
