@@ -452,6 +452,14 @@ def tma_args(names, tensors, rows: int, block_d: int):
     return descs
 
 
+def flag_setting(var: str, value) -> bool:
+    """A "0" / "1" setting `var` read at import (or a bool a test or the tuner put there) as
+    a bool; any other value refused by name (ValueError)."""
+    if value not in ("0", "1", False, True):
+        raise ValueError(f"{var} must be '0' or '1', got {value!r}")
+    return value in ("1", True)
+
+
 def check_tma_mode(mode: str, table: bool = False) -> bool:
     """Whether a kernel reads its tiles through TMA descriptors under ``CTXFAST_ATTN_TMA``'s
     value: "on" everywhere, "off" nowhere, "auto" where the launch table says (``table``:

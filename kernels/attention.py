@@ -79,7 +79,7 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _e
                       _load_rows, _mask_args, _new_output, _online_softmax_step, _precision,
                       _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
                       _visible, bulk_add_args, cdiv, check_tma_mode, descriptor_scratch,
-                      next_pow2, tma_addressable, tma_args)
+                      flag_setting, next_pow2, tma_addressable, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -1450,9 +1450,7 @@ TUNE_WS = os.environ.get("CTXFAST_TUNE_WS", "1")
 
 def _tune_ws() -> bool:
     """:data:`TUNE_WS` as a bool; any other value than "0" / "1" (or a bool) refused by name."""
-    if TUNE_WS not in ("0", "1", False, True):
-        raise ValueError(f"CTXFAST_TUNE_WS must be '0' or '1', got {TUNE_WS!r}")
-    return TUNE_WS in ("1", True)
+    return flag_setting("CTXFAST_TUNE_WS", TUNE_WS)
 
 
 def _ws_possible(q, k, v, key_padding_mask, perm_rank, dropout_p, cu, order,

@@ -133,7 +133,8 @@ from ._common import (LOG2E, _bwd_delta_kernel, _combine_splits, _dot, _fold_sca
                       _interpreting, _keep, _key_range, _mask_args, _new_output,
                       _online_softmax_step, _query_block, _seed_arg, _split_targets,
                       _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
-                      check_tma_mode, delta_blocks, next_pow2, row_tiles, tma_args)
+                      check_tma_mode, delta_blocks, flag_setting, next_pow2, row_tiles,
+                      tma_args)
 from . import _tune
 from ._launch import compiling_only, fast
 
@@ -1601,9 +1602,7 @@ RB_MMA = os.environ.get("CTXFAST_REL_RB_MMA", "0")
 def _rb_mma_on() -> bool:
     """:data:`RB_MMA` as a bool; any other value than "0" / "1" (or a bool) refused by name
     (the forward's launcher asks before its first launch)."""
-    if RB_MMA not in ("0", "1", False, True):
-        raise ValueError(f"CTXFAST_REL_RB_MMA must be '0' or '1', got {RB_MMA!r}")
-    return RB_MMA in ("1", True)
+    return flag_setting("CTXFAST_REL_RB_MMA", RB_MMA)
 
 
 def _rb_mma_args(tma: dict, dtype: torch.dtype, bm: int, bn: int, split_table) -> dict:
