@@ -275,3 +275,59 @@ def test_attention_refuses_a_head_dim_above_256_on_triton_before_launch():
         ctxfast.attention(q, q, q, backend="triton")
     out = ctxfast.attention(q, q, q, backend="eager")             # eager has no limit
     assert out.shape == q.shape
+
+
+def _guard_spies(monkeypatch, current: int):
+    """torch.cuda's device query and switch replaced by spies: `current` is the current
+    device; the returned list gets the index each `torch.cuda.device(...)` block enters."""
+    entered = []
+
+    class _Device:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+    return entered
+
+
+@pytest.mark.parametrize("current,switched", [(0, [1]), (1, [])])
+def test_a_triton_op_runs_on_its_tensors_device(monkeypatch, current, switched):
+    # Triton launches on the current device, wherever the pointers are: an op given
+    # cuda:1 tensors while cuda:0 is current must switch to cuda:1 for the call (and only
+    # then). FakeTensors give a cuda:1 tensor without a GPU.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ctxfast.ops._common import on_tensor_device
+    entered = _guard_spies(monkeypatch, current)
+    seen = []
+    run = on_tensor_device(lambda flag, x, y: seen.append((flag, x.device, y)) or "out")
+    with FakeTensorMode():
+        x = torch.empty(2, device="cuda:1")
+    assert run(True, x, y=3) == "out"
+    assert entered == switched and seen == [(True, torch.device("cuda:1"), 3)]
+
+
+def test_a_triton_op_on_cpu_tensors_queries_no_cuda_device(monkeypatch):
+    from ctxfast.ops._common import on_tensor_device
+
+    def no_cuda():
+        raise AssertionError("queried the CUDA device for CPU tensors")
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    assert on_tensor_device(lambda x: x + 1)(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_every_python_op_switches_to_its_tensors_device():
+    # The ops defined in Python (the Triton ones, and those that launch them) must each
+    # be wrapped, or a second GPU crashes them.
+    from torch._library import custom_ops
+    ops = {k: v for k, v in custom_ops.OPDEFS.items() if k.startswith("ctxfast::")}
+    assert "ctxfast::attention_fwd_triton" in ops and len(ops) >= 11
+    unguarded = [k for k, d in ops.items() if not getattr(d._init_fn, "on_tensor_device", False)]
+    assert unguarded == []
+    from ctxfast.ops.attention import dropout_keep_mask
+    assert getattr(dropout_keep_mask, "on_tensor_device", False)

@@ -3,6 +3,7 @@ argument checks of attention (which rel_attention extends), backend resolution w
 float64-on-CUDA rule, autocast casting, and the registration of an op's autograd formula
 (:func:`register_autograd`). One definition each, imported by the op files.
 """
+import functools
 import numbers
 from typing import Callable, Optional, Union
 
@@ -233,6 +234,25 @@ def autocast(*tensors):
 
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def on_tensor_device(fn: Callable) -> Callable:
+    """`fn` (a Triton op's function) run with its first tensor argument's CUDA device as the
+    current device. Triton launches on the current device and its current stream, whatever
+    device the pointers are on: tensors on ``cuda:1`` while ``cuda:0`` is current gave an
+    illegal memory access or "cannot be accessed from Triton" where torch's own ops work
+    (torch and the C++ ops switch to the tensor's device). A call on the current device, or
+    on the CPU (the interpreter), adds one device query."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        t = next((a for a in args if isinstance(a, Tensor)), None)
+        if (t is not None and t.device.type == "cuda"
+                and t.device.index != torch.cuda.current_device()):
+            with torch.cuda.device(t.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    run.on_tensor_device = True
+    return run
 
 
 def _plain(args) -> bool:

@@ -39,6 +39,7 @@ from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import softmax_scale as _softmax_scale
 from ._common import call_in_backward as _call_in_backward
+from ._common import on_tensor_device as _on_device
 from ._common import check_attention as _check
 from ._common import check_dropout_scale as _check_dropout_scale
 from ._common import check_int32_extent as _check_int32_extent
@@ -80,6 +81,7 @@ def _rank_order(perm_rank: Optional[Tensor], causal: bool):
 
 
 @torch.library.custom_op("ctxfast::attention_fwd_triton", mutates_args=())
+@_on_device
 def _attention_fwd_triton(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
                           perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
                           scale: float, dropout_p: float,
@@ -98,6 +100,7 @@ def _(q, k, v, key_padding_mask, perm_rank, causal, perm_strict, scale, dropout_
 
 
 @torch.library.custom_op("ctxfast::attention_bwd_triton", mutates_args=())
+@_on_device
 def _attention_bwd_triton(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           lse: Tensor, key_padding_mask: Optional[Tensor],
                           perm_rank: Optional[Tensor], causal: bool, perm_strict: bool,
@@ -261,6 +264,7 @@ def draw_seed(device, generator: Optional[torch.Generator] = None) -> Tensor:
     return seed.to(device)
 
 
+@_on_device
 def dropout_keep_mask(seed: Tensor, B: int, H: int, Tq: int, Tk: int, dropout_p: float) -> Tensor:
     """Bool ``[B, H, Tq, Tk]``, True = kept: the mask the Triton kernels apply for `seed`.
     Materialises O(Tq·Tk): for tests and debugging."""
@@ -276,6 +280,7 @@ _dispatch.register_op("attention_varlen", supported=_BACKENDS,
 
 
 @torch.library.custom_op("ctxfast::attention_varlen_fwd_triton", mutates_args=())
+@_on_device
 def _attention_varlen_fwd_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                                  cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                  causal: bool, scale: float, dropout_p: float,
@@ -294,6 +299,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 
 
 @torch.library.custom_op("ctxfast::attention_varlen_bwd_triton", mutates_args=())
+@_on_device
 def _attention_varlen_bwd_triton(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                  lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                  max_seqlen_q: int, max_seqlen_k: int, causal: bool,

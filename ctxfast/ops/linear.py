@@ -54,6 +54,7 @@ from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import check_float_tensor as _check_float_tensor
 from ._common import call_in_backward as _call_in_backward
+from ._common import on_tensor_device as _on_device
 from ._common import register_autograd as _register_autograd
 
 _dispatch.register_op("linear", supported=("triton", "cuda", "cpu", "eager"),
@@ -84,6 +85,7 @@ def _precision(mode: str, x2: Tensor) -> Optional[str]:
 
 
 @torch.library.custom_op("ctxfast::linear", mutates_args=())
+@_on_device
 def _linear(x2: Tensor, w: Tensor, b: Optional[Tensor], mode: str) -> Tensor:
     """``x2 [M, I] @ w [N, I]ᵀ + b [N]`` -> ``[M, N]`` (see the module docstring)."""
     precision = _precision(mode, x2)
@@ -99,6 +101,7 @@ def _(x2, w, b, mode):
 
 
 @torch.library.custom_op("ctxfast::linear_backward", mutates_args=())
+@_on_device
 def _linear_backward(g: Tensor, x2: Tensor, w: Tensor, need_x: bool, need_w: bool,
                      mode: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(g @ w [M, I], gᵀ @ x2 [N, I], g.sum(0) [N])`` for ``g [M, N]``, the products as

@@ -38,6 +38,7 @@ from .. import reference as _ref
 from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 from ._common import autocast as _autocast
 from ._common import call_in_backward as _call_in_backward
+from ._common import on_tensor_device as _on_device
 from ._common import register_autograd as _register_autograd
 from . import linear as _linear_ops  # ctxfast::linear: the projection (linear_op)
 
@@ -107,6 +108,7 @@ def _make_backward(backward_op):
 # --------------------------------------------------------------------------- Triton ops
 
 @torch.library.custom_op("ctxfast::lstm_recurrence_triton", mutates_args=())
+@_on_device
 def _lstm_recurrence_triton(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
                             w_hr: Optional[Tensor], mask: Optional[Tensor], scale: float,
                             cell_clip: float, proj_clip: float,
@@ -119,6 +121,7 @@ _lstm_recurrence_triton.register_fake(_recurrence_fake)
 
 
 @torch.library.custom_op("ctxfast::lstm_recurrence_backward_triton", mutates_args=())
+@_on_device
 def _lstm_recurrence_backward_triton(
         grad_out: Tensor, grad_cells: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
         w_hr: Optional[Tensor], mask: Optional[Tensor], scale: float, cell_clip: float,
@@ -167,6 +170,7 @@ CUDA_DEFAULT = "split"
 
 if _NATIVE:
     @torch.library.custom_op("ctxfast::lstm_recurrence_split", mutates_args=())
+    @_on_device
     def _lstm_recurrence_split(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
                                w_hr: Optional[Tensor], mask: Optional[Tensor], scale: float,
                                cell_clip: float, proj_clip: float,

@@ -27,6 +27,7 @@ from .. import reference as _ref
 from ._common import autocast as _autocast
 from ._common import softmax_scale as _softmax_scale
 from ._common import call_in_backward as _call_in_backward
+from ._common import on_tensor_device as _on_device
 from ._common import check_attention as _check_attention
 from ._common import check_int32_extent as _check_int32_extent
 from ._common import check_int32_ids as _check_int32_ids
@@ -53,6 +54,7 @@ _dispatch.register_op("rel_attention",
 
 
 @torch.library.custom_op("ctxfast::rel_attention_fwd_triton", mutates_args=())
+@_on_device
 def _rel_fwd(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
              key_padding_mask: Optional[Tensor], perm_rank: Optional[Tensor],
              seg_q: Optional[Tensor], seg_k: Optional[Tensor], seg_embed: Optional[Tensor],
@@ -75,6 +77,7 @@ def _(q, k, v, r, r_w_bias, r_r_bias, key_padding_mask, perm_rank, seg_q, seg_k,
 
 
 @torch.library.custom_op("ctxfast::rel_attention_bwd_triton", mutates_args=())
+@_on_device
 def _rel_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
              r_r_bias: Tensor, out: Tensor, lse: Tensor, key_padding_mask: Optional[Tensor],
              perm_rank: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],

@@ -19,6 +19,7 @@ from torch import Tensor
 from .. import _dispatch
 from .. import reference as _ref
 from ._common import check_float_tensor as _check_float_tensor
+from ._common import on_tensor_device as _on_device
 from ._common import register_autograd as _register_autograd
 
 
@@ -58,6 +59,7 @@ if _dispatch.c_available():
 
 
 @torch.library.custom_op("ctxfast::rel_shift_triton", mutates_args=())
+@_on_device
 def _rel_shift_triton(x: Tensor, inverse: bool = False) -> Tensor:
     from ctxfast.kernels.rel_shift import rel_shift_backward, rel_shift_forward  # imports triton
     return rel_shift_backward(x) if inverse else rel_shift_forward(x)
