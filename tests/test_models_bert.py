@@ -12,7 +12,7 @@ import torch
 
 import ctxfast
 from ctxfast.models import Bert, BertConfig
-from utils import DEVICE, assert_close
+from utils import DEVICE, assert_close, assert_exports
 
 TRITON = ctxfast.why_unavailable("triton", DEVICE) is None
 V = 41
@@ -247,3 +247,10 @@ def test_varlen_torch_compile_fullgraph_forward_backward(backend):
     assert g.keys() == g_ref.keys()
     for name in g:
         assert_close(g[name], g_ref[name], name=f"grad {name}")
+
+
+def test_torch_export_gives_the_models_output():
+    # BertOutput is a registered pytree node: torch.export sees its tensors (it refused
+    # the output's type before)
+    model = Bert(_config()).to(DEVICE).eval()
+    assert_exports(model, (torch.randint(0, model.config.vocab_size, (2, 7), device=DEVICE),))

@@ -19,7 +19,7 @@ import ctxfast
 from ctxfast import _dispatch
 from ctxfast.models.elmo import (Elmo, ElmoBiLM, ElmoConfig, Highway, ScalarMix,
                                  batch_to_ids, word_to_char_ids)
-from utils import (DEVICE, REL_TOL, assert_close,
+from utils import (DEVICE, REL_TOL, assert_close, assert_exports,
                    assert_param_grads_within_2x_eager, assert_within_2x_eager)
 
 OP_BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
@@ -336,3 +336,11 @@ def test_bad_inputs_raise_naming_the_argument():
     ok = word_ids.clone()
     ok[2, 1:] = 10 ** 6
     assert torch.isfinite(model(char_ids, ok).loss)
+
+
+def test_torch_export_gives_the_models_output():
+    # ElmoOutput and ElmoBiLMOutput (lists of tensors and the mask) are registered
+    # pytree nodes
+    char_ids, word_ids = _inputs()
+    assert_exports(Elmo(_config(num_output_representations=2)).to(DEVICE).eval(), (char_ids,))
+    assert_exports(ElmoBiLM(_config()).to(DEVICE).eval(), (char_ids, word_ids))

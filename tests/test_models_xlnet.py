@@ -11,7 +11,8 @@ import torch
 
 import ctxfast
 from ctxfast.models.xlnet import XLNetConfig, XLNetLMHeadModel, XLNetModel
-from utils import DEVICE, REL_TOL, TRITON_ON_CPU, assert_close, assert_within_2x_eager
+from utils import (DEVICE, REL_TOL, TRITON_ON_CPU, assert_close, assert_exports,
+                   assert_within_2x_eager)
 
 # The fast path: Triton kernels (on CPU only under the interpreter).
 FAST = "triton" if (TRITON_ON_CPU or torch.cuda.is_available()) else None
@@ -542,3 +543,10 @@ def test_inputs_on_another_device_are_refused():
                                      + mems[2:]))):
         with pytest.raises(ValueError, match=re.escape(f"{arg} is on meta, the model on cpu")):
             model(**kw)
+
+
+@pytest.mark.parametrize("cls", [XLNetModel, XLNetLMHeadModel])
+def test_torch_export_gives_the_models_output(cls):
+    # XLNetOutput (with its mems) and XLNetLMOutput are registered pytree nodes
+    model = cls(_config(), backend="ctxfast").to(DEVICE).eval()
+    assert_exports(model, (torch.randint(0, V, (2, 7), device=DEVICE),))

@@ -62,6 +62,19 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: Optional[float] = No
         raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.1e}; {_where(out, ref)}")
 
 
+def assert_exports(model: "torch.nn.Module", args: tuple) -> None:
+    """``torch.export.export(model, args)`` runs, and its module returns what the model
+    returns: the same output class, the same tensors (equal) in the same places."""
+    from torch.utils import _pytree
+    want = model(*args)
+    got = torch.export.export(model, args).module()(*args)
+    assert type(got) is type(want)
+    (got, got_spec), (want, want_spec) = (_pytree.tree_flatten(o) for o in (got, want))
+    assert got_spec == want_spec and any(isinstance(t, torch.Tensor) for t in want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_equal(a, b, f"exported output leaf {i}")
+
+
 def assert_param_grads_close(fast: "torch.nn.Module", eager: "torch.nn.Module") -> None:
     """Every parameter of `fast` has a non-zero gradient equal (assert_close) to the one of
     the same name in `eager` — for models run on two backends after a backward."""

@@ -23,6 +23,15 @@ MODEL_BACKENDS = ("ctxfast", "eager")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
 
+def model_output(cls):
+    """A model's output class, a dataclass, registered as a pytree node (as torch
+    registers its own outputs), so that ``torch.export`` (and anything that flattens
+    outputs: torch.utils._pytree, torch.func) sees the tensors in it; unregistered,
+    ``torch.export.export`` of the model failed on the output's type."""
+    torch.export.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__name__}")
+    return cls
+
+
 def check_backend(backend: str) -> str:
     if backend not in MODEL_BACKENDS:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {backend!r}")

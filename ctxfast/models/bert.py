@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._common import (MLP, SelfAttention, activation, check_backend, check_ids, check_labels,
-                      init_weights, pack, unpack, values_checked)
+                      init_weights, model_output, pack, unpack, values_checked)
 
 
 @dataclass
@@ -53,6 +53,7 @@ class BertConfig:
     backend: str = "ctxfast"         # "ctxfast" | "eager"
 
 
+@model_output
 @dataclass
 class BertOutput:
     last_hidden_state: Tensor                 # [B, T, D]

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.lstm import WeightDropLSTM
-from ._common import check_backend, lm_decoder, values_checked
+from ._common import check_backend, lm_decoder, model_output, values_checked
 
 # AllenNLP's ELMoCharacterMapper: byte values 0..255 and five special characters, stored
 # +1 so that 0 can mean "no character" (padding).
@@ -317,6 +317,7 @@ class ElmoLstm(nn.Module):
 
 # --------------------------------------------------------------------------- biLM
 
+@model_output
 @dataclass
 class ElmoBiLMOutput:
     activations: List[Tensor]                 # n_layers + 1 of [B, T', 2P]
@@ -470,6 +471,7 @@ class ScalarMix(nn.Module):
 
 # --------------------------------------------------------------------------- ELMo
 
+@model_output
 @dataclass
 class ElmoOutput:
     elmo_representations: List[Tensor]        # num_output_representations of [B, T, 2P]

@@ -65,8 +65,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import reference
-from ._common import (KVMemory, attach, attached, check_device, check_labels, reuse_allowed,
-                      reuse_key, values_checked)
+from ._common import (KVMemory, attach, attached, check_device, check_labels, model_output,
+                      reuse_allowed, reuse_key, values_checked)
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
            "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
@@ -129,6 +129,7 @@ class XLNetConfig:
                              f"{sorted(_ACTIVATIONS)}, got {self.ff_activation!r}")
 
 
+@model_output
 @dataclass
 class XLNetOutput:
     last_hidden_state: Tensor   # [B, P, d] (query stream) with target_mapping, else [B, T, d]
@@ -137,6 +138,7 @@ class XLNetOutput:
     query_hidden_state: Optional[Tensor] = None     # [B, P, d], with target_mapping
 
 
+@model_output
 @dataclass
 class XLNetLMOutput:
     logits: Tensor                             # [B, P or T, vocab_size]
