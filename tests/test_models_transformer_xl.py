@@ -728,3 +728,19 @@ def test_one_class_per_name_old_model_layer_name_deprecated():
     assert old is txl.TransformerXLAttention
     assert txl.TransformerXLAttention.__name__ != ctxfast.nn.RelPartialLearnableMultiHeadAttn.__name__
     assert isinstance(TransformerXL(tiny()).layers[0].dec_attn, txl.TransformerXLAttention)
+
+
+def test_torch_export_with_a_dynamic_segment_length():
+    # Evaluation with memory exported once for every segment length up to mem_len: the
+    # outputs and the new memory equal the model's at a length it was not traced at.
+    # (The position sequence was a float arange, whose traced length ceil(klen / 1.0)
+    # export could not prove equal to klen.)
+    model = TransformerXL(tiny()).to(DEVICE).eval()
+    _, mems = model(ids(8, 2, device=DEVICE), ids(8, 2, device=DEVICE))
+    T = torch.export.Dim("T", min=2, max=model.mem_len)
+    ep = torch.export.export(model, (ids(8, 2, device=DEVICE), ids(8, 2, device=DEVICE), *mems),
+                             dynamic_shapes=({0: T}, {0: T}, (None,) * len(mems)))
+    x, y = ids(5, 2, device=DEVICE), ids(5, 2, device=DEVICE)
+    (loss, new), (want_loss, want_new) = ep.module()(x, y, *mems), model(x, y, *mems)
+    assert torch.equal(loss, want_loss) and len(new) == len(want_new)
+    assert all(torch.equal(a, b) for a, b in zip(new, want_new))

@@ -598,7 +598,10 @@ class TransformerXL(nn.Module):
         if self.same_length and 0 < self.mem_len < klen:  # query i sees the mem_len keys up to it
             window = self.mem_len                        # (the original: mask j <= i - shift,
             #                                              shift = qlen - (klen - mem_len))
-        pos_seq = torch.arange(klen - 1, -1, -1.0, device=word_emb.device)  # [klen]
+        # [klen]: klen - 1 .. 0, an integer arange made float (the original's float step
+        # gives the same values, but a traced length of ceil(klen / 1.0), which
+        # torch.export cannot prove equal to klen)
+        pos_seq = torch.arange(klen - 1, -1, -1, device=word_emb.device).float()
         if self.clamp_len > 0:
             pos_seq = pos_seq.clamp(max=self.clamp_len)
         pos_emb = self.drop(self.pos_emb(pos_seq).to(word_emb.dtype))    # [klen, 1, d_model]
