@@ -64,7 +64,7 @@ CXX_FLAGS = ["-O3", "-g0", "-std=c++17", "-fopenmp"]
 NVCC_FLAGS = [
     "-O3", "-std=c++17", "-lineinfo", "--threads", "2",
     "-gencode", "arch=compute_80,code=sm_80",
-    "-gencode", "arch=compute_90,code=sm_90",
+    "-gencode", "arch=compute_90,code=[sm_90,compute_90]",
 ]
 
 # libstdc++ as a shared library, always: torch's own code in the process uses the shared

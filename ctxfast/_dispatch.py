@@ -119,6 +119,29 @@ def _cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+#: The oldest GPU architecture the CUDA C++ kernels are built for (setup.py: sm_80 and sm_90
+#: machine code, and compute_90 PTX that newer GPUs compile at load). An older GPU (sm_75:
+#: T4, RTX 20xx) has no image of them: the backend is unavailable there, so the default
+#: falls to the next backend instead of "no kernel image is available" at the launch.
+CUDA_MIN_ARCH = (8, 0)
+_ARCH_REASONS: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _cuda_arch_reason(index: Optional[int]) -> str:
+    """"" if the CUDA C++ kernels have an image for GPU `index` (None: the current one),
+    else the reason. Asked of the driver once per GPU; torch.compile calls it while tracing
+    and keeps the answer as a constant."""
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _ARCH_REASONS:
+        cap = tuple(torch.cuda.get_device_capability(index))
+        _ARCH_REASONS[index] = "" if cap >= CUDA_MIN_ARCH else (
+            f"ctxfast's CUDA C++ kernels are built for sm_{CUDA_MIN_ARCH[0]}{CUDA_MIN_ARCH[1]} "
+            f"and newer; cuda:{index} is sm_{cap[0]}{cap[1]}")
+    return _ARCH_REASONS[index]
+
+
 def _triton_reason(device: torch.device) -> Optional[str]:
     if not _TRITON_INSTALLED:
         return "triton is not installed (pip install triton)"
@@ -159,7 +182,7 @@ def why_unavailable(name: str, device: torch.device) -> Optional[str]:
             return f"the cuda backend runs on CUDA tensors, got tensors on {device}"
         if _CUDA_ERROR is not None:
             return _cuda_ext_reason()
-        return None
+        return _cuda_arch_reason(device.index) or None
     return _triton_reason(device)
 
 

@@ -130,12 +130,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _clamp(x, clip):
+    """clamp(x, ±clip) with NaN kept, as torch.clamp (the default min / max return the
+    other operand: NaN became -clip, a finite value, and a diverged run went unseen)."""
+    nan: tl.constexpr = tl.PropagateNan.ALL
+    return tl.minimum(tl.maximum(x, -clip, propagate_nan=nan), clip, propagate_nan=nan)
+
+
+@triton.jit
 def _clamp_store(x, clip, below, ty: tl.constexpr):
     """clamp(x, ±clip) in dtype ty, for storing. `clip` is already a value of ty; an
     unclipped x (|x| < clip) that would round onto ±clip is stored as ±below (the value of
     ty one ulp inside) so that a stored ±clip always means "clipped": the backward's
     |stored| < clip test is then exact (fp16/bf16; fp32/fp64 never round onto it)."""
-    x_st = tl.minimum(tl.maximum(x, -clip), clip).to(ty)
+    x_st = _clamp(x, clip).to(ty)
     onto = (tl.abs(x) < clip) & (tl.abs(x_st.to(x.dtype)) >= clip)
     return tl.where(onto, tl.where(x < 0, -below, below).to(ty), x_st)
 
@@ -233,7 +241,7 @@ def _cell_fwd_tile(
     if CELL_CLIP:
         cell_clip = tl.load(prm_ptr + 1)
         c_st = _clamp_store(c, cell_clip, tl.load(prm_ptr + 2), ty)
-        c = tl.minimum(tl.maximum(c, -cell_clip), cell_clip)
+        c = _clamp(c, cell_clip)
     hp = o * _tanh(c)
     tl.store(gates_ptr + row4, i.to(ty), mask=io)
     tl.store(gates_ptr + row4 + H, f.to(ty), mask=io)

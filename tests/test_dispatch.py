@@ -181,12 +181,34 @@ def test_float64_on_cuda_never_reaches_the_triton_attention_kernels(monkeypatch,
 # it; 2.13 traces it, so a CPU-only compile test did not see it). These tests make the
 # CUDA decision run on a CPU machine and fail if it touches the import machinery or files.
 
-def _pretend_cuda(monkeypatch):
-    """A CUDA device is present and ctxfast._cuda imported: the decision a GPU
-    machine makes, on this machine."""
+def _pretend_cuda(monkeypatch, capability=(9, 0)):
+    """A CUDA device (of `capability`, current device 0) is present and ctxfast._cuda
+    imported: the decision a GPU machine makes, on this machine."""
     monkeypatch.setattr(_dispatch, "_cuda_present", lambda: True)
     monkeypatch.setattr(_dispatch, "_CUDA_ERROR", None)
     monkeypatch.setattr(_dispatch, "_CUDA_EXT_REASON", None)
+    monkeypatch.setattr(_dispatch, "_ARCH_REASONS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (8, 9), (9, 0), (12, 0)])
+def test_the_cuda_backend_needs_a_gpu_its_kernels_are_built_for(monkeypatch, capability):
+    # sm_80 and sm_90 machine code and compute_90 PTX (setup.py): an sm_75 GPU has no
+    # image, so the backend is unavailable there, by name, and the default moves on
+    _pretend_cuda(monkeypatch, capability)
+    for index in (None, 1):
+        reason = _dispatch.why_unavailable("cuda", torch.device("cuda", index))
+        if capability >= (8, 0):
+            assert reason is None
+            assert _dispatch.resolve("lstm", torch.device("cuda", index)) == "cuda"
+        else:
+            assert "sm_75" in reason and "sm_80" in reason and f"cuda:{index or 0}" in reason
+            with pytest.raises(RuntimeError, match="sm_75"):
+                _dispatch.resolve("lstm", torch.device("cuda", index), "cuda")
+            assert _dispatch.resolve("lstm", torch.device("cuda", index)) == "triton"
+    if capability < (8, 0):
+        assert _dispatch.resolve("lstm", torch.device("cpu"), "cpu") == "cpu"
 
 
 def _forbid_imports_and_files(monkeypatch, files=True):

@@ -1269,3 +1269,22 @@ def test_triton_variants_at_the_edges(monkeypatch, flag, proj):
         grads = torch.autograd.grad(out.sum() + h.sum() + c.sum(),
                                     [t for t in a.values() if t is not None], allow_unused=True)
         assert all(g is None or torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("proj", [False, True])
+def test_a_nan_input_stays_nan_through_the_clips(backend, proj):
+    # clamp(NaN) is NaN in eager (torch.clamp): a NaN in x reaches out, h_n and c_n of its
+    # batch row from its step on, clips or not; a min/max that returns the other operand
+    # turned it into -clip (finite) and the divergence went unseen.
+    args, kw = _inputs(T=3, B=3, I=7, H=20, P=12 if proj else 0)
+    with torch.no_grad():
+        args["x"][1, 1, 0] = float("nan")
+    kw.update(cell_clip=0.5, proj_clip=0.2 if proj else None)
+    ours = _call(ctxfast.lstm, args, kw, backend=backend)
+    want = _call(reference.lstm, args, kw)
+    for name, o, w in zip(("out", "h_n", "c_n"), ours, want):
+        assert w.isnan().any() and not w[..., 0, :].isnan().any(), name   # the test's premise
+        assert torch.equal(o.isnan(), w.isnan()), f"{backend} {name}: NaN not where eager's is"
+        ok = ~w.isnan()
+        assert rel_err(o[ok], w[ok]) < 1e-4, f"{backend} {name}"

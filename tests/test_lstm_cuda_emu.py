@@ -505,3 +505,23 @@ def test_partial_sums_over_more_blocks_than_one_round(emulator, tmp_path, proj):
     round and a ragged one."""
     _check(emulator, tmp_path, "mma", torch.float32, T=2, B=3, H=36, P=20 if proj else 36,
            proj=proj, sms=18, expect_blocks=18)
+
+
+@pytest.mark.parametrize("kernel, proj", [("fma", False), ("mma", False), ("mma", True)])
+def test_a_nan_input_stays_nan_through_the_clips(emulator, tmp_path, kernel, proj):
+    """clamp(NaN) is NaN (torch.clamp, the CPU kernels): CUDA's fminf / fmaxf return the
+    other operand, which turned a NaN cell or output into -clip, a finite value that the
+    recurrence carried on. One NaN in xw (step 1, batch row 1) must reach out, cells and
+    c_T where the reference's NaN are, with a cell and a projection clip set."""
+    ins = _inputs(3, 3, 20, 12 if proj else 20, mask=True, proj=proj)
+    ins["xw"][1, 1, 0] = float("nan")
+    kw = dict(reverse=False, scale=1 / 0.7, cell_clip=0.5, proj_clip=0.2 if proj else math.inf)
+    got, refused = _run_emu(exe=emulator, tmp_path=tmp_path, kernel=kernel,
+                            dtype=torch.float32, ins=ins, sms=2, backward=False, **kw)
+    assert refused is None, refused
+    ref = _reference(ins, torch.float64, **kw)
+    for name in ("out", "cells", "c_T"):
+        want = ref[name].isnan()
+        assert want.any() and not want[..., 0, :].any(), name     # the test's premise
+        assert torch.equal(got[name].isnan(), want), \
+            f"{kernel} {name}: NaN not where the reference's is"

@@ -98,7 +98,11 @@ __device__ __forceinline__ float sigmoid_f(float x) {
   const float s = 1.0f / (1.0f + e);           // sigmoid(|x|)
   return x >= 0.0f ? s : e * s;                // sigmoid(-|x|) = e / (1 + e)
 }
-__device__ __forceinline__ float clamp_f(float x, float c) { return fminf(fmaxf(x, -c), c); }
+// clamp(x, ±c) with NaN kept, as torch.clamp and the CPU kernels: fminf / fmaxf return the
+// other operand, so without the test a NaN cell or output became -c, a finite value.
+__device__ __forceinline__ float clamp_f(float x, float c) {
+  return x != x ? x : fminf(fmaxf(x, -c), c);
+}
 
 __host__ __device__ __forceinline__ size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
 
