@@ -114,6 +114,24 @@ def test_native_kernel_writes_every_element():
         assert_equal(out, ref, f"inverse={inverse}")
 
 
+def test_native_out_must_not_overlap_x():
+    # the kernels read x while they write out: out = x (or a view overlapping it) raced
+    # on the GPU and was an overlapping memcpy on the CPU; refused, x left as it was
+    x = torch.randn(2, 5, 9)
+    keep = x.clone()
+    buf = torch.randn(2 * 5 * 9 + 3)
+    for out in (x, buf[:90].view(2, 5, 9)):
+        src = x if out is x else buf[3:].view(2, 5, 9)
+        before = src.clone()
+        with pytest.raises(RuntimeError, match="out must not overlap x"):
+            torch.ops.ctxfast.rel_shift_native.out(src, False, out=out)
+        assert torch.equal(src, before)
+    assert torch.equal(x, keep)
+    out = torch.empty_like(x)           # apart: still fine
+    torch.ops.ctxfast.rel_shift_native.out(x, False, out=out)
+    assert_equal(out, reference.rel_shift(x))
+
+
 @needs_interpreter
 def test_triton_kernel_writes_every_element():
     from ctxfast.kernels.rel_shift import rel_shift_backward, rel_shift_forward

@@ -1,6 +1,7 @@
 // Shared tensor checks for the bindings. The Python layer (ctxfast/ops) validates user
 // input with precise messages first; these guard the C++ entry points themselves.
 #pragma once
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -30,6 +31,10 @@ inline void check_rel_shift_out(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(out.device() == x.device(), "rel_shift: out must be on x's device ",
               x.device(), ", got ", out.device());
   TORCH_CHECK(out.is_contiguous(), "rel_shift: out must be contiguous");
+  // the kernels read x while writing out (__restrict__ on the GPU, memcpy on the CPU)
+  const at::MemOverlapStatus overlap = at::get_overlap_status(out, x);
+  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+              "rel_shift: out must not overlap x (the shift reads x while writing out)");
 }
 
 }  // namespace ctxfast
