@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,11 @@ def _timed(fn, ins, g, time_ms) -> Dict[str, float]:
     return {"bwd_us": round(time_ms(bwd) * 1e3, 1), "fwd_bwd_us": round(time_ms(fwd_bwd) * 1e3, 1)}
 
 
-def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
+def run(quick: bool, reps: int, dtypes: List[str], out: Optional[str] = None) -> List[Dict]:
+    """Every case's rows; after each case its rows are written to `out` (JSON) and its
+    ratio lines printed, so that a run cut by its timeout keeps the cases it finished. A
+    form that fails is a row with its error, and the run goes on (the bulk, gemm and stored
+    forms had never run on a GPU)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     time_ms = _common.median_timer(device, reps)
     rows = []
@@ -120,16 +124,22 @@ def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
         case = f"{op} {str(dtype)[6:]} B{B} H{H} Tq{Tq} mem{mem} D{D}"
         module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
         fn = _op(op)
-        _compile_forms(op, fn, ins, g, key, MODES[op], device)
+        first = len(rows)
+        try:
+            _compile_forms(op, fn, ins, g, key, MODES[op], device)
+        except Exception as e:      # a form that does not compile fails again below, named
+            print(f"{case}: compiling the forms ahead failed: {_error(e)}", flush=True)
         base = None
         for mode in MODES[op]:
             module.LAUNCH_OVERRIDE[key] = mode
             try:
-                out = fn(*ins)
-                outs = [out.detach(), *torch.autograd.grad(out, ins, g)]
+                out_ = fn(*ins)
+                outs = [out_.detach(), *torch.autograd.grad(out_, ins, g)]
                 base = outs if base is None else base
                 row = dict(case=case, form=f"{key} {mode}", agree=_tune._gap(outs, base),
                            **_timed(fn, ins, g, time_ms))
+            except Exception as e:  # recorded; the other forms and cases still run
+                row = dict(case=case, form=f"{key} {mode}", agree=None, error=_error(e))
             finally:
                 del module.LAUNCH_OVERRIDE[key]
             rows.append(row)
@@ -138,10 +148,20 @@ def run(quick: bool, reps: int, dtypes: List[str]) -> List[Dict]:
             row = dict(case=case, form="sdpa", agree=None, **_timed(_sdpa, ins, g, time_ms))
             rows.append(row)
             _print(row)
+        _common.write_rows(out, rows)
+        for line in ratios(rows[first:]):
+            print(line, flush=True)
     return rows
 
 
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
 def _print(row):
+    if "error" in row:
+        print(f"{row['case']:48s} {row['form']:16s} Error {row['error']}", flush=True)
+        return
     agree = "" if row["agree"] is None else f"  agree {row['agree']:.2f}"
     print(f"{row['case']:48s} {row['form']:16s} bwd {row['bwd_us']:10.1f} us  "
           f"fwd+bwd {row['fwd_bwd_us']:10.1f} us{agree}", flush=True)
@@ -151,9 +171,11 @@ def ratios(rows: List[Dict]) -> List[str]:
     """Each form's backward and forward + backward as a multiple of the ``kernel`` form's
     speed in the same case (> 1: faster), and SDPA's; WRONG where it disagrees."""
     lines = []
+    rows = [r for r in rows if "error" not in r]
     for r in rows:
-        base = next(b for b in rows if b["case"] == r["case"] and b["form"].endswith("kernel"))
-        if r is base:
+        base = next((b for b in rows if b["case"] == r["case"] and b["form"].endswith("kernel")),
+                    None)
+        if base is None or r is base:
             continue
         wrong = "  WRONG (agree > 1)" if r["agree"] is not None and r["agree"] > 1 else ""
         lines.append(f"ratio {r['case']:48s} {r['form']:16s} bwd "
@@ -169,8 +191,8 @@ def main(argv=None) -> int:
     dtypes = _common.script_setup(args, "backward_adds_compare")
     if dtypes is None:
         return 2
-    rows = run(args.quick, args.reps, dtypes)
-    return _common.finish_script(args.out, rows, ratios(rows))
+    run(args.quick, args.reps, dtypes, args.out)     # writes and prints as each case ends
+    return 0
 
 
 if __name__ == "__main__":

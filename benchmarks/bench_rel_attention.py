@@ -94,12 +94,16 @@ def _params():
     return _common.params(QUICK_CASES, FULL_CASES, MODES, BACKENDS)
 
 
-def flops(case: Case, mode: str) -> float:
+def flops(case: Case, mode: str, position_term: bool = True) -> float:
+    """2 · pairs · D per product over the visible pairs. rel_attention's forward: AC, BD,
+    P·V (3 products); its backward: AC and BD again, dV, dP, dQ from K and from r, dK, dr
+    (8; benchmarks/roofline.py counts the same). position_term=False: ctxfast.attention
+    at the same shape, 2 forward products and 5 backward (FlashAttention's 2.5x)."""
     B, H, Tq, mem, D = case.shape
     W = case.window or Tq + mem                       # query i sees min(W, mem + i + 1) keys
     visible = sum(min(W, mem + i + 1) for i in range(Tq))
-    fwd = 2 * 2 * B * H * visible * D + 2 * B * H * visible * D   # AC + BD, then P·V
-    return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+    fwd, bwd = (3, 8) if position_term else (2, 5)
+    return 2 * B * H * visible * D * (fwd + (bwd if mode == "fwd+bwd" else 0))
 
 
 # --------------------------------------------------------------------------- FlexAttention
@@ -262,7 +266,7 @@ def test_rel_attention(benchmark, bench_device, case: Case, mode: str, backend: 
     dtype = torch.bfloat16 if bench_device.type == "cuda" else torch.float32
     _common.describe(benchmark, op=OP, case=case.name, mode=mode, backend=backend,
                      dtype=dtype, device=bench_device, shape=list(case.shape), mem_len=mem,
-                     flops=flops(case, mode) * (2 / 3 if backend == ATTENTION else 1),
+                     flops=flops(case, mode, position_term=backend != ATTENTION),
                      T=Tk, series=f"Tq{Tq}",
                      relative_to=ATTENTION if backend in ("cpu", "triton") else None)
 

@@ -71,8 +71,8 @@ note() { if (( DRY )); then echo "# $*"; else echo "== $(date -u +%T) $* ==" | t
 # its exit status (124: timed out) in the summary; never stops the round.
 step() {
   local name=$1 want=$2 logf=$3; shift 3
-  local left=$(( STAGE_START + BUDGET - SECONDS - 10 ))
-  local t=$(( want < left ? want : left ))
+  local t
+  t=$(left_for "$want")
   if (( DRY )); then
     printf '[%s] timeout %s' "$STAGE_NOW" "$want"; printf ' %q' "$@"; printf ' > %s 2>&1\n' "$R/$logf"
     return 0
@@ -81,11 +81,31 @@ step() {
     echo "$name: not run (the stage's ${BUDGET} s are spent)" | tee -a "$S"; return 0
   fi
   note "$name (timeout ${t}s)"
-  timeout "$t" "$@" > "$R/$logf" 2>&1
+  # -k 15: a process whose SIGTERM handler cannot run (its main thread stuck in a CUDA
+  # synchronisation on a hung kernel) is killed 15 s later, not waited on past the call
+  timeout -k 15 "$t" "$@" > "$R/$logf" 2>&1
   local rc=$?
   STEP_RC=$rc
   echo "$name rc=$rc$([ $rc = 124 ] && echo ' (timed out)')" | tee -a "$S"
   return 0
+}
+
+# left_for <want s>: the timeout a step that wants <want> s gets now: <want>, or what is
+# left of the stage's budget (less 10 s) when that is less.
+left_for() {
+  local left=$(( STAGE_START + BUDGET - SECONDS - 10 ))
+  echo $(( $1 < left ? $1 : left ))
+}
+
+# script_budget <step timeout s> <budget s> [margin s, 20]: the --time-budget of a script run
+# by a step that wants <step timeout> s: its own <budget>, or, when the stage has less left
+# (the step's timeout is cut), that cut timeout less the margin, so that the script stops
+# starting cases (and writes what it has) before the timeout ends it; at least 5.
+script_budget() {
+  local b=$(( $(left_for "$1") - ${3:-20} ))
+  (( b > $2 )) && b=$2
+  (( b < 5 )) && b=5
+  echo "$b"
 }
 
 summarize() {  # summarize <log> <grep -E pattern> <lines>
@@ -204,7 +224,7 @@ stage_sanitize() {
   # The timed medians against torch.profiler, once per case, for the suites where the
   # first GPU round disagreed with a profile (the AWD-LSTM train step, 2026-11-22).
   step "profile check (lstm, models)" 150 profile_check.log "$PY" -m ctxfast.cli bench \
-    --ops lstm models --profile-check --time-budget 120 --no-plots --no-progress \
+    --ops lstm models --profile-check --time-budget "$(script_budget 150 120 30)" --no-plots --no-progress \
     --out "$R/profile-check"
   summarize profile_check.log "profiler saw|timed call ran|report" 30
   local tool spec
@@ -237,7 +257,8 @@ stage_bench() {
   # SWEEP=1: the attention and rel_attention kernels' launch rows against candidates, one
   # kernel at a time (benchmarks/config_sweep.py; SWEEP_TIME s, default 180).
   (( ${SWEEP:-0} )) && step "config sweep" $(( ${SWEEP_TIME:-180} + 60 )) config_sweep.log \
-    "$PY" benchmarks/config_sweep.py --time-budget "${SWEEP_TIME:-180}" --out "$R/config_sweep.json"
+    "$PY" benchmarks/config_sweep.py \
+    --time-budget "$(script_budget $(( ${SWEEP_TIME:-180} + 60 )) "${SWEEP_TIME:-180}" 60)" --out "$R/config_sweep.json"
   summarize config_sweep.log ": current" 20
   # The whole set in under 9 minutes: the runner's time budget stops starting cases when
   # it is spent (and names them); a fifth of the default timing budget per case still
@@ -250,7 +271,8 @@ stage_bench() {
   (( ${PROFILE_CHECK:-0} )) && profile=(--profile-check)
   step "bench (${BENCH_OPS:-full})" 540 bench.log \
     env CTXFAST_BENCH_BUDGET_SCALE="${CTXFAST_BENCH_BUDGET_SCALE:-0.2}" \
-    "$PY" -m ctxfast.cli bench --time-budget "${BENCH_TIME:-420}" --no-progress --out "$R/bench" \
+    "$PY" -m ctxfast.cli bench --time-budget "$(script_budget 540 "${BENCH_TIME:-420}" 120)" \
+    --no-progress --out "$R/bench" \
     "${ops[@]}" "${profile[@]}"
   summarize bench.log "report|note:|failed|speedup" 30
 }
@@ -298,20 +320,40 @@ stage_ncu() {
 
 # One short lease (15 minutes of device time, one call): the build and the refusal probe,
 # the test files whose kernels or build changed since the last GPU round (tests/gpu first),
-# the CUDA LSTM's tensor-core kernels (the blocks' and the grouped backward) against cuDNN
-# at the ULMFiT and ELMo sizes, and the attention launch sweep with every candidate checked
-# against float64. SUITE_FILES replaces the file list.
+# then the timings: attention's and rel_attention's launch rows tuned against SDPA,
+# dQ / dr summed by each form, the CUDA LSTM's tensor-core kernels against cuDNN, the LSTM
+# launch sweeps. SUITE_FILES replaces the file list.
 VERIFY_FILES="tests/gpu tests/test_linear.py tests/test_lstm.py tests/test_tune.py
   tests/test_build_flags.py tests/test_cuda_bindings.py tests/test_lstm_native.py tests/test_attention.py
   tests/test_rel_attention.py tests/test_rel_attention_bwd.py tests/test_rel_attention_decode.py
-  tests/test_rel_attention_precision.py tests/test_grad_call.py tests/test_launch.py"
+  tests/test_rel_attention_precision.py tests/test_grad_call.py tests/test_launch.py
+  tests/test_dispatch.py"
 stage_verify() {
   device_lines
   build
-  # The timings that decide defaults first (what only a GPU gives, and what a cut stage
-  # must keep), then the suite (round 4: 200 s reached 581 of 591 tests), then launch sweeps.
-  # (31st session: rel_attention first, the op furthest from its goal with the most untimed
-  # candidates; the float32 decoder's comparison moved to followup)
+  # The suite first (39th session): the device code of twenty sessions without a GPU
+  # (warp-specialised attention, TMA bulk reductions, the tf32x3 decoder, rel_attention's
+  # backward recomputing the forward's rounding, NaN through the LSTM clips) has never run,
+  # and correctness comes before speed. Before, the timing steps came first and asked for
+  # ~1,050 s of a 560 s stage between them: the suite got nothing (round 4: 200 s reached
+  # 581 of 591 tests).
+  SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
+  # the warp-specialised attention kernels (the tuner's "<kernel>:ws" candidates, never run
+  # on a GPU; Triton's split of them is new) launched once each at GPT-2's size against
+  # float64 first: if one fails or hangs, the tuner leaves them out (CTXFAST_TUNE_WS=0), so
+  # that a hung candidate cannot take the tune report's step (compiles the tuner reuses)
+  ws_guard 60
+  # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
+  # checked against the table row) against the table rows and SDPA, per headline case: the
+  # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
+  # (round 4: 130 s reached 6 of its 8 cases; round 5: 169 s for 4 cases) (rel_attention's
+  # case first, with its untimed candidates -- the row bias product, register caps for more
+  # CTAs an SM, the stored-dS backward at two stages: ~25 compiles; a cut step keeps every
+  # trial timed, tune_report.py writes them on SIGTERM)
+  step "tune report (rel_attention, attention)" 170 tune_report.log "$PY" \
+    benchmarks/tune_report.py --time-budget "$(script_budget 170 150 20)" \
+    --out "$R/tune_report.json"
+  summarize tune_report.log "^case |x\)|chosen|Error|error|stopped" 48
   # attention's dQ and rel_attention's dr summed by a kernel, element-wise atomics or TMA
   # bulk reductions, and rel_attention's backward over a stored dS ("gemm") and P
   # ("stored") (untimed): the backward alone and fwd+bwd, each checked against the kernel
@@ -320,23 +362,6 @@ stage_verify() {
     backward_adds_compare.log "$PY" benchmarks/backward_adds_compare.py \
     --out "$R/backward_adds_compare.json"
   summarize backward_adds_compare.log "^ratio|WRONG|Error" 12
-  # attention's launch rows tuned on this GPU (CTXFAST_AUTOTUNE's tuner: each candidate
-  # checked against the table row) against the table rows and SDPA, per headline case: the
-  # speed tuning gives and the rows to adopt (the per-kernel sweep: SWEEP=1 in bench)
-  # (round 4: 130 s reached 6 of its 8 cases, the tuner had fewer candidates then)
-  # (round 5: 169 s for 4 cases with the atomic and FMA-exponential candidates, since
-  # dropped, and its winner adopted) (31st session: rel_attention's case first, with its
-  # untimed candidates -- the row bias product, register caps for more CTAs an SM, the
-  # stored-dS backward at two stages: ~25 compiles, minutes; a cut step keeps every trial
-  # timed, tune_report.py writes them on SIGTERM)
-  # the warp-specialised attention kernels (the tuner's "<kernel>:ws" candidates, never run
-  # on a GPU; Triton's split of them is new) launched once each at GPT-2's size against
-  # float64 first: if one fails or hangs, the tuner leaves them out (CTXFAST_TUNE_WS=0), so
-  # that a hung candidate cannot take the tune report's step (compiles the tuner reuses)
-  ws_guard 60
-  step "tune report (rel_attention, attention)" 170 tune_report.log "$PY" \
-    benchmarks/tune_report.py --time-budget 150 --out "$R/tune_report.json"
-  summarize tune_report.log "x\)|chosen|Error|error|stopped" 40
   step "lstm: CUDA kernels against cuDNN" 110 lstm_cuda_compare.log "$PY" \
     benchmarks/lstm_launch_compare.py --reps 10 --forms "cuda persistent-mma groups" \
     "cuda persistent-mma groups ring4" "cuda persistent-mma groups ring8" "triton persistent" \
@@ -345,13 +370,11 @@ stage_verify() {
     "auto" "cuDNN+WeightDropout" "cuDNN+WeightDropout ieee" "triton stepwise graphed" \
     --out "$R/lstm_cuda_compare.json"
   summarize lstm_cuda_compare.log "x cuDNN" 40
-  SUITE_FILES=${SUITE_FILES:-$(echo $VERIFY_FILES)} suite 200
-  # What is left of the budget (25th session: the suite moved before these, so that the new
-  # device code -- TMA bulk reductions, tf32x3 linear, CUDA graphs -- runs its GPU tests in
-  # a 565 s call; the sweeps only refine launch rows of kernels already timed)
-  # the Triton forward (the CUDA default's) under other tiles and pipelines: rows to adopt
+  # What is left of the budget: the Triton forward (the CUDA default's) under other tiles
+  # and pipelines: rows to adopt
   step "lstm: Triton forward sweep" 80 lstm_triton_sweep.log "$PY" \
-    benchmarks/lstm_triton_sweep.py --time-budget 65 --out "$R/lstm_triton_sweep.json"
+    benchmarks/lstm_triton_sweep.py --time-budget "$(script_budget 80 65 15)" \
+    --out "$R/lstm_triton_sweep.json"
   summarize lstm_triton_sweep.log "fastest|DISAGREES|Error" 12
   # the Triton backward's launches, the split-K rows first (CONFIG_OVERRIDE sets both
   # directions: a forward winner must not lose here), bf16
@@ -381,7 +404,8 @@ ws_guard() {
 lstm_backward_sweep() {
   step "lstm: Triton backward sweep" "${1:-60}" lstm_triton_sweep_bwd.log "$PY" \
     benchmarks/lstm_triton_sweep.py --backward --dtypes bfloat16 \
-    --time-budget $(( ${1:-60} - 15 )) --out "$R/lstm_triton_sweep_bwd.json"
+    --time-budget "$(script_budget "${1:-60}" $(( ${1:-60} - 15 )) 15)" \
+    --out "$R/lstm_triton_sweep_bwd.json"
   summarize lstm_triton_sweep_bwd.log "fastest|DISAGREES|Error" 6
 }
 

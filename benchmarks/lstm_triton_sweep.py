@@ -111,7 +111,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(quick: bool, reps: int, dtypes: List[str], budget: float,
-        backward: bool = False) -> List[dict]:
+        backward: bool = False, out_path: Optional[str] = None) -> List[dict]:
+    """Every row; as each case and dtype ends, its fastest agreeing row is printed and the
+    rows so far are written to `out_path` (a run cut by its timeout keeps them)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     time_ms = _common.median_timer(device, 1 if quick else reps)
     start = time.monotonic()
@@ -140,6 +142,7 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float,
             if device.type == "cuda":   # every row compiled side by side, before any is timed
                 _tune.compile_ahead([{"lstm_config": over} for over in [None] + cands], call,
                                     device)
+            first = len(rows)
             timed = set()                             # the launches timed for this case
             table_out: Optional[torch.Tensor] = None
             table_ms: Optional[float] = None
@@ -180,15 +183,12 @@ def run(quick: bool, reps: int, dtypes: List[str], budget: float,
                 print(f"{name:20s} {dt_name:9s} {str(over or 'table'):62s} {grid!s:>4} progs "
                       f"{row['direction']} {ms:8.3f} ms ({row['vs_table']}x)"
                       f"{'' if row['agrees'] else f'  DISAGREES (gap {gap:.2g})'}", flush=True)
-    best = {}
-    for r in rows:
-        if r.get("agrees"):
-            k = (r["case"], r["dtype"])
-            if k not in best or r["ms"] < best[k]["ms"]:
-                best[k] = r
-    for (case, dt), r in best.items():
-        print(f"fastest {case} {dt} {r['direction']}: {r['override'] or 'table'} {r['ms']} ms "
-              f"({r['vs_table']}x the table)", flush=True)
+            agreeing = [r for r in rows[first:] if r.get("agrees")]
+            if agreeing:
+                r = min(agreeing, key=lambda r: r["ms"])
+                print(f"fastest {name} {dt_name} {r['direction']}: {r['override'] or 'table'} "
+                      f"{r['ms']} ms ({r['vs_table']}x the table)", flush=True)
+            _common.write_rows(out_path, rows)
     return rows
 
 
@@ -202,8 +202,7 @@ def main(argv=None) -> int:
     dtypes = _common.script_setup(args, "lstm_triton_sweep")
     if dtypes is None:
         return 2
-    _common.write_rows(args.out, run(args.quick, args.reps, dtypes, args.time_budget,
-                                     args.backward))
+    run(args.quick, args.reps, dtypes, args.time_budget, args.backward, args.out)
     return 0
 
 

@@ -131,6 +131,14 @@ def _whose(backend: str) -> str:
     return f"{backend} ({WHO.get(backend, 'not ctxfast')})"
 
 
+def _failed(note) -> bool:
+    """Whether a record's note (report.py: parts joined by "; ") says the timed call or its
+    baseline failed ("failed: ...", "baseline failed: ..."); a failed interleaved timing
+    leaves the case's own speedup standing."""
+    return any(part.startswith(("failed:", "baseline failed:"))
+               for part in (note or "").split("; "))
+
+
 def _rate(records: Sequence[dict]) -> str:
     tf = [r["tflops"] for r in records if r.get("tflops") is not None]
     gb = [r["gbps"] for r in records if r.get("gbps") is not None]
@@ -187,7 +195,7 @@ def _baseline_table(report: dict) -> List[str]:
             _spread(v) + ("" if peer == baseline and len(by_peer) == 1 else f" vs {peer}")
             for peer, v in by_peer.items()) or "—"
         ooms = sum(1 for r in recs if "OOM" in (r.get("note") or ""))
-        failed = sum(1 for r in recs if "failed" in (r.get("note") or ""))
+        failed = sum(1 for r in recs if _failed(r.get("note")))
         cell = _spread(speedups) if speedups else "—"
         cell += f", {ooms} OOM" if ooms else ""
         cell += f", {failed} failed" if failed else ""

@@ -155,9 +155,11 @@ def report(device, dtype, cases, budget_s, rows=None, written=lambda rows: None)
 
 
 def _line(row):
+    """The case's lines: "case <name>" (gpu_round.sh's summary keeps it: "^case "), then one
+    indented line per mode with its times and ratios."""
     if "error" in row:
-        return f"{row['case']:44s} {row['error']}"
-    parts = [f"{row['case']:44s}"]
+        return f"case {row['case']:44s} {row['error']}"
+    parts = [f"case {row['case']:44s}"]
     for mode, us in row["us"].items():
         part = (f"{mode:7s} table {us['table']:9.1f} tuned {us['tuned']:9.1f} us "
                 f"({us['table'] / us['tuned']:.2f}x)")

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -711,7 +712,10 @@ def test_readme_table_render_and_update(readme_table, tmp_path):
             _rec("attention", "triton", "fwd", 4.0, tflops=350.0),
             _rec("attention", "triton", "fwd", 8.0, tflops=310.0),
             _rec("attention", "triton", "fwd", None, note="baseline OOM: x"),
-            _rec("rel_shift", "cpu", "fwd+bwd", 1.5, gbps=12.0, case="B8 H8 Tq256 Tk512"),
+            _rec("rel_shift", "cpu", "fwd+bwd", 1.5, gbps=12.0, case="B8 H8 Tq256 Tk512",
+                 note="interleaved timing with eager failed: x"),   # its speedup stands
+            _rec("linear", "triton", "fwd", None, note="2.00x the time of y; failed: boom"),
+            _rec("linear", "triton", "fwd", None, note="baseline failed: boom"),
             _rec("models", "ctxfast", "eval", 2.0, tflops=0.5, tokens_per_s=1.2e5,
                  case="gpt B8 T1024")]
     _run_file(tmp_path / "results" / "gpu", "2026-12-01", "NVIDIA H200", recs)
@@ -722,6 +726,7 @@ def test_readme_table_render_and_update(readme_table, tmp_path):
             "| 350 TFLOP/s |") in block
     assert ("| rel_shift | **cpu** (ctxfast) | base | fwd+bwd | B8 H8 Tq256 Tk512 | 1.50x "
             "| 12 GB/s |") in block
+    assert "| linear | **triton** (ctxfast) | base | fwd | 2 | —, 2 failed |" in block
     assert "| models | **ctxfast** (ctxfast) | base | eval | gpt B8 T1024 | 2.00x | 0.5 TFLOP/s, " \
         "1.2e+05 tokens/s |" in block
     assert "no GPU run" not in block
@@ -777,6 +782,23 @@ def test_roofline_work_formulas():
     assert roofline.floor_s(100.0, 10.0, 10.0, 1.0) == (10.0, "compute")
     assert roofline.floor_s(100.0, 300.0, 10.0, 1.0) == (300.0, "memory")
     assert roofline.floor_s(100.0, 3.0, None, 1.0) == (3.0, "memory")
+
+
+def test_rel_attention_suite_flops_agree_with_the_roofline():
+    # the suite's TFLOP/s and the roofline's floor count the same products: fwd 3 (AC, BD,
+    # PV), bwd 8 (it counted the backward as 2.5x the forward, FlashAttention's rule for
+    # two products, 4.8% short); ctxfast.attention at the same shape: 2 and 5
+    roofline = _load("ctxfast_bench_roofline2", "roofline.py")
+    suite = _load("ctxfast_bench_rel_attention_flops", "bench_rel_attention.py")
+    for case in suite.FULL_CASES:
+        if case.window is not None:          # the roofline counts the causal pairs only
+            continue
+        for mode in ("fwd", "fwd+bwd"):
+            assert suite.flops(case, mode) == roofline.work("rel_attention", case, mode, 2)[0]
+        B, H, Tq, mem, D = case.shape
+        att = namedtuple("Att", "mask shape")("causal-memory", (B, H, Tq, Tq + mem, D))
+        assert suite.flops(case, "fwd+bwd", position_term=False) \
+            == roofline.work("attention", att, "fwd+bwd", 2)[0]
 
 
 # --------------------------------------------------------------------------- the timed loop
@@ -971,19 +993,48 @@ def test_gpu_round_dry_run_prints_every_command(tmp_path):
     fu = stages["followup"]
     stalls = next(i for i, c in enumerate(fu) if "ncu_stalls.py --out-dir" in c)
     assert stalls < next(i for i, c in enumerate(fu) if "xl-eval --quick" in c)
-    # verify: the timings first, the suite last (a cut stage keeps what only a GPU gives)
+    # verify: the suite first (the device code no GPU has run yet), then the timings, the
+    # warp-specialised guard before the tuner, rel_attention's and attention's tuning
+    # before dQ / dr's forms and the LSTM's, the launch sweeps last
     step = {k: next(i for i, c in enumerate(verify) if k in c)
-            for k in ("lstm_launch_compare.py", "tune_report.py", " -m pytest tests/gpu ")}
-    # (rel_attention's tuning before the LSTM forms: the op furthest from its goal)
-    assert step["tune_report.py"] < step["lstm_launch_compare.py"] < step[" -m pytest tests/gpu "]
-    # dQ / dr by a kernel, atomics or TMA bulk adds, timed before the suite
-    adds = next(i for i, c in enumerate(verify) if "backward_adds_compare.py --out" in c)
-    assert adds < step[" -m pytest tests/gpu "]
-    # the suite before the launch sweeps (they refine rows of kernels already timed)
+            for k in (" -m pytest tests/gpu ", "warp_specialised", "tune_report.py",
+                      "backward_adds_compare.py --out", "lstm_launch_compare.py")}
+    assert list(step.values()) == sorted(step.values()), step
     sweeps = [i for i, c in enumerate(verify) if "lstm_triton_sweep.py" in c
               or "lstm_phase_clock.py" in c]
-    assert sweeps and min(sweeps) > step[" -m pytest tests/gpu "], verify
+    assert sweeps and min(sweeps) > step["lstm_launch_compare.py"], verify
     assert "auto" in verify[step["lstm_launch_compare.py"]]
+    assert "tests/test_dispatch.py" in vsuite[0]
+
+
+def test_gpu_round_scripts_budgets_follow_the_stages_time(tmp_path):
+    # A step's timeout is cut to what is left of the stage; the --time-budget of the
+    # script it runs must be cut with it (less a margin), or the script plans for time it
+    # does not have and is killed inside a case, its results unwritten. Dry runs with the
+    # default budget and with 100 s: the scripts' budgets as asked, then cut.
+    import subprocess
+
+    def budgets(stage, budget):
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "round")}
+        if budget is not None:
+            env["STAGE_BUDGET"] = str(budget)
+        proc = subprocess.run(["bash", str(GPU_ROUND), "--stage", stage, "--dry-run"],
+                              capture_output=True, text=True, timeout=30, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return {script: int(line.split("--time-budget ")[1].split()[0])
+                for line in proc.stdout.splitlines() if "--time-budget " in line
+                for script in ("tune_report.py", "lstm_triton_sweep.py --backward",
+                               "lstm_triton_sweep.py --time", "ctxfast.cli bench")
+                if script in line}
+    full = budgets("verify", None)
+    assert full == {"tune_report.py": 150, "lstm_triton_sweep.py --time": 65,
+                    "lstm_triton_sweep.py --backward": 45}, full
+    assert budgets("verify", 100) == {"tune_report.py": 70, "lstm_triton_sweep.py --time": 65,
+                                      "lstm_triton_sweep.py --backward": 45}
+    assert budgets("verify", 60) == {"tune_report.py": 30, "lstm_triton_sweep.py --time": 35,
+                                     "lstm_triton_sweep.py --backward": 35}
+    assert budgets("bench", None) == {"ctxfast.cli bench": 420}
+    assert budgets("bench", 300) == {"ctxfast.cli bench": 300 - 10 - 120}
 
 
 def test_gpu_round_refuses_a_bad_stage(tmp_path):
@@ -1174,6 +1225,43 @@ def test_backward_adds_compare_times_every_mode_and_clears_the_override(tmp_path
                                                      *bac.MODES["rel_attention"]], rows
     assert all(r["bwd_us"] > 0 and r["fwd_bwd_us"] > 0 and r["agree"] <= 1 for r in rows)
     assert len(bac.ratios(rows)) == 6
+    assert "dq_mode" not in kattn.LAUNCH_OVERRIDE and "dr_mode" not in krel.LAUNCH_OVERRIDE
+
+
+def test_backward_adds_compare_goes_on_past_a_failing_form(tmp_path, monkeypatch, capsys):
+    """A form that raises (the bulk form, in both ops) is a row with its error; the other
+    forms and the next case still run, each case's rows are in the JSON and its ratio
+    lines printed as it ends (a step cut by its timeout keeps them). It used to end the
+    script: the other op's case never ran and no JSON was written."""
+    from utils import load_benchmark
+
+    from ctxfast.kernels import attention as kattn
+    from ctxfast.kernels import rel_attention as krel
+    bac = load_benchmark("backward_adds_compare.py")
+    real_op = bac._op
+
+    def failing_op(op):
+        fn = real_op(op)
+        module, key = (krel, "dr_mode") if op == "rel_attention" else (kattn, "dq_mode")
+
+        def call(*ins):
+            if module.LAUNCH_OVERRIDE.get(key) == "bulk":
+                raise RuntimeError("bulk: no such luck")
+            return fn(*ins)
+        return call
+    monkeypatch.setattr(bac, "_op", failing_op)
+    monkeypatch.setattr(bac, "_compile_forms", lambda *a: None)
+    out = tmp_path / "bac.json"
+    assert bac.main(["--quick", "--reps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["form"].split()[-1] for r in rows] == [*bac.MODES["attention"],
+                                                     *bac.MODES["rel_attention"]], rows
+    failed = [r for r in rows if "error" in r]
+    assert [r["form"] for r in failed] == ["dq_mode bulk", "dr_mode bulk"]
+    assert all("no such luck" in r["error"] for r in failed)
+    printed = capsys.readouterr().out
+    assert printed.count("Error RuntimeError: bulk: no such luck") == 2
+    assert printed.count("\nratio ") == len(rows) - 2 - 2       # less the kernel forms
     assert "dq_mode" not in kattn.LAUNCH_OVERRIDE and "dr_mode" not in krel.LAUNCH_OVERRIDE
 
 
@@ -1582,7 +1670,7 @@ def test_tune_report_keeps_its_trials_when_stopped(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     try:
         first = proc.stdout.readline()              # the first case's line: trials recorded
-        while first and not first.startswith("causal"):
+        while first and not first.startswith("case causal"):
             first = proc.stdout.readline()
         assert first, "the report printed no case"
         done = json.loads(out.read_text())          # rewritten after each case
