@@ -130,6 +130,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _apply_mask(w, m):
+    """``w · m`` for a 0/1 DropConnect mask tile, formed in fp32 and rounded back: exact
+    (so bitwise the host's ``w_hh · mask``, NaN kept as there), and right under the
+    interpreter, whose bf16 arithmetic works on the raw 16-bit patterns."""
+    return (w.to(tl.float32) * m.to(tl.float32)).to(w.dtype)
+
+
+@triton.jit
 def _clamp(x, clip):
     """clamp(x, ±clip) with NaN kept, as torch.clamp (the default min / max return the
     other operand: NaN became -clip, a finite value, and a diverged run went unseen)."""
@@ -226,7 +234,7 @@ def _cell_fwd_tile(
         w_mask = rows_in[:, None] & k_in[None, :]
         w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
         if HAS_MASK:                                                   # DropConnect, in-tile
-            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
+            w = _apply_mask(w, tl.load(m_ptr + w_offs, mask=w_mask, other=0.0))
         acc += _dot(h, tl.trans(w), UPCAST, PRECISION)
     z = acc * scale + xw.to(ACC)
     z_i, z_f, z_g, z_o = _split4(z, BLOCK_B, BLOCK_H)                  # 4 x [BLOCK_B, BLOCK_H]
@@ -574,7 +582,7 @@ def _dz_w_product(
         w_mask = k_in[:, None] & p_in[None, :]
         w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
         if HAS_MASK:
-            w = w * tl.load(m_ptr + w_offs, mask=w_mask, other=0.0)
+            w = _apply_mask(w, tl.load(m_ptr + w_offs, mask=w_mask, other=0.0))
         acc += _dot(a.to(w.dtype), w, UPCAST, PRECISION)
     return acc
 

@@ -422,6 +422,14 @@ def test_func_grad_through_every_op(backend):
         xs = torch.stack([x, 2 * x])
         per_sample = torch.func.vmap(torch.func.grad(loss))(xs)
         assert_equal(per_sample[0], plain, name=f"{name}: vmap(grad)")
+        # vjp's function runs the backward after the transform's level has ended, on its
+        # (dead) wrapped tensors: the Triton launchers read their storage and failed
+        # ("Cannot access storage of TensorWrapper") when the op's Python function was
+        # called directly on them
+        out, vjp_fn = torch.func.vjp(f, x)
+        assert_equal(vjp_fn(weight)[0], plain, name=f"{name}: vjp")
+        jac = torch.func.jacrev(loss)(x)
+        assert_equal(jac, plain, name=f"{name}: jacrev")
         if name == "rel_shift":
             torch.func.grad(lambda x_: torch.func.grad(loss)(x_).square().sum())(x)
         else:

@@ -558,17 +558,20 @@ def test_triton_makes_no_tensor_from_host_values_after_the_first_call(monkeypatc
 
 
 @needs_triton
-def test_triton_premasked_weight_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_triton_premasked_weight_gives_the_same_bits(monkeypatch, dtype):
     """From PREMASK_MIN_T steps the launchers read one per-call copy w_hh · mask instead of
     the mask with every tile: exact for a 0/1 mask, so outputs and every gradient are
-    bitwise those of the in-tile mask (T 5, projection, clips, reverse)."""
+    bitwise those of the in-tile mask (T 5, projection, clips, reverse). At 16 bits too:
+    the in-tile product is formed in fp32 (exact), which the interpreter computes right
+    (its bf16 arithmetic works on the raw bits: the in-tile bf16 path gave NaN here)."""
     from ctxfast.kernels import lstm as lstm_kernels
     args, kw = _inputs(5, 3, 5, 20, 12, mask=True)
     kw.update(cell_clip=0.5, proj_clip=0.3, reverse=True)
     results = []
     for min_t in (None, 2):
         monkeypatch.setattr(lstm_kernels, "PREMASK_MIN_T", min_t)
-        a, k = _cast(args, kw, torch.float32)
+        a, k = _cast(args, kw, dtype)
         outs = _call(ctxfast.lstm, a, k, backend="triton")
         leaves = [t for t in a.values() if t is not None]
         grads = torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])

@@ -10,8 +10,8 @@ from .. import ops
 
 class Linear(nn.Linear):
     """``torch.nn.Linear`` on ``ctxfast.linear``: input ``[..., in_features]`` -> output
-    ``[..., out_features]``. Extra keyword: ``backend`` (``"triton" | "eager" | None``),
-    passed to ``ctxfast.linear``."""
+    ``[..., out_features]``. Extra keyword: ``backend`` (``"triton" | "cuda" | "cpu" |
+    "eager" | None``), passed to ``ctxfast.linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, backend: Optional[str] = None) -> None:

@@ -16,6 +16,8 @@ from torch._functorch.pyfunctorch import \
 
 from .. import _dispatch
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -259,11 +261,14 @@ def _plain(args) -> bool:
     """True when an eager call may skip the dispatcher and run the op's Python function
     (:func:`_impl`): no Python dispatch mode or torch-function mode is active (FakeTensor,
     FlopCounter, ``with torch.device(...)`` are such modes) and every tensor argument is a
-    plain ``torch.Tensor`` (no subclass) off the meta device. Otherwise the call goes
-    through the dispatcher, which those need to see it."""
+    plain ``torch.Tensor`` (no subclass, no functorch wrapper: ``torch.func.vjp``'s function
+    runs the backward on the ended transform's wrapped tensors, whose storage the kernels
+    cannot read) off the meta device. Otherwise the call goes through the dispatcher, which
+    those need to see it (it unwraps an ended transform's tensors)."""
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
-    return all(type(a) is Tensor and not a.is_meta for a in args if isinstance(a, Tensor))
+    return all(type(a) is Tensor and not a.is_meta and not _functorch_wrapped(a)
+               for a in args if isinstance(a, Tensor))
 
 
 _IMPLS: dict = {}
