@@ -295,3 +295,35 @@ def test_cache_refuses_another_batch_naming_both(grad):
     with pytest.raises(ValueError, match=r"KVMemory.extend: .* = \[1, 2, Q, 4\] .* got \[2, 2"):
         mem.extend(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
 
+
+
+def test_memory_extended_twice_at_once_keeps_both_branches_apart():
+    """Two threads extending one memory at the same time (two requests on one prefix, in
+    a server): each must keep its own rows. The interleaving is made deterministic here:
+    the first extend's copy (its k_new a tensor subclass) runs the second extend in the
+    middle, as another thread would while the copy holds no GIL. Checked then written, the
+    second found the frontier still free and wrote the same rows, which the first then
+    overwrote: the second branch's keys were the first's (3 of 400 branches in a
+    Transformer-XL threaded run)."""
+    class Interrupting(torch.Tensor):
+        hook = None
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_ and cls.hook is not None:
+                hook, cls.hook = cls.hook, None
+                hook()
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    base = KVMemory(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    mem = base.extend(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))   # a buffer with room
+    k1, v1, k2, v2 = (torch.randn(1, 2, 2, 4) for _ in range(4))
+    second = {}
+    Interrupting.hook = lambda: second.update(m=mem.extend(k2, v2))
+    first = mem.extend(k1.as_subclass(Interrupting), v1)
+    assert "m" in second                                   # the interleaving happened
+    assert torch.equal(torch.Tensor(first.k[:, :, -2:]), k1)
+    assert torch.equal(second["m"].k[:, :, -2:], k2), "the second branch lost its keys"
+    assert torch.equal(second["m"].v[:, :, -2:], v2)
+    assert torch.equal(torch.Tensor(first.k[:, :, :5]), mem.k)
+    assert torch.equal(second["m"].k[:, :, :5], mem.k)

@@ -190,3 +190,17 @@ def test_one_mask_is_read_once_for_every_layer(monkeypatch):
         other[0, 0] = ~other[0, 0]              # no longer a mask of the original code
         mod._window_of(other, 4, 7)
     assert len(reads) == 4
+
+
+def test_a_masked_call_under_inference_mode():
+    # an inference tensor has no version counter: the mask's cache must not ask for it
+    # (every masked call under torch.inference_mode raised "Inference tensors do not track
+    # version counter"); the output equals the one under no_grad
+    torch.manual_seed(0)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0).eval()
+    w, r, mems = torch.randn(4, 2, 32), torch.randn(7, 1, 32), torch.randn(3, 2, 32)
+    with torch.no_grad():
+        want = m(w, r, attn_mask=_mask(4, 3, 5), mems=mems)
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(m(w, r, attn_mask=_mask(4, 3, 5), mems=mems), want)

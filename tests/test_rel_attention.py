@@ -392,15 +392,18 @@ def test_empty_inputs_through_the_dispatcher(B, Tq, mem):
         assert g.shape == t.shape and not g.any()
 
 
+@pytest.mark.parametrize("Tk", [7, 40])
 @pytest.mark.parametrize("op", ["attention", "rel_attention"])
 @pytest.mark.parametrize("where", ["q", "k", "scale"])
 @pytest.mark.parametrize("backend", ATTN_BACKENDS)
-def test_nan_inputs_give_nan(backend, where, op):
+def test_nan_inputs_give_nan(backend, where, op, Tk):
     """A NaN in q, k or the scale gives NaN where eager's softmax gives it (the rows it
     reaches, and the gradients), never zeros: the cpu backend's row maxima skip NaN, and a
     row of NaN scores took the path of a row that sees no key (zeros, zero gradient),
-    hiding a diverging run."""
-    B, H, Tq, Tk, D = 1, 2, 5, 7, 8
+    hiding a diverging run. Tk 40: the NaN key inside a full 16-lane vector of the cpu
+    backend's AVX-512 exponential, whose ordered compare took NaN for -inf (probability
+    0: no NaN out)."""
+    B, H, Tq, D = 1, 2, 5, 8
     q, k, v = (torch.randn(B, H, T, D, device=DEVICE) for T in (Tq, Tk, Tk))
     r, u, w = (torch.randn(*s, device=DEVICE) for s in ((H, Tk, D), (H, D), (H, D)))
     scale = None

@@ -100,6 +100,22 @@ def test_xlnet_bidirectional_perm_padding(stream):
                    key_padding_mask=kpm, perm_rank=rank, perm_stream=stream)
 
 
+@pytest.mark.parametrize("stream", ["content", "query"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_xlnet_sorted_ranks_after_another_call(stream, ties):
+    """A non-decreasing rank (the identity order, or ties) without causal: the backward's
+    diagonal key tiles skip the rows that see none of their keys, and those rows' columns of
+    the position band's gradient were left unwritten, read back from the thread's scratch
+    (the previous block's or call's): dq, dr and d(r_r_bias) wrong by O(1) (0.78, 0.68,
+    1.5 at T 128), after a call of another shape even at T 33. Rows past the diagonal split
+    (T > 64) and a dirty scratch first."""
+    check(1, 2, 68, 85, 16, R=85 + 68, causal=False, pos_start=85)    # dirties the scratch
+    for T in (33, 128):
+        rank = torch.arange(T) // (3 if ties else 1)
+        check(1, 2, T, T, 16, R=2 * T, causal=False, pos_start=T,
+              perm_rank=rank.expand(1, T), perm_stream=stream)
+
+
 @pytest.mark.parametrize("Tq, mem, window", [(70, 100, 100), (40, 10, 12), (17, 5, 2),
                                              (130, 140, 3)])
 def test_window(Tq, mem, window):

@@ -127,6 +127,10 @@ def test_native_out_must_not_overlap_x():
             torch.ops.ctxfast.rel_shift_native.out(src, False, out=out)
         assert torch.equal(src, before)
     assert torch.equal(x, keep)
+    buf = torch.arange(1.0, 65.0)       # a strided x whose overlap torch cannot tell
+    with pytest.raises(RuntimeError, match="out must not overlap x"):
+        torch.ops.ctxfast.rel_shift_native.out(buf.as_strided((4, 4), (1, 5)), False,
+                                               out=buf[:16].view(4, 4))
     out = torch.empty_like(x)           # apart: still fine
     torch.ops.ctxfast.rel_shift_native.out(x, False, out=out)
     assert_equal(out, reference.rel_shift(x))

@@ -789,7 +789,7 @@ CTXFAST_AVX512_FN float exp_row_avx512(float* x, int64_t n, float m) {
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
     const __m512 v = _mm512_loadu_ps(x + c);
-    const __mmask16 keep = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    const __mmask16 keep = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_UQ);
     const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(v, vm)));
     _mm512_storeu_ps(x + c, e);
     vs = _mm512_add_ps(vs, e);
@@ -1399,6 +1399,9 @@ void scores_tile(const Head<T>& h, const QRows<T>& qr, int64_t i0, int64_t bq, i
     gemm_rm<T>(false, true, bq - r0, bk, h.D, scale, q, qr.ldq, h.k + j0 * h.ldk, h.ldk, T(0), s,
                bk);
   }
+  // A NaN scale gives NaN scores, as eager's (q·k)·scale: the products take the scale as
+  // their alpha, and a BLAS product with alpha NaN came out as alpha 1 here
+  if (scale != scale) std::fill(s, s + (bq - r0) * bk, scale);
   if (h.segq != nullptr) {
     for (int64_t rr = r0; rr < bq; ++rr) {
       const int64_t i = i0 + rr, sq = h.segq[i];
@@ -1663,6 +1666,7 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
       pb = band_of(h, i0, bq, jb, end);
       w.band.resize(static_cast<size_t>(bq * pb.W));
       w.dband.resize(static_cast<size_t>(bq * pb.W));
+      poison(w.dband);  // CTXFAST_ATTN_CPU_DEBUG=poison: a column no tile writes reads NaN
       std::fill(dqwb, dqwb + bq * D, T(0));
       // Row rr of dg takes dS of key j at column (bq - 1 - rr) + (j - jb): each key tile
       // below computes its dS there; the bq - 1 - rr columns before are 0 (and those after
@@ -1672,7 +1676,7 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
     }
     for_each_key_tile(h, i0, bq, jb, end, [&](int64_t j0, int64_t bk, int64_t r0) {
       // rows r0.. of the block (the others see none of these keys): s and ds row r - r0.
-      // The skipped rows' hidden columns of dg stay unwritten: band_needed() excludes them.
+      // The skipped rows' columns of dg for these keys are set to 0 below.
       const int64_t nr = bq - r0;
       const T* dout = h.dout + (i0 + r0) * h.lddo;
       const T* gt = nullptr;
@@ -1690,8 +1694,14 @@ void backward_head(const Head<T>& head, T scale, BwdScratch<T>& w) {
       T* ds = w.dp.data();
       int64_t ldds = bk;
       if (h.r != nullptr) {
-        ds = w.dband.data() + (bq - 1) + (j0 - jb - pb.d0) + r0 * (pb.W - 1);
+        T* base = w.dband.data() + (bq - 1) + (j0 - jb - pb.d0);
         ldds = pb.W - 1;
+        // rows before r0 see none of these keys: their dS here is 0, written (a ranked
+        // head's skipped rows are inside band_needed(), and the scratch keeps the previous
+        // block's or call's values: dq, dr and d(r_r_bias) were wrong with sorted ranks)
+        for (int64_t rr = 0; rr < r0; ++rr)
+          std::fill(base + rr * ldds, base + rr * ldds + bk, T(0));
+        ds = base + r0 * ldds;
       }
       scores_tile(h, qr, i0, bq, r0, j0, bk, scale, gt, pb.W - 1, s);
       if (h.p_drop > 0) exp_rows(s, nr, bk, h.lse + i0 + r0);  // else with dS below

@@ -10,6 +10,7 @@ ops' eager backend (:func:`ctxfast.reference.attention`, plain PyTorch): "eager"
 plain PyTorch, no ctxfast kernel, for ops and models alike (docs/ARCHITECTURE.md). Everything else in the
 models (embeddings, LayerNorm, feed-forward) is ordinary PyTorch in both.
 """
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -84,6 +85,11 @@ def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqle
                                 backend="eager" if backend == "eager" else None)
 
 
+#: Held while :meth:`KVMemory.extend` decides whether it may write after a buffer's
+#: frontier and claims the rows (a few comparisons; the copy runs after, outside it).
+_EXTEND_LOCK = threading.Lock()
+
+
 class KVMemory:
     """Keys and values ``k, v [B, H, L, d_head]`` of a layer's memory rows, kept from one
     call to the next (K/V reuse in Transformer-XL's and XLNet's evaluation), as rows
@@ -123,13 +129,21 @@ class KVMemory:
                              f"got {list(k_new.shape)} and {list(v_new.shape)}")
         span, q = self._span(), k_new.shape[2]
         if span is not None:
-            kb, vb, frontier = self._buf
-            if (span[1] == frontier and frontier + q <= kb.shape[2]
-                    and kb.dtype == k_new.dtype and kb.device == k_new.device
-                    and kb.shape[:2] == k_new.shape[:2]):
+            kb, vb = self._buf[0], self._buf[1]
+            # The rows after the frontier are claimed before the copy, under a lock: a
+            # second thread extending the same memory meanwhile (two requests on one
+            # prefix) finds them taken and copies into a new buffer. (Checked and then
+            # written, two threads both wrote the same rows: each branch got the other's.)
+            with _EXTEND_LOCK:
+                frontier = self._buf[2]
+                fits = (span[1] == frontier and frontier + q <= kb.shape[2]
+                        and kb.dtype == k_new.dtype and kb.device == k_new.device
+                        and kb.shape[:2] == k_new.shape[:2])
+                if fits:
+                    self._buf[2] = frontier + q
+            if fits:
                 kb[:, :, frontier:frontier + q].copy_(k_new)
                 vb[:, :, frontier:frontier + q].copy_(v_new)
-                self._buf[2] = frontier + q
                 return KVMemory(kb[:, :, span[0]:frontier + q], vb[:, :, span[0]:frontier + q],
                                 self._buf)
         m, (B, H, _, D) = self.k.shape[2], k_new.shape

@@ -152,7 +152,8 @@ def _window_of(attn_mask: Tensor, qlen: int, klen: int) -> Optional[int]:
     the mask last read is kept (the same tensor object, unmodified since: its version
     counter), so a forward of n layers synchronises once, not n times."""
     global _last_mask
-    if torch.compiler.is_compiling():
+    # (an inference tensor has no version counter to check: read each time)
+    if torch.compiler.is_compiling() or attn_mask.is_inference():
         return _read_window(attn_mask, qlen, klen)
     last = _last_mask
     if (last is not None and last[0]() is attn_mask and last[1] == attn_mask._version
