@@ -424,3 +424,23 @@ def test_config_probabilities_name_the_field_and_the_range():
                                              rf"got {re.escape(repr(bad))}"):
             AWDLSTM(_config(**{name: bad}))
     AWDLSTM(_config(embed_p=1, input_p=0, output_p=1.0))            # ints and the ends: fine
+
+
+def test_state_carries_over_under_autocast():
+    """Under autocast the layers return their state in the autocast dtype; the next batch
+    must continue from it (it was dropped as if the module had been cast: with AMP every
+    batch started from zeros), equal to the carried state cast to the parameters' dtype."""
+    torch.manual_seed(0)
+    model = AWDLSTM(_config()).to(DEVICE).eval()
+    x, y = (torch.randint(0, model.config.vocab_size, (2, 5), device=DEVICE) for _ in range(2))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        model.reset()
+        model(x)
+        kept = [(h.float(), c.float()) for h, c in model.hidden]
+        carried = model(y)
+        model.reset()
+        fresh = model(y)
+    assert (carried.float() - fresh.float()).abs().max() > 1e-3      # the state counted
+    model.hidden = kept                                               # the same, in fp32
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert torch.equal(model(y), carried)

@@ -222,6 +222,22 @@ def test_highway_and_scalar_mix_formulas():
         assert_close(mix(tensors, mask), 1.7 * ref, name=f"scalar mix, layer norm {layer_norm}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scalar_mix_layer_norm_at_16_bits(dtype):
+    # the count of unpadded elements (64 tokens x 1,024 features = 65,536) was summed in
+    # fp16, where it is inf (and 1e-12 is 0): the mix came out inf / NaN. Now within the
+    # dtype's rounding of the fp32 mix.
+    torch.manual_seed(0)
+    tensors = [torch.randn(2, 40, 1024) * (k + 1) + k for k in range(3)]
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 36:] = False                                       # 76 tokens, 77,824 elements
+    mix = ScalarMix(3, do_layer_norm=True, initial_scalar_parameters=[0.1, -0.5, 0.7])
+    want = mix(tensors, mask)
+    got = mix([t.to(dtype) for t in tensors], mask)
+    assert got.isfinite().all()
+    assert_close(got.float(), want, REL_TOL[dtype], name=f"scalar mix {dtype}")
+
+
 @pytest.mark.parametrize("boundaries", [True, False])
 @pytest.mark.parametrize("share", [True, False])
 def test_bilm_losses_are_the_next_and_previous_token_nll(boundaries, share):

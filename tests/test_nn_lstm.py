@@ -188,6 +188,24 @@ def test_autocast_runs_in_the_autocast_dtype():
     assert_close(out.float(), ref(x)[0], REL_TOL[torch.bfloat16], "out under autocast")
 
 
+def test_autocast_takes_a_state_of_another_float_dtype():
+    # nn.LSTM under autocast takes an fp32 input with the bf16 state it returned (both cast
+    # to the autocast dtype): the drop-in must too (it refused the state's dtype); outside
+    # autocast a mismatch is still refused by name
+    cfg = CONFIGS["L1"]
+    ours, ref = _pair(cfg, torch.float32)
+    x = torch.randn(T, B, cfg["input_size"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, hx = ours(x)
+        _, hx_ref = ref(x)
+        assert hx[0].dtype == torch.bfloat16
+        out, _ = ours(x, hx)
+        out_ref, _ = ref(x, hx_ref)
+    assert_close(out.float(), out_ref.float(), REL_TOL[torch.bfloat16], "out with a bf16 state")
+    with pytest.raises(TypeError, match=r"hx\[0\] \(h_0\) must match the input's dtype"):
+        ours(x, hx)
+
+
 def test_inter_layer_dropout_is_nn_lstms():
     """``dropout`` acts on every layer's output but the last, as nn.LSTM's: on CPU the same
     seed gives nn.LSTM's very masks (same shapes, same order, at::dropout both)."""
@@ -252,6 +270,35 @@ def test_sampled_mask_is_one_mask_for_all_time_steps(backend):
         assert_close(a, b, None, name)
     out2, _ = ours(x)                                      # new forward, new masks
     assert (out2 - out).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", [b for b in LSTM_BACKENDS if b not in SLOW])
+def test_weight_dropout_names_drop_those_weights_only(backend):
+    """weight_dropout_names=("weight_hh_l0",) in a bidirectional layer (fastai's
+    WeightDropout): the forward weight dropped and scaled, the reverse one run as it is
+    (the module dropped and scaled both, with no way to leave one alone); masks given or
+    sampled for those names only; unknown names refused by name."""
+    cfg, p = CONFIGS["L3-bi-proj"], 0.5
+    ours, ref = _pair(cfg, torch.float64, backend, weight_dropout=p,
+                      weight_dropout_names=("weight_hh_l0",))
+    assert ours.weight_dropout_names == ("weight_hh_l0",)
+    assert "weight_dropout_names=('weight_hh_l0',)" in repr(ours)
+    x = torch.randn(6, B, cfg["input_size"], dtype=torch.float64)
+    torch.manual_seed(11)
+    out, _ = ours(x)
+    torch.manual_seed(11)
+    masks = ours.sample_weight_masks()
+    assert list(masks) == ["weight_hh_l0"]
+    _dropped_reference(ref, masks, p)
+    assert_close(out, ref(x)[0], None, "out, the forward weight alone dropped")
+    assert_close(ours(x, weight_masks=masks)[0], out, None, "the same masks given")
+    with pytest.raises(ValueError, match=r"unknown \['weight_hh_l0_reverse'\]"):
+        ours(x, weight_masks={**masks, "weight_hh_l0_reverse": masks["weight_hh_l0"]})
+    with pytest.raises(ValueError, match=r"weight_dropout_names must be among .* "
+                                         r"unknown \['weight_hh_l9'\]"):
+        WeightDropLSTM(4, 8, weight_dropout=0.1, weight_dropout_names=["weight_hh_l9"])
+    with pytest.raises(ValueError, match="weight_dropout_names must be a sequence"):
+        WeightDropLSTM(4, 8, weight_dropout=0.1, weight_dropout_names="weight_hh_l0")
 
 
 def test_sampled_masks_keep_rate_and_independence():
@@ -425,6 +472,7 @@ def test_load_awd_lstm(layout, prefix, bidir):
         assert (m.input_size, m.hidden_size * D) == ((6, 10, 10)[k], (10, 10, 6)[k])
         assert m.batch_first == batch_first and m.bidirectional == bidir
         assert m.weight_dropout == 0.2 and m.weight_ih_l0.dtype == torch.float64
+        assert m.weight_dropout_names == ("weight_hh_l0",)        # fastai's, bidir too
         m.eval()
         out = m(x if batch_first else x.transpose(0, 1))[0]
         out = out if batch_first else out.transpose(0, 1)

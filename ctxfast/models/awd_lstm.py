@@ -29,7 +29,8 @@ the two agree under the same seed even in training.
 
 fastai checkpoints: :meth:`AWDLSTMLM.from_fastai` / :meth:`AWDLSTMClassifier.from_fastai`
 (and ``load_fastai_state_dict``) read the state dicts of fastai v1/v2
-``get_language_model`` / ``get_text_classifier`` models (keys ``0.encoder.weight``,
+``get_language_model`` models and fastai v2 ``get_text_classifier`` models (fastai v1's
+classifier head is laid out otherwise and is not read) (keys ``0.encoder.weight``,
 ``0.rnns.{k}.weight_hh_l0_raw``, ``0.rnns.{k}.module.weight_ih_l0``, ``1.decoder.weight``;
 ``0.module.*`` and ``1.layers.{k}.{0,1|2}.*`` for the classifier).
 
@@ -40,7 +41,10 @@ fastai checkpoints: :meth:`AWDLSTMLM.from_fastai` / :meth:`AWDLSTMClassifier.fro
 
 Not done: bidirectional encoders (fastai's ``bidir=True``), fastai's ``SentenceEncoder``
 row trimming for sorted batches and its ``max_len`` (only the last ``max_len`` tokens
-pooled) — here every position is encoded and pooled.
+pooled) — here every position is encoded and pooled. fastai skips the rows whose chunk is
+all padding (a left-padded text starts from a zero state at its first real chunk); here
+the padding chunks run through the LSTMs, so a text's logits depend on the longest text
+of its batch (0.039 alone, 0.052 beside a longer one in a small model).
 """
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -171,14 +175,18 @@ class AWDLSTM(nn.Module):
             rnn.backend = None if backend == "ctxfast" else "eager"
 
     def _hidden_for(self, B: int, like: Tensor) -> Optional[List[Tuple[Tensor, Tensor]]]:
-        """The carried state resized to batch size B (zeros appended, or rows cut)."""
+        """The carried state resized to batch size B (zeros appended, or rows cut), in
+        `like`'s dtype: under autocast the layers return it in the autocast dtype, and it
+        goes on from there (it was dropped as if the module had been cast: with AMP every
+        batch started from zeros)."""
         hid = self.hidden
         if hid is None:
             return None
-        if hid[0][0].dtype != like.dtype or hid[0][0].device != like.device:
-            return None                                  # the module was moved or cast
+        if hid[0][0].device != like.device:
+            return None                                  # the module was moved
         out = []
         for h, c in hid:                                 # [1, B_old, H_k] each
+            h, c = h.to(like.dtype), c.to(like.dtype)
             b = h.shape[1]
             if b < B:
                 h = torch.cat([h, h.new_zeros(1, B - b, h.shape[2])], 1)   # [1, B, H_k]
@@ -422,8 +430,9 @@ class AWDLSTMClassifier(nn.Module):
         """input_ids ``[B, T]`` -> (logits ``[B, n_class]``, loss or None).
 
         padding_mask: bool ``[B, T]``, True = padding (default: ``input_ids ==
-        pad_token``); padding positions are run through the LSTMs (as fastai does) but
-        left out of the pooling. targets: ``[B]`` class ids; the loss is the mean
+        pad_token``); padding positions are run through the LSTMs (fastai runs those of a
+        chunk that holds real tokens too, but skips chunks of padding alone: see the
+        module docstring) and left out of the pooling. targets: ``[B]`` class ids; the loss is the mean
         cross-entropy. The encoder state is reset at every call.
         """
         cfg = self.config

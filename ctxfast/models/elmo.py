@@ -459,13 +459,17 @@ class ScalarMix(nn.Module):
             return self.gamma * sum(w[k] * t for k, t in enumerate(tensors))
         if mask is None:
             raise ValueError("ScalarMix: do_layer_norm needs the mask [B, T]")
-        m = mask.to(tensors[0].dtype).unsqueeze(-1)                      # [B, T, 1]
+        # the count and the moments in fp32 at least: in fp16 the count of unpadded
+        # elements passed 65,504 (64 tokens x 1,024 features) and became inf, and 1e-12 is 0
+        acc = torch.promote_types(tensors[0].dtype, torch.float32)
+        m = mask.to(acc).unsqueeze(-1)                                   # [B, T, 1]
         n = m.sum() * tensors[0].shape[-1]
         pieces = []
         for k, t in enumerate(tensors):
-            mean = (t * m).sum() / n
-            var = (((t * m) - mean) * m).pow(2).sum() / n
-            pieces.append(w[k] * (t - mean) / torch.sqrt(var + 1e-12))
+            x = t.to(acc)
+            mean = (x * m).sum() / n
+            var = (((x * m) - mean) * m).pow(2).sum() / n
+            pieces.append(w[k] * ((x - mean) / torch.sqrt(var + 1e-12)).to(t.dtype))
         return self.gamma * sum(pieces)
 
 

@@ -22,7 +22,7 @@ import contextlib
 import math
 import re
 import warnings
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,12 @@ from ..ops.dropout import check_ids_in_vocab
 from ..ops.dropout import keep_mask as _keep_mask
 
 _SUFFIXES = ("", "_reverse")
+
+
+def _autocast_on(x: Tensor) -> bool:
+    """Whether autocast is on for x's device type (cuda or cpu)."""
+    dev = x.device.type
+    return torch.is_autocast_enabled(dev) if dev in ("cuda", "cpu") else False
 
 
 class WeightDropLSTM(nn.Module):
@@ -56,6 +62,10 @@ class WeightDropLSTM(nn.Module):
 
     Keyword-only extras:
         weight_dropout: p of DropConnect on every ``weight_hh_l{k}{_reverse}``, in [0, 1).
+        weight_dropout_names: the ``weight_hh_*`` names DropConnect applies to (a subset of
+            :meth:`weight_hh_names`), or None for all of them. fastai's ``WeightDropout``
+            drops ``weight_hh_l0`` alone, also in a bidirectional layer (the reverse
+            weight runs as it is, unscaled): ``("weight_hh_l0",)`` gives that.
         cell_clip: clip ``c_t`` to ``[-cell_clip, cell_clip]`` (AllenNLP's
             ``memory_cell_clip_value``); None: no clip.
         proj_clip: clip the projected ``h_t`` (AllenNLP's ``state_projection_clip_value``);
@@ -73,7 +83,7 @@ class WeightDropLSTM(nn.Module):
     Gate order i, f, g, o.
 
     DropConnect: in training with ``weight_dropout > 0``, ``forward`` samples one keep-mask
-    per layer and direction (keep probability ``1 - p``; ``ctxfast.ops.dropout.keep_mask``:
+    per layer and direction of ``weight_dropout_names`` (keep probability ``1 - p``; ``ctxfast.ops.dropout.keep_mask``:
     Philox keyed by a seed from torch's RNG on CPU, ``torch.bernoulli`` on CUDA; shape of
     ``weight_hh_l{k}{sfx}``, in :meth:`weight_hh_names` order, before anything else
     random in the forward) and the recurrence uses ``W_hh * mask / (1 - p)`` at every
@@ -85,9 +95,10 @@ class WeightDropLSTM(nn.Module):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
                  bidirectional: bool = False, proj_size: int = 0, *,
-                 weight_dropout: float = 0.0, cell_clip: Optional[float] = None,
-                 proj_clip: Optional[float] = None, backend: Optional[str] = None,
-                 device=None, dtype=None) -> None:
+                 weight_dropout: float = 0.0,
+                 weight_dropout_names: Optional[Sequence[str]] = None,
+                 cell_clip: Optional[float] = None, proj_clip: Optional[float] = None,
+                 backend: Optional[str] = None, device=None, dtype=None) -> None:
         super().__init__()
         for name, v, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1),
                              ("num_layers", num_layers, 1), ("proj_size", proj_size, 0)):
@@ -144,6 +155,19 @@ class WeightDropLSTM(nn.Module):
                                   for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh",
                                                "weight_hr")))
             self._names.append(dirs)
+        names = self.weight_hh_names()
+        if weight_dropout_names is None:
+            self.weight_dropout_names = tuple(names)
+        else:
+            if isinstance(weight_dropout_names, str) or not all(
+                    isinstance(n, str) for n in weight_dropout_names):
+                raise ValueError("WeightDropLSTM: weight_dropout_names must be a sequence of "
+                                 f"names among {names}, got {weight_dropout_names!r}")
+            unknown = [n for n in weight_dropout_names if n not in names]
+            if unknown:
+                raise ValueError(f"WeightDropLSTM: weight_dropout_names must be among {names}, "
+                                 f"got unknown {unknown}")
+            self.weight_dropout_names = tuple(n for n in names if n in weight_dropout_names)
         if dropout > 0 and num_layers == 1:
             warnings.warn("WeightDropLSTM: dropout acts between layers; with num_layers=1 it "
                           "does nothing (as in nn.LSTM)", stacklevel=2)
@@ -161,8 +185,9 @@ class WeightDropLSTM(nn.Module):
         """No-op, for code written for ``nn.LSTM`` (there is no cuDNN weight buffer)."""
 
     def weight_hh_names(self) -> List[str]:
-        """``["weight_hh_l0", ("weight_hh_l0_reverse",) "weight_hh_l1", ...]``: the keys of
-        ``weight_masks``, in layer-then-direction order (the order masks are sampled)."""
+        """``["weight_hh_l0", ("weight_hh_l0_reverse",) "weight_hh_l1", ...]``: every
+        recurrent weight, in layer-then-direction order (the order masks are sampled); the
+        keys of ``weight_masks`` are those of them in ``weight_dropout_names``."""
         return [d[1] for layer in self._names for d in layer]
 
     @torch.no_grad()
@@ -170,19 +195,20 @@ class WeightDropLSTM(nn.Module):
                             ) -> Dict[str, Tensor]:
         """One DropConnect keep-mask per layer and direction, as ``forward`` samples them.
 
-        Returns ``{name: mask}`` for every name of :meth:`weight_hh_names` (in that order),
+        Returns ``{name: mask}`` for every name of ``weight_dropout_names`` (by default
+        every name of :meth:`weight_hh_names`; in that order),
         each of the weight's shape ``[4H, P]``, dtype and device, with 0/1 values (keep
         probability ``1 - weight_dropout``). Reusable as ``forward(..., weight_masks=)``.
         """
         masks = {}
-        for name in self.weight_hh_names():
+        for name in self.weight_dropout_names:
             masks[name] = _keep_mask(getattr(self, name), self.weight_dropout, generator)
         return masks
 
     # ------------------------------------------------------------------ forward
 
     def _check_masks(self, weight_masks: object) -> Dict[str, Tensor]:
-        names = self.weight_hh_names()
+        names = list(self.weight_dropout_names)
         if not isinstance(weight_masks, Mapping):
             raise TypeError(f"WeightDropLSTM: weight_masks must be a dict {{name: mask}} with "
                             f"the keys {names}, got {type(weight_masks).__name__}")
@@ -255,7 +281,10 @@ class WeightDropLSTM(nn.Module):
                         + ("proj_size or hidden_size]" if i == 0 else "hidden_size]"))
                 raise ValueError(f"WeightDropLSTM: hx[{i}] ({name}) must have shape {want} "
                                  f"{dims}, got {list(s.shape)}")
-            if s.dtype != input.dtype or s.device != input.device:
+            # under autocast any float dtype (both are cast to the autocast dtype), as
+            # nn.LSTM takes them
+            if (s.device != input.device or s.dtype not in _FLOAT_DTYPES
+                    or (s.dtype != input.dtype and not _autocast_on(input))):
                 raise TypeError(f"WeightDropLSTM: hx[{i}] ({name}) must match the input's "
                                 f"dtype and device ({input.dtype}, {input.device}), got "
                                 f"({s.dtype}, {s.device})")
@@ -277,7 +306,8 @@ class WeightDropLSTM(nn.Module):
                 ``[L*D, P]``, ``[L*D, H]``), row ``k*D + d`` for layer k, direction d.
             weight_masks: in training, the DropConnect keep-masks to use instead of sampled
                 ones: a dict ``{name: mask}`` with exactly the keys of
-                :meth:`weight_hh_names`, each of that weight's shape ``[4H, P]``, 0/1
+                ``weight_dropout_names`` (by default those of :meth:`weight_hh_names`), each
+                of that weight's shape ``[4H, P]``, 0/1
                 values (bool or float); the recurrence uses
                 ``W_hh * mask / (1 - weight_dropout)`` (so with ``weight_dropout = 0`` the
                 mask alone). Ignored in eval mode, like every dropout.
@@ -303,7 +333,7 @@ class WeightDropLSTM(nn.Module):
             self._check_masks(weight_masks)           # bad masks fail in eval mode too
 
         dev = x.device.type
-        amp = torch.is_autocast_enabled(dev) if dev in ("cuda", "cpu") else False
+        amp = _autocast_on(x)
         dtype = torch.get_autocast_dtype(dev) if amp else self.weight_ih_l0.dtype
         if x.dtype != dtype and not amp:
             raise TypeError(f"WeightDropLSTM: input dtype {x.dtype} does not match the "
@@ -359,6 +389,8 @@ class WeightDropLSTM(nn.Module):
             s += ", bidirectional=True"
         if self.weight_dropout != 0:
             s += f", weight_dropout={self.weight_dropout}"
+        if self.weight_dropout_names != tuple(self.weight_hh_names()):
+            s += f", weight_dropout_names={self.weight_dropout_names}"
         if self.cell_clip is not None:
             s += f", cell_clip={self.cell_clip}"
         if self.proj_clip is not None:
@@ -514,7 +546,8 @@ def load_awd_lstm(state_dict: Mapping[str, Tensor], *, prefix: Optional[str] = N
         state_dict: the checkpoint (``model.state_dict()`` or ``torch.load``'s dict).
         prefix: the text before ``rnns.`` (None: found automatically).
         weight_dropout: DropConnect p of every layer (fastai's ``weight_p``; not stored in
-            checkpoints).
+            checkpoints), on ``weight_hh_l0`` as fastai's ``WeightDropout`` (a bidirectional
+            layer's reverse weight undropped: ``weight_dropout_names=("weight_hh_l0",)``).
         batch_first: None: the layout's default (see above).
         backend: passed to ``ctxfast.lstm``.
 
@@ -542,7 +575,8 @@ def load_awd_lstm(state_dict: Mapping[str, Tensor], *, prefix: Optional[str] = N
         prev_out = H * (2 if bidir else 1)
         bf = (layout == "fastai") if batch_first is None else batch_first
         m = WeightDropLSTM(I, H, 1, bias=bias, batch_first=bf, bidirectional=bidir,
-                           weight_dropout=weight_dropout, backend=backend,
+                           weight_dropout=weight_dropout,
+                           weight_dropout_names=("weight_hh_l0",), backend=backend,
                            device=w_ih.device, dtype=w_ih.dtype)
         m.load_state_dict(sd, strict=True)
         modules.append(m)
