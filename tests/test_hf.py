@@ -97,4 +97,56 @@ def test_custom_4d_mask_is_refused():
     fn = ctxfast_hf.make_attention_function("eager")
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="2-D padding mask"):
-        fn(torch.nn.Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        fn(torch.nn.Module(), q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool),
+           is_causal=False)
+
+
+def test_a_module_without_is_causal_is_refused():
+    # Splinter's (and ALIGN's, CLAP's) text encoders give no is_causal: taken as causal,
+    # these bidirectional encoders ran causally without a word (0.04-0.6 off eager)
+    cfg = transformers.SplinterConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=64)
+    model = transformers.SplinterModel(cfg).to(DEVICE).eval()
+    model.set_attn_implementation(f"ctxfast_{BACKENDS[0]}")
+    with pytest.raises(ValueError, match="SplinterSelfAttention gives no is_causal"):
+        model(input_ids=torch.randint(3, 100, (2, 6), device=DEVICE))
+
+
+def test_output_attentions_is_refused_not_dropped():
+    # it returned no weights (attentions == ()) without a word
+    model = _bert()
+    model.set_attn_implementation(f"ctxfast_{BACKENDS[0]}")
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=torch.randint(0, 100, (2, 6), device=DEVICE), output_attentions=True)
+
+
+def test_static_cache_is_refused():
+    # a StaticCache's keys run past the queries (empty slots): with ctxfast's bottom-right
+    # causal alignment each prefill query saw later keys (0.064 off a full pass)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).to(DEVICE).eval()
+    model.set_attn_implementation(f"ctxfast_{BACKENDS[0]}")
+    cache = transformers.StaticCache(config=cfg, max_cache_len=32)
+    with pytest.raises(ValueError, match="queries end at 8 but the keys at 32"):
+        with torch.no_grad():
+            model(input_ids=torch.randint(1, 100, (1, 8), device=DEVICE), past_key_values=cache,
+                  use_cache=True)
+
+
+def test_compiles_fullgraph():
+    # the mask function read mask.all() (data-dependent): fullgraph failed, and the default
+    # compile broke the graph there
+    model = _bert()
+    ids, am = _inputs()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids, attention_mask=am).last_hidden_state
+        model.set_attn_implementation(f"ctxfast_{BACKENDS[0]}")
+        torch._dynamo.reset()
+        try:
+            out = torch.compile(model, fullgraph=True, backend="eager")(
+                input_ids=ids, attention_mask=am).last_hidden_state
+        finally:
+            torch._dynamo.reset()
+    assert (out - ref)[am.bool()].abs().max().item() < 1e-5

@@ -38,9 +38,20 @@ def make_attention_function(backend: Optional[str] = None):
             raise ValueError("ctxfast attention does not support softcap")
         if kwargs.get("position_bias") is not None:
             raise ValueError("ctxfast attention does not support an additive position_bias")
+        if kwargs.get("output_attentions"):
+            raise ValueError("ctxfast attention does not form the attention weights "
+                             "(output_attentions=True); use attn_implementation='eager' "
+                             "for them")
         n_rep = query.shape[1] // key.shape[1]
         key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # causality from the call or the module; a module that says neither (Splinter,
+        # ALIGN's and CLAP's text encoders) is refused rather than guessed: taken as causal,
+        # those bidirectional encoders ran causally without a word
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", None)
+        if causal is None:
+            raise ValueError(f"ctxfast attention: {type(module).__name__} gives no is_causal "
+                             "(neither in the call nor as an attribute), so whether its "
+                             "attention is causal is unknown; use 'sdpa' or 'eager'")
         kpm = None
         if attention_mask is not None:
             if attention_mask.dim() != 2:
@@ -67,12 +78,22 @@ def padding_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset
     if mask_function is not None and mask_function not in plain:
         raise ValueError("ctxfast attention supports causal and bidirectional masks with "
                          f"padding; this model asked for {getattr(mask_function, '__name__', mask_function)}")
+    # ctxfast's causal mask is bottom-right aligned: right where the last query is the last
+    # key. A cache with keys past the queries (StaticCache's empty slots) would let each
+    # query see later keys (0.064 off a full pass, silently): refused
+    if mask_function is mu.causal_mask_function and q_offset + q_length != kv_offset + kv_length:
+        raise ValueError(f"ctxfast attention: the queries end at {q_offset + q_length} but the "
+                         f"keys at {kv_offset + kv_length} (a static cache's empty slots?); "
+                         "its causal mask needs them to end together: use a DynamicCache, "
+                         "or 'sdpa'")
     if attention_mask is None:
         return None
     mask = attention_mask[:, -kv_length:].to(torch.bool)
     if mask.shape[1] != kv_length:
         raise ValueError(f"ctxfast attention: padding mask covers {mask.shape[1]} keys, "
                          f"expected {kv_length}")
+    if torch.compiler.is_compiling():
+        return mask            # (mask.all() below is data-dependent: no fullgraph)
     return None if bool(mask.all()) else mask
 
 
