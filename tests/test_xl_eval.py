@@ -301,3 +301,15 @@ def test_cli_text_char_level_checkpoint_and_no_matplotlib(tmp_path, capsys, monk
     captured = capsys.readouterr()
     assert "matplotlib is not installed" in captured.err and not (tmp_path / "p.png").exists()
     assert "d_model 32" in captured.out and "char-level" in captured.out
+
+
+def test_cli_builds_a_long_enough_stream(tmp_path):
+    # the stream's length and the run's untimed segments are one rule (fill_segments):
+    # they disagreed by a segment, which the built-in stream's 16 spare tokens hid only
+    # while a segment held fewer ("the token stream has 8084 tokens, 8196 are needed" for
+    # --quick)
+    args = ["--attn-lens", "16", "--tgt-len", "8", "--batch", "4", "--xl-segments", "1",
+            "--vanilla-positions", "2", "--model", "tiny", "--n-layer", "1", "--no-progress",
+            "--backends", "eager", "--json", str(tmp_path / "r.json")]
+    assert cli.main(["xl-eval", *args]) == 0
+    assert xl_eval.fill_segments(16, 8) == 2 and xl_eval.fill_segments(3, 8) == 1

@@ -379,6 +379,12 @@ def attention_impl(backend: str, device: torch.device, reuse_kv: bool = False) -
     return impl + (" + K/V reuse" if reuse_kv else "")
 
 
+def fill_segments(attn_len: int, tgt_len: int) -> int:
+    """The untimed XL segments before the timed ones: until the memory (``mem_len =
+    attn_len``) is full, and at least one (the warm-up)."""
+    return max(1, math.ceil(attn_len / tgt_len))
+
+
 def profile(model: TransformerXL, ids: Tensor, s: Settings,
             progress: Optional[Progress] = None) -> List[dict]:
     """Measure every (L, backend) of `s` on `model` over the stream `ids` -> rows."""
@@ -394,8 +400,7 @@ def profile(model: TransformerXL, ids: Tensor, s: Settings,
         # low at the --quick lengths.)
         mem_len = L
         model.same_length = True
-        # untimed segments: until the memory is full (and at least one, the warm-up)
-        fill = max(1, math.ceil(mem_len / s.tgt_len))
+        fill = fill_segments(L, s.tgt_len)
         n = (fill + s.xl_segments) * s.tgt_len
         data = stream_matrix(ids, s.batch, n).to(device)      # [n + 1, batch]
         lo = fill * s.tgt_len                                  # first timed position
@@ -716,7 +721,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
                 _fail(parser, f"--text: not UTF-8 ({e}); use --level byte")
     batch = args.batch or d["batch"]
     xl_segments = args.xl_segments or d["xl_segments"]
-    fill = max(1, math.ceil((max(attn_lens) - tgt_len) / tgt_len))
+    fill = fill_segments(max(attn_lens), tgt_len)
     need = batch * ((fill + xl_segments) * tgt_len + 1)
     if args.text is None:
         text = builtin_text(need + 16, seed=args.seed)
