@@ -131,10 +131,13 @@ def _tanh(x):
 
 @triton.jit
 def _apply_mask(w, m):
-    """``w · m`` for a 0/1 DropConnect mask tile, formed in fp32 and rounded back: exact
-    (so bitwise the host's ``w_hh · mask``, NaN kept as there), and right under the
-    interpreter, whose bf16 arithmetic works on the raw 16-bit patterns."""
-    return (w.to(tl.float32) * m.to(tl.float32)).to(w.dtype)
+    """``w · m`` for a 0/1 DropConnect mask tile; at 16 bits formed in fp32 and rounded
+    back: exact (so bitwise the host's ``w_hh · mask``, NaN kept as there), and right under
+    the interpreter, whose bf16 arithmetic works on the raw 16-bit patterns. fp32 and fp64
+    in their own dtype (through fp32, fp64 weights lost their low bits: gradcheck failed)."""
+    if w.dtype.is_fp16() or w.dtype.is_bf16():
+        return (w.to(tl.float32) * m.to(tl.float32)).to(w.dtype)
+    return w * m.to(w.dtype)
 
 
 @triton.jit
