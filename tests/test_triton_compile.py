@@ -450,6 +450,10 @@ def _cases():
          tf32(lambda: lstm_fwd_bwd(f32, B=64, H=128, proj=True, mask=True, clip=True))),
         ("lstm fp16 B=64 proj+mask+clip", sm90,
          lambda: lstm_fwd_bwd(f16, B=64, H=128, proj=True, mask=True, clip=True)),
+        # fp64 (what the GPU suite's gradcheck runs): the clips keep NaN (PropagateNan.ALL)
+        # and the in-tile mask multiplies in fp64
+        ("lstm fp64 B=4 proj+mask+clip", sm90,
+         lambda: lstm_fwd_bwd(torch.float64, B=4, H=32, proj=True, mask=True, clip=True)),
         ("lstm bf16 B=64 mask+clip reverse", sm90,
          lambda: lstm_fwd_bwd(bf16, B=64, H=128, mask=True, clip=True, reverse=True)),
         ("lstm fp32/tf32x3 B=8", sm90, lambda: lstm_fwd_bwd(f32, B=8, H=64)),
