@@ -38,18 +38,22 @@ def _gpt2():
     return transformers.GPT2Model(cfg).to(DEVICE).eval()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
-def test_matches_sdpa_with_padding(make, backend):
-    model = make()
+def _error_against_sdpa(model, backend, wrap=lambda m: m):
+    """Largest |ours - sdpa| of the hidden states at unpadded positions (padded ones are
+    undefined) on _inputs(); ours is ``wrap(model)`` on ctxfast_<backend>."""
     ids, am = _inputs()
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         ref = model(input_ids=ids, attention_mask=am).last_hidden_state
         model.set_attn_implementation(f"ctxfast_{backend}")
-        out = model(input_ids=ids, attention_mask=am).last_hidden_state
-    keep = am.bool()                                   # padded positions are undefined
-    err = (out - ref)[keep].abs().max().item()
+        out = wrap(model)(input_ids=ids, attention_mask=am).last_hidden_state
+    return (out - ref)[am.bool()].abs().max().item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_matches_sdpa_with_padding(make, backend):
+    err = _error_against_sdpa(make(), backend)
     assert err < 1e-5, err
 
 
@@ -137,16 +141,10 @@ def test_static_cache_is_refused():
 def test_compiles_fullgraph():
     # the mask function read mask.all() (data-dependent): fullgraph failed, and the default
     # compile broke the graph there
-    model = _bert()
-    ids, am = _inputs()
-    with torch.no_grad():
-        model.set_attn_implementation("sdpa")
-        ref = model(input_ids=ids, attention_mask=am).last_hidden_state
-        model.set_attn_implementation(f"ctxfast_{BACKENDS[0]}")
+    torch._dynamo.reset()
+    try:
+        err = _error_against_sdpa(_bert(), BACKENDS[0],
+                                  lambda m: torch.compile(m, fullgraph=True, backend="eager"))
+    finally:
         torch._dynamo.reset()
-        try:
-            out = torch.compile(model, fullgraph=True, backend="eager")(
-                input_ids=ids, attention_mask=am).last_hidden_state
-        finally:
-            torch._dynamo.reset()
-    assert (out - ref)[am.bool()].abs().max().item() < 1e-5
+    assert err < 1e-5, err
