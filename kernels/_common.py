@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -286,6 +287,20 @@ def _bwd_delta_kernel(
 # Read once: Triton decides at decoration time (import) whether a kernel is interpreted,
 # so TRITON_INTERPRET must be set before ctxfast is imported; the launchers ask per call.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_deterministic(op: str, setting: str) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` a backward that sums with atomic
+    adds (``setting``, e.g. "CTXFAST_ATTN_BWD_DQ=atomic") is refused, as torch refuses its
+    own nondeterministic ops; with ``warn_only=True`` it warns and runs, as torch's do."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    msg = (f"{op} backward: {setting} sums with atomic adds, in no fixed order, but "
+           "torch.use_deterministic_algorithms(True) is in force")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(msg + " (warn_only=True: running it)", UserWarning, stacklevel=3)
+        return
+    raise RuntimeError(msg + "; use 'kernel'")
 
 
 def _interpreting() -> bool:

@@ -78,8 +78,8 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _e
                       _fold_scale, _has_tma, _interpreting, _keep, _keep_t, _key_range,
                       _load_rows, _mask_args, _new_output, _online_softmax_step, _precision,
                       _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
-                      _visible, bulk_add_args, cdiv, check_tma_mode, descriptor_scratch,
-                      flag_setting, next_pow2, tma_addressable, tma_args)
+                      _visible, bulk_add_args, cdiv, check_deterministic, check_tma_mode,
+                      descriptor_scratch, flag_setting, next_pow2, tma_addressable, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -1556,14 +1556,11 @@ def _check_dq_mode_name() -> None:
 
 def _dq_mode() -> str:
     """DQ_MODE (refused by name if not a mode), or the override ``"dq_mode"``; "atomic" and
-    "bulk" refused under ``torch.use_deterministic_algorithms(True)`` (not warn-only)."""
+    "bulk" refused under ``torch.use_deterministic_algorithms(True)`` (warned of with warn_only)."""
     _check_dq_mode_name()
     mode = _override("dq_mode") or DQ_MODE
-    if mode != "kernel" and torch.are_deterministic_algorithms_enabled() \
-            and not torch.is_deterministic_algorithms_warn_only_enabled():
-        raise RuntimeError(f"attention backward: CTXFAST_ATTN_BWD_DQ={mode} sums dQ with "
-                           "atomic adds, in no fixed order, but "
-                           "torch.use_deterministic_algorithms(True) is in force; use 'kernel'")
+    if mode != "kernel":
+        check_deterministic("attention", f"CTXFAST_ATTN_BWD_DQ={mode}")
     return mode
 
 

@@ -133,8 +133,8 @@ from ._common import (LOG2E, _bwd_delta_kernel, _combine_splits, _dot, _fold_sca
                       _interpreting, _keep, _key_range, _mask_args, _new_output,
                       _online_softmax_step, _query_block, _seed_arg, _split_targets,
                       _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
-                      check_tma_mode, delta_blocks, flag_setting, next_pow2, row_tiles,
-                      tma_args)
+                      check_deterministic, check_tma_mode, delta_blocks, flag_setting,
+                      next_pow2, row_tiles, tma_args)
 from . import _tune
 from ._launch import compiling_only, fast
 
@@ -1707,11 +1707,8 @@ def _dr_mode(D: int = 64, dtype: torch.dtype = torch.float32) -> str:
         tile = _config(D, None, dtype)[0]
         return "atomic" if tile == 64 and dtype.itemsize == 2 and not deterministic \
             else "kernel"
-    if mode in ("atomic", "bulk") and deterministic \
-            and not torch.is_deterministic_algorithms_warn_only_enabled():
-        raise RuntimeError(f"rel_attention backward: CTXFAST_REL_BWD_DR={mode} sums dr with "
-                           "atomic adds, in no fixed order, but torch.use_deterministic_"
-                           "algorithms(True) is in force; use 'kernel' or 'auto'")
+    if mode in ("atomic", "bulk"):
+        check_deterministic("rel_attention", f"CTXFAST_REL_BWD_DR={mode}")
     return mode
 
 

@@ -215,3 +215,47 @@ def test_float64_weights_keep_every_bit():
         if ours is not None:
             assert torch.equal(ours, p), name
     assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+
+
+@pytest.mark.parametrize("backend", ["ctxfast", "eager"])
+def test_gpt2_cached_steps_and_other_epsilon_and_gelu(backend):
+    """Single-token steps through the KV cache give HF's full-sequence logits; a
+    layer-norm epsilon and an activation other than the defaults are carried."""
+    from ctxfast.models._common import KVCache
+    cfg = _gpt2_config(layer_norm_epsilon=1e-2, activation_function="gelu_pytorch_tanh")
+    hf = transformers.GPT2LMHeadModel(cfg).to(DEVICE).eval()
+    with torch.no_grad():
+        for p in hf.parameters():                 # larger weights: the options show more
+            p.add_(torch.randn_like(p) * 0.1)
+    model = from_hf(hf, backend=backend)
+    idx = torch.randint(0, V, (2, 11), device=DEVICE)
+    with torch.no_grad(), ops_backend(backend):
+        ref = hf(input_ids=idx).logits
+        cache = KVCache(cfg.n_layer)
+        model(idx[:, :5], cache=cache)
+        steps = torch.cat([model(idx[:, t:t + 1], cache=cache)[0] for t in range(5, 8)], 1)
+        full = model(idx)[0]
+    assert_close(full, ref, name="logits")
+    assert_close(steps, ref[:, 5:8], name="cached steps")
+
+
+@pytest.mark.parametrize("backend", ["ctxfast", "eager"])
+def test_bert_mlm_left_padding_without_token_types(backend):
+    """Left and right padding, no token_type_ids (HF: all segment 0), a pad token other
+    than 0, another epsilon and gelu_new in both the layers and the MLM transform."""
+    cfg = _bert_config(layer_norm_eps=1e-3, hidden_act="gelu_new", pad_token_id=3)
+    hf = transformers.BertForMaskedLM(cfg).to(DEVICE).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model = from_hf(hf, backend=backend)
+    ids = torch.randint(0, V, (3, 9), device=DEVICE)
+    am = torch.ones(3, 9, dtype=torch.long, device=DEVICE)
+    am[1, :4] = 0                                            # left padding
+    am[2, 7:] = 0
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=am).logits
+        with ops_backend(backend):
+            out = model(ids, None, am).mlm_logits
+    keep = am.bool()
+    assert_close(out[keep], ref[keep], name="mlm logits")

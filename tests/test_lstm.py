@@ -18,7 +18,7 @@ import torch
 import ctxfast
 from ctxfast import _dispatch, reference
 from ctxfast.ops.lstm import _NATIVE
-from utils import DEVICE, assert_within_2x_eager, rel_err, spy_launches
+from utils import DEVICE, assert_within_2x_eager, owns_storage, rel_err, spy_launches
 
 BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
             if ctxfast.why_unavailable(b, DEVICE) is None]
@@ -313,6 +313,17 @@ def test_empty_sequence_returns_hx_unchanged(backend, given_hx):
     else:
         assert torch.equal(h, torch.zeros(3, 12, device=DEVICE))
         assert torch.equal(c, torch.zeros(3, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_final_state_holds_no_view_of_the_sequence(backend, reverse):
+    # h_n, c_n are copies (as nn.LSTM's): a training loop that carries them detached to
+    # the next batch kept all T steps of out and of the cells alive (70x at T 70)
+    args, _ = _inputs(7, 3, 5, 16, 12)
+    out, h, c = _call(ctxfast.lstm, args, {}, backend=backend, reverse=reverse)
+    assert owns_storage(h) and owns_storage(c)
+    assert torch.equal(h, out[0 if reverse else -1])
 
 
 @needs_triton

@@ -14,7 +14,7 @@ import torch
 import ctxfast
 from ctxfast.models import GPT, GPTConfig
 from ctxfast.models._common import KVCache, KVMemory
-from utils import DEVICE, assert_close, assert_within_2x_eager
+from utils import DEVICE, assert_close, assert_within_2x_eager, owns_storage
 
 TRITON = ctxfast.why_unavailable("triton", DEVICE) is None
 
@@ -295,6 +295,18 @@ def test_cache_refuses_another_batch_naming_both(grad):
     with pytest.raises(ValueError, match=r"KVMemory.extend: .* = \[1, 2, Q, 4\] .* got \[2, 2"):
         mem.extend(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
 
+
+
+def test_memory_buffer_room_is_bounded_by_its_rows():
+    """A new buffer's room for the next rows is at most the rows it holds (and 128 rows at
+    the least): at q = mem = 64 it held 640 rows for 128 (8 q of room)."""
+    for m, q in ((64, 64), (512, 512), (3, 2), (1000, 10)):
+        mem = KVMemory(torch.randn(1, 1, m, 4), torch.randn(1, 1, m, 4))
+        k = torch.randn(1, 1, q, 4)
+        new = mem.extend(k, k.clone())
+        rows = new._buf[0].shape[2]
+        assert m + q + min(q, 128) <= rows <= 2 * (m + q) + 128, (m, q, rows)
+        assert torch.equal(new.k[:, :, m:], k) and not owns_storage(new.k)
 
 
 def test_memory_extended_twice_at_once_keeps_both_branches_apart():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast.models.transformer_xl import TransformerXL, TransformerXLConfig
-from utils import DEVICE, TRITON_ON_CPU, assert_close, rel_err
+from utils import DEVICE, TRITON_ON_CPU, assert_close, owns_storage, rel_err
 
 HAS_TRITON = TRITON_ON_CPU or torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton needs CUDA or TRITON_INTERPRET=1")
@@ -253,7 +253,42 @@ def test_one_optimizer_step_lowers_the_loss():
     assert after < before - 1e-3, (before, after)
 
 
+@pytest.mark.parametrize("backend", ["ctxfast", "eager"])
+def test_attention_dropout_rate_set_on_the_module_is_used(backend):
+    """The original train.py changes the rate by ``layer.dec_attn.dropatt.p = x``
+    (update_dropatt): every backend must use it, not the rate the model was built with."""
+    model = TransformerXL(tiny(dropatt=0.5, backend=backend)).train()
+    x, y = ids(8, 3), ids(8, 3)
+
+    def loss(seed):
+        torch.manual_seed(seed)
+        return model(x, y)[0].mean()
+    assert loss(1) != loss(2), "dropatt 0.5 gave the same loss under two seeds (vacuous)"
+    for m in model.modules():
+        if hasattr(m, "dropatt"):
+            m.dropatt.p = 0.0
+    model.eval()
+    with torch.no_grad():
+        ref = model(x, y)[0].mean()
+    model.train()
+    assert loss(1) == loss(2)
+    assert_close(loss(1), ref, name="loss")
+
+
 # --------------------------------------------------------------------------- memory
+
+@pytest.mark.parametrize("mem_len", [6, 12, 20])
+def test_memory_holds_only_its_rows(mem_len):
+    """Each memory is its rows alone: a view of [mems; hidden] kept the whole of it alive
+    (2x-5x the memory, every layer, between training steps)."""
+    model = TransformerXL(tiny(mem_len=mem_len)).train()
+    mems = []
+    for _ in range(3):
+        loss, mems = model(ids(8, 2), ids(8, 2), *mems)
+        loss.mean().backward()
+        assert all(m.shape[0] == min(mem_len, 8 * (_ + 1)) for m in mems)
+        assert all(owns_storage(m) for m in mems)
+
 
 def test_memory_is_the_last_mem_len_hidden_states_detached():
     model = TransformerXL(tiny(mem_len=6))

@@ -12,7 +12,7 @@ import torch
 import ctxfast
 from ctxfast.models.xlnet import XLNetConfig, XLNetLMHeadModel, XLNetModel
 from utils import (DEVICE, REL_TOL, TRITON_ON_CPU, assert_close, assert_exports,
-                   assert_within_2x_eager)
+                   assert_within_2x_eager, owns_storage)
 
 # The fast path: Triton kernels (on CPU only under the interpreter).
 FAST = "triton" if (TRITON_ON_CPU or torch.cuda.is_available()) else None
@@ -325,6 +325,7 @@ def test_mems_are_the_layer_inputs_clipped_and_detached():
     out2 = model(torch.randint(0, V, (B, T), device=DEVICE), mems=out1.mems, use_mems=True)
     assert [tuple(m.shape) for m in out2.mems] == [(5, B, 32)] * 2      # mem_len clips
     assert torch.equal(out2.mems[0][:1], out1.mems[0][3:])              # oldest step kept
+    assert all(owns_storage(m) for m in out2.mems)   # clipped: a copy, not a view of 8 rows
     assert model(torch.randint(0, V, (B, T), device=DEVICE)).mems is None
 
 

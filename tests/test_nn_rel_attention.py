@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import ctxfast
 from ctxfast import reference
-from utils import DEVICE, TRITON_ON_CPU, rel_err
+from utils import DEVICE, TRITON_ON_CPU, owns_storage, rel_err
 
 BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
 
@@ -204,3 +204,42 @@ def test_a_masked_call_under_inference_mode():
     with torch.inference_mode():
         for _ in range(2):
             assert torch.equal(m(w, r, attn_mask=_mask(4, 3, 5), mems=mems), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_dropout_is_the_original_module(backend):
+    # the original layer keeps its attention dropout as ``self.dropatt`` (an nn.Dropout)
+    # and its train.py sets ``dropatt.p`` to change the rate: the rate must follow it
+    torch.manual_seed(0)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0, dropatt=0.5,
+                                                     backend=backend).to(DEVICE)
+    w, r = torch.randn(5, 2, 32, device=DEVICE), torch.randn(5, 1, 32, device=DEVICE)
+    mask = _mask(5, 0)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return m(w, r, attn_mask=mask)
+    assert not torch.equal(run(1), run(2)), "dropatt 0.5 had no effect (vacuous)"
+    m.dropatt.p = 0.0
+    assert torch.equal(run(1), run(2))
+    with torch.no_grad():
+        assert torch.equal(run(1), m.eval()(w, r, attn_mask=mask))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_query_projected_for_the_current_rows_only(backend):
+    # the memory rows' queries are never used: the layer projects q for w's rows only
+    # (autograd kept the memory rows' q alive too: 0.87 of 5.13 MiB saved at qlen 64,
+    # mlen 448); the result is the original's one GEMM over every row
+    torch.manual_seed(0)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0,
+                                                     backend=backend).to(DEVICE)
+    w, mems = torch.randn(4, 2, 32, device=DEVICE), torch.randn(9, 2, 32, device=DEVICE)
+    r = torch.randn(13, 1, 32, device=DEVICE)
+    x = torch.cat([mems, w], 0)
+    got = m._project_qkv(x, 4, split=backend != "eager")
+    want = torch.chunk(m.qkv_net(x), 3, dim=-1)
+    for a, b, rows in zip(got, (want[0][-4:], want[1], want[2]), (4, 13, 13)):
+        assert a.shape == (rows, 2, 32) and rel_err(a, b) < 1e-6
+    if backend != "eager":
+        assert owns_storage(got[0])

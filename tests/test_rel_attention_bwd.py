@@ -138,7 +138,8 @@ def test_dr_mode_auto_and_deterministic_algorithms(monkeypatch):
         assert seen == [("_rel_attn_bwd_dq_kernel", False),
                         ("_rel_attn_bwd_dr_kernel", None)], seen          # (no such flag)
         monkeypatch.setattr(krel, "DR_MODE", "atomic")
-        assert krel._dr_mode(64, f16) == "atomic"                 # warn-only: allowed
+        with pytest.warns(UserWarning, match="CTXFAST_REL_BWD_DR=atomic"):
+            assert krel._dr_mode(64, f16) == "atomic"             # warn-only: warned, run
         torch.use_deterministic_algorithms(True)
         with pytest.raises(RuntimeError, match="CTXFAST_REL_BWD_DR=atomic"):
             krel._dr_mode(64, f16)

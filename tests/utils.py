@@ -62,6 +62,12 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: Optional[float] = No
         raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.1e}; {_where(out, ref)}")
 
 
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether `t` holds all of its storage (no view of a larger tensor that a kept `t`
+    would keep alive)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def assert_exports(model: "torch.nn.Module", args: tuple) -> None:
     """``torch.export.export(model, args)`` runs, and its module returns what the model
     returns: the same output class, the same tensors (equal) in the same places."""

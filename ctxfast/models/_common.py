@@ -120,7 +120,9 @@ class KVMemory:
 
     def extend(self, k_new: Tensor, v_new: Tensor, room: Optional[int] = None) -> "KVMemory":
         """These rows followed by ``k_new, v_new [B, H, Q, d_head]``; a new buffer, where
-        one is needed, gets ``room`` rows of room (default ``max(8 · Q, 128)``)."""
+        one is needed, gets ``room`` rows of room (default ``max(min(8 · Q, n), 128)``,
+        n the rows it then holds: at most about twice them, and a copy of the kept rows
+        every ``room / Q`` calls, ~Q rows a call)."""
         ks = self.k.shape
         if k_new.dim() != 4 or k_new.shape[:2] != ks[:2] or k_new.shape[3] != ks[3] \
                 or v_new.shape != k_new.shape:
@@ -148,7 +150,7 @@ class KVMemory:
                                 self._buf)
         m, (B, H, _, D) = self.k.shape[2], k_new.shape
         n = m + q
-        room = max(8 * q, 128) if room is None else room
+        room = max(min(8 * q, n), 128) if room is None else room
         kb = k_new.new_empty((B, H, n + room, D))                  # [B, H, capacity, Dh]
         vb = v_new.new_empty((B, H, n + room, D))
         for buf, old, new in ((kb, self.k, k_new), (vb, self.v, v_new)):

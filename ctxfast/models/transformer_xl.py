@@ -193,7 +193,6 @@ class TransformerXLAttention(_RelAttnLayer):
                          layer_norm_epsilon=layer_norm_epsilon,
                          own_biases=untie_r)  # else the model's r_w_bias / r_r_bias are used
         self.untie_r = untie_r
-        self.dropatt = nn.Dropout(dropatt)
         self.backend = backend
 
     def forward(self, w: Tensor, r: Tensor, r_w_bias: Optional[Tensor] = None,
@@ -228,17 +227,8 @@ class TransformerXLAttention(_RelAttnLayer):
             cat = w if mems is None else torch.cat([mems, w], 0)         # [klen, B, d_model]
             klen = cat.shape[0]
             x = self.layer_norm(cat) if self.pre_lnorm else cat         # [klen, B, d_model]
-            if self.backend == "eager" or klen == qlen:   # q, k, v of every row in one GEMM
-                heads = self.qkv_net(x)                 # (the original; q of memory rows unused)
-                # heads: [klen, B, 3*H*Dh]
-                q, k, v = torch.chunk(heads, 3, dim=-1)                  # [klen, B, H*Dh] each
-                q = q[-qlen:]                                            # [qlen, B, H*Dh]
-            else:                       # the same numbers, q only for the current rows
-                wt, bias = self.qkv_net.weight, self.qkv_net.bias        # [3*H*Dh, d_model]
-                n = H * Dh
-                q = F.linear(x[-qlen:], wt[:n], None if bias is None else bias[:n])
-                kv = F.linear(x, wt[n:], None if bias is None else bias[n:])  # [klen, B, 2*H*Dh]
-                k, v = torch.chunk(kv, 2, dim=-1)                        # [klen, B, H*Dh] each
+            # q [qlen, B, H*Dh], k, v [klen, B, H*Dh]; eager: the original's one GEMM
+            q, k, v = self._project_qkv(x, qlen, split=self.backend != "eager")
             # [T, B, H*Dh] -> [T, B, H, Dh] -> [B, H, T, Dh]
             q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
         if r_head is None:
@@ -252,7 +242,7 @@ class TransformerXLAttention(_RelAttnLayer):
         else:
             out = ops.rel_attention(q, k, v, r_head, u, b, causal=True, pos_start=klen - 1,
                                     window=window, scale=self.scale,
-                                    dropout_p=self.dropatt_p if self.training else 0.0)
+                                    dropout_p=self.dropatt.p if self.training else 0.0)
         out = out.permute(2, 0, 1, 3).reshape(qlen, bsz, H * Dh)        # [qlen, B, H*Dh]
         out = self.drop(self.o_net(out))                                 # [qlen, B, d_model]
         out = w + out if self.pre_lnorm else self.layer_norm(w + out)
@@ -580,7 +570,9 @@ class TransformerXL(nn.Module):
             new = []
             for i, h in enumerate(hids):
                 cat = h if mems is None else torch.cat([mems[i], h], 0)  # [mlen + qlen, B, d]
-                new.append(cat[beg:end].detach())
+                keep = cat[beg:end].detach()                             # [end - beg, B, d]
+                # a part of cat is copied: a view would keep all of cat's storage alive
+                new.append(keep if end - beg == cat.shape[0] else keep.clone())
         return new
 
     def forward_hidden(self, data: Tensor, *mems: Tensor) -> Tuple[Tensor, List[Tensor]]:

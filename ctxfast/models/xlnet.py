@@ -470,8 +470,8 @@ class XLNetModel(nn.Module):
             cur = cur[:, :c.reuse_len]
         cur = cur.transpose(0, 1)                                   # [T, B, d]
         new = cur if prev is None else torch.cat([prev, cur], 0)   # [mlen + T, B, d]
-        if c.mem_len is not None and c.mem_len > 0:
-            new = new[-c.mem_len:]
+        if c.mem_len is not None and c.mem_len > 0 and new.shape[0] > c.mem_len:
+            new = new[-c.mem_len:].clone()   # a copy: a view keeps all of the rows alive
         return new.detach()
 
     # ------------------------------------------------------------------ input checks

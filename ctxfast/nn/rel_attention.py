@@ -25,6 +25,7 @@ import weakref
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
@@ -38,7 +39,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                  own_biases: bool = True, backend: Optional[str] = None):
         super().__init__()
         self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
-        self.dropout, self.dropatt_p = dropout, dropatt
+        self.dropout = dropout
+        # attention dropout as the original's module: ``layer.dropatt.p = x`` (the original
+        # train.py's update_dropatt) changes the rate on every backend
+        self.dropatt = nn.Dropout(dropatt)
         self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
         self.drop = nn.Dropout(dropout)
         self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
@@ -59,6 +63,21 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             raise ValueError("RelPartialLearnableMultiHeadAttn: with own_biases=False the "
                              "biases are passed to forward, not to the constructor")
         self.backend = backend
+
+    def _project_qkv(self, x: Tensor, qlen: int, split: bool):
+        """x ``[klen, B, d_model]`` -> q ``[qlen, B, H*Dh]`` (the last qlen rows), k, v
+        ``[klen, B, H*Dh]``. The original projects every row in one GEMM and drops the
+        memory rows' q; ``split`` projects q for the current rows only (the same numbers,
+        less work, and autograd keeps no q of the memory rows)."""
+        if not split or x.shape[0] == qlen:
+            q, k, v = torch.chunk(self.qkv_net(x), 3, dim=-1)   # [klen, B, H*Dh] each
+            return q[-qlen:], k, v
+        wt, bias = self.qkv_net.weight, self.qkv_net.bias            # [3*H*Dh, d_model]
+        n = self.n_head * self.d_head
+        q = F.linear(x[-qlen:], wt[:n], None if bias is None else bias[:n])  # [qlen, B, n]
+        kv = F.linear(x, wt[n:], None if bias is None else bias[n:])  # [klen, B, 2n]
+        k, v = torch.chunk(kv, 2, dim=-1)                            # [klen, B, n] each
+        return q, k, v
 
     def forward(self, w: Tensor, r: Tensor, *args, attn_mask: Optional[Tensor] = None,
                 mems: Optional[Tensor] = None, r_w_bias: Optional[Tensor] = None,
@@ -117,9 +136,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                              f"(mems + w), or klen + qlen - 1 = {klen + qlen - 1} (distances "
                              f"down to {1 - qlen}, for no mask), got {rlen}")
         cat = w if mems is None else torch.cat([mems, w], 0)           # [klen, bsz, d_model]
-        heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)
-        q, k, v = torch.chunk(heads, 3, dim=-1)                         # [klen, bsz, H*Dh] each
-        q = q[-qlen:]
+        x = self.layer_norm(cat) if self.pre_lnorm else cat
+        q, k, v = self._project_qkv(x, qlen, split=self.backend != "eager")
         r_head = self.r_net(r2).view(rlen, H, Dh).transpose(0, 1)      # [H, rlen, Dh]
         # [T, bsz, H*Dh] -> [T, bsz, H, Dh] -> [bsz, H, T, Dh]
         q, k, v = (t.reshape(t.shape[0], bsz, H, Dh).permute(1, 2, 0, 3) for t in (q, k, v))
@@ -130,7 +148,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         out = ops.rel_attention(q, k, v, r_head.to(q.dtype), r_w_bias.to(q.dtype),
                                 r_r_bias.to(q.dtype), causal=causal, window=window,
                                 pos_start=klen - 1, scale=self.scale,
-                                dropout_p=self.dropatt_p if self.training else 0.0,
+                                dropout_p=self.dropatt.p if self.training else 0.0,
                                 backend=self.backend)                   # [bsz, H, qlen, Dh]
         out = out.permute(2, 0, 1, 3).reshape(qlen, bsz, H * Dh)        # [qlen, bsz, H*Dh]
         out = self.drop(self.o_net(out))

@@ -213,10 +213,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         dropout_p: attention dropout on the probabilities (after the softmax, scaled by
             ``1 / (1 - p)``). Triton: Philox keyed by a seed drawn from `generator` (see
             :func:`draw_seed`, :func:`dropout_keep_mask`), regenerated in the backward;
-            cpu: the same Philox mask for the same seed. Eager: ``torch.rand`` with
-            `generator` (a different stream).
+            cpu: the same Philox mask for the same seed (one int64 drawn a call). Eager:
+            ``torch.rand`` with `generator`, ``B*H*Tq*Tk`` numbers a call: another mask,
+            and every later draw from that RNG (a model's other dropouts) shifts too.
         scale: softmax scale, default ``D ** -0.5``.
-        generator: RNG for the dropout seed or mask (default: torch's global RNG).
+        generator: RNG for the dropout seed or mask (default: torch's global RNG). Under
+            ``torch.utils.checkpoint``, which restores only torch's default generators, a
+            generator of your own gives the recomputation another mask (wrong gradients,
+            as for torch's own ops given one): leave it None there.
         backend: ``"triton" | "cpu" | "eager"`` or None (see ``ctxfast.backend``; on CPU
             tensors the default is ``cpu``).
 

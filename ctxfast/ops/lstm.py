@@ -478,4 +478,5 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         op = _recurrence_triton if route == "triton" else _recurrence_native
     out, cells, _ = op(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
     last = 0 if reverse else T - 1
-    return out, (out[last], cells[last])
+    # copies, as nn.LSTM's: views would keep all T steps alive with a carried state
+    return out, (out[last].clone(), cells[last].clone())

@@ -110,4 +110,4 @@ def lstm(x: Tensor, hx: Optional[Tuple[Tensor, Tensor]], w_ih: Tensor, w_hh: Ten
     if T == 0:
         return out, (h0, c0)
     last = 0 if reverse else T - 1
-    return out, (out[last], cells[last])
+    return out, (out[last].clone(), cells[last].clone())   # copies, as nn.LSTM's
