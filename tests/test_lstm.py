@@ -18,7 +18,8 @@ import torch
 import ctxfast
 from ctxfast import _dispatch, reference
 from ctxfast.ops.lstm import _NATIVE
-from utils import DEVICE, assert_within_2x_eager, owns_storage, rel_err, spy_launches
+from utils import (DEVICE, assert_close, assert_within_2x_eager, owns_storage, rel_err,
+                   spy_launches)
 
 BACKENDS = [b for b in _dispatch.registered_ops()["lstm"]
             if ctxfast.why_unavailable(b, DEVICE) is None]
@@ -324,6 +325,52 @@ def test_final_state_holds_no_view_of_the_sequence(backend, reverse):
     out, h, c = _call(ctxfast.lstm, args, {}, backend=backend, reverse=reverse)
     assert owns_storage(h) and owns_storage(c)
     assert torch.equal(h, out[0 if reverse else -1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("proj", [0, 12])
+def test_lengths_against_reference(backend, reverse, proj):
+    """Sequences of several lengths (pack_padded_sequence's meaning): forward and every
+    gradient within 2x eager's error against float64, with a mask and clips; lengths as a
+    list and as a tensor give the same."""
+    args, kw = _inputs(6, 4, 5, 16, proj, mask=True)
+    kw.update(cell_clip=2.0, reverse=reverse, lengths=torch.tensor([3, 6, 1, 4]))
+    check_against_reference(backend, args, kw)
+    a = _call(ctxfast.lstm, args, {**kw, "lengths": [3, 6, 1, 4]}, backend=backend)
+    b = _call(ctxfast.lstm, args, kw, backend=backend)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reference_lengths_is_each_sequence_alone(reverse):
+    """The reference's lengths against each sequence run alone (no padding at all)."""
+    args, kw = _inputs(6, 4, 5, 16, 12, mask=True, dtype=torch.float64)
+    kw.update(cell_clip=2.0, proj_clip=1.0, reverse=reverse)
+    lengths = [3, 6, 1, 4]
+    out, h, c = _call(reference.lstm, args, {**kw, "lengths": torch.tensor(lengths)})
+    for b, n in enumerate(lengths):
+        one = dict(args, x=args["x"][:n, b:b + 1], h0=args["h0"][b:b + 1],
+                   c0=args["c0"][b:b + 1])
+        o1, h1, c1 = _call(reference.lstm, one, kw)
+        assert not out[n:, b].any()
+        assert_close(out[:n, b:b + 1], o1, name=f"out of sequence {b}")
+        assert_close(h[b], h1[0], name=f"h_n of {b}")
+        assert_close(c[b], c1[0], name=f"c_n of {b}")
+
+
+@pytest.mark.parametrize("lengths, exc, msg", [
+    (torch.tensor([3, 0, 2]), ValueError, r"lengths must be in \[1, T\] = \[1, 4\]"),
+    (torch.tensor([3, 5, 2]), ValueError, r"lengths must be in \[1, T\]"),
+    (torch.tensor([3, 2]), ValueError, r"lengths must have shape \[B\] = \[3\]"),
+    (torch.tensor([3.0, 2.0, 1.0]), TypeError, "lengths must be a 1-D integer tensor"),
+    ([3, 2.5, 1], TypeError, "lengths must be a 1-D integer tensor"),
+    (torch.tensor([[3, 2, 1]]), TypeError, "lengths must be a 1-D integer tensor"),
+])
+def test_bad_lengths_are_refused_by_name(lengths, exc, msg):
+    args, kw = _inputs(4, 3, 5, 16)
+    with pytest.raises(exc, match=msg):
+        _call(ctxfast.lstm, args, {"lengths": lengths})
 
 
 @needs_triton

@@ -130,6 +130,45 @@ def test_matches_nn_lstm(name, given_hx, dtype, backend):
     _check_same(ours, ref, x, hx)
 
 
+@pytest.mark.parametrize("name, given_hx, sorted_, backend", _cases(
+    [(n, hx, st) for n in CONFIGS for hx, st in ((False, False), (True, False), (True, True))],
+    [("L2-bi-batch_first-proj", True, False)]))
+def test_packed_sequence_matches_nn_lstm(name, given_hx, sorted_, backend):
+    """A PackedSequence (several lengths; sorted or not): the packed output (data, batch
+    sizes, indices), h_n, c_n at each sequence's own last step, and every gradient, as
+    nn.LSTM's; batch_first does not apply to a packed input."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    cfg = CONFIGS[name]
+    ours, ref = _pair(cfg, torch.float64, backend)
+    D, H, P = _sizes(cfg)
+    LD = cfg.get("num_layers", 1) * D
+    n = 5
+    x = torch.randn(6, n, cfg["input_size"], dtype=torch.float64, requires_grad=True)
+    lengths = [6, 5, 3, 3, 1] if sorted_ else [3, 6, 1, 5, 3]
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=sorted_)
+    hx = None
+    if given_hx:
+        hx = (torch.randn(LD, n, P, dtype=torch.float64, requires_grad=True),
+              torch.randn(LD, n, H, dtype=torch.float64, requires_grad=True))
+    out, (h, c) = ours(packed, hx)
+    out_r, (h_r, c_r) = ref(packed, hx)
+    assert isinstance(out, torch.nn.utils.rnn.PackedSequence)
+    assert torch.equal(out.batch_sizes, out_r.batch_sizes)
+    for a, b in ((out.sorted_indices, out_r.sorted_indices),
+                 (out.unsorted_indices, out_r.unsorted_indices)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for label, a, b in (("out", out.data, out_r.data), ("h_n", h, h_r), ("c_n", c, c_r)):
+        assert_close(a, b, name=label)
+    gs = [torch.randn_like(t) for t in (out.data, h, c)]
+    leaves = [x] + ([] if hx is None else list(hx))
+    g = torch.autograd.grad((out.data, h, c), leaves + list(ours.parameters()), gs,
+                            retain_graph=True)       # (the packing's graph, shared)
+    g_r = torch.autograd.grad((out_r.data, h_r, c_r), leaves + list(ref.parameters()), gs)
+    names = ["x", "h_0", "c_0"][:len(leaves)] + [n for n, _ in ours.named_parameters()]
+    for label, a, b in zip(names, g, g_r):
+        assert_close(a, b, name=f"grad {label}")
+
+
 @pytest.mark.parametrize("given_hx, backend", _cases([(False,), (True,)], []))
 def test_unbatched_input_matches_nn_lstm(given_hx, backend):
     cfg = CONFIGS["L2-bi-batch_first-proj"]
@@ -523,8 +562,6 @@ def test_bad_inputs_raise_naming_the_argument():
         m(x, torch.randn(6, B, 4))
     with pytest.raises(TypeError, match="dtype"):
         m(x.double())
-    with pytest.raises(TypeError, match="PackedSequence"):
-        m(torch.nn.utils.rnn.pack_padded_sequence(x, [T] * B))
     good = m.sample_weight_masks()
     with pytest.raises(ValueError, match="missing"):
         m(x, weight_masks={"weight_hh_l0": good["weight_hh_l0"]})

@@ -83,8 +83,8 @@ class WeightDropLSTM(nn.Module):
     Gate order i, f, g, o.
 
     DropConnect: in training with ``weight_dropout > 0``, ``forward`` samples one keep-mask
-    per layer and direction of ``weight_dropout_names`` (keep probability ``1 - p``; ``ctxfast.ops.dropout.keep_mask``:
-    Philox keyed by a seed from torch's RNG on CPU, ``torch.bernoulli`` on CUDA; shape of
+    per layer and direction of ``weight_dropout_names`` (keep probability ``1 - p``;
+    ``ctxfast.ops.dropout.keep_mask``: Philox keyed by a seed from torch's RNG on CPU, ``torch.bernoulli`` on CUDA; shape of
     ``weight_hh_l{k}{sfx}``, in :meth:`weight_hh_names` order, before anything else
     random in the forward) and the recurrence uses ``W_hh * mask / (1 - p)`` at every
     time step. ``forward(..., weight_masks=...)`` gives the masks instead (see
@@ -236,11 +236,9 @@ class WeightDropLSTM(nn.Module):
             out[n] = m.detach()
         return out
 
-    def _check_input(self, input: object, hx: object):
-        """-> (x [T, B, I], (h0 [L*D, B, P], c0 [L*D, B, H]) or None, unbatched)."""
-        if isinstance(input, nn.utils.rnn.PackedSequence):
-            raise TypeError("WeightDropLSTM: PackedSequence input is not supported; pass a "
-                            "padded tensor [T, B, input_size]")
+    def _check_input(self, input: object, hx: object, time_major: bool = False):
+        """-> (x [T, B, I], (h0 [L*D, B, P], c0 [L*D, B, H]) or None, unbatched);
+        ``time_major``: input is ``[T, B, I]`` whatever batch_first (a PackedSequence's)."""
         if not isinstance(input, Tensor):
             raise TypeError(f"WeightDropLSTM: input must be a torch.Tensor, got "
                             f"{type(input).__name__}")
@@ -258,7 +256,7 @@ class WeightDropLSTM(nn.Module):
                              f"{w0.device}")
         unbatched = input.dim() == 2
         x = input.unsqueeze(1) if unbatched else (
-            input.transpose(0, 1) if self.batch_first else input)     # [T, B, I]
+            input.transpose(0, 1) if self.batch_first and not time_major else input)  # [T, B, I]
         T, B = x.shape[0], x.shape[1]
         if T == 0:
             raise ValueError(f"WeightDropLSTM: input must have at least one time step, got "
@@ -301,7 +299,10 @@ class WeightDropLSTM(nn.Module):
 
         Args:
             input: ``[T, B, I]`` (``[B, T, I]`` with batch_first) or unbatched ``[T, I]``,
-                in the parameters' dtype (or any float dtype under autocast) and device.
+                in the parameters' dtype (or any float dtype under autocast) and device;
+                or a ``PackedSequence`` (``nn.utils.rnn.pack_padded_sequence``; batch_first
+                does not apply): each sequence runs over its own steps, as in ``nn.LSTM``
+                (the kernels over the padded batch, see :func:`ctxfast.lstm`'s lengths).
             hx: None (zeros) or ``(h_0 [L*D, B, P], c_0 [L*D, B, H])`` (unbatched:
                 ``[L*D, P]``, ``[L*D, H]``), row ``k*D + d`` for layer k, direction d.
             weight_masks: in training, the DropConnect keep-masks to use instead of sampled
@@ -314,15 +315,21 @@ class WeightDropLSTM(nn.Module):
 
         Returns:
             ``(output, (h_n, c_n))``: output ``[T, B, D*P]`` (``[B, T, D*P]`` with
-            batch_first, ``[T, D*P]`` unbatched), h_n ``[L*D, B, P]``, c_n ``[L*D, B, H]``
-            (unbatched ``[L*D, P]``, ``[L*D, H]``), in the input's dtype.
+            batch_first, ``[T, D*P]`` unbatched; a PackedSequence with the input's batch
+            sizes and indices for one), h_n ``[L*D, B, P]``, c_n ``[L*D, B, H]`` (unbatched
+            ``[L*D, P]``, ``[L*D, H]``; each sequence's last step), in the input's dtype.
 
         Raises:
-            TypeError: a non-tensor or PackedSequence input, wrong dtypes.
+            TypeError: a non-tensor input, wrong dtypes.
             ValueError: input not 2-D/3-D, ``input.size(-1) != input_size``, no time
                 step, hx or a mask of the wrong shape.
         """
-        x, states, unbatched = self._check_input(input, hx)
+        packed, lengths = None, None
+        if isinstance(input, nn.utils.rnn.PackedSequence):
+            packed = input
+            # [T, B, I] in the batch's own order (the indices undone), lengths [B] (CPU)
+            input, lengths = nn.utils.rnn.pad_packed_sequence(packed)
+        x, states, unbatched = self._check_input(input, hx, time_major=packed is not None)
         masks: Dict[str, Optional[Tensor]] = {n: None for n in self.weight_hh_names()}
         if self.training:
             if weight_masks is not None:
@@ -340,14 +347,18 @@ class WeightDropLSTM(nn.Module):
                             f"parameters' dtype {dtype}; convert the input or the module")
         with torch.autocast(dev, enabled=False) if amp else contextlib.nullcontext():
             out, h_n, c_n = self._run(x.to(dtype), None if states is None else
-                                      tuple(s.to(dtype) for s in states), masks, dtype)
+                                      tuple(s.to(dtype) for s in states), masks, dtype,
+                                      lengths)
+        if packed is not None:
+            return _repack(out, packed), (h_n, c_n)
         if unbatched:
             return out.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))     # [T, D*P], [L*D, *]
         if self.batch_first:
             out = out.transpose(0, 1)                                   # [B, T, D*P]
         return out, (h_n, c_n)
 
-    def _run(self, x: Tensor, states, masks: Dict[str, Optional[Tensor]], dtype: torch.dtype):
+    def _run(self, x: Tensor, states, masks: Dict[str, Optional[Tensor]], dtype: torch.dtype,
+             lengths: Optional[Tensor] = None):
         D = 2 if self.bidirectional else 1
         h_all, c_all = [], []
         layer_in = x                                                    # [T, B, I_k]
@@ -364,7 +375,7 @@ class WeightDropLSTM(nn.Module):
                                        weight_dropout=self.weight_dropout if mask is not None
                                        else 0.0, cell_clip=self.cell_clip,
                                        proj_clip=self.proj_clip, reverse=d == 1,
-                                       backend=self.backend)            # [T, B, P]
+                                       lengths=lengths, backend=self.backend)  # [T, B, P]
                 outs.append(out)
                 h_all.append(h)
                 c_all.append(c)
@@ -398,6 +409,17 @@ class WeightDropLSTM(nn.Module):
         if self.backend is not None:
             s += f", backend={self.backend!r}"
         return s
+
+
+def _repack(out: Tensor, like: nn.utils.rnn.PackedSequence) -> nn.utils.rnn.PackedSequence:
+    """out ``[T, B, F]`` (the batch's own order) as a PackedSequence with ``like``'s batch
+    sizes and indices (what nn.LSTM returns for a packed input)."""
+    if like.sorted_indices is not None:
+        out = out.index_select(1, like.sorted_indices)              # [T, B, F], longest first
+    sizes = like.batch_sizes                                         # [T] (CPU)
+    keep = torch.arange(out.shape[1])[None, :] < sizes[:, None]      # [T, B]: step t of row j
+    data = out[keep.to(out.device)]                                  # [sum(sizes), F], t-major
+    return nn.utils.rnn.PackedSequence(data, sizes, like.sorted_indices, like.unsorted_indices)
 
 
 # --------------------------------------------------------------------------- dropouts

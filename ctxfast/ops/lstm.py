@@ -362,6 +362,32 @@ class _OneDnnProjection(torch.autograd.Function):
 RNN_TF32_PROJECTION = True
 
 
+def _check_lengths(lengths: object, T: int, B: int) -> Optional[Tensor]:
+    """``lengths`` refused by name unless None, a list of ints or a 1-D integer CPU tensor
+    ``[B]`` with values in ``[1, T]``; returns it as int64, or None where every sequence
+    has all T steps (the plain call)."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, (list, tuple)):
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+            raise TypeError("lstm: lengths must be a 1-D integer tensor [B] or a list of ints")
+        lengths = torch.tensor(lengths, dtype=torch.int64).reshape(len(lengths))
+    if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.dtype not in (
+            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"lstm: lengths must be a 1-D integer tensor [B] or a list of ints, "
+                        f"got {_shape(lengths) if isinstance(lengths, Tensor) else ''}"
+                        f"{getattr(lengths, 'dtype', type(lengths).__name__)}")
+    if lengths.device.type != "cpu":
+        raise ValueError(f"lstm: lengths must be on the CPU (as pack_padded_sequence's), got "
+                         f"{lengths.device}")
+    if lengths.shape[0] != B:
+        raise ValueError(f"lstm: lengths must have shape [B] = [{B}], got {_shape(lengths)}")
+    if B and (int(lengths.min()) < 1 or int(lengths.max()) > T):
+        raise ValueError(f"lstm: lengths must be in [1, T] = [1, {T}], got values "
+                         f"{int(lengths.min())}..{int(lengths.max())}")
+    return None if bool((lengths == T).all()) else lengths.to(torch.int64)
+
+
 def _projection(x: Tensor, w_ih: Tensor, bias: Optional[Tensor], name: str) -> Tensor:
     """``xw = x @ w_ihᵀ + bias`` [T, B, 4H]: F.linear; oneDNN for the cpu backend's fp32
     where _LINEAR says so (eager only: under torch.compile the compiler takes F.linear);
@@ -386,6 +412,7 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
          w_hr: Optional[Tensor] = None, *, weight_mask: Optional[Tensor] = None,
          weight_dropout: float = 0.0, cell_clip: Optional[float] = None,
          proj_clip: Optional[float] = None, reverse: bool = False,
+         lengths: Optional[Tensor] = None,
          backend: Optional[str] = None) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
     """One LSTM layer, one direction, all time steps in one fused call.
 
@@ -419,13 +446,21 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             clip); ``proj_clip`` needs ``w_hr``. Clipped entries pass no gradient.
         reverse: consume ``t = T-1 .. 0`` (the backward direction of a biLSTM); ``out``
             stays in time order.
+        lengths: sequences of several lengths in one batch (``pack_padded_sequence``'s
+            meaning): ``[B]`` integers in ``[1, T]`` on the CPU (a tensor or a list), or
+            None (all T steps). Sequence b is ``x[:lengths[b], b]``, the rest padding it
+            never sees: ``out`` is 0 there, ``h_n, c_n`` are its states after its own last
+            step, and reversed it is consumed from ``lengths[b] - 1`` down. The kernels run
+            every sequence over all T steps (reversed ones gathered in place first): the
+            cost of the padded batch.
         backend: ``"triton" | "cuda" | "cpu" | "eager"`` or None (see ``ctxfast.backend``).
             None on CUDA tensors: the Triton forward and the CUDA C++ backward where both
             can run (:data:`CUDA_DEFAULT`); a backend asked for runs both directions.
 
     Returns:
         ``(out [T, B, P], (h_n [B, P], c_n [B, H]))`` in x's dtype: ``h_n = out[T-1]``
-        (``out[0]`` when reversed), ``c_n`` likewise. For ``T = 0``: an empty ``out`` and
+        (``out[0]`` when reversed; with ``lengths``, each sequence's last step), ``c_n``
+        likewise. For ``T = 0``: an empty ``out`` and
         ``hx`` unchanged (zeros if None). Differentiable w.r.t. x, hx and every weight.
 
     Raises:
@@ -446,6 +481,7 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             x, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask)
     cc, pc = _check(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask, weight_dropout,
                     cell_clip, proj_clip, reverse)
+    lens = _check_lengths(lengths, x.shape[0], x.shape[1])         # [B] int64 (CPU) or None
     asked, source = _dispatch.requested_backend(backend)
     if asked in ("cpu", "cuda") and not _NATIVE:
         raise _dispatch.BackendUnavailable(
@@ -457,7 +493,7 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         weight_mask = None if weight_mask is None else weight_mask.detach()
         return _ref.lstm(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask=weight_mask,
                          weight_dropout=weight_dropout, cell_clip=cell_clip,
-                         proj_clip=proj_clip, reverse=reverse)
+                         proj_clip=proj_clip, reverse=reverse, lengths=lens)
     T, B, _ = x.shape
     H, P = w_hh.shape[0] // 4, w_hh.shape[1]
     if hx is None:
@@ -469,6 +505,15 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
     if weight_mask is not None:
         mask = weight_mask.detach().to(w_hh.dtype)
         scale = 1.0 / (1.0 - float(weight_dropout))
+    idx = None
+    if lens is not None:
+        lens = lens.to(x.device)                                   # [B]
+        t = torch.arange(T, device=x.device)[:, None]              # [T, 1]
+        valid = t < lens                                           # [T, B]: not padding
+        if reverse:     # each sequence reversed within its length (its own inverse), run on
+            idx = torch.where(valid, lens - 1 - t, t)[..., None]   # [T, B, 1]
+            x = x.gather(0, idx.expand_as(x))                      # [T, B, I]
+            reverse = False
     bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
     xw = _projection(x, w_ih, bias, name)                         # [T, B, 4H]
     route = _default_route(name, asked, x)
@@ -477,6 +522,12 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
     else:
         op = _recurrence_triton if route == "triton" else _recurrence_native
     out, cells, _ = op(xw, h0, c0, w_hh, w_hr, mask, scale, cc, pc, reverse)
-    last = 0 if reverse else T - 1
-    # copies, as nn.LSTM's: views would keep all T steps alive with a carried state
-    return out, (out[last].clone(), cells[last].clone())
+    if lens is None:
+        last = 0 if reverse else T - 1
+        # copies, as nn.LSTM's: views would keep all T steps alive with a carried state
+        return out, (out[last].clone(), cells[last].clone())
+    rows = torch.arange(B, device=x.device)
+    h_n, c_n = out[lens - 1, rows], cells[lens - 1, rows]          # [B, P], [B, H]
+    if idx is not None:
+        out = out.gather(0, idx.expand_as(out))                    # back in time order
+    return torch.where(valid[..., None], out, 0), (h_n, c_n)       # [T, B, P]: 0 past ends

@@ -14,6 +14,10 @@ as AllenNLP's ``LstmCellWithProjection``)::
 ``reverse=True`` consumes ``t = T-1, ..., 0`` (the backward direction of a biLSTM); the
 outputs stay in the original time order: ``out[t]`` is the state after consuming ``x[t]``.
 
+``lengths`` (sequence b has ``lengths[b]`` steps, the rest padding): a step ``t >=
+lengths[b]`` leaves b's state as it is and outputs 0. Reversed, those steps come first,
+so each sequence is consumed from its own last step (``pack_padded_sequence``'s meaning).
+
 Shapes: T time steps, B batch, I input, H hidden, P = proj_size if w_hr is given else H.
 """
 import math
@@ -33,8 +37,8 @@ def _clamp(x: Tensor, clip: float) -> Tensor:
 def lstm_recurrence(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
                     w_hr: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                     scale: float = 1.0, cell_clip: float = math.inf,
-                    proj_clip: float = math.inf,
-                    reverse: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                    proj_clip: float = math.inf, reverse: bool = False,
+                    lengths: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """The recurrence of one layer and direction over all time steps, given the input
     projection ``xw``: the specification of the fused recurrence ops.
 
@@ -45,10 +49,12 @@ def lstm_recurrence(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
         mask: ``[4H, P]`` of 0/1 (w_hh's dtype) or None; scale: multiplies the masked weight.
         cell_clip, proj_clip: clip values (``math.inf``: no clip).
         reverse: consume ``t = T-1 .. 0``.
+        lengths: ``[B]`` integers, or None (every sequence T steps): see the module.
 
     Returns:
         ``(out [T, B, P], cells [T, B, H], gates [T, B, 4H])``: ``h_t``, ``c_t`` (post-clip)
-        and the post-activation gates ``(i, f, g, o)`` of every step, in time order.
+        and the post-activation gates ``(i, f, g, o)`` of every step, in time order
+        (with ``lengths``: 0 past a sequence's end; ``cells`` there carries the state on).
     """
     T = xw.shape[0]
     H = c0.shape[1]
@@ -59,10 +65,17 @@ def lstm_recurrence(xw: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor,
         z = xw[t] + h @ W.t()                                    # [B, 4H]
         z_i, z_f, z_g, z_o = z.split(H, dim=1)                   # 4 x [B, H]
         i, f, g, o = torch.sigmoid(z_i), torch.sigmoid(z_f), torch.tanh(z_g), torch.sigmoid(z_o)
-        c = _clamp(f * c + i * g, cell_clip)                     # [B, H]
-        hp = o * torch.tanh(c)                                   # [B, H]
-        h = hp if w_hr is None else _clamp(hp @ w_hr.t(), proj_clip)   # [B, P]
-        out[t], cells[t], gates[t] = h, c, torch.cat([i, f, g, o], dim=1)
+        c_new = _clamp(f * c + i * g, cell_clip)                 # [B, H]
+        hp = o * torch.tanh(c_new)                               # [B, H]
+        h_new = hp if w_hr is None else _clamp(hp @ w_hr.t(), proj_clip)   # [B, P]
+        gates[t] = torch.cat([i, f, g, o], dim=1)                # [B, 4H]
+        if lengths is None:
+            h, c = h_new, c_new
+        else:                                # past its end a sequence keeps its state
+            on = (t < lengths).to(xw.device)[:, None]            # [B, 1]
+            h, c = torch.where(on, h_new, h), torch.where(on, c_new, c)
+            h_new, gates[t] = torch.where(on, h_new, 0), torch.where(on, gates[t], 0)
+        out[t], cells[t] = h_new, c
     if T == 0:
         B, P = h0.shape
         return (xw.new_empty((0, B, P)), xw.new_empty((0, B, H)), xw.new_empty((0, B, 4 * H)))
@@ -73,8 +86,8 @@ def lstm(x: Tensor, hx: Optional[Tuple[Tensor, Tensor]], w_ih: Tensor, w_hh: Ten
          b_ih: Optional[Tensor] = None, b_hh: Optional[Tensor] = None,
          w_hr: Optional[Tensor] = None, *, weight_mask: Optional[Tensor] = None,
          weight_dropout: float = 0.0, cell_clip: Optional[float] = None,
-         proj_clip: Optional[float] = None,
-         reverse: bool = False) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+         proj_clip: Optional[float] = None, reverse: bool = False,
+         lengths: Optional[Tensor] = None) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
     """One LSTM layer, one direction, time-major (the public signature of ``ctxfast.lstm``).
 
     Args:
@@ -88,11 +101,14 @@ def lstm(x: Tensor, hx: Optional[Tuple[Tensor, Tensor]], w_ih: Tensor, w_hh: Ten
         cell_clip, proj_clip: clip ``c_t`` to ``±cell_clip`` and the projection to
             ``±proj_clip`` (None: no clip).
         reverse: consume the sequence from ``t = T-1`` down to 0.
+        lengths: ``[B]`` integers in ``[1, T]`` (sequence b is ``x[:lengths[b], b]``, the
+            rest padding), or None: see the module.
 
     Returns:
         ``(out [T, B, P], (h_n [B, P], c_n [B, H]))``: ``h_n, c_n`` are the states after the
         last step consumed (``t = T-1``, or ``t = 0`` when reversed); for ``T = 0`` they are
-        the initial states.
+        the initial states. With ``lengths``: ``out`` is 0 past each sequence's end and
+        ``h_n, c_n`` are each sequence's states after its last step consumed.
     """
     T, B, _ = x.shape
     H = w_hh.shape[0] // 4
@@ -106,8 +122,10 @@ def lstm(x: Tensor, hx: Optional[Tuple[Tensor, Tensor]], w_ih: Tensor, w_hh: Ten
     out, cells, _ = lstm_recurrence(
         xw, h0, c0, w_hh, w_hr, weight_mask, scale,
         math.inf if cell_clip is None else float(cell_clip),
-        math.inf if proj_clip is None else float(proj_clip), reverse)
+        math.inf if proj_clip is None else float(proj_clip), reverse, lengths)
     if T == 0:
         return out, (h0, c0)
     last = 0 if reverse else T - 1
+    if lengths is not None and not reverse:     # each sequence's own last step
+        last = (lengths.to(x.device) - 1, torch.arange(B, device=x.device))
     return out, (out[last].clone(), cells[last].clone())   # copies, as nn.LSTM's
