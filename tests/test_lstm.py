@@ -342,6 +342,34 @@ def test_lengths_against_reference(backend, reverse, proj):
     assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lengths_padding_is_never_read(backend, reverse):
+    """NaN and inf in the padding change nothing, gradients included (they turned every
+    gradient NaN: the kernels ran over the padding and the output was masked after); the
+    padding's gradient is 0. Lengths as a NumPy array are taken too."""
+    import numpy as np
+    args, kw = _inputs(5, 3, 4, 16)
+    kw.update(reverse=reverse)
+    lengths = np.array([5, 3, 4])
+    dirty = dict(args, x=args["x"].detach().clone())
+    dirty["x"][3:, 1] = float("nan")
+    dirty["x"][4:, 2] = float("inf")
+    dirty["x"].requires_grad_(True)
+    clean = dict(args, x=args["x"].detach().masked_fill(dirty["x"].isnan()
+                                                        | dirty["x"].isinf(), 0.5))
+    clean["x"].requires_grad_(True)
+    runs = []
+    for a in (dirty, clean):
+        outs = _call(ctxfast.lstm, a, {**kw, "lengths": lengths}, backend=backend)
+        leaves = [t for t in a.values() if t is not None]
+        g = torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+        runs.append((outs, g))
+    for u, v in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.isfinite(u).all() and torch.equal(u, v)
+    assert not runs[0][1][0][3:, 1].any() and not runs[0][1][0][4:, 2].any()
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_reference_lengths_is_each_sequence_alone(reverse):
     """The reference's lengths against each sequence run alone (no padding at all)."""

@@ -101,6 +101,17 @@ def _check_same(ours, ref, x, hx, tol=None, weight_masks=None, ref_hh_scale=None
 # --------------------------------------------------------------------------- nn.LSTM parity
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+def test_weight_views_are_nn_lstms(name):
+    # code written for nn.LSTM reads all_weights / _flat_weights / their names
+    ours, ref = _pair(CONFIGS[name])
+    assert ours._flat_weights_names == ref._flat_weights_names
+    assert ours._all_weights == ref._all_weights
+    for a, b in zip(ours._flat_weights + sum(ours.all_weights, []),
+                    ref._flat_weights + sum(ref.all_weights, [])):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_parameters_and_init_are_nn_lstms(name):
     cfg = CONFIGS[name]
     torch.manual_seed(0)

@@ -13,8 +13,11 @@
 ``WeightDropLSTM`` is deliberately not a subclass of ``nn.LSTM``: TorchDynamo refuses
 every instance of ``nn.RNN``/``nn.GRU``/``nn.LSTM``, subclasses included (unless
 ``torch._dynamo.config.allow_rnn``), while this module compiles with
-``torch.compile(fullgraph=True)`` (checked by hand with the eager backend, torch 2.13).
-The parameter layout is ``nn.LSTM``'s, so ``state_dict``s move both ways.
+``torch.compile(fullgraph=True)`` (checked by hand with the eager backend, torch 2.13;
+a ``PackedSequence`` input breaks the graph: its lengths are read on the host). It is not
+TorchScript-able (``torch.jit.script``), as nn.LSTM is. The parameter layout is
+``nn.LSTM``'s (``all_weights``, ``_flat_weights`` read as nn.LSTM's), so ``state_dict``s
+move both ways.
 """
 from __future__ import annotations
 
@@ -183,6 +186,24 @@ class WeightDropLSTM(nn.Module):
 
     def flatten_parameters(self) -> None:
         """No-op, for code written for ``nn.LSTM`` (there is no cuDNN weight buffer)."""
+
+    # nn.LSTM's views of its parameters, for code that reads them (read-only here)
+    @property
+    def _all_weights(self) -> List[List[str]]:
+        """Per layer and direction, the parameter names in nn.LSTM's order."""
+        return [[n for n in d if n is not None] for layer in self._names for d in layer]
+
+    @property
+    def all_weights(self) -> List[List[nn.Parameter]]:
+        return [[getattr(self, n) for n in names] for names in self._all_weights]
+
+    @property
+    def _flat_weights_names(self) -> List[str]:
+        return [n for names in self._all_weights for n in names]
+
+    @property
+    def _flat_weights(self) -> List[nn.Parameter]:
+        return [getattr(self, n) for n in self._flat_weights_names]
 
     def weight_hh_names(self) -> List[str]:
         """``["weight_hh_l0", ("weight_hh_l0_reverse",) "weight_hh_l1", ...]``: every

@@ -26,7 +26,7 @@ post-activation gates, saved for the backward) is not differentiable.
 The ``eager`` backend is ``ctxfast.reference.lstm`` (a per-step PyTorch loop).
 """
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -369,14 +369,17 @@ def _check_lengths(lengths: object, T: int, B: int) -> Optional[Tensor]:
     if lengths is None:
         return None
     if isinstance(lengths, (list, tuple)):
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+        if not all(isinstance(n, Integral) and not isinstance(n, bool) for n in lengths):
             raise TypeError("lstm: lengths must be a 1-D integer tensor [B] or a list of ints")
-        lengths = torch.tensor(lengths, dtype=torch.int64).reshape(len(lengths))
+        lengths = torch.tensor([int(n) for n in lengths], dtype=torch.int64)
+    elif not isinstance(lengths, Tensor) and hasattr(lengths, "__array__"):
+        lengths = torch.as_tensor(lengths)                          # a NumPy array
     if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.dtype not in (
             torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        got = (f"shape {_shape(lengths)}, dtype {lengths.dtype}"
+               if isinstance(lengths, Tensor) else type(lengths).__name__)
         raise TypeError(f"lstm: lengths must be a 1-D integer tensor [B] or a list of ints, "
-                        f"got {_shape(lengths) if isinstance(lengths, Tensor) else ''}"
-                        f"{getattr(lengths, 'dtype', type(lengths).__name__)}")
+                        f"got {got}")
     if lengths.device.type != "cpu":
         raise ValueError(f"lstm: lengths must be on the CPU (as pack_padded_sequence's), got "
                          f"{lengths.device}")
@@ -450,9 +453,10 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
             meaning): ``[B]`` integers in ``[1, T]`` on the CPU (a tensor or a list), or
             None (all T steps). Sequence b is ``x[:lengths[b], b]``, the rest padding it
             never sees: ``out`` is 0 there, ``h_n, c_n`` are its states after its own last
-            step, and reversed it is consumed from ``lengths[b] - 1`` down. The kernels run
-            every sequence over all T steps (reversed ones gathered in place first): the
-            cost of the padded batch.
+            step, and reversed it is consumed from ``lengths[b] - 1`` down (the padding is
+            read as 0). The kernels run every sequence over all T steps (reversed ones
+            gathered in place first): the cost of the padded batch. The values are checked
+            on the host: torch.compile breaks the graph there.
         backend: ``"triton" | "cuda" | "cpu" | "eager"`` or None (see ``ctxfast.backend``).
             None on CUDA tensors: the Triton forward and the CUDA C++ backward where both
             can run (:data:`CUDA_DEFAULT`); a backend asked for runs both directions.
@@ -482,6 +486,9 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
     cc, pc = _check(x, hx, w_ih, w_hh, b_ih, b_hh, w_hr, weight_mask, weight_dropout,
                     cell_clip, proj_clip, reverse)
     lens = _check_lengths(lengths, x.shape[0], x.shape[1])         # [B] int64 (CPU) or None
+    if lens is not None:    # the padding read as 0: NaN / inf there made every gradient NaN
+        pad = torch.arange(x.shape[0])[:, None] >= lens            # [T, B] (CPU)
+        x = x.masked_fill(pad.to(x.device)[..., None], 0)
     asked, source = _dispatch.requested_backend(backend)
     if asked in ("cpu", "cuda") and not _NATIVE:
         raise _dispatch.BackendUnavailable(
