@@ -571,7 +571,10 @@ class TransformerXL(nn.Module):
             for i, h in enumerate(hids):
                 cat = h if mems is None else torch.cat([mems[i], h], 0)  # [mlen + qlen, B, d]
                 keep = cat[beg:end].detach()                             # [end - beg, B, d]
-                # a part of cat is copied: a view would keep all of cat's storage alive
+                # a part of cat is copied: a view would keep all of cat's storage alive.
+                # (Concatenating only the kept rows of mems and h would copy less, but its
+                # slice of mems at a traced start puts guards on the segment length that
+                # stop a dynamic torch.export.)
                 new.append(keep if end - beg == cat.shape[0] else keep.clone())
         return new
 

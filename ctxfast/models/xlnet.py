@@ -469,9 +469,14 @@ class XLNetModel(nn.Module):
         if c.reuse_len is not None and c.reuse_len > 0:
             cur = cur[:, :c.reuse_len]
         cur = cur.transpose(0, 1)                                   # [T, B, d]
-        new = cur if prev is None else torch.cat([prev, cur], 0)   # [mlen + T, B, d]
-        if c.mem_len is not None and c.mem_len > 0 and new.shape[0] > c.mem_len:
-            new = new[-c.mem_len:].clone()   # a copy: a view keeps all of the rows alive
+        T, mlen = cur.shape[0], 0 if prev is None else prev.shape[0]
+        keep = mlen + T                      # the last mem_len rows of [prev; cur], or all
+        if c.mem_len is not None and c.mem_len > 0:
+            keep = min(keep, c.mem_len)
+        if keep > T:                                                # [keep, B, d]
+            new = torch.cat([prev[mlen + T - keep:], cur], 0)
+        else:   # rows of cur alone: a part is copied (a view keeps all of cur alive)
+            new = cur if keep == T else cur[T - keep:].clone()
         return new.detach()
 
     # ------------------------------------------------------------------ input checks
