@@ -18,7 +18,7 @@ STAMP  := $(VENV)/.ctxfast-deps
 NVCC   ?= $(shell command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)
 NVCC_FLAGS := -std=c++17 -Icsrc -gencode arch=compute_90,code=sm_90
 CUDA_SRCS  := $(wildcard csrc/cuda/*.cu)
-BUILD_SRCS := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu)
+BUILD_SRCS := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/*/*.cuh)
 
 # Without a GPU the Triton kernels run in the interpreter (must be set before import).
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)

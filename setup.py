@@ -15,7 +15,9 @@ The outcome of the CUDA decision is written to ``ctxfast/_build_info.json`` so t
 import glob
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -26,17 +28,30 @@ try:
     import torch
     from torch.utils import cpp_extension
 except ImportError:  # pragma: no cover - a build without torch cannot work
-    sys.exit("ctxfast: torch must be installed first; build with "
-             "`pip install --no-build-isolation -e .`")
+    sys.exit("ctxfast: torch is not importable in the build environment (install torch "
+             "first; pip's build isolation hides an installed torch: build with "
+             "`pip install --no-build-isolation --no-deps -e .`)")
 
 
 def _rel(paths):
     return sorted(os.path.relpath(p, ROOT) for p in paths)
 
 
+def _nvcc_major(nvcc: str):
+    """nvcc's CUDA major version (``release 13.0`` -> 13), or None if it cannot tell."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else None
+
+
 def _cuda_decision():
     """Return (build_cuda: bool, reason: str)."""
-    if os.environ.get("CTXFAST_SKIP_CUDA_BUILD", "0") not in ("", "0"):
+    skip = os.environ.get("CTXFAST_SKIP_CUDA_BUILD", "0").strip().lower()
+    if skip not in ("", "0", "false", "no", "off"):
         return False, "CTXFAST_SKIP_CUDA_BUILD is set"
     if torch.version.cuda is None:
         return False, f"torch {torch.__version__} is a CPU build (torch.version.cuda is None)"
@@ -47,6 +62,12 @@ def _cuda_decision():
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:
         return False, "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    # torch's build refuses another major version, before anything is built: ctxfast._C
+    # would be lost with it, so ctxfast._cuda is skipped, saying why
+    major = _nvcc_major(nvcc)
+    if major is not None and str(major) != torch.version.cuda.split(".")[0]:
+        return False, (f"nvcc at {nvcc} is CUDA {major}.x, torch was built with CUDA "
+                       f"{torch.version.cuda} (set CUDA_HOME to a matching toolkit)")
     return True, f"torch CUDA {torch.version.cuda}, nvcc at {nvcc}"
 
 
@@ -126,6 +147,21 @@ with open(os.path.join(ROOT, "ctxfast", "_build_info.json"), "w") as f:
     json.dump({"cuda_built": build_cuda, "cuda_reason": cuda_reason,
                "torch": torch.__version__}, f)
 
+
+
+class _BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's build, which first removes a ``ctxfast._cuda`` module left by an earlier
+    build when this one does not build it: it would be packed into the wheel (from
+    build/lib) or imported in place, contradicting ``_build_info.json``."""
+
+    def run(self):
+        if not build_cuda:
+            for d in (os.path.join(ROOT, "ctxfast"), os.path.join(self.build_lib, "ctxfast")):
+                for stale in glob.glob(os.path.join(d, "_cuda.*")):
+                    os.remove(stale)
+        super().run()
+
+
 packages = find_packages(include=["ctxfast", "ctxfast.*"]) + ["ctxfast.kernels"]
 
 setup(
@@ -137,7 +173,7 @@ setup(
     package_dir={"ctxfast": "ctxfast", "ctxfast.kernels": "kernels"},
     package_data={"ctxfast": ["_build_info.json"]},
     ext_modules=ext_modules,
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExt},
     entry_points={"console_scripts": ["ctxfast=ctxfast.cli:main"]},
     # torch is deliberately not listed: the build uses the torch already installed
     # (CPU 2.13 on dev/CI machines, CUDA 2.11 on GPU machines) and must never replace it.

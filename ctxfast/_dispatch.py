@@ -175,7 +175,7 @@ def why_unavailable(name: str, device: torch.device) -> Optional[str]:
             return f"the cpu backend runs on CPU tensors, got tensors on {device}"
         if _C_ERROR is not None:
             return (f"ctxfast._C failed to import ({_C_ERROR}); rebuild with "
-                    "`pip install --no-build-isolation -e .`")
+                    "`pip install --no-build-isolation --no-deps -e .` (or without -e)")
         return None
     if name == "cuda":
         if kind != "cuda":

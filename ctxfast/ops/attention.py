@@ -54,7 +54,9 @@ from ._common import MAX_HEAD_DIM  # noqa: F401  (re-exported: the Triton kernel
 
 # The C++ CPU kernels exist only once csrc/ has them and the extension was rebuilt.
 _CPU = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "attention_fwd_cpu")
-_BACKENDS = ("triton", "cpu", "eager") if _CPU else ("triton", "eager")
+# cpu stays listed when ctxfast._C failed to import: asking for it then names that failure
+_BACKENDS = ("triton", "cpu", "eager") if _CPU or not _dispatch.c_available() \
+    else ("triton", "eager")
 
 # Defaults: on CUDA the Triton kernel (not yet measured on a GPU: the GPU round decides); on CPU
 # the C++ kernel (csrc/cpu/attention.cpp), which the CPU records measure

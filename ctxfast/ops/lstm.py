@@ -51,7 +51,8 @@ _NATIVE = _dispatch.c_available() and hasattr(torch.ops.ctxfast, "lstm_recurrenc
 # both able to run: the Triton forward, the CUDA backward, CUDA_DEFAULT below).
 _dispatch.register_op(
     "lstm",
-    supported=("triton", "cuda", "cpu", "eager") if _NATIVE else ("triton", "eager"),
+    supported=("triton", "cuda", "cpu", "eager") if _NATIVE
+    else ("triton", "cpu", "eager") if not _dispatch.c_available() else ("triton", "eager"),
     cpu_default=("cpu", "eager") if _NATIVE else ("eager",),
     cuda_default=("cuda", "triton", "eager") if _NATIVE else ("triton", "eager"),
 )
