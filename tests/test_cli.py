@@ -14,10 +14,23 @@ def _run(*args, **extra_env):
                           text=True, env=env, timeout=300)
 
 
-def test_info_lists_versions_extensions_and_backends():
-    r = _run("info")
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
+#: Settings that `ctxfast info` lists when set, given at once to one run of it (each run
+#: is a new process: the package reads some of them at import).
+_SETTINGS = dict(CTXFAST_LSTM_CUDA_KERNEL="persistent_mma", CTXFAST_TRITON_LAUNCH="jit",
+                 CTXFAST_LINEAR_CUDA="triton", CTXFAST_ATTN_TMA="on", CTXFAST_AUTOTUNE="on")
+
+
+@pytest.fixture(scope="module")
+def info():
+    """`ctxfast info`'s output, plain and with :data:`_SETTINGS` set (one run each)."""
+    runs = {"plain": _run("info"), "settings": _run("info", **_SETTINGS)}
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr
+    return {k: r.stdout for k, r in runs.items()}
+
+
+def test_info_lists_versions_extensions_and_backends(info):
+    out = info["plain"]
     assert f"ctxfast {ctxfast.__version__}" in out
     assert "torch" in out and "ctxfast._C     built" in out
     assert "ctxfast._cuda" in out
@@ -27,17 +40,15 @@ def test_info_lists_versions_extensions_and_backends():
     assert cpu_row[2] == "yes*"  # the default on CPU tensors
 
 
-def test_info_names_the_kernel_settings_that_are_set():
+def test_info_names_the_kernel_settings_that_are_set(info):
     """A log of `ctxfast info` says which kernel or path a setting chose (the GPU round
     prints it first); unset settings are not listed."""
-    r = _run("info", CTXFAST_LSTM_CUDA_KERNEL="persistent_mma", CTXFAST_TRITON_LAUNCH="jit")
-    assert r.returncode == 0, r.stderr
-    assert "CTXFAST_LSTM_CUDA_KERNEL=persistent_mma" in r.stdout
-    assert "CTXFAST_TRITON_LAUNCH=jit" in r.stdout
+    assert "CTXFAST_LSTM_CUDA_KERNEL=persistent_mma" in info["settings"]
+    assert "CTXFAST_TRITON_LAUNCH=jit" in info["settings"]
     assert "CTXFAST_REL_BWD_DR=" not in _run("info", CTXFAST_REL_BWD_DR="").stdout
 
 
-def test_info_lists_every_setting_the_package_reads():
+def test_info_lists_every_setting_the_package_reads(info):
     """Every ``CTXFAST_*`` variable that ctxfast's code reads (ctxfast/, kernels/) is one
     `ctxfast info` prints when set: CTXFAST_LINEAR_CUDA (the decoder's GEMM) was read and
     not listed, so a GPU round's log could not say which GEMM ran."""
@@ -54,25 +65,25 @@ def test_info_lists_every_setting_the_package_reads():
                                                f.read()))
     assert "CTXFAST_LINEAR_CUDA" in read and "CTXFAST_BACKEND" in read, read
     assert read <= set(cli._KERNEL_SETTINGS), read - set(cli._KERNEL_SETTINGS)
-    assert "CTXFAST_LINEAR_CUDA=triton" in _run("info", CTXFAST_LINEAR_CUDA="triton").stdout
+    assert "CTXFAST_LINEAR_CUDA=triton" in info["settings"]
 
 
-def test_info_says_what_float32_rounds_to_on_a_gpu():
+def test_info_says_what_float32_rounds_to_on_a_gpu(info):
     """`ctxfast info` says whether float32 products may be TF32 on a GPU: attention follows
     cuBLAS's matmul setting, the LSTM cuDNN's RNN setting (torch's defaults: float32 and
     TF32); and lists CTXFAST_ATTN_TMA and CTXFAST_AUTOTUNE when set."""
-    out = _run("info", CTXFAST_ATTN_TMA="on", CTXFAST_AUTOTUNE="on").stdout
+    out = info["settings"]
     line = next(l for l in out.splitlines() if l.startswith("float32 on a GPU: "))
     assert line == ("float32 on a GPU: attention products float32 (cuBLAS's setting), "
                     "LSTM recurrence TF32 (cuDNN RNNs' setting)"), line
     assert "CTXFAST_ATTN_TMA=on" in out and "CTXFAST_AUTOTUNE=on" in out
 
 
-def test_info_says_what_code_the_cpu_kernels_run():
+def test_info_says_what_code_the_cpu_kernels_run(info):
     """`ctxfast info` names the code the CPU kernels chose in that process (own AVX-512 /
     AVX2 tiles or the BLAS, the recurrence's kernel, oneDNN or ATen for the LSTM's large
     products), and follows the settings that force them."""
-    line = next(l for l in _run("info").stdout.splitlines() if l.startswith("CPU code: "))
+    line = next(l for l in info["plain"].splitlines() if l.startswith("CPU code: "))
     assert any(f"attention tiles: {p};" in line for p in ("own AVX-512", "own AVX2", "BLAS"))
     assert any(f"LSTM recurrence: {p};" in line for p in ("AVX-512", "AVX2", "ATen"))
     assert line.endswith(("weight gradients: onednn", "weight gradients: aten")), line
@@ -103,24 +114,27 @@ def test_smoke_passes():
     assert "attention        eager   cpu   ok" in r.stdout
 
 
-def test_unknown_arguments_fail():
-    r = _run("info", "--bogus")
-    assert r.returncode != 0 and "unrecognized arguments" in r.stderr
+def test_unknown_arguments_fail(capsys):
+    from ctxfast import cli                    # (in process: refused before anything runs)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["info", "--bogus"])
+    assert exit_.value.code != 0 and "unrecognized arguments" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- ctxfast bench
 
-def test_bench_refuses_an_unusable_device_in_one_line():
+def test_bench_refuses_an_unusable_device_in_one_line(capsys):
     import torch
+    from ctxfast import cli                    # (in process: refused before anything runs)
     bad = [("meta", "benchmarks run on cpu or cuda"), ("nonsense", "not a device name"),
            ("cuda:99", "CUDA device(s) here" if torch.cuda.is_available()
             else "CUDA is not available here")]
     for device, words in bad:
-        r = _run("bench", "--quick", "--device", device)
-        assert r.returncode == 2, r.stdout + r.stderr
-        lines = r.stderr.strip().splitlines()
+        assert cli.main(["bench", "--quick", "--device", device]) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"ctxfast bench: --device {device}: ")
-        assert words in lines[0] and "Traceback" not in r.stderr
+        assert words in lines[0] and "Traceback" not in captured.err
 
 
 def test_bench_says_what_to_install_without_pytest_benchmark(monkeypatch, capsys):
