@@ -60,9 +60,14 @@ class BackendUnavailable(RuntimeError):
 # --------------------------------------------------------------------------- extensions
 
 def _import_error(module: str) -> Optional[str]:
+    """Why `module` does not import, or None; with the torch it was built for when that
+    is not the torch running (an undefined C++ symbol says nothing of the cause)."""
     try:
         importlib.import_module(module)
     except ImportError as e:
+        built = build_info().get("torch")
+        if built and built != torch.__version__:
+            return f"{e} (built for torch {built}, running torch {torch.__version__}: rebuild)"
         return str(e)
     return None
 

@@ -353,3 +353,14 @@ def test_every_python_op_switches_to_its_tensors_device():
     assert unguarded == []
     from ctxfast.ops.attention import dropout_keep_mask
     assert getattr(dropout_keep_mask, "on_tensor_device", False)
+
+
+def test_an_extension_that_does_not_import_names_the_torch_it_was_built_for(monkeypatch):
+    # a module built for another torch fails with an undefined C++ symbol, which says
+    # nothing of the cause: the reason (ctxfast info, the cpu backend's refusal) says it
+    monkeypatch.setattr(_dispatch, "build_info", lambda: {"torch": "0.0.1"})
+    why = _dispatch._import_error("ctxfast._no_such_extension")
+    assert "built for torch 0.0.1" in why and torch.__version__ in why
+    monkeypatch.setattr(_dispatch, "build_info", lambda: {"torch": torch.__version__})
+    assert "built for" not in _dispatch._import_error("ctxfast._no_such_extension")
+    assert _dispatch._import_error("ctxfast._dispatch") is None
