@@ -330,11 +330,12 @@ def test_final_state_holds_no_view_of_the_sequence(backend, reverse):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("proj", [0, 12])
-def test_lengths_against_reference(backend, reverse, proj):
-    """Sequences of several lengths (pack_padded_sequence's meaning): forward and every
-    gradient within 2x eager's error against float64, with a mask and clips; lengths as a
-    list and as a tensor give the same."""
-    args, kw = _inputs(6, 4, 5, 16, proj, mask=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lengths_against_reference(backend, reverse, proj, dtype):
+    """Sequences of several lengths (pack_padded_sequence's meaning; 1 and T among them):
+    forward and every gradient within 2x eager's error against float64, with a mask and a
+    cell clip; lengths as a list and as a tensor give the same."""
+    args, kw = _inputs(6, 4, 5, 16, proj, mask=True, dtype=dtype)
     kw.update(cell_clip=2.0, reverse=reverse, lengths=torch.tensor([3, 6, 1, 4]))
     check_against_reference(backend, args, kw)
     a = _call(ctxfast.lstm, args, {**kw, "lengths": [3, 6, 1, 4]}, backend=backend)
@@ -394,8 +395,10 @@ def test_reference_lengths_is_each_sequence_alone(reverse):
     (torch.tensor([3.0, 2.0, 1.0]), TypeError, "lengths must be a 1-D integer tensor"),
     ([3, 2.5, 1], TypeError, "lengths must be a 1-D integer tensor"),
     (torch.tensor([[3, 2, 1]]), TypeError, "lengths must be a 1-D integer tensor"),
+    (torch.tensor([True, True, False]), TypeError, "lengths must be a 1-D integer tensor"),
 ])
-def test_bad_lengths_are_refused_by_name(lengths, exc, msg):
+def test_bad_lengths_are_refused_by_name(lengths, exc, msg, no_dispatch):
+    # (no_dispatch: refused before any backend is chosen, let alone a kernel launched)
     args, kw = _inputs(4, 3, 5, 16)
     with pytest.raises(exc, match=msg):
         _call(ctxfast.lstm, args, {"lengths": lengths})

@@ -375,8 +375,9 @@ def _check_lengths(lengths: object, T: int, B: int) -> Optional[Tensor]:
         lengths = torch.tensor([int(n) for n in lengths], dtype=torch.int64)
     elif not isinstance(lengths, Tensor) and hasattr(lengths, "__array__"):
         lengths = torch.as_tensor(lengths)                          # a NumPy array
-    if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.dtype not in (
-            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+    if not isinstance(lengths, Tensor) or lengths.dim() != 1 \
+            or lengths.dtype.is_floating_point or lengths.dtype.is_complex \
+            or lengths.dtype == torch.bool:
         got = (f"shape {_shape(lengths)}, dtype {lengths.dtype}"
                if isinstance(lengths, Tensor) else type(lengths).__name__)
         raise TypeError(f"lstm: lengths must be a 1-D integer tensor [B] or a list of ints, "
