@@ -303,12 +303,17 @@ class WeightDropLSTM(nn.Module):
             # under autocast any float dtype (both are cast to the autocast dtype), as
             # nn.LSTM takes them
             if (s.device != input.device or s.dtype not in _FLOAT_DTYPES
-                    or (s.dtype != input.dtype and not _autocast_on(input))):
+                    or (s.dtype != input.dtype and not self._amp(input))):
                 raise TypeError(f"WeightDropLSTM: hx[{i}] ({name}) must match the input's "
                                 f"dtype and device ({input.dtype}, {input.device}), got "
                                 f"({s.dtype}, {s.device})")
             states.append(s.unsqueeze(1) if unbatched else s)           # [L*D, B, *]
         return x, tuple(states), unbatched
+
+    def _amp(self, x: Tensor) -> bool:
+        """Whether the call runs in the autocast dtype: autocast is on for x's device and
+        the module is not float64 (autocast leaves float64 alone, as for nn.LSTM)."""
+        return _autocast_on(x) and self.weight_ih_l0.dtype != torch.float64
 
     def _layout(self, last: str) -> str:
         return f"[batch, T, {last}]" if self.batch_first else f"[T, batch, {last}]"
@@ -361,11 +366,12 @@ class WeightDropLSTM(nn.Module):
             self._check_masks(weight_masks)           # bad masks fail in eval mode too
 
         dev = x.device.type
-        amp = _autocast_on(x)
+        amp = self._amp(x)
         dtype = torch.get_autocast_dtype(dev) if amp else self.weight_ih_l0.dtype
-        if x.dtype != dtype and not amp:
+        if x.dtype != dtype and (not amp or x.dtype == torch.float64):
             raise TypeError(f"WeightDropLSTM: input dtype {x.dtype} does not match the "
-                            f"parameters' dtype {dtype}; convert the input or the module")
+                            f"parameters' dtype {self.weight_ih_l0.dtype}; convert the input "
+                            "or the module")
         with torch.autocast(dev, enabled=False) if amp else contextlib.nullcontext():
             out, h_n, c_n = self._run(x.to(dtype), None if states is None else
                                       tuple(s.to(dtype) for s in states), masks, dtype,

@@ -290,9 +290,10 @@ def rel_attention(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
             its own position and the ones before). Transformer-XL's ``same_length`` mask
             is ``window = mem_len`` of its config. The kernels skip the key blocks outside.
 
-    Under ``torch.autocast`` every floating-point input (the biases and ``seg_embed``
+    Under ``torch.autocast`` every fp32, fp16 or bf16 input (the biases and ``seg_embed``
     included) is cast to the autocast dtype, as :func:`ctxfast.attention` and
-    ``F.scaled_dot_product_attention`` do; otherwise all must have q's dtype.
+    ``F.scaled_dot_product_attention`` do (float64 is left alone, as autocast leaves it);
+    otherwise all must have q's dtype.
 
     Returns:
         ``[B, H, Tq, D]``; gradients flow to q, k, v, r, both biases, seg_embed, r_s_bias.
