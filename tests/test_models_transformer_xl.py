@@ -578,7 +578,8 @@ def test_reuse_projects_only_the_new_rows_and_r_once_per_length():
 def test_reuse_is_dropped_when_its_inputs_change():
     """A kept value is used only with the very memory tensor it was kept with, unchanged,
     and the same weights: weights changed in place (an optimizer step, load_state_dict),
-    a memory changed in place, copied or built by the caller, gradients on, autocast
+    a memory changed in place, copied or built by the caller, a weight rebound to another
+    storage at its own address, gradients on, autocast
     changed, the eager backend or inference mode all recompute, and every result equals
     the computation without reuse."""
     torch.manual_seed(0)
@@ -619,6 +620,19 @@ def test_reuse_is_dropped_when_its_inputs_change():
         m.load_state_dict({k: v * 1.1 for k, v in m.state_dict().items()})
         return mems
     both(step(loaded))
+
+    def rebound_in_place(m, mems):
+        # a weight rebound to another tensor at its own address with other values (what two
+        # rebindings, p.data = t or .half().float(), give where the allocator hands the
+        # freed block back): its version is unchanged, its storage is another
+        for layer in m.layers:
+            w = layer.dec_attn.qkv_net.weight
+            other_storage = torch.utils.dlpack.from_dlpack(w.detach())   # same address
+            assert other_storage.data_ptr() == w.data_ptr()
+            other_storage.mul_(1.5)                   # w's values too; w's version stays
+            w.data = other_storage
+        return mems
+    both(step(rebound_in_place))
 
     def eager(m, mems):
         m.set_backend("eager")

@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import ops
 from ..ops._common import values_checked
@@ -175,12 +176,17 @@ def reuse_allowed(on: bool, backend: str, like: Tensor, weight: Tensor) -> bool:
 def reuse_key(like: Tensor, what: tuple, params) -> tuple:
     """What a kept value was computed from besides its memory tensor: ``what`` (which value
     and its shape-giving numbers), the dtype and autocast state of the call, and the
-    weights ``params`` by identity, address and version (an optimizer step, a load or any
-    in-place change moves it)."""
+    weights ``params`` by identity, address, version (an optimizer step, a load or any
+    in-place change moves it) and storage. The storage by a weak reference, which keeps
+    the storage's record (not its data) from being reused: a weight rebound to another
+    tensor (``p.data = t``, ``.half().float()``, ``vector_to_parameters``) keeps its version,
+    and two rebindings can bring it back to its old address (the allocator reuses freed
+    blocks) with other values; its storage then differs."""
     dev = like.device.type
     amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     return (what, like.dtype, amp,
-            tuple((id(p), p.data_ptr(), p._version) for p in params if p is not None))
+            tuple((id(p), p.data_ptr(), p._version, StorageWeakRef(p.untyped_storage()))
+                  for p in params if p is not None))
 
 
 def attach(mem: Tensor, name: str, key: tuple, value) -> None:

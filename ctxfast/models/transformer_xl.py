@@ -408,7 +408,8 @@ class TransformerXL(nn.Module):
     number of keys changes. A kept value is used only if the memory tensor is the one it
     was kept with and unchanged since (its version counter), and the weights it came from
     are the same tensors unchanged (an optimizer step, ``load_state_dict`` or any in-place
-    change recompute; a write through ``.data`` moves no version counter and is not seen),
+    change recompute, as does a weight rebound to another tensor, ``p.data = t``; a write
+    in place through ``.data`` moves no version counter and is not seen),
     under the same dtype and autocast state; mems that the caller
     copied, built or converted to another dtype are projected as the original does. Not
     under ``torch.inference_mode()`` (its tensors carry no version counter to check), with

@@ -390,7 +390,8 @@ class XLNetModel(nn.Module):
     ``TransformerXL``'s): with no gradient and ``use_mems``, each call keeps the keys and
     values of the rows that become the next memory, and every layer's position keys, with
     the mems it returns; a call given those very mems (unchanged, same weights, dtype and
-    autocast state) projects only its own rows. Otherwise, and under
+    autocast state) projects only its own rows (a write in place through ``.data`` moves
+    no version counter and is not seen: ``TransformerXL``'s rules). Otherwise, and under
     ``torch.inference_mode()`` or torch.compile, every row is projected as HF does."""
 
     def __init__(self, config: XLNetConfig, backend: str = "ctxfast"):
