@@ -448,7 +448,10 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         weight_dropout: the drop probability p in ``[0, 1)`` the mask was drawn with; the
             kept weights are scaled by ``1 / (1 - p)``.
         cell_clip, proj_clip: AllenNLP's ``LstmCellWithProjection`` clips (> 0, None: no
-            clip); ``proj_clip`` needs ``w_hr``. Clipped entries pass no gradient.
+            clip); ``proj_clip`` needs ``w_hr``. Clipped entries pass no gradient. The
+            kernels keep only the clipped value and pass the gradient where it is strictly
+            inside (``|c| < clip``): a value exactly at ±clip passes none, where
+            ``torch.clamp`` (the eager backend) passes it.
         reverse: consume ``t = T-1 .. 0`` (the backward direction of a biLSTM); ``out``
             stays in time order.
         lengths: sequences of several lengths in one batch (``pack_padded_sequence``'s
