@@ -237,11 +237,12 @@ def _attn_combine_kernel(
     O,           # out [B, H, Tq, D] contiguous, written
     LSE,         # lse [B, H, Tq] fp32 contiguous, written (+inf for empty rows)
     S, Tq, D,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out_i = Σ_s 2^(lse_si − m) · out_si / Σ_s 2^(lse_si − m), m = max_s lse_si."""
     i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = (tl.program_id(1) + BH0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     lse_s = tl.load(LSE_PART + (bh * S + offs_s) * Tq + i, mask=offs_s < S, other=float("-inf"))
@@ -265,11 +266,12 @@ def _bwd_delta_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_ob, stride_oh, stride_om, stride_od,
     H, Tq, D,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The backward's row term Δ (``rowsum(dO ∘ O)``, fp32) in one pass: what
     ``(do.float() * out.float()).sum(-1)`` did in four launches and two fp32 copies."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -317,6 +319,33 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Host-side ``triton.next_power_of_2`` (0 -> 0; same reason as :func:`cdiv`)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+#: The most programs a CUDA grid may have along y or z (along x: 2^31 - 1). The launchers put
+#: the (batch, head) pairs on y (on z for the dropout mask): B * H above it (BERT inference
+#: at B 5,462, H 12) failed on a GPU with CUDA's "invalid argument" where SDPA runs.
+MAX_GRID_YZ = 65535
+
+
+def bh_chunks(n: int) -> list:
+    """``[(first, count)]``: the ``n`` (batch, head) pairs of a launch in launches of at most
+    :data:`MAX_GRID_YZ`, each kernel told its first pair (``BH0``; its programs' pair is
+    ``program_id + BH0``, so they compute what one launch would, dropout's counters
+    included). Every ``first`` a multiple of 16, so Triton specialises ``BH0`` alike for all
+    of them (one compile). One launch, ``[(0, n)]``, below the limit; none for ``n = 0``."""
+    step = max(16, MAX_GRID_YZ // 16 * 16)
+    return [(s, min(step, n - s)) for s in range(0, n, step)]
+
+
+def int32_addressable(t):
+    """``t``, or a contiguous copy of it where its last element lies 2**31 or more elements
+    past its first: the kernels address it with 32-bit offsets (``b * stride_b`` in int32).
+    For the upstream gradient of an output, which the ops do not check as they check their
+    inputs: autograd may hand a view of a larger tensor (``torch.cat([out, x], -1)``'s
+    gradient), whose copy has the output's size, within the limit."""
+    if t.numel() and 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31:
+        return t.contiguous()
+    return t
 
 
 def _new_output(shape, dtype, device):
@@ -590,10 +619,11 @@ def _combine_splits(o_part, l_part, out, lse):
     """out [B, H, Tq, D], lse [B, H, Tq] (contiguous) from :func:`_split_targets`' partials."""
     from ._launch import fast  # (here: _launch imports this module)
     B, H, S, Tq, D = o_part.shape
-    fast(_attn_combine_kernel)[(Tq, B * H)](
-        o_part, l_part, out, lse, S, Tq, D,
-        BLOCK_S=max(2, next_pow2(S)), BLOCK_D=max(16, next_pow2(D)),
-        num_warps=4)
+    for bh0, n in bh_chunks(B * H):
+        fast(_attn_combine_kernel)[(Tq, n)](
+            o_part, l_part, out, lse, S, Tq, D, bh0,
+            BLOCK_S=max(2, next_pow2(S)), BLOCK_D=max(16, next_pow2(D)),
+            num_warps=4)
 
 
 def _bwd_delta(do, out):
@@ -604,9 +634,10 @@ def _bwd_delta(do, out):
         return delta
     block_m, block_d = delta_blocks(D)
     from ._launch import fast  # (here: _launch imports this module)
-    fast(_bwd_delta_kernel)[(cdiv(Tq, block_m), B * H)](
-        do, out, delta, *do.stride(), *out.stride(), H, Tq, D,
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    for bh0, n in bh_chunks(B * H):
+        fast(_bwd_delta_kernel)[(cdiv(Tq, block_m), n)](
+            do, out, delta, *do.stride(), *out.stride(), H, Tq, D, bh0,
+            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     return delta
 
 

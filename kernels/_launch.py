@@ -166,6 +166,21 @@ def _driver_calls():
     return _device_stream
 
 
+def _runtime_kw_key(value):
+    """The key of a keyword argument of a parameter that is not a constexpr: a tensor
+    descriptor by its dtype and block (``RowTiles._spec``), a tensor by :func:`arg_key`, as
+    Triton specialises them. Never the object: the table would keep the first call's
+    tensors alive (a descriptor holds its tensor: k and v of a call on a GPU, for the
+    table's life), and a tensor hashed by identity made every call a new key (up to
+    :data:`MAX_KEYS` entries, each holding its call's tensors)."""
+    spec = getattr(value, "_spec", None)
+    if spec is not None:
+        return type(value), spec()
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor, arg_key(value)
+    return value
+
+
 class FastKernel:
     """``kernel[grid](*args, **kwargs)`` with a remembered compiled kernel (module
     docstring). ``hits`` / ``misses`` count the launches each way."""
@@ -178,6 +193,9 @@ class FastKernel:
         constexpr = [getattr(kp, "is_constexpr", False) for kp in fn.params]
         self.constexpr_pos = tuple(i for i, c in enumerate(constexpr) if c)
         self.constexpr_names = frozenset(self.names[i] for i in self.constexpr_pos)
+        #: parameters that are not constexprs: passed by keyword (descriptors, DS_SPAN),
+        #: keyed by their class (:func:`_runtime_kw_key`), not held by the table
+        self.runtime_names = frozenset(self.names) - self.constexpr_names
         self._positional_constexprs = {}  # len(args) -> the constexpr positions among them
         self.cache = {}
         self.hits = 0
@@ -188,7 +206,11 @@ class FastKernel:
 
     def key(self, args, kwargs, state):
         """The call's key (module docstring), given the knob state."""
-        key = (state, tuple(kwargs.items()), args_key(args))
+        kw = tuple(kwargs.items())
+        if not self.runtime_names.isdisjoint(kwargs):
+            kw = tuple((n, _runtime_kw_key(v) if n in self.runtime_names else v)
+                       for n, v in kw)
+        key = (state, kw, args_key(args))
         positional = self._positional_constexprs.get(len(args))
         if positional is None:
             positional = self._positional_constexprs[len(args)] = tuple(

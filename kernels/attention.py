@@ -78,8 +78,9 @@ from ._common import (LOG2E, _auto_splits, _bwd_delta, _combine_splits, _dot, _e
                       _fold_scale, _has_tma, _interpreting, _keep, _keep_t, _key_range,
                       _load_rows, _mask_args, _new_output, _online_softmax_step, _precision,
                       _query_block, _seed_arg, _seq_bounds, _split_targets, _tile_rows,
-                      _visible, bulk_add_args, cdiv, check_deterministic, check_tma_mode,
-                      descriptor_scratch, flag_setting, next_pow2, tma_addressable, tma_args)
+                      _visible, bh_chunks, bulk_add_args, cdiv, check_deterministic,
+                      check_tma_mode, descriptor_scratch, flag_setting, int32_addressable,
+                      next_pow2, tma_addressable, tma_args)
 from . import _tune
 from ._launch import fast
 
@@ -308,6 +309,7 @@ def _attn_fwd_kernel(
     max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale,       # scale * log2(e)
     p_drop,         # dropout probability (DROPOUT only)
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr,
     SORTED: tl.constexpr,   # permutation mask in rank order (ORDER); KPM and RANK are permuted
@@ -322,7 +324,7 @@ def _attn_fwd_kernel(
     FOLD: tl.constexpr = False,     # qk_scale > 0, applied in the softmax step's FMA
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
@@ -409,6 +411,7 @@ def _attn_fwd_ws_kernel(
     stride_lb, stride_lh,   # of lse: element (b, h, i) at b*stride_lb + h*stride_lh + i
     H, Tq, Tk, mem_len, D,
     qk_scale,       # scale * log2(e)
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr,
     MASK_KEYS: tl.constexpr,    # not CAUSAL, Tk not a multiple of BLOCK_N: keys past Tk masked
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -430,7 +433,7 @@ def _attn_fwd_ws_kernel(
     as 0 (no row masks). Elsewhere (the interpreter, other GPUs) the same loop runs as an
     ordinary one."""
     pid_m = _query_block(tl.program_id(0), CAUSAL)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     m0 = pid_m * BLOCK_M
@@ -488,6 +491,7 @@ def _attn_bwd_dkdv_ws_kernel(
     stride_lb, stride_lh,   # of lse and delta
     H, Tq, Tk, mem_len, D,
     qk_scale, sm_scale,     # scale * log2(e), scale
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -498,7 +502,7 @@ def _attn_bwd_dkdv_ws_kernel(
     128). One loop over the query tiles; a causal call masks every tile. Rows past Tq read
     as 0 and their lse as +inf (probability 0): no other mask."""
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     n0 = pid_n * BLOCK_N
@@ -550,6 +554,7 @@ def _attn_bwd_dq_ws_kernel(
     stride_lb, stride_lh,   # of lse and delta
     H, Tq, Tk, mem_len, D,
     qk_scale, sm_scale,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr,
     MASK_KEYS: tl.constexpr,    # not CAUSAL, Tk not a multiple of BLOCK_N: keys past Tk masked
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -561,7 +566,7 @@ def _attn_bwd_dq_ws_kernel(
     delta through 1-D descriptors: their rows (b, h) must start on 16 bytes (Tq a multiple
     of 4 for the launchers' [B, H, Tq] buffers)."""
     pid_m = _query_block(tl.program_id(0), CAUSAL)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     m0 = pid_m * BLOCK_M
@@ -732,6 +737,7 @@ def _attn_bwd_dkdv_kernel(
     max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale, sm_scale,   # scale * log2(e), scale
     p_drop,               # dropout probability (DROPOUT only)
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, SORTED: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -745,7 +751,7 @@ def _attn_bwd_dkdv_kernel(
     DQ_BULK: tl.constexpr = False,  # ATOMIC_DQ by TMA bulk reductions of whole tiles
 ):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
@@ -905,6 +911,7 @@ def _attn_bwd_dq_kernel(
     H, Tq, Tk, mem_len, D,
     max_q, max_k,   # longest sequences (dropout counters), = Tq, Tk unless VARLEN
     qk_scale, sm_scale, p_drop,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, SORTED: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -915,7 +922,7 @@ def _attn_bwd_dq_kernel(
     EXP_EMU: tl.constexpr = False,  # half of each tile's exponentials on the FMA pipe (16-bit)
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     q_start, k_start, Tq, Tk, mem_len = _seq_bounds(CU_Q, CU_K, b, Tq, Tk, mem_len, VARLEN)
@@ -1401,20 +1408,23 @@ def _launch_forward(q, k, v, out, lse, lse_strides, dims, *, causal, key_padding
     split = num_splits > 1
     tma = _tma_args("fwd", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0,
                     split)
-    fast(_attn_fwd_kernel)[(cdiv(max_q, bm), B * H, num_splits)](
-        q, k, v, o_target, l_target, kpm, rank, *(order if order is not None else (kv_end,) * 2),
-        kv_end, _seed_arg(q, dropout_p, seed), cu_q, cu_k,
-        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mstrides, *l_strides,
-        *split_strides, keys_per_split,
-        H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, float(dropout_p),
-        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_PERM=perm_rank is not None,
-        PERM_STRICT=perm_strict, SORTED=order is not None, DROPOUT=dropout_p > 0,
-        VARLEN=cu is not None, SPLIT_K=split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "fwd"),
-        FOLD=_fold(scale), **tma, **_reg_cap("fwd"),
-    )
+    seed_arg = _seed_arg(q, dropout_p, seed)
+    for bh0, n in bh_chunks(B * H):
+        fast(_attn_fwd_kernel)[(cdiv(max_q, bm), n, num_splits)](
+            q, k, v, o_target, l_target, kpm, rank,
+            *(order if order is not None else (kv_end,) * 2), kv_end, seed_arg, cu_q, cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *o_strides, *mstrides, *l_strides,
+            *split_strides, keys_per_split,
+            H, Tq, Tk, Tk - Tq, D, max_q, max_k, scale * LOG2E, float(dropout_p),
+            bh0, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
+            HAS_PERM=perm_rank is not None,
+            PERM_STRICT=perm_strict, SORTED=order is not None, DROPOUT=dropout_p > 0,
+            VARLEN=cu is not None, SPLIT_K=split,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, EVEN_D=bd == D,
+            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+            num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "fwd"),
+            FOLD=_fold(scale), **tma, **_reg_cap("fwd"),
+        )
     if split:
         _combine_splits(o_target, l_target, out, lse)
 
@@ -1489,13 +1499,14 @@ def _launch_bwd_ws(kernel, name, do, q, k, v, lse, delta, outs, lse_strides, dim
     grid = (cdiv(Tk, bn) if name == "dkdv" else cdiv(Tq, bm), B * H)
     keys = {} if name == "dkdv" else {"MASK_KEYS": not causal and Tk % bn != 0}
     with descriptor_scratch(q.device):
-        fast(kernel)[grid](
-            q, k, v, do, lse, delta, *outs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *outs[0].stride(), *lse_strides, H, Tq, Tk, Tk - Tq, D,
-            scale * LOG2E, scale, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_D=max(16, next_pow2(D)),
-            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-            num_warps=warps, num_stages=stages, **keys)
+        for bh0, n in bh_chunks(B * H):
+            fast(kernel)[(grid[0], n)](
+                q, k, v, do, lse, delta, *outs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *do.stride()[:3], *outs[0].stride(), *lse_strides, H, Tq, Tk, Tk - Tq, D,
+                scale * LOG2E, scale, bh0, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_D=max(16, next_pow2(D)),
+                UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+                num_warps=warps, num_stages=stages, **keys)
 
 
 def _launch_forward_ws(q, k, v, out, lse, lse_strides, dims, *, causal, scale):
@@ -1506,13 +1517,14 @@ def _launch_forward_ws(q, k, v, out, lse, lse_strides, dims, *, causal, scale):
     row = _override("fwd") or ((16, 16, 1, 1) if _interpreting() else _WS_ROW["fwd"])
     bm, bn, warps, stages = row
     with descriptor_scratch(q.device):
-        fast(_attn_fwd_ws_kernel)[(cdiv(Tq, bm), B * H)](
-            q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *out.stride(), *lse_strides, H, Tq, Tk, Tk - Tq, D, scale * LOG2E,
-            CAUSAL=causal, MASK_KEYS=not causal and Tk % bn != 0, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_D=max(16, next_pow2(D)),
-            UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-            FOLD=_fold(scale), num_warps=warps, num_stages=stages)
+        for bh0, n in bh_chunks(B * H):
+            fast(_attn_fwd_ws_kernel)[(cdiv(Tq, bm), n)](
+                q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *out.stride(), *lse_strides, H, Tq, Tk, Tk - Tq, D, scale * LOG2E,
+                bh0, CAUSAL=causal, MASK_KEYS=not causal and Tk % bn != 0, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_D=max(16, next_pow2(D)),
+                UPCAST=_interpreting() and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+                FOLD=_fold(scale), num_warps=warps, num_stages=stages)
 
 
 #: How the backward computes dQ: "kernel" (a second kernel over key blocks per query block,
@@ -1611,11 +1623,12 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
                         dropout_p > 0)
         if mode == "bulk":
             tma.update(_dq_bulk_args(dq_acc, bm, bd, order))
-        fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), B * H)](
-            q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
-            cu_q, cu_k, *dk.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
-            EXP_EMU=_exp_emu(q.dtype, "dkdv"), **tma, **_reg_cap("dkdv"))
+        for bh0, n in bh_chunks(B * H):
+            fast(_attn_bwd_dkdv_kernel)[(cdiv(max_k, bn), n)](
+                q, k, v, do, lse, delta, dk, dv, dq_acc, kpm, rank, *order_args, kv_end, seed_arg,
+                cu_q, cu_k, *dk.stride(), *strides, *scalars, bh0, **flags, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_D=bd, EVEN_D=bd == D, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages,
+                EXP_EMU=_exp_emu(q.dtype, "dkdv"), **tma, **_reg_cap("dkdv"))
         if atomic:
             dq.copy_(dq_acc)                        # scaled in the kernel: one pass here
             return
@@ -1625,11 +1638,12 @@ def _launch_backward(do, q, k, v, lse, delta, dq, dk, dv, lse_strides, dims, *, 
         return
     bm, bn, bd, warps, stages = _config("dq", D, q.dtype, causal, kind, dropout_p > 0)
     tma = _tma_args("dq", ("KD", "VD"), (k, v), bn, bd, q.device, cu, order, dropout_p > 0)
-    fast(_attn_bwd_dq_kernel)[(cdiv(max_q, bm), B * H)](
-        q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
-        *dq.stride(), *strides, *scalars, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        EVEN_D=bd == D, num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "dq"),
-        **tma, **_reg_cap("dq"))
+    for bh0, n in bh_chunks(B * H):
+        fast(_attn_bwd_dq_kernel)[(cdiv(max_q, bm), n)](
+            q, k, v, do, lse, delta, dq, kpm, rank, *order_args, kv_end, seed_arg, cu_q, cu_k,
+            *dq.stride(), *strides, *scalars, bh0, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+            EVEN_D=bd == D, num_warps=warps, num_stages=stages, EXP_EMU=_exp_emu(q.dtype, "dq"),
+            **tma, **_reg_cap("dq"))
 
 
 def attention_forward(q, k, v, *, causal=False, key_padding_mask=None, perm_rank=None,
@@ -1681,6 +1695,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal=False, key_padding_mask=
                        perm_rank=None, perm_strict=False, scale=None, dropout_p=0.0, seed=None,
                        perm_order=None):
     """Gradients (dq, dk, dv) of :func:`attention_forward`'s ``out`` for upstream ``do``."""
+    do = int32_addressable(do)
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
@@ -1744,6 +1759,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, *, causal=False, scale=None, dropout_p=0.0, seed=None):
     """Gradients (dq, dk, dv) of :func:`attention_varlen_forward`'s ``out``."""
+    do = int32_addressable(do)
     total_q, H, D = q.shape
     B = cu_seqlens_q.shape[0] - 1
     scale = D ** -0.5 if scale is None else scale
@@ -1771,11 +1787,12 @@ def _dropout_keep_kernel(
     SEED,        # [1] int64: the Philox seed
     KEEP,        # out: [B, H, Tq, Tk] uint8, contiguous (1 = kept)
     Tq, Tk, p_drop,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    bh = tl.program_id(2)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh = tl.program_id(2) + BH0
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)    # keys on x: any Tk
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     keep = _keep(tl.load(SEED), bh, offs_m, offs_n, Tq, Tk, p_drop)
     ptrs = KEEP + (bh.to(tl.int64) * Tq + offs_m[:, None]) * Tk + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < Tq) & (offs_n[None, :] < Tk))
@@ -1786,6 +1803,7 @@ def dropout_keep_mask(seed, B, H, Tq, Tk, dropout_p):
     Materialises O(Tq·Tk) memory: for tests and debugging."""
     keep = torch.empty((B, H, Tq, Tk), dtype=torch.uint8, device=seed.device)
     if keep.numel():
-        grid = (cdiv(Tq, 16), cdiv(Tk, 16), B * H)
-        fast(_dropout_keep_kernel)[grid](seed, keep, Tq, Tk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
+        for bh0, n in bh_chunks(B * H):
+            fast(_dropout_keep_kernel)[(cdiv(Tk, 16), cdiv(Tq, 16), n)](
+                seed, keep, Tq, Tk, float(dropout_p), bh0, BLOCK_M=16, BLOCK_N=16)
     return keep.bool()

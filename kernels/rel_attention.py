@@ -132,9 +132,9 @@ import triton.language as tl
 from ._common import (LOG2E, _bwd_delta_kernel, _combine_splits, _dot, _fold_scale, _has_tma,
                       _interpreting, _keep, _key_range, _mask_args, _new_output,
                       _online_softmax_step, _query_block, _seed_arg, _split_targets,
-                      _tf32_allowed, _tile_rows, _visible, bulk_add_args, cdiv,
+                      _tf32_allowed, _tile_rows, _visible, bh_chunks, bulk_add_args, cdiv,
                       check_deterministic, check_tma_mode, delta_blocks, flag_setting,
-                      next_pow2, row_tiles, tma_args)
+                      int32_addressable, next_pow2, row_tiles, tma_args)
 from . import _tune
 from ._launch import compiling_only, fast
 
@@ -504,6 +504,7 @@ def _rel_attn_fwd_kernel(
     H, Tq, Tk, mem_len, D, R_len, pos_start,
     window,         # WINDOW: pairs at distance >= window are masked
     qk_scale, p_drop,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -520,7 +521,7 @@ def _rel_attn_fwd_kernel(
     RB_MMA: tl.constexpr = False,   # the row bias as a product from RBD (_rb_tile, _rb_add)
 ):
     pid_m = _query_block(tl.program_id(0), CAUSAL)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     m0 = pid_m * BLOCK_M
@@ -665,6 +666,7 @@ def _rel_attn_bwd_dkdv_kernel(
     H, Tq, Tk, mem_len, D, R_len, pos_start,
     window,         # WINDOW: pairs at distance >= window are masked
     qk_scale, sm_scale, p_drop,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -673,7 +675,7 @@ def _rel_attn_bwd_dkdv_kernel(
     HALVES: tl.constexpr = False,   # the band of r in two chunks (see HALVES_MIN_BLOCK)
 ):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     n0 = pid_n * BLOCK_N
@@ -912,7 +914,7 @@ def _rel_attn_bwd_dq_kernel(
     RB, stride_rbh,     # (r_r_bias − r_w_bias)·r_m [H, R] fp32, padded (row_bias_table)
     DQ,             # [B, H, Tq, D] contiguous: dq without the segment term, written (in
                     # q's dtype, or fp32 where the launcher adds the segment term)
-    DBIAS,          # [2, B, H, ⌈Tq / BLOCK_M⌉, D] fp32, written: the query block's shares of
+    DBIAS,          # [B, H, 2, ⌈Tq / BLOCK_M⌉, D] fp32, written: the query block's shares of
                     # d(r_w_bias) = Σ_i d(q + u)_i and d(r_r_bias) = Σ_i d(q + v)_i
     SEG_A,          # [B, H, Tq, 2] fp32: Σ_j dS_ij over same / different segments (HAS_SEG)
     DR_ACC,         # ATOMIC_DR: dr accumulator [H, R, D] fp32 contiguous, zeroed, added to
@@ -928,6 +930,7 @@ def _rel_attn_bwd_dq_kernel(
     H, Tq, Tk, mem_len, D, R_len, pos_start,
     window,         # WINDOW: pairs at distance >= window are masked
     qk_scale, sm_scale, p_drop,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -951,7 +954,7 @@ def _rel_attn_bwd_dq_kernel(
     STORE_P: tl.constexpr = False,  # DR_GEMM: P stored too (DR_MODE "stored")
 ):
     pid_m = tl.program_id(0)        # (longest first, _query_block, spilled 28 B more here)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     if DR_BULK:
@@ -1056,10 +1059,10 @@ def _rel_attn_bwd_dq_kernel(
     tl.store(DQ + out_off, ((dqu + dqw) * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
     # this query block's shares of d(r_w_bias) = Σ_i d(q + u)_i and d(r_r_bias) = Σ_i
     # d(q + v)_i (rows past Tq hold 0: their dS is 0)
-    bias_off = (bh * tl.num_programs(0) + pid_m) * D + offs_d
+    bias_off = (bh * 2 * tl.num_programs(0) + pid_m) * D + offs_d      # [b, h, 0, pid_m]
     tl.store(DBIAS + bias_off, tl.sum(dqu, 0) * sm_scale, mask=offs_d < D)
     if not DR_GEMM:     # (else _rel_dqw_gemm_kernel's)
-        tl.store(DBIAS + tl.num_programs(1) * tl.num_programs(0) * D + bias_off,
+        tl.store(DBIAS + tl.num_programs(0) * D + bias_off,             # [b, h, 1, pid_m]
                  tl.sum(dqw, 0) * sm_scale, mask=offs_d < D)
     if HAS_SEG:
         # Every row of dS sums to 0 (Σ_j P dP = Δ, Σ_j P = 1; with dropout too): the two
@@ -1127,6 +1130,7 @@ def _rel_attn_bwd_dr_kernel(
     H, Tq, Tk, mem_len, D, R_len, pos_start,
     window,         # WINDOW: pairs at distance >= window are masked
     qk_scale, sm_scale, p_drop,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_PERM: tl.constexpr,
     PERM_STRICT: tl.constexpr, HAS_SEG: tl.constexpr, DROPOUT: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -1137,7 +1141,7 @@ def _rel_attn_bwd_dr_kernel(
     """One program owns BLOCK_N rows of r (the diagonals j - i = m - c of the score matrix)
     of one (b, h) and walks down those diagonals, one query block at a time."""
     pid_r = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     h = bh % H
     c = pos_start - mem_len
@@ -1239,7 +1243,8 @@ def _rel_attn_bwd_dr_kernel(
             ds_diag = _skewed(ds_lo, ds_hi, ii, BLOCK_M, BLOCK_N)        # [BLOCK_M, BLOCK_N]
         dr += _dot(tl.trans(ds_diag).to(qw.dtype), qw, UPCAST, PRECISION)
 
-    tl.store(DR + (bh * R_len + offs_r[:, None]) * D + offs_d[None, :], dr * sm_scale,
+    # int64: dr_b [B, H, R, D] may pass 2**31 elements where q, k, v and r do not (B * r's)
+    tl.store(DR + (bh.to(tl.int64) * R_len + offs_r[:, None]) * D + offs_d[None, :], dr * sm_scale,
              mask=(offs_r[:, None] < R_len) & d_ok)
 
 
@@ -1254,6 +1259,7 @@ def _rel_dkdv_gemm_kernel(
     KV_END,         # [B] int32 (HAS_KPM): the first padded key
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, Tq, Tk, mem_len, D, window, sm_scale,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, WINDOW: tl.constexpr,
     Q_BLOCK: tl.constexpr,      # the dQ kernel's BLOCK_M (DS_SPAN's query blocks)
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -1264,7 +1270,7 @@ def _rel_dkdv_gemm_kernel(
     the block (the dK/dV kernel's range), nothing recomputed (no scores, no exponentials,
     no skew). Entries a query block never stored read as 0."""
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     b = bh // H
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -1306,11 +1312,12 @@ def _rel_dqw_gemm_kernel(
     DS, DS_SPAN,    # as in _rel_dr_gemm_kernel (BLOCK_M's query blocks)
     R,              # r [H, R, D], any strides
     DQ,             # [B, H, Tq, D] fp32 contiguous: scale · d(q + u) (the dQ kernel's), added to
-    DBIAS,          # [2, B, H, ⌈Tq / BLOCK_M⌉, D] fp32: the second half written (as the dQ
+    DBIAS,          # [B, H, 2, ⌈Tq / BLOCK_M⌉, D] fp32: plane 1 written (as the dQ
                     # kernel does without DR_GEMM)
     H, Tq, Tk, R_len, D, c,     # c = pos_start − mem_len: pair (i, j) uses r row c + j − i
     sm_scale,
     stride_rh, stride_rm, stride_rd,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     BLOCK_M: tl.constexpr,      # the dQ kernel's (its programs and DS_SPAN's blocks)
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -1322,7 +1329,7 @@ def _rel_dqw_gemm_kernel(
     block's share of d(r_r_bias)). The dQ kernel then needs neither the rotation of dS onto
     r's rows nor the product with r (DR_MODE "gemm")."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1) + BH0
     h = bh % H
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -1350,7 +1357,7 @@ def _rel_dqw_gemm_kernel(
     q_mask = row_ok[:, None] & d_ok
     dq_ptrs = DQ + (bh * Tq + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=q_mask, other=0.0) + acc, mask=q_mask)
-    tl.store(DBIAS + (tl.num_programs(1) + bh) * tl.num_programs(0) * D + pid_m * D + offs_d,
+    tl.store(DBIAS + ((bh * 2 + 1) * tl.num_programs(0) + pid_m) * D + offs_d,  # [b, h, 1, m]
              tl.sum(acc, 0), mask=offs_d < D)
 
 
@@ -1917,6 +1924,7 @@ def _rel_bwd_prep_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_qb, stride_qh, stride_qm, stride_qd,
     H, Tq, D,
+    BH0,            # first (batch, head) of this launch (_common.bh_chunks)
     HAS_SEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """What the backward's dK/dV and dR kernels need per query row before their loops: Δ
@@ -1925,8 +1933,9 @@ def _rel_bwd_prep_kernel(
     segment terms, summed in fp32 (those kernels loaded q and formed all of them at every
     tile before)."""
     _bwd_delta_kernel(DO, O, DELTA, stride_dob, stride_doh, stride_dom, stride_dod,
-                      stride_ob, stride_oh, stride_om, stride_od, H, Tq, D, BLOCK_M, BLOCK_D)
-    bh = tl.program_id(1)
+                      stride_ob, stride_oh, stride_om, stride_od, H, Tq, D, BH0, BLOCK_M,
+                      BLOCK_D)
+    bh = tl.program_id(1) + BH0
     b = (bh // H).to(tl.int64)
     h = bh % H
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1959,10 +1968,11 @@ def _bwd_prep(do, out, q, u, w, dtype, seg_embed=None, r_s_bias=None):
     if delta.numel() == 0:
         return delta, qu, qw, ef
     block_m, block_d = delta_blocks(D)
-    fast(_rel_bwd_prep_kernel)[(cdiv(Tq, block_m), B * H)](
-        do, out, delta, q, u, w, qu, qw, seg_embed if has_seg else u,
-        r_s_bias if has_seg else u, ef, *do.stride(), *out.stride(), *q.stride(), H, Tq, D,
-        HAS_SEG=has_seg, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    for bh0, n in bh_chunks(B * H):
+        fast(_rel_bwd_prep_kernel)[(cdiv(Tq, block_m), n)](
+            do, out, delta, q, u, w, qu, qw, seg_embed if has_seg else u,
+            r_s_bias if has_seg else u, ef, *do.stride(), *out.stride(), *q.stride(), H, Tq,
+            D, bh0, HAS_SEG=has_seg, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     return delta, qu, qw, ef
 
 
@@ -2084,25 +2094,26 @@ def rel_attention_forward(q, k, v, r, r_w_bias, r_r_bias, *, causal=True, pos_st
         warps, stages = _config(D, Tq, q.dtype)[4:]
         tma = _tma_args("fwd", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
         rb_mma = _rb_mma_args(tma, q.dtype, bm, bn, split_table)
-        fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), B * H, num_splits)](
-            q, k, v, r, u, rb, rb.stride(0), sq, sk, se, rsb, o_target, l_target, kpm, rank,
-            kv_end, seed_arg,
-            *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
-            *split_strides, keys_per_split, *mstrides,
-            sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
-            H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, window or 0, scale * LOG2E,
-            float(dropout_p),
-            CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-            HAS_PERM=perm_rank is not None, PERM_STRICT=perm_strict, HAS_SEG=has_seg,
-            DROPOUT=dropout_p > 0, WINDOW=window is not None, SPLIT_K=split,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
-            # (the interpreter gets bf16 dots wrong: fp32 products for bf16 calls, and for
-            # fp16 ones with the bf16 row bias product; fp16's are exact in fp32 either way)
-            UPCAST=_interpreting() and (q.dtype == torch.bfloat16 or bool(rb_mma)),
-            PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
-            FOLD=_fold_scale(scale) and _override("fold") is not False,
-            num_warps=warps, num_stages=stages, **tma, **rb_mma, **_reg_cap("fwd"),
-        )
+        for bh0, n in bh_chunks(B * H):
+            fast(_rel_attn_fwd_kernel)[(cdiv(Tq, bm), n, num_splits)](
+                q, k, v, r, u, rb, rb.stride(0), sq, sk, se, rsb, o_target, l_target, kpm, rank,
+                kv_end, seed_arg,
+                *q.stride(), *k.stride(), *v.stride(), *r.stride(), *o_strides, *l_strides,
+                *split_strides, keys_per_split, *mstrides,
+                sq.stride(0) if has_seg else 0, sk.stride(0) if has_seg else 0,
+                H, Tq, Tk, Tk - Tq, D, r.shape[1], pos_start, window or 0, scale * LOG2E,
+                float(dropout_p),
+                bh0, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
+                HAS_PERM=perm_rank is not None, PERM_STRICT=perm_strict, HAS_SEG=has_seg,
+                DROPOUT=dropout_p > 0, WINDOW=window is not None, SPLIT_K=split,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BAND=band,
+                # (the interpreter gets bf16 dots wrong: fp32 products for bf16 calls, and for
+                # fp16 ones with the bf16 row bias product; fp16's are exact in fp32 either way)
+                UPCAST=_interpreting() and (q.dtype == torch.bfloat16 or bool(rb_mma)),
+                PRECISION=dot_precision(q.dtype), CARRY=_carry(D, q.dtype),
+                FOLD=_fold_scale(scale) and _override("fold") is not False,
+                num_warps=warps, num_stages=stages, **tma, **rb_mma, **_reg_cap("fwd"),
+            )
         if split:
             _combine_splits(o_target, l_target, out, lse)
     if Tq <= DECODE_MAX_Q:          # the decoding tile: one launch row, nothing to tune
@@ -2121,6 +2132,7 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                            r_s_bias=None, scale=None, dropout_p=0.0, seed=None):
     """Gradients of :func:`rel_attention_forward`'s ``out``: (dq, dk, dv, dr, d_r_w_bias,
     d_r_r_bias, d_seg_embed, d_r_s_bias); the last two are None without segments."""
+    do = int32_addressable(do)
     B, H, Tq, D = q.shape
     Tk, R = k.shape[2], r.shape[1]
     pos_start = Tk - 1 if pos_start is None else pos_start
@@ -2175,11 +2187,12 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                       for k, (w_, s_) in _bwd_launch(D, q.dtype, atomic).items()}
             stored = mode in ("gemm", "stored")     # dS (and P) stored, summed by GEMMs
             if mode != "stored":                     # ("stored": dK, dV by a GEMM below)
-                fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), B * H)](
-                    k, v, do, qu, r, rb, rb.stride(0), sq, sk, ef, lse, delta, dk, dv,
-                    kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dkdv"],
-                    HALVES=bn >= HALVES_MIN_BLOCK)
-            d_bias = _new_output((2, B, H, cdiv(Tq, bm), D), torch.float32, q.device)
+                for bh0, n in bh_chunks(B * H):
+                    fast(_rel_attn_bwd_dkdv_kernel)[(cdiv(Tk, bn), n)](
+                        k, v, do, qu, r, rb, rb.stride(0), sq, sk, ef, lse, delta, dk, dv,
+                        kpm, rank, kv_end, seed_arg, *common, bh0, **flags, **launch["dkdv"],
+                        HALVES=bn >= HALVES_MIN_BLOCK)
+            d_bias = _new_output((B, H, 2, cdiv(Tq, bm), D), torch.float32, q.device)
             # stored: dq's two terms apart (fp32), dS (and P), the keys each block stored
             dq_out = torch.empty_like(dq, dtype=torch.float32) \
                 if stored and dq.dtype != torch.float32 else dq
@@ -2198,26 +2211,29 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                     if atomic else dq
                 bulk = _dr_bulk_args(dr_acc, bn, bd) if mode == "bulk" else {}
             tma = _tma_args("dq", ("KD", "VD", "RD"), (k, v, r.unsqueeze(0)), bm, bn, bd)
-            fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), B * H)](
-                q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, rb, rb.stride(0), dq_out,
-                d_bias, seg_a, dr_acc,
-                kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dq"],
-                ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype), **tma, **bulk)
+            for bh0, n in bh_chunks(B * H):
+                fast(_rel_attn_bwd_dq_kernel)[(cdiv(Tq, bm), n)](
+                    q, k, v, do, r, u, w, sq, sk, se, rsb, lse, delta, rb, rb.stride(0), dq_out,
+                    d_bias, seg_a, dr_acc,
+                    kpm, rank, kv_end, seed_arg, *common, bh0, **flags, **launch["dq"],
+                    ATOMIC_DR=atomic, CARRY=_carry(D, q.dtype), **tma, **bulk)
             if stored:
                 br = 16 if _interpreting() else 64 if k.dtype.itemsize == 2 else 32
                 c = pos_start - (Tk - Tq)
                 if mode == "stored":
-                    fast(_rel_dkdv_gemm_kernel)[(cdiv(Tk, br), B * H)](
-                        dr_acc, planes[1], span, qu, do, dk, dv, kv_end, *do.stride(),
-                        H, Tq, Tk, Tk - Tq, D, window or 0, scale, CAUSAL=causal,
-                        HAS_KPM=key_padding_mask is not None, WINDOW=window is not None,
-                        Q_BLOCK=bm, BLOCK_N=br, BLOCK_M=br, BLOCK_D=bd,
-                        UPCAST=flags["UPCAST"], PRECISION=flags["PRECISION"],
-                        **_dr_gemm_launch())
-                fast(_rel_dqw_gemm_kernel)[(cdiv(Tq, bm), B * H)](
-                    dr_acc, span, r, dq_out, d_bias, H, Tq, Tk, R, D, c, scale, *r.stride(),
-                    BLOCK_M=bm, BLOCK_R=br, BLOCK_D=bd, UPCAST=flags["UPCAST"],
-                    PRECISION=flags["PRECISION"], **_dr_gemm_launch())
+                    for bh0, n in bh_chunks(B * H):
+                        fast(_rel_dkdv_gemm_kernel)[(cdiv(Tk, br), n)](
+                            dr_acc, planes[1], span, qu, do, dk, dv, kv_end, *do.stride(),
+                            H, Tq, Tk, Tk - Tq, D, window or 0, scale, bh0, CAUSAL=causal,
+                            HAS_KPM=key_padding_mask is not None, WINDOW=window is not None,
+                            Q_BLOCK=bm, BLOCK_N=br, BLOCK_M=br, BLOCK_D=bd,
+                            UPCAST=flags["UPCAST"], PRECISION=flags["PRECISION"],
+                            **_dr_gemm_launch())
+                for bh0, n in bh_chunks(B * H):
+                    fast(_rel_dqw_gemm_kernel)[(cdiv(Tq, bm), n)](
+                        dr_acc, span, r, dq_out, d_bias, H, Tq, Tk, R, D, c, scale, *r.stride(),
+                        bh0, BLOCK_M=bm, BLOCK_R=br, BLOCK_D=bd, UPCAST=flags["UPCAST"],
+                        PRECISION=flags["PRECISION"], **_dr_gemm_launch())
                 if dq_out is not dq:
                     dq.copy_(dq_out)
                 dr_out = _new_output((H, R, D), torch.float32, q.device)
@@ -2232,12 +2248,13 @@ def rel_attention_backward(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, *, caus
                 done["dr"] = dr_acc.mul_(scale)
             else:
                 dr_b = _new_output((B, H, R, D), torch.float32, q.device)
-                fast(_rel_attn_bwd_dr_kernel)[(cdiv(R, bn), B * H)](
-                    k, v, do, qu, qw, r, rb, rb.stride(0), sq, sk, ef, lse, delta, dr_b,
-                    kpm, rank, kv_end, seed_arg, *common, **flags, **launch["dr"],
-                    HALVES=bn >= HALVES_MIN_BLOCK)
+                for bh0, n in bh_chunks(B * H):
+                    fast(_rel_attn_bwd_dr_kernel)[(cdiv(R, bn), n)](
+                        k, v, do, qu, qw, r, rb, rb.stride(0), sq, sk, ef, lse, delta, dr_b,
+                        kpm, rank, kv_end, seed_arg, *common, bh0, **flags, **launch["dr"],
+                        HALVES=bn >= HALVES_MIN_BLOCK)
                 done["dr"] = dr_b.sum(0) if B > 1 else dr_b[0]
-            done["d_rw"], done["d_rr"] = d_bias[0].sum((0, 2)), d_bias[1].sum((0, 2))  # [H, D]
+            done["d_rw"], done["d_rr"] = (d_bias[:, :, i].sum((0, 2)) for i in (0, 1))  # [H, D]
         _tuned(("dkdv", "dq", "dr"), q, (B, H, Tq, Tk, D),
                (causal, key_padding_mask is not None, perm_rank is not None, has_seg,
                 dropout_p > 0, window is not None, False), run,

@@ -277,12 +277,9 @@ def _toy_desc(x_ptr, n, W: tl.constexpr, D=None, TMA: tl.constexpr = False):
 _toy_desc_kernel = JITFunction(_toy_desc)
 
 
-def test_descriptor_keywords_are_each_calls_own(toy, monkeypatch):
-    """A tensor descriptor passed by keyword (the attention kernels' KD / VD / QD / DOD) is
-    keyed as Triton specialises it (dtype and block: kernels._common.RowTiles), so two
-    calls on different tensors share the compiled kernel; the second launch must get the
-    second call's descriptor, not the first's (which the table does not keep alive)."""
-    from ctxfast.kernels._common import row_tiles
+def _desc_toy(toy, monkeypatch):
+    """(FastKernel around _toy_desc_kernel, the toy's log), its Triton path faked as the
+    toy fixture's: each 'slow' launch logged as ("jit",)."""
     _, log = toy
     compiled = {}
     binder = _binder(_toy_desc_kernel)
@@ -296,7 +293,16 @@ def test_descriptor_keywords_are_each_calls_own(toy, monkeypatch):
                    None, *bound.values())
         return kernel
     monkeypatch.setattr(_toy_desc_kernel, "run", jit_run, raising=False)
-    fk = _launch.fast(_toy_desc_kernel)
+    return _launch.fast(_toy_desc_kernel), log
+
+
+def test_descriptor_keywords_are_each_calls_own(toy, monkeypatch):
+    """A tensor descriptor passed by keyword (the attention kernels' KD / VD / QD / DOD) is
+    keyed as Triton specialises it (dtype and block: kernels._common.RowTiles), so two
+    calls on different tensors share the compiled kernel; the second launch must get the
+    second call's descriptor, not the first's (which the table does not keep alive)."""
+    from ctxfast.kernels._common import row_tiles
+    fk, log = _desc_toy(toy, monkeypatch)
     a, b = (torch.randn(2, 3, 40, 16, dtype=torch.float16) for _ in range(2))
     da, db = row_tiles(a, 16, 16), row_tiles(b, 16, 16)
     x = _x()
@@ -309,6 +315,33 @@ def test_descriptor_keywords_are_each_calls_own(toy, monkeypatch):
     assert launches[1][-1] == (x, 80, 4, db, True)
     fk[(1,)](x, 64, W=4, D=row_tiles(b, 32, 16), TMA=True)          # another block: new key
     assert fk.misses == 2
+
+
+def test_keyword_tensors_are_keyed_by_class_and_not_kept(toy, monkeypatch):
+    """The table's keys hold no tensor: a descriptor keyword's key is its dtype and block,
+    not the descriptor (which holds its tensor: on a GPU the first call's k and v stayed
+    alive for the table's life), and a plain tensor keyword (rel_attention's DS_SPAN) is
+    keyed by its class, not its identity (each call was a new key, up to MAX_KEYS entries
+    each holding its call's tensors)."""
+    import gc
+    import weakref
+    from ctxfast.kernels._common import row_tiles
+    fk, log = _desc_toy(toy, monkeypatch)
+    x = _x()
+    a = torch.randn(2, 3, 40, 16, dtype=torch.float16)
+    gone = weakref.ref(a)
+    fk[(1,)](x, 64, W=4, D=row_tiles(a, 16, 16), TMA=True)
+    log.clear()
+    del a
+    gc.collect()
+    assert gone() is None, "the launch table keeps the descriptor's tensor alive"
+    for _ in range(3):                      # a new tensor each call: one compiled kernel
+        t = torch.zeros(8, dtype=torch.int32)
+        fk[(1,)](x, 64, W=4, D=t)
+        assert log[-1][-1][3] is t          # this call's own tensor
+    assert fk.misses == 2 and fk.hits == 2 and len(fk.cache) == 2
+    assert all(not isinstance(v, torch.Tensor)
+               for key in fk.cache for part in key[1][1] for v in part)
 
 
 def test_constexpr_passed_by_position_is_keyed_by_value(toy):
