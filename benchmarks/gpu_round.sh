@@ -327,7 +327,7 @@ VERIFY_FILES="tests/gpu tests/test_linear.py tests/test_lstm.py tests/test_tune.
   tests/test_build_flags.py tests/test_cuda_bindings.py tests/test_lstm_native.py tests/test_attention.py
   tests/test_rel_attention.py tests/test_rel_attention_bwd.py tests/test_rel_attention_decode.py
   tests/test_rel_attention_precision.py tests/test_grad_call.py tests/test_launch.py
-  tests/test_dispatch.py"
+  tests/test_dispatch.py tests/test_gpu_limits.py"
 stage_verify() {
   device_lines
   build
