@@ -42,7 +42,8 @@ recurrent weight is re-read from L2 every step (fp32 ULMFiT ``w_hh`` is 21 MB; t
 is 50 MB): no launch, no host round trip and no HBM pass per step.
 
 The same kernel also runs *stepwise*: launched once per step and phase (``n0 .. n1`` one
-step, ``RUN_*`` one phase, no barrier) where a cooperative launch is not possible, and
+step, ``RUN_*`` one phase, no barrier) where a cooperative launch is not possible (no
+support in Triton, or the driver refused one on that device: :func:`_cooperative`), and
 in Triton's interpreter, which runs the programs of a grid one after another (a barrier
 across programs would wait forever there). The interpreter runs the persistent form with a
 single program (which then owns every tile, and passes each barrier alone), so the CPU tests
@@ -97,6 +98,7 @@ tf32x3 by default, :data:`FP32_PRECISION`; fp64 as FMA).
 """
 import functools
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -987,6 +989,50 @@ def _bwd_split_config(cfg: dict, B: int, H: int, P: int, device: torch.device) -
     return dict(KSPLIT=cdiv(k_steps, chunk), K_CHUNK=chunk * cfg["BLOCK_K"], BLOCK_PS=bps)
 
 
+#: Devices whose driver refused the persistent form's cooperative launch: the grid (one
+#: program per SM torch reports) was more than the device could hold at once, as under
+#: MPS with an active-thread percentage. With :data:`LAUNCH` None they run the stepwise
+#: form from then on (the README promises per-step launches where the persistent one
+#: cannot run); "persistent" asked for raises.
+_REFUSED: set = set()
+
+
+class _CooperativeRefused(Exception):
+    """A persistent launch the driver refused (:func:`_cooperative`); the caller reruns."""
+
+
+def _device_key(device: torch.device):
+    return device.type, device.index
+
+
+def _cooperative(launch, device: torch.device) -> None:
+    """``launch()``, the persistent form's one cooperative launch. Where the driver refuses it
+    as larger than the device holds at once ("too many blocks in cooperative launch", which
+    launches nothing) and no form was asked for, the device is marked to run the stepwise
+    form, with a warning, and :class:`_CooperativeRefused` raised for the caller to rerun."""
+    try:
+        launch()
+    except RuntimeError as e:
+        if "cooperative launch" not in str(e) or _setting("LAUNCH") == "persistent":
+            raise
+        _REFUSED.add(_device_key(device))
+        warnings.warn(f"ctxfast.lstm: the driver refused the persistent kernel's cooperative "
+                      f"launch on {device} ({e}); running the per-step launches on it from "
+                      "now on", RuntimeWarning, stacklevel=3)
+        raise _CooperativeRefused from e
+
+
+def _rerun_if_refused(fn):
+    """``fn`` once more, in the stepwise form, if its persistent launch was refused."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _CooperativeRefused:
+            return fn(*args, **kwargs)          # _plan: stepwise on this device now
+    return run
+
+
 def _plan(B: int, H: int, P: int, dtype: torch.dtype,
           device: torch.device) -> Tuple[dict, Optional[int], dict]:
     """(tile config, persistent grid or None for stepwise, launch options)."""
@@ -1011,9 +1057,10 @@ def _plan(B: int, H: int, P: int, dtype: torch.dtype,
     mode = _setting("LAUNCH")
     if mode not in (None, "persistent", "stepwise"):
         raise ValueError(f"kernels.lstm.LAUNCH must be None, 'persistent' or 'stepwise', got {mode!r}")
+    refused = mode is None and _device_key(device) in _REFUSED
     if _interpreting():                   # programs run one after another: one program
-        return cfg, (None if mode == "stepwise" else 1), {}
-    if mode == "stepwise" or (mode is None and not _COOPERATIVE):
+        return cfg, (None if mode == "stepwise" or refused else 1), {}
+    if mode == "stepwise" or (mode is None and (not _COOPERATIVE or refused)):
         return cfg, None, {}
     if not _COOPERATIVE:
         raise RuntimeError("the persistent LSTM needs Triton's launch_cooperative_grid "
@@ -1140,6 +1187,7 @@ def _common(dtype: torch.dtype) -> dict:
                 PRECISION=lstm_precision(dtype))
 
 
+@_rerun_if_refused
 def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: torch.Tensor,
                  w_hr: Optional[torch.Tensor], mask: Optional[torch.Tensor], scale: float,
                  cell_clip: float, proj_clip: float,
@@ -1190,8 +1238,8 @@ def lstm_forward(xw: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_hh: tor
               PROJ_SPLIT=split, **split_cfg, **cfg, **_common(dtype),
               H16=h16, UPCAST16=_interpreting(), BLOCK_K16=block_k16)
     if grid is not None:                                     # one launch, every step
-        fast(_lstm_fwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True,
-                                  **kw, **options)
+        _cooperative(lambda: fast(_lstm_fwd_kernel)[(grid,)](
+            *args, 0, T, RUN_CELL=True, RUN_PROJ=True, SYNC=True, **kw, **options), xw.device)
         return out, cells, gates
     n_cell = n_bb * n_hb
     n_proj = n_bb * cdiv(P, split_cfg["BLOCK_R"] if split else cfg["BLOCK_P"])
@@ -1210,6 +1258,7 @@ def _clip_values(dtype: torch.dtype, scale: float, clip: float) -> Tuple[float, 
     return scale, clip_s, _below(clip_s, dtype)
 
 
+@_rerun_if_refused
 def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Tensor,
                   c0: torch.Tensor, w_hh: torch.Tensor, w_hr: Optional[torch.Tensor],
                   mask: Optional[torch.Tensor], scale: float, cell_clip: float,
@@ -1265,8 +1314,9 @@ def lstm_backward(grad_out: torch.Tensor, grad_cells: torch.Tensor, h0: torch.Te
               CELL_CLIP=not math.isinf(cell_clip), PROJ_GATE=proj_gate, **cfg, **split,
               **_common(dtype))
     if grid is not None:                                     # one launch, every step
-        fast(_lstm_bwd_kernel)[(grid,)](*args, 0, T, RUN_CELL=True, RUN_DH=True,
-                                  RUN_REDUCE=True, SYNC=True, **kw, **options)
+        _cooperative(lambda: fast(_lstm_bwd_kernel)[(grid,)](
+            *args, 0, T, RUN_CELL=True, RUN_DH=True, RUN_REDUCE=True, SYNC=True, **kw,
+            **options), gates.device)
     else:
         n_cell = n_bb * cdiv(H, cfg["BLOCK_H"])
         for n in range(T):                                   # stepwise: a launch per phase

@@ -761,6 +761,55 @@ def test_triton_launch_plan_on_a_gpu(monkeypatch):
         lstm_kernels._plan(64, 1152, 1152, torch.float32, cuda)
 
 
+@pytest.mark.skipif("triton" not in ctxfast.BACKENDS
+                    or ctxfast.why_unavailable("triton", DEVICE) is not None,
+                    reason="runs the Triton LSTM kernels (CUDA or TRITON_INTERPRET=1)")
+def test_a_refused_cooperative_launch_reruns_stepwise(monkeypatch):
+    """Where the driver refuses the persistent form's cooperative launch (the grid, one
+    program per SM that torch reports, more than the device holds at once: MPS with an
+    active-thread percentage), the call reruns in the stepwise form with a warning, equal to
+    it bit for bit, and the device runs stepwise from then on; with LAUNCH "persistent"
+    asked for, the refusal is raised. (The refusal is simulated: the launch raises what
+    Triton raises for CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE.)"""
+    klstm = pytest.importorskip("ctxfast.kernels.lstm")
+    args, kw = _inputs(5, 3, 7, 16, mask=True)
+
+    def run():
+        out, h, c = _call(ctxfast.lstm, args, kw, backend="triton")
+        leaves = [v for v in args.values() if v is not None]
+        return [out, h, c, *torch.autograd.grad((out ** 2).sum() + c.sum(), leaves)]
+
+    monkeypatch.setattr(klstm, "LAUNCH", "stepwise")
+    stepwise = run()
+    monkeypatch.setattr(klstm, "LAUNCH", None)
+    monkeypatch.setattr(klstm, "_REFUSED", set())
+    real, refused = klstm.fast, []
+
+    def refusing(kernel):
+        launcher = real(kernel)
+
+        class Launch:
+            def __getitem__(self, grid):
+                def go(*a, **k):
+                    if k.get("SYNC"):
+                        refused.append(kernel.__name__)
+                        raise RuntimeError("Triton Error [CUDA]: too many blocks in "
+                                           "cooperative launch")
+                    return launcher[grid](*a, **k)
+                return go
+        return Launch()
+    monkeypatch.setattr(klstm, "fast", refusing)
+    with pytest.warns(RuntimeWarning, match="refused the persistent kernel"):
+        got = run()
+    assert refused == ["_lstm_fwd_kernel"]      # the backward already knew: stepwise
+    assert all(torch.equal(a, b) for a, b in zip(got, stepwise))
+    assert run() and refused == ["_lstm_fwd_kernel"]
+    monkeypatch.setattr(klstm, "_REFUSED", set())
+    monkeypatch.setattr(klstm, "LAUNCH", "persistent")
+    with pytest.raises(RuntimeError, match="cooperative launch"):
+        run()
+
+
 # --------------------------------------------------------------------------- dispatch
 
 def test_default_backend_on_cpu():
