@@ -116,6 +116,17 @@ def test_a_module_without_is_causal_is_refused():
         model(input_ids=torch.randint(3, 100, (2, 6), device=DEVICE))
 
 
+@pytest.mark.parametrize("name", sorted(ctxfast_hf._UNSUPPORTED))
+def test_arguments_that_change_the_result_are_refused(name):
+    # attention sinks (gpt-oss's s_aux), sparse indices, packed cu_seq_lens, ...: ignored,
+    # they gave another result than the model's own attention without a word
+    fn = ctxfast_hf.make_attention_function("eager")
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=f"{name}="):
+        fn(torch.nn.Module(), q, q, q, None, is_causal=True, **{name: torch.zeros(2)})
+    fn(torch.nn.Module(), q, q, q, None, is_causal=True, **{name: None})     # None: absent
+
+
 def test_output_attentions_is_refused_not_dropped():
     # it returned no weights (attentions == ()) without a word
     model = _bert()

@@ -308,6 +308,9 @@ def test_empty_sequence_returns_hx_unchanged(backend, given_hx):
     assert out.shape == (0, 3, 12)
     if given_hx:
         assert torch.equal(h, args["h0"]) and torch.equal(c, args["c0"])
+        # copies, never the caller's tensors (h_n.zero_() zeroed the caller's h0)
+        assert owns_storage(h) and owns_storage(c)
+        assert h.data_ptr() != args["h0"].data_ptr() and c.data_ptr() != args["c0"].data_ptr()
         gh, gc = torch.randn_like(h), torch.randn_like(c)
         dh0, dc0 = torch.autograd.grad((h, c), (args["h0"], args["c0"]), (gh, gc))
         assert torch.equal(dh0, gh) and torch.equal(dc0, gc)

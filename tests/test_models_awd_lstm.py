@@ -186,6 +186,16 @@ def test_lm_from_fastai_state_dict_matches_plain_pytorch(version, tie):
         assert_close(other(x1)[0], out1, name="logits after load_fastai_state_dict")
 
 
+def test_a_tie_override_refuses_an_untied_checkpoint():
+    # tie_weights=True over an untied fastai checkpoint kept one of the two matrices
+    sd, _ = _fastai_lm_state_dict(V, 8, 12, 2, "v2", tie=False)
+    with pytest.raises(ValueError, match="ties .*decoder.weight|ties .*encoder.weight"):
+        AWDLSTMLM.from_fastai(sd, pad_token=1, tie_weights=True)
+    tied = AWDLSTMLM(_config(n_hid=12, n_layers=2, tie_weights=True))
+    with pytest.raises(ValueError, match="load_fastai_state_dict: the model ties"):
+        tied.load_fastai_state_dict(sd)
+
+
 def _fastai_pool(output, mask, bptt):
     """fastai's masked_concat_pool, re-derived: last = the output at -(pads among the last
     bptt positions) - 1, then max and mean over the non-padding positions."""

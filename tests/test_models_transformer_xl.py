@@ -197,6 +197,26 @@ def test_load_refuses_missing_and_wrong_names():
         TransformerXL.from_state_dict({"foo": torch.zeros(1)})
 
 
+def test_a_tie_override_refuses_an_untied_checkpoint():
+    """tie_weight=True over a checkpoint whose output layer is not its embedding loaded
+    both into the one parameter and kept the last (log-probs off by 0.63): refused now."""
+    c = tiny()
+    sd = synth_original_state_dict(c)
+    sd["crit.out_layers.0.weight"] = torch.randn_like(sd["word_emb.emb_layers.0.weight"])
+    over = dict(mem_len=c.mem_len, pre_lnorm=False)
+    assert not TransformerXL.from_state_dict(sd, **over).config.tie_weight      # as stored
+    with pytest.raises(ValueError, match="ties crit.out_layers.0.weight and "
+                                         "word_emb.emb_layers.0.weight|ties word_emb"):
+        TransformerXL.from_state_dict(sd, tie_weight=True, **over)
+
+
+@pytest.mark.parametrize("field, value", [("d_model", 33), ("dropout", 1.5),
+                                          ("dropatt", 1.0), ("dropatt", -0.1)])
+def test_config_refuses_bad_values_by_name(field, value):
+    with pytest.raises(ValueError, match=f"TransformerXLConfig.{field} must"):
+        TransformerXL(tiny(**{field: value, **({"d_head": 11} if field == "d_model" else {})}))
+
+
 # --------------------------------------------------------------------------- kernels vs eager
 
 def _grads_of(model, x, y, mems):

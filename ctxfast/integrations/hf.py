@@ -10,7 +10,11 @@ instead of a materialised ``[B, 1, Tq, Tk]`` one; causality comes from the modul
 ``is_causal``. Decoding with a cache works as is: ctxfast's causal mask is bottom-right
 aligned, so the last ``Tq`` positions see the whole past. Masks that are not plain
 causal or bidirectional (sliding windows, chunks, packed-sequence overlays) and 4-D
-masks passed by the user are refused with an error rather than computed wrong.
+masks passed by the user are refused with an error rather than computed wrong, as are
+the attention call's arguments that change the result and that ctxfast does not compute
+(:data:`_UNSUPPORTED`: sinks, soft caps, sparse indices, packed ``cu_seq_lens``) and
+``output_attentions=True``. GPT-2 takes ``output_attentions`` itself and does not pass it
+on: its ``attentions`` come back empty, as with ``"sdpa"``.
 
 transformers is optional: importing this module does not import it; :func:`register` does.
 """
@@ -29,15 +33,28 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, n_rep, T, D).reshape(B, Hkv * n_rep, T, D)
 
 
+#: Keyword arguments of transformers' attention calls that change the result and that
+#: ctxfast's attention does not compute: refused when given (not None), not ignored. (The
+#: models that pass sinks or a sliding window also build masks the mask function refuses;
+#: refused here too, whatever mask comes with them.)
+_UNSUPPORTED = {
+    "softcap": "a logit soft cap", "position_bias": "an additive position_bias",
+    "s_aux": "attention sinks", "sinks": "attention sinks",
+    "sliding_window": "a sliding window", "indices": "sparse (top-k) attention",
+    "block_indices": "block-sparse attention",
+    "cu_seq_lens_q": "packed sequences", "cu_seq_lens_k": "packed sequences",
+}
+
+
 def make_attention_function(backend: Optional[str] = None):
     """The function registered with transformers' ``AttentionInterface``."""
 
     def ctxfast_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                   scaling=None, is_causal=None, **kwargs):
-        if kwargs.get("softcap") is not None:
-            raise ValueError("ctxfast attention does not support softcap")
-        if kwargs.get("position_bias") is not None:
-            raise ValueError("ctxfast attention does not support an additive position_bias")
+        for name, what in _UNSUPPORTED.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"ctxfast attention does not support {what} ({name}=); use "
+                                 "attn_implementation='sdpa' or 'eager' for this model")
         if kwargs.get("output_attentions"):
             raise ValueError("ctxfast attention does not form the attention weights "
                              "(output_attentions=True); use attn_implementation='eager' "

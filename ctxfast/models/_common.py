@@ -40,6 +40,55 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+def check_fields(config, *, positive=(), non_negative=(), optional_positive=(),
+                 optional_non_negative=(), drop_rates=(), attn_rates=()) -> None:
+    """ValueError naming the config class and field unless every field of each group holds:
+    ints ``>= 1`` / ``>= 0`` (the optional ones may be None), dropout rates in ``[0, 1]``
+    (``nn.Dropout``'s range; None passes) and attention dropout rates in ``[0, 1)`` (the ops
+    refuse 1), so that a bad config fails when it is built, not at the first training step
+    (or never: a negative memory length ran, read two ways)."""
+    cls = type(config).__name__
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    for names, least, optional in ((positive, 1, False), (non_negative, 0, False),
+                                   (optional_positive, 1, True),
+                                   (optional_non_negative, 0, True)):
+        for name in names:
+            v = getattr(config, name)
+            if not (optional and v is None) and not (is_int(v) and v >= least):
+                raise ValueError(f"{cls}.{name} must be an int >= {least}"
+                                 f"{' or None' if optional else ''}, got {v!r}")
+    for names, top, closed in ((drop_rates, 1.0, True), (attn_rates, 1.0, False)):
+        for name in names:
+            v = getattr(config, name)
+            if v is None:
+                continue
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v and (
+                v <= top if closed else v < top)
+            if not ok:
+                raise ValueError(f"{cls}.{name} must be a probability in [0, 1"
+                                 f"{']' if closed else ')'}, got {v!r}")
+
+
+def check_tied_entries(model: nn.Module, state_dict, where: str) -> None:
+    """ValueError where `model` ties two parameter names (one parameter) for which
+    `state_dict` holds different tensors: a strict ``load_state_dict`` would load both into
+    the one parameter and keep whichever came last (an untied checkpoint into a model built
+    tied)."""
+    names_of: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    for names in names_of.values():
+        present = [n for n in names if n in state_dict]
+        for n in present[1:]:
+            a, b = state_dict[present[0]], state_dict[n]
+            if a.shape != b.shape or not torch.equal(a, b):
+                raise ValueError(f"{where}: the model ties {present[0]} and {n} (one "
+                                 "parameter), but the state_dict holds different tensors for "
+                                 "them: build the model untied to load it")
+
+
 def lm_decoder(in_features: int, vocab_size: int, bias: bool, backend: str) -> nn.Linear:
     """A language model's decoder ``[..., in_features] -> [..., vocab_size]``: an
     ``nn.Linear`` on ``ctxfast.linear`` (:class:`ctxfast.nn.Linear`; float32 on the tensor

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from .. import reference
 from ..nn.lstm import EmbeddingDropout, LockedDropout, WeightDropLSTM, load_awd_lstm
-from ._common import check_backend, check_ids, lm_decoder, values_checked
+from ._common import check_backend, check_ids, check_tied_entries, lm_decoder, values_checked
 
 # fastai's dropouts for the classifier (``awd_lstm_clas_config``); the config's defaults
 # are its language-model ones (``awd_lstm_lm_config``).
@@ -304,12 +304,15 @@ class AWDLSTMLM(nn.Module):
         ``backend``) from `config`."""
         sd, inferred = _from_fastai(state_dict, "lm")
         model = cls(AWDLSTMConfig(**{**inferred, **config}))
+        check_tied_entries(model, sd, "AWDLSTMLM.from_fastai")       # a tie_weights override
         model.load_state_dict(sd, strict=True)
         return model
 
     def load_fastai_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a fastai language-model state dict (sizes must match this model)."""
-        self.load_state_dict(_from_fastai(state_dict, "lm")[0], strict=True)
+        sd = _from_fastai(state_dict, "lm")[0]
+        check_tied_entries(self, sd, "AWDLSTMLM.load_fastai_state_dict")
+        self.load_state_dict(sd, strict=True)
 
 
 def _check_targets(targets: Tensor, input_ids: Tensor, vocab: int) -> None:

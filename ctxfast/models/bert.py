@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (MLP, SelfAttention, activation, check_backend, check_ids, check_labels,
-                      init_weights, model_output, pack, unpack, values_checked)
+from ._common import (MLP, SelfAttention, activation, check_backend, check_fields, check_ids,
+                      check_labels, init_weights, model_output, pack, unpack, values_checked)
 
 
 @dataclass
@@ -52,6 +52,15 @@ class BertConfig:
     varlen: bool = False             # default path for padded batches: packed (True) or padded
     backend: str = "ctxfast"         # "ctxfast" | "eager"
 
+    def __post_init__(self):
+        check_fields(self, positive=("vocab_size", "n_positions", "type_vocab_size", "n_head",
+                                     "n_embd"),
+                     non_negative=("n_layer",), optional_positive=("n_inner",),
+                     drop_rates=("dropout",), attn_rates=("attn_dropout",))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"BertConfig: n_embd = {self.n_embd} must be divisible by "
+                             f"n_head = {self.n_head}")
+
 
 @model_output
 @dataclass
@@ -72,7 +81,8 @@ class EncoderLayer(nn.Module):
         self.attn = SelfAttention(C, config.n_head, attn_dropout=config.attn_dropout,
                                   resid_dropout=config.dropout, backend=config.backend)
         self.ln_1 = nn.LayerNorm(C, eps=config.layer_norm_eps)
-        self.mlp = MLP(C, config.n_inner or 4 * C, act=config.activation,
+        self.mlp = MLP(C, 4 * C if config.n_inner is None else config.n_inner,
+                       act=config.activation,
                        dropout=config.dropout)
         self.ln_2 = nn.LayerNorm(C, eps=config.layer_norm_eps)
 

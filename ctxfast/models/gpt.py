@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (MLP, KVCache, SelfAttention, check_backend, check_device, check_ids,
-                      check_sampling, init_weights, lm_decoder, next_token, values_checked)
+from ._common import (MLP, KVCache, SelfAttention, check_backend, check_device, check_fields,
+                      check_ids, check_sampling, init_weights, lm_decoder, next_token,
+                      values_checked)
 
 
 @dataclass
@@ -49,6 +50,14 @@ class GPTConfig:
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2 option: scale / (layer + 1)
     backend: str = "ctxfast"         # "ctxfast" | "eager"
 
+    def __post_init__(self):
+        check_fields(self, positive=("vocab_size", "n_positions", "n_head", "n_embd"),
+                     non_negative=("n_layer",), optional_positive=("n_inner",),
+                     drop_rates=("dropout", "embd_dropout"), attn_rates=("attn_dropout",))
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd = {self.n_embd} must be divisible by "
+                             f"n_head = {self.n_head}")
+
 
 class Block(nn.Module):
     """One transformer layer: attention and MLP, each with a residual and a LayerNorm."""
@@ -66,7 +75,8 @@ class Block(nn.Module):
                                   resid_dropout=config.dropout, scale=scale,
                                   backend=config.backend)
         self.ln_2 = nn.LayerNorm(C, eps=config.layer_norm_eps)
-        self.mlp = MLP(C, config.n_inner or 4 * C, act=config.activation, bias=config.bias,
+        self.mlp = MLP(C, 4 * C if config.n_inner is None else config.n_inner,
+                       act=config.activation, bias=config.bias,
                        dropout=config.dropout)
 
     def forward(self, x: Tensor, cache: Optional[KVCache] = None) -> Tensor:

@@ -58,8 +58,8 @@ from torch import Tensor, nn
 
 from .. import ops, reference
 from ..nn.rel_attention import RelPartialLearnableMultiHeadAttn as _RelAttnLayer
-from ._common import (KVMemory, attach, attached, check_device, check_sampling, next_token,
-                      reuse_allowed, reuse_key, values_checked)
+from ._common import (KVMemory, attach, attached, check_device, check_fields, check_sampling,
+                      check_tied_entries, next_token, reuse_allowed, reuse_key, values_checked)
 
 MODEL_BACKENDS = ("ctxfast", "eager")
 
@@ -115,6 +115,10 @@ def _check_config(c: TransformerXLConfig) -> None:
         v = getattr(c, name)
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"TransformerXLConfig.{name} must be an int >= 0, got {v!r}")
+    if c.d_model % 2:                  # (the encodings' width rounds up: a shape error later)
+        raise ValueError(f"TransformerXLConfig.d_model must be even (sin/cos positional "
+                         f"encoding), got {c.d_model}")
+    check_fields(c, drop_rates=("dropout",), attn_rates=("dropatt",))
     cut = list(c.cutoffs)
     if cut != sorted(set(cut)) or (cut and (cut[0] <= 0 or cut[-1] >= c.n_token)):
         raise ValueError(f"TransformerXLConfig.cutoffs must increase strictly within "
@@ -815,6 +819,7 @@ class TransformerXL(nn.Module):
         :meth:`config_from_state_dict`: ``pre_lnorm`` and ``mem_len`` are required) and
         load it (strict)."""
         model = cls(cls.config_from_state_dict(state_dict, **overrides))
+        check_tied_entries(model, state_dict, "TransformerXL.from_state_dict")  # tie override
         model.load_state_dict(state_dict)
         return model
 

@@ -65,8 +65,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import reference
-from ._common import (KVMemory, attach, attached, check_device, check_labels, model_output,
-                      reuse_allowed, reuse_key, values_checked)
+from ._common import (KVMemory, attach, attached, check_device, check_fields, check_labels,
+                      model_output, reuse_allowed, reuse_key, values_checked)
 
 __all__ = ["XLNetConfig", "XLNetModel", "XLNetLMHeadModel", "XLNetOutput", "XLNetLMOutput",
            "from_hf_xlnet", "perm_rank_to_perm_mask", "perm_mask_to_perm_rank"]
@@ -119,6 +119,9 @@ class XLNetConfig:
         if self.d_model % 2:
             raise ValueError(f"XLNetConfig: d_model must be even (sin/cos positional "
                              f"encoding), got {self.d_model}")
+        # (a negative length ran: cache_mem kept everything, K/V reuse read it as a count)
+        check_fields(self, optional_non_negative=("mem_len", "reuse_len"),
+                     attn_rates=("dropout",))
         if self.attn_type not in ("bi", "uni"):
             raise ValueError(f"XLNetConfig: attn_type must be 'bi' or 'uni', got "
                              f"{self.attn_type!r}")

@@ -470,7 +470,11 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
         ``(out [T, B, P], (h_n [B, P], c_n [B, H]))`` in x's dtype: ``h_n = out[T-1]``
         (``out[0]`` when reversed; with ``lengths``, each sequence's last step), ``c_n``
         likewise. For ``T = 0``: an empty ``out`` and
-        ``hx`` unchanged (zeros if None). Differentiable w.r.t. x, hx and every weight.
+        copies of ``hx`` (zeros if None). Differentiable w.r.t. x, hx and every weight.
+        ``h_n`` and ``c_n`` are copies; ``out`` is saved for the backward (on the kernel
+        backends, as cuDNN's ``nn.LSTM`` saves it): changed in place before ``backward()``
+        it raises torch's "modified by an inplace operation" (``nn.LSTM`` on a CPU and
+        the eager backend do not save it).
 
     Raises:
         TypeError, ValueError: a wrong type, rank, shape, dtype or device (naming the
@@ -511,8 +515,8 @@ def lstm(x: Tensor, hx: Optional[Sequence[Tensor]], w_ih: Tensor, w_hh: Tensor,
     if hx is None:
         hx = (x.new_zeros((B, P)), x.new_zeros((B, H)))
     h0, c0 = hx
-    if T == 0:
-        return x.new_empty((0, B, P)), (h0, c0)
+    if T == 0:                  # (copies, as for T > 0: never the caller's tensors)
+        return x.new_empty((0, B, P)), (h0.clone(), c0.clone())
     mask, scale = None, 1.0
     if weight_mask is not None:
         mask = weight_mask.detach().to(w_hh.dtype)

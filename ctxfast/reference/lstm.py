@@ -123,8 +123,8 @@ def lstm(x: Tensor, hx: Optional[Tuple[Tensor, Tensor]], w_ih: Tensor, w_hh: Ten
         xw, h0, c0, w_hh, w_hr, weight_mask, scale,
         math.inf if cell_clip is None else float(cell_clip),
         math.inf if proj_clip is None else float(proj_clip), reverse, lengths)
-    if T == 0:
-        return out, (h0, c0)
+    if T == 0:                  # copies, as for T > 0 (nn.LSTM's are new tensors)
+        return out, (h0.clone(), c0.clone())
     last = 0 if reverse else T - 1
     if lengths is not None and not reverse:     # each sequence's own last step
         last = (lengths.to(x.device) - 1, torch.arange(B, device=x.device))
