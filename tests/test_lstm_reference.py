@@ -183,6 +183,8 @@ def test_empty_sequence_returns_hx_unchanged():
                         torch.randn(P, H, dtype=DT))
     out, (h, c) = reference.lstm(x, (h0, c0), w_ih, w_hh, None, None, w_hr)
     assert out.shape == (0, B, P)
-    assert h is h0 and c is c0
+    # equal copies, never the caller's tensors (as for T > 0; h_n.zero_() zeroed h0)
+    assert torch.equal(h, h0) and torch.equal(c, c0)
+    assert h.data_ptr() != h0.data_ptr() and c.data_ptr() != c0.data_ptr()
     out, (h, c) = reference.lstm(x, None, w_ih, w_hh, None, None, w_hr)
     assert out.shape == (0, B, P) and torch.equal(h, torch.zeros(B, P, dtype=DT))
