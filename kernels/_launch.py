@@ -168,16 +168,16 @@ def _driver_calls():
 
 def _runtime_kw_key(value):
     """The key of a keyword argument of a parameter that is not a constexpr: a tensor
-    descriptor by its dtype and block (``RowTiles._spec``), a tensor by :func:`arg_key`, as
-    Triton specialises them. Never the object: the table would keep the first call's
+    descriptor by its dtype and block (``RowTiles._spec``), a tensor or an int by
+    :func:`arg_key`, as Triton specialises them. Never the object: the table would keep the first call's
     tensors alive (a descriptor holds its tensor: k and v of a call on a GPU, for the
     table's life), and a tensor hashed by identity made every call a new key (up to
     :data:`MAX_KEYS` entries, each holding its call's tensors)."""
     spec = getattr(value, "_spec", None)
     if spec is not None:
         return type(value), spec()
-    if isinstance(value, torch.Tensor):
-        return torch.Tensor, arg_key(value)
+    if isinstance(value, torch.Tensor) or type(value) is int:
+        return type(value), arg_key(value)
     return value
 
 

@@ -340,6 +340,9 @@ def test_keyword_tensors_are_keyed_by_class_and_not_kept(toy, monkeypatch):
         fk[(1,)](x, 64, W=4, D=t)
         assert log[-1][-1][3] is t          # this call's own tensor
     assert fk.misses == 2 and fk.hits == 2 and len(fk.cache) == 2
+    fk[(1,)](x, 64, W=4, D=64)              # an int keyword: by its class, as Triton
+    fk[(1,)](x, 64, W=4, D=80)
+    assert fk.misses == 3 and fk.hits == 3 and log[-1][-1][3] == 80
     assert all(not isinstance(v, torch.Tensor)
                for key in fk.cache for part in key[1][1] for v in part)
 
