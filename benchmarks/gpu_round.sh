@@ -91,9 +91,13 @@ step() {
 }
 
 # left_for <want s>: the timeout a step that wants <want> s gets now: <want>, or what is
-# left of the stage's budget (less 10 s) when that is less.
+# left of the stage's budget (less 10 s) when that is less. A dry run runs nothing, so no
+# time passes in it: its clock stays at the stage's start (on a loaded CPU its own second
+# of bash moved every budget by one).
 left_for() {
-  local left=$(( STAGE_START + BUDGET - SECONDS - 10 ))
+  local now=$SECONDS
+  (( DRY )) && now=$STAGE_START
+  local left=$(( STAGE_START + BUDGET - now - 10 ))
   echo $(( $1 < left ? $1 : left ))
 }
 
