@@ -342,7 +342,9 @@ def int32_addressable(t):
     past its first: the kernels address it with 32-bit offsets (``b * stride_b`` in int32).
     For the upstream gradient of an output, which the ops do not check as they check their
     inputs: autograd may hand a view of a larger tensor (``torch.cat([out, x], -1)``'s
-    gradient), whose copy has the output's size, within the limit."""
+    gradient), whose copy has the output's size, within the limit. (The span is
+    ``ctxfast.ops._common.check_int32_extent``'s formula: kernels/ imports nothing of the
+    package above it.)"""
     if t.numel() and 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31:
         return t.contiguous()
     return t

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import ctxfast
-from utils import DEVICE, TRITON_ON_CPU
+from ctxfast import reference
+from utils import DEVICE, TRITON_ON_CPU, assert_close
 
 pytestmark = pytest.mark.skipif(not TRITON_ON_CPU and not torch.cuda.is_available(),
                                 reason="runs the Triton kernels: needs CUDA or TRITON_INTERPRET=1")
@@ -76,13 +77,27 @@ def test_attention_in_chunks(monkeypatch, masks, mode):
     else:
         pad = torch.zeros(B, Tk, dtype=torch.bool, device=DEVICE)
         pad[1, 15:] = True
+        pad[2] = True                       # batch 2 (pairs 14-20, both chunks): no key
         kw.update(causal=True, key_padding_mask=pad, dropout_p=0.3)
     do = _rand(B, H, Tq, D)
 
     def run():
         out, lse = attn.attention_forward(q, k, v, **kw)
         return (out, lse, *attn.attention_backward(do, q, k, v, out, lse, **kw))
-    _assert_same(*_both(monkeypatch, run))
+    whole, parts = _both(monkeypatch, run)
+    _assert_same(whole, parts)
+    out, _, dq, dk, dv = parts
+    if masks == "permutation":              # the chunked results against float64
+        ref_kw = {n: kw[n] for n in ("perm_rank", "perm_strict")}
+        l64 = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = reference.attention(*l64, perm_rank=ref_kw["perm_rank"], perm_stream="query")
+        grads = torch.autograd.grad(ref, l64, do.double())
+        for name, ours, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv),
+                                    (ref, *grads)):
+            assert_close(ours, want, name=f"{name} in chunks")
+    else:                                   # rows that see no key: 0, no NaN
+        assert not any(t.isnan().any() for t in (out, dq, dk, dv))
+        assert all((t[2] == 0).all() for t in (out, dq, dk, dv))
 
 
 def test_attention_split_k_and_dropout_mask_in_chunks(monkeypatch):

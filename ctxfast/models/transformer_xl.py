@@ -107,18 +107,13 @@ def _check_config(c: TransformerXLConfig) -> None:
         raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {c.backend!r}")
     if not isinstance(c.reuse_kv, bool):
         raise ValueError(f"TransformerXLConfig.reuse_kv must be a bool, got {c.reuse_kv!r}")
-    for name in ("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "div_val"):
-        v = getattr(c, name)
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"TransformerXLConfig.{name} must be an int >= 1, got {v!r}")
-    for name in ("mem_len", "ext_len", "tgt_len"):
-        v = getattr(c, name)
-        if not isinstance(v, int) or v < 0:
-            raise ValueError(f"TransformerXLConfig.{name} must be an int >= 0, got {v!r}")
+    check_fields(c, positive=("n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner",
+                              "div_val"),
+                 non_negative=("mem_len", "ext_len", "tgt_len"),
+                 drop_rates=("dropout",), attn_rates=("dropatt",))
     if c.d_model % 2:                  # (the encodings' width rounds up: a shape error later)
         raise ValueError(f"TransformerXLConfig.d_model must be even (sin/cos positional "
                          f"encoding), got {c.d_model}")
-    check_fields(c, drop_rates=("dropout",), attn_rates=("dropatt",))
     cut = list(c.cutoffs)
     if cut != sorted(set(cut)) or (cut and (cut[0] <= 0 or cut[-1] >= c.n_token)):
         raise ValueError(f"TransformerXLConfig.cutoffs must increase strictly within "

@@ -108,8 +108,9 @@ class XLNetConfig:
     reuse_kv: bool = True                # ctxfast, no grad: keys / values of the memory kept
 
     def __post_init__(self):
-        if isinstance(self.n_head, bool) or not isinstance(self.n_head, int) or self.n_head < 1:
-            raise ValueError(f"XLNetConfig: n_head must be an int >= 1, got {self.n_head!r}")
+        # (a negative length ran: cache_mem kept everything, K/V reuse read it as a count)
+        check_fields(self, positive=("n_head",), optional_non_negative=("mem_len", "reuse_len"),
+                     attn_rates=("dropout",))
         if self.d_head is None:
             if self.d_model % self.n_head:
                 raise ValueError(f"XLNetConfig: d_model = {self.d_model} must be divisible by "
@@ -119,9 +120,6 @@ class XLNetConfig:
         if self.d_model % 2:
             raise ValueError(f"XLNetConfig: d_model must be even (sin/cos positional "
                              f"encoding), got {self.d_model}")
-        # (a negative length ran: cache_mem kept everything, K/V reuse read it as a count)
-        check_fields(self, optional_non_negative=("mem_len", "reuse_len"),
-                     attn_rates=("dropout",))
         if self.attn_type not in ("bi", "uni"):
             raise ValueError(f"XLNetConfig: attn_type must be 'bi' or 'uni', got "
                              f"{self.attn_type!r}")
