@@ -161,13 +161,13 @@ def _compile_ahead(jobs, calls, device) -> None:
 
 def _kernel_us(fn, name: str, device) -> Optional[float]:
     """Device µs per call of the kernel named `name` over REPS profiled calls (CPU: the
-    wall time of the calls, for the quick check only)."""
+    wall time of one call, for the quick check only: interpreted, each call takes seconds
+    and its time says nothing of a GPU's)."""
     from torch.profiler import ProfilerActivity, profile
     if device.type != "cuda":
         t0 = time.perf_counter()
-        for _ in range(REPS):
-            fn()
-        return (time.perf_counter() - t0) / REPS * 1e6
+        fn()
+        return (time.perf_counter() - t0) * 1e6
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPS):
             fn()
@@ -227,8 +227,8 @@ def _ratios(outs, refs, bounds) -> List[float]:
 
 def _measure(fn, name, device) -> Tuple[Optional[float], Optional[str]]:
     try:
-        fn()                                            # compiles this candidate
-        if device.type == "cuda":
+        if device.type == "cuda":                       # (the interpreter compiles nothing)
+            fn()                                        # compiles this candidate
             torch.cuda.synchronize()
         return _kernel_us(fn, name, device), None
     except Exception as e:  # noqa: BLE001  (a candidate that cannot compile or run)

@@ -132,7 +132,17 @@ CUDA_MIN_ARCH = (8, 0)
 _ARCH_REASONS: dict = {}
 
 
-@torch.compiler.assume_constant_result
+def _constant_under_compile(fn):
+    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo``,
+    which made 1.8 s of ``import ctxfast``'s 2.3 (after ``import torch``) on a 2-core CPU
+    machine: the decorator only sets this attribute, which dynamo reads when it meets the
+    call (tests/test_dispatch.py checks that torch's sets the same, and that a compiled
+    call runs `fn` once, while tracing)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
 def _cuda_arch_reason(index: Optional[int]) -> str:
     """"" if the CUDA C++ kernels have an image for GPU `index` (None: the current one),
     else the reason. Asked of the driver once per GPU; torch.compile calls it while tracing

@@ -155,6 +155,51 @@ def test_dispatch_traces_under_torch_compile(monkeypatch):
     assert torch.equal(f(x), ctxfast.reference.rel_shift(x) * 2)
 
 
+def test_arch_reason_is_marked_as_torch_marks_a_constant_result():
+    """_dispatch marks _cuda_arch_reason itself (torch's decorator would import dynamo):
+    with the attribute torch's own decorator sets, and nothing else."""
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    assert vars(marked) == {"_dynamo_marked_constant": True}
+    assert vars(_dispatch._cuda_arch_reason) == vars(marked)
+
+
+def test_a_marked_call_runs_once_while_tracing():
+    """What the mark buys: dynamo calls the function while tracing and keeps its answer;
+    the compiled graph never calls it again (unmarked, its side effect would be replayed on
+    every call)."""
+    calls = []
+
+    @_dispatch._constant_under_compile
+    def reason(index):
+        calls.append(index)
+        return "" if index is None else "no"
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2 if reason(None) == "" else x, fullgraph=True,
+                      backend="eager")
+    x = torch.randn(3)
+    for _ in range(3):
+        assert torch.equal(f(x), x * 2)
+    assert calls == [None]
+
+
+def test_import_leaves_dynamo_unloaded():
+    """``import ctxfast`` does not import torch._dynamo (1.8 s of a 2.3 s import on a 2-core
+    CPU machine, paid by every fresh process: each test that starts one, each CLI run),
+    where ``import torch`` does not either."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "before = 'torch._dynamo' in sys.modules\n"
+            "import ctxfast, ctxfast.nn, ctxfast.models\n"
+            "print(before, 'torch._dynamo' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, after = run.stdout.split()
+    assert before == "True" or after == "False", "import ctxfast loaded torch._dynamo"
+
+
 @pytest.mark.parametrize("op", ["attention", "attention_varlen", "rel_attention"])
 def test_float64_on_cuda_never_reaches_the_triton_attention_kernels(monkeypatch, op):
     """They do not compile for float64 on a GPU (tests/test_triton_compile.py found it):
