@@ -613,10 +613,11 @@ def write_rows(path: Optional[str], rows: list) -> None:
 
 def median_timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], float]:
     """``time_ms(fn)``: the median ms of `reps` calls of fn after 3 warm-up calls, from CUDA
-    events on a GPU (all recorded, one synchronisation), else from the wall clock after one
-    (on a CPU the scripts run their ``--quick`` check in the interpreter: what it times is
-    that the steps run, and each call there takes 0.1-1 s). For the standalone scripts
-    (lstm_launch_compare.py, kernel_breakdown.py); the suites use :func:`measure`."""
+    events on a GPU (all recorded, one synchronisation), else from the wall clock with no
+    warm-up (on a CPU the scripts run their ``--quick`` check in the interpreter, which
+    compiles nothing: what it times is that the steps run, and each call there takes
+    0.1-1 s). For the standalone scripts (lstm_launch_compare.py, kernel_breakdown.py);
+    the suites use :func:`measure`."""
     def cuda_ms(fn):
         for _ in range(3):
             fn()
@@ -631,7 +632,6 @@ def median_timer(device: torch.device, reps: int) -> Callable[[Callable[[], obje
         return statistics.median(a.elapsed_time(b) for a, b in ev)
 
     def wall_ms(fn):
-        fn()
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
