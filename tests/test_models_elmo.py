@@ -238,6 +238,21 @@ def test_scalar_mix_layer_norm_at_16_bits(dtype):
     assert_close(got.float(), want, REL_TOL[dtype], name=f"scalar mix {dtype}")
 
 
+def test_lstm_biases_start_as_allennlps():
+    """AllenNLP's LstmCellWithProjection starts the forget gate's bias at 1 and every other
+    bias at 0; in nn.LSTM's gate order (i, f, g, o) the forget gate is the second block.
+    (Every other test loads or compares weights, so a wrong slice here showed nowhere.)"""
+    model = ElmoBiLM(_config(cell_size=12)).to(DEVICE)
+    H = 12
+    layers = [*model.lstm.forward_layers, *model.lstm.backward_layers]
+    assert len(layers) == 2 * model.config.n_layers
+    for m in layers:
+        forget = torch.zeros(4 * H, dtype=torch.bool, device=DEVICE)
+        forget[H:2 * H] = True
+        assert (m.bias_ih_l0[forget] == 1).all() and (m.bias_ih_l0[~forget] == 0).all()
+        assert (m.bias_hh_l0 == 0).all()
+
+
 @pytest.mark.parametrize("boundaries", [True, False])
 @pytest.mark.parametrize("share", [True, False])
 def test_bilm_losses_are_the_next_and_previous_token_nll(boundaries, share):
