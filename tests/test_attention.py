@@ -460,6 +460,49 @@ def test_interior_and_boundary_tiles(Tq, Tk, kind):
     check_against_reference(q, k, v, **kw)
 
 
+@needs_triton
+@pytest.mark.parametrize("mem", range(16))
+def test_causal_diagonal_at_every_memory_length_mod_the_tile(mem):
+    """Where the diagonal of a causal mask with memory crosses the tiles depends on mem_len
+    mod the tile (16 under the interpreter): the forward's and the dK/dV kernel's first
+    interior block off by one each passed every other test, whose memories never had
+    mem_len + 2 a multiple of 16."""
+    q, k, v = _inputs(1, 2, 33, 33 + mem, 16)
+    check_against_reference(q, k, v, causal=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True])
+def test_q_k_and_v_each_in_their_own_layout(causal):
+    """Strides are per tensor: v read with k's strides passed every test whose q, k and v
+    shared one layout."""
+    B, H, Tq, Tk, D = 2, 2, 17, 24, 16
+    q = torch.randn(Tq, B, H, D, device=DEVICE).permute(1, 2, 0, 3)    # [T, B, H, D] storage
+    k = torch.randn(B, H, Tk, D, device=DEVICE)
+    v = torch.randn(B, Tk, H, D, device=DEVICE).transpose(1, 2)        # [B, T, H, D] storage
+    assert len({t.stride() for t in (q, k, v)}) == 3
+    check_against_reference(q, k, v, causal=causal)
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_tensors_that_are_not_contiguous(causal):
+    """key_padding_mask and perm_rank read through their strides: a transposed mask (as a
+    [Tk, B] mask's .t()) and transposed ranks. Read as contiguous, each passed every test
+    (all built [B, T] contiguous); causal keeps the ranks in the caller's layout."""
+    B, H, Tq, Tk, D = 2, 2, 33, 40, 16
+    q, k, v = _inputs(B, H, Tq, Tk, D)
+    kpm = (torch.rand(Tk, B, device=DEVICE) < 0.3).t()
+    kpm[:, 0] = False
+    assert not kpm.is_contiguous()
+    check_against_reference(q, k, v, causal=causal, key_padding_mask=kpm)
+    rank = torch.stack([torch.randperm(Tq) for _ in range(B)], 1).to(DEVICE).t()
+    assert not rank.is_contiguous()
+    qq, kk, vv = _inputs(B, H, Tq, Tq, D)
+    check_against_reference(qq, kk, vv, causal=causal, perm_rank=rank)
+    check_against_reference(qq, kk, vv, causal=causal, perm_rank=rank.int())
+
+
 # --------------------------------------------------------------------------- rank order
 # A permutation mask without causal runs in rank order: the kernels read and write the rows
 # of queries and current keys through order = argsort(rank), so the mask becomes causal-like

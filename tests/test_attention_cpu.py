@@ -505,11 +505,14 @@ def test_permutation_one_head_split_over_tasks(kind, mem):
     check_cpu(q, k, v, **_masks(kind, B, Tq, Tq + mem))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_dropout_is_the_triton_mask(causal):
+def test_varlen_dropout_is_the_triton_mask(causal, backend):
     """Packed sequences with dropout: sequence b, head h draws the counters
     ((b H + h) max_seqlen_q + i) max_seqlen_k + j of the Triton varlen kernels (here
-    max_seqlen larger than the longest sequence, as a user may pass it)."""
+    max_seqlen larger than the longest sequence, as a user may pass it). The Triton
+    backend too, whose backward no other test held to the mask (its dQ kernel drawing
+    with the sequence's own lengths passed the rest of the suite)."""
     if DEVICE == "cpu" and not TRITON_ON_CPU:
         pytest.skip("the Triton keep mask needs a GPU or TRITON_INTERPRET=1")
     H, D, p, lens_q, lens_k = 2, 16, 0.3, [5, 70, 33], [9, 70, 40]
@@ -520,7 +523,7 @@ def test_varlen_dropout_is_the_triton_mask(causal):
     k, v = (torch.randn(int(cu_k[-1]), H, D, requires_grad=True) for _ in range(2))
     out = ctxfast.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                    dropout_p=p, generator=torch.Generator().manual_seed(4),
-                                   backend="cpu")
+                                   backend=backend)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     seed = draw_seed("cpu", torch.Generator().manual_seed(4))
