@@ -764,6 +764,42 @@ def test_triton_launch_plan_on_a_gpu(monkeypatch):
         lstm_kernels._plan(64, 1152, 1152, torch.float32, cuda)
 
 
+def test_triton_backward_grid_on_a_gpu(monkeypatch):
+    """The backward's persistent grid, decided without a GPU: a program per product tile of
+    its dh phase where the SMs allow (split-K makes more of them than the forward's plan),
+    never more programs than SMs -- a larger cooperative grid is refused by the driver (the
+    call then falls back to per-step launches, or raises with LAUNCH "persistent"). Without
+    the cap, every other CPU test passed. The launches are recorded, not run."""
+    lstm_kernels = pytest.importorskip("ctxfast.kernels.lstm")
+    monkeypatch.setattr(lstm_kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(lstm_kernels, "_COOPERATIVE", True)
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+    monkeypatch.setattr(lstm_kernels, "fast", lambda kernel: Recorder())
+    for B, H, P, split_k, sms in ((512, 1152, 1152, False, 132), (64, 1152, 1152, True, 100),
+                                  (64, 1152, 1152, True, 132)):
+        monkeypatch.setattr(lstm_kernels, "_sm_count", lambda device, sms=sms: sms)
+        monkeypatch.setattr(lstm_kernels, "BWD_SPLIT_K", split_k)
+        T, cpu = 2, torch.device("cpu")
+        gates, cells, out = torch.randn(T, B, 4 * H), torch.randn(T, B, H), torch.randn(T, B, P)
+        grids.clear()
+        lstm_kernels.lstm_backward(torch.randn(T, B, P), torch.randn(T, B, H),
+                                   torch.randn(B, P), torch.randn(B, H), torch.randn(4 * H, P),
+                                   None, None, 1.0, math.inf, math.inf, False, out, cells, gates)
+        (grid,), = grids                                    # one cooperative launch
+        cfg, planned, _ = lstm_kernels._plan(B, H, P, torch.float32, cpu)
+        split = lstm_kernels._bwd_split_config(cfg, B, H, P, cpu)
+        n_bb = -(-B // cfg["BLOCK_B"])
+        tiles = (n_bb * -(-P // split["BLOCK_PS"]) * split["KSPLIT"] if split["KSPLIT"]
+                 else n_bb * -(-P // cfg["BLOCK_P"]))        # the dh phase's product tiles
+        assert max(planned, min(tiles, sms)) <= grid <= sms, (B, split_k, sms, grid, tiles)
+        assert split_k == bool(split["KSPLIT"]) and (tiles > sms or tiles > planned)
+
+
 @pytest.mark.skipif("triton" not in ctxfast.BACKENDS
                     or ctxfast.why_unavailable("triton", DEVICE) is not None,
                     reason="runs the Triton LSTM kernels (CUDA or TRITON_INTERPRET=1)")
