@@ -437,3 +437,44 @@ def test_func_grad_through_every_op(backend):
                 torch.func.grad(lambda x_: torch.func.grad(loss)(x_).square().sum())(x)
             with pytest.raises(NotImplementedError, match="forward-mode AD"):
                 torch.func.jvp(f, (x,), (torch.randn_like(x),))
+
+
+def _calls():
+    """name: (public call of float64 leaves, leaf shapes) for every op with gradients."""
+    B, H, Tq, Tk, D, T, I, Hd = 2, 2, 9, 13, 8, 5, 4, 6
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
+    return {
+        "attention": (lambda b, q, k, v: ctxfast.attention(q, k, v, causal=True, backend=b),
+                      [(B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D)]),
+        "attention_varlen": (lambda b, q, k, v: ctxfast.attention_varlen(
+            q, k, v, cu, cu_k, 5, 7, causal=True, backend=b), [(9, H, D), (13, H, D), (13, H, D)]),
+        "rel_attention": (lambda b, q, k, v, r, u, w: ctxfast.rel_attention(
+            q, k, v, r, u, w, causal=True, backend=b),
+            [(B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, D), (H, Tk, D), (H, D), (H, D)]),
+        "lstm": (lambda b, x, w_ih, w_hh, h0, c0: ctxfast.lstm(x, (h0, c0), w_ih, w_hh,
+                                                                backend=b)[0],
+                 [(T, B, I), (4 * Hd, I), (4 * Hd, Hd), (B, Hd), (B, Hd)]),
+        "rel_shift": (lambda b, x: ctxfast.rel_shift(x, backend=b), [(2, 3, 7, 11)]),
+    }
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "triton", "eager") if b in CPU_BACKENDS])
+@pytest.mark.parametrize("name", sorted(_calls()))
+def test_a_gradient_for_each_input_that_alone_requires_it(name, backend):
+    """Any one input requiring grad makes a graph, and its gradient is the one it gets when
+    every input requires grad: the shared call path once looked at the first argument only
+    (the others' gradients were silently None, and no test saw it: they all made q, or
+    everything, require grad)."""
+    call, shapes = _calls()[name]
+    values = [torch.randn(*s, dtype=torch.float64) for s in shapes]
+    every = [t.clone().requires_grad_() for t in values]
+    out = call(backend, *every)
+    do = torch.randn_like(out)
+    want = torch.autograd.grad(out, every, do)
+    for i in range(len(values)):
+        leaves = [t.clone().requires_grad_(j == i) for j, t in enumerate(values)]
+        out_i = call(backend, *leaves)
+        assert out_i.requires_grad, f"{name}: input {i} alone requires grad, the output not"
+        (got,) = torch.autograd.grad(out_i, leaves[i], do)
+        assert_equal(got, want[i], name=f"{name} ({backend}): gradient of input {i} alone")
