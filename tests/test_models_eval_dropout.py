@@ -1,4 +1,4 @@
-"""In ``eval()`` no model drops anything, whatever its dropout rates.
+"""In ``eval()`` no model or attention layer drops anything, whatever its dropout rates.
 
 Every model test builds its models with the rates at 0 (to compare backends on the same
 function), so a model whose fast path kept a rate in eval mode (``dropout_p=self.dropout.p``
@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+import ctxfast
 from ctxfast.models import GPT, Bert, BertConfig, GPTConfig
 from ctxfast.models.awd_lstm import AWDLSTMClassifier, AWDLSTMConfig, AWDLSTMLM
 from ctxfast.models.elmo import Elmo, ElmoConfig, batch_to_ids
@@ -79,6 +80,29 @@ def _run_bert(model):
     return model(_ids(3, 9), torch.randint(0, 2, (3, 9), device=DEVICE), mask).last_hidden_state
 
 
+def _mha(p, backend):
+    return ctxfast.nn.MultiheadAttention(16, 2, dropout=p,
+                                         backend=None if backend == "ctxfast" else backend)
+
+
+def _run_mha(m):
+    x = torch.randn(5, 3, 16, device=DEVICE)                  # [T, B, E]
+    kpm = torch.zeros(3, 5, dtype=torch.bool, device=DEVICE)
+    kpm[1, 3:] = True
+    return m(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+
+
+def _rel_layer(p, backend):
+    return ctxfast.nn.RelPartialLearnableMultiHeadAttn(
+        2, 16, 8, dropout=p, dropatt=p, backend=None if backend == "ctxfast" else backend)
+
+
+def _run_rel_layer(m):
+    w, r = torch.randn(4, 2, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE)
+    mask = torch.ones(4, 4, device=DEVICE).triu(1).bool()     # the original's causal mask
+    return m(w, r, attn_mask=mask)
+
+
 SENTS = [["The", "cat", "sat"], ["A", "dog"], ["Hi"]]
 
 MODELS = {
@@ -89,6 +113,9 @@ MODELS = {
     "transformer_xl": (_txl, lambda m: m(_ids(8, 3).t(), _ids(8, 3).t())[0]),
     "awd_lstm_lm": (_awd(AWDLSTMLM), lambda m: m(_ids(3, 6, lo=2))[0]),
     "awd_lstm_classifier": (_awd(AWDLSTMClassifier), lambda m: m(_ids(3, 6, lo=2))[0]),
+    # the layers alone (Transformer-XL's model runs its own attention, not this layer's)
+    "nn.MultiheadAttention": (_mha, _run_mha),
+    "nn.RelPartialLearnableMultiHeadAttn": (_rel_layer, _run_rel_layer),
     "elmo": (_elmo, lambda m: m(batch_to_ids(SENTS, 8).to(DEVICE),
                                 _ids(3, 3)).elmo_representations[0]),
 }
