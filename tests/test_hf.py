@@ -97,6 +97,52 @@ def test_training_backward_matches_sdpa():
     assert rel < 1e-5, rel.item()
 
 
+@pytest.mark.parametrize("case", ["scaling", "grouped-query", "call-over-module",
+                                  "padding"])
+def test_attention_function_against_sdpa(case):
+    """The registered function on its own, against SDPA, for what the tested models never
+    vary (their scale is D**-0.5, their key/value heads are the query heads, their calls
+    and modules agree on causality): an explicit scaling, grouped-query heads (each key
+    head serves consecutive query heads, as transformers' repeat_kv), the call's is_causal
+    over the module's, a padding mask. Each passed every model test when done wrong."""
+    import types
+
+    import torch.nn.functional as F
+    fn = ctxfast_hf.make_attention_function(BACKENDS[0])
+    B, H, T, D = 2, 4, 6, 8
+    Hkv = 2 if case == "grouped-query" else H
+    q = torch.randn(B, H, T, D, device=DEVICE)
+    k, v = (torch.randn(B, Hkv, T, D, device=DEVICE) for _ in range(2))
+    module = types.SimpleNamespace(is_causal=True)
+    kw, want_kw, mask = {}, {"is_causal": True}, None
+    if case == "scaling":
+        kw["scaling"] = want_kw["scale"] = 0.7
+    if case == "call-over-module":
+        kw["is_causal"] = want_kw["is_causal"] = False
+    if case == "padding":
+        mask = torch.ones(B, T, dtype=torch.long, device=DEVICE)
+        mask[1, 4:] = 0
+        keep = mask.bool()[:, None, None, :] & torch.ones(T, T, device=DEVICE).tril().bool()
+        want_kw = {"attn_mask": keep}
+    kk, vv = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    want = F.scaled_dot_product_attention(q, kk, vv, **want_kw).transpose(1, 2)
+    got, weights = fn(module, q, k, v, mask, **kw)
+    assert weights is None and got.shape == (B, T, H, D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_mask_keeps_the_last_kv_length_columns():
+    """A 2-D mask longer than the keys (the cached and the new tokens) is read from its
+    end: here its last 4 columns keep everything, so there is no mask at all."""
+    from transformers import masking_utils as mu
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]], device=DEVICE)
+    assert ctxfast_hf.padding_mask_function(
+        1, 4, 4, mask_function=mu.bidirectional_mask_function, attention_mask=mask) is None
+    got = ctxfast_hf.padding_mask_function(
+        1, 4, 5, mask_function=mu.bidirectional_mask_function, attention_mask=mask)
+    assert got.tolist() == [[False, True, True, True, True]]
+
+
 def test_custom_4d_mask_is_refused():
     fn = ctxfast_hf.make_attention_function("eager")
     q = torch.randn(1, 2, 4, 8)
