@@ -108,8 +108,11 @@ def test_fully_padded_row_has_zero_weights():
     assert torch.allclose(w[0].sum(-1), torch.ones(5, device=DEVICE))
 
 
-def test_unbatched_input():
-    ref, ours = _pair("eager", embed_dim=16, num_heads=2)
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_unbatched_input(batch_first):
+    # [T, E]: no batch dimension, whichever batch_first says (inserting it at dim 1 with
+    # batch_first returned [T, 1, E] and passed with batch_first False only)
+    ref, ours = _pair("eager", embed_dim=16, num_heads=2, batch_first=batch_first)
     x = torch.randn(5, 16, device=DEVICE)
     _compare(ref, ours, (x, x, x), dict(need_weights=False))
 
