@@ -322,8 +322,12 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-def test_opcheck():
-    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 9, 12, 16))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_opcheck(dtype):
+    # float64 too (its lse is float64: a fake function saying float32 passed at float32),
+    # and varlen with other lengths for the keys than the queries (a backward fake giving
+    # dk, dv q's shape passed where they were equal)
+    q, k, v = (t.to(dtype).requires_grad_() for t in _inputs(1, 2, 9, 12, 16))
     seed = torch.tensor([1234], dtype=torch.int64)
     kpm = torch.zeros(1, 12, dtype=torch.bool)
     kpm[0, -3:] = True
@@ -335,12 +339,16 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.ctxfast.attention_bwd_cpu.default,
                               (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
                                out.detach(), lse, kpm, rank, causal, False, 0.25) + drop)
-    qv, kv, vv = (torch.randn(11, 2, 16, requires_grad=True) for _ in range(3))
-    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_cpu.default,
-                          (qv, kv, vv, cu, cu, True, 0.25, 7, 7, 0.0, None))
-    torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_cpu.default,
-                          (qv, kv, vv, cu, cu, False, 0.25, 9, 8, 0.2, seed))
+    qv = torch.randn(11, 2, 16, dtype=dtype, requires_grad=True)
+    kv, vv = (torch.randn(16, 2, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    cu, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 4, 11], [0, 7, 16]))
+    for causal, sizes, drop in ((True, (7, 9), (0.0, None)), (False, (9, 10), (0.2, seed))):
+        args = (qv, kv, vv, cu, cu_k, causal, 0.25, *sizes, *drop)
+        torch.library.opcheck(torch.ops.ctxfast.attention_varlen_fwd_cpu.default, args)
+        out, lse = torch.ops.ctxfast.attention_varlen_fwd_cpu(*args)
+        torch.library.opcheck(torch.ops.ctxfast.attention_varlen_bwd_cpu.default,
+                              (torch.randn_like(out), qv.detach(), kv.detach(), vv.detach(),
+                               out.detach(), lse, cu, cu_k, causal, 0.25, *sizes, *drop))
 
 
 def test_torch_compile_fullgraph_default_backend():
