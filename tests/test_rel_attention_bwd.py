@@ -20,6 +20,9 @@ from utils import needs_interpreter, spy_launches
     (2, 3, 21, 0, 23, 22, 7, True),         # no memory, a window, R past the keys
     (3, 2, 7, 33, 45, 41, 19, True),        # long memory, pos_start inside a longer r
     (2, 2, 17, 17, 54, 35, None, False),    # both directions, spare rows at both ends
+    # Tq and the window 47 (15 mod 16: the tiles' diagonal bounds, off by one in the dR
+    # kernel's or the dr GEMM's, passed the rows above), memory 15
+    (1, 2, 47, 15, 62, None, 47, True),
 ])
 def test_dr_against_float64(B, H, Tq, mem, R, pos_start, window, causal):
     """Every gradient (dr among them) within 2x eager's error against float64."""
@@ -148,6 +151,43 @@ def test_dr_mode_auto_and_deterministic_algorithms(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("mode", ["kernel", "atomic", "gemm", "stored"])
+def test_every_tensor_in_its_own_layout(monkeypatch, mode):
+    """Each tensor is read through its own strides, in every dr mode: q, k, v, r and the
+    upstream gradient each in another layout, the padding mask and the ranks transposed.
+    Read with another tensor's strides (v with k's in the forward) or as contiguous (the
+    stored mode's dO, the ranks, the mask), each passed every other test of the op, whose
+    tensors shared one layout."""
+    import ctxfast.kernels.rel_attention as krel
+    from ctxfast import reference
+    from utils import rel_err
+    monkeypatch.setattr(krel, "DR_MODE", mode)
+    B, H, Tq, Tk, D = 2, 2, 19, 33, 16
+    q = torch.randn(Tq, B, H, D, device=DEVICE).permute(1, 2, 0, 3)   # [T, B, H, D] storage
+    k = torch.randn(B, H, Tk, D, device=DEVICE)
+    v = torch.randn(B, Tk, H, D, device=DEVICE).transpose(1, 2)       # [B, T, H, D] storage
+    r = torch.randn(Tk, H, D, device=DEVICE).transpose(0, 1)          # [R, H, D] storage
+    u, w = torch.randn(H, D, device=DEVICE), torch.randn(H, D, device=DEVICE)
+    do = torch.randn(B, Tq, H, D, device=DEVICE).transpose(1, 2)
+    kpm = (torch.rand(Tk, B, device=DEVICE) < 0.2).t()
+    kpm[:, 0] = False
+    rank = torch.stack([torch.randperm(Tq) for _ in range(B)], 1).to(DEVICE).t()
+    assert len({t.stride() for t in (q, k, v)}) == 3
+    assert not (r.is_contiguous() or do.is_contiguous() or kpm.is_contiguous()
+                or rank.is_contiguous())
+    for kw in (dict(causal=True, key_padding_mask=kpm),
+               dict(causal=True, perm_rank=rank)):     # causal: ranks in the caller's layout
+        ts = [t.clone().requires_grad_() for t in (q, k, v, r, u, w)]
+        t64 = [t.detach().double().requires_grad_() for t in (q, k, v, r, u, w)]
+        out = ctxfast.rel_attention(*ts, backend="triton", **kw)
+        out64 = reference.rel_attention(*t64, **kw)
+        got = [out] + list(torch.autograd.grad(out, ts, do))
+        want = [out64] + list(torch.autograd.grad(out64, t64, do.double()))
+        for name, a, b in zip(["out", "dq", "dk", "dv", "dr", "du", "dw"], got, want):
+            assert rel_err(a, b) < 1e-4, (mode, sorted(kw), name, rel_err(a, b))
+
+
+@needs_triton
 @pytest.mark.parametrize("mode", ["atomic", "bulk", "gemm", "stored"])
 def test_atomic_dr_against_reference(monkeypatch, mode):
     """kernels.rel_attention.DR_MODE = "atomic" (the dQ kernel adds each tile's
@@ -171,6 +211,7 @@ def test_atomic_dr_against_reference(monkeypatch, mode):
                                             "_rel_dkdv_gemm_kernel"), lambda a, kw: None)
     test_dr_against_float64(3, 3, 19, 14, 38, None, None, True)
     test_dr_against_float64(2, 2, 17, 17, 54, 35, None, False)
+    test_dr_against_float64(1, 2, 47, 15, 62, None, 47, True)
     test_dr_bidirectional_with_every_mask()
     rel_tests.test_xlnet_bidirectional_perm_segments_padding("query")
     rel_tests.test_window_rows_that_see_no_key()
