@@ -91,6 +91,17 @@ def test_training_shape_dr_modes(monkeypatch, mode):
     check(2, 4, 512, 1536, 64, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("mode", ["gemm", "stored"])
+def test_stored_dr_modes_at_d128(monkeypatch, mode):
+    """The GEMMs over the stored dS (and P) at D 128, 16-bit: there their row tiles are
+    taller than the dQ kernel's query blocks, so one tile spans blocks of different key
+    ranges (under the interpreter every tile is 16 rows, inside one block: no CPU test
+    can see a range taken per tile instead of per row); odd lengths, memory."""
+    import ctxfast.kernels.rel_attention as krel
+    monkeypatch.setattr(krel, "DR_MODE", mode)
+    check(2, 4, 300, 300 + 211, 128, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_row_bias_product_at_a_training_shape(monkeypatch, dtype):
     """The forward's row bias as a product of TMA tiles (RB_MMA, opt-in: 64 x 64, 16-bit,
