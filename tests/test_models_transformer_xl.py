@@ -310,8 +310,11 @@ def test_memory_holds_only_its_rows(mem_len):
         assert all(owns_storage(m) for m in mems)
 
 
-def test_memory_is_the_last_mem_len_hidden_states_detached():
-    model = TransformerXL(tiny(mem_len=6))
+@pytest.mark.parametrize("ext_len", [0, 2])
+def test_memory_is_the_last_mem_len_hidden_states_detached(ext_len):
+    # with ext_len, the original's _update_mems: the mem_len steps before the segment's
+    # last ext_len (end = mlen + max(0, qlen - ext_len), begin = max(0, end - mem_len))
+    model = TransformerXL(tiny(mem_len=6, ext_len=ext_len))
     outs = {}
     model.word_emb.register_forward_hook(lambda m, i, o: outs.__setitem__(0, o))
     for i, layer in enumerate(model.layers):
@@ -326,8 +329,9 @@ def test_memory_is_the_last_mem_len_hidden_states_detached():
         for i, m in enumerate(new):
             h = outs[i]
             full = h if prev is None else torch.cat([prev[i], h], 0)
-            assert_close(m, full[-6:], name=f"mems[{i}]")
-            assert m.shape[0] == min(6, full.shape[0])
+            end = full.shape[0] - h.shape[0] + max(0, h.shape[0] - ext_len)
+            assert_close(m, full[max(0, end - 6):end], name=f"mems[{i}]")
+            assert m.shape[0] == min(6, end)
             assert not m.requires_grad and m.grad_fn is None, "mems must be detached"
         loss.sum().backward()                       # the graph does not reach old segments
         prev = mems = new
