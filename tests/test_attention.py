@@ -489,11 +489,13 @@ def test_q_k_and_v_each_in_their_own_layout(causal):
 def test_mask_tensors_that_are_not_contiguous(causal):
     """key_padding_mask and perm_rank read through their strides: a transposed mask (as a
     [Tk, B] mask's .t()) and transposed ranks. Read as contiguous, each passed every test
-    (all built [B, T] contiguous); causal keeps the ranks in the caller's layout."""
+    (all built [B, T] contiguous); causal keeps the ranks in the caller's layout. One batch
+    is all padding: its rows see no key (0, and no NaN)."""
     B, H, Tq, Tk, D = 2, 2, 33, 40, 16
     q, k, v = _inputs(B, H, Tq, Tk, D)
     kpm = (torch.rand(Tk, B, device=DEVICE) < 0.3).t()
-    kpm[:, 0] = False
+    kpm[0, 0] = False
+    kpm[1] = True                                  # the second batch's rows see no key
     assert not kpm.is_contiguous()
     check_against_reference(q, k, v, causal=causal, key_padding_mask=kpm)
     rank = torch.stack([torch.randperm(Tq) for _ in range(B)], 1).to(DEVICE).t()

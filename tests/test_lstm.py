@@ -793,9 +793,9 @@ def test_triton_backward_grid_on_a_gpu(monkeypatch):
         (grid,), = grids                                    # one cooperative launch
         cfg, planned, _ = lstm_kernels._plan(B, H, P, torch.float32, cpu)
         split = lstm_kernels._bwd_split_config(cfg, B, H, P, cpu)
-        n_bb = -(-B // cfg["BLOCK_B"])
-        tiles = (n_bb * -(-P // split["BLOCK_PS"]) * split["KSPLIT"] if split["KSPLIT"]
-                 else n_bb * -(-P // cfg["BLOCK_P"]))        # the dh phase's product tiles
+        cdiv, n_bb = lstm_kernels.cdiv, lstm_kernels.cdiv(B, cfg["BLOCK_B"])
+        tiles = (n_bb * cdiv(P, split["BLOCK_PS"]) * split["KSPLIT"] if split["KSPLIT"]
+                 else n_bb * cdiv(P, cfg["BLOCK_P"]))        # the dh phase's product tiles
         assert max(planned, min(tiles, sms)) <= grid <= sms, (B, split_k, sms, grid, tiles)
         assert split_k == bool(split["KSPLIT"]) and (tiles > sms or tiles > planned)
 

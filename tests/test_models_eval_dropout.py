@@ -4,7 +4,8 @@ Every model test builds its models with the rates at 0 (to compare backends on t
 function), so a model whose fast path kept a rate in eval mode (``dropout_p=self.dropout.p``
 without ``if self.training``) passed them all: the rates here are all above 0. Each model,
 on both backends, in eval mode: two calls under different seeds give the same bits, and
-those of the same weights built with every rate 0.
+those of the same weights built with every rate 0. The models are built by their own test
+modules' config helpers, on their own inputs.
 """
 import copy
 
@@ -12,72 +13,63 @@ import pytest
 import torch
 
 import ctxfast
-from ctxfast.models import GPT, Bert, BertConfig, GPTConfig
-from ctxfast.models.awd_lstm import AWDLSTMClassifier, AWDLSTMConfig, AWDLSTMLM
-from ctxfast.models.elmo import Elmo, ElmoConfig, batch_to_ids
-from ctxfast.models.transformer_xl import TransformerXL, TransformerXLConfig
-from ctxfast.models.xlnet import XLNetConfig, XLNetLMHeadModel
+import test_models_awd_lstm as awd_tests
+import test_models_bert as bert_tests
+import test_models_elmo as elmo_tests
+import test_models_gpt as gpt_tests
+import test_models_transformer_xl as txl_tests
+import test_models_xlnet as xlnet_tests
+from ctxfast.models import GPT, Bert
+from ctxfast.models.awd_lstm import AWDLSTMClassifier, AWDLSTMLM
+from ctxfast.models.elmo import Elmo
+from ctxfast.models.transformer_xl import TransformerXL
+from ctxfast.models.xlnet import XLNetLMHeadModel
 from utils import DEVICE
-
-V = 37
 
 
 def _gpt(p, backend):
-    return GPT(GPTConfig(vocab_size=V, n_positions=16, n_layer=2, n_head=2, n_embd=32,
-                         dropout=p, attn_dropout=p, embd_dropout=p, backend=backend))
+    return GPT(gpt_tests._config(dropout=p, attn_dropout=p, embd_dropout=p, backend=backend))
 
 
 def _bert(p, backend):
-    return Bert(BertConfig(vocab_size=V, n_positions=16, n_layer=2, n_head=2, n_embd=32,
-                           dropout=p, attn_dropout=p, backend=backend))
+    return Bert(bert_tests._config(dropout=p, attn_dropout=p, backend=backend))
 
 
 def _xlnet(p, backend):
-    return XLNetLMHeadModel(XLNetConfig(vocab_size=V, d_model=32, n_layer=2, n_head=2,
-                                        d_inner=48, dropout=p, mem_len=5), backend=backend)
+    return XLNetLMHeadModel(xlnet_tests._config(dropout=p), backend=backend)
 
 
 def _txl(p, backend):
-    return TransformerXL(TransformerXLConfig(n_token=V, n_layer=2, n_head=2, d_model=32,
-                                             d_head=16, d_inner=48, dropout=p, dropatt=p,
-                                             tgt_len=8, mem_len=8, backend=backend))
+    return TransformerXL(txl_tests.tiny(dropout=p, dropatt=p, backend=backend))
 
 
 def _awd(cls):
     def make(p, backend):
-        return cls(AWDLSTMConfig(vocab_size=V, emb_sz=8, n_hid=16, n_layers=3, pad_token=1,
-                                 embed_p=p, input_p=p, hidden_p=p, weight_p=p, output_p=p,
-                                 n_class=3, lin_ftrs=(6,), lin_ps=(p,), bptt=4,
-                                 backend=backend))
+        return cls(awd_tests._config(embed_p=p, input_p=p, hidden_p=p, weight_p=p, output_p=p,
+                                     lin_ps=(p,), backend=backend))
     return make
 
 
 def _elmo(p, backend):
-    return Elmo(ElmoConfig(char_embed_dim=4, filters=((1, 4), (2, 6)), n_highway=1,
-                           projection_dim=8, cell_size=16, max_characters_per_token=8,
-                           vocab_size=V, weight_dropout=p, lm_dropout=p, dropout=p,
-                           backend=backend))
+    return Elmo(elmo_tests._config(weight_dropout=p, lm_dropout=p, dropout=p, backend=backend))
 
 
-def _ids(B, T, lo=0):
+def _ids(B, T, V, lo=0):
     return torch.randint(lo, V, (B, T), device=DEVICE)
 
 
 def _run_xlnet(model):
     B, T = 2, 7
-    rank = torch.stack([torch.randperm(T) for _ in range(B)]).to(DEVICE)
-    target = torch.zeros(B, 2, T, device=DEVICE)
-    target[:, 0, -1] = target[:, 1, -2] = 1
+    rank = xlnet_tests._ranks(B, T)
     mask = torch.ones(B, T, device=DEVICE)
     mask[1, :2] = 0                                            # left padding, as XLNet's
-    return model(_ids(B, T), attention_mask=mask, perm_rank=rank,
-                 target_mapping=target).logits
+    return model(_ids(B, T, xlnet_tests.V), attention_mask=mask, perm_rank=rank,
+                 target_mapping=xlnet_tests._targets(rank, 2)).logits
 
 
 def _run_bert(model):
-    mask = torch.ones(3, 9, dtype=torch.long, device=DEVICE)
-    mask[1, 6:] = 0
-    return model(_ids(3, 9), torch.randint(0, 2, (3, 9), device=DEVICE), mask).last_hidden_state
+    ids, tt, am = bert_tests._batch()[:3]                      # right-padded, two segments
+    return model(ids, tt, am).last_hidden_state
 
 
 def _mha(p, backend):
@@ -103,21 +95,19 @@ def _run_rel_layer(m):
     return m(w, r, attn_mask=mask)
 
 
-SENTS = [["The", "cat", "sat"], ["A", "dog"], ["Hi"]]
-
 MODELS = {
     # name: (model of (rate, backend), its output on fresh inputs)
-    "gpt": (_gpt, lambda m: m(_ids(2, 9))[0]),
+    "gpt": (_gpt, lambda m: m(_ids(2, 9, m.config.vocab_size))[0]),
     "bert": (_bert, _run_bert),
     "xlnet": (_xlnet, _run_xlnet),
-    "transformer_xl": (_txl, lambda m: m(_ids(8, 3).t(), _ids(8, 3).t())[0]),
-    "awd_lstm_lm": (_awd(AWDLSTMLM), lambda m: m(_ids(3, 6, lo=2))[0]),
-    "awd_lstm_classifier": (_awd(AWDLSTMClassifier), lambda m: m(_ids(3, 6, lo=2))[0]),
+    "transformer_xl": (_txl, lambda m: m(txl_tests.ids(8, 3), txl_tests.ids(8, 3))[0]),
+    "awd_lstm_lm": (_awd(AWDLSTMLM), lambda m: m(_ids(3, 6, awd_tests.V, lo=2))[0]),
+    "awd_lstm_classifier": (_awd(AWDLSTMClassifier),
+                            lambda m: m(_ids(3, 6, awd_tests.V, lo=2))[0]),
     # the layers alone (Transformer-XL's model runs its own attention, not this layer's)
     "nn.MultiheadAttention": (_mha, _run_mha),
     "nn.RelPartialLearnableMultiHeadAttn": (_rel_layer, _run_rel_layer),
-    "elmo": (_elmo, lambda m: m(batch_to_ids(SENTS, 8).to(DEVICE),
-                                _ids(3, 3)).elmo_representations[0]),
+    "elmo": (_elmo, lambda m: m(*elmo_tests._inputs()).elmo_representations[0]),
 }
 
 
