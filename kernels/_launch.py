@@ -210,7 +210,9 @@ class FastKernel:
         if not self.runtime_names.isdisjoint(kwargs):
             kw = tuple((n, _runtime_kw_key(v) if n in self.runtime_names else v)
                        for n, v in kw)
-        key = (state, kw, args_key(args))
+        # the keywords' types too: W=4 and W=4.0 (or True and 1) are equal but Triton
+        # compiles each apart (its key is the constexpr's text)
+        key = (state, kw, tuple(map(type, kwargs.values())), args_key(args))
         positional = self._positional_constexprs.get(len(args))
         if positional is None:
             positional = self._positional_constexprs[len(args)] = tuple(

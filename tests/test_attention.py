@@ -958,6 +958,7 @@ def spy_tma(monkeypatch, module):
     monkeypatch.setattr(module, "_tma_args", spy)
     return used
 
+
 @needs_triton
 @pytest.mark.parametrize("check", ["odd_lengths", "tiles", "head_dims_and_dtypes", "layout",
                                    "rows_that_see_no_key", "dropout", "split_k", "atomic_dq",
@@ -1151,6 +1152,17 @@ def test_ranks_beyond_int32(op):
         with pytest.raises(ValueError, match="reads perm_rank as int32"):
             run(rank, "triton")
         assert rel_err(run(small, "triton"), want) < 1e-5
+
+
+def test_int32_id_check_at_the_ends_of_the_range():
+    """ops._common.check_int32_ids: int32's own extremes pass, one past either end is
+    refused (2**31 read as int32 is -2**31: another order), naming the argument."""
+    from ctxfast.ops._common import check_int32_ids
+    for lo, hi in ((-2**31, 2**31 - 1), (0, 5)):
+        check_int32_ids("attention", perm_rank=torch.tensor([[lo, 3, hi]]), seg_q=None)
+    for bad in (2**31, -2**31 - 1):
+        with pytest.raises(ValueError, match=rf"reads perm_rank as int32.*got .*{bad}"):
+            check_int32_ids("attention", perm_rank=torch.tensor([[0, bad, 1]]))
 
 
 @pytest.mark.skipif("triton" not in ATTN_BACKENDS, reason="a check of the triton backend")

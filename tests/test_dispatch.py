@@ -81,6 +81,34 @@ def test_context_manager_holds_for_its_own_thread():
     torch._dynamo.reset()
 
 
+def test_blocks_closed_out_of_order_leave_compiled_code_the_open_ones(monkeypatch):
+    """Compiled code reads every thread's blocks in one list (the innermost opened last):
+    a block that closes while another thread's, opened after it, is still open removes its
+    own entry, not the last one."""
+    import threading
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def other():
+        with ctxfast.backend("eager"):
+            entered.set()
+            release.wait(30)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert entered.wait(30)
+    with ctxfast.backend("cpu"):                    # opened after the other thread's block
+        assert _dispatch._stack == ["eager", "cpu"]
+        release.set()
+        assert done.wait(30)
+        assert _dispatch._stack == ["cpu"], _dispatch._stack
+        with monkeypatch.context() as m:            # what a traced call reads
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert _dispatch.requested_backend() == ("cpu", "ctxfast.backend(...)")
+    t.join()
+    assert not _dispatch._stack
+
+
 def test_env_auto_means_default(monkeypatch):
     monkeypatch.setenv("CTXFAST_BACKEND", "auto")
     assert _dispatch.resolve("rel_shift", CPU) == "cpu"
@@ -111,6 +139,21 @@ def test_unknown_backend_names_the_choices(monkeypatch, how):
         else:
             monkeypatch.setenv("CTXFAST_BACKEND", "fast")
             ctxfast.rel_shift(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_backend_the_op_does_not_have_is_refused_as_such(device):
+    # rel_attention has no cuda backend: asked for (by argument or block), on any device,
+    # it is refused as not implemented, before asking whether the device could run it
+    for how in ("argument", "block"):
+        with pytest.raises(ctxfast.BackendUnavailable,
+                           match=r"rel_attention: backend 'cuda' \(from .*\) is not "
+                                 r"implemented for this op; it has triton"):
+            if how == "argument":
+                _dispatch.resolve("rel_attention", torch.device(device), "cuda")
+            else:
+                with ctxfast.backend("cuda"):
+                    _dispatch.resolve("rel_attention", torch.device(device))
 
 
 def test_cuda_backend_on_cpu_tensor_says_why():
@@ -313,6 +356,7 @@ def _resolve_all_cuda(ops):
     with pytest.MonkeyPatch.context() as mp:
         _pretend_cuda(mp)
         return [_dispatch.resolve(op, torch.device("cuda")) for op in ops]
+
 
 @pytest.mark.parametrize("op", ["attention", "attention_varlen", "rel_attention"])
 def test_head_dims_above_the_triton_limit_never_reach_the_kernels(monkeypatch, op):

@@ -74,6 +74,19 @@ def test_locked_dropout_eval_p0_p1_and_generator():
     assert torch.equal(a, b)
 
 
+def test_locked_dropout_given_mask_applies_at_p0():
+    # The module docstring: p = 0 leaves x unchanged only when no mask is given; a given
+    # mask is applied (scale 1 / (1 - 0) = 1), in training, in both layouts.
+    x = torch.randn(6, 3, 4) + 5.0                           # never zero
+    mask = torch.rand(3, 4) > 0.5
+    out = ctxfast.locked_dropout(x, 0.0, mask=mask)
+    assert_equal(out, reference.locked_dropout(x, mask, 1.0), "p = 0, mask given")
+    assert (out == 0).any(), "the mask's zeros must drop values"
+    out_bf = ctxfast.locked_dropout(x.transpose(0, 1), 0.0, batch_first=True, mask=mask)
+    assert_equal(out_bf, reference.locked_dropout(x.transpose(0, 1), mask, 1.0, True),
+                 "p = 0, mask given, batch_first")
+
+
 def test_locked_dropout_gradcheck():
     x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(3, 5) > 0.3
@@ -161,6 +174,44 @@ def test_embedding_dropout_eval_and_gradcheck():
     mask = torch.tensor([1., 0, 1, 1, 0, 1, 1], dtype=torch.float64)
     assert torch.autograd.gradcheck(
         lambda w: ctxfast.embedding_dropout(w, ids, 0.5, mask=mask, scale=0.5), (weight,))
+
+
+def test_embedding_dropout_given_mask_applies_at_p0():
+    # As locked_dropout: p = 0 with a given mask drops the mask's words (scale 1), with
+    # the extra scale applied on top.
+    weight = torch.randn(9, 4) + 3.0                          # never zero
+    ids = torch.tensor([[0, 3, 3, 8], [1, 2, 5, 3]])
+    mask = torch.tensor([1, 0, 1, 0, 1, 1, 1, 1, 0], dtype=torch.bool)
+    for scale in (None, 0.5):
+        out = ctxfast.embedding_dropout(weight, ids, 0.0, mask=mask, scale=scale)
+        ref = reference.embedding_dropout(weight, ids, mask, 1.0, scale)
+        assert_equal(out, ref, f"p = 0, mask given, scale {scale}")
+        assert (out[0, 1] == 0).all() and (out[1, 0] == 0).all(), "masked words dropped"
+
+
+def test_embedding_dropout_padding_idx_at_both_ends_of_its_range():
+    # padding_idx in [-V, V), as F.embedding: -V and V - 1 are the first and last rows.
+    V = 6
+    weight = torch.randn(V, 3, requires_grad=True)
+    ids = torch.tensor([[0, 5, 2], [5, 0, 1]])
+    mask = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    for padding_idx, row in ((-V, 0), (V - 1, V - 1)):
+        out = ctxfast.embedding_dropout(weight, ids, 0.25, mask=mask, padding_idx=padding_idx)
+        ref = reference.embedding_dropout(weight, ids, mask, 1 / 0.75, None, padding_idx)
+        assert_close(out, ref, None, f"padding_idx {padding_idx}")
+        (dw,) = torch.autograd.grad(out.sum(), weight)
+        assert (dw[row] == 0).all(), f"padding_idx {padding_idx}: row {row} got a gradient"
+
+
+def test_embedding_dropout_of_no_ids():
+    # An empty batch of ids (no values to check) gives an empty lookup, in training with
+    # a sampled mask and with a given one, as F.embedding does.
+    weight = torch.randn(7, 3)
+    for shape in ((0,), (2, 0)):
+        ids = torch.empty(shape, dtype=torch.long)
+        for mask in (None, torch.ones(7)):
+            out = ctxfast.embedding_dropout(weight, ids, 0.5, mask=mask)
+            assert out.shape == (*shape, 3) and out.dtype == weight.dtype, (shape, out.shape)
 
 
 def test_embedding_dropout_module_wraps_embedding():

@@ -112,6 +112,94 @@ def test_a_helper_that_reaches_an_unpatched_module_patches_it():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_helper_naming_a_patched_and_an_unpatched_module_patches_it(tmp_path):
+    # A helper whose module names both tl (which the kernel's launch patched) and tl.core
+    # (which it did not): only a helper whose modules were all patched may skip the patch.
+    # In a fresh process (Triton never restores a helper's patch).
+    (tmp_path / "_two_langs.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+        import triton.language.core as core
+
+        @triton.jit
+        def flat_doubled(x, W: tl.constexpr):
+            return core.reshape(x, [W * W]) * 2
+    """))
+    code = textwrap.dedent("""
+        import torch, triton, triton.language as tl
+        from ctxfast.kernels import _launch
+        from _two_langs import flat_doubled
+
+        @triton.jit
+        def _flat(x_ptr, y_ptr, W: tl.constexpr):
+            offs = tl.arange(0, W)[:, None] * W + tl.arange(0, W)[None, :]
+            tl.store(y_ptr + tl.arange(0, W * W), flat_doubled(tl.load(x_ptr + offs), W))
+
+        x = torch.randn(4, 4)
+        y = torch.empty(16)
+        _launch.fast(_flat)[(1,)](x, y, W=4)
+        assert torch.equal(y, x.reshape(-1) * 2), (x, y)
+        print("ok")
+    """)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "1",
+                                            "PYTHONPATH": path})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_module_that_names_a_language_module_later_is_seen_again(tmp_path):
+    # The language modules a helper's globals name are kept per module while its globals
+    # stay as they were: a module that binds tl.core after a first launch (a lazy import)
+    # is read again, and its helper that calls core's builtins patches them.
+    (tmp_path / "_late_core.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def doubled(x, W: tl.constexpr):
+            return tl.reshape(x, [W * W]) * 2
+
+        @triton.jit
+        def doubled_core(x, W: tl.constexpr):
+            return core.reshape(x, [W * W]) * 2     # noqa: F821 (bound by bind_core)
+
+        def bind_core():
+            global core
+            import triton.language.core as core
+    """))
+    code = textwrap.dedent("""
+        import torch, triton, triton.language as tl
+        from ctxfast.kernels import _launch
+        import _late_core
+
+        @triton.jit
+        def _flat(x_ptr, y_ptr, W: tl.constexpr):
+            offs = tl.arange(0, W)[:, None] * W + tl.arange(0, W)[None, :]
+            tl.store(y_ptr + tl.arange(0, W * W), _late_core.doubled(tl.load(x_ptr + offs), W))
+
+        @triton.jit
+        def _flat_core(x_ptr, y_ptr, W: tl.constexpr):
+            offs = tl.arange(0, W)[:, None] * W + tl.arange(0, W)[None, :]
+            tl.store(y_ptr + tl.arange(0, W * W),
+                     _late_core.doubled_core(tl.load(x_ptr + offs), W))
+
+        x = torch.randn(4, 4)
+        for kernel in (_flat, _flat_core):
+            if kernel is _flat_core:
+                _late_core.bind_core()
+            y = torch.empty(16)
+            _launch.fast(kernel)[(1,)](x, y, W=4)
+            assert torch.equal(y, x.reshape(-1) * 2), (kernel, x, y)
+        print("ok")
+    """)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "1",
+                                            "PYTHONPATH": path})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_the_language_is_restored_after_each_launch():
     _run_rows(2)
     assert tl.core.is_builtin(tl.arange) and tl.core.is_builtin(tl.load)
@@ -186,6 +274,28 @@ def test_bf16_conversions_round_as_a_gpu_does():
     torch.testing.assert_close(out[7, finite], rne[finite].half().float(), rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+def test_bf16_conversion_keeps_every_nan_a_nan():
+    # NaNs whose payload lies in the low 16 bits only (signalling NaNs, 0x7F800001): their
+    # top 16 bits alone are an infinity, so the conversion must set a mantissa bit, as torch
+    # and a GPU do (quiet NaN); truncated or rounded as a number they would come back inf.
+    n = 16
+    bits = torch.tensor([0x7F800001, -0x007FFFFF, 0x7F80FFFF, -0x007F0001, 0x7FC00000,
+                         0x7FBFFFFF], dtype=torch.int32)           # 0xFF800001, 0xFF80FFFF
+    x = torch.randn(n)
+    x[:len(bits)] = bits.view(torch.float32)
+    assert torch.isnan(x[:len(bits)]).all()
+    out = torch.empty(8, n)
+    _launch.fast(_bf16_casts_kernel)[(1,)](x, torch.rand(n) > 0.5,
+                                            torch.randint(-9, 9, (n,), dtype=torch.int32),
+                                            torch.randn(n).half(), out, N=n)
+    for row in (0, 4):                           # x.to(bf16), and with rounding "rtne"
+        got = out[row, :len(bits)]
+        assert torch.isnan(got).all(), f"row {row}: NaNs converted to {got.tolist()}"
+        torch.testing.assert_close(out[row], x.bfloat16().float(), rtol=0, atol=0,
+                                   equal_nan=True, msg=lambda m, row=row: f"row {row}: {m}")
+
+
 def _fields(value) -> dict:
     """A Triton type's or tensor's fields, with its tuples and constexprs as plain values."""
     def plain(v):
@@ -195,7 +305,6 @@ def _fields(value) -> dict:
             return ("constexpr", v.value)
         return v
     return {k: plain(v) for k, v in vars(value).items()}
-
 
 
 def _tritons_own(cls, *args):

@@ -207,7 +207,8 @@ def test_reused_kernel_gets_what_triton_passes(toy):
 
 @pytest.mark.parametrize("change", ["n=1", "n not a multiple of 16", "misaligned x",
                                     "x dtype", "constexpr", "num_warps", "scale type",
-                                    "debug knob"])
+                                    "debug knob", "instrumentation knob",
+                                    "constexpr int as float"])
 def test_a_new_key_goes_through_triton(toy, change, monkeypatch):
     fk, log = toy
     fk[(1,)](_x(), 64, 0.5, True, W=4)
@@ -222,10 +223,14 @@ def test_a_new_key_goes_through_triton(toy, change, monkeypatch):
         args[0] = torch.zeros(32, dtype=torch.float16)
     elif change == "constexpr":
         kwargs["W"] = 8
+    elif change == "constexpr int as float":    # equal, but Triton keys the value's text
+        kwargs["W"] = 4.0
     elif change == "num_warps":
         kwargs["num_warps"] = 8
     elif change == "debug knob":                 # enters Triton's options
         monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    elif change == "instrumentation knob":       # enters Triton's options (proton, gsan)
+        monkeypatch.setattr(triton.knobs.compilation, "instrumentation_mode", "gsan")
     else:
         args[2] = 2                            # an int where a float was
     fk[(1,)](*args, **kwargs)
@@ -374,6 +379,21 @@ def test_hooks_globals_and_grids_keep_tritons_path(toy, monkeypatch):
     fk[(1,)](_x(), 64, 0.5, True, W=4)
     assert fk.hits == 1
     assert [e[0] for e in log].count("jit") == 4
+
+
+def test_a_launch_exit_hook_keeps_tritons_path(toy):
+    # Triton calls exit hooks (a profiler's) with its launch metadata after the launch too
+    fk, log = toy
+    fk[(1,)](_x(), 64, 0.5, True, W=4)
+    hook = lambda *a: None                      # noqa: E731
+    triton.knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        fk[(1,)](_x(), 64, 0.5, True, W=4)
+    finally:
+        triton.knobs.runtime.launch_exit_hook.remove(hook)
+    assert fk.hits == 0 and [e[0] for e in log].count("jit") == 2
+    fk[(1,)](_x(), 64, 0.5, True, W=4)          # the hook removed: the fast path again
+    assert fk.hits == 1
 
 
 def test_an_unhashable_argument_takes_tritons_path(toy):

@@ -248,6 +248,22 @@ def test_default_backend(monkeypatch):
         ctxfast.linear(x, w, b)
 
 
+def test_cuda_default_takes_float32_only(monkeypatch):
+    """The decision a GPU machine makes, made here: with CUDA_DEFAULT "triton", float32
+    CUDA tensors default to the Triton GEMM and every other dtype stays on cuBLAS (only
+    the route is asked: no tensor is made on the GPU)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(ctxfast._dispatch, "_cuda_present", lambda: True)
+    monkeypatch.setattr(ctxfast._dispatch, "_TRITON_INSTALLED", True)
+    monkeypatch.setattr(linear_ops, "CUDA_DEFAULT", "triton")
+    monkeypatch.delenv("CTXFAST_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    for dtype, want in ((torch.float32, "triton"), (torch.float16, "eager"),
+                        (torch.bfloat16, "eager"), (torch.float64, "eager")):
+        x = SimpleNamespace(is_cuda=True, dtype=dtype, device=cuda)
+        assert linear_ops._route(x, None) == want, dtype
+
+
 def test_triton_refused_where_it_cannot_run(monkeypatch):
     if "triton" in BACKENDS:
         monkeypatch.setattr(ctxfast._dispatch, "_TRITON_INTERPRET", False)
@@ -264,13 +280,16 @@ def test_triton_refused_where_it_cannot_run(monkeypatch):
     ((torch.randn(3, 4), torch.randn(4)), ValueError, r"weight must have shape \[N, I\]"),
     ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)), ValueError,
      r"bias must have shape \[N\] = \[5\], got \(4,\)"),
+    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(1, 5)), ValueError,
+     r"bias must have shape \[N\] = \[5\], got \(1, 5\)"),
     ((torch.tensor(1.0), torch.randn(5, 4)), ValueError, r"x must have shape \[\.\.\., I\]"),
     ((torch.randn(3, 4), torch.randn(5, 4).double()), TypeError, "one dtype"),
     ((torch.randn(3, 4).long(), torch.randn(5, 4)), TypeError, "x must be float16"),
     (([1.0, 2.0], torch.randn(5, 2)), TypeError, "x must be a torch.Tensor"),
     ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(5, device="meta")), ValueError,
      "one device"),
-], ids=["I", "weight-rank", "bias", "x-rank0", "dtype", "int", "list", "device"])
+], ids=["I", "weight-rank", "bias", "bias-rank2", "x-rank0", "dtype", "int", "list",
+        "device"])
 def test_bad_input_is_refused_before_dispatch(no_dispatch, args, err, match):
     with pytest.raises(err, match=match):
         ctxfast.linear(*args)

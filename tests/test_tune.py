@@ -187,6 +187,22 @@ def test_row_that_cannot_run_is_skipped_but_the_table_row_raises(tuning, monkeyp
         _call(causal=True)
 
 
+def test_a_table_row_that_fails_raises_where_a_candidate_would_run(tuning):
+    # The table row is what runs untuned: its error is the call's, never skipped as a
+    # candidate's is (nor a candidate chosen in its place, compared with nothing).
+    out = torch.empty(3)
+
+    def run():
+        if not _tune.current():
+            raise RuntimeError("the table row fails")
+        out.fill_(1.0)
+    kind = ("table row fails",)
+    with pytest.raises(RuntimeError, match="the table row fails"):
+        _tune.call(kind, [("k", [{}, {"row": 1}])], run, [out], torch.device("cpu"),
+                   torch.float32)
+    assert kind not in _tune.tuned()
+
+
 def test_one_tuning_per_kind(tuning):
     """Calls of one kind tune once; a new size class (queries, keys or batch x heads to the
     next power of two), dtype or mask kind tunes again."""
@@ -508,6 +524,40 @@ def test_agreement_measure():
     nan[0] = float("nan")
     assert _tune._gap([nan], [ref]) == math.inf
     assert _tune._gap([torch.ones(3), torch.empty(0)], [torch.ones(3), torch.empty(0)]) == 0
+
+
+@pytest.mark.parametrize("dtype, agrees", [(torch.bfloat16, True), (torch.float32, False)],
+                         ids=str)
+def test_agreement_is_bounded_by_the_calls_dtype(tuning, monkeypatch, dtype, agrees):
+    # A float32 output of a call whose inputs are `dtype` (attention's lse): a candidate
+    # 2^-8 of the largest element away from the table row's is a quarter of bfloat16's
+    # AGREE (chosen when fastest) but twice float32's (turned away).
+    out = torch.empty(4)
+    base = torch.tensor([1.0, -2.0, 0.5, 0.25])
+
+    def run():
+        out.copy_(base)
+        if _tune.current().get("row") == 1:
+            out[1] = -2.0 * (1 + 2 ** -8)
+    monkeypatch.setattr(_tune, "TIMER", lambda once, rows: 1.0 if rows.get("row") else 2.0)
+    _tune.call(("agreement", str(dtype)), [("k", [{}, {"row": 1}])], run, [out],
+               torch.device("cpu"), dtype)
+    want = base.clone()
+    if agrees:                                     # the call ran with the row chosen
+        want[1] = -2.0 * (1 + 2 ** -8)
+    assert torch.equal(out, want), out
+    rec = next(r for r in _tune.records() if r["candidate"] == {"row": 1})
+    assert rec["chosen"] is agrees, rec
+    assert rec["gap"] == pytest.approx(0.25 if agrees else 2.0), rec
+    assert _tune.tuned()[("agreement", str(dtype))] == ({"row": 1} if agrees else {})
+
+
+def test_size_classes_round_up_to_a_power_of_two():
+    # A kind's size part: a power of two is its own class (64 queries tune apart from 65,
+    # with 33..64), 0 and 1 stay.
+    sizes = [0, 1, 2, 3, 4, 5, 16, 17, 63, 64, 65, 4096, 4097]
+    assert [_tune.size_class(n) for n in sizes] == [0, 1, 2, 4, 4, 8, 16, 32, 64, 64, 128,
+                                                    4096, 8192]
 
 
 def test_when_calls_are_tuned(monkeypatch):
