@@ -98,6 +98,17 @@ def test_reference_matches_sdpa_causal_and_padding():
     assert torch.allclose(reference.attention(q, k, v, key_padding_mask=kpm), ref)
 
 
+def test_reference_value_width_may_differ_and_scale_is_from_the_query():
+    """v ``[B, H, Tk, Dv]`` with Dv != D, keys with memory: the default scale is
+    ``D ** -0.5`` (q's width), as torch's attention."""
+    q = torch.randn(2, 3, 5, 16, dtype=torch.float64)
+    k = torch.randn(2, 3, 7, 16, dtype=torch.float64)
+    v = torch.randn(2, 3, 7, 4, dtype=torch.float64)
+    causal = torch.ones(5, 7, dtype=torch.bool).tril(2)          # j <= i + mem_len (2)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    assert torch.allclose(reference.attention(q, k, v, causal=True), ref)
+
+
 def test_reference_mask_matches_definition():
     B, Tq, Tk = 2, 5, 8
     mem = Tk - Tq

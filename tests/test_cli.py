@@ -114,6 +114,27 @@ def test_smoke_passes():
     assert "attention        eager   cpu   ok" in r.stdout
 
 
+@pytest.mark.parametrize("bad", ["wrong", "raises"])
+def test_smoke_fails_on_an_error_over_its_tolerance_or_an_exception(bad, monkeypatch, capsys):
+    """The smoke run's verdict (in process, every op's run replaced by a stub): one
+    backend over its tolerance, or raising, makes it print that and exit 1."""
+    from ctxfast import _dispatch, cli
+
+    def broken(backend, device):
+        if bad == "raises":
+            raise RuntimeError("kernel crashed")
+        return 1.0
+    ops = list(_dispatch.registered_ops())
+    fake = {op: ((lambda backend, device: 0.0), 1e-4) for op in ops}
+    monkeypatch.setattr(cli, "SMOKE", fake)
+    assert cli.main(["smoke"]) == 0 and "smoke: all ok" in capsys.readouterr().out
+    fake[ops[0]] = (broken, 1e-4)
+    assert cli.main(["smoke"]) == 1
+    out = capsys.readouterr().out
+    assert ("WRONG" if bad == "wrong" else "FAILED: RuntimeError: kernel crashed") in out, out
+    assert out.rstrip().endswith("FAILED") and "all ok" not in out, out
+
+
 def test_unknown_arguments_fail(capsys):
     from ctxfast import cli                    # (in process: refused before anything runs)
     with pytest.raises(SystemExit) as exit_:

@@ -148,6 +148,44 @@ def test_gpt2_dropout_rates_are_carried():
     assert rates <= {0.25, 0.125} and 0.25 in rates, rates
 
 
+def test_bert_untied_mlm_decoder_keeps_its_own_weight():
+    """BertForMaskedLM with tie_word_embeddings=False: the decoder's own weight is loaded
+    (the model built untied), so the MLM logits are HF's."""
+    hf = transformers.BertForMaskedLM(_bert_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        hf.cls.predictions.decoder.weight.normal_()
+    assert hf.cls.predictions.decoder.weight is not hf.bert.embeddings.word_embeddings.weight
+    model = from_hf(hf, backend="eager")
+    assert model.mlm.decoder.weight is not model.embeddings.word.weight
+    ids, tt, am = _bert_inputs()
+    ids, tt, am = ids.cpu(), tt.cpu(), am.cpu()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, token_type_ids=tt, attention_mask=am).logits
+        out = model(ids, tt, am).mlm_logits
+    keep = am.bool()
+    assert_close(out[keep], ref[keep], name="mlm logits, untied decoder")
+
+
+def test_bert_dropout_rates_and_padding_row_are_carried():
+    """HF's two BERT dropout rates reach the model (hidden_dropout_prob the embeddings' and
+    residual branches', attention_probs_dropout_prob the attention's; distinct here), and
+    pad_token_id is the word embedding's padding_idx: as in HF, a training step gives that
+    row no gradient (the row of token 0 one)."""
+    hf = transformers.BertModel(_bert_config(hidden_dropout_prob=0.25,
+                                             attention_probs_dropout_prob=0.125,
+                                             pad_token_id=3))
+    model = from_hf(hf, backend="eager")
+    assert (model.config.dropout, model.config.attn_dropout) == (0.25, 0.125)
+    assert all(layer.attn.attn_dropout == 0.125 for layer in model.layers)
+    assert model.embeddings.drop.p == 0.25
+    assert model.embeddings.word.padding_idx == hf.embeddings.word_embeddings.padding_idx == 3
+    ids = torch.tensor([[0, 5, 3, 7, 3, 0]])
+    model.eval()(ids).last_hidden_state.square().sum().backward()
+    grad = model.embeddings.word.weight.grad
+    assert (grad[3] == 0).all(), "the padding row (pad_token_id=3) got a gradient"
+    assert grad[0].abs().sum() > 0, "token 0 is not padding here but got no gradient"
+
+
 @pytest.mark.parametrize("backend", ["ctxfast", "eager"])
 def test_gpt2_model_hidden_states_through_tied_head(backend):
     """GPT2Model has no head: ours gets one tied to wte, so logits = hidden @ wte.T."""

@@ -236,6 +236,20 @@ def test_classifier_from_fastai_state_dict_matches_plain_pytorch():
     assert_close(logits, x, name="classifier logits")
 
 
+@pytest.mark.parametrize("T", [3, 9], ids=["one-chunk", "chunked"])
+def test_classifier_calls_are_independent(T):
+    """Each classifier call encodes its texts from a zero state (fastai's SentenceEncoder
+    resets): a text's logits do not depend on what the model saw before, whether the text
+    fits in one bptt chunk or not."""
+    model = AWDLSTMClassifier(_config(bptt=4)).to(DEVICE).eval()
+    a, b = (torch.randint(2, V, (2, T), device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        first = model(a)[0]
+        model(b)
+        again = model(a)[0]
+    assert_close(again, first, name="logits after another batch")
+
+
 def test_concat_pool_matches_fastai_on_its_padding_layouts():
     """fastai pads whole bptt chunks at the start and the remainder at the end (its
     ``pad_chunk``); its pooling finds the last token from the padding in the last chunk.
@@ -383,6 +397,23 @@ def test_dropout_on_ctxfast_and_eager_agree_under_one_seed():
     assert_close(loss, loss_e, name="loss with AR/TAR")
     assert torch.isfinite(loss) and loss.item() > 0
     assert_param_grads_close(fast, eager)
+
+
+def test_ar_on_the_dropped_output_and_tar_on_the_raw_output():
+    """fastai's RNNRegularizer: AR penalises the output after output_dp (what the decoder
+    reads), TAR the steps of the raw output (before it); with output_p > 0 the two differ.
+    The loss is the cross-entropy plus both, each taken from the tensors of the same call."""
+    model = AWDLSTMLM(_config(output_p=0.5, ar_alpha=2.0, tar_beta=1.0)).to(DEVICE).train()
+    seen = {}
+    model.encoder.register_forward_hook(lambda m, i, o: seen.__setitem__("raw", o))
+    model.decoder.register_forward_hook(lambda m, i, o: seen.__setitem__("dropped", i[0]))
+    ids, targets = (torch.randint(0, V, (3, 6), device=DEVICE) for _ in range(2))
+    logits, loss = model(ids, targets)
+    raw, dropped = seen["raw"].detach(), seen["dropped"].detach()
+    assert not torch.allclose(raw, dropped)                  # output_p dropped something
+    want = (F.cross_entropy(logits.detach().reshape(-1, V), targets.reshape(-1))
+            + 2.0 * dropped.pow(2).mean() + 1.0 * (raw[:, 1:] - raw[:, :-1]).pow(2).mean())
+    assert_close(loss.detach(), want, name="loss with AR and TAR")
 
 
 # --------------------------------------------------------------------------- bad inputs

@@ -222,6 +222,54 @@ def test_highway_and_scalar_mix_formulas():
         assert_close(mix(tensors, mask), 1.7 * ref, name=f"scalar mix, layer norm {layer_norm}")
 
 
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_char_cnn_formula(activation):
+    """AllenNLP's _ElmoCharacterEncoder, one token at a time: embed the characters, each
+    filter's convolution max-pooled over the characters then the activation, concatenated,
+    highway, projection; padding characters (id 0) embed to zero."""
+    cfg = _config(activation=activation, add_sentence_boundaries=False)
+    enc = ElmoBiLM(cfg).token_embedder.double()
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.copy_(torch.randn_like(p))
+        enc.char_embedding.weight[0] = 0
+    char_ids = batch_to_ids(SENTS, C)
+    with torch.no_grad():
+        got, mask, _ = enc(char_ids)
+        act = torch.relu if activation == "relu" else torch.tanh
+        for b, sent in enumerate(SENTS):
+            for t in range(len(sent)):
+                e = enc.char_embedding.weight[char_ids[b, t]]                # [C, d]
+                feats = []
+                for conv, (w, n) in zip(enc.convs, cfg.filters):
+                    windows = torch.stack([e[s:s + w].t().reshape(-1)
+                                           for s in range(C - w + 1)])     # [C - w + 1, d*w]
+                    scores = windows @ conv.weight.reshape(n, -1).t() + conv.bias
+                    feats.append(act(scores.max(0).values))                  # [n]
+                x = enc.highways(torch.cat(feats))
+                ref = x @ enc.projection.weight.t() + enc.projection.bias
+                assert_close(got[b, t], ref, name=f"token {b}, {t} ({activation})")
+    assert mask.sum(1).tolist() == [len(s) for s in SENTS]
+
+
+def test_lm_dropout_drops_both_directions_states():
+    """lm_dropout (training) applies to the forward and the backward states before their
+    softmaxes: each head reads its half of the top layer, zeroed or scaled by 1 / (1 - p)."""
+    model = ElmoBiLM(_config(lm_dropout=0.5, share_softmax=False)).to(DEVICE).train()
+    seen = {}
+    for name in ("softmax", "softmax_backward"):
+        getattr(model, name).register_forward_hook(
+            lambda m, i, o, name=name: seen.__setitem__(name, i[0].detach()))
+    char_ids, word_ids = _inputs()
+    out = model(char_ids, word_ids)
+    top = out.activations[-1].detach()
+    for name, half in (("softmax", top[..., :8]), ("softmax_backward", top[..., 8:])):
+        got = seen[name]
+        kept = got != 0
+        assert (~kept & (half != 0)).any(), f"{name}: no state dropped"
+        assert_close(got[kept], 2 * half[kept], name=f"{name}: kept states")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_scalar_mix_layer_norm_at_16_bits(dtype):
     # the count of unpadded elements (64 tokens x 1,024 features = 65,536) was summed in

@@ -104,6 +104,63 @@ def test_layouts_differ_and_head_is_tied():
     assert untied.lm_head.weight is not untied.transformer.wte.weight
 
 
+def _layout_reference(model, idx):
+    """The forward written out from the state_dict in float64 (plain torch ops): GPT-2
+    ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``, ``ln_f``; GPT-1 ``ln_1(x + attn(x))``,
+    ``ln_2(x + mlp(x))``, no ``ln_f``; logits through the tied head."""
+    F = torch.nn.functional
+    cfg, T = model.config, idx.shape[1]
+    sd = {k: v.double() for k, v in model.state_dict().items()}
+    H, D = cfg.n_head, cfg.n_embd
+
+    def ln(x, name):
+        return F.layer_norm(x, (D,), sd[name + ".weight"], sd[name + ".bias"],
+                            cfg.layer_norm_eps)
+
+    def lin(x, name):
+        return F.linear(x, sd[name + ".weight"], sd[name + ".bias"])
+
+    def attn(x, p):
+        q, k, v = lin(x, p + "attn.qkv").split(D, -1)              # [B, T, D] each
+        q, k, v = (t.view(*t.shape[:2], H, D // H).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
+        return lin(y.transpose(1, 2).reshape(x.shape), p + "attn.proj")
+
+    def mlp(x, p):
+        return lin(F.gelu(lin(x, p + "mlp.fc"), approximate="tanh"
+                          if cfg.activation == "gelu_tanh" else "none"), p + "mlp.proj")
+
+    x = sd["transformer.wte.weight"][idx] + sd["transformer.wpe.weight"][:T]
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        if cfg.prenorm:
+            x = x + attn(ln(x, p + "ln_1"), p)
+            x = x + mlp(ln(x, p + "ln_2"), p)
+        else:
+            x = ln(x + attn(x, p), p + "ln_1")
+            x = ln(x + mlp(x, p), p + "ln_2")
+    if cfg.prenorm:
+        x = ln(x, "transformer.ln_f")
+    return x @ sd["transformer.wte.weight"].t()
+
+
+@pytest.mark.parametrize("prenorm", [True, False], ids=["gpt2", "gpt1"])
+def test_both_layouts_against_the_written_out_forward(prenorm):
+    """Each layout (and GPT-1's erf gelu) against its formula, every parameter perturbed so
+    that the LayerNorms' places matter (GPT-2's layout is also checked against Hugging Face;
+    GPT-1's only here)."""
+    act = "gelu_tanh" if prenorm else "gelu"
+    model = GPT(_config(prenorm=prenorm, activation=act, backend="eager")).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    idx = torch.randint(0, 37, (2, 9))
+    with torch.no_grad():
+        logits, _ = model(idx)
+        ref = _layout_reference(model, idx)
+    assert_close(logits, ref, name=f"logits, prenorm={prenorm}")
+
+
 def test_cached_steps_match_one_full_pass():
     """Prefill 5 tokens, then one token at a time through the cache: the logits of every
     position equal those of one pass over the whole sequence."""
@@ -294,7 +351,6 @@ def test_cache_refuses_another_batch_naming_both(grad):
     mem = KVMemory(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
     with pytest.raises(ValueError, match=r"KVMemory.extend: .* = \[1, 2, Q, 4\] .* got \[2, 2"):
         mem.extend(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4))
-
 
 
 def test_memory_buffer_room_is_bounded_by_its_rows():

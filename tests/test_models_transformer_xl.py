@@ -360,6 +360,20 @@ def test_ext_len_and_mem_len_zero():
     assert [m.shape[0] for m in mems] == [3] * 3                     # steps 1..3 (before ext)
 
 
+def test_a_shorter_target_scores_the_last_positions():
+    """target ``[tgt_len, B]`` with tgt_len < T is the next token of the *last* tgt_len
+    positions (the original's ``hidden[-tgt_len:]``): its loss is the log-probabilities of
+    those positions, memory or not."""
+    model = TransformerXL(tiny(mem_len=6)).eval()
+    x, y = ids(7, 2), ids(3, 2)
+    with torch.no_grad():
+        for mems in ([], model(ids(4, 2))[1]):
+            lp, _ = model(x, None, *mems)                           # [7, 2, V]
+            loss, _ = model(x, y, *mems)                            # [3, 2]
+            assert_close(loss, -lp[-3:].gather(2, y[..., None])[..., 0],
+                         name=f"loss of the last 3 of 7 positions, mlen {len(mems) and 4}")
+
+
 @needs_triton
 def test_same_length_runs_on_the_kernels_over_segments():
     """same_length (the paper's evaluation setting) on the Triton kernels equals eager over
@@ -498,6 +512,37 @@ def test_adaptive_embedding_and_softmax(div_val):
         lp2, _ = model(x)
     gain = (lp2 - lp).mean((0, 1))
     assert gain[10:30].min() > 0 and gain[30:].max() < 0 and gain[:10].max() < 0
+
+
+def test_adaptive_input_embeds_each_cluster_as_the_original():
+    """div_val > 1: token t of cluster i is ``emb_layers[i](t - lo_i) @ emb_projs[i]ᵀ``
+    times sqrt(d_model) (the original AdaptiveEmbedding), every cluster present."""
+    from ctxfast.models.transformer_xl import AdaptiveEmbedding
+    emb = AdaptiveEmbedding(60, 32, 16, (10, 30), div_val=2)
+    with torch.no_grad():
+        for p in emb.parameters():
+            p.normal_()
+    x = torch.tensor([[0, 9, 10, 29], [30, 59, 5, 44]])             # [T, B], each cluster
+    ref = torch.empty(*x.shape, 16)
+    for idx in torch.cartesian_prod(torch.arange(2), torch.arange(4)):
+        t = int(x[tuple(idx)])
+        i = sum(t >= c for c in (10, 30))
+        lo = (0, 10, 30)[i]
+        ref[tuple(idx)] = emb.emb_layers[i].weight[t - lo] @ emb.emb_projs[i].t() * 16 ** 0.5
+    with torch.no_grad():
+        assert_close(emb(x), ref, name="adaptive input embedding")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_position_encodings_of_a_cast_model_are_the_float32_ones(dtype):
+    """A model cast to 16 bits holds inv_freq in 16 bits, so the frequencies are recomputed
+    from d_model (in float32): the encodings are float32's (the model casts them after)."""
+    from ctxfast.models.transformer_xl import PositionalEmbedding
+    pos = torch.arange(40.0, -1, -1)
+    ref = PositionalEmbedding(32)(pos)                                  # [41, 1, 32]
+    got = PositionalEmbedding(32).to(dtype)(pos)
+    assert got.dtype == ref.dtype == torch.float32
+    assert_close(got, ref, name=f"encodings of the {dtype} module")
 
 
 # --------------------------------------------------------------------------- generate
@@ -679,6 +724,36 @@ def test_reuse_is_dropped_when_its_inputs_change():
             assert_close(p.grad, q.grad, name=f"grad {name}")
 
 
+@pytest.mark.parametrize("change", ["pre_ln_weight", "clamp_len"])
+def test_reuse_follows_the_pre_ln_weights_and_clamp_len(change):
+    """With pre_lnorm the keys and values are projected from ``layer_norm([mems; w])``: a
+    change of that LayerNorm (an optimizer step on it alone) recomputes them. The projected
+    position encodings depend on ``clamp_len`` (which the original evaluation script sets
+    on a loaded model): a change recomputes them although klen repeats. Both against the
+    same model without reuse."""
+    torch.manual_seed(0)
+    kw = dict(mem_len=8, pre_lnorm=True, clamp_len=6)
+    model = TransformerXL(tiny(**kw)).eval()
+    other = TransformerXL(tiny(reuse_kv=False, **kw)).eval()
+    with torch.no_grad():                   # unit-variance scores: every term counts
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() >= 2 else 0.2))
+    other.load_state_dict(model.state_dict())
+    xs = [ids(4, 2) for _ in range(4)]
+    out = {}
+    for m in (model, other):
+        _, mems = _segments(m, xs[:3])                             # klen 12 from now on
+        if change == "pre_ln_weight":
+            with torch.no_grad():
+                for layer in m.layers:
+                    layer.dec_attn.layer_norm.weight.mul_(2.0)
+                    layer.dec_attn.layer_norm.bias.add_(0.5)
+        else:
+            m.clamp_len = 2
+        out[m is model] = _segments(m, xs[3:], mems)[0][0]
+    assert_close(out[True], out[False], name=f"segment after a {change} change")
+
+
 def test_reused_rows_grow_in_place_and_branches_stay_apart():
     """The kept keys and values grow in one buffer from call to call (no copy of the whole
     memory each time), and two continuations of the same memory (a branch) and then of
@@ -790,6 +865,22 @@ def test_from_state_dict_infers_adaptive_shapes_and_requires_what_it_cannot(div_
         partial = {k: t for k, t in sd.items() if k != key}
         with pytest.raises(ValueError, match=f"has no .*{re.escape(key)}"):
             TransformerXL.from_state_dict(partial, **need)
+
+
+def test_from_state_dict_ties_only_when_every_cluster_is_tied():
+    """An untied adaptive softmax (div_val 2) whose first cluster's output weight happens to
+    equal its embedding is read as untied (tie_weight ties every cluster), loads and
+    computes what it computed."""
+    c = tiny(n_token=60, cutoffs=(10, 30), div_val=2, d_embed=48, tie_weight=False, mem_len=6)
+    src = TransformerXL(c).eval()
+    sd = src.state_dict()
+    sd["crit.out_layers.0.weight"] = sd["word_emb.emb_layers.0.weight"].clone()
+    src.load_state_dict(sd)
+    model = TransformerXL.from_state_dict(sd, pre_lnorm=False, mem_len=6).eval()
+    assert not model.config.tie_weight
+    x = ids(5, 2, n=60)
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], src(x)[0])
 
 
 def test_one_class_per_name_old_model_layer_name_deprecated():

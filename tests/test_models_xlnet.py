@@ -345,6 +345,11 @@ def _bad(name):
         r"mems\[0\]": dict(input_ids=ids, mems=[torch.randn(3, B, 16), mems[1]]),
         r"mems\[1\] ": dict(input_ids=ids, mems=[mems[0], torch.randn(2, B, 32)]),
         "target_mapping": dict(input_ids=ids, target_mapping=torch.zeros(B, 2, T - 1)),
+        # with labels: the mapping's own error, not one from reading its shape for them
+        "target_mapping ": dict(input_ids=ids, target_mapping=[[0.0] * T] * B,
+                                labels=torch.zeros(B, 1).long()),
+        "target_mapping  ": dict(input_ids=ids, target_mapping=torch.zeros(B, T),
+                                 labels=torch.zeros(B, T).long()),
         "token_type_ids": dict(input_ids=ids, token_type_ids=torch.zeros(B, T + 2).long()),
         "attention_mask": dict(input_ids=ids, attention_mask=torch.ones(B + 1, T)),
         "labels": dict(input_ids=ids, labels=torch.zeros(B, T + 1).long()),
@@ -354,6 +359,7 @@ def _bad(name):
 @pytest.mark.parametrize("backend", ["ctxfast", "eager"])
 @pytest.mark.parametrize("arg", ["perm_rank", "input_ids", "input_ids ", "input_ids  ", "mems",
                                  r"mems\[1\]", r"mems\[0\]", r"mems\[1\] ", "target_mapping",
+                                 "target_mapping ", "target_mapping  ",
                                  "token_type_ids", "attention_mask", "labels"])
 def test_bad_inputs_raise_value_error_naming_the_argument(backend, arg):
     model = XLNetLMHeadModel(_config(), backend=backend).to(DEVICE)
@@ -425,6 +431,24 @@ def test_training_mode_applies_dropout_on_the_fast_path():
         train = model.train()(ids, perm_rank=rank, target_mapping=tm).logits
         ev = model.eval()(ids, perm_rank=rank, target_mapping=tm).logits
     assert torch.isfinite(train).all() and not torch.allclose(train, ev)
+
+
+def test_training_drops_both_streams_inputs_and_outputs():
+    """As HF: the word embeddings (content stream) and mask_emb (query stream) pass a
+    dropout on the way in and the outputs one on the way out. With no layer in between,
+    every kept value is its input times (1 / (1 - p))² = 4 at p = 0.5 (once: 2)."""
+    model = XLNetModel(_config(n_layer=0, dropout=0.5), backend="eager").to(DEVICE).train()
+    ids = torch.randint(0, V, (2, 6), device=DEVICE)
+    tm = torch.nn.functional.one_hot(torch.tensor([[1, 3], [0, 4]], device=DEVICE), 6).float()
+    with torch.no_grad():
+        out = model(ids, target_mapping=tm)
+        inputs = {"content": model.word_embedding(ids), "query": model.mask_emb.expand(2, 2, -1)}
+        for name, got in (("content", out.content_hidden_state),
+                          ("query", out.query_hidden_state)):
+            x = inputs[name]
+            kept = got != 0
+            assert kept.any() and (~kept).any(), name
+            assert_close(got[kept], 4 * x[kept], name=f"{name} stream: kept values")
 
 
 # ------------------------------------------------------------------ HF perm_mask, use_mems

@@ -159,6 +159,28 @@ def test_builtin_stream_is_deterministic_and_encodes():
     assert vocab == 3 and ids.tolist() == [0, 1, 2, 0]
 
 
+def test_streams_positions_warm_up_and_medians():
+    """The helpers behind the table: ``batch`` contiguous streams (column b is the b-th
+    part of the stream, as the original evaluation cuts it); positions spread evenly over
+    ``[lo, hi]``, both ends included, every (position, stream) pair once when the count
+    allows; warm-up segments until the memory of L is full (L not a multiple of the
+    segment length: rounded up); the median of an even count is the middle pair's mean."""
+    ids = torch.arange(20)
+    m = xl_eval.stream_matrix(ids, batch=3, length=5)                   # [6, 3]
+    assert m.shape == (6, 3)
+    for b in range(3):
+        assert m[:, b].tolist() == list(range(6 * b, 6 * b + 6)), b
+    every = {(p, b) for p in range(3, 8) for b in range(2)}
+    assert sorted(xl_eval.sample_positions(3, 7, 10, batch=2)) == sorted(every)
+    assert sorted(xl_eval.sample_positions(3, 7, 99, batch=2)) == sorted(every)
+    some = xl_eval.sample_positions(3, 7, 4, batch=2)
+    assert [p for p, _ in some] == [3, 4, 5, 6] and [b for _, b in some] == [0, 1, 0, 1]
+    assert xl_eval.sample_positions(5, 4, 3, batch=2) == []
+    assert [xl_eval.fill_segments(L, 4) for L in (2, 4, 8, 10)] == [1, 1, 2, 3]
+    assert xl_eval._median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert xl_eval._median([3.0, 1.0, 2.0]) == 2.0
+
+
 # --------------------------------------------------------------------------- command line
 
 TINY = ["--attn-lens", "8,16", "--tgt-len", "4", "--batch", "2", "--xl-segments", "2",
@@ -256,6 +278,13 @@ def test_cli_smoke_tiny_run_writes_the_report(tmp_path, capsys):
         assert r["vanilla_ms_per_token"] == pytest.approx(r["vanilla_ms_total"] / 3)
         assert r["xl_ms_per_token_median"] > 0 and r["vanilla_ms_per_token_median"] > 0
         assert 0 < r["vanilla_bits_per_token"] < 16 and 0 < r["xl_bits_per_token"] < 16
+        # the kernel gains: eager's ms/tok over this backend's, in the same mode and L
+        e = next(x for x in rows if x["attn_len"] == r["attn_len"] and x["backend"] == "eager")
+        for mode in ("xl", "vanilla"):
+            assert r[f"{mode}_kernel_speedup"] == pytest.approx(
+                e[f"{mode}_ms_per_token"] / r[f"{mode}_ms_per_token"]), mode
+        assert r["speedup_vs_eager_vanilla"] == pytest.approx(
+            e["vanilla_ms_per_token"] / r["xl_ms_per_token"])
     # same model and weights in both backends: the same bits per token
     assert rows[0]["xl_bits_per_token"] == pytest.approx(rows[1]["xl_bits_per_token"], rel=1e-4)
     assert "| L |" in (out / "xl_eval.md").read_text()

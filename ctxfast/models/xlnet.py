@@ -646,7 +646,11 @@ class XLNetLMHeadModel(nn.Module):
         """As :meth:`XLNetModel.forward`; ``labels [B, P]`` (with target_mapping) or
         ``[B, T]``, -100 = ignored, gives the mean cross-entropy ``loss``.
         Returns logits ``[B, P or T, vocab_size]``."""
-        if labels is not None and isinstance(input_ids, Tensor) and input_ids.dim() == 2:
+        # a target_mapping that is not [B, P, T] is refused by name by the model's checks
+        mapping_ok = target_mapping is None or (isinstance(target_mapping, Tensor)
+                                                and target_mapping.dim() == 3)
+        if (labels is not None and isinstance(input_ids, Tensor) and input_ids.dim() == 2
+                and mapping_ok):
             L = input_ids.shape[1] if target_mapping is None else target_mapping.shape[1]
             if not isinstance(labels, Tensor) or tuple(labels.shape) != (input_ids.shape[0], L):
                 raise ValueError(f"XLNetLMHeadModel: labels must have shape [B, P or T] = "
