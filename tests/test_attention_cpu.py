@@ -435,6 +435,91 @@ def test_bad_input_to_the_op_itself():
             0.5, torch.tensor([3]))
 
 
+def test_masks_and_lse_checked_by_the_op_itself():
+    """perm_rank of another length than the queries, and the backward's lse of another shape,
+    are refused by the C++ entry points before the kernels index them (forward and
+    backward)."""
+    q, k, v = _inputs(2, 2, 5, 5, 8)
+    out, lse = torch.ops.ctxfast.attention_fwd_cpu(q, k, v, None, None, False, False, 1.0,
+                                                   0.0, None)
+    for rank in (torch.zeros(2, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)):
+        with pytest.raises(ValueError, match="perm_rank must have shape"):
+            torch.ops.ctxfast.attention_fwd_cpu(q, k, v, None, rank, False, False, 1.0, 0.0,
+                                                None)
+        with pytest.raises(ValueError, match="perm_rank must have shape"):
+            torch.ops.ctxfast.attention_bwd_cpu(out, q, k, v, out, lse, None, rank, False, False,
+                                                1.0, 0.0, None)
+    for bad in (lse[:, :, :4], lse[:1], lse[0]):
+        with pytest.raises(ValueError, match="lse must have shape"):
+            torch.ops.ctxfast.attention_bwd_cpu(out, q, k, v, out, bad, None, None, False, False,
+                                                1.0, 0.0, None)
+    with pytest.raises(ValueError, match="grad_out and out must have q's shape"):
+        torch.ops.ctxfast.attention_bwd_cpu(out[:, :, :4], q, k, v, out, lse, None, None, False,
+                                            False, 1.0, 0.0, None)
+
+
+def _philox_uniform(seed: int, counter: int) -> float:
+    """The Triton kernels' tl.rand for `counter` under `seed`: word 0 of Philox-4x32-10 of
+    counter (lo, hi, 0, 0), key (seed_lo, seed_hi), as a float32 in [0, 1)."""
+    M = 0xFFFFFFFF
+    c = [counter & M, (counter >> 32) & M, 0, 0]
+    k0, k1 = seed & M, (seed >> 32) & M
+    for _ in range(10):
+        pa, pb = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((pb >> 32) ^ c[1] ^ k0) & M, pb & M, ((pa >> 32) ^ c[3] ^ k1) & M, pa & M]
+        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    x = c[0] - (1 << 32) if c[0] >= 1 << 31 else c[0]      # as int32
+    x = ~x if x < 0 else x
+    return (torch.tensor(float(x)) * torch.tensor(4.6566127342e-10)).item()
+
+
+def test_varlen_dropout_counters_past_32_bits():
+    """The dropout counter (b H + h) max_seqlen_q + i) max_seqlen_k + j is 64 bits wide: a
+    large max_seqlen_k (any bound is allowed) puts query row 1's counters across 2^32, inside
+    one group of 8 that the vectorised draw forms at once (its low word wraps there and the
+    high word must carry). The mask must still be Philox of the full counter."""
+    seed, p, Tk, D = (0x0BAD_F00D << 32) | 0x1234_5678, 0.5, 16, 8
+    max_k = (1 << 32) - 4                   # row 1: counters 2^32 - 4 .. 2^32 + 11
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 1, D, generator=g) for n in (2, Tk, Tk))
+    cu_q, cu_k = torch.tensor([0, 2]), torch.tensor([0, Tk])
+    out, _ = torch.ops.ctxfast.attention_varlen_fwd_cpu(q, k, v, cu_q, cu_k, False, D ** -0.5,
+                                                        2, max_k, p, torch.tensor([seed]))
+    keep = torch.tensor([[_philox_uniform(seed, i * max_k + j) >= p for j in range(Tk)]
+                         for i in range(2)])
+    q64, k64, v64 = (t[:, 0].double() for t in (q, k, v))
+    P = torch.softmax(q64 @ k64.T * D ** -0.5, dim=-1)
+    ref = (P * keep / (1 - p)) @ v64
+    assert keep[1, :8].any() and not keep[1, :8].all(), "a draw that tells the counters apart"
+    assert rel_err(out[:, 0], ref) < 1e-5, (
+        f"dropout mask of counters past 2^32 differs: rel err {rel_err(out[:, 0], ref):.3e}")
+
+
+def test_varlen_offsets_checked_by_the_op_itself():
+    """The varlen ops read the packed rows where cu_seqlens_q / _k point: offsets past the
+    packed length, or decreasing, are refused before any kernel reads memory (forward and
+    backward), and with dropout max_seqlen_k must bound every key sequence as well."""
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in _inputs(1, 2, 6, 6, 8))  # [6, 2, 8]
+    ok, past, down = torch.tensor([0, 2, 6]), torch.tensor([0, 2, 7]), torch.tensor([0, 4, 3])
+    out, lse = torch.ops.ctxfast.attention_varlen_fwd_cpu(q, k, v, ok, ok, False, 1.0, 4, 4,
+                                                          0.0, None)
+    for name, cu_q, cu_k, words in [("q past", past, ok, "cu_seqlens_q must start at 0"),
+                                    ("k past", ok, past, "cu_seqlens_k must start at 0"),
+                                    ("q down", down, ok, "cu_seqlens_q must not decrease"),
+                                    ("k down", ok, down, "cu_seqlens_k must not decrease")]:
+        with pytest.raises(ValueError, match=words):
+            torch.ops.ctxfast.attention_varlen_fwd_cpu(q, k, v, cu_q, cu_k, False, 1.0, 6, 6,
+                                                       0.0, None)
+        with pytest.raises(ValueError, match=words):
+            torch.ops.ctxfast.attention_varlen_bwd_cpu(out, q, k, v, out, lse, cu_q, cu_k,
+                                                       False, 1.0, 6, 6, 0.0, None)
+    for op_args in [(q, k, v), (out, q, k, v, out, lse)]:
+        op = (torch.ops.ctxfast.attention_varlen_fwd_cpu if len(op_args) == 3
+              else torch.ops.ctxfast.attention_varlen_bwd_cpu)
+        with pytest.raises(ValueError, match="must bound every sequence"):  # keys of 4 > 3
+            op(*op_args, ok, ok, False, 1.0, 4, 3, 0.5, torch.tensor([3]))
+
+
 # --------------------------------------------------------------------------- varlen
 
 def _varlen_ref(q, k, v, cu_q, cu_k, causal):

@@ -14,7 +14,7 @@ import torch
 import ctxfast
 from ctxfast import reference
 from ctxfast.ops.attention import draw_seed, dropout_keep_mask
-from utils import (CPU_BACKENDS, DEVICE, TRITON_ON_CPU, assert_within_2x_eager,
+from utils import (CPU_BACKENDS, DEVICE, TRITON_ON_CPU, assert_within_2x_eager, rel_err,
                    rel_grad_terms)
 
 pytestmark = pytest.mark.skipif("cpu" not in CPU_BACKENDS or not hasattr(
@@ -254,6 +254,38 @@ def test_dr_summed_over_the_batch(threads, H):
         torch.set_num_threads(old)
 
 
+def test_inputs_changed_in_place_between_calls():
+    """A thread keeps its transposed copies of K and r from call to call (for tasks of one
+    head in a row): a second call with the same tensors changed in place (a preallocated
+    key buffer, an optimizer step on r) must see the new values, not the first call's copy.
+    One thread and one head, so that the second call's first task meets the same address."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        B, H, Tq, mem, D = 1, 1, 40, 8, 16
+        q, k, v = (torch.randn(B, H, T, D) for T in (Tq, Tq + mem, Tq + mem))
+        r, u, w = torch.randn(H, Tq + mem, D), torch.randn(H, D), torch.randn(H, D)
+        ctxfast.attention(q, k, v, causal=True, backend="cpu")
+        ctxfast.rel_attention(q, k, v, r, u, w, backend="cpu")
+        k.copy_(torch.randn_like(k))
+        r.copy_(torch.randn_like(r))
+        ts = [t.requires_grad_() for t in (q, k, v, r, u, w)]
+        t64 = [t.detach().double().requires_grad_() for t in ts]
+        for name, ours, ref in [
+                ("attention", ctxfast.attention(*ts[:3], causal=True, backend="cpu"),
+                 reference.attention(*t64[:3], causal=True)),
+                ("rel_attention", ctxfast.rel_attention(*ts, backend="cpu"),
+                 reference.rel_attention(*t64))]:
+            do = torch.randn_like(ours)
+            g = torch.autograd.grad(ours, ts[:3] if name == "attention" else ts, do)
+            g64 = torch.autograd.grad(ref, t64[:3] if name == "attention" else t64, do.double())
+            for what, a, b in [("out", ours, ref)] + list(zip(NAMES, g, g64)):
+                assert rel_err(a, b) < 1e-4, (
+                    f"{name} {what} after an in-place change: rel err {rel_err(a, b):.3e}")
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_default_and_refusals():
     assert ctxfast._dispatch.resolve("rel_attention", torch.device("cpu")) == "cpu"
     B, H, T, D = 1, 2, 6, 8
@@ -277,6 +309,67 @@ def test_default_and_refusals():
     with pytest.raises(ValueError, match="dropout needs seed"):
         torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, r, u, w, None, None, None, None, None,
                                                 None, False, T, 0, False, 1.0, 0.1, None)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_op_refuses_r_one_row_short(causal):
+    """The op's own check of r's length is exact at both ends: r one row shorter than the
+    distances need (the highest row missing, or the lowest row before 0) is refused by the
+    forward and the backward, not computed with that row's position term taken as 0."""
+    B, H, Tq, mem, D = 1, 2, 5, 3, 8
+    Tk = Tq + mem
+    q, k, v = torch.randn(B, H, Tq, D), torch.randn(B, H, Tk, D), torch.randn(B, H, Tk, D)
+    u, w = torch.randn(H, D), torch.randn(H, D)
+    pos_start = Tk - 1                  # rows pos_start - (Tk - 1) = 0 .. highest
+    highest = pos_start if causal else pos_start + Tq - 1
+    r = torch.randn(H, highest + 1, D)  # exactly long enough
+    args = (None, None, None, None, None, None, causal)
+    tail = (0, False, 1.0, 0.0, None)
+    out, lse = torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, r, u, w, *args, pos_start,
+                                                       *tail)
+    for rr, ps in [(r[:, :-1], pos_start), (r, pos_start - 1)]:   # top row, row -1 missing
+        with pytest.raises(ValueError, match="r too short"):
+            torch.ops.ctxfast.rel_attention_fwd_cpu(q, k, v, rr, u, w, *args, ps, *tail)
+        with pytest.raises(ValueError, match="r too short"):
+            torch.ops.ctxfast.rel_attention_bwd_cpu(out, q, k, v, rr, u, w, out, lse, *args,
+                                                    ps, *tail)
+
+
+def test_op_refuses_bad_segment_and_mask_shapes():
+    """The op's own checks of the tensors its kernel indexes per key or query (the Python
+    layer checks first; these guard the C++ entry point): segment ids, seg_embed, r_s_bias,
+    key_padding_mask and perm_rank of the wrong shape or kind are refused."""
+    B, H, Tq, mem, D = 2, 2, 5, 3, 8
+    Tk = Tq + mem
+    q, k, v = torch.randn(B, H, Tq, D), torch.randn(B, H, Tk, D), torch.randn(B, H, Tk, D)
+    r, u, w = torch.randn(H, Tk + Tq, D), torch.randn(H, D), torch.randn(H, D)
+    good = dict(kpm=None, rank=None, seg_q=torch.zeros(B, Tq, dtype=torch.long),
+                seg_k=torch.ones(B, Tk, dtype=torch.long), seg_embed=torch.randn(2, H, D),
+                r_s_bias=torch.randn(H, D))
+
+    def call(**change):
+        a = dict(good, **change)
+        return torch.ops.ctxfast.rel_attention_fwd_cpu(
+            q, k, v, r, u, w, a["kpm"], a["rank"], a["seg_q"], a["seg_k"], a["seg_embed"],
+            a["r_s_bias"], False, Tk - 1, 0, False, 1.0, 0.0, None)
+
+    call()
+    for change, words in [
+            (dict(seg_q=torch.zeros(B, Tq - 1, dtype=torch.long)), "seg_q must be"),
+            (dict(seg_q=torch.zeros(B, Tq)), "seg_q must be"),
+            (dict(seg_k=torch.zeros(B, Tk - 1, dtype=torch.long)), "seg_k must be"),
+            (dict(seg_k=torch.zeros(1, Tk, dtype=torch.long)), "seg_k must be"),
+            (dict(seg_embed=torch.randn(2, H, D - 1)), "seg_embed must have shape"),
+            (dict(r_s_bias=torch.randn(H - 1, D)), "r_s_bias must have shape"),
+            (dict(kpm=torch.zeros(B, Tk - 1, dtype=torch.bool)), "key_padding_mask must be"),
+            (dict(rank=torch.zeros(B, Tq - 1, dtype=torch.long)), "perm_rank must be")]:
+        with pytest.raises(ValueError, match=words):
+            call(**change)
+    for change, words in [                  # a wrong dtype: TypeError, as the Python layer's
+            (dict(kpm=torch.zeros(B, Tk)), "key_padding_mask must be bool"),
+            (dict(rank=torch.zeros(B, Tq)), "perm_rank must be an integer tensor")]:
+        with pytest.raises(TypeError, match=words):
+            call(**change)
 
 
 def test_one_query_whose_row_stride_is_arbitrary():

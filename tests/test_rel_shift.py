@@ -136,6 +136,20 @@ def test_native_out_must_not_overlap_x():
     assert_equal(out, reference.rel_shift(x))
 
 
+def test_native_op_refuses_bad_shapes_itself():
+    # the C++ entry point checks its own input (not only ctxfast.rel_shift's Python checks):
+    # Tk < Tq, rank < 2 and an out of another shape are refused, for both directions
+    for inverse in (False, True):
+        for x in (torch.randn(2, 6, 4), torch.randn(5)):
+            with pytest.raises(RuntimeError, match="Tk >= Tq|rank >= 2"):
+                torch.ops.ctxfast.rel_shift_native(x, inverse)
+            with pytest.raises(RuntimeError, match="Tk >= Tq|rank >= 2"):
+                torch.ops.ctxfast.rel_shift_native.out(x, inverse, out=torch.empty_like(x))
+        with pytest.raises(RuntimeError, match="out must have x's shape"):
+            torch.ops.ctxfast.rel_shift_native.out(torch.randn(2, 4, 6), inverse,
+                                                   out=torch.empty(2, 4, 7))
+
+
 @needs_interpreter
 def test_triton_kernel_writes_every_element():
     from ctxfast.kernels.rel_shift import rel_shift_backward, rel_shift_forward

@@ -65,14 +65,19 @@ void check(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, co
   const int64_t lowest = pos_start - (Tk - 1), highest = causal ? pos_start : pos_start + Tq - 1;
   TORCH_CHECK_VALUE(Tq == 0 || (lowest >= 0 && highest < R), op, ": r too short: rows ",
                     lowest, "..", highest, " are needed, r has R=", R);  // (no query: none)
-  if (kpm && kpm->defined())
-    TORCH_CHECK_VALUE(kpm->scalar_type() == at::kBool && kpm->dim() == 2 && kpm->size(0) == B &&
-                          kpm->size(1) == Tk,
-                      op, ": key_padding_mask must be bool [", B, ", ", Tk, "]");
-  if (rank && rank->defined())
-    TORCH_CHECK_VALUE(rank->dim() == 2 && rank->size(0) == B && rank->size(1) == Tq &&
-                          at::isIntegralType(rank->scalar_type(), false),
-                      op, ": perm_rank must be an integer tensor [", B, ", ", Tq, "]");
+  // dtype: TypeError, shape: ValueError (as the attention op's and the Python layer's)
+  if (kpm && kpm->defined()) {
+    TORCH_CHECK_TYPE(kpm->scalar_type() == at::kBool, op,
+                     ": key_padding_mask must be bool [", B, ", ", Tk, "]");
+    TORCH_CHECK_VALUE(kpm->dim() == 2 && kpm->size(0) == B && kpm->size(1) == Tk, op,
+                      ": key_padding_mask must be bool [", B, ", ", Tk, "]");
+  }
+  if (rank && rank->defined()) {
+    TORCH_CHECK_TYPE(at::isIntegralType(rank->scalar_type(), /*includeBool=*/false), op,
+                     ": perm_rank must be an integer tensor [", B, ", ", Tq, "]");
+    TORCH_CHECK_VALUE(rank->dim() == 2 && rank->size(0) == B && rank->size(1) == Tq, op,
+                      ": perm_rank must be an integer tensor [", B, ", ", Tq, "]");
+  }
 }
 
 Tensor opt_kpm(const std::optional<Tensor>& kpm) {
