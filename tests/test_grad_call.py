@@ -217,6 +217,13 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
             ctxfast.rel_shift(dual[0], backend="cpu")
         eager = fwAD.unpack_dual(ctxfast.attention(dual, k, v, backend="eager")).tangent
         assert eager is not None and eager.abs().sum() > 0
+        # float32: the lstm's projection may take oneDNN (a Function without a jvp)
+        x, w_ih, w_hh = torch.randn(4, 2, 3), torch.randn(12, 3), torch.randn(12, 3)
+        for i in range(2):
+            args = [x, w_ih]
+            args[i] = fwAD.make_dual(args[i], torch.randn_like(args[i]))
+            with pytest.raises(NotImplementedError, match="lstm_recurrence_native: forward-mode AD"):
+                ctxfast.lstm(args[0], None, args[1], w_hh, backend="cpu")
     with pytest.raises(NotImplementedError, match="forward-mode AD"):
         torch.func.jvp(lambda x: ctxfast.attention(x, k, v, backend="cpu"), (q,),
                        (torch.randn_like(q),))

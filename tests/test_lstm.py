@@ -947,11 +947,12 @@ def test_bad_input_raises_before_dispatch(no_dispatch, case):
 # --------------------------------------------------------------------------- cpu: large products
 
 def _lstm_tests_in_fresh_process(tests, **env):
-    """Runs `tests` (names in this file) with pytest in a fresh process with `env` added
-    (settings read once per process); every one must pass, none skip."""
+    """Runs `tests` (names in this file, or ``file.py::name`` of another) with pytest in a
+    fresh process with `env` added (settings read once per process); every one must pass,
+    none skip."""
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + [
-        os.path.join(here, "test_lstm.py::" + t) for t in tests]
+        os.path.join(here, t if "::" in t else "test_lstm.py::" + t) for t in tests]
     run = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, f"{env}:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
@@ -966,12 +967,18 @@ def test_cpu_projection_and_weight_gradients_on_either_path(path):
     MKL runs below the CPU (an AMD CPU with AVX-512), else on ATen: one machine runs one of
     them in the rest of the suite. CTXFAST_CPU_LINEAR forces
     either, here in a fresh process: every fp32 case against the float64 reference (all
-    gradients), and torch.compile (which takes F.linear for the projection)."""
+    gradients), torch.compile (which takes F.linear for the projection), and a second
+    derivative refused by the op's name (oneDNN's projection had once_differentiable's
+    error node, which holds no path to x: "not used in the graph" instead)."""
     if path == "onednn" and not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         pytest.skip("this torch build has no oneDNN linear (mkldnn::_linear_pointwise)")
     _lstm_tests_in_fresh_process(
         [f"test_fp32_against_reference[{c[0]}-cpu]" for c in CASES]
-        + ["test_torch_compile_fullgraph[cpu]"], CTXFAST_CPU_LINEAR=path)
+        + ["test_torch_compile_fullgraph[cpu]",
+           "test_grad_call.py::test_second_derivatives_are_refused_by_name[cpu]",
+           "test_grad_call.py::test_func_grad_through_every_op[cpu]",
+           "test_grad_call.py::test_forward_mode_ad_is_refused_not_silently_zero"],
+        CTXFAST_CPU_LINEAR=path)
 
 
 def _cpuinfo():

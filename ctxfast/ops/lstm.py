@@ -30,6 +30,7 @@ from numbers import Integral, Real
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -38,6 +39,8 @@ from .. import reference as _ref
 from ._common import FLOAT_DTYPES as _FLOAT_DTYPES
 from ._common import autocast as _autocast
 from ._common import call_in_backward as _call_in_backward
+from ._common import _refuse_forward_ad, _refuse_jvp
+from ._common import first_order_only as _first_order_only
 from ._common import on_tensor_device as _on_device
 from ._common import register_autograd as _register_autograd
 from . import linear as _linear_ops  # ctxfast::linear: the projection (linear_op)
@@ -345,14 +348,24 @@ class _OneDnnProjection(torch.autograd.Function):
         ctx.has_bias = b is not None
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        x2, w = ctx.saved_tensors
-        lin = torch.ops.mkldnn._linear_pointwise
-        gx = lin(g, w.t(), None, "none", [], "") if ctx.needs_input_grad[0] else None
-        gw = lin(g.t(), x2.t(), None, "none", [], "") if ctx.needs_input_grad[1] else None
-        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        # first order, refused by the op's name where differentiated again (as the
+        # recurrence's): once_differentiable's error node holds detached copies, so a
+        # gradient of these gradients found no path to x or w_ih ("not used in the graph",
+        # None with allow_unused) instead of an error naming lstm
+        return _projection_backward(ctx, g)
+
+
+def _projection_grads(ctx, g: Tensor):
+    x2, w = ctx.saved_tensors
+    lin = torch.ops.mkldnn._linear_pointwise
+    gx = lin(g, w.t(), None, "none", [], "") if ctx.needs_input_grad[0] else None
+    gw = lin(g.t(), x2.t(), None, "none", [], "") if ctx.needs_input_grad[1] else None
+    gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return gx, gw, gb
+
+
+_projection_backward = _first_order_only("lstm", _projection_grads)
 
 
 #: float32 input projections on CUDA with one TF32 product per MMA where torch allows TF32
@@ -395,7 +408,8 @@ def _check_lengths(lengths: object, T: int, B: int) -> Optional[Tensor]:
 
 def _projection(x: Tensor, w_ih: Tensor, bias: Optional[Tensor], name: str) -> Tensor:
     """``xw = x @ w_ihᵀ + bias`` [T, B, 4H]: F.linear; oneDNN for the cpu backend's fp32
-    where _LINEAR says so (eager only: under torch.compile the compiler takes F.linear);
+    where _LINEAR says so (eager only: under torch.compile the compiler takes F.linear; a
+    jvp or dual tensor through it is refused by the op's name, as the recurrence would);
     the ``linear`` op (mode "rnn") for CUDA float32: TF32 products as nn.LSTM's, where torch
     allows them for cuDNN's RNNs (RNN_TF32_PROJECTION)."""
     if name == "cpu" and _LINEAR.startswith("bad"):
@@ -407,6 +421,11 @@ def _projection(x: Tensor, w_ih: Tensor, bias: Optional[Tensor], name: str) -> T
     if (name != "cpu" or _LINEAR != "onednn" or x.dtype != torch.float32
             or x.numel() == 0 or torch.compiler.is_compiling()):
         return F.linear(x, w_ih, bias)
+    # the Function has no jvp (torch's error names no op): refused as the recurrence would
+    if _forward_ad._current_level >= 0:
+        _refuse_forward_ad("lstm_recurrence_native", (x, w_ih, bias))
+    if torch._C._are_functorch_transforms_active():
+        _refuse_jvp("lstm_recurrence_native", (x, w_ih, bias))
     T, B, I = x.shape
     xw = _OneDnnProjection.apply(x.reshape(T * B, I), w_ih, bias)   # [T B, 4H]
     return xw.view(T, B, -1)                                       # [T, B, 4H]
