@@ -99,6 +99,8 @@ def _run_emu(exe, tmp_path, kernel, dtype, ins, *, reverse, scale, cell_clip, pr
     shapes = [("out", (T, B, P)), ("cells", (T, B, H)), ("gates", (T, B, 4 * H)), ("c_T", (B, H))]
     if backward:
         shapes += [("dxw", (T, B, 4 * H)), ("dh0", (B, P)), ("dc0", (B, H))]
+    if backward and has_w_hr:     # the binding's dL/dw_hr = sum_t dh_in_tᵀ hp_t
+        shapes += [("hp", (T, B, H)), ("dh_in", (T, B, P))]
     res, off = {"blocks": blocks, "threads": threads, "units": units}, 0
     for name, shape in shapes:
         n = math.prod(shape)
@@ -109,12 +111,21 @@ def _run_emu(exe, tmp_path, kernel, dtype, ins, *, reverse, scale, cell_clip, pr
 
 
 def _reference(ins, dtype, *, reverse, scale, cell_clip, proj_clip):
-    """reference_all in `dtype`: out, cells, gates, c_T and the gradients of xw, h0, c0."""
+    """reference_all in `dtype`: out, cells, gates, c_T and the gradients of xw, h0, c0 and
+    (None without a projection) w_hr."""
     (out, cells, gates), grads = reference_all(
         ins["xw"], ins["h0"], ins["c0"], ins["w_hh"], ins["w_hr"], ins["mask"], scale,
         cell_clip, proj_clip, reverse, ins["grad_out"], ins["grad_cells"], dtype=dtype)
     return dict(out=out, cells=cells, gates=gates, c_T=cells[0] if reverse else cells[-1],
-                dxw=grads[0], dh0=grads[1], dc0=grads[2])
+                dxw=grads[0], dh0=grads[1], dc0=grads[2], dw_hr=grads[4])
+
+
+def _grad_w_hr(got, dtype):
+    """dL/dw_hr [P, H] as the binding forms it from the backward kernels' workspaces: dh_in
+    and hp rounded to the storage dtype, then sum_t dh_in_tᵀ hp_t (float32 accumulation;
+    here in float64)."""
+    dh_in, hp = (got[k].to(dtype).double() for k in ("dh_in", "hp"))
+    return torch.einsum("tbp,tbh->ph", dh_in, hp)
 
 
 def _preclip(ins, ref, reverse):
@@ -199,7 +210,8 @@ def _check(exe, tmp_path, kernel, dtype, T, B, H, P, *, mask=True, proj=False, r
            clips=False, sms=3, expect_blocks=None, drop=None, tf32_one=False, draws=1):
     """Run the kernels on fresh inputs and compare every output and gradient with the
     reference (2x-eager rule); clips=True: a cell clip (and a projection clip) that bite,
-    chosen off the values (_clips_off_the_boundary). tf32_one: the kernels' float32
+    chosen off the values (_clips_off_the_boundary); with a projection also dL/dw_hr as the
+    binding forms it from the kernels' dh_in and hp (_grad_w_hr). tf32_one: the kernels' float32
     products as one TF32 product each, and eager with TF32 products (_TF32Products).
     draws: the rule on that many draws of inputs together (each error the norm over all of
     them: a root-mean-square), where one draw's ratio to eager's error is too noisy to
@@ -223,7 +235,12 @@ def _check(exe, tmp_path, kernel, dtype, T, B, H, P, *, mask=True, proj=False, r
         with _TF32Products() if tf32_one else contextlib.nullcontext():
             same = _reference(ins, dtype, **kw)
         runs.append((got, same, ref))
-    for name in ("out", "cells", "gates", "c_T", "dxw", "dh0", "dc0"):
+    names = ("out", "cells", "gates", "c_T", "dxw", "dh0", "dc0")
+    if proj:
+        names += ("dw_hr",)
+        for run in runs:
+            run[0]["dw_hr"] = _grad_w_hr(run[0], dtype)
+    for name in names:
         ours, same, ref = (torch.cat([run[i][name].flatten() for run in runs])
                            for i in range(3))
         assert_within_2x_eager(ours, same, ref, FLOOR[dtype], name=f"{kernel} {dtype} {name}")
@@ -525,3 +542,97 @@ def test_a_nan_input_stays_nan_through_the_clips(emulator, tmp_path, kernel, pro
         assert want.any() and not want[..., 0, :].any(), name     # the test's premise
         assert torch.equal(got[name].isnan(), want), \
             f"{kernel} {name}: NaN not where the reference's is"
+
+
+def _onto_the_clip(ins, dtype, scale):
+    """(flat index, clip, reference with that cell clip) for one-step inputs `ins`: a cell
+    clip 1e-4 (relative) above one cell's |f c0 + i g|, so that the unclipped value rounds
+    onto the clip as `dtype` stores it, every other cell at least 0.2% from the clip, and
+    that cell's gradient into c0 sizable in the float64 reference."""
+    kw = dict(reverse=False, scale=scale, proj_clip=math.inf)
+    v, _ = _preclip(ins, _reference(ins, torch.float64, cell_clip=math.inf, **kw), False)
+    a = v.abs().flatten()
+
+    def stored(x):
+        return float(torch.tensor(float(x), dtype=torch.float32).to(dtype).float())
+
+    for idx in a.argsort(descending=True).tolist():
+        clip = float(a[idx]) * (1 + 1e-4)
+        clip_s = _clip_values(dtype, 1.0, clip)[1]
+        others = torch.cat([a[:idx], a[idx + 1:]])
+        if stored(a[idx] * (1 - 1e-5)) != clip_s or stored(a[idx]) != clip_s:
+            continue
+        if ((others - clip).abs() / clip).min() < 2e-3:
+            continue
+        ref = _reference(ins, torch.float64, cell_clip=clip, **kw)
+        if ref["dc0"].flatten()[idx].abs() > 0.05:
+            return idx, clip, ref
+    raise AssertionError("no cell to put a clip just above")
+
+
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+def test_an_unclipped_cell_that_rounds_onto_the_clip_keeps_its_gradient(emulator, tmp_path,
+                                                                         kernel):
+    """bfloat16, one step, a cell clip just above one cell's value (_onto_the_clip): the
+    cell is not clipped but rounds onto the stored clip, so the forward stores it one ulp
+    inside (store_clipped: clip_below) and the backward, for which |stored| < clip_s means
+    unclipped, passes its gradient on to c0 as the float64 reference does. Stored as the
+    clip itself, the cell would read as clipped and its gradient would be dropped."""
+    dtype = torch.bfloat16
+    ins = _inputs(1, 5, 20, 20, mask=True, proj=False)
+    ins = {k: (None if v is None else v.to(dtype).double()) for k, v in ins.items()}
+    scale = 1 / 0.7
+    idx, clip, ref = _onto_the_clip(ins, dtype, scale)
+    _, clip_s, below = _clip_values(dtype, 1.0, clip)
+    got, refused = _run_emu(emulator, tmp_path, kernel, dtype, ins, reverse=False, scale=scale,
+                            cell_clip=clip, proj_clip=math.inf, sms=3)
+    assert refused is None, refused
+    cell = float(got["cells"].flatten()[idx])
+    assert abs(cell) == below != clip_s, \
+        f"{kernel}: unclipped cell stored as {cell}, not one ulp inside the clip ({below})"
+    want, dc0 = float(ref["dc0"].flatten()[idx]), float(got["dc0"].flatten()[idx])
+    assert abs(dc0 - want) <= 0.05 * abs(want), \
+        f"{kernel}: dL/dc0 of the cell under the clip {dc0}, reference {want}"
+
+
+def test_tensor_core_k_slices_of_unequal_length(emulator, tmp_path):
+    """float32 with a projection, P 40 (K padded to 48: 6 K steps of 8), B 17 (two batch
+    tiles), H 9 over 2 SMs: the forward's product and the backward's dL/dhp split the 6 K
+    steps over 4 warps, slices of 1 or 2 steps (a slice ends at (ks + 1) KT / ksplit; one
+    that ends at its start + KT / ksplit drops the remainder). The other tests' K splits
+    divide K evenly in float32 with a projection."""
+    fwd, bwd = _shapes(emulator, tmp_path, "mma", torch.float32, 2, 17, 9, 40, 2)
+    kt = 48 // 8
+    assert fwd["ksplit"] > 1 and kt % fwd["ksplit"], fwd
+    assert bwd["ksplit"] > 1 and kt % bwd["ksplit"], bwd
+    _check(emulator, tmp_path, "mma", torch.float32, T=2, B=17, H=9, P=40, proj=True, sms=2)
+
+
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+def test_persistent_grids_fit_the_device(emulator, tmp_path, kernel):
+    """A persistent grid is one block per SM, all resident at once (the binding refuses a
+    plan whose blocks outnumber what the device holds): blocks <= SMs, and the blocks'
+    units cover H with no block left empty, for sizes that do not divide evenly."""
+    for H, sms in ((20, 3), (10, 4), (37, 5), (100, 7), (1150, 132)):
+        for plan in _shapes(emulator, tmp_path, kernel, torch.float32, 3, 5, H, H, sms):
+            assert plan["ok"], (H, sms, plan)
+            blocks, units = plan["blocks"], plan["units"]
+            assert blocks <= sms, f"{kernel} H {H} on {sms} SMs: {blocks} blocks"
+            assert (blocks - 1) * units < H <= blocks * units, (H, sms, plan)
+
+
+def test_cuda_core_projection_of_a_width_not_a_multiple_of_4(emulator, tmp_path):
+    """The CUDA-core forward's projection phase takes w_hr's rows 4 at a time: with P 10 the
+    last warp item's rows 10 and 11 do not exist and must not be read (AddressSanitizer
+    stops a read past w_hr); the existing projection tests have P 12."""
+    _check(emulator, tmp_path, "fma", torch.float32, T=2, B=5, H=12, P=10, proj=True, sms=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_core_projection_over_more_than_16_units_a_block(emulator, tmp_path, dtype):
+    """H 40 over 2 SMs: 20 units a block, more than one 16-unit tile: the forward's partial
+    projection hp_t . w_hr^T runs over more than one K tile of units and the backward's
+    dL/dhp over two column tiles of them (the other projection tests have at most 8 units
+    a block)."""
+    got = _check(emulator, tmp_path, "mma", dtype, T=2, B=5, H=40, P=24, proj=True, sms=2)
+    assert got["units"] == 20, got["units"]

@@ -11,7 +11,8 @@
 // h0 [B,P], c0 [B,H], w_hh [4H,P], mask [4H,P] (has_mask), w_hr [P,H] (has_w_hr),
 // grad_out [T,B,P], grad_cells [T,B,H].
 // OUT: 4 int32 (ok, blocks, threads, units), then float32 arrays: out, cells, gates (as
-// stored, widened), c_T [B,H]; with backward: dz [T,B,4H], grad_h0 [B,P], grad_c0 [B,H].
+// stored, widened), c_T [B,H]; with backward: dz [T,B,4H], grad_h0 [B,P], grad_c0 [B,H]
+// and, with w_hr, hp [T,B,H] and dh_in [T,B,P] (the workspaces dL/dw_hr is formed from).
 // If the plan refuses the sizes: ok = 0 and the reason on stderr, exit status 3.
 // LSTM_EMU_RING=4|8: LstmDims::ring (default 8).
 // With LSTM_EMU_CLOCK=<file> (tensor-core kernels only), each kernel run also writes its
@@ -175,10 +176,11 @@ int run(LstmDims d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, int sms
 
   dvec<float> dh_in = poisoned<float>(T_ * B * P), dc(B * H, 0.0f);
   dvec<float> dz = poisoned<float>(T_ * B * 4 * H), gh0 = poisoned<float>(B * P);
+  // o tanh(c_t) (projection): with dh_in, what the binding's dL/dw_hr is formed from
+  dvec<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : dvec<float>();
   const auto c0s = conv<T>(c0);
   if (kernel == LstmKernel::kFma) {
     dvec<float> part = poisoned<float>(size_t(bp.blocks) * B * P);
-    dvec<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : dvec<float>();
     dvec<T> w_hr_t;
     if (has_w_hr) {  // [H, P]
       w_hr_t.resize(H * P);
@@ -214,7 +216,6 @@ int run(LstmDims d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, int sms
   } else {
     using Op = typename MmaOperand<T>::Op;
     dvec<float> part = poisoned<float>(size_t(bp.blocks) * bp.bpad * bp.kp);
-    dvec<float> hp = has_w_hr ? poisoned<float>(T_ * B * H) : dvec<float>();
     dvec<Op> dhop(has_w_hr ? size_t(bp.bpad) * bp.kld : 0, from_float<Op>(0.0f));
     d.phase_clock = clock.start(bp, T_);
     BwdMmaParams<T> p;
@@ -231,6 +232,9 @@ int run(LstmDims d, LstmKernel kernel, LstmKernel bkernel, LstmDtype dt, int sms
     clock.put(LstmClockKind::kBackward, bp, T_);
   }
   put(out, dz); put(out, gh0); put(out, dc);
+  if (has_w_hr) {
+    put(out, hp); put(out, dh_in);
+  }
   return 0;
 }
 
