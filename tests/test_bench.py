@@ -6,6 +6,7 @@ on the 2-core machines; and a hand-made suite that runs out of memory, ~5 s); th
 check the timing helper, the OOM handling, the JSON-to-records conversion, the writer,
 the plots and the README table on hand-made input.
 """
+import functools
 import importlib.util
 import json
 import math
@@ -127,6 +128,10 @@ def test_quick_run_writes_report(report, tmp_path, monkeypatch):
         assert r["spread"] >= 0 and r["baseline_spread"] >= 0
         assert r["peak_mem_bytes"] is None and r["baseline_peak_mem_bytes"] is None  # CPU
         assert r["tflops"] is None and r["gbps"] > 0        # memory-bound: GB/s
+        # GB/s of the least traffic: x read, out written (fp32); fwd+bwd the same twice
+        nbytes = math.prod(int(s.lstrip("BHTqk")) for s in r["case"].split()) * 4
+        nbytes *= 2 if r["mode"] == "fwd" else 4
+        assert math.isclose(r["gbps"] * 1e9 * r["ms"] * 1e-3, nbytes, rel_tol=1e-9), r
         assert r["T"] == int(r["case"].split()[2][2:]) and r["series"] == "sweep"
         assert r["note"] is None
     # every quick case and mode has both backends
@@ -1880,3 +1885,360 @@ def test_sass_loops_counts_loop_bodies_not_out_of_line_waits():
     ])
     assert tool.plain_loads(ttgir) == [
         ("%rb", "tensor<64x!tt.ptr<f32>, #ttg.slice<{dim = 0}>>"), ("%s", "!tt.ptr<f32>")]
+
+
+# --------------------------------------------------------------------------- the harness's numbers
+
+def _suite(filename):
+    """A bench_*.py suite loaded by path (it imports _common: benchmarks/ on sys.path)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        return _load(f"ctxfast_bench_audit_{Path(filename).stem}", filename)
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+def test_measure_ms_is_the_median_of_every_timed_round(common, monkeypatch):
+    # Calls of known length (a virtual clock): ms is the median over all the timed rounds,
+    # ms_pass1 / ms_pass2 those of the first and second half, min / max over all; a call
+    # of a millisecond (one per round) gets MIN_REPS rounds even where min_rounds asks for
+    # fewer and the budget for none.
+    clock = _VirtualClock()
+    monkeypatch.setattr(common, "time", clock)
+    timed = [5, 1, 9, 3, 7, 2, 10, 4, 8, 6]              # ms of the timed calls, in order
+    durations = iter([1, 1] + timed + [1])              # warm-up x2, timed, untimed call
+
+    def fn(x):
+        clock.now += next(durations) * 1e-3
+
+    bench = FakeBenchmark()
+    common.measure(bench, fn, [(torch.randn(4),)], torch.device("cpu"), budget_s=0.0,
+                   min_rounds=1, warmup=2, peak_memory=False)
+    info = bench.extra_info
+    assert (info["rounds"], info["iterations"], info["reps"]) == (common.MIN_REPS, 1, 10), info
+    for key, want in (("ms", 5.5), ("ms_pass1", 5.0), ("ms_pass2", 6.0), ("ms_min", 1.0),
+                      ("ms_max", 10.0)):
+        assert math.isclose(info[key], want, rel_tol=1e-9), (key, info[key], want)
+    assert math.isclose(info["spread"], 0.2, rel_tol=1e-9), info["spread"]
+
+
+def test_measure_rounds_are_not_sized_by_the_first_call(common, monkeypatch):
+    # The first warm-up call may compile (1 s here, then 1 ms a call): the number of rounds
+    # comes from the calls after it, so the budget (50 ms) gets ~50 rounds, not MIN_REPS.
+    clock = _VirtualClock()
+    monkeypatch.setattr(common, "time", clock)
+    calls = []
+
+    def fn(x):
+        clock.now += 1.0 if not calls else 1e-3
+        calls.append(1)
+
+    bench = FakeBenchmark()
+    common.measure(bench, fn, [(torch.randn(4),)], torch.device("cpu"), budget_s=0.05,
+                   min_rounds=10, warmup=2, peak_memory=False)
+    assert bench.extra_info["iterations"] == 1
+    assert 45 <= bench.extra_info["rounds"] <= 55, bench.extra_info["rounds"]
+
+
+def test_input_sets_are_fresh_sets_to_rotate(common, monkeypatch):
+    # On a GPU (an L2 of 4 KiB here) enough distinct input sets to cover twice the L2 (256
+    # bytes a set: 32 sets), each made by its own make() call; on the CPU one set.
+    made = []
+
+    def make():
+        made.append((torch.randn(64),))
+        return made[-1]
+
+    assert len(common.input_sets(make, torch.device("cpu"))) == 1
+    monkeypatch.setattr(common, "_l2_bytes", lambda device: 4096)
+    made.clear()
+    sets = common.input_sets(make, torch.device("cpu"))
+    assert len(sets) == 32 == len(made)
+    assert len({s[0].data_ptr() for s in sets}) == 32, "the sets share their tensors"
+    assert not torch.equal(sets[0][0], sets[1][0])
+
+
+def test_record_peak_memory_counts_beyond_what_was_allocated(common, monkeypatch):
+    # The CUDA branch with torch.cuda's memory counters faked: peak minus what was allocated
+    # before the call (the inputs), and the call's result returned.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100 << 20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 160 << 20)
+    bench = FakeBenchmark()
+    out = common.record_peak_memory(bench, lambda x: x + 1, (torch.ones(2),),
+                                    torch.device("cuda"))
+    assert torch.equal(out, torch.full((2,), 2.0))
+    assert bench.extra_info["peak_mem_bytes"] == 60 << 20, bench.extra_info
+
+
+def test_median_timer_takes_the_median_call(common, monkeypatch):
+    # The standalone scripts' timer: the median of the calls (one 100 ms outlier among 1 ms
+    # calls reads 1 ms), from CUDA events bracketing each call (faked here) or the clock.
+    clock = _VirtualClock()
+    monkeypatch.setattr(common, "time", clock)
+    durations = []
+
+    def fn():
+        clock.now += durations.pop(0) * 1e-3
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = clock.now
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for device, warmup in (("cuda", 3), ("cpu", 0)):
+        durations[:] = [1] * warmup + [1, 1, 100, 1, 1]
+        ms = common.median_timer(torch.device(device), 5)(fn)
+        assert math.isclose(ms, 1.0, rel_tol=1e-6), (device, ms)
+        assert durations == [], device
+
+
+def test_assert_within_2x_eager_bounds_by_eager_not_by_ours(common):
+    # The check before timing (bench_linear, bench_lstm): ours may be twice as far from the
+    # float64 reference as eager at the same dtype (plus the floor), not further.
+    torch.manual_seed(0)
+    ref = torch.randn(256, dtype=torch.float64)
+    eager = (ref + 1e-4 * torch.randn(256, dtype=torch.float64)).float()
+    close = (ref + 1e-4 * torch.randn(256, dtype=torch.float64)).float()
+    far = (ref + 1e-2 * torch.randn(256, dtype=torch.float64)).float()
+    common.assert_within_2x_eager("close", close, eager, ref, 1e-6)
+    with pytest.raises(AssertionError, match="far: relative error"):
+        common.assert_within_2x_eager("far", far, eager, ref, 1e-6)
+    common.assert_within_2x_eager("far, large floor", far, eager, ref, 0.1)
+
+
+def test_compact_tables_read_peer_time_over_ours(report):
+    # `ctxfast bench`'s tables: > 1x where ctxfast is faster (cpu 2 ms, its peer 6 ms: 3x)
+    records = report.records_from_pytest_benchmark({"benchmarks": [
+        _bench("cpu", 0.002, ms=2.0), _bench("eager-pad-view", 0.006, ms=6.0)]})
+    row = next(l for l in report.compact_tables(records).splitlines() if " cpu " in l)
+    assert row.rstrip().endswith("3.00x"), row
+
+
+def test_readme_slower_rows_count_only_the_slower_cases(readme_table):
+    # the "where ctxfast is slower" table: a case timed the same as the peer is not slower
+    def rec(case, ms):
+        return {"op": "attention", "case": case, "mode": "fwd", "backend": "triton",
+                "baseline": "eager", "ms": ms, "baseline_ms": 2.0, "dtype": "bfloat16"}
+    assert readme_table.slower_rows([rec("a", 2.0), rec("b", 1.0)]) == []
+    (row,) = readme_table.slower_rows([rec("a", 2.0), rec("b", 4.0)])
+    assert "| 1 of 2 |" in row, row
+
+
+def test_records_name_a_timing_far_above_the_profiler(report):
+    # the timed median 4x the kernel time the profiler saw: named in the note; 1.1x: not
+    def recs(prof):
+        return report.records_from_pytest_benchmark({"benchmarks": [
+            _bench("triton", 1.0, op="attention", case="c", ms=2.0, profiler_ms=prof),
+            _bench("eager", 1.0, op="attention", case="c", ms=8.0)]})
+    (far,) = recs(0.5)
+    assert "timed 2 ms but the profiler saw 0.5 ms of kernels" in (far["note"] or ""), far
+    (near,) = recs(1.8)
+    assert near["note"] is None and near["profiler_ms"] == 1.8, near
+
+
+FAILING_CHECK_SUITE = '''
+import sys
+sys.path.insert(0, {bench_dir!r})
+import pytest
+import torch
+import _common
+
+
+@pytest.mark.parametrize("backend", ["mine", "base"])
+def test_checked(benchmark, backend):
+    _common.describe(benchmark, op="checked", case="a", mode="fwd", backend=backend,
+                     dtype=torch.float32, device=torch.device("cpu"), baseline="base")
+    assert backend == "base", "mine is wrong before timing"
+    _common.measure(benchmark, lambda x: x * 2, [(torch.randn(8),)], torch.device("cpu"),
+                    budget_s=0.001, warmup=1)
+'''
+
+
+def test_a_failed_check_is_recorded_as_failed(report, tmp_path):
+    # A backend whose check fails before timing gets a record that says so (the
+    # plugin's "error"), never a silent row without a time.
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "bench_checked.py").write_text(FAILING_CHECK_SUITE.format(bench_dir=str(BENCH_DIR)))
+    result = report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
+                        echo=False, bench_dir=suites)
+    (r,) = result["records"]
+    assert r["backend"] == "mine" and r["ms"] is None and r["speedup"] is None, r
+    assert (r["note"] or "").startswith("failed: ") and "mine is wrong" in r["note"], r
+
+
+def test_op_suites_flops_agree_with_the_roofline():
+    # attention: the FlashAttention count (causal without memory: half the dense work),
+    # fwd+bwd 3.5x the forward; lstm: the GEMMs, fwd+bwd 3x; the roofline counts the same
+    # (attention's causal cases without memory: its exact pairs, Tq(Tq + 1)/2 a head)
+    roofline = _load("ctxfast_bench_roofline_audit", "roofline.py")
+    att = _suite("bench_attention.py")
+    for case in att.QUICK_CASES + att.FULL_CASES:
+        B, H, Tq, Tk, D = case.shape
+        for mode in ("fwd", "fwd+bwd"):
+            got = att.flops(case, mode)
+            if case.mask == "causal" and Tk == Tq:
+                want = 2 * B * H * Tq * Tk * D * (1 if mode == "fwd" else 3.5)
+            else:
+                want = roofline.work("attention", case, mode, 2)[0]
+            assert got == want, (case.name, mode, got, want)
+    lstm = _suite("bench_lstm.py")
+    for case in lstm.QUICK_CASES + lstm.FULL_CASES:
+        for mode in ("fwd", "fwd+bwd"):
+            assert lstm.flops(case, mode) == roofline.work("lstm", case, mode, 4)[0], \
+                (case.name, mode)
+
+
+def test_attention_suite_check_passes_the_peers_and_fails_a_wrong_result():
+    # bench_attention's check before timing, on the quick cases of every mask kind (fp32,
+    # the CPU's dtype): SDPA as the suite calls it (is_causal only without memory) and the
+    # cpu kernel pass; a result 0.1% off fails fp32's 1e-4 (not bf16's 2e-2)
+    att = _suite("bench_attention.py")
+    cpu = torch.device("cpu")
+    backends = [b for b in ("sdpa", "cpu") if att._skip_reason(b, cpu) is None]
+    cases = {c.mask: c for c in att.QUICK_CASES}
+    for mask, case in cases.items():
+        B, H, Tq, Tk, D = case.shape
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, T, D) for T in (Tq, Tk, Tk))
+        g = torch.randn_like(q)
+        mask_kw = att._mask_kwargs(case, cpu)
+        for backend in backends:
+            op, _ = att._op(backend, case, mask_kw, cpu)
+            att._check(op, backend, "fwd", case, mask_kw, q, k, v, g)
+        cpu_op, _ = att._op("eager", case, mask_kw, cpu)
+        with pytest.raises(AssertionError, match="relative error of out"):
+            att._check(lambda *a: cpu_op(*a) * 1.001, "cpu", "fwd", case, mask_kw, q, k, v, g)
+    case = cases["causal-memory"]
+    B, H, Tq, Tk, D = case.shape
+    q, k, v = (torch.randn(B, H, T, D) for T in (Tq, Tk, Tk))
+    mask_kw = att._mask_kwargs(case, cpu)
+    for backend in backends:
+        att._check(att._op(backend, case, mask_kw, cpu)[0], backend, "fwd+bwd", case, mask_kw,
+                   q, k, v, torch.randn_like(q))
+
+
+def test_attention_suite_check_allows_what_bf16_itself_costs():
+    # As rel_attention's: a decoding row in bf16 against 3,072 keys with sharp scores, where
+    # the reference itself at bf16 is over the fixed 2%: the same computation at bf16 (the
+    # reference run at that dtype, as eager would) passes, forward and backward; a result
+    # 5% off still fails.
+    att = _suite("bench_attention.py")
+    cpu = torch.device("cpu")
+    case = att.Case("causal-memory", (1, 2, 1, 3072, 64))
+    mask_kw = att._mask_kwargs(case, cpu)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, T, 64) for T in (1, 3072, 3072))
+    q, k = q * 3.0, k * 3.0                  # sharper softmax rows: more bf16 error
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    g = torch.randn(1, 2, 1, 64).to(torch.bfloat16)
+    import ctxfast.reference as ref
+    same = functools.partial(ref.attention, **mask_kw)      # the reference at bf16
+    want = ref.attention(q.float(), k.float(), v.float(), **mask_kw)
+    own = (same(q, k, v).float() - want).norm() / want.norm()
+    assert own > att.RTOL[torch.bfloat16], f"the case is not sharp enough: {own:.3g}"
+    for mode in ("fwd", "fwd+bwd"):
+        att._check(same, "cpu", mode, case, mask_kw, q, k, v, g)
+    with pytest.raises(AssertionError, match="relative error of out"):
+        att._check(lambda *a: same(*a) * 1.05, "cpu", "fwd", case, mask_kw, q, k, v, g)
+
+
+def test_lstm_suite_check_fails_a_wrong_backend(monkeypatch):
+    # bench_lstm's check: a backend 1% off fails, because the bound is 2x the error of the
+    # module's eager backend at the same dtype (not of the backend under test)
+    lstm = _suite("bench_lstm.py")
+    cpu = torch.device("cpu")
+    if lstm._skip_reason("cpu", cpu) is not None:
+        pytest.skip(lstm._skip_reason("cpu", cpu))
+    case = lstm.QUICK_CASES[0]
+    lstm._check(case, "cpu", cpu, torch.float32)
+    real = lstm._run
+
+    def wrong(mods, x):                    # the cpu backend's output, 1% off
+        out = real(mods, x)
+        return out * 1.01 if getattr(mods[0], "backend", None) == "cpu" else out
+    monkeypatch.setattr(lstm, "_run", wrong)
+    with pytest.raises(AssertionError, match="relative error"):
+        lstm._check(case, "cpu", cpu, torch.float32)
+
+
+def test_linear_suite_counts_three_products_for_fwd_bwd(monkeypatch):
+    # bench_linear's FLOPs: 2·M·I·N a product, the forward one, fwd+bwd three (dx, dW);
+    # the eager baseline timed on a budget cut to a hundredth
+    lin = _suite("bench_linear.py")
+    monkeypatch.setenv("CTXFAST_BENCH_BUDGET_SCALE", "0.01")
+    case = lin.QUICK_CASES[0]
+    M, I, N = case.shape
+    for mode, products in (("fwd", 1), ("fwd+bwd", 3)):
+        bench = FakeBenchmark()
+        lin.test_linear(bench, torch.device("cpu"), case, mode, "eager")
+        assert bench.extra_info["flops"] == 2 * M * I * N * products, mode
+        assert bench.extra_info["ms"] > 0
+
+
+def test_kernel_breakdown_host_time_is_per_call(monkeypatch):
+    # kernel_breakdown's host µs: per call of a round (calls of 2 ms: 2000 µs), the median
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        kb = _load("ctxfast_bench_kernel_breakdown_audit", "kernel_breakdown.py")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    clock = _VirtualClock()
+    monkeypatch.setattr(kb, "time", clock)
+
+    def fn():
+        clock.now += 2e-3
+    us = kb._host_us(fn, torch.device("cpu"), calls=7, rounds=3)
+    assert math.isclose(us, 2000.0, rel_tol=1e-6), us
+
+
+def test_tune_report_table_time_is_the_better_table_run(monkeypatch):
+    # tune_report: "table" is the better (smaller) of the two table timings around the
+    # tuned one, both kept in table_us_runs; the ratio printed is table / tuned
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        tr = _load("ctxfast_bench_tune_report_audit", "tune_report.py")
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    times = iter([10.0, 5.0, 8.0])                      # table before, tuned, table after
+    monkeypatch.setattr(tr, "_calls", lambda case, device, dtype: {"triton": [None, None]})
+    monkeypatch.setattr(tr, "_time", lambda fn, device: next(times))
+    case = tr.RelCase((1, 1, 1, 1, 1, torch.float32, ("fwd",)))
+    (row,) = tr.report(torch.device("cpu"), torch.float32, [case], budget_s=60.0)
+    assert row["us"] == {"fwd": {"table": 8.0, "tuned": 5.0}}, row
+    assert row["table_us_runs"] == {"fwd": [10.0, 8.0]}
+    assert "(1.60x)" in tr._line(row)
+
+
+def test_models_suite_records_tokens_and_checks_at_fp32s_bound(monkeypatch):
+    # bench_models on the CPU (GPT, quick size, eval): tokens = B·T positions a call (the
+    # report's tokens/s), the FLOPs counted, the check's bound 1e-4 in fp32; a model with one
+    # weight 0.1% off fails the check
+    models = _suite("bench_models.py")
+    monkeypatch.setenv("CTXFAST_BENCH_BUDGET_SCALE", "0.01")
+    cpu = torch.device("cpu")
+    case = next(c for c in models.QUICK_CASES if c.model == "gpt")
+    reason = models._skip_reason(case, "ctxfast", cpu)
+    if reason is not None:
+        pytest.skip(reason)
+    bench = FakeBenchmark()
+    models.test_models(bench, cpu, case, "eval", "ctxfast")
+    info = bench.extra_info
+    assert info["tokens"] == case.B * case.T and info["flops"] > 0 and info["ms"] > 0, info
+    assert info["check_bound"] == {"out": 1e-4, "loss": 1e-4}, info["check_bound"]
+    model, ref = models._models(case, "ctxfast", cpu)
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(1.001)
+    torch.manual_seed(1)
+    batch = models.WORKLOADS[case.model].batch(case, cpu, torch.float32)
+    with pytest.raises(AssertionError, match="relative error of the out"):
+        models._check(case, "eval", "ctxfast", model, ref, batch, cpu)
