@@ -229,6 +229,33 @@ def test_embedding_dropout_module_wraps_embedding():
         EmbeddingDropout(torch.nn.Embedding(10, 4, max_norm=1.0), 0.1)
 
 
+@pytest.mark.parametrize("scale_grad_by_freq, sparse", [(False, False), (True, False),
+                                                       (False, True)])
+def test_embedding_dropout_module_honours_the_embeddings_options(scale_grad_by_freq, sparse):
+    """The module takes padding_idx, scale_grad_by_freq and sparse from its nn.Embedding:
+    forward and weight gradient as F.embedding with those options on the dropped weight
+    (fastai's EmbeddingDropout); the padding row gets no gradient, a sparse embedding a
+    sparse one, repeated words a gradient divided by their count."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, padding_idx=3, scale_grad_by_freq=scale_grad_by_freq,
+                             sparse=sparse, dtype=torch.float64)
+    m = EmbeddingDropout(emb, 0.3)
+    ids = torch.tensor([[3, 1, 1, 5], [1, 3, 7, 5]])
+    mask = torch.rand(10) >= 0.3
+    mask[[1, 3, 5, 7]] = True                                  # the words used: kept
+    out = m(ids, mask=mask)
+    g = torch.randn_like(out)
+    out.backward(g)
+    w = emb.weight.detach().clone().requires_grad_(True)
+    ref = F.embedding(ids, w * mask[:, None] / 0.7, 3, None, 2.0, scale_grad_by_freq, False)
+    ref.backward(g)
+    assert_close(out, ref, None, "forward")
+    grad = emb.weight.grad
+    assert grad.is_sparse == sparse, f"sparse={sparse}: a {grad.layout} gradient"
+    assert_close(grad.to_dense(), w.grad, None, "grad weight")
+    assert (grad.to_dense()[3] == 0).all(), "the padding row got a gradient"
+
+
 def test_embedding_dropout_bad_inputs():
     w = torch.randn(5, 3)
     ids = torch.tensor([0, 4])

@@ -117,6 +117,49 @@ def test_unbatched_input(batch_first):
     _compare(ref, ours, (x, x, x), dict(need_weights=False))
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("average", [True, False])
+def test_unbatched_input_with_padding_and_weights(batch_first, average):
+    # unbatched [T, E] with torch's unbatched key_padding_mask [Tk] and need_weights: the
+    # weights come back unbatched too ([Tq, Tk], or [H, Tq, Tk] per head), as torch's
+    ref, ours = _pair("eager", embed_dim=16, num_heads=2, batch_first=batch_first)
+    q, kv = torch.randn(4, 16, device=DEVICE), torch.randn(6, 16, device=DEVICE)
+    kpm = torch.tensor([False, True, False, False, True, False], device=DEVICE)
+    _compare(ref, ours, (q, kv, kv), dict(key_padding_mask=kpm, need_weights=True,
+                                         average_attn_weights=average))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_mask_with_more_keys_than_queries(backend):
+    """Tq < Tk (queries after a cache of keys): torch's mask for that is the causal mask
+    aligned to the last key, triu(ones(Tq, Tk), 1 + Tk - Tq): with is_causal=True it runs
+    and agrees with torch; the top-left one, triu(ones(Tq, Tk), 1), is another mask
+    (query i sees keys 0..i only): refused, not run as the bottom-right one."""
+    ref, ours = _pair(backend, embed_dim=16, num_heads=2, batch_first=True)
+    Tq, Tk = 4, 7
+    q, kv = torch.randn(2, Tq, 16, device=DEVICE), torch.randn(2, Tk, 16, device=DEVICE)
+    ones = torch.ones(Tq, Tk, device=DEVICE)
+    bottom_right = ones.triu(1 + Tk - Tq).bool()
+    _compare(ref, ours, (q, kv, kv), dict(attn_mask=bottom_right, is_causal=True,
+                                         need_weights=True, average_attn_weights=False))
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        ours(q, kv, kv, attn_mask=ones.triu(1).bool(), is_causal=True)
+
+
+def test_causal_mask_without_is_causal_is_refused_or_applied():
+    # the causal mask passed without the is_causal hint is still a mask torch applies: the
+    # module must refuse it (the general-mask rule) or apply it, never run unmasked
+    ref, ours = _pair("eager", embed_dim=16, num_heads=2)
+    x = torch.randn(5, 2, 16, device=DEVICE)
+    causal = nn.Transformer.generate_square_subsequent_mask(5, device=DEVICE)
+    try:
+        out = ours(x, x, x, attn_mask=causal, need_weights=False)[0]
+    except NotImplementedError:
+        return
+    want = ref(x, x, x, attn_mask=causal, need_weights=False)[0]
+    assert rel_err(out, want) < 2e-5, f"causal mask without is_causal: {rel_err(out, want)}"
+
+
 def test_general_attn_mask_is_refused():
     _, ours = _pair("eager", embed_dim=16, num_heads=2)
     x = torch.randn(5, 1, 16, device=DEVICE)

@@ -256,6 +256,19 @@ def test_autocast_takes_a_state_of_another_float_dtype():
         ours(x, hx)
 
 
+def test_autocast_leaves_a_float64_module_in_float64():
+    # autocast casts float32 only: nn.LSTM in float64 runs in float64 under it, so must ours
+    cfg = CONFIGS["L1"]
+    ours, ref = _pair(cfg, torch.float64)
+    x, hx = _inputs(cfg, torch.float64, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, (h, c) = ours(x, hx)
+        out_r, (h_r, c_r) = ref(x, hx)
+    for name, a, b in (("out", out, out_r), ("h_n", h, h_r), ("c_n", c, c_r)):
+        assert a.dtype == torch.float64, f"{name}: {a.dtype} under autocast"
+        assert_close(a, b, None, f"{name} under autocast")
+
+
 def test_inter_layer_dropout_is_nn_lstms():
     """``dropout`` acts on every layer's output but the last, as nn.LSTM's: on CPU the same
     seed gives nn.LSTM's very masks (same shapes, same order, at::dropout both)."""
@@ -351,6 +364,37 @@ def test_weight_dropout_names_drop_those_weights_only(backend):
         WeightDropLSTM(4, 8, weight_dropout=0.1, weight_dropout_names="weight_hh_l0")
 
 
+def test_weight_dropout_names_in_any_order_are_weight_hh_order():
+    """weight_dropout_names given in another order (a set, a reversed list): the module keeps
+    them in weight_hh_names order, which is the order masks are drawn in, so under one seed
+    the masks are those of the module that drops every weight by default."""
+    cfg = dict(input_size=4, hidden_size=5, num_layers=2, bidirectional=True)
+    every = WeightDropLSTM(**cfg, weight_dropout=0.3)
+    names = every.weight_hh_names()
+    backwards = WeightDropLSTM(**cfg, weight_dropout=0.3, weight_dropout_names=names[::-1])
+    assert backwards.weight_dropout_names == tuple(names), backwards.weight_dropout_names
+    assert "weight_dropout_names" not in repr(backwards), "every name given: the default"
+    torch.manual_seed(4)
+    want = every.sample_weight_masks()
+    torch.manual_seed(4)
+    got = backwards.sample_weight_masks()
+    assert list(got) == names, list(got)
+    for n in names:
+        assert torch.equal(got[n], want[n]), f"{n}: drawn out of weight_hh_names order"
+
+
+def test_dropout_one_is_accepted_as_by_nn_lstm():
+    """nn.LSTM takes dropout in [0, 1], 1 included (every layer but the last then reads
+    zeros in training): so does the drop-in, with nn.LSTM's result."""
+    cfg = dict(input_size=3, hidden_size=4, num_layers=2, dropout=1.0)
+    ours, ref = _pair(cfg)
+    x, hx = _inputs(cfg, torch.float64, True)
+    out, (h, c) = ours(x, hx)
+    out_r, (h_r, c_r) = ref(x, hx)
+    for name, a, b in (("out", out, out_r), ("h_n", h, h_r), ("c_n", c, c_r)):
+        assert_close(a, b, None, f"dropout=1: {name}")
+
+
 def test_sampled_masks_keep_rate_and_independence():
     p = 0.3
     m = WeightDropLSTM(8, 32, num_layers=2, bidirectional=True, weight_dropout=p)
@@ -395,6 +439,28 @@ def test_eval_uses_no_mask_and_training_without_dropout_none():
     state = torch.random.get_rng_state()
     assert_close(ours0(x, hx)[0], ref(x, hx)[0], None, "p = 0")
     assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_bad_masks_are_refused_in_eval_mode_too():
+    """weight_masks are checked in eval mode as in training (they are unused there, but a
+    mask of the wrong shape is a bug in the caller's code either way), and an integer mask
+    is refused by name (bool or floating point 0/1 only)."""
+    cfg = CONFIGS["L1"]
+    m = WeightDropLSTM(**cfg, weight_dropout=0.4, dtype=torch.float64)
+    x, _ = _inputs(cfg, torch.float64, False)
+    good = m.sample_weight_masks()
+    wrong_shape = {"weight_hh_l0": torch.ones(3, 3, dtype=torch.float64)}
+    integer = {"weight_hh_l0": good["weight_hh_l0"].long()}
+    for mode in ("train", "eval"):
+        m.train(mode == "train")
+        with pytest.raises(ValueError, match=r"weight_masks\['weight_hh_l0'\] must have the "
+                                             r"shape"):
+            m(x, weight_masks=wrong_shape)
+        with pytest.raises(TypeError, match=r"weight_masks\['weight_hh_l0'\] must be bool or "
+                                            r"floating point"):
+            m(x, weight_masks=integer)
+        with pytest.raises(ValueError, match="missing"):
+            m(x, weight_masks={})
 
 
 def test_forward_never_writes_parameters():

@@ -12,8 +12,9 @@ from utils import DEVICE, TRITON_ON_CPU, owns_storage, rel_err
 BACKENDS = ["eager"] + (["triton"] if TRITON_ON_CPU or torch.cuda.is_available() else [])
 
 
-def _original_layer(m, w, r, attn_mask, mems):
-    """The layer as the Transformer-XL paper's code computes it ([T, B, ...] layouts)."""
+def _original_layer(m, w, r, attn_mask, mems, scale=None):
+    """The layer as the Transformer-XL paper's code computes it ([T, B, ...] layouts);
+    ``scale`` of the scores: m.scale unless given; the output dropout is m.drop."""
     qlen, bsz = w.shape[:2]
     cat = w if mems is None else torch.cat([mems, w], 0)
     heads = m.qkv_net(m.layer_norm(cat) if m.pre_lnorm else cat)
@@ -24,12 +25,12 @@ def _original_layer(m, w, r, attn_mask, mems):
     rk = m.r_net(r.reshape(klen, -1)).view(klen, H, Dh)
     ac = torch.einsum("ibnd,jbnd->bnij", q + m.r_w_bias, k)
     bd = reference.rel_shift_pad_view(torch.einsum("ibnd,jnd->bnij", q + m.r_r_bias, rk))
-    score = (ac + bd) * m.scale
+    score = (ac + bd) * (m.scale if scale is None else scale)
     if attn_mask is not None:
         score = score.masked_fill(attn_mask[None, None], float("-inf"))
     prob = F.softmax(score, -1)
     vec = torch.einsum("bnij,jbnd->ibnd", prob, v).reshape(qlen, bsz, H * Dh)
-    out = m.o_net(vec)
+    out = m.drop(m.o_net(vec))
     return w + out if m.pre_lnorm else m.layer_norm(w + out)
 
 
@@ -243,3 +244,68 @@ def test_query_projected_for_the_current_rows_only(backend):
         assert a.shape == (rows, 2, 32) and rel_err(a, b) < 1e-6
     if backend != "eager":
         assert owns_storage(got[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scores_are_scaled_by_one_over_sqrt_d_head(backend):
+    # the original's scale is 1 / sqrt(d_head), whatever d_model and n_head (here all differ)
+    torch.manual_seed(3)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(3, 20, 8, dropout=0.0,
+                                                     backend=backend).to(DEVICE).eval()
+    w, r = torch.randn(5, 2, 20, device=DEVICE), torch.randn(7, 1, 20, device=DEVICE)
+    mems, mask = torch.randn(2, 2, 20, device=DEVICE), _mask(5, 2)
+    out = m(w, r, attn_mask=mask, mems=mems)
+    ref = _original_layer(m, w, r, mask, mems, scale=8 ** -0.5)
+    assert rel_err(out, ref) < 1e-5, f"scale 1/sqrt(d_head): {rel_err(out, ref)}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_output_dropout_in_training(backend):
+    """The original layer drops the o_net output (``self.drop``) in training: under one seed
+    the module's output is the original computation's (dropatt 0 draws nothing), and it
+    differs from the eval output (the dropout acts)."""
+    torch.manual_seed(0)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.5,
+                                                     backend=backend).to(DEVICE).train()
+    w, r = torch.randn(5, 2, 32, device=DEVICE), torch.randn(8, 1, 32, device=DEVICE)
+    mems, mask = torch.randn(3, 2, 32, device=DEVICE), _mask(5, 3)
+    torch.manual_seed(7)
+    out = m(w, r, attn_mask=mask, mems=mems)
+    torch.manual_seed(7)
+    ref = _original_layer(m, w, r, mask, mems)
+    assert rel_err(out, ref) < 1e-5, f"training, output dropout: {rel_err(out, ref)}"
+    m.eval()
+    assert rel_err(out, m(w, r, attn_mask=mask, mems=mems)) > 1e-2, "dropout 0.5 had no effect"
+
+
+def test_biases_given_to_the_constructor_are_the_layers():
+    # own_biases with r_w_bias / r_r_bias given (the model's initial values): each becomes
+    # the parameter of its name, as given (not re-initialised, not swapped)
+    rw, rr = torch.randn(2, 16), torch.randn(2, 16)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0, r_w_bias=rw.clone(),
+                                                     r_r_bias=rr.clone())
+    assert torch.equal(m.r_w_bias, rw) and torch.equal(m.r_r_bias, rr)
+    # one given: it is kept, the other drawn (N(0, 0.02^2)), never zeros nor the given's
+    for given in ("r_w_bias", "r_r_bias"):
+        t = torch.ones(2, 16)
+        m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, dropout=0.0, **{given: t})
+        other = m.r_r_bias if given == "r_w_bias" else m.r_w_bias
+        assert torch.equal(getattr(m, given), torch.ones(2, 16)), f"{given} re-drawn"
+        assert torch.equal(t, torch.ones(2, 16)), f"the caller's {given} overwritten"
+        assert 0.005 < other.std().item() < 0.05, f"the other bias not drawn: {other}"
+    with pytest.raises(ValueError, match=r"r_r_bias must have shape \[n_head, d_head\] = "
+                                         r"\[2, 16\], got \(16,\)"):
+        ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 32, 16, 0.0, r_r_bias=torch.ones(16))
+
+
+def test_the_original_codes_three_dim_mask():
+    # the original model passes dec_attn_mask[:, :, None] ([qlen, klen, 1]) to its layers:
+    # read as the [qlen, klen] mask (causal, and causal + same_length: a window)
+    torch.manual_seed(4)
+    m = ctxfast.nn.RelPartialLearnableMultiHeadAttn(2, 16, 8, dropout=0.0).to(DEVICE).eval()
+    w, r = torch.randn(4, 2, 16, device=DEVICE), torch.randn(7, 1, 16, device=DEVICE)
+    mems = torch.randn(3, 2, 16, device=DEVICE)
+    for mem_len in (None, 5):
+        mask = _mask(4, 3, mem_len)
+        got = m(w, r, attn_mask=mask[:, :, None], mems=mems)
+        assert torch.equal(got, m(w, r, attn_mask=mask, mems=mems)), f"mem_len={mem_len}"

@@ -52,13 +52,18 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.pre_lnorm = pre_lnorm
         self.own_biases = own_biases
         if own_biases:
-            self.r_w_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_w_bias is None
-                                         else r_w_bias)
-            self.r_r_bias = nn.Parameter(torch.zeros(n_head, d_head) if r_r_bias is None
-                                         else r_r_bias)
-            if r_w_bias is None:
-                nn.init.normal_(self.r_w_bias, std=0.02)
-                nn.init.normal_(self.r_r_bias, std=0.02)
+            # each bias as given (the parameter shares its storage, as the original's), or
+            # drawn from N(0, 0.02^2) where not given, each on its own
+            for name, given in (("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias)):
+                if given is None:
+                    given = nn.init.normal_(torch.empty(n_head, d_head), std=0.02)
+                elif not isinstance(given, Tensor) or tuple(given.shape) != (n_head, d_head):
+                    got = (tuple(given.shape) if isinstance(given, Tensor)
+                           else type(given).__name__)
+                    raise ValueError(f"RelPartialLearnableMultiHeadAttn: {name} must have "
+                                     f"shape [n_head, d_head] = [{n_head}, {d_head}], "
+                                     f"got {got}")
+                setattr(self, name, nn.Parameter(given))
         elif r_w_bias is not None or r_r_bias is not None:
             raise ValueError("RelPartialLearnableMultiHeadAttn: with own_biases=False the "
                              "biases are passed to forward, not to the constructor")
