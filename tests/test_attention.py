@@ -273,6 +273,36 @@ def test_rows_that_see_no_key(how):
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("how", ["all-padding", "query-stream-lowest-rank"])
+def test_lse_of_rows_that_see_no_key_is_plus_inf(how, num_splits):
+    """The forward's lse (an output of the op, saved for the backward) is +inf on a row that
+    sees no key, so that the backward's probabilities 2^(s - lse) are exactly 0 there, and
+    finite and equal to the reference's log2-sum-exp on every other row; unsplit and split
+    (flash-decoding's partials are -inf, the combined lse +inf)."""
+    from ctxfast.kernels.attention import attention_forward
+    B, H, T, D = 2, 2, 20, 16
+    q, k, v = _inputs(B, H, T, T, D)
+    if how == "all-padding":
+        kpm = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
+        kpm[0] = True                                   # batch 0: every key is padding
+        kw, strict = {"key_padding_mask": kpm}, False
+        visible = ~kpm[:, None, None, :].expand(B, H, T, T)
+    else:
+        rank = torch.stack([torch.randperm(T) for _ in range(B)]).to(DEVICE)
+        kw, strict = {"perm_rank": rank}, True          # rank 0 sees no current key
+        visible = (rank[:, None, :] < rank[:, :, None])[:, None].expand(B, H, T, T)
+    _, lse = attention_forward(q, k, v, perm_strict=strict, num_splits=num_splits, **kw)
+    s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5
+    want = torch.logsumexp(s.masked_fill(~visible, float("-inf")), -1) / math.log(2)
+    empty = ~visible.any(-1)
+    assert empty.any() and (~empty).any()
+    assert (lse[empty] == float("inf")).all(), f"lse of empty rows: {lse[empty]}"
+    assert torch.allclose(lse[~empty].double(), want[~empty], rtol=0, atol=1e-5), \
+        (lse[~empty] - want[~empty]).abs().max()
+
+
+@needs_triton
 def test_kernel_writes_every_output():
     """Poisoned buffers: the launchers allocate with torch.empty; fill the allocator's
     memory with NaN first is not possible on CPU, so check the outputs are finite at every

@@ -225,6 +225,27 @@ def test_rows_that_see_no_key():
     assert (out[0] == 0).all() and (grads[0][0] == 0).all()
 
 
+@needs_triton
+def test_lse_of_rows_that_see_no_key_is_plus_inf():
+    """The forward's lse is +inf on a row that sees no key (the backward's probabilities
+    2^(s - lse) are then exactly 0 there; the empty-input path returns +inf too) and
+    finite elsewhere: padding, and XLNet's query stream whose lowest rank sees no key."""
+    from ctxfast.kernels.rel_attention import rel_attention_forward
+    B, H, T, D = 2, 2, 12, 16
+    ts = _inputs(B, H, T, T, D, 2 * T)
+    kpm = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
+    kpm[0] = True                                       # batch 0: every key is padding
+    _, lse = rel_attention_forward(*ts, causal=False, pos_start=T, key_padding_mask=kpm)
+    assert (lse[0] == float("inf")).all(), lse[0]
+    assert torch.isfinite(lse[1]).all(), lse[1]
+    rank = torch.stack([torch.randperm(T) for _ in range(B)]).to(DEVICE)
+    _, lse = rel_attention_forward(*ts, causal=False, pos_start=T, perm_rank=rank,
+                                   perm_strict=True)
+    empty = (rank == 0)[:, None, :].expand(B, H, T)
+    assert (lse[empty] == float("inf")).all(), lse[empty]
+    assert torch.isfinite(lse[~empty]).all(), lse[~empty]
+
+
 def check_dropout(B, H, Tq, Tk, D, p, seed):
     """Triton with dropout against the float64 reference given the same keep-mask
     (``dropout_keep_mask`` regenerates it from the seed), forward and every gradient."""
