@@ -14,7 +14,7 @@ import torch
 import ctxfast
 from ctxfast import reference
 from ctxfast.ops.attention import draw_seed, dropout_keep_mask
-from utils import CPU_BACKENDS, DEVICE, TRITON_ON_CPU, rel_err, softmax_grad_terms
+from utils import CPU_BACKENDS, DEVICE, TRITON_ON_CPU, philox4x32_10, rel_err, softmax_grad_terms
 
 pytestmark = pytest.mark.skipif("cpu" not in CPU_BACKENDS or not hasattr(
     torch.ops.ctxfast, "attention_fwd_cpu"), reason="ctxfast._C was built without attention")
@@ -461,13 +461,7 @@ def test_masks_and_lse_checked_by_the_op_itself():
 def _philox_uniform(seed: int, counter: int) -> float:
     """The Triton kernels' tl.rand for `counter` under `seed`: word 0 of Philox-4x32-10 of
     counter (lo, hi, 0, 0), key (seed_lo, seed_hi), as a float32 in [0, 1)."""
-    M = 0xFFFFFFFF
-    c = [counter & M, (counter >> 32) & M, 0, 0]
-    k0, k1 = seed & M, (seed >> 32) & M
-    for _ in range(10):
-        pa, pb = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-        c = [((pb >> 32) ^ c[1] ^ k0) & M, pb & M, ((pa >> 32) ^ c[3] ^ k1) & M, pa & M]
-        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    c = philox4x32_10(seed, counter)
     x = c[0] - (1 << 32) if c[0] >= 1 << 31 else c[0]      # as int32
     x = ~x if x < 0 else x
     return (torch.tensor(float(x)) * torch.tensor(4.6566127342e-10)).item()

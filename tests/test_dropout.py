@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import ctxfast
 from ctxfast import reference
 from ctxfast.nn import EmbeddingDropout, LockedDropout
-from utils import assert_close, assert_equal
+from utils import assert_close, assert_equal, philox4x32_10
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -309,19 +309,6 @@ def test_embedding_dropout_takes_any_integer_dtype(dtype):
 
 # --------------------------------------------------------------------------- DropConnect masks
 
-def _philox4x32_10(seed: int, counter: int):
-    """Philox-4x32-10 (Salmon et al., 2011) in plain Python: the four output words of
-    counter (counter_lo, counter_hi, 0, 0) under key (seed_lo, seed_hi)."""
-    M = 0xFFFFFFFF
-    c = [counter & M, (counter >> 32) & M, 0, 0]
-    k0, k1 = seed & M, (seed >> 32) & M
-    for _ in range(10):
-        pa, pb = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-        c = [((pb >> 32) ^ c[1] ^ k0) & M, pb & M, ((pa >> 32) ^ c[3] ^ k1) & M, pa & M]
-        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
-    return c
-
-
 def _mask_reference(seed: int, n: int, p: float) -> torch.Tensor:
     """keep_mask's contract: value e = 32 b + 8 w + l is word w of counter 8 b + l, kept iff
     its uniform (int32 x, x < 0 -> ~x, times 2^-31 in float32) is >= p (in float32)."""
@@ -329,7 +316,7 @@ def _mask_reference(seed: int, n: int, p: float) -> torch.Tensor:
     for e in range(n):
         b, r = divmod(e, 32)
         w, lane = divmod(r, 8)
-        x = _philox4x32_10(seed, 8 * b + lane)[w]
+        x = philox4x32_10(seed, 8 * b + lane)[w]
         x = x - (1 << 32) if x >= 1 << 31 else x              # as int32
         x = ~x if x < 0 else x
         u = torch.tensor(float(x), dtype=torch.float32) * torch.tensor(4.6566127342e-10)

@@ -88,6 +88,19 @@ def test_helpers_do_not_walk_the_language_again(monkeypatch):
     assert counts[0] == counts[1] and counts[0] > 0, counts
 
 
+def _in_a_fresh_process(code: str, path=None) -> None:
+    """Runs `code` (which prints "ok" at its end) in a fresh interpreter-mode process, with
+    `path` (a folder of helper modules) put before PYTHONPATH: Triton never restores a
+    helper's patch, so what a first launch patches shows only in a new process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(path), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_a_helper_that_reaches_an_unpatched_module_patches_it():
     # tl.ravel is Triton's own helper (standard.py, whose globals name tl.core only): its
     # core.reshape is a builtin the kernel's own patch (of tl) does not wrap. Triton never
@@ -107,9 +120,7 @@ def test_a_helper_that_reaches_an_unpatched_module_patches_it():
         assert torch.equal(y, x.reshape(-1) * 2), (x, y)
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    _in_a_fresh_process(code)
 
 
 def test_a_helper_naming_a_patched_and_an_unpatched_module_patches_it(tmp_path):
@@ -141,11 +152,7 @@ def test_a_helper_naming_a_patched_and_an_unpatched_module_patches_it(tmp_path):
         assert torch.equal(y, x.reshape(-1) * 2), (x, y)
         print("ok")
     """)
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "1",
-                                            "PYTHONPATH": path})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    _in_a_fresh_process(code, tmp_path)
 
 
 def test_a_module_that_names_a_language_module_later_is_seen_again(tmp_path):
@@ -193,11 +200,7 @@ def test_a_module_that_names_a_language_module_later_is_seen_again(tmp_path):
             assert torch.equal(y, x.reshape(-1) * 2), (kernel, x, y)
         print("ok")
     """)
-    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "1",
-                                            "PYTHONPATH": path})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    _in_a_fresh_process(code, tmp_path)
 
 
 def test_the_language_is_restored_after_each_launch():
@@ -418,9 +421,7 @@ def test_reuse_types_leaves_a_triton_it_does_not_know_alone():
             _interpreter.__name__
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    _in_a_fresh_process(code)
 
 
 # --- the type checks and broadcasts of a binary operation, against Triton's own ---------

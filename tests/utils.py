@@ -337,3 +337,16 @@ def keep_whole(path, fill) -> None:
         os.replace(staging, path)                 # a directory: refused if `path` exists
     except OSError:
         remove_staging()
+
+
+def philox4x32_10(seed: int, counter: int) -> list:
+    """Philox-4x32-10 (Salmon et al., 2011) in plain Python: the four output words of
+    counter (counter_lo, counter_hi, 0, 0) under key (seed_lo, seed_hi)."""
+    M = 0xFFFFFFFF
+    c = [counter & M, (counter >> 32) & M, 0, 0]
+    k0, k1 = seed & M, (seed >> 32) & M
+    for _ in range(10):
+        pa, pb = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((pb >> 32) ^ c[1] ^ k0) & M, pb & M, ((pa >> 32) ^ c[3] ^ k1) & M, pa & M]
+        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    return c
