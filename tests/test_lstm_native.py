@@ -159,6 +159,44 @@ def test_half_types_store_clipped_values_exactly(dtype):
         assert torch.equal(y.float()[clipped].abs(), clip_s.expand(int(clipped.sum()))), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_types_keep_unclipped_cells_off_the_clip(dtype):
+    # Cells that are exactly +-clip_s (the clip 0.9 rounded to the dtype, < 0.9 in both) in
+    # float32: unclipped, so never stored as +-clip_s (one ulp inside), or the backward would
+    # block their gradient. i ~ 0 and f = 1 (pre-activations of size 20-30) make c = c0.
+    T, B, H = 1, 4, 16
+    clip_s = torch.tensor(0.9, dtype=dtype)
+    assert clip_s.float() < 0.9
+    xw, h0, _, w_hh, _, _ = make_inputs(T, B, H, H, False, False)
+    xw[..., :H] = -(20 + 10 * torch.rand(T, B, H, dtype=torch.float64))
+    xw[..., H:2 * H] = 20 + 10 * torch.rand(T, B, H, dtype=torch.float64)
+    sign = torch.where(torch.rand(B, H) < 0.5, -1.0, 1.0).to(torch.float64)
+    c0 = sign * torch.where(torch.rand(B, H) < 0.75, clip_s.double(), torch.tensor(1.5))
+    args = [t.to(dtype) for t in (xw, h0, c0, w_hh)]
+    _, cells, _ = fwd(*args, None, None, 1.0, 0.9, math.inf, False)
+    _, cells32, _ = fwd(*(a.float() for a in args), None, None, 1.0, 0.9, math.inf, False)
+    clipped = cells32.abs() >= 0.9
+    assert clipped.any() and (~clipped).any(), "clip never or always active"
+    stored_on_clip = cells.float().abs() >= clip_s.float()
+    assert torch.equal(stored_on_clip, clipped), (
+        f"{int((stored_on_clip & ~clipped).sum())} unclipped cells stored as the clip")
+
+
+def test_bfloat16_keeps_unclipped_projections_off_the_clip():
+    # bfloat16 rounds unclipped outputs in [0.8965, 0.9) onto clip_s = 0.8984 (the clip 0.9
+    # rounded): ~0.2% of these outputs, which must be stored one ulp inside.
+    args = [t.to(torch.bfloat16) for t in make_inputs(4, 32, 32, 128, True, False)[:5]]
+    out, _, _ = fwd(*args, None, 1.0, math.inf, 0.9, False)
+    out32, _, _ = fwd(*(a.float() for a in args), None, 1.0, math.inf, 0.9, False)
+    clip_s = torch.tensor(0.9, dtype=torch.bfloat16).float()
+    clipped = out32.abs() >= 0.9
+    onto = (~clipped & (out32.abs().to(torch.bfloat16).float() >= clip_s)).sum()
+    assert clipped.any() and onto > 0, "no unclipped output rounds onto the clip"
+    stored_on_clip = out.float().abs() >= clip_s
+    assert torch.equal(stored_on_clip, clipped), (
+        f"{int((stored_on_clip & ~clipped).sum())} unclipped outputs stored as the clip")
+
+
 def test_larger_odd_sizes_float32():
     # H = 37: the AVX2 cell loops and their scalar tails; 19 and 37 columns: partial panels
     # of the packed GEMM. B = 70 > 64 takes ATen's GEMM instead, except on an AMD CPU with
@@ -171,6 +209,18 @@ def test_larger_odd_sizes_float32():
     check(4, 8, 37, 0, False, True, math.inf, math.inf, False, torch.float32)
     check(4, 13, 21, 11, True, False, 1.5, math.inf, True, torch.float32)
 
+
+def test_cell_loops_split_mid_row_over_threads():
+    # B * H = 3000 > the cell loops' grain (2048, csrc/cpu/lstm.cpp): on 2 threads each task
+    # starts or ends inside a batch row (element 1500 = row 1, column 500), so a loop that
+    # ran to the row's end would apply the activations twice to the shared columns.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check(2, 3, 1000, 0, False, True, 1.5, math.inf, False, torch.float32)
+        check(2, 3, 1000, 0, False, False, math.inf, math.inf, True, torch.float64)
+    finally:
+        torch.set_num_threads(threads)
 
 # The recurrent GEMM's blocks on the AVX-512 kernel (csrc/cpu/tile_avx512.h, pairs of
 # 16-column panels, blocks of up to 12 batch rows) where the CPU has AVX-512, else on the
@@ -218,22 +268,24 @@ def test_bad_settings_are_refused_before_any_kernel(var, value):
     assert run.returncode == 0 and "refused" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
-def test_small_activations_keep_relative_precision():
+# H 24: the AVX2 cell loops only; H 21: 16 of them and a scalar tail of 5 (tanh_of).
+@pytest.mark.parametrize("H", [24, 21])
+def test_small_activations_keep_relative_precision(H):
     # Everything near 0 (inputs x 0.01): tanh computed as (1 - e) / (1 + e) would lose
     # ~eps/|x| of relative accuracy there (measured: out 1.3e-6 against eager's 9e-8). Rule
     # of tests/test_attention.py: at most twice the error of the eager reference in float32,
     # plus 1e-7 for the elementwise results; the GEMM outputs (grad_h0, grad_w_hh) get 5e-7
     # for a different summation order (measured 1.8e-7 against eager's 2.7e-8 for grad_h0).
-    args64 = [t * 0.01 for t in make_inputs(5, 3, 24, 0, False, False)[:4]]
-    go64 = torch.randn(5, 3, 24, dtype=torch.float64)
+    args64 = [t * 0.01 for t in make_inputs(5, 3, H, 0, False, False)[:4]]
+    go64 = torch.randn(5, 3, H, dtype=torch.float64)
     (r_out, r_cells, _), r_grads = reference_all(*args64, None, None, 1.0, math.inf, math.inf,
                                                  False, go64, torch.zeros_like(go64))
     (e_out, e_cells, _), e_grads = reference_all(
         *(a.float() for a in args64), None, None, 1.0, math.inf, math.inf, False, go64.float(),
-        torch.zeros(5, 3, 24))
+        torch.zeros(5, 3, H))
     out, cells, gates = fwd(*(a.float() for a in args64), None, None, 1.0, math.inf, math.inf,
                             False)
-    grads = bwd(go64.float(), torch.zeros(5, 3, 24), *(a.float() for a in args64[1:]), None,
+    grads = bwd(go64.float(), torch.zeros(5, 3, H), *(a.float() for a in args64[1:]), None,
                 None, 1.0, math.inf, math.inf, False, out, cells, gates)
     for name, ours, eager, ref in (("out", out, e_out, r_out), ("cells", cells, e_cells, r_cells),
                                    *zip(("grad_xw", "grad_h0", "grad_c0", "grad_w_hh"),
@@ -367,6 +419,12 @@ def _call(kw):
     (dict(cell_clip=0.0), ValueError, "cell_clip must be > 0"),
     (dict(proj_clip=-1.0), ValueError, "proj_clip must be > 0"),
     (dict(scale=math.nan), ValueError, "scale must be finite"),
+    (dict(scale=math.inf), ValueError, "scale must be finite"),
+    (dict(cell_clip=math.nan), ValueError, "cell_clip must be > 0"),
+    (dict(proj_clip=math.nan), ValueError, "proj_clip must be > 0"),
+    # H = 0 with a projection: every other shape agrees, the op would return zeros.
+    (dict(xw=torch.randn(3, 2, 0), c0=torch.randn(2, 0), w_hh=torch.randn(0, 4),
+          w_hr=torch.randn(4, 0), mask=None), ValueError, "[T, B, 4H] with H >= 1"),
 ])
 def test_bad_inputs_forward(change, exc, words):
     kw = _good()
