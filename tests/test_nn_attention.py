@@ -54,6 +54,27 @@ def test_self_attention_with_padding(backend, batch_first, need_weights):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_float_padding_mask_of_zeros_and_minus_inf(backend):
+    """torch adds a float key_padding_mask to the scores: one of 0 and -inf is the bool mask
+    (-inf = padding), against torch's module; other values (an additive bias) and
+    integer masks are refused by name."""
+    ref, ours = _pair(backend, embed_dim=32, num_heads=2, batch_first=True)
+    B, T = 3, 9
+    x = torch.randn(B, T, 32, device=DEVICE)
+    pad = torch.rand(B, T, device=DEVICE) < 0.3
+    pad[:, 0] = False
+    fmask = torch.zeros(B, T, device=DEVICE).masked_fill(pad, float("-inf"))
+    _compare(ref, ours, (x, x, x), dict(key_padding_mask=fmask, need_weights=True))
+    with torch.no_grad():
+        assert torch.equal(ours(x, x, x, key_padding_mask=fmask, need_weights=False)[0],
+                           ours(x, x, x, key_padding_mask=pad, need_weights=False)[0])
+        with pytest.raises(ValueError, match="float key_padding_mask must hold only 0 and"):
+            ours(x, x, x, key_padding_mask=fmask.masked_fill(~pad, -1.0))
+        with pytest.raises(TypeError, match="key_padding_mask must be bool .* got torch.int64"):
+            ours(x, x, x, key_padding_mask=pad.long())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_causal(backend):
     ref, ours = _pair(backend, embed_dim=32, num_heads=4, batch_first=True)
     x = torch.randn(2, 13, 32, device=DEVICE)

@@ -2,8 +2,10 @@
 attention runs through ``ctxfast.attention`` (no ``[T, T]`` mask or score tensor).
 
 Same constructor arguments, parameter names and forward signature, so an existing
-``state_dict`` loads as it is. Supported masks: ``key_padding_mask`` (bool, True = padding)
-and ``is_causal=True`` (with ``attn_mask`` None or the causal mask itself). A general
+``state_dict`` loads as it is. Supported masks: ``key_padding_mask`` (bool, True =
+padding; or float with values 0 and -inf only, -inf = padding, which torch adds to the
+scores: other values are refused, and under ``torch.compile`` not checked) and
+``is_causal=True`` (with ``attn_mask`` None or the causal mask itself). A general
 ``attn_mask`` is not expressible from O(T) data and raises ``NotImplementedError``.
 ``need_weights=True`` (torch's default) also returns the attention weights, which this
 computes separately in eager PyTorch (O(T²)); pass ``need_weights=False`` for the fast path.
@@ -23,6 +25,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops, reference
+
+
+def _bool_padding(mask: Tensor) -> Tensor:
+    """A float key_padding_mask (torch adds it to the scores) as the bool one it equals:
+    -inf = padding; only 0 and -inf are expressible (checked outside torch.compile, where
+    reading the values would break the graph)."""
+    if not mask.dtype.is_floating_point:
+        raise TypeError(f"ctxfast.nn.MultiheadAttention: key_padding_mask must be bool (True = "
+                        f"padding) or float (0 / -inf), got {mask.dtype}")
+    padding = torch.isneginf(mask)
+    if not torch.compiler.is_compiling() and not bool((padding | (mask == 0)).all()):
+        raise ValueError("ctxfast.nn.MultiheadAttention: a float key_padding_mask must hold "
+                         "only 0 and -inf (an additive mask of other values is not "
+                         "supported); or pass a bool mask (True = padding)")
+    return padding
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -71,8 +88,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                     "ctxfast.nn.MultiheadAttention: a general attn_mask is not supported "
                     "(masks come from O(T) data); use key_padding_mask and/or is_causal=True")
         if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
-            raise TypeError("ctxfast.nn.MultiheadAttention: key_padding_mask must be bool "
-                            "(True = padding)")
+            key_padding_mask = _bool_padding(key_padding_mask)
 
         q, k, v = self._project(query, key, value)           # [T, B, E] each
         extra_k, extra_v = [], []                            # keys every query sees, first
