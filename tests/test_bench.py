@@ -179,16 +179,22 @@ def test_fakeop(benchmark, case, backend):
 '''
 
 
+def _quick_report_of(report, tmp_path, name: str, suite: str):
+    """(suites folder, result) of `report.run` (quick, CPU) over one suite file `name` with
+    the source `suite` (its ``{bench_dir}`` filled in), in a folder of its own."""
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / name).write_text(suite.format(bench_dir=str(BENCH_DIR)))
+    return suites, report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
+                              echo=False, bench_dir=suites)
+
+
 def test_new_suite_and_oom_reach_the_report(report, tmp_path):
     # A suite the report has never heard of (not in BASELINES: its baseline comes from
     # extra_info) is discovered from its file name; OOMs in the setup and in measure()
     # become records, not crashes, through a real pytest-benchmark run.
-    suites = tmp_path / "suites"
-    suites.mkdir()
-    (suites / "bench_fakeop.py").write_text(FAKE_SUITE.format(bench_dir=str(BENCH_DIR)))
+    suites, result = _quick_report_of(report, tmp_path, "bench_fakeop.py", FAKE_SUITE)
     assert list(report.available_ops(suites)) == ["fakeop"]
-    result = report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
-                        echo=False, bench_dir=suites)
     assert result["failed"] == []
     got = {r["case"]: r for r in result["records"]}
     assert set(got) == {"small", "huge"}
@@ -1072,11 +1078,7 @@ def test_dies(benchmark, case, backend):
 
 
 def test_records_survive_a_killed_suite_and_the_time_budget(report, tmp_path):
-    suites = tmp_path / "suites"
-    suites.mkdir()
-    (suites / "bench_dies.py").write_text(KILLED_SUITE.format(bench_dir=str(BENCH_DIR)))
-    result = report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
-                        echo=False, bench_dir=suites)
+    suites, result = _quick_report_of(report, tmp_path, "bench_dies.py", KILLED_SUITE)
     # everything finished before the process died is in the report
     assert result["failed"] == ["bench_dies.py"]
     assert sorted(r["case"] for r in result["records"]) == ["a", "b"]
@@ -2066,11 +2068,7 @@ def test_checked(benchmark, backend):
 def test_a_failed_check_is_recorded_as_failed(report, tmp_path):
     # A backend whose check fails before timing gets a record that says so (the
     # plugin's "error"), never a silent row without a time.
-    suites = tmp_path / "suites"
-    suites.mkdir()
-    (suites / "bench_checked.py").write_text(FAILING_CHECK_SUITE.format(bench_dir=str(BENCH_DIR)))
-    result = report.run(tmp_path / "out", quick=True, device="cpu", plots=False,
-                        echo=False, bench_dir=suites)
+    _, result = _quick_report_of(report, tmp_path, "bench_checked.py", FAILING_CHECK_SUITE)
     (r,) = result["records"]
     assert r["backend"] == "mine" and r["ms"] is None and r["speedup"] is None, r
     assert (r["note"] or "").startswith("failed: ") and "mine is wrong" in r["note"], r
@@ -2187,11 +2185,7 @@ def test_linear_suite_counts_three_products_for_fwd_bwd(monkeypatch):
 
 def test_kernel_breakdown_host_time_is_per_call(monkeypatch):
     # kernel_breakdown's host µs: per call of a round (calls of 2 ms: 2000 µs), the median
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        kb = _load("ctxfast_bench_kernel_breakdown_audit", "kernel_breakdown.py")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    kb = _suite("kernel_breakdown.py")
     clock = _VirtualClock()
     monkeypatch.setattr(kb, "time", clock)
 
@@ -2204,11 +2198,7 @@ def test_kernel_breakdown_host_time_is_per_call(monkeypatch):
 def test_tune_report_table_time_is_the_better_table_run(monkeypatch):
     # tune_report: "table" is the better (smaller) of the two table timings around the
     # tuned one, both kept in table_us_runs; the ratio printed is table / tuned
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        tr = _load("ctxfast_bench_tune_report_audit", "tune_report.py")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    tr = _suite("tune_report.py")
     times = iter([10.0, 5.0, 8.0])                      # table before, tuned, table after
     monkeypatch.setattr(tr, "_calls", lambda case, device, dtype: {"triton": [None, None]})
     monkeypatch.setattr(tr, "_time", lambda fn, device: next(times))

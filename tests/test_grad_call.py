@@ -222,7 +222,8 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
         for i in range(2):
             args = [x, w_ih]
             args[i] = fwAD.make_dual(args[i], torch.randn_like(args[i]))
-            with pytest.raises(NotImplementedError, match="lstm_recurrence_native: forward-mode AD"):
+            with pytest.raises(NotImplementedError,
+                               match="lstm_recurrence_native: forward-mode AD"):
                 ctxfast.lstm(args[0], None, args[1], w_hh, backend="cpu")
     with pytest.raises(NotImplementedError, match="forward-mode AD"):
         torch.func.jvp(lambda x: ctxfast.attention(x, k, v, backend="cpu"), (q,),

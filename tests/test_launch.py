@@ -360,16 +360,26 @@ def test_constexpr_passed_by_position_is_keyed_by_value(toy):
     assert log[-1][-1][4] == 20
 
 
-def test_hooks_globals_and_grids_keep_tritons_path(toy, monkeypatch):
+@pytest.mark.parametrize("which", ["launch_enter_hook", "launch_exit_hook"])
+def test_a_launch_hook_keeps_tritons_path(toy, which):
+    # Triton calls enter and exit hooks (a profiler's) with its launch metadata
     fk, log = toy
     fk[(1,)](_x(), 64, 0.5, True, W=4)
+    hooks = getattr(triton.knobs.runtime, which)
     hook = lambda *a: None                      # noqa: E731
-    triton.knobs.runtime.launch_enter_hook.add(hook)
+    hooks.add(hook)
     try:
         fk[(1,)](_x(), 64, 0.5, True, W=4)
     finally:
-        triton.knobs.runtime.launch_enter_hook.remove(hook)
-    assert fk.hits == 0
+        hooks.remove(hook)
+    assert fk.hits == 0 and [e[0] for e in log].count("jit") == 2
+    fk[(1,)](_x(), 64, 0.5, True, W=4)          # the hook removed: the fast path again
+    assert fk.hits == 1
+
+
+def test_globals_and_grids_keep_tritons_path(toy, monkeypatch):
+    fk, log = toy
+    fk[(1,)](_x(), 64, 0.5, True, W=4)
     fk[lambda meta: (1,)](_x(), 64, 0.5, True, W=4)   # a callable grid
     assert fk.hits == 0
     monkeypatch.setitem(_toy_kernel.used_global_vals, ("G", 0), (1, {"G": 2}))
@@ -378,22 +388,7 @@ def test_hooks_globals_and_grids_keep_tritons_path(toy, monkeypatch):
     monkeypatch.delitem(_toy_kernel.used_global_vals, ("G", 0))
     fk[(1,)](_x(), 64, 0.5, True, W=4)
     assert fk.hits == 1
-    assert [e[0] for e in log].count("jit") == 4
-
-
-def test_a_launch_exit_hook_keeps_tritons_path(toy):
-    # Triton calls exit hooks (a profiler's) with its launch metadata after the launch too
-    fk, log = toy
-    fk[(1,)](_x(), 64, 0.5, True, W=4)
-    hook = lambda *a: None                      # noqa: E731
-    triton.knobs.runtime.launch_exit_hook.add(hook)
-    try:
-        fk[(1,)](_x(), 64, 0.5, True, W=4)
-    finally:
-        triton.knobs.runtime.launch_exit_hook.remove(hook)
-    assert fk.hits == 0 and [e[0] for e in log].count("jit") == 2
-    fk[(1,)](_x(), 64, 0.5, True, W=4)          # the hook removed: the fast path again
-    assert fk.hits == 1
+    assert [e[0] for e in log].count("jit") == 3
 
 
 def test_an_unhashable_argument_takes_tritons_path(toy):
